@@ -1,0 +1,35 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-deps demo lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# System packages and servers the tests start (nginx, registry, azurite, ...): one script per backend.
+test-deps: install
+	@for s in tests/setup.d/*.sh; do echo "setup: $$s"; bash $$s || exit 1; done
+
+test: test-deps
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+demo: install
+	$(BIN)/python -m modelcache.demo
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: test-deps
+	$(BIN)/python bench/pull_http.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,334 @@
+"""Storage URIs: parse every scheme modelcache accepts into a typed location.
+
+The raw string is kept on every location because KServe derives on-disk names from it byte
+for byte (``storage_key``). Parsing is a registry of location kinds tried in KServe's dispatch
+order (Azure hosts before generic HTTPS), so a new backend is one class and one decorator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+from urllib.parse import unquote, urlsplit
+
+from modelcache.errors import InvalidURIError, UnsupportedError
+
+ACCEPTED_FORMS = (
+    "s3://bucket/prefix",
+    "gs://bucket/prefix",
+    "https://<account>.blob.core.windows.net/<container>/<prefix>",
+    "hf://owner/model[:revision][/sub/dir]",
+    "oci://registry/repository[:tag|@sha256:digest]",
+    "hdfs://[namenode]/path, webhdfs://[namenode]/path",
+    "http(s)://host/path/file[#sha256=<hex>]",
+    "pvc://claim/path",
+    "file:///abs/path or /abs/path",
+)
+
+
+def storage_key(uri: str) -> str:
+    """KServe's folder name for a model: sha256 of the raw URI, first 16 hex chars.
+
+    Deliberately not normalised: ``s3://b/m`` and ``s3://b/m/`` are different keys in KServe,
+    and pods rewritten by KServe's webhook look for exactly this folder.
+    """
+    return hashlib.sha256(uri.encode("utf-8")).hexdigest()[:16]
+
+
+def _invalid(uri: str, why: str) -> InvalidURIError:
+    forms = "; ".join(ACCEPTED_FORMS)
+    return InvalidURIError(f"invalid storage URI '{uri}': {why}. Accepted forms: {forms}")
+
+
+@dataclass(frozen=True)
+class Location:
+    """A parsed storage URI. ``kind`` selects the source class in the source registry."""
+
+    uri: str
+    kind: ClassVar[str] = ""
+
+    @property
+    def storage_key(self) -> str:
+        return storage_key(self.uri)
+
+    @property
+    def display(self) -> str:
+        """The URI as safe to print: no query string (it may hold a SAS token or signature)."""
+        return redact_uri(self.uri)
+
+
+_LOCATION_PARSERS: list[tuple[Callable[[str], bool], Callable[[str], Location]]] = []
+
+
+def register_location(
+    matches: Callable[[str], bool],
+) -> Callable[[type[Location]], type[Location]]:
+    """Register a Location subclass; it must define ``parse(uri) -> Location``."""
+
+    def deco(cls: type[Location]) -> type[Location]:
+        _LOCATION_PARSERS.append((matches, cls.parse))  # type: ignore[attr-defined]
+        return cls
+
+    return deco
+
+
+def redact_uri(uri: str) -> str:
+    """Drop query strings and userinfo, which may carry signatures, SAS tokens or passwords."""
+    parts = urlsplit(uri)
+    if not parts.scheme or len(parts.scheme) == 1:  # plain path (or a Windows drive letter)
+        return uri
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    redacted = f"{parts.scheme}://{netloc}{parts.path}"
+    if parts.query:
+        redacted += "?<redacted>"
+    if parts.fragment:
+        redacted += f"#{parts.fragment}"
+    return redacted
+
+
+def _split_bucket(uri: str, scheme: str) -> tuple[str, str]:
+    rest = uri[len(scheme) + 3 :]
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise _invalid(uri, "missing bucket name")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{1,221}[a-z0-9]", bucket):
+        raise _invalid(uri, f"'{bucket}' is not a valid bucket name")
+    return bucket, prefix
+
+
+@register_location(lambda u: u.startswith("s3://"))
+@dataclass(frozen=True)
+class S3Location(Location):
+    bucket: str = ""
+    prefix: str = ""
+    kind: ClassVar[str] = "s3"
+
+    @classmethod
+    def parse(cls, uri: str) -> S3Location:
+        bucket, prefix = _split_bucket(uri, "s3")
+        return cls(uri=uri, bucket=bucket, prefix=prefix)
+
+
+@register_location(lambda u: u.startswith("gs://"))
+@dataclass(frozen=True)
+class GCSLocation(Location):
+    bucket: str = ""
+    prefix: str = ""
+    kind: ClassVar[str] = "gcs"
+
+    @classmethod
+    def parse(cls, uri: str) -> GCSLocation:
+        bucket, prefix = _split_bucket(uri, "gs")
+        return cls(uri=uri, bucket=bucket, prefix=prefix)
+
+
+_AZURE_BLOB = re.compile(r"^https://([^./]+)\.blob\.core\.windows\.net/|^https://([^./]+)\.z[0-9]{1,2}\.blob\.storage\.azure\.net/")
+_AZURE_FILE = re.compile(r"^https://([^./]+)\.file\.core\.windows\.net/|^https://([^./]+)\.z[0-9]{1,2}\.file\.storage\.azure\.net/")
+
+
+@register_location(lambda u: bool(_AZURE_FILE.match(u)))
+@dataclass(frozen=True)
+class AzureFileLocation(Location):
+    kind: ClassVar[str] = "azure-file"
+
+    @classmethod
+    def parse(cls, uri: str) -> AzureFileLocation:
+        raise UnsupportedError(
+            f"Azure File share URIs are not supported: '{redact_uri(uri)}'. "
+            "Copy the model to Azure Blob storage (https://<account>.blob.core.windows.net/<container>/...)"
+        )
+
+
+@register_location(lambda u: bool(_AZURE_BLOB.match(u)))
+@dataclass(frozen=True)
+class AzureBlobLocation(Location):
+    account: str = ""
+    account_url: str = ""  # https://<host>[?sas]; KServe keeps the SAS query on the account URL
+    container: str = ""
+    prefix: str = ""
+    sas: str = ""
+    kind: ClassVar[str] = "azure"
+
+    @classmethod
+    def parse(cls, uri: str) -> AzureBlobLocation:
+        parts = urlsplit(uri)
+        account = parts.netloc.split(".", 1)[0]
+        container, _, prefix = parts.path.lstrip("/").partition("/")
+        if not container:
+            raise _invalid(uri, "missing container name after the account host")
+        account_url = f"https://{parts.netloc}" + (f"?{parts.query}" if parts.query else "")
+        return cls(
+            uri=uri,
+            account=account,
+            account_url=account_url,
+            container=container,
+            prefix=unquote(prefix),
+            sas=parts.query,
+        )
+
+
+_HF_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+@register_location(lambda u: u.startswith("hf://"))
+@dataclass(frozen=True)
+class HFLocation(Location):
+    repo_id: str = ""
+    revision: str | None = None
+    subfolder: str = ""
+    kind: ClassVar[str] = "hf"
+
+    @classmethod
+    def parse(cls, uri: str) -> HFLocation:
+        rest = uri[len("hf://") :].strip("/")
+        segments = rest.split("/")
+        if len(segments) < 2 or not all(segments):
+            raise _invalid(uri, "expected hf://owner/model[:revision][/sub/dir]")
+        owner, model = segments[0], segments[1]
+        revision = None
+        if ":" in model:
+            model, revision = model.split(":", 1)
+            if not revision:
+                raise _invalid(uri, "empty revision after ':'")
+        repo_id = f"{owner}/{model}"
+        if not _HF_REPO.fullmatch(repo_id):
+            raise _invalid(uri, f"'{repo_id}' is not a valid Hugging Face repository id")
+        sub = "/".join(segments[2:])
+        if ".." in segments[2:]:
+            raise _invalid(uri, "sub-folder must not contain '..'")
+        return cls(uri=uri, repo_id=repo_id, revision=revision, subfolder=sub)
+
+
+_OCI_SCHEMES = ("oci://", "oci+fetch://", "oci+modelcar://", "oci+native://")
+
+
+@register_location(lambda u: u.startswith(_OCI_SCHEMES))
+@dataclass(frozen=True)
+class OCILocation(Location):
+    registry: str = ""
+    repository: str = ""
+    tag: str | None = None
+    digest: str | None = None
+    mode: str = ""  # "", "fetch", "modelcar" or "native" (from oci+<mode>://)
+    kind: ClassVar[str] = "oci"
+
+    @property
+    def reference(self) -> str:
+        return self.digest or self.tag or "latest"
+
+    @classmethod
+    def parse(cls, uri: str) -> OCILocation:
+        scheme, rest = uri.split("://", 1)
+        mode = scheme.partition("+")[2]
+        registry, _, name = rest.partition("/")
+        if not registry or not name:
+            raise _invalid(uri, "expected oci://registry/repository[:tag|@sha256:digest]")
+        digest = tag = None
+        if "@" in name:
+            name, digest = name.split("@", 1)
+            if not re.fullmatch(r"sha256:[0-9a-f]{64}|sha512:[0-9a-f]{128}", digest):
+                raise _invalid(uri, f"'{digest}' is not a valid digest")
+        elif ":" in name.rsplit("/", 1)[-1]:
+            name, tag = name.rsplit(":", 1)
+            if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", tag):
+                raise _invalid(uri, f"'{tag}' is not a valid tag")
+        if not re.fullmatch(r"[a-z0-9]+(?:[._-][a-z0-9]+|__)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*", name):
+            raise _invalid(uri, f"'{name}' is not a valid repository name")
+        return cls(uri=uri, registry=registry, repository=name, tag=tag, digest=digest, mode=mode)
+
+
+@register_location(lambda u: u.startswith(("hdfs://", "webhdfs://")))
+@dataclass(frozen=True)
+class HDFSLocation(Location):
+    scheme: str = "hdfs"
+    namenode: str = ""  # host[:port] from the URI; empty means "from HDFS_NAMENODE"
+    path: str = ""
+    kind: ClassVar[str] = "hdfs"
+
+    @classmethod
+    def parse(cls, uri: str) -> HDFSLocation:
+        parts = urlsplit(uri)
+        if not parts.path or parts.path == "/":
+            raise _invalid(uri, "missing path")
+        return cls(uri=uri, scheme=parts.scheme, namenode=parts.netloc, path=unquote(parts.path))
+
+
+@register_location(lambda u: u.startswith("pvc://"))
+@dataclass(frozen=True)
+class PVCLocation(Location):
+    claim: str = ""
+    path: str = ""
+    kind: ClassVar[str] = "pvc"
+
+    @classmethod
+    def parse(cls, uri: str) -> PVCLocation:
+        claim, _, path = uri[len("pvc://") :].partition("/")
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", claim or "-"):
+            raise _invalid(uri, "expected pvc://claim-name/path")
+        if ".." in path.split("/"):
+            raise _invalid(uri, "path must not contain '..'")
+        return cls(uri=uri, claim=claim, path=path.strip("/"))
+
+
+@register_location(lambda u: u.startswith("file://") or u.startswith("/"))
+@dataclass(frozen=True)
+class LocalLocation(Location):
+    path: str = ""
+    kind: ClassVar[str] = "local"
+
+    @classmethod
+    def parse(cls, uri: str) -> LocalLocation:
+        path = unquote(uri[len("file://") :]) if uri.startswith("file://") else uri
+        if not path.startswith("/"):
+            raise _invalid(uri, "file:// URIs need an absolute path (file:///models/m)")
+        return cls(uri=uri, path=os.path.normpath(path))
+
+
+_DIGEST_PIN = re.compile(r"^(sha256|sha512|sha1|md5)=([0-9a-fA-F]+)$")
+_DIGEST_HEX_LEN = {"sha256": 64, "sha512": 128, "sha1": 40, "md5": 32}
+
+
+@register_location(lambda u: u.startswith(("http://", "https://")))
+@dataclass(frozen=True)
+class HTTPLocation(Location):
+    url: str = ""  # what is requested: the URI without its fragment
+    host: str = ""
+    filename: str = ""
+    pinned: tuple[str, str] | None = None  # (algo, hex) from a #sha256=<hex> fragment
+    kind: ClassVar[str] = "http"
+
+    @classmethod
+    def parse(cls, uri: str) -> HTTPLocation:
+        parts = urlsplit(uri)
+        if not parts.hostname:
+            raise _invalid(uri, "missing host")
+        filename = unquote(parts.path.rsplit("/", 1)[-1])
+        if not filename or filename in (".", ".."):
+            raise _invalid(uri, "no filename in the URL path (HTTP URIs name one file)")
+        pinned = None
+        if parts.fragment:
+            m = _DIGEST_PIN.match(parts.fragment)
+            if not m or len(m.group(2)) != _DIGEST_HEX_LEN[m.group(1)]:
+                raise _invalid(uri, "the fragment must pin a digest as #sha256=<64 hex chars>")
+            pinned = (m.group(1), m.group(2).lower())
+        url = uri.split("#", 1)[0]
+        return cls(uri=uri, url=url, host=parts.hostname, filename=filename, pinned=pinned)
+
+
+def parse_uri(uri: str) -> Location:
+    """Parse ``uri`` into its typed location, or raise an error quoting it."""
+    if not isinstance(uri, str) or not uri.strip():
+        raise _invalid(str(uri), "empty URI")
+    if uri != uri.strip():
+        raise _invalid(uri, "leading or trailing whitespace")
+    for matches, parse in _LOCATION_PARSERS:
+        if matches(uri):
+            return parse(uri)
+    scheme = uri.split("://", 1)[0] if "://" in uri else None
+    if scheme:
+        raise _invalid(uri, f"unknown scheme '{scheme}://'")
+    raise _invalid(uri, "not an absolute path and no scheme")
