@@ -115,6 +115,14 @@ class Source(ABC):
         Errors map to ``modelcache.errors``: TransientError for what a retry may fix.
         """
 
+    def extract_into(self, staging_dir: str, on_bytes: Callable[[int], None]) -> list[str] | None:
+        """Hook for layouts that are not one remote object per file (an OCI modelcar image's
+        tar layers): write the model tree into ``staging_dir`` directly, call ``on_bytes(n)``
+        as bytes arrive, and return the relative paths written. The default, None, means the
+        transfer engine fetches ``list_files()`` by ranges, which every other source uses.
+        """
+        return None
+
     @property
     def resolved_uri(self) -> str:
         """The URI pinned to what was listed (commit, digest, version); the URI itself if none."""
@@ -190,8 +198,8 @@ def open_source(uri: str | Location, settings: Settings | None = None) -> Source
     from modelcache.credentials import Settings
 
     location = parse_uri(uri) if isinstance(uri, str) else uri
-    cls = source_class(location.kind)
     try:
+        cls = source_class(location.kind)
         return cls(location, settings if settings is not None else Settings.from_env())
     except UnsupportedError as exc:
         raise UnsupportedError(f"{location.display}: {exc}") from exc
