@@ -64,10 +64,45 @@ class LocalSettings:
     pvc_root: str = DEFAULT_PVC_ROOT
 
 
+DEFAULT_OCI_DOCKER_CONFIG = "/mnt/oci-fetch-auth/config.json"
+DEFAULT_HDFS_SECRET_DIR = "/var/secrets/kserve-hdfscreds"
+
+
+@dataclass(frozen=True)
+class OCISettings:
+    """KServe's OCI fetch mode: a docker config for auth, and whether the registry is plain http."""
+
+    docker_config: str = DEFAULT_OCI_DOCKER_CONFIG
+    insecure: bool = False
+
+
+@dataclass(frozen=True)
+class HDFSSettings:
+    """The files of KServe's HDFS secret dir. TLS_* hold file paths (KServe passes paths on)."""
+
+    secret_dir: str = DEFAULT_HDFS_SECRET_DIR
+    namenode: str = ""
+    user_proxy: str | None = None
+    root_path: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_skip_verify: bool = False
+    headers: Mapping[str, str] = field(default_factory=dict)
+    n_threads: int = 2
+    kerberos_principal: str | None = None
+    kerberos_keytab: str | None = None
+
+    def __repr__(self) -> str:
+        return f"HDFSSettings(namenode={self.namenode!r}, secret_dir={self.secret_dir!r})"
+
+
 @dataclass(frozen=True)
 class Settings:
     http: HTTPSettings = field(default_factory=HTTPSettings)
     local: LocalSettings = field(default_factory=LocalSettings)
+    oci: OCISettings = field(default_factory=OCISettings)
+    hdfs: HDFSSettings = field(default_factory=HDFSSettings)
     allow_patterns: tuple[str, ...] = ()
     ignore_patterns: tuple[str, ...] = ()
     #: The environment snapshot these settings were built from, for backends that read more.
@@ -82,6 +117,11 @@ class Settings:
         return cls(
             http=_http_settings(env),
             local=LocalSettings(pvc_root=env.get("MODELCACHE_PVC_ROOT", DEFAULT_PVC_ROOT)),
+            oci=OCISettings(
+                docker_config=env.get("KSERVE_OCI_DOCKER_CONFIG") or DEFAULT_OCI_DOCKER_CONFIG,
+                insecure=(env.get("KSERVE_OCI_INSECURE_REGISTRY") or "").strip().lower() in ("1", "true", "yes"),
+            ),
+            hdfs=hdfs_settings(env.get("HDFS_SECRET_DIR") or DEFAULT_HDFS_SECRET_DIR),
             allow_patterns=parse_patterns(env.get("STORAGE_ALLOW_PATTERNS")),
             ignore_patterns=parse_patterns(env.get("STORAGE_IGNORE_PATTERNS")),
             env=env,
@@ -128,4 +168,49 @@ def _http_settings(env: Mapping[str, str]) -> HTTPSettings:
         ca_bundle=ca_bundle_from_env(env),
         connect_timeout=float(env.get("MODELCACHE_CONNECT_TIMEOUT", "15")),
         read_timeout=float(env.get("MODELCACHE_READ_TIMEOUT", "60")),
+    )
+
+
+_HDFS_FILE_SECRETS = ("TLS_CERT", "TLS_KEY", "TLS_CA", "KERBEROS_KEYTAB")
+
+
+def hdfs_settings(secret_dir: str) -> HDFSSettings:
+    """Read KServe's HDFS secret dir: one file per key; certificate and keytab files by path."""
+    values: dict[str, str] = {}
+    if os.path.isdir(secret_dir):
+        for name in os.listdir(secret_dir):
+            path = os.path.join(secret_dir, name)
+            if not os.path.isfile(path):
+                continue
+            if name in _HDFS_FILE_SECRETS:
+                values[name] = path
+            else:
+                with open(path, encoding="utf-8") as f:
+                    values[name] = f.read().strip()
+    headers: dict[str, str] = {}
+    if values.get("HEADERS"):
+        try:
+            parsed = json.loads(values["HEADERS"])
+        except json.JSONDecodeError as exc:
+            raise ModelcacheError(f"HDFS secret file '{secret_dir}/HEADERS' is not a JSON object") from exc
+        if not isinstance(parsed, dict):
+            raise ModelcacheError(f"HDFS secret file '{secret_dir}/HEADERS' must be a JSON object of headers")
+        headers = {str(k): str(v) for k, v in parsed.items()}
+    try:
+        n_threads = int(values.get("N_THREADS") or 2)
+    except ValueError as exc:
+        raise ModelcacheError(f"HDFS secret file '{secret_dir}/N_THREADS' is not an integer") from exc
+    return HDFSSettings(
+        secret_dir=secret_dir,
+        namenode=values.get("HDFS_NAMENODE", ""),
+        user_proxy=values.get("USER_PROXY") or None,
+        root_path=values.get("HDFS_ROOTPATH") or None,
+        tls_cert=values.get("TLS_CERT"),
+        tls_key=values.get("TLS_KEY"),
+        tls_ca=values.get("TLS_CA"),
+        tls_skip_verify=(values.get("TLS_SKIP_VERIFY") or "").lower() == "true",
+        headers=headers,
+        n_threads=max(1, n_threads),
+        kerberos_principal=values.get("KERBEROS_PRINCIPAL") or None,
+        kerberos_keytab=values.get("KERBEROS_KEYTAB"),
     )
