@@ -105,6 +105,9 @@ class Settings:
     hdfs: HDFSSettings = field(default_factory=HDFSSettings)
     allow_patterns: tuple[str, ...] = ()
     ignore_patterns: tuple[str, ...] = ()
+    s3: S3Settings = field(default_factory=lambda: S3Settings())
+    gcs: GCSSettings = field(default_factory=lambda: GCSSettings())
+    azure: AzureSettings = field(default_factory=lambda: AzureSettings())
     #: The environment snapshot these settings were built from, for backends that read more.
     env: Mapping[str, str] = field(default_factory=dict, repr=False)
 
@@ -114,7 +117,11 @@ class Settings:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         env = dict(os.environ if env is None else env)
+        stores = ObjectStoreSettings.from_env(env)
         return cls(
+            s3=stores.s3,
+            gcs=stores.gcs,
+            azure=stores.azure,
             http=_http_settings(env),
             local=LocalSettings(pvc_root=env.get("MODELCACHE_PVC_ROOT", DEFAULT_PVC_ROOT)),
             oci=OCISettings(
@@ -214,3 +221,261 @@ def hdfs_settings(secret_dir: str) -> HDFSSettings:
         kerberos_principal=values.get("KERBEROS_PRINCIPAL") or None,
         kerberos_keytab=values.get("KERBEROS_KEYTAB"),
     )
+
+
+# --- Object stores (S3, GCS, Azure Blob) -----------------------------------------------------
+#
+# KServe's initializer reads these variables; its controller sets some more from the secret's
+# annotations (serving.kserve.io/s3-endpoint -> S3_ENDPOINT + AWS_ENDPOINT_URL, s3-usehttps ->
+# S3_USE_HTTPS, s3-region -> AWS_DEFAULT_REGION, s3-verifyssl -> S3_VERIFY_SSL,
+# s3-usevirtualbucket -> S3_USER_VIRTUAL_BUCKET, s3-useaccelerate -> S3_USE_ACCELERATE,
+# s3-useanoncredential -> awsAnonymousCredential, s3-cabundle -> AWS_CA_BUNDLE). The storage
+# spec secret (STORAGE_CONFIG, overridden key by key by STORAGE_OVERRIDE_CONFIG) is applied on
+# top of the environment, as KServe's `_update_with_storage_spec` does.
+
+# storage-spec key -> environment variable, per spec `type`.
+_SPEC_ENV: dict[str, dict[str, str]] = {
+    "s3": {
+        "endpoint_url": "AWS_ENDPOINT_URL",
+        "access_key_id": "AWS_ACCESS_KEY_ID",
+        "secret_access_key": "AWS_SECRET_ACCESS_KEY",
+        "session_token": "AWS_SESSION_TOKEN",
+        "region": "AWS_DEFAULT_REGION",
+        "ca_bundle": "AWS_CA_BUNDLE",
+        "verify_ssl": "S3_VERIFY_SSL",
+        "anonymous": "awsAnonymousCredential",
+    },
+    "gs": {"project": "GOOGLE_CLOUD_PROJECT", "endpoint_url": "STORAGE_EMULATOR_HOST"},
+    "azure": {
+        "account_key": "AZURE_STORAGE_ACCESS_KEY",
+        "access_key": "AZURE_STORAGE_ACCESS_KEY",
+        "client_id": "AZURE_CLIENT_ID",
+        "client_secret": "AZURE_CLIENT_SECRET",
+        "tenant_id": "AZURE_TENANT_ID",
+        "subscription_id": "AZURE_SUBSCRIPTION_ID",
+    },
+}
+_SPEC_TYPE_ALIASES = {"gcs": "gs", "azure_blob": "azure", "azureblob": "azure"}
+
+
+def _load_json_object(env: Mapping[str, str], name: str) -> dict[str, object]:
+    text = env.get(name, "").strip()
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        # Never echo the value: it is a secret.
+        raise ModelcacheError(
+            f"environment variable '{name}' is not valid JSON (line {exc.lineno} column {exc.colno}); "
+            "it must be the storage-spec secret as a JSON object"
+        ) from None
+    if not isinstance(value, dict):
+        raise ModelcacheError(f"environment variable '{name}' must be a JSON object (the storage-spec secret)")
+    return value
+
+
+def storage_spec(env: Mapping[str, str]) -> dict[str, object]:
+    """STORAGE_CONFIG with STORAGE_OVERRIDE_CONFIG's keys laid over it (KServe's precedence)."""
+    spec = _load_json_object(env, "STORAGE_CONFIG")
+    spec.update(_load_json_object(env, "STORAGE_OVERRIDE_CONFIG"))
+    return spec
+
+
+def _spec_str(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def apply_storage_spec(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment as the object-store settings see it: spec values win over plain env."""
+    out = dict(env)
+    spec = storage_spec(env)
+    kind = str(spec.get("type", "")).strip().lower()
+    kind = _SPEC_TYPE_ALIASES.get(kind, kind)
+    for key, var in _SPEC_ENV.get(kind, {}).items():
+        if key in spec and spec[key] is not None:
+            out[var] = _spec_str(spec[key])
+    return out
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    access_key_id: str | None = field(default=None, repr=False)
+    secret_access_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
+    endpoint_url: str | None = None
+    region: str | None = None
+    #: False turns TLS verification off (S3_VERIFY_SSL=0/false).
+    verify: bool = True
+    ca_bundle: str | None = None
+    anonymous: bool = False
+    virtual_addressing: bool = False
+    use_accelerate: bool = False
+    connect_timeout: float = 15.0
+    read_timeout: float = 30.0
+    max_attempts: int = 3
+
+    @property
+    def has_static_keys(self) -> bool:
+        return bool(self.access_key_id and self.secret_access_key)
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        return tuple(s for s in (self.access_key_id, self.secret_access_key, self.session_token) if s)
+
+
+def _s3_endpoint(env: Mapping[str, str]) -> str | None:
+    """AWS_ENDPOINT_URL, else S3_ENDPOINT with the scheme S3_USE_HTTPS picks (default https).
+
+    KServe's controller sets S3_ENDPOINT/S3_USE_HTTPS from the secret annotations but its Python
+    ignores them; honouring them fixes a secret that only carries the annotations.
+    """
+    url = env.get("AWS_ENDPOINT_URL", "").strip()
+    if url:
+        return url
+    host = env.get("S3_ENDPOINT", "").strip()
+    if not host:
+        return None
+    if host.startswith(("http://", "https://")):
+        return host
+    scheme = "https" if _truthy(env.get("S3_USE_HTTPS"), default=True) else "http"
+    return f"{scheme}://{host}"
+
+
+def _s3_settings(env: Mapping[str, str]) -> S3Settings:
+    verify_raw = env.get("S3_VERIFY_SSL", "").strip().lower()
+    verify = verify_raw not in ("0", "false", "no", "off")
+    ca_bundle = env.get("AWS_CA_BUNDLE") or None
+    if verify and not ca_bundle:
+        ca_bundle = ca_bundle_from_env(env)
+    return S3Settings(
+        access_key_id=env.get("AWS_ACCESS_KEY_ID") or None,
+        secret_access_key=env.get("AWS_SECRET_ACCESS_KEY") or None,
+        session_token=env.get("AWS_SESSION_TOKEN") or None,
+        endpoint_url=_s3_endpoint(env),
+        region=env.get("AWS_DEFAULT_REGION") or env.get("AWS_REGION") or None,
+        verify=verify,
+        ca_bundle=ca_bundle if verify else None,
+        anonymous=_truthy(env.get("awsAnonymousCredential")),
+        virtual_addressing=_truthy(env.get("S3_USER_VIRTUAL_BUCKET")),
+        use_accelerate=_truthy(env.get("S3_USE_ACCELERATE")),
+        connect_timeout=float(env.get("S3_CONNECT_TIMEOUT") or 15),
+        read_timeout=float(env.get("S3_READ_TIMEOUT") or 30),
+        max_attempts=int(env.get("S3_MAX_ATTEMPTS") or 3),
+    )
+
+
+@dataclass(frozen=True)
+class GCSSettings:
+    #: GOOGLE_APPLICATION_CREDENTIALS: a service-account (or other google-auth) JSON file.
+    credentials_file: str | None = None
+    #: A service-account key from the storage-spec secret (``base64_service_account``).
+    service_account_info: Mapping[str, object] | None = field(default=None, repr=False)
+    #: STORAGE_EMULATOR_HOST: talk to an emulator, anonymously.
+    emulator_host: str | None = None
+    project: str | None = None
+    #: How long the SDK may retry a listing call on connection errors (seconds).
+    retry_deadline: float = 60.0
+    connect_timeout: float = 15.0
+    read_timeout: float = 60.0
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        info = self.service_account_info or {}
+        return tuple(str(info[k]) for k in ("private_key", "private_key_id") if info.get(k))
+
+
+def _gcs_settings(env: Mapping[str, str], spec: Mapping[str, object]) -> GCSSettings:
+    info: Mapping[str, object] | None = None
+    kind = _SPEC_TYPE_ALIASES.get(str(spec.get("type", "")).lower(), str(spec.get("type", "")).lower())
+    if kind == "gs":
+        raw = spec.get("base64_service_account") or spec.get("service_account_json")
+        if raw:
+            import base64
+            import binascii
+
+            text = str(raw)
+            try:
+                if "base64_service_account" in spec:
+                    text = base64.b64decode(text, validate=False).decode("utf-8")
+                parsed = json.loads(text)
+            except (binascii.Error, UnicodeDecodeError, json.JSONDecodeError):
+                raise ModelcacheError(
+                    "storage-spec secret (STORAGE_CONFIG, type gs): base64_service_account is not a "
+                    "base64-encoded service-account JSON key"
+                ) from None
+            if not isinstance(parsed, dict):
+                raise ModelcacheError("storage-spec secret (type gs): the service account must be a JSON object")
+            info = parsed
+    emulator = env.get("STORAGE_EMULATOR_HOST", "").strip() or None
+    if emulator and not emulator.startswith(("http://", "https://")):
+        emulator = f"http://{emulator}"
+    return GCSSettings(
+        credentials_file=env.get("GOOGLE_APPLICATION_CREDENTIALS") or None,
+        service_account_info=info,
+        emulator_host=emulator,
+        project=env.get("GOOGLE_CLOUD_PROJECT") or env.get("GCLOUD_PROJECT") or None,
+        retry_deadline=float(env.get("MODELCACHE_GCS_RETRY_DEADLINE") or 60),
+        connect_timeout=float(env.get("MODELCACHE_CONNECT_TIMEOUT") or 15),
+        read_timeout=float(env.get("MODELCACHE_READ_TIMEOUT") or 60),
+    )
+
+
+@dataclass(frozen=True)
+class AzureSettings:
+    access_key: str | None = field(default=None, repr=False)
+    client_id: str | None = None
+    client_secret: str | None = field(default=None, repr=False)
+    tenant_id: str | None = None
+    #: AZURE_ACCESS_TOKEN: a bearer token KServe's controller may inject.
+    access_token: str | None = field(default=None, repr=False)
+    federated_token_file: str | None = None
+    #: Account URL template, e.g. ``http://127.0.0.1:10000/{account}`` for Azurite or a private
+    #: endpoint (MODELCACHE_AZURE_BLOB_ENDPOINT); None means the URI's own host.
+    endpoint_template: str | None = None
+    connect_timeout: float = 15.0
+    read_timeout: float = 60.0
+    retry_total: int = 3
+
+    @property
+    def use_default_credential(self) -> bool:
+        """KServe: DefaultAzureCredential when AZURE_CLIENT_ID is set (after the AZ_* mapping)."""
+        return bool(self.client_id)
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        return tuple(s for s in (self.access_key, self.client_secret, self.access_token) if s)
+
+
+def _azure_settings(env: Mapping[str, str]) -> AzureSettings:
+    def get(name: str) -> str | None:
+        # Legacy AZ_* names (KServe copies them to AZURE_* before building the credential).
+        return env.get(f"AZURE_{name}") or env.get(f"AZ_{name}") or None
+
+    return AzureSettings(
+        access_key=env.get("AZURE_STORAGE_ACCESS_KEY") or None,
+        client_id=get("CLIENT_ID"),
+        client_secret=get("CLIENT_SECRET"),
+        tenant_id=get("TENANT_ID"),
+        access_token=env.get("AZURE_ACCESS_TOKEN") or None,
+        federated_token_file=env.get("AZURE_FEDERATED_TOKEN_FILE") or None,
+        endpoint_template=env.get("MODELCACHE_AZURE_BLOB_ENDPOINT") or None,
+        connect_timeout=float(env.get("MODELCACHE_CONNECT_TIMEOUT") or 15),
+        read_timeout=float(env.get("MODELCACHE_READ_TIMEOUT") or 60),
+        retry_total=int(env.get("MODELCACHE_AZURE_RETRY_TOTAL") or 3),
+    )
+
+
+@dataclass(frozen=True)
+class ObjectStoreSettings:
+    s3: S3Settings
+    gcs: GCSSettings
+    azure: AzureSettings
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> ObjectStoreSettings:
+        spec = storage_spec(env)
+        merged = apply_storage_spec(env)
+        return cls(s3=_s3_settings(merged), gcs=_gcs_settings(merged, spec), azure=_azure_settings(merged))
