@@ -1,0 +1,372 @@
+"""Safe archive unpacking: crafted good and hostile archives, unpacked for real on disk."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import stat
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from modelcache.archive import (
+    INVALID_FORMAT,
+    ArchiveError,
+    ArchiveLimitError,
+    ArchiveLimits,
+    UnsafeArchiveError,
+    archive_kind,
+    remove_stale_staging,
+    unpack_archive,
+)
+from modelcache.errors import ModelcacheError
+
+# -- builders -------------------------------------------------------------------------------
+
+
+def _tar(path: Path, entries: list[tarfile.TarInfo | tuple[tarfile.TarInfo, bytes]], mode: str = "w") -> Path:
+    with tarfile.open(path, mode, format=tarfile.GNU_FORMAT) as tf:
+        for e in entries:
+            if isinstance(e, tuple):
+                info, data = e
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+            else:
+                tf.addfile(e)
+    return path
+
+
+def _file(name: str, data: bytes, mode: int = 0o644) -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.mode = mode
+    return info, data
+
+
+def _entry(name: str, type_: bytes, linkname: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = type_
+    info.linkname = linkname
+    if type_ == tarfile.DIRTYPE:
+        info.mode = 0o755
+    return info
+
+
+def _zip(path: Path, entries: list[tuple[str, bytes] | zipfile.ZipInfo | tuple[zipfile.ZipInfo, bytes]]) -> Path:
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for e in entries:
+            if isinstance(e, zipfile.ZipInfo):
+                zf.writestr(e, b"")
+            else:
+                zf.writestr(e[0], e[1])
+    return path
+
+
+def _zip_special(name: str, mode: int) -> zipfile.ZipInfo:
+    info = zipfile.ZipInfo(name)
+    info.create_system = 3  # unix: external_attr carries st_mode
+    info.external_attr = mode << 16
+    return info
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Relative path -> 'dir' | 'link:<target>' | file content (text)."""
+    out: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = p.relative_to(root).as_posix()
+            if p.is_symlink():
+                out[rel] = f"link:{os.readlink(p)}"
+            elif p.is_dir():
+                out[rel] = "dir"
+            else:
+                out[rel] = p.read_bytes().decode("latin-1")
+    return out
+
+
+@pytest.fixture()
+def box(tmp_path: Path) -> Path:
+    """A folder holding dest/ and a sentinel sibling that hostile archives aim at."""
+    (tmp_path / "dest").mkdir()
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret").write_text("keep me")
+    return tmp_path
+
+
+def _assert_untouched(box: Path, before_dest: dict[str, str]) -> None:
+    assert sorted(p.name for p in box.iterdir()) == ["dest", "outside"]
+    assert _tree(box / "outside") == {"secret": "keep me"}
+    assert _tree(box / "dest") == before_dest
+
+
+# -- good archives ----------------------------------------------------------------------------
+
+
+GOOD_TAR_ENTRIES = [
+    _entry("./", tarfile.DIRTYPE),
+    _entry("./model", tarfile.DIRTYPE),
+    _file("./model/config.json", b'{"a": 1}'),
+    _file("./model/run.sh", b"#!/bin/sh\n", 0o755),
+    _file("model/weights/part-0.bin", b"\x00\x01" * 5000),
+    _entry("model/latest", tarfile.SYMTYPE, "weights/part-0.bin"),
+    _entry("model/weights/again.bin", tarfile.LNKTYPE, "model/weights/part-0.bin"),
+    _entry("model/up", tarfile.SYMTYPE, "../model/config.json"),
+]
+
+
+@pytest.mark.parametrize("name,mode", [("m.tar", "w"), ("m.tar.gz", "w:gz"), ("m.tgz", "w:gz"), ("m.tar.xz", "w:xz")])
+def test_good_tar_unpacks_and_is_removed(box: Path, name: str, mode: str) -> None:
+    dest = box / "dest"
+    archive = _tar(dest / name, GOOD_TAR_ENTRIES, mode)
+    res = unpack_archive(archive, dest)
+    assert not archive.exists()
+    tree = _tree(dest)
+    assert tree["model/config.json"] == '{"a": 1}'
+    assert tree["model/latest"] == "link:weights/part-0.bin"
+    assert (dest / "model/latest").read_bytes() == b"\x00\x01" * 5000
+    assert (dest / "model/up").read_text() == '{"a": 1}'
+    assert os.stat(dest / "model/weights/again.bin").st_ino == os.stat(dest / "model/weights/part-0.bin").st_ino
+    assert os.stat(dest / "model/run.sh").st_mode & 0o111
+    assert not os.stat(dest / "model/config.json").st_mode & 0o111
+    assert res.files == 4 and res.symlinks == 2 and res.bytes == 8 + 10 + 10000
+    assert sorted(p.name for p in dest.iterdir()) == ["model"]  # no staging left
+
+
+def test_good_zip_with_dirs_and_symlink(box: Path) -> None:
+    dest = box / "dest"
+    link = _zip_special("m/current", stat.S_IFLNK | 0o777)
+    with zipfile.ZipFile(dest / "m.zip", "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("m/", b"")
+        zf.writestr("m/a.txt", b"hello")
+        zf.writestr("m/sub/b.bin", os.urandom(3000))
+        zf.writestr(link, b"a.txt")
+    res = unpack_archive(dest / "m.zip", dest)
+    assert not (dest / "m.zip").exists()
+    assert (dest / "m/a.txt").read_text() == "hello"
+    assert os.readlink(dest / "m/current") == "a.txt"
+    assert (dest / "m/sub/b.bin").stat().st_size == 3000
+    assert res.files == 2 and res.symlinks == 1
+
+
+def test_merge_keeps_other_files_overwrites_same_and_replaces_links(box: Path) -> None:
+    dest = box / "dest"
+    (dest / "keep.txt").write_text("mine")
+    (dest / "model").mkdir()
+    (dest / "model" / "config.json").write_text("old")
+    (dest / "model" / "extra").write_text("extra")
+    # A pre-existing link pointing outside must be replaced, not written through.
+    (dest / "weights").symlink_to(box / "outside")
+    _tar(dest / "m.tar", [_file("model/config.json", b"new"), _file("weights/w.bin", b"w")])
+    unpack_archive(dest / "m.tar", dest)
+    assert (dest / "keep.txt").read_text() == "mine"
+    assert (dest / "model/config.json").read_text() == "new"
+    assert (dest / "model/extra").read_text() == "extra"
+    assert not (dest / "weights").is_symlink() and (dest / "weights/w.bin").read_text() == "w"
+    assert _tree(box / "outside") == {"secret": "keep me"}
+
+
+def test_duplicate_tar_entry_later_wins(box: Path) -> None:
+    dest = box / "dest"
+    _tar(dest / "m.tar", [_file("a.txt", b"first"), _file("a.txt", b"second")])
+    unpack_archive(dest / "m.tar", dest)
+    assert (dest / "a.txt").read_text() == "second"
+
+
+def test_archive_kind() -> None:
+    assert archive_kind("x.TAR.GZ") == "tar" and archive_kind("x.tgz") == "tar" and archive_kind("x.tar") == "tar"
+    assert archive_kind("x.zip") == "zip"
+    assert archive_kind("model.bin") is None and archive_kind("x.gz") is None
+
+
+# -- hostile archives: refused, and nothing written anywhere -----------------------------------
+
+
+HOSTILE_TARS = {
+    "tar-slip": [_file("ok.txt", b"ok"), _file("../evil.txt", b"x")],
+    "tar-slip-nested": [_file("a/b/../../../evil.txt", b"x")],
+    "absolute": [_file("/tmp/evil-modelcache.txt", b"x")],
+    "symlink-escape": [_entry("link", tarfile.SYMTYPE, "../outside")],
+    "symlink-absolute": [_entry("link", tarfile.SYMTYPE, "/etc/passwd")],
+    # Each link is inside on its own; together 'a' resolves to the parent of dest.
+    "symlink-chain": [_entry("a", tarfile.SYMTYPE, "b/.."), _entry("b", tarfile.SYMTYPE, ".")],
+    "symlink-then-write-through": [_entry("d", tarfile.SYMTYPE, "sub"), _file("d/x.txt", b"x")],
+    "hardlink-escape": [_entry("h", tarfile.LNKTYPE, "../outside/secret")],
+    "hardlink-absolute": [_entry("h", tarfile.LNKTYPE, "/etc/passwd")],
+    "hardlink-not-member": [_entry("h", tarfile.LNKTYPE, "nothere")],
+    "hardlink-to-symlink": [_entry("s", tarfile.SYMTYPE, "x"), _entry("h", tarfile.LNKTYPE, "s")],
+    "char-device": [_entry("dev", tarfile.CHRTYPE)],
+    "block-device": [_entry("dev", tarfile.BLKTYPE)],
+    "fifo": [_entry("pipe", tarfile.FIFOTYPE)],
+    "reserved-name": [_file(".modelcache/manifest.json", b"{}")],
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_TARS))
+def test_hostile_tar_is_refused_and_dest_untouched(box: Path, case: str) -> None:
+    dest = box / "dest"
+    (dest / "existing.txt").write_text("before")
+    archive = _tar(dest / "bad.tar.gz", HOSTILE_TARS[case], "w:gz")
+    before = _tree(dest)
+    with pytest.raises(UnsafeArchiveError) as err:
+        unpack_archive(archive, dest, reserved=(".modelcache",))
+    assert "bad.tar.gz" in str(err.value) and "\n" not in str(err.value)
+    _assert_untouched(box, before)
+    assert not Path("/tmp/evil-modelcache.txt").exists()
+
+
+HOSTILE_ZIPS = {
+    "zip-slip": [("ok.txt", b"ok"), ("../../evil.txt", b"x")],
+    "zip-slip-backslash": [("..\\evil.txt", b"x")],
+    "absolute": [("/tmp/evil-modelcache.txt", b"x")],
+    "drive": [("C:/evil.txt", b"x")],
+    "symlink-escape": [(_zip_special("link", stat.S_IFLNK | 0o777), b"../../outside")],
+    "fifo": [_zip_special("pipe", stat.S_IFIFO | 0o644)],
+    "device": [_zip_special("dev", stat.S_IFCHR | 0o644)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_ZIPS))
+def test_hostile_zip_is_refused_and_dest_untouched(box: Path, case: str) -> None:
+    dest = box / "dest"
+    archive = _zip(dest / "bad.zip", HOSTILE_ZIPS[case])  # type: ignore[arg-type]
+    before = _tree(dest)
+    with pytest.raises(UnsafeArchiveError) as err:
+        unpack_archive(archive, dest)
+    assert "bad.zip" in str(err.value)
+    _assert_untouched(box, before)
+    assert not Path("/tmp/evil-modelcache.txt").exists()
+
+
+# -- bombs --------------------------------------------------------------------------------------
+
+
+def test_bomb_over_ratio_cap_with_default_limits(box: Path) -> None:
+    dest = box / "dest"
+    # 8 MiB of zeros gzip to ~8 KiB: a ratio near 1000, refused by the default cap of 200.
+    _tar(dest / "bomb.tar.gz", [_file("zeros.bin", bytes(8 << 20))], "w:gz")
+    before = _tree(dest)
+    with pytest.raises(ArchiveLimitError, match="compression ratio"):
+        unpack_archive(dest / "bomb.tar.gz", dest)
+    _assert_untouched(box, before)
+
+
+def test_zip_bomb_over_ratio_cap(box: Path) -> None:
+    dest = box / "dest"
+    _zip(dest / "bomb.zip", [("zeros.bin", bytes(8 << 20))])
+    before = _tree(dest)
+    with pytest.raises(ArchiveLimitError, match="compression ratio"):
+        unpack_archive(dest / "bomb.zip", dest)
+    _assert_untouched(box, before)
+
+
+def test_bomb_over_byte_cap_stops_while_streaming(box: Path) -> None:
+    dest = box / "dest"
+    # The header is honest but the cap is low: refused mid-stream, nothing left behind.
+    _tar(dest / "big.tar", [_file("a.bin", os.urandom(600_000)), _file("b.bin", os.urandom(600_000))])
+    before = _tree(dest)
+    with pytest.raises(ArchiveLimitError, match="MODELCACHE_ARCHIVE_MAX_BYTES"):
+        unpack_archive(dest / "big.tar", dest, ArchiveLimits(max_bytes=1_000_000))
+    _assert_untouched(box, before)
+
+
+def test_zip_over_byte_cap_refused_before_writing(box: Path) -> None:
+    dest = box / "dest"
+    _zip(dest / "big.zip", [("a.bin", os.urandom(300_000)), ("b.bin", os.urandom(300_000))])
+    before = _tree(dest)
+    with pytest.raises(ArchiveLimitError):
+        unpack_archive(dest / "big.zip", dest, ArchiveLimits(max_bytes=500_000))
+    _assert_untouched(box, before)
+
+
+@pytest.mark.parametrize("kind", ["tar", "zip"])
+def test_bomb_over_entry_cap(box: Path, kind: str) -> None:
+    dest = box / "dest"
+    files = [(f"f{i}.txt", b"x") for i in range(30)]
+    if kind == "tar":
+        archive = _tar(dest / "many.tar", [_file(n, d) for n, d in files])
+    else:
+        archive = _zip(dest / "many.zip", files)  # type: ignore[arg-type]
+    before = _tree(dest)
+    with pytest.raises(ArchiveLimitError, match="more than 20 entries"):
+        unpack_archive(archive, dest, ArchiveLimits(max_entries=20))
+    _assert_untouched(box, before)
+
+
+def test_small_compressible_archive_is_not_a_bomb(box: Path) -> None:
+    dest = box / "dest"
+    # 512 KiB of text compresses >200x but stays under ratio_min_bytes: unpacked.
+    _tar(dest / "cfg.tar.gz", [_file("vocab.txt", b"a" * (512 << 10))], "w:gz")
+    unpack_archive(dest / "cfg.tar.gz", dest)
+    assert (dest / "vocab.txt").stat().st_size == 512 << 10
+
+
+def test_limits_from_env() -> None:
+    env = {
+        "MODELCACHE_ARCHIVE_MAX_BYTES": "1000",
+        "MODELCACHE_ARCHIVE_MAX_ENTRIES": "7",
+        "MODELCACHE_ARCHIVE_MAX_RATIO": "2.5",
+    }
+    limits = ArchiveLimits.from_env(env)
+    assert (limits.max_bytes, limits.max_entries, limits.max_ratio) == (1000, 7, 2.5)
+    assert ArchiveLimits.from_env({}) == ArchiveLimits()
+    assert ArchiveLimits().max_bytes == 2 << 40 and ArchiveLimits().max_entries == 1_000_000
+    with pytest.raises(ModelcacheError, match="MODELCACHE_ARCHIVE_MAX_ENTRIES"):
+        ArchiveLimits.from_env({"MODELCACHE_ARCHIVE_MAX_ENTRIES": "lots"})
+    with pytest.raises(ModelcacheError, match="positive"):
+        ArchiveLimits.from_env({"MODELCACHE_ARCHIVE_MAX_BYTES": "0"})
+
+
+# -- corrupt archives ---------------------------------------------------------------------------
+
+
+def _truncated_targz(path: Path) -> Path:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w:gz") as tf:
+        info, data = _file("w.bin", os.urandom(200_000))
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+    path.write_bytes(raw.getvalue()[: len(raw.getvalue()) // 2])
+    return path
+
+
+def _bad_crc_zip(path: Path) -> Path:
+    _zip(path, [("w.bin", b"hello world" * 100)])
+    data = bytearray(path.read_bytes())
+    # Flip a byte inside the deflate stream of the only member (after its local header).
+    data[40] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return path
+
+
+CORRUPT = {
+    "truncated.tar.gz": _truncated_targz,
+    "garbage.zip": lambda p: (p.write_bytes(os.urandom(5000)), p)[1],
+    "garbage.tar": lambda p: (p.write_bytes(b"not a tar" * 200), p)[1],
+    "garbage.tgz": lambda p: (p.write_bytes(gzip.compress(b"not a tar" * 200)), p)[1],
+    "badcrc.zip": _bad_crc_zip,
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPT))
+def test_corrupt_archive_gives_kserve_message(box: Path, name: str) -> None:
+    dest = box / "dest"
+    archive = CORRUPT[name](dest / name)
+    before = _tree(dest)
+    with pytest.raises(ArchiveError) as err:
+        unpack_archive(archive, dest)
+    msg = str(err.value)
+    assert msg.startswith(INVALID_FORMAT) and name in msg and "\n" not in msg
+    assert not isinstance(err.value, UnsafeArchiveError | ArchiveLimitError)
+    _assert_untouched(box, before)
+
+
+def test_remove_stale_staging(box: Path) -> None:
+    dest = box / "dest"
+    (dest / ".modelcache-unpack-abc").mkdir()
+    (dest / ".modelcache-unpack-abc" / "half.bin").write_bytes(b"x")
+    (dest / "model.bin").write_bytes(b"m")
+    remove_stale_staging(dest)
+    assert _tree(dest) == {"model.bin": "m"}
