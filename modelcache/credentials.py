@@ -97,12 +97,24 @@ class HDFSSettings:
         return f"HDFSSettings(namenode={self.namenode!r}, secret_dir={self.secret_dir!r})"
 
 
+DEFAULT_HF_ENDPOINT = "https://huggingface.co"
+
+
+@dataclass(frozen=True)
+class HFSettings:
+    """Hugging Face Hub: ``HF_TOKEN`` (KServe's initializer) and ``HF_ENDPOINT`` (a mirror or test Hub)."""
+
+    token: str | None = field(default=None, repr=False)
+    endpoint: str = DEFAULT_HF_ENDPOINT
+
+
 @dataclass(frozen=True)
 class Settings:
     http: HTTPSettings = field(default_factory=HTTPSettings)
     local: LocalSettings = field(default_factory=LocalSettings)
     oci: OCISettings = field(default_factory=OCISettings)
     hdfs: HDFSSettings = field(default_factory=HDFSSettings)
+    hf: HFSettings = field(default_factory=HFSettings)
     allow_patterns: tuple[str, ...] = ()
     ignore_patterns: tuple[str, ...] = ()
     s3: S3Settings = field(default_factory=lambda: S3Settings())
@@ -129,6 +141,10 @@ class Settings:
                 insecure=(env.get("KSERVE_OCI_INSECURE_REGISTRY") or "").strip().lower() in ("1", "true", "yes"),
             ),
             hdfs=hdfs_settings(env.get("HDFS_SECRET_DIR") or DEFAULT_HDFS_SECRET_DIR),
+            hf=HFSettings(
+                token=(env.get("HF_TOKEN") or "").strip() or None,
+                endpoint=(env.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/"),
+            ),
             allow_patterns=parse_patterns(env.get("STORAGE_ALLOW_PATTERNS")),
             ignore_patterns=parse_patterns(env.get("STORAGE_IGNORE_PATTERNS")),
             env=env,
