@@ -1,0 +1,229 @@
+"""Finding the API server and thin, dict-in dict-out helpers over the official client.
+
+Config is found the standard way: an explicit kubeconfig path (``--kubeconfig``), else the
+in-cluster service account, else ``KUBECONFIG`` / ``~/.kube/config`` (the client library reads
+those variables itself). Every call passes ``_preload_content=False`` and decodes the JSON
+body: objects stay plain dicts with their exact wire keys (no lossy model round-trip), and
+kubernetes>=37's ``CustomObjectsApi.create_*``, which deserializes only a 201, cannot turn a
+200 into ``None``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+
+
+@dataclass(frozen=True)
+class Resource:
+    """What the helpers need to address one kind: group/version/plural and scope.
+
+    ``api`` picks the official API class: ``custom`` (CustomObjectsApi, any group), ``core``
+    (CoreV1Api) or ``coordination`` (CoordinationV1Api); ``snake`` is the typed API's method
+    stem (``persistent_volume_claim``) and ``model`` its body class for create/replace.
+    """
+
+    group: str
+    version: str
+    plural: str
+    kind: str
+    namespaced: bool
+    api: str = "custom"
+    snake: str = ""
+    model: str = ""
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+
+def _core(plural: str, kind: str, namespaced: bool, snake: str, model: str = "") -> Resource:
+    return Resource("", "v1", plural, kind, namespaced, "core", snake, model or f"V1{kind}")
+
+
+KSERVE = "serving.kserve.io"
+LOCAL_MODEL_CACHES = Resource(KSERVE, "v1alpha1", "localmodelcaches", "LocalModelCache", False)
+LOCAL_MODEL_NAMESPACE_CACHES = Resource(
+    KSERVE, "v1alpha1", "localmodelnamespacecaches", "LocalModelNamespaceCache", True
+)
+LOCAL_MODEL_NODES = Resource(KSERVE, "v1alpha1", "localmodelnodes", "LocalModelNode", False)
+LOCAL_MODEL_NODE_GROUPS = Resource(KSERVE, "v1alpha1", "localmodelnodegroups", "LocalModelNodeGroup", False)
+CLUSTER_STORAGE_CONTAINERS = Resource(KSERVE, "v1alpha1", "clusterstoragecontainers", "ClusterStorageContainer", False)
+INFERENCE_SERVICES = Resource(KSERVE, "v1beta1", "inferenceservices", "InferenceService", True)
+LEASES = Resource("coordination.k8s.io", "v1", "leases", "Lease", True, "coordination", "lease", "V1Lease")
+NODES = _core("nodes", "Node", False, "node")
+PODS = _core("pods", "Pod", True, "pod")
+NAMESPACES = _core("namespaces", "Namespace", False, "namespace")
+PERSISTENT_VOLUMES = _core("persistentvolumes", "PersistentVolume", False, "persistent_volume")
+PERSISTENT_VOLUME_CLAIMS = _core("persistentvolumeclaims", "PersistentVolumeClaim", True, "persistent_volume_claim")
+SECRETS = _core("secrets", "Secret", True, "secret")
+SERVICE_ACCOUNTS = _core("serviceaccounts", "ServiceAccount", True, "service_account")
+CONFIG_MAPS = _core("configmaps", "ConfigMap", True, "config_map")
+EVENTS = _core("events", "Event", True, "event", "CoreV1Event")
+
+_TYPED_APIS: dict[str, Callable[[client.ApiClient], Any]] = {
+    "core": client.CoreV1Api,
+    "coordination": client.CoordinationV1Api,
+}
+
+
+def load_api_client(kubeconfig: str | None = None, context: str | None = None) -> client.ApiClient:
+    """An ApiClient for the cluster, found the way kubectl and controller-runtime find it.
+
+    Processes pass their ``--kubeconfig`` flag (which defaults to ``$KUBECONFIG``) here.
+    """
+    if kubeconfig:
+        return config.new_client_from_config(config_file=kubeconfig, context=context)
+    try:
+        cfg = client.Configuration()
+        config.load_incluster_config(client_configuration=cfg)
+        return client.ApiClient(cfg)
+    except config.ConfigException:
+        pass
+    # The library itself falls back to KUBECONFIG, then ~/.kube/config (read when it is imported).
+    return config.new_client_from_config(context=context)
+
+
+def is_status(exc: BaseException, *codes: int) -> bool:
+    return isinstance(exc, ApiException) and exc.status in codes
+
+
+def not_found(exc: BaseException) -> bool:
+    return is_status(exc, 404)
+
+
+def conflict(exc: BaseException) -> bool:
+    return is_status(exc, 409)
+
+
+def gone(exc: BaseException) -> bool:
+    return is_status(exc, 410)
+
+
+def error_message(exc: BaseException) -> str:
+    """The API's one-line ``message`` from a Status body, else the exception's reason."""
+    if isinstance(exc, ApiException):
+        try:
+            return str(json.loads(exc.body or "{}").get("message") or exc.reason)
+        except (ValueError, AttributeError):
+            return str(exc.reason)
+    return str(exc)
+
+
+def _decode(resp: Any) -> Any:
+    try:
+        data = resp.data
+    finally:
+        resp.release_conn()
+    return json.loads(data) if data else {}
+
+
+class Kube:
+    """Generic CRUD on dicts for any :class:`Resource`; one instance per ApiClient."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self.api_client = api_client
+        self.custom = client.CustomObjectsApi(api_client)
+        self._typed = {name: factory(api_client) for name, factory in _TYPED_APIS.items()}
+
+    # -- dispatch ---------------------------------------------------------------------------
+    def _typed_call(self, res: Resource, verb: str, namespace: str | None, suffix: str = "", **kw: Any) -> Any:
+        api = self._typed[res.api]
+        if res.namespaced and namespace is None and verb == "list":
+            fn = getattr(api, f"list_{res.snake}_for_all_namespaces")
+        elif res.namespaced:
+            fn = getattr(api, f"{verb}_namespaced_{res.snake}{suffix}")
+            kw["namespace"] = namespace
+        else:
+            fn = getattr(api, f"{verb}_{res.snake}{suffix}")
+        return fn(_preload_content=False, **kw)
+
+    def _custom_call(self, res: Resource, verb: str, namespace: str | None, suffix: str = "", **kw: Any) -> Any:
+        if res.namespaced and namespace is None and verb == "list":
+            name = "list_custom_object_for_all_namespaces"
+        elif res.namespaced:
+            name = f"{verb}_namespaced_custom_object{suffix}"
+            kw["namespace"] = namespace
+        else:
+            name = f"{verb}_cluster_custom_object{suffix}"
+        verb_fn = getattr(self.custom, name)
+        return verb_fn(group=res.group, version=res.version, plural=res.plural, _preload_content=False, **kw)
+
+    def _call(self, res: Resource, verb: str, namespace: str | None, suffix: str = "", **kw: Any) -> Any:
+        if res.api == "custom":
+            return self._custom_call(res, verb, namespace, suffix, **kw)
+        if verb == "get":
+            verb = "read"
+        if verb in ("create", "replace") and "body" in kw:
+            kw["body"] = getattr(client, res.model).model_validate(kw["body"])
+        return self._typed_call(res, verb, namespace, suffix, **kw)
+
+    # -- verbs ------------------------------------------------------------------------------
+    def get(self, res: Resource, name: str, namespace: str | None = None) -> dict[str, Any]:
+        return _decode(self._call(res, "get", namespace, name=name))
+
+    def get_or_none(self, res: Resource, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        try:
+            return self.get(res, name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list(self, res: Resource, namespace: str | None = None, **query: Any) -> dict[str, Any]:
+        """The raw List (``items`` + ``metadata.resourceVersion``); query: label_selector, limit, ..."""
+        return _decode(self._call(res, "list", namespace, **query))
+
+    def create(self, res: Resource, body: Mapping[str, Any], namespace: str | None = None) -> dict[str, Any]:
+        body = {"apiVersion": res.api_version, "kind": res.kind, **body}
+        return _decode(self._call(res, "create", namespace, body=body))
+
+    def replace(self, res: Resource, body: Mapping[str, Any], namespace: str | None = None) -> dict[str, Any]:
+        """PUT; ``body.metadata.resourceVersion`` makes it a compare-and-swap (409 when stale)."""
+        body = {"apiVersion": res.api_version, "kind": res.kind, **body}
+        name = body["metadata"]["name"]
+        return _decode(self._call(res, "replace", namespace, name=name, body=body))
+
+    def patch(
+        self, res: Resource, name: str, patch: Any, namespace: str | None = None, content_type: str = MERGE_PATCH
+    ) -> dict[str, Any]:
+        return _decode(self._call(res, "patch", namespace, name=name, body=patch, _content_type=content_type))
+
+    def patch_status(
+        self, res: Resource, name: str, patch: Any, namespace: str | None = None, content_type: str = MERGE_PATCH
+    ) -> dict[str, Any]:
+        return _decode(
+            self._call(res, "patch", namespace, "_status", name=name, body=patch, _content_type=content_type)
+        )
+
+    def replace_status(self, res: Resource, body: Mapping[str, Any], namespace: str | None = None) -> dict[str, Any]:
+        """PUT to the status subresource (spec changes in ``body`` are ignored by the server)."""
+        body = {"apiVersion": res.api_version, "kind": res.kind, **body}
+        name = body["metadata"]["name"]
+        return _decode(self._call(res, "replace", namespace, "_status", name=name, body=body))
+
+    def delete(self, res: Resource, name: str, namespace: str | None = None, propagation: str | None = None) -> bool:
+        """Delete; False if it was already gone."""
+        kw: dict[str, Any] = {"name": name}
+        if propagation:
+            kw["propagation_policy"] = propagation
+        try:
+            _decode(self._call(res, "delete", namespace, **kw))
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    def watch_response(self, res: Resource, namespace: str | None = None, **query: Any) -> Any:
+        """A raw streaming watch response (one JSON event per line); the caller closes it."""
+        return self._call(res, "list", namespace, watch=True, **query)

@@ -1,0 +1,156 @@
+"""Level-triggered controllers: informers feed keys into a work queue, workers reconcile keys.
+
+A reconciler gets a key (``name`` or ``namespace/name``), reads the current state (usually
+from informer caches), makes the world match the desired state, and returns a
+:class:`Result`. It must be idempotent: the same key may be reconciled any number of times,
+but never by two workers at once (the queue guarantees that). An exception requeues the key
+with per-key exponential backoff; success resets the backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from modelcache.kube.informer import Informer, object_key, wait_for_all
+from modelcache.kube.workqueue import ExponentialBackoff, ShutDown, WorkQueue
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Result:
+    """What to do with the key after a successful reconcile."""
+
+    #: Reconcile again after this many seconds (periodic checks, waiting on something external).
+    requeue_after: float | None = None
+    #: Reconcile again soon, with backoff (progress made but not finished).
+    requeue: bool = False
+
+
+Reconciler = Callable[[str], Result | None]
+#: Maps an informer event to the keys to reconcile: mapper(event_type, obj, old) -> keys.
+Mapper = Callable[[str, dict[str, Any], dict[str, Any] | None], Iterable[str]]
+#: Filters events before mapping: predicate(event_type, obj, old) -> enqueue?
+Predicate = Callable[[str, dict[str, Any], dict[str, Any] | None], bool]
+
+
+def own_key(_event: str, obj: dict[str, Any], _old: dict[str, Any] | None) -> list[str]:
+    return [object_key(obj)]
+
+
+def generation_or_meta_changed(event: str, obj: dict[str, Any], old: dict[str, Any] | None) -> bool:
+    """Skip updates that change only status (controller-runtime's GenerationChangedPredicate,
+    plus labels/annotations/deletion, which do not bump the generation)."""
+    if event != "MODIFIED" or old is None:
+        return True
+    m, o = obj.get("metadata") or {}, old.get("metadata") or {}
+    return any(m.get(k) != o.get(k) for k in ("generation", "labels", "annotations", "deletionTimestamp", "finalizers"))
+
+
+class Controller:
+    def __init__(
+        self,
+        name: str,
+        reconcile: Reconciler,
+        workers: int = 2,
+        backoff: ExponentialBackoff | None = None,
+    ) -> None:
+        self.name = name
+        self.reconcile = reconcile
+        self.workers = workers
+        self.queue = WorkQueue(backoff or ExponentialBackoff(base=0.05, cap=300.0))
+        self.informers: list[Informer] = []
+        self._threads: list[threading.Thread] = []
+
+    def watch(self, informer: Informer, mapper: Mapper = own_key, predicate: Predicate | None = None) -> Controller:
+        """Enqueue ``mapper(event)`` keys for every event of ``informer`` that passes ``predicate``."""
+
+        def handler(event: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
+            if predicate is not None and not predicate(event, obj, old):
+                return
+            for key in mapper(event, obj, old):
+                self.queue.add(key)
+
+        informer.add_handler(handler)
+        if informer not in self.informers:
+            self.informers.append(informer)
+        return self
+
+    def start(self, wait_sync: float = 60.0) -> Controller:
+        """Start workers once every watched informer has synced (a reconcile must not see a
+        half-filled cache and, say, delete what it has not loaded yet)."""
+        if not wait_for_all(self.informers, wait_sync):
+            raise TimeoutError(f"controller {self.name}: informers did not sync in {wait_sync}s")
+        for i in range(self.workers):
+            t = threading.Thread(target=self._worker, name=f"{self.name}-worker-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.queue.shutdown()
+        for t in self._threads:
+            t.join(timeout)
+
+    def _worker(self) -> None:
+        while True:
+            try:
+                key = self.queue.get()
+            except ShutDown:
+                return
+            if key is None:
+                continue
+            try:
+                self.process(str(key))
+            finally:
+                self.queue.done(key)
+
+    def process(self, key: str) -> None:
+        try:
+            result = self.reconcile(key) or Result()
+        except Exception as exc:
+            delay = self.queue.add_rate_limited(key)
+            log.warning(
+                "%s: reconcile %s failed (%s: %s); retry in %.2fs", self.name, key, type(exc).__name__, exc, delay
+            )
+            return
+        if result.requeue_after is not None:
+            self.queue.forget(key)
+            self.queue.add_after(key, result.requeue_after)
+        elif result.requeue:
+            self.queue.add_rate_limited(key)
+        else:
+            self.queue.forget(key)
+
+
+class Manager:
+    """Starts informers, then controllers; stops them in reverse. Optionally gated by a leader
+    election: controllers run only while this process holds the lease."""
+
+    def __init__(self) -> None:
+        self.informers: list[Informer] = []
+        self.controllers: list[Controller] = []
+
+    def add(self, controller: Controller) -> Controller:
+        self.controllers.append(controller)
+        for inf in controller.informers:
+            if inf not in self.informers:
+                self.informers.append(inf)
+        return controller
+
+    def start(self, wait_sync: float = 60.0) -> None:
+        for inf in self.informers:
+            if not inf.started:
+                inf.start()
+        for c in self.controllers:
+            c.start(wait_sync)
+
+    def stop(self) -> None:
+        for c in self.controllers:
+            c.stop()
+        for inf in self.informers:
+            inf.stop()

@@ -1,0 +1,308 @@
+"""Informer: a local, always-current copy of one kind, and change notifications.
+
+Protocol (as client-go's reflector): LIST, then WATCH from the list's ``resourceVersion``
+with bookmarks. When the watch ends (server timeout, dropped connection) it is re-opened
+from the last resourceVersion seen, so nothing is missed and nothing is replayed; only a
+``410 Gone`` (the version was compacted away) forces a new LIST, which is diffed against
+the cache so handlers see exactly the adds, updates and deletes that happened meanwhile.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
+from modelcache.kube.client import Kube, Resource
+
+log = logging.getLogger(__name__)
+
+ADDED, MODIFIED, DELETED = "ADDED", "MODIFIED", "DELETED"
+
+#: handler(event_type, new_or_deleted_object, old_object_or_None)
+Handler = Callable[[str, dict[str, Any], dict[str, Any] | None], None]
+IndexFunc = Callable[[dict[str, Any]], Iterable[str]]
+
+
+def object_key(obj: dict[str, Any]) -> str:
+    """``namespace/name`` for namespaced objects, ``name`` for cluster-scoped ones."""
+    meta = obj.get("metadata") or {}
+    ns = meta.get("namespace")
+    return f"{ns}/{meta['name']}" if ns else str(meta["name"])
+
+
+def split_key(key: str) -> tuple[str | None, str]:
+    ns, _, name = key.rpartition("/")
+    return (ns or None), name
+
+
+class Store:
+    """Thread-safe object cache with secondary indexes (client-go's Indexer)."""
+
+    def __init__(self, indexers: dict[str, IndexFunc] | None = None) -> None:
+        self._lock = threading.RLock()
+        self._items: dict[str, dict[str, Any]] = {}
+        self._indexers = dict(indexers or {})
+        self._indices: dict[str, dict[str, set[str]]] = {name: {} for name in self._indexers}
+
+    def add_indexer(self, name: str, fn: IndexFunc) -> None:
+        with self._lock:
+            self._indexers[name] = fn
+            self._indices[name] = {}
+            for key, obj in self._items.items():
+                self._index(name, key, obj)
+
+    def _index(self, name: str, key: str, obj: dict[str, Any]) -> None:
+        for value in self._indexers[name](obj):
+            self._indices[name].setdefault(value, set()).add(key)
+
+    def _unindex(self, key: str, obj: dict[str, Any]) -> None:
+        for name, fn in self._indexers.items():
+            for value in fn(obj):
+                keys = self._indices[name].get(value)
+                if keys:
+                    keys.discard(key)
+                    if not keys:
+                        del self._indices[name][value]
+
+    def put(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        key = object_key(obj)
+        with self._lock:
+            old = self._items.get(key)
+            if old is not None:
+                self._unindex(key, old)
+            self._items[key] = obj
+            for name in self._indexers:
+                self._index(name, key, obj)
+            return old
+
+    def remove(self, key: str) -> dict[str, Any] | None:
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._unindex(key, old)
+            return old
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        """A deep copy, so callers may mutate it freely."""
+        with self._lock:
+            obj = self._items.get(key)
+            return copy.deepcopy(obj) if obj is not None else None
+
+    def get_raw(self, key: str) -> dict[str, Any] | None:
+        with self._lock:
+            return self._items.get(key)
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._items)
+
+    def list(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [copy.deepcopy(o) for o in self._items.values()]
+
+    def by_index(self, name: str, value: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [copy.deepcopy(self._items[k]) for k in sorted(self._indices[name].get(value, ()))]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+
+class Gone(Exception):
+    """The watch's resourceVersion is too old: relist."""
+
+
+class Informer:
+    def __init__(
+        self,
+        kube: Kube,
+        resource: Resource,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        indexers: dict[str, IndexFunc] | None = None,
+        watch_timeout: int = 300,
+        retry_delay: float = 1.0,
+    ) -> None:
+        self.kube = kube
+        self.resource = resource
+        self.namespace = namespace
+        selectors = (("label_selector", label_selector), ("field_selector", field_selector))
+        self.selectors = {k: v for k, v in selectors if v}
+        self.store = Store(indexers)
+        self.watch_timeout = watch_timeout
+        self.retry_delay = retry_delay
+        self.synced = threading.Event()
+        self.last_resource_version: str | None = None
+        #: Counters a test or a metrics endpoint can read: lists done, watches opened, 410s seen.
+        self.stats = {"lists": 0, "watches": 0, "gone": 0, "errors": 0}
+        self._handlers: list[Handler] = []
+        self._stop = threading.Event()
+        self._resp: Any = None
+        self._thread: threading.Thread | None = None
+
+    def add_handler(self, handler: Handler) -> None:
+        """Register before :meth:`start`; a handler added later gets the current objects as ADDED."""
+        self._handlers.append(handler)
+        if self.synced.is_set():
+            for obj in self.store.list():
+                handler(ADDED, obj, None)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> Informer:
+        self._thread = threading.Thread(target=self.run, name=f"informer-{self.resource.plural}", daemon=True)
+        self._thread.start()
+        return self
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def wait_for_sync(self, timeout: float | None = None) -> bool:
+        return self.synced.wait(timeout)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self.drop_connection()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def drop_connection(self) -> None:
+        """Close the open watch (as a network failure would); the loop resumes from the last version."""
+        resp = self._resp
+        if resp is not None:
+            try:
+                resp.shutdown() if hasattr(resp, "shutdown") else resp.close()
+            except Exception:
+                log.debug("closing watch response failed", exc_info=True)
+
+    def run(self) -> None:
+        need_list = True
+        while not self._stop.is_set():
+            try:
+                if need_list:
+                    self._list()
+                    need_list = False
+                self._watch()
+            except Gone:
+                self.stats["gone"] += 1
+                log.info("%s: watch version expired, relisting", self.resource.plural)
+                need_list = True
+            except Exception as exc:
+                if self._stop.is_set():
+                    break
+                self.stats["errors"] += 1
+                if isinstance(exc, ApiException) and exc.status == 410:
+                    self.stats["gone"] += 1
+                    need_list = True
+                    continue
+                log.warning("%s: list/watch failed (%s), retrying", self.resource.plural, type(exc).__name__)
+                self._stop.wait(self.retry_delay)
+
+    # -- list and watch ---------------------------------------------------------------------
+    def _list(self) -> None:
+        items: list[dict[str, Any]] = []
+        query: dict[str, Any] = dict(self.selectors, limit=500)
+        while True:
+            page = self.kube.list(self.resource, self.namespace, **query)
+            for obj in page.get("items") or []:
+                # List items carry no apiVersion/kind; add them so handlers see whole objects.
+                obj.setdefault("apiVersion", self.resource.api_version)
+                obj.setdefault("kind", self.resource.kind)
+                items.append(obj)
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                break
+            query["_continue"] = token
+        self.stats["lists"] += 1
+        self._replace(items)
+        self.last_resource_version = (page.get("metadata") or {}).get("resourceVersion")
+        self.synced.set()
+
+    def _replace(self, items: list[dict[str, Any]]) -> None:
+        """Make the cache equal to a fresh list, notifying only real differences."""
+        seen = set()
+        for obj in items:
+            seen.add(object_key(obj))
+            self._apply(ADDED, obj)
+        for key in list(self.store.keys()):  # noqa: SIM118 (Store is not a dict)
+            if key not in seen:
+                old = self.store.remove(key)
+                if old is not None:
+                    self._notify(DELETED, old, None)
+
+    def _watch(self) -> None:
+        query = dict(
+            self.selectors,
+            resource_version=self.last_resource_version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=self.watch_timeout,
+            # A read timeout longer than the server's keeps a silently dead connection from hanging us.
+            _request_timeout=(10, self.watch_timeout + 30),
+        )
+        self._resp = resp = self.kube.watch_response(self.resource, self.namespace, **query)
+        self.stats["watches"] += 1
+        try:
+            buf = b""
+            for chunk in resp.stream(amt=65536, decode_content=False):
+                if self._stop.is_set():
+                    return
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if line.strip():
+                        self._event(json.loads(line))
+        except Exception:
+            if self._stop.is_set():
+                return
+            raise
+        finally:
+            self._resp = None
+            resp.release_conn()
+
+    def _event(self, event: dict[str, Any]) -> None:
+        kind, obj = event.get("type"), event.get("object") or {}
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                raise Gone(obj.get("message", ""))
+            raise ApiException(status=obj.get("code") or 500, reason=f"{obj.get('reason')}: {obj.get('message')}")
+        rv = (obj.get("metadata") or {}).get("resourceVersion")
+        if kind == "BOOKMARK":
+            self.last_resource_version = rv or self.last_resource_version
+            return
+        obj.setdefault("apiVersion", self.resource.api_version)
+        obj.setdefault("kind", self.resource.kind)
+        if kind == DELETED:
+            old = self.store.remove(object_key(obj))
+            self._notify(DELETED, obj, old)
+        elif kind in (ADDED, MODIFIED):
+            self._apply(kind, obj)
+        if rv:
+            self.last_resource_version = rv
+
+    def _apply(self, kind: str, obj: dict[str, Any]) -> None:
+        old = self.store.get_raw(object_key(obj))
+        if old is not None and old.get("metadata", {}).get("resourceVersion") == obj["metadata"].get("resourceVersion"):
+            return  # already seen this exact version (a relist or a replayed event): no work
+        self.store.put(obj)
+        self._notify(MODIFIED if old is not None else ADDED, obj, old)
+
+    def _notify(self, kind: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
+        for handler in self._handlers:
+            try:
+                handler(kind, obj, old)
+            except Exception:
+                log.exception("%s: event handler failed", self.resource.plural)
+
+
+def wait_for_all(informers: Iterable[Informer], timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    return all(inf.wait_for_sync(max(0.0, deadline - time.monotonic())) for inf in informers)
