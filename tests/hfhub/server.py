@@ -195,7 +195,7 @@ def _serve(hub: HubServer, origin: str) -> ThreadingHTTPServer:
     handler = type(f"{origin.title()}Handler", (_Handler,), {"hub": hub, "origin": origin})
     srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, name=f"hfhub-{origin}", daemon=True).start()
+    threading.Thread(target=srv.serve_forever, args=(0.05,), name=f"hfhub-{origin}", daemon=True).start()
     return srv
 
 
