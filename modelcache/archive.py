@@ -154,9 +154,12 @@ def unpack_archive(
                 raise ArchiveError(f"failed to unpack {archive.name} into {dest}: {exc.strerror or exc}") from exc
             raise ArchiveError(f"{INVALID_FORMAT} ({archive.name}: {_short(exc)})") from exc
         writer.finish_links()
-        if remove_archive:
-            archive.unlink()
+        replaced = archive.parent == dest and os.path.lexists(staging / archive.name)
+        # Merge first, then drop the archive: a crash in between leaves the archive to redo
+        # the (idempotent) unpack, never a destination without the archive or its contents.
         _merge_into(staging, dest)
+        if remove_archive and not replaced:
+            archive.unlink()
         return writer.result
     finally:
         shutil.rmtree(staging, ignore_errors=True)

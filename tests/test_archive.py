@@ -370,3 +370,19 @@ def test_remove_stale_staging(box: Path) -> None:
     (dest / "model.bin").write_bytes(b"m")
     remove_stale_staging(dest)
     assert _tree(dest) == {"model.bin": "m"}
+
+
+def test_entry_named_like_the_archive_survives(box: Path) -> None:
+    dest = box / "dest"
+    _tar(dest / "m.tar", [_file("m.tar", b"inner"), _file("x.txt", b"x")])
+    unpack_archive(dest / "m.tar", dest)
+    assert (dest / "m.tar").read_bytes() == b"inner" and (dest / "x.txt").read_bytes() == b"x"
+
+
+def test_archive_through_symlink_removes_link_only(box: Path) -> None:
+    dest = box / "dest"
+    src = _tar(box / "outside" / "m.tar", [_file("x.txt", b"x")])
+    (dest / "m.tar").symlink_to(src)
+    unpack_archive(dest / "m.tar", dest)
+    assert not os.path.lexists(dest / "m.tar") and src.exists()
+    assert (dest / "x.txt").read_bytes() == b"x"

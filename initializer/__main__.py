@@ -1,0 +1,122 @@
+"""``storage-initializer SRC DEST [SRC DEST ...]``: KServe's init-container entrypoint, on modelcache.
+
+Exit status 0 when every pair succeeded, 1 otherwise (and for a usage error), as KServe's
+``initializer-entrypoint``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Mapping
+
+from initializer.dispatch import Context
+from initializer.redact import Scrubber, ScrubbingFormatter
+from initializer.report import Reporter
+from initializer.run import describe_error, pairs_from_args, run_pairs
+from modelcache.archive import ArchiveLimits
+from modelcache.credentials import Settings, ca_bundle_from_env
+from modelcache.errors import ModelcacheError
+from modelcache.uri import redact_uri
+
+USAGE = "Usage: initializer-entrypoint src_uri_0 dest_path_0 ... src_uri_n dest_path_n"
+_SYSTEM_CA_FILES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
+
+
+def _merged_ca_bundle(custom: str) -> str:
+    """KServe merges ``cabundle.crt`` with the system and certifi bundles, so the custom CA is
+    trusted in addition to the public ones; we do the same, into a private temp file."""
+    parts: list[bytes] = []
+    sources = list(_SYSTEM_CA_FILES)
+    try:
+        import certifi
+
+        sources.append(certifi.where())
+    except ImportError:
+        pass
+    for path in sources:
+        if os.path.isfile(path):
+            with open(path, "rb") as fh:
+                parts.append(fh.read())
+    with open(custom, "rb") as fh:
+        parts.append(fh.read())
+    fd, path = tempfile.mkstemp(prefix="modelcache-ca-", suffix=".crt")
+    with os.fdopen(fd, "wb") as out:
+        out.write(b"\n".join(parts))
+    return path
+
+
+def _ca_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Env additions that carry the custom CA bundle to every SDK that reads the standard
+    variables (requests: google-auth, azure-core, oras, huggingface_hub; httpx; OpenSSL).
+    The HTTP and S3 sources get it from ``Settings`` directly."""
+    custom = ca_bundle_from_env(env)
+    if not custom:
+        return {}
+    merged = _merged_ca_bundle(custom)
+    return {name: merged for name in ("REQUESTS_CA_BUNDLE", "SSL_CERT_FILE") if not env.get(name)}
+
+
+def _settings() -> Settings:
+    settings = Settings.from_env()
+    extra = _ca_env(settings.env)
+    if not extra:
+        return settings
+    # The SDKs read these from the process environment; set them before any client exists.
+    os.environ.update(extra)
+    return Settings.from_env({**settings.env, **extra})
+
+
+def _install_log_scrubbing(scrub: Scrubber) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(ScrubbingFormatter(scrub))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) < 2 or len(args) % 2:
+        print(USAGE, file=sys.stderr)
+        return 1
+    pairs = pairs_from_args(args)
+    for pair in pairs:
+        os.makedirs(pair.dest, exist_ok=True)
+
+    try:
+        settings = _settings()
+    except ModelcacheError as exc:
+        # Before settings exist we can only scrub what the error message itself may carry.
+        scrub = Scrubber()
+        for pair in pairs:
+            print(scrub(f"error: {redact_uri(pair.src)} -> {pair.dest}: {describe_error(exc)}"), file=sys.stderr)
+        return 1
+
+    scrub = Scrubber.from_env(settings.env)
+    _install_log_scrubbing(scrub)
+    env = settings.env
+    try:
+        limits = ArchiveLimits.from_env(env)
+        interval = float(env.get("MODELCACHE_PROGRESS_INTERVAL") or 5)
+        parallel = int(env.get("MODELCACHE_INIT_PARALLEL") or 4)
+    except (ModelcacheError, ValueError) as exc:
+        for pair in pairs:
+            print(scrub(f"error: {redact_uri(pair.src)} -> {pair.dest}: {describe_error(exc)}"), file=sys.stderr)
+        return 1
+
+    reporter = Reporter(scrub, interval=interval)
+    ctx = Context(settings=settings, limits=limits, tracker=reporter.tracker)
+    reporter.start()
+    try:
+        result = run_pairs(pairs, ctx, reporter, max_parallel=parallel)
+    finally:
+        reporter.stop()
+    reporter.summary(result.ok, result.failed, result.outcomes)
+    return 0 if result.failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

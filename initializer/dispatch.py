@@ -1,0 +1,153 @@
+"""Which handler serves a source: KServe's dispatch order (contracts §5.2), as a registry.
+
+The local cases (a PVC path that is not mounted, a path under the node-cache mount, a local
+path or ``file://``) are decided here; every remote scheme goes through the one core path,
+``modelcache.pull`` in dest mode, and then the archive step.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from initializer.report import PairOutcome
+from modelcache.archive import ArchiveLimits, archive_kind, remove_stale_staging, unpack_archive
+from modelcache.credentials import Settings
+from modelcache.errors import ModelcacheError, NotFoundError, UnsupportedError
+from modelcache.progress import ProgressTracker
+
+PVC_MOUNT_PREFIX = "/mnt/pvc"
+MODEL_MOUNT_DIR = "/mnt/models"
+#: Names in DEST the archive step must not overwrite: our own bookkeeping.
+RESERVED_NAMES = (".modelcache",)
+
+
+@dataclass
+class Context:
+    settings: Settings
+    limits: ArchiveLimits
+    tracker: ProgressTracker
+
+
+Handler = Callable[[str, Path, Context], PairOutcome]
+_HANDLERS: list[tuple[str, Callable[[str], bool], Handler]] = []
+
+
+def handler(name: str, matches: Callable[[str], bool]) -> Callable[[Handler], Handler]:
+    def deco(fn: Handler) -> Handler:
+        _HANDLERS.append((name, matches, fn))
+        return fn
+
+    return deco
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _local_path(uri: str) -> str:
+    return uri[len("file://") :] if uri.startswith("file://") else uri
+
+
+@handler("pvc-missing", lambda uri: uri.startswith(PVC_MOUNT_PREFIX) and not os.path.exists(uri))
+def _pvc_missing(uri: str, dest: Path, ctx: Context) -> PairOutcome:
+    raise NotFoundError(f"Cannot locate source uri {uri} for PVC")
+
+
+# The model was put there by the node cache (or the model agent): nothing to do. Checked
+# before the local case so the init container never links the mount into itself.
+@handler("model-mount", lambda uri: _under(_local_path(uri), MODEL_MOUNT_DIR))
+def _model_mount(uri: str, dest: Path, ctx: Context) -> PairOutcome:
+    return PairOutcome(action="no-op")
+
+
+@handler("local", lambda uri: uri.startswith("file://") or os.path.exists(uri))
+def _local(uri: str, dest: Path, ctx: Context) -> PairOutcome:
+    return link_local(uri, Path(os.path.abspath(_local_path(uri))), dest, ctx)
+
+
+@handler("pvc", lambda uri: uri.startswith("pvc://"))
+def _pvc(uri: str, dest: Path, ctx: Context) -> PairOutcome:
+    # KServe's webhook mounts the claim at /mnt/pvc and rewrites pvc://claim/path to
+    # /mnt/pvc/path; a pvc:// URI reaching us means the same mount, rooted at pvc_root.
+    from modelcache.uri import PVCLocation, parse_uri
+
+    loc = parse_uri(uri)
+    assert isinstance(loc, PVCLocation)
+    root = Path(ctx.settings.local.pvc_root)
+    for candidate in (root / loc.claim / loc.path, root / loc.path):
+        if candidate.exists():
+            return link_local(uri, candidate, dest, ctx)
+    raise NotFoundError(f"Cannot locate source uri {uri} for PVC (not mounted under {root})")
+
+
+# KServe matches `https://.+\.git` anywhere in the URI (so raw.githubusercontent.com URLs
+# are taken for git repositories). We only treat a path that ends in .git as a repository.
+_GIT_REPO = re.compile(r"^https?://[^?#]+\.git/?(?:[?#].*)?$")
+
+
+@handler("git", lambda uri: bool(_GIT_REPO.match(uri)))
+def _git(uri: str, dest: Path, ctx: Context) -> PairOutcome:
+    from modelcache.uri import redact_uri
+
+    raise UnsupportedError(
+        f"{redact_uri(uri)}: cloning git repositories is not supported; point the storage URI at the "
+        "model files (e.g. an hf:// repository or an archive URL)"
+    )
+
+
+@handler("pull", lambda uri: True)
+def _pull(uri: str, dest: Path, ctx: Context) -> PairOutcome:
+    from modelcache.pull import pull
+
+    result = pull(uri, dest=dest, settings=ctx.settings, progress=ctx.tracker)
+    files = _result_files(result)
+    outcome = PairOutcome(
+        action="cached" if getattr(result, "cached", False) else "pulled",
+        files=len(files),
+        bytes=int(getattr(result, "bytes", 0) or 0),
+    )
+    if len(files) == 1 and archive_kind(files[0]) is not None and (dest / files[0]).is_file():
+        res = unpack_archive(dest / files[0], dest, ctx.limits, reserved=RESERVED_NAMES)
+        outcome = PairOutcome(outcome.action, res.files, res.bytes, f"{files[0]} ({res.files} files)")
+    return outcome
+
+
+def _result_files(result: object) -> list[str]:
+    files = getattr(result, "files", ())
+    if isinstance(files, int):
+        return []
+    return [getattr(f, "path", f) for f in files]
+
+
+def link_local(uri: str, src: Path, dest: Path, ctx: Context) -> PairOutcome:
+    """KServe's local case: symlink the top-level entries of ``src`` into ``dest``.
+
+    Names already in ``dest`` are kept. Hidden entries are skipped (KServe globs ``*``). A
+    single linked archive is unpacked, and its link removed.
+    """
+    if not src.exists():
+        raise NotFoundError(f"Local path {uri} does not exist.")
+    entries = sorted(p for p in src.iterdir() if not p.name.startswith(".")) if src.is_dir() else [src]
+    if not entries:
+        raise NotFoundError(f"Failed to fetch model. No model found in {uri}.")
+    for entry in entries:
+        target = dest / entry.name
+        if not os.path.lexists(target):
+            os.symlink(entry, target)
+    if len(entries) == 1 and archive_kind(entries[0].name) is not None:
+        res = unpack_archive(dest / entries[0].name, dest, ctx.limits, reserved=RESERVED_NAMES)
+        return PairOutcome("linked", res.files, res.bytes, f"{entries[0].name} ({res.files} files)")
+    return PairOutcome("linked", files=len(entries))
+
+
+def run_pair(uri: str, dest: Path, ctx: Context) -> PairOutcome:
+    dest.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(dest)
+    for _name, matches, fn in _HANDLERS:
+        if matches(uri):
+            return fn(uri, dest, ctx)
+    raise ModelcacheError(f"no handler for {uri}")  # unreachable: "pull" matches everything

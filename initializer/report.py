@@ -1,0 +1,105 @@
+"""Plain-text output for init-container logs (not a TTY): periodic progress and a summary.
+
+Progress goes to stdout as one line every few seconds while bytes are moving; each finished
+pair gets one line, and the run ends with one summary line. Errors go to stderr, one line per
+failed pair. Every line passes through the scrubber.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+from initializer.redact import Scrubber
+from modelcache.progress import ProgressTracker, format_line, human_bytes, human_duration
+
+
+@dataclass(frozen=True)
+class PairOutcome:
+    """What one SRC DEST pair did. ``action``: pulled, cached, linked, no-op."""
+
+    action: str
+    files: int = 0
+    bytes: int = 0
+    unpacked: str = ""  # "<archive name> (<n> files)" when an archive was unpacked
+
+
+class Reporter:
+    def __init__(
+        self,
+        scrub: Scrubber,
+        interval: float = 5.0,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
+    ) -> None:
+        self.scrub = scrub
+        self.interval = interval
+        self.tracker = ProgressTracker()
+        self._out = out or sys.stdout
+        self._err = err or sys.stderr
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._start = time.monotonic()
+
+    # -- lines ----------------------------------------------------------------------------
+
+    def info(self, text: str) -> None:
+        self._emit(self._out, text)
+
+    def error(self, text: str) -> None:
+        self._emit(self._err, text)
+
+    def _emit(self, stream: TextIO, text: str) -> None:
+        line = self.scrub(text)
+        with self._lock:
+            stream.write(line + "\n")
+            stream.flush()
+
+    def pair_done(self, src: str, dest: str, outcome: PairOutcome, seconds: float) -> None:
+        extra = f", unpacked {outcome.unpacked}" if outcome.unpacked else ""
+        self.info(
+            f"{outcome.action}: {src} -> {dest}: {outcome.files} files, {human_bytes(outcome.bytes)} "
+            f"in {seconds:.1f}s{extra}"
+        )
+
+    def pair_failed(self, src: str, dest: str, cause: str) -> None:
+        self.error(f"error: {src} -> {dest}: {cause}")
+
+    def summary(self, ok: int, failed: int, outcomes: list[PairOutcome]) -> None:
+        elapsed = time.monotonic() - self._start
+        total_bytes = sum(o.bytes for o in outcomes)
+        files = sum(o.files for o in outcomes)
+        snap = self.tracker.snapshot()
+        moved = snap.bytes_done
+        rate = moved / elapsed if elapsed > 0 else 0.0
+        status = "done" if failed == 0 else "FAILED"
+        self.info(
+            f"{status}: {ok}/{ok + failed} pairs ok, {files} files, {human_bytes(total_bytes)} "
+            f"({human_bytes(moved)} transferred) in {human_duration(elapsed)} ({human_bytes(rate)}/s)"
+        )
+
+    # -- periodic progress ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        last_done = -1
+        while not self._stop.wait(self.interval):
+            snap = self.tracker.snapshot()
+            if snap.bytes_total == 0 and snap.bytes_done == 0:
+                continue
+            if snap.bytes_done == last_done and snap.rate == 0:
+                continue  # nothing moved since the last line: don't spam the log
+            last_done = snap.bytes_done
+            self.info(format_line(snap, label="progress: "))
