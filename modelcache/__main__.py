@@ -1,0 +1,3 @@
+from modelcache.cli import main
+
+main()

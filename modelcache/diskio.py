@@ -1,0 +1,181 @@
+"""Disk writes for the transfer engine: aligned buffers, O_DIRECT where it works, preallocation.
+
+O_DIRECT wrote ~1 GB/s durable on these machines against ~0.5 GB/s for buffered writes plus
+fsync, and it keeps the page cache free for the serving process, so it is the default where
+the file system accepts it (tmpfs and some overlay file systems do not: EINVAL at open).
+O_DIRECT needs the buffer address, length and file offset aligned; buffers come from mmap
+(page-aligned), chunk boundaries are multiples of ALIGN, and an unaligned file tail goes
+through an ordinary descriptor.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+
+from modelcache.errors import InsufficientSpaceError, StoreError
+
+ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def store_error(exc: OSError, path: str, action: str) -> StoreError:
+    """Map an OSError on the store to one clear line with the fix."""
+    if exc.errno == errno.ENOSPC or exc.errno == errno.EDQUOT:
+        return InsufficientSpaceError(
+            f"no space left on device while {action} '{path}': free space or run `modelcache gc`"
+        )
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return StoreError(f"cannot write '{path}' ({os.strerror(exc.errno)}): check the store path and its permissions")
+    return StoreError(f"{action} '{path}' failed: {exc.strerror or exc}")
+
+
+def direct_io_supported(directory: str) -> bool:
+    """Probe whether ``directory``'s file system accepts O_DIRECT writes."""
+    if not _O_DIRECT:
+        return False
+    probe = os.path.join(directory, f".odirect-probe-{os.getpid()}-{threading.get_ident()}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        buf = mmap.mmap(-1, ALIGN)
+        try:
+            os.pwrite(fd, memoryview(buf), 0)
+            return True
+        except OSError:
+            return False
+        finally:
+            buf.close()
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+
+
+class FileWriter:
+    """Positional writes into one preallocated file, through O_DIRECT when enabled."""
+
+    def __init__(self, path: str, size: int | None, direct: bool) -> None:
+        self.path = path
+        self.size = size
+        self.direct = direct and bool(_O_DIRECT)
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise store_error(exc, path, "creating") from exc
+        self.dfd = -1
+        try:
+            if size:
+                current = os.fstat(self.fd).st_size
+                if current < size:
+                    try:
+                        os.posix_fallocate(self.fd, 0, size)
+                    except OSError as exc:
+                        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                            raise
+                        os.ftruncate(self.fd, size)
+                elif current > size:
+                    os.ftruncate(self.fd, size)
+            if self.direct:
+                try:
+                    self.dfd = os.open(path, os.O_WRONLY | _O_DIRECT)
+                except OSError:
+                    self.direct = False
+        except OSError as exc:
+            self.close()
+            raise store_error(exc, path, "preallocating") from exc
+
+    def write(self, offset: int, data: memoryview) -> None:
+        """Write ``data`` at ``offset``; the aligned part goes through O_DIRECT."""
+        try:
+            if self.dfd >= 0 and offset % ALIGN == 0:
+                aligned = len(data) - len(data) % ALIGN
+                if aligned:
+                    self._pwrite_all(self.dfd, data[:aligned], offset)
+                    data = data[aligned:]
+                    offset += aligned
+            if data:
+                self._pwrite_all(self.fd, data, offset)
+        except OSError as exc:
+            raise store_error(exc, self.path, "writing") from exc
+
+    @staticmethod
+    def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+        while data:
+            n = os.pwrite(fd, data, offset)
+            data = data[n:]
+            offset += n
+
+    def read(self, offset: int, into: memoryview) -> int:
+        """Read back what was written (resume, hashing of chunks no longer in memory)."""
+        got = 0
+        while got < len(into):
+            n = os.preadv(self.fd, [into[got:]], offset + got)
+            if n == 0:
+                break
+            got += n
+        return got
+
+    def truncate(self, size: int) -> None:
+        os.ftruncate(self.fd, size)
+
+    def sync(self) -> None:
+        try:
+            os.fsync(self.fd)
+        except OSError as exc:
+            raise store_error(exc, self.path, "syncing") from exc
+
+    def datasync(self) -> None:
+        os.fdatasync(self.fd)
+
+    def close(self) -> None:
+        for fd in (self.dfd, self.fd):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.fd = self.dfd = -1
+
+
+class BufferPool:
+    """A fixed set of page-aligned buffers: the engine's memory bound (workers + spares)."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self.size = size
+        self._free: list[mmap.mmap] = [mmap.mmap(-1, size) for _ in range(count)]
+        self._all = list(self._free)
+        self._cond = threading.Condition()
+        self.parked = 0
+
+    def acquire(self) -> mmap.mmap:
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            return self._free.pop()
+
+    def release(self, buf: mmap.mmap) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+    def close(self) -> None:
+        for b in self._all:
+            try:
+                b.close()
+            except BufferError:
+                pass  # a view is still alive somewhere; the GC frees it
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,105 @@
+"""Progress displays: rich bars on a terminal, one plain line every few seconds in logs."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TextIO
+
+from modelcache.progress import ProgressTracker, format_line
+
+
+@contextmanager
+def plain_progress(tracker: ProgressTracker, interval: float, stream: TextIO, label: str = "") -> Iterator[None]:
+    """A line every ``interval`` seconds: `kubectl logs` and init-container logs are not TTYs."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(interval):
+            stream.write(format_line(tracker.snapshot(), label) + "\n")
+            stream.flush()
+
+    t = threading.Thread(target=run, name="modelcache-progress", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+
+
+@contextmanager
+def bar_progress(tracker: ProgressTracker, stream: TextIO) -> Iterator[None]:
+    """A total bar plus one bar per file in flight, refreshed from tracker snapshots."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    progress = Progress(
+        TextColumn("{task.description}", justify="left"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(file=stream),
+        transient=False,
+    )
+    stop = threading.Event()
+    total_task = progress.add_task("total", total=None)
+    file_tasks: dict[str, int] = {}
+
+    def refresh() -> None:
+        snap = tracker.snapshot()
+        progress.update(total_task, completed=snap.bytes_done, total=snap.bytes_total or None,
+                        description=f"total ({snap.files_done}/{snap.files_total} files)")
+        active = {f.path: f for f in snap.active if f.path}
+        for path, tid in list(file_tasks.items()):
+            if path not in active:
+                progress.remove_task(tid)
+                del file_tasks[path]
+        for path, f in active.items():
+            name = path if len(path) <= 40 else "..." + path[-37:]
+            if path not in file_tasks:
+                file_tasks[path] = progress.add_task(name, total=f.total)
+            progress.update(file_tasks[path], completed=f.done, total=f.total)
+
+    def run() -> None:
+        while not stop.wait(0.2):
+            refresh()
+
+    progress.start()
+    t = threading.Thread(target=run, name="modelcache-bars", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+        refresh()
+        for tid in file_tasks.values():
+            progress.remove_task(tid)
+        progress.stop()
+
+
+@contextmanager
+def show_progress(tracker: ProgressTracker, mode: str = "auto", interval: float = 5.0,
+                  stream: TextIO | None = None, label: str = "") -> Iterator[None]:
+    stream = stream or sys.stderr
+    if mode == "auto":
+        mode = "bar" if stream.isatty() else "plain"
+    if mode == "bar":
+        with bar_progress(tracker, stream):
+            yield
+    elif mode == "plain":
+        with plain_progress(tracker, interval, stream, label):
+            yield
+    else:
+        yield

@@ -1,0 +1,118 @@
+"""The resume journal: which byte ranges of a staged download are already on disk.
+
+An append-only text file in the model's staging folder. Lines are appended as pieces land
+(so a killed process loses at most the pieces in flight); every few seconds the engine
+fdatasyncs the data files and appends a sync marker. After a reboot (the kernel's boot id
+changed) only lines before the last marker are trusted, since later ones may describe data
+that never reached the disk. Each line is one small ``write`` on an O_APPEND descriptor, so a
+crash leaves at worst one torn last line, which is ignored.
+
+Lines:  ``boot <id>``, ``c <file> <chunk> <done>``, ``F <file> <xxh3> <algo,algo>``, ``S``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
+@dataclass
+class JournalState:
+    chunks: dict[tuple[int, int], int] = field(default_factory=dict)  # (file, chunk) -> bytes done
+    files: dict[int, tuple[str, tuple[str, ...]]] = field(default_factory=dict)  # file -> (xxh3, verified)
+
+
+def _trusted(lines: list[str], current_boot: str) -> list[str]:
+    """Each run starts a ``boot`` segment; a segment from another boot counts up to its last sync."""
+    out: list[str] = []
+    segment: list[str] = []
+    seg_boot = ""
+
+    def flush() -> None:
+        if seg_boot == current_boot:
+            out.extend(segment)
+        else:
+            last_sync = max((i for i, ln in enumerate(segment) if ln == "S"), default=-1)
+            out.extend(segment[: last_sync + 1])
+
+    for line in lines:
+        if line.startswith("boot "):
+            flush()
+            segment, seg_boot = [], line[5:]
+        else:
+            segment.append(line)
+    flush()
+    return out
+
+
+class Journal:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._fd = -1
+
+    def load(self) -> JournalState:
+        """Read what earlier runs recorded; trust unsynced lines only within the same boot."""
+        state = JournalState()
+        try:
+            with open(self.path, encoding="utf-8", errors="replace") as f:
+                lines = f.read().split("\n")
+        except FileNotFoundError:
+            return state
+        if lines and lines[-1] != "":
+            lines = lines[:-1]  # torn last line
+        for line in _trusted(lines, boot_id()):
+            parts = line.split(" ")
+            try:
+                if parts[0] == "c" and len(parts) == 4:
+                    key = (int(parts[1]), int(parts[2]))
+                    state.chunks[key] = max(state.chunks.get(key, 0), int(parts[3]))
+                elif parts[0] == "F" and len(parts) == 4:
+                    verified = tuple(a for a in parts[3].split(",") if a and a != "-")
+                    state.files[int(parts[1])] = (parts[2], verified)
+                elif parts[0] == "R" and len(parts) == 2:  # file reset (re-fetch after mismatch)
+                    idx = int(parts[1])
+                    state.files.pop(idx, None)
+                    for key in [k for k in state.chunks if k[0] == idx]:
+                        del state.chunks[key]
+            except ValueError:
+                continue
+        return state
+
+    def open(self, fresh: bool) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if fresh else 0)
+        self._fd = os.open(self.path, flags, 0o644)
+        # A new boot line starts every run: lines after it are judged by this boot's id.
+        self._write(f"boot {boot_id()}\n")
+
+    def _write(self, line: str) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.write(self._fd, line.encode())
+
+    def chunk(self, file_idx: int, chunk_idx: int, done: int) -> None:
+        self._write(f"c {file_idx} {chunk_idx} {done}\n")
+
+    def file_done(self, file_idx: int, xxh3: str, verified: tuple[str, ...]) -> None:
+        self._write(f"F {file_idx} {xxh3} {','.join(verified) or '-'}\n")
+
+    def file_reset(self, file_idx: int) -> None:
+        self._write(f"R {file_idx}\n")
+
+    def synced(self) -> None:
+        self._write("S\n")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1

@@ -1,0 +1,134 @@
+"""Progress accounting shared by the engine and its displays.
+
+The engine only adds bytes to a ``ProgressTracker`` (cheap, lock-protected counters); displays
+(rich bars on a TTY, one plain line every few seconds in logs, the agent's status) read
+snapshots from their own thread at their own pace.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class FileProgress:
+    path: str
+    done: int
+    total: int | None
+
+
+@dataclass(frozen=True)
+class ProgressSnapshot:
+    bytes_done: int
+    bytes_total: int
+    files_done: int
+    files_total: int
+    rate: float  # bytes/s over the recent window
+    elapsed: float
+    active: tuple[FileProgress, ...] = field(default=())
+
+    @property
+    def eta(self) -> float | None:
+        if self.rate <= 0 or self.bytes_total <= self.bytes_done:
+            return None if self.bytes_total > self.bytes_done else 0.0
+        return (self.bytes_total - self.bytes_done) / self.rate
+
+
+class ProgressTracker:
+    """Thread-safe byte and file counters with a sliding-window rate."""
+
+    WINDOW = 5.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._start = time.monotonic()
+        self._done = 0
+        self._total = 0
+        self._files_done = 0
+        self._files_total = 0
+        self._samples: deque[tuple[float, int]] = deque()
+        self._files: dict[str, list[int | None]] = {}  # path -> [done, total]
+
+    def add_total(self, nbytes: int, nfiles: int = 0) -> None:
+        with self._lock:
+            self._total += nbytes
+            self._files_total += nfiles
+
+    def file_started(self, path: str, total: int | None, already: int = 0) -> None:
+        with self._lock:
+            self._files[path] = [already, total]
+
+    def advance(self, path: str, nbytes: int) -> None:
+        with self._lock:
+            self._done += nbytes
+            entry = self._files.get(path)
+            if entry is not None:
+                entry[0] = int(entry[0] or 0) + nbytes
+
+    def skip(self, nbytes: int) -> None:
+        """Bytes already present (resume, cache): counted as done but not in the rate."""
+        with self._lock:
+            self._done += nbytes
+            self._samples.clear()
+
+    def rewind(self, path: str, nbytes: int) -> None:
+        """Bytes thrown away (a file re-fetched after a checksum mismatch)."""
+        with self._lock:
+            self._done -= nbytes
+            entry = self._files.get(path)
+            if entry is not None:
+                entry[0] = max(0, int(entry[0] or 0) - nbytes)
+
+    def file_finished(self, path: str) -> None:
+        with self._lock:
+            self._files_done += 1
+            self._files.pop(path, None)
+
+    def snapshot(self) -> ProgressSnapshot:
+        now = time.monotonic()
+        with self._lock:
+            self._samples.append((now, self._done))
+            while len(self._samples) > 2 and now - self._samples[0][0] > self.WINDOW:
+                self._samples.popleft()
+            t0, b0 = self._samples[0]
+            rate = (self._done - b0) / (now - t0) if now - t0 > 0.2 else 0.0
+            active = tuple(FileProgress(p, int(v[0] or 0), v[1]) for p, v in self._files.items())
+            return ProgressSnapshot(
+                bytes_done=self._done,
+                bytes_total=self._total,
+                files_done=self._files_done,
+                files_total=self._files_total,
+                rate=max(rate, 0.0),
+                elapsed=now - self._start,
+                active=active,
+            )
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def format_line(snap: ProgressSnapshot, label: str = "") -> str:
+    """One log line: what `kubectl logs` shows every few seconds."""
+    pct = f"{100 * snap.bytes_done / snap.bytes_total:5.1f}%" if snap.bytes_total else "  -  "
+    return (
+        f"{label}{pct} {human_bytes(snap.bytes_done)}/{human_bytes(snap.bytes_total)} "
+        f"files {snap.files_done}/{snap.files_total} {human_bytes(snap.rate)}/s "
+        f"eta {human_duration(snap.eta)}"
+    )

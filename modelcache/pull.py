@@ -1,0 +1,304 @@
+"""The one path every caller takes: URI -> source listing -> transfer engine -> node store.
+
+The CLI, the initializer and the agent are thin callers of ``pull`` / ``pull_many``. A pull
+takes the model's lock (a second pull of the same model waits, then finds it present), returns
+at once for a model already present, resumes a staged download whose listing is unchanged,
+checks free space before writing a byte, and publishes atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from modelcache.credentials import Settings
+from modelcache.errors import InsufficientSpaceError, ModelcacheError, NotFoundError
+from modelcache.journal import Journal, JournalState
+from modelcache.progress import ProgressTracker, human_bytes
+from modelcache.sources.base import RemoteFile, Source, open_source
+from modelcache.store import DestLayout, Manifest, ManifestFile, NodeLayout, NodeStore, now_iso
+from modelcache.transfer import FetchedFile, FileJob, TransferEngine, TransferOptions
+from modelcache.uri import Location, parse_uri
+
+log = logging.getLogger(__name__)
+
+#: Kept free on the store's file system beyond the model itself.
+SPACE_MARGIN = 64 << 20
+
+
+@dataclass(frozen=True)
+class PullResult:
+    uri: str  # redacted
+    storage_key: str
+    path: Path
+    resolved_uri: str
+    files: int
+    bytes: int
+    cached: bool
+    elapsed: float
+
+
+@dataclass
+class _Model:
+    location: Location
+    store: NodeStore
+    key: str
+    source: Source | None = None
+    files: list[RemoteFile] = field(default_factory=list)
+    journal: Journal | None = None
+    resume: JournalState = field(default_factory=JournalState)
+    result: PullResult | None = None
+    error: BaseException | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+def _store_for(location: Location, root: Path | None, dest: Path | None) -> NodeStore:
+    if (root is None) == (dest is None):
+        raise ModelcacheError("pull needs exactly one of a store root or a destination folder")
+    return NodeStore(DestLayout(dest)) if dest is not None else NodeStore(NodeLayout(root))  # type: ignore[arg-type]
+
+
+def apply_patterns(files: list[RemoteFile], settings: Settings) -> list[RemoteFile]:
+    """STORAGE_ALLOW_PATTERNS / STORAGE_IGNORE_PATTERNS, fnmatch on relative paths (KServe)."""
+    out = files
+    if settings.allow_patterns:
+        out = [f for f in out if any(fnmatch.fnmatch(f.path, p) for p in settings.allow_patterns)]
+    if settings.ignore_patterns:
+        out = [f for f in out if not any(fnmatch.fnmatch(f.path, p) for p in settings.ignore_patterns)]
+    return out
+
+
+def _plan_doc(m: _Model, chunk_size: int) -> dict[str, object]:
+    return {
+        "storage_key": m.key,
+        "resolved_uri": m.source.resolved_uri if m.source else "",
+        "chunk_size": chunk_size,
+        "files": [[f.path, f.size, f.version] for f in m.files],
+    }
+
+
+def _prepare_staging(m: _Model, chunk_size: int) -> None:
+    """Reuse a staged download only if it was for exactly this listing and chunk plan."""
+    staging = m.store.layout.staging_dir(m.key)
+    plan_path = staging / "plan.json"
+    plan = _plan_doc(m, chunk_size)
+    fresh = True
+    try:
+        fresh = json.loads(plan_path.read_text()) != plan
+    except (OSError, ValueError):
+        fresh = True
+    if fresh and staging.exists():
+        shutil.rmtree(staging)
+    (staging / "data").mkdir(parents=True, exist_ok=True)
+    if fresh:
+        tmp = staging / "plan.json.tmp"
+        tmp.write_text(json.dumps(plan))
+        os.replace(tmp, plan_path)
+    m.journal = Journal(str(staging / "journal"))
+    m.resume = JournalState() if fresh else m.journal.load()
+    m.journal.open(fresh=fresh)
+
+
+def _check_space(m: _Model) -> None:
+    staging = m.store.layout.staging_dir(m.key) / "data"
+    need = 0
+    for f in m.files:
+        try:
+            have = (staging / f.path).stat().st_size  # preallocated files already hold their space
+        except OSError:
+            have = 0
+        need += max(0, (f.size or 0) - have)
+    free = shutil.disk_usage(staging).free
+    if need + SPACE_MARGIN > free:
+        raise InsufficientSpaceError(
+            f"{m.location.display}: insufficient space: need {human_bytes(need)}, free "
+            f"{human_bytes(max(0, free - SPACE_MARGIN))} at {staging.parent.parent}; free space or run `modelcache gc`"
+        )
+
+
+def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
+    by_path = {f.path: f for f in m.files}
+    files = []
+    for ff in sorted(fetched, key=lambda f: f.path):
+        remote = by_path.get(ff.path)
+        checks = {c.algo: c.value for c in (remote.checksums if remote else ()) if c.algo in ff.verified}
+        files.append(ManifestFile(path=ff.path, size=ff.size, xxh3=ff.xxh3, checksums=checks))
+    assert m.source is not None
+    return Manifest(
+        storage_key=m.key,
+        uri=m.location.display,
+        resolved_uri=m.source.resolved_uri if m.source.resolved_revision else m.location.display,
+        revision=m.source.resolved_revision,
+        files=files,
+        created_at=now_iso(),
+    )
+
+
+def _list(m: _Model, settings: Settings) -> None:
+    m.source = open_source(m.location, settings)
+    files = m.source.list_files()
+    if m.location.kind != "http":  # KServe applies the patterns to listings, not to single URLs
+        files = apply_patterns(files, settings)
+    if not files:
+        raise NotFoundError(f"{m.location.display}: no files to download (empty, or all filtered out)")
+    seen: set[str] = set()
+    for f in files:
+        if f.path in seen:
+            raise ModelcacheError(f"{m.location.display}: the listing names '{f.path}' twice")
+        seen.add(f.path)
+    m.files = files
+
+
+def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
+    path = m.store.layout.model_dir(m.key)
+    if not cached:
+        path = m.store.publish(m.key, _manifest(m, fetched))
+    manifest = m.store.manifest(m.key)
+    total = manifest.total_size if manifest else sum(f.size for f in fetched)
+    return PullResult(
+        uri=m.location.display,
+        storage_key=m.key,
+        path=path,
+        resolved_uri=manifest.resolved_uri if manifest else m.location.display,
+        files=len(manifest.files) if manifest else len(fetched),
+        bytes=total,
+        cached=cached,
+        elapsed=time.monotonic() - m.started,
+    )
+
+
+def _extract(m: _Model, progress: ProgressTracker) -> list[FetchedFile] | None:
+    """Sources whose layout is not file-per-object (OCI modelcar) write the tree themselves."""
+    assert m.source is not None
+    if type(m.source).extract_into is Source.extract_into:
+        return None
+    from modelcache.integrity import hash_file
+
+    staging = m.store.layout.staging_dir(m.key)
+    data = staging / "data"
+    if data.exists():
+        shutil.rmtree(data)
+    data.mkdir(parents=True)
+    progress.add_total(sum(f.size or 0 for f in m.files), len(m.files))
+    paths = m.source.extract_into(str(data), lambda n: progress.advance("", n))
+    if paths is None:
+        return None
+    out = []
+    for rel in paths:
+        p = data / rel
+        size = p.stat().st_size
+        out.append(FetchedFile(rel, size, hash_file(p, size=size).local_hexdigest(), ()))
+    return out
+
+
+@contextlib.contextmanager
+def _locked(models: Sequence[_Model]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for m in sorted(models, key=lambda m: str(m.store.layout.lock_path(m.key))):  # one order: no deadlock
+            stack.enter_context(m.store.lock(m.key))
+        yield
+
+
+def pull_many(
+    uris: Sequence[str],
+    *,
+    root: str | os.PathLike[str] | None = None,
+    dest: str | os.PathLike[str] | None = None,
+    settings: Settings | None = None,
+    options: TransferOptions | None = None,
+    progress: ProgressTracker | None = None,
+) -> list[PullResult | ModelcacheError | BaseException]:
+    """Pull several models with one worker pool; one result or error per URI, in order."""
+    settings = settings if settings is not None else Settings.from_env()
+    options = (options or TransferOptions()).normalized()
+    progress = progress or ProgressTracker()
+    rootp = Path(root) if root is not None else None
+    destp = Path(dest) if dest is not None else None
+    models: dict[str, _Model] = {}
+    order: list[str | BaseException] = []
+    for uri in uris:
+        try:
+            loc = parse_uri(uri)
+            store = _store_for(loc, rootp, destp)
+        except ModelcacheError as exc:
+            order.append(exc)
+            continue
+        models.setdefault(loc.storage_key, _Model(loc, store, loc.storage_key))
+        order.append(loc.storage_key)
+    if destp is not None and len(models) > 1:
+        raise ModelcacheError("a destination folder holds one model: pull several URIs into a store root")
+
+    try:
+        with _locked(list(models.values())):
+            jobs: list[FileJob] = []
+            for m in models.values():
+                try:
+                    m.store.recover(m.key)
+                    if m.store.is_present(m.key):
+                        m.store.touch(m.key)
+                        m.result = _finish(m, [], cached=True)
+                        continue
+                    _list(m, settings)
+                    extracted = _extract(m, progress)
+                    if extracted is not None:
+                        m.result = _finish(m, extracted, cached=False)
+                        continue
+                    _prepare_staging(m, options.chunk_size)
+                    _check_space(m)
+                    data = m.store.layout.staging_dir(m.key) / "data"
+                    assert m.journal is not None
+                    for i, f in enumerate(m.files):
+                        jobs.append(FileJob(m.source, f, str(data / f.path), m.journal, i, m.key, m.resume))  # type: ignore[arg-type]
+                except BaseException as exc:
+                    m.error = exc
+            if jobs:
+                engine = TransferEngine(options, progress)
+                results, errors = engine.run(jobs)
+                for key, exc in errors.items():
+                    models[key].error = exc
+                for key, fetched in results.items():
+                    m = models[key]
+                    if m.error is None:
+                        try:
+                            m.result = _finish(m, fetched, cached=False)
+                        except BaseException as exc:
+                            m.error = exc
+    finally:
+        for m in models.values():
+            if m.journal is not None:
+                m.journal.close()
+            if m.source is not None:
+                m.source.close()
+
+    out: list[PullResult | ModelcacheError | BaseException] = []
+    for item in order:
+        if isinstance(item, BaseException):
+            out.append(item)
+            continue
+        m = models[item]
+        out.append(m.result if m.result is not None else (m.error or ModelcacheError(f"{m.location.display}: failed")))
+    return out
+
+
+def pull(
+    uri: str,
+    *,
+    root: str | os.PathLike[str] | None = None,
+    dest: str | os.PathLike[str] | None = None,
+    settings: Settings | None = None,
+    options: TransferOptions | None = None,
+    progress: ProgressTracker | None = None,
+) -> PullResult:
+    """Pull one model; raises its error."""
+    (result,) = pull_many([uri], root=root, dest=dest, settings=settings, options=options, progress=progress)
+    if isinstance(result, BaseException):
+        raise result
+    return result

@@ -1,0 +1,267 @@
+"""HTTP(S) source: one file per URI, ranged GETs when the server honours Range.
+
+Listing is a HEAD (size, ETag, digest headers) and a one-byte ranged GET that tells whether
+the server honours ``Range``; a server that ignores it is read as one stream. Ranged reads
+send ``If-Match`` with a strong ETag so a file replaced on the server mid-download fails
+loudly instead of mixing two versions. Digest headers (RFC 9530 ``Repr-Digest``, RFC 3230
+``Digest``, ``Content-MD5``) and a ``#sha256=<hex>`` pin in the URI become checksums.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import ssl
+from typing import Any
+from urllib.parse import urlsplit
+
+import urllib3
+from urllib3.exceptions import (
+    HTTPError,
+    NewConnectionError,
+    ProtocolError,
+    ReadTimeoutError,
+    SSLError,
+)
+from urllib3.exceptions import (
+    TimeoutError as Urllib3Timeout,
+)
+
+from modelcache.errors import (
+    AccessDeniedError,
+    AuthError,
+    NotFoundError,
+    RateLimitedError,
+    SourceError,
+    TransientError,
+)
+from modelcache.integrity import safe_b64_to_hex
+from modelcache.sources.base import Checksum, RemoteFile, Source, register_source, safe_relpath
+from modelcache.uri import HTTPLocation, redact_uri
+
+# Digest algorithm names in HTTP headers -> our hasher names.
+_HTTP_ALGOS = {"sha-256": "sha256", "sha-512": "sha512", "md5": "md5", "sha": "sha1", "sha-1": "sha1"}
+
+
+def parse_digest_headers(headers: Any) -> list[Checksum]:
+    """Checksums of the whole representation from Repr-Digest, Digest and Content-MD5."""
+    found: dict[str, str] = {}
+    repr_digest = headers.get("Repr-Digest")
+    if repr_digest:  # RFC 9530 structured dictionary: sha-256=:BASE64:, ...
+        for m in re.finditer(r"([A-Za-z0-9-]+)\s*=\s*:([A-Za-z0-9+/=]+):", repr_digest):
+            algo = _HTTP_ALGOS.get(m.group(1).lower())
+            hexval = safe_b64_to_hex(m.group(2))
+            if algo and hexval:
+                found.setdefault(algo, hexval)
+    digest = headers.get("Digest")
+    if digest:  # RFC 3230: SHA-256=BASE64,MD5=BASE64
+        for part in digest.split(","):
+            name, _, value = part.strip().partition("=")
+            algo = _HTTP_ALGOS.get(name.strip().lower())
+            hexval = safe_b64_to_hex(value.strip())
+            if algo and hexval:
+                found.setdefault(algo, hexval)
+    md5 = headers.get("Content-MD5")
+    if md5:
+        hexval = safe_b64_to_hex(md5)
+        if hexval:
+            found.setdefault("md5", hexval)
+    return [Checksum(a, v) for a, v in sorted(found.items())]
+
+
+class _HTTPStream:
+    def __init__(self, resp: urllib3.BaseHTTPResponse, where: str) -> None:
+        self._resp = resp
+        self._where = where
+
+    def readinto(self, buf: memoryview) -> int:
+        try:
+            return self._resp.readinto(buf)  # type: ignore[arg-type]
+        except (ProtocolError, ReadTimeoutError, Urllib3Timeout) as exc:
+            raise TransientError(f"{self._where}: connection broken while reading: {type(exc).__name__}") from exc
+        except (OSError, HTTPError) as exc:
+            raise TransientError(f"{self._where}: read failed: {type(exc).__name__}") from exc
+
+    def abort(self) -> None:
+        """Wake a reader blocked in recv (the stall watchdog); close() alone may not."""
+        conn = getattr(self._resp, "connection", None)
+        sock = getattr(conn, "sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.close()
+
+    def close(self) -> None:
+        try:
+            remaining = self._resp.length_remaining
+            if remaining == 0:
+                self._resp.release_conn()
+            else:  # an unread body: drop the connection rather than read the rest
+                self._resp.close()
+        except Exception:
+            pass
+
+
+@register_source("http")
+class HTTPSource(Source):
+    preferred_chunk_size = 16 << 20
+    max_streams = 16
+
+    def __init__(self, location: HTTPLocation, settings: Any) -> None:  # type: ignore[override]
+        super().__init__(location, settings)
+        self.loc = location
+        http = settings.http
+        self.where = redact_uri(location.url)
+        self.headers = {"Accept-Encoding": "identity", "User-Agent": "modelcache"}
+        self.headers.update(http.headers_for(location.host))
+        timeout = urllib3.Timeout(connect=http.connect_timeout, read=http.read_timeout)
+        kwargs: dict[str, Any] = {"timeout": timeout, "retries": False, "maxsize": 32, "block": False}
+        if location.url.startswith("https://"):
+            if http.verify:
+                ctx = ssl.create_default_context()
+                if http.ca_bundle:
+                    ctx.load_verify_locations(cafile=http.ca_bundle)
+                kwargs["ssl_context"] = ctx
+            else:
+                kwargs["cert_reqs"] = "CERT_NONE"
+                urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
+        self.pool = urllib3.PoolManager(**kwargs)
+        self._etag: str | None = None
+
+    def _request(self, method: str, headers: dict[str, str] | None = None) -> urllib3.BaseHTTPResponse:
+        all_headers = dict(self.headers)
+        if headers:
+            all_headers.update(headers)
+        try:
+            return self.pool.request(
+                method, self.loc.url, headers=all_headers, preload_content=False, redirect=True
+            )
+        except SSLError as exc:
+            reason = str(exc.__context__ or exc).split("(_ssl", 1)[0][:200]
+            raise SourceError(
+                f"{self.where}: TLS verification failed ({reason}); trust the server's CA with "
+                "MODELCACHE_CA_BUNDLE or CA_BUNDLE_CONFIGMAP_NAME"
+            ) from exc
+        except NewConnectionError as exc:
+            netloc = urlsplit(self.loc.url).netloc.rsplit("@", 1)[-1]
+            raise TransientError(f"{self.where}: cannot connect to {netloc}: {_reason(exc)}") from exc
+        except (Urllib3Timeout, ProtocolError, HTTPError, OSError) as exc:
+            raise TransientError(f"{self.where}: request failed: {_reason(exc)}") from exc
+
+    def _check_status(self, resp: urllib3.BaseHTTPResponse, ok: tuple[int, ...]) -> None:
+        code = resp.status
+        if code in ok:
+            return
+        resp.drain_conn() if code < 500 else resp.close()
+        if code == 401:
+            raise AuthError(
+                f"{self.where}: HTTP 401 Unauthorized: set request headers in the env variable "
+                f"'{self.loc.host}-headers' (JSON, e.g. {{\"Authorization\": \"Bearer ...\"}})"
+            )
+        if code == 403:
+            raise AccessDeniedError(f"{self.where}: HTTP 403 Forbidden: the credentials do not allow reading it")
+        if code == 404 or code == 410:
+            raise NotFoundError(f"{self.where}: HTTP {code} Not Found: check the URL")
+        if code == 412:
+            raise SourceError(f"{self.where}: the file changed on the server during the download; pull again")
+        if code == 429:
+            raise RateLimitedError(f"{self.where}: HTTP 429 Too Many Requests", _retry_after(resp))
+        if code >= 500 or code == 408:
+            raise TransientError(f"{self.where}: HTTP {code} from the server")
+        raise SourceError(f"{self.where}: unexpected HTTP {code}")
+
+    def list_files(self) -> list[RemoteFile]:
+        from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+        for attempt in Retrying(
+            stop=stop_after_attempt(3),
+            wait=wait_exponential(multiplier=0.3, max=3),
+            retry=retry_if_exception_type(TransientError),
+            reraise=True,
+        ):
+            with attempt:
+                return [self._probe()]
+        raise AssertionError("unreachable")
+
+    def _probe(self) -> RemoteFile:
+        head = self._request("HEAD")
+        checksums: list[Checksum] = []
+        size: int | None = None
+        etag = None
+        if head.status not in (405, 501):
+            self._check_status(head, (200,))
+            checksums = parse_digest_headers(head.headers)
+            size = _int(head.headers.get("Content-Length"))
+            etag = head.headers.get("ETag")
+            head.drain_conn()
+            head.release_conn()
+        probe = self._request("GET", {"Range": "bytes=0-0"})
+        if probe.status == 416:  # empty file
+            probe.drain_conn()
+            size, ranged = 0, False
+        else:
+            self._check_status(probe, (200, 206))
+            ranged = probe.status == 206
+            if ranged:
+                m = re.match(r"bytes \d+-\d+/(\d+)", probe.headers.get("Content-Range", ""))
+                size = int(m.group(1)) if m else size
+                probe.drain_conn()
+                probe.release_conn()
+            else:
+                if head.status in (405, 501):
+                    checksums = parse_digest_headers(probe.headers)
+                size = _int(probe.headers.get("Content-Length"))
+                probe.close()  # don't read a whole body just to learn it ignores Range
+            etag = etag or probe.headers.get("ETag")
+        if self.loc.pinned:
+            pin = Checksum(*self.loc.pinned)
+            checksums = [c for c in checksums if c.algo != pin.algo] + [pin]
+        if etag and not etag.startswith("W/"):
+            self._etag = etag
+        path = safe_relpath(self.loc.filename, self.where)
+        return RemoteFile(path=path, size=size, version=etag, checksums=tuple(checksums), ranged=ranged and bool(size))
+
+    def open_range(self, file: RemoteFile, start: int, end: int | None) -> _HTTPStream:
+        headers: dict[str, str] = {}
+        whole = start == 0 and (end is None or end == file.size)
+        if not whole:
+            headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+            if self._etag:
+                headers["If-Match"] = self._etag
+        resp = self._request("GET", headers)
+        self._check_status(resp, (200,) if whole else (206,))
+        return _HTTPStream(resp, self.where)
+
+    def close(self) -> None:
+        self.pool.clear()
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _retry_after(resp: urllib3.BaseHTTPResponse) -> float | None:
+    value = resp.headers.get("Retry-After")
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None
+
+
+def _reason(exc: BaseException) -> str:
+    """The root cause without the URL (which may carry a signature)."""
+    root: BaseException = exc
+    while root.__context__ is not None and root.__context__ is not root:
+        root = root.__context__
+    if isinstance(root, ConnectionRefusedError) or "Connection refused" in str(exc):
+        return "connection refused"
+    if isinstance(root, socket.gaierror) or "Name or service not known" in str(exc):
+        return "host name not found"
+    if isinstance(root, (TimeoutError, socket.timeout)) or isinstance(exc, Urllib3Timeout):
+        return "timed out"
+    return type(root).__name__

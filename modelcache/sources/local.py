@@ -1,0 +1,98 @@
+"""Local files: ``file://``, absolute paths, and ``pvc://claim/path`` under the PVC mount root.
+
+Read through the same engine as remote sources (a copy, chunked and hashed), so a store
+entry never depends on a path that may go away. The initializer links instead, as KServe does.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from modelcache.errors import AccessDeniedError, NotFoundError, SourceError
+from modelcache.sources.base import RemoteFile, Source, register_source, safe_relpath
+from modelcache.uri import LocalLocation, Location, PVCLocation
+
+
+class _FileStream:
+    def __init__(self, path: str, start: int, end: int | None) -> None:
+        self._fd = os.open(path, os.O_RDONLY)
+        self._pos = start
+        self._end = end
+
+    def readinto(self, buf: memoryview) -> int:
+        want = len(buf) if self._end is None else min(len(buf), self._end - self._pos)
+        if want <= 0:
+            return 0
+        n = os.preadv(self._fd, [buf[:want]], self._pos)
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def resolve_local_path(location: Location, settings: Any) -> Path:
+    if isinstance(location, PVCLocation):
+        return Path(settings.local.pvc_root) / location.claim / location.path
+    assert isinstance(location, LocalLocation)
+    return Path(location.path)
+
+
+@register_source("local")
+@register_source("pvc")
+class LocalSource(Source):
+    preferred_chunk_size = 64 << 20
+    max_streams = 8
+
+    def __init__(self, location: Location, settings: Any) -> None:
+        super().__init__(location, settings)
+        self.root = resolve_local_path(location, settings)
+
+    def list_files(self) -> list[RemoteFile]:
+        where = self.location.display
+        try:
+            st = self.root.stat()
+        except FileNotFoundError as exc:
+            hint = f" (PVCs are mounted under {self.settings.local.pvc_root})" if isinstance(
+                self.location, PVCLocation) else ""
+            raise NotFoundError(f"{where}: no such file or directory '{self.root}'{hint}") from exc
+        except PermissionError as exc:
+            raise AccessDeniedError(f"{where}: permission denied reading '{self.root}'") from exc
+        if not self.root.is_dir():
+            return [self._file(self.root, self.root.name, st)]
+        files = []
+        for dirpath, dirnames, filenames in os.walk(self.root, onerror=self._walk_error):
+            dirnames[:] = sorted(d for d in dirnames if d != ".modelcache")
+            for name in sorted(filenames):
+                full = Path(dirpath) / name
+                rel = full.relative_to(self.root).as_posix()
+                try:
+                    fst = full.stat()
+                except OSError:
+                    continue  # a dangling symlink: nothing to copy
+                files.append(self._file(full, rel, fst))
+        if not files:
+            raise NotFoundError(f"{where}: '{self.root}' holds no files")
+        return files
+
+    def _walk_error(self, exc: OSError) -> None:
+        raise SourceError(f"{self.location.display}: cannot list '{exc.filename}': {exc.strerror}")
+
+    def _file(self, full: Path, rel: str, st: os.stat_result) -> RemoteFile:
+        path = safe_relpath(rel, self.location.display)
+        return RemoteFile(
+            path=path,
+            size=st.st_size,
+            version=f"{st.st_mtime_ns}-{st.st_size}",
+            meta=(("local_path", str(full)),),
+        )
+
+    def open_range(self, file: RemoteFile, start: int, end: int | None) -> _FileStream:
+        try:
+            return _FileStream(file.meta_get("local_path"), start, end)
+        except FileNotFoundError as exc:
+            raise NotFoundError(f"{self.location.display}: '{file.path}' disappeared during the copy") from exc

@@ -1,0 +1,350 @@
+"""The node store: staged downloads, atomic publish, manifests, locks, eviction.
+
+Layout under one root (DESIGN.md)::
+
+    <root>/models/<storageKey>/...                 the model, exactly as serving pods see it
+    <root>/.modelcache/manifests/<storageKey>.json what was published, with per-file digests
+    <root>/.modelcache/staging/<storageKey>/       data/ (in-flight files), plan.json, journal
+    <root>/.modelcache/locks/<storageKey>.lock     flock: one writer per model per machine
+
+A model is present only when its manifest exists and the folder matches it (every file there
+with its size). Publishing renames the staged folder into place, then the manifest, so a crash
+leaves staging or an unlisted folder, never a half model that looks complete. The initializer
+uses the same code with ``DestLayout``: the model folder is the destination itself and the
+bookkeeping lives in ``<dest>/.modelcache/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from modelcache.diskio import fsync_dir, store_error
+from modelcache.errors import StoreError
+from modelcache.integrity import hash_file
+
+MANIFEST_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ManifestFile:
+    path: str
+    size: int
+    xxh3: str
+    checksums: dict[str, str] = field(default_factory=dict)  # source checksums the bytes matched
+
+
+@dataclass(frozen=True)
+class Manifest:
+    storage_key: str
+    uri: str  # redacted: no query strings or userinfo
+    resolved_uri: str
+    revision: str | None
+    files: list[ManifestFile]
+    created_at: str
+    version: int = MANIFEST_VERSION
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        data = json.loads(text)
+        files = [ManifestFile(**f) for f in data.pop("files")]
+        return cls(files=files, **data)
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class StoreEntry:
+    storage_key: str
+    uri: str
+    size: int
+    files: int
+    created_at: str
+    last_used: float
+    present: bool
+
+
+@dataclass(frozen=True)
+class VerifyProblem:
+    path: str
+    problem: str
+
+
+class Layout:
+    """Where one model's folder, manifest, staging area and lock live."""
+
+    def model_dir(self, key: str) -> Path:
+        raise NotImplementedError
+
+    def manifest_path(self, key: str) -> Path:
+        raise NotImplementedError
+
+    def staging_dir(self, key: str) -> Path:
+        raise NotImplementedError
+
+    def lock_path(self, key: str) -> Path:
+        raise NotImplementedError
+
+
+class NodeLayout(Layout):
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.meta = self.root / ".modelcache"
+
+    def model_dir(self, key: str) -> Path:
+        return self.root / "models" / key
+
+    def manifest_path(self, key: str) -> Path:
+        return self.meta / "manifests" / f"{key}.json"
+
+    def staging_dir(self, key: str) -> Path:
+        return self.meta / "staging" / key
+
+    def lock_path(self, key: str) -> Path:
+        return self.meta / "locks" / f"{key}.lock"
+
+
+class DestLayout(Layout):
+    """One model written straight into a destination folder (the init container's /mnt/models)."""
+
+    def __init__(self, dest: Path) -> None:
+        self.dest = Path(dest)
+        self.meta = self.dest / ".modelcache"
+
+    def model_dir(self, key: str) -> Path:
+        return self.dest
+
+    def manifest_path(self, key: str) -> Path:
+        return self.meta / "manifest.json"
+
+    def staging_dir(self, key: str) -> Path:
+        return self.meta / "staging"
+
+    def lock_path(self, key: str) -> Path:
+        return self.meta / "lock"
+
+
+class NodeStore:
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+
+    @classmethod
+    def at(cls, root: str | os.PathLike[str]) -> NodeStore:
+        return cls(NodeLayout(Path(root)))
+
+    # ---- locking ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lock(self, key: str, blocking: bool = True) -> Iterator[None]:
+        """Exclusive per-model lock across processes: two pulls of one model download once."""
+        path = self.layout.lock_path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise store_error(exc, str(path), "locking") from exc
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError as exc:
+                raise StoreError(f"model {key} is in use by another modelcache process") from exc
+            yield
+        finally:
+            os.close(fd)
+
+    # ---- reading ----------------------------------------------------------------------
+
+    def manifest(self, key: str) -> Manifest | None:
+        try:
+            m = Manifest.from_json(self.layout.manifest_path(key).read_text())
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+        return m if m.storage_key == key else None
+
+    def is_present(self, key: str) -> bool:
+        """Manifest there and every listed file there with its size (cheap: stats only)."""
+        m = self.manifest(key)
+        if m is None:
+            return False
+        base = self.layout.model_dir(key)
+        for f in m.files:
+            try:
+                if (base / f.path).stat().st_size != f.size:
+                    return False
+            except OSError:
+                return False
+        return True
+
+    def touch(self, key: str) -> None:
+        """Record a use, for least-recently-used eviction."""
+        with contextlib.suppress(OSError):
+            os.utime(self.layout.manifest_path(key))
+
+    def keys(self) -> list[str]:
+        if not isinstance(self.layout, NodeLayout):
+            raise StoreError("listing needs a node store root")
+        found: set[str] = set()
+        mdir = self.layout.meta / "manifests"
+        if mdir.is_dir():
+            found |= {p.stem for p in mdir.glob("*.json")}
+        models = self.layout.root / "models"
+        if models.is_dir():
+            found |= {p.name for p in models.iterdir() if p.is_dir()}
+        return sorted(found)
+
+    def entries(self) -> list[StoreEntry]:
+        out = []
+        for key in self.keys():
+            m = self.manifest(key)
+            try:
+                used = self.layout.manifest_path(key).stat().st_mtime
+            except OSError:
+                used = 0.0
+            out.append(
+                StoreEntry(
+                    storage_key=key,
+                    uri=m.uri if m else "",
+                    size=m.total_size if m else 0,
+                    files=len(m.files) if m else 0,
+                    created_at=m.created_at if m else "",
+                    last_used=used,
+                    present=self.is_present(key),
+                )
+            )
+        return out
+
+    # ---- writing ----------------------------------------------------------------------
+
+    def recover(self, key: str) -> None:
+        """Finish a publish that a crash interrupted between its two renames."""
+        staging = self.layout.staging_dir(key)
+        pending = staging / "manifest.json"
+        if pending.exists() and not (staging / "data").exists() and self.layout.model_dir(key).exists():
+            self._install_manifest(key, pending)
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def publish(self, key: str, manifest: Manifest) -> Path:
+        """Move ``staging/data`` into place and install the manifest. Caller holds the lock."""
+        staging = self.layout.staging_dir(key)
+        data = staging / "data"
+        target = self.layout.model_dir(key)
+        pending = staging / "manifest.json"
+        try:
+            pending.write_text(manifest.to_json())
+            with open(pending, "rb") as f:
+                os.fsync(f.fileno())
+            if isinstance(self.layout, DestLayout):
+                self._merge_into(data, target)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if target.exists():  # an unlisted or damaged copy: replace it whole
+                    trash = staging.parent / f".trash-{key}-{time.time_ns()}"
+                    os.rename(target, trash)
+                    shutil.rmtree(trash, ignore_errors=True)
+                os.rename(data, target)
+                fsync_dir(str(target.parent))
+            self._install_manifest(key, pending)
+        except OSError as exc:
+            raise store_error(exc, str(target), "publishing") from exc
+        shutil.rmtree(staging, ignore_errors=True)
+        return target
+
+    def _install_manifest(self, key: str, pending: Path) -> None:
+        final = self.layout.manifest_path(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(pending, final)
+        fsync_dir(str(final.parent))
+
+    @staticmethod
+    def _merge_into(data: Path, target: Path) -> None:
+        target.mkdir(parents=True, exist_ok=True)
+        for entry in sorted(data.iterdir()):
+            dst = target / entry.name
+            if dst.is_dir() and not dst.is_symlink() and entry.is_dir():
+                NodeStore._merge_into(entry, dst)
+                continue
+            if dst.is_dir() and not dst.is_symlink():
+                shutil.rmtree(dst)
+            elif dst.exists() or dst.is_symlink():
+                dst.unlink()
+            os.rename(entry, dst)
+        fsync_dir(str(target))
+
+    def remove(self, key: str) -> bool:
+        """Delete a model: the manifest first (it stops being present), then its files."""
+        removed = False
+        with self.lock(key, blocking=False):
+            mpath = self.layout.manifest_path(key)
+            if mpath.exists():
+                mpath.unlink()
+                removed = True
+            target = self.layout.model_dir(key)
+            if target.exists():
+                trash = target.parent / f".trash-{key}-{time.time_ns()}"
+                os.rename(target, trash)
+                shutil.rmtree(trash, ignore_errors=True)
+                removed = True
+            staging = self.layout.staging_dir(key)
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+                removed = True
+        return removed
+
+    def gc(self, target_free: int, dry_run: bool = False, keep: frozenset[str] = frozenset()) -> list[StoreEntry]:
+        """Evict least recently used models until ``target_free`` bytes are free."""
+        if not isinstance(self.layout, NodeLayout):
+            raise StoreError("gc needs a node store root")
+        free = shutil.disk_usage(self.layout.root).free
+        evicted: list[StoreEntry] = []
+        for entry in sorted(self.entries(), key=lambda e: e.last_used):
+            if free >= target_free:
+                break
+            if entry.storage_key in keep:
+                continue
+            if not dry_run:
+                try:
+                    self.remove(entry.storage_key)
+                except StoreError:
+                    continue  # in use by a running pull
+            evicted.append(entry)
+            free += entry.size
+        return evicted
+
+    def verify(self, key: str) -> list[VerifyProblem]:
+        """Re-hash every file and compare with the manifest."""
+        m = self.manifest(key)
+        if m is None:
+            return [VerifyProblem("", "no manifest: the model is not (completely) in the store")]
+        base = self.layout.model_dir(key)
+        problems = []
+        for f in m.files:
+            p = base / f.path
+            try:
+                size = p.stat().st_size
+            except OSError:
+                problems.append(VerifyProblem(f.path, "missing"))
+                continue
+            if size != f.size:
+                problems.append(VerifyProblem(f.path, f"size {size}, manifest says {f.size}"))
+                continue
+            digest = hash_file(p, size=size).local_hexdigest()
+            if digest != f.xxh3:
+                problems.append(VerifyProblem(f.path, f"xxh3-128 {digest}, manifest says {f.xxh3}"))
+        return problems
