@@ -116,6 +116,13 @@ def test_ranged_reads_multi_chunk_and_redirect_without_auth_leak(hub: HubServer)
     # Every read is pinned to the listed commit, never to the branch name.
     commit = big.version
     assert all(f"/resolve/{commit}/" in r.path for r in hub_reqs)
+    # The CDN location is reused: one Hub GET for the LFS file, however many chunks.
+    assert hub.count(origin="hub", method="GET", contains="/model.safetensors") == 1
+    assert hub.count(origin="cdn", method="GET") >= 6
+    # An expired signed location falls back to the Hub for a fresh one.
+    hub.rotate_cdn_secret()
+    assert _read(src, big, 10, 20) == BIG[10:20]
+    assert hub.count(origin="hub", method="GET", contains="/model.safetensors") == 2
     src.close()
 
 

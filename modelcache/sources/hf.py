@@ -17,6 +17,7 @@ import re
 import threading
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx2
 import requests
@@ -68,6 +69,8 @@ class HFSource(Source):
         self._session_lock = threading.Lock()
         self._session: requests.Session | None = None
         self._commit: str | None = None
+        #: repo path -> CDN URL the Hub redirected it to (signed: never logged or shown).
+        self._cdn_urls: dict[str, str] = {}
 
     # ---- listing ---------------------------------------------------------------------
     def list_files(self) -> list[RemoteFile]:
@@ -158,9 +161,9 @@ class HFSource(Source):
             self.loc.repo_id, file.meta_get("repo_path", file.path), revision=commit, endpoint=self.endpoint
         )
 
-    def _headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    def _headers(self, extra: Mapping[str, str] | None = None, auth: bool = True) -> dict[str, str]:
         headers = {"User-Agent": _USER_AGENT, "Accept-Encoding": "identity", **(extra or {})}
-        if self.token:
+        if self.token and auth:
             # Set per request, not on the session: requests strips it when a redirect leaves the host.
             headers["Authorization"] = f"Bearer {self.token}"
         return headers
@@ -197,12 +200,7 @@ class HFSource(Source):
         if stop is not None and start >= stop:
             return _HTTPRangeStream(None, 0, self, file)
         rng = f"bytes={start}-" if end is None else f"bytes={start}-{end - 1}"
-        try:
-            resp = self.session().get(
-                self._url(file), headers=self._headers({"Range": rng}), stream=True, timeout=self._timeout()
-            )
-        except requests.RequestException as exc:
-            raise TransientError(f"{self.loc.display}: {file.path}: connection error: {type(exc).__name__}") from exc
+        resp = self._get(file, rng)
         if resp.status_code not in (200, 206):
             resp.close()
             raise self._http_error(resp.status_code, resp.headers, file)
@@ -217,6 +215,29 @@ class HFSource(Source):
                 stream.close()
                 raise TransientError(f"{self.loc.display}: {file.path}: asked for {rng}, got Content-Range '{got}'")
         return stream
+
+    def _get(self, file: RemoteFile, rng: str) -> requests.Response:
+        """GET a range. An LFS file's CDN location (signed, on another host) is remembered per
+        file so each chunk costs one request instead of a Hub hit plus a redirect (the Hub
+        rate-limits ``/resolve``); a refused cached location falls back to the Hub once."""
+        key = file.meta_get("repo_path", file.path)
+        cached = self._cdn_urls.get(key)
+        try:
+            if cached is not None:
+                resp = self.session().get(
+                    cached, headers=self._headers({"Range": rng}, auth=False), stream=True, timeout=self._timeout()
+                )
+                if resp.status_code not in (401, 403, 404, 410):
+                    return resp
+                resp.close()
+                self._cdn_urls.pop(key, None)
+            url = self._url(file)
+            resp = self.session().get(url, headers=self._headers({"Range": rng}), stream=True, timeout=self._timeout())
+        except requests.RequestException as exc:
+            raise TransientError(f"{self.loc.display}: {file.path}: connection error: {type(exc).__name__}") from exc
+        if resp.history and resp.status_code in (200, 206) and _origin(resp.url) != _origin(url):
+            self._cdn_urls[key] = resp.url
+        return resp
 
     def close(self) -> None:
         with self._session_lock:
@@ -333,6 +354,11 @@ class _HTTPRangeStream:
             self._resp.close()
             self._resp = None
         self._raw = None
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    return (parts.scheme, (parts.hostname or "").lower(), parts.port)
 
 
 def _retry_after(headers: Mapping[str, str]) -> float | None:

@@ -21,6 +21,7 @@ import hmac
 import json
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -81,6 +82,8 @@ class HubServer:
     lfs_threshold: int = 64 * 1024
     tree_page_size: int = 1000
     redirect_status: int = 302
+    #: Bytes per second for file bodies (None: unthrottled), to catch a client mid-download.
+    throttle_bps: float | None = None
     tokens: set[str] = field(default_factory=set)
     repos: dict[str, HubRepo] = field(default_factory=dict)
     requests: list[Request] = field(default_factory=list)
@@ -90,6 +93,7 @@ class HubServer:
         self._failures: list[_Failure] = []
         self._hooks: list[_Hook] = []
         self._secret = b"cdn-signing-key"
+        self.body_bytes_sent = 0
         self._hub: ThreadingHTTPServer | None = None
         self._cdn: ThreadingHTTPServer | None = None
 
@@ -149,6 +153,10 @@ class HubServer:
                 and (method is None or r.method == method)
                 and contains in r.path
             )
+
+    def rotate_cdn_secret(self) -> None:
+        """Invalidate every CDN URL handed out so far (as expiring signed URLs do)."""
+        self._secret = hashlib.sha256(self._secret).digest()
 
     def cdn_url_for(self, f: HubFile) -> str:
         sig = hmac.new(self._secret, f.sha256.encode(), hashlib.sha256).hexdigest()
@@ -284,8 +292,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             view = memoryview(body)
-            for off in range(0, len(view), 1 << 20):
-                self.wfile.write(view[off : off + (1 << 20)])
+            bps = self.hub.throttle_bps if status in (200, 206) and headers.get("Accept-Ranges") else None
+            piece = 1 << 20 if bps is None else max(1024, int(bps / 20))
+            for off in range(0, len(view), piece):
+                self.wfile.write(view[off : off + piece])
+                with self.hub._lock:
+                    self.hub.body_bytes_sent += len(view[off : off + piece])
+                if bps is not None:
+                    time.sleep(len(view[off : off + piece]) / bps)
 
     def _send_json(self, status: int, obj: object, headers: dict[str, str] | None = None) -> None:
         self._send(status, json.dumps(obj).encode(), {"Content-Type": "application/json", **(headers or {})})
