@@ -7,12 +7,14 @@ path or ``file://``) are decided here; every remote scheme goes through the one 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from initializer import unpacked
 from initializer.report import PairOutcome
 from modelcache.archive import ArchiveLimits, archive_kind, remove_stale_staging, unpack_archive
 from modelcache.credentials import Settings
@@ -102,25 +104,32 @@ def _git(uri: str, dest: Path, ctx: Context) -> PairOutcome:
 @handler("pull", lambda uri: True)
 def _pull(uri: str, dest: Path, ctx: Context) -> PairOutcome:
     from modelcache.pull import pull
+    from modelcache.store import DestLayout, NodeStore
+    from modelcache.uri import storage_key
+
+    key = storage_key(uri)
+    done = unpacked.load(dest, key)
+    if done is not None and unpacked.is_complete(dest, done):
+        # Already unpacked by an earlier run: no listing, no request.
+        if done.archive:
+            with contextlib.suppress(FileNotFoundError):
+                (dest / done.archive).unlink()
+        return PairOutcome("cached", len(done.files), sum(s for _, s in done.files), f"{done.archive} (earlier)")
 
     result = pull(uri, dest=dest, settings=ctx.settings, progress=ctx.tracker)
-    files = _result_files(result)
-    outcome = PairOutcome(
-        action="cached" if getattr(result, "cached", False) else "pulled",
-        files=len(files),
-        bytes=int(getattr(result, "bytes", 0) or 0),
-    )
-    if len(files) == 1 and archive_kind(files[0]) is not None and (dest / files[0]).is_file():
-        res = unpack_archive(dest / files[0], dest, ctx.limits, reserved=RESERVED_NAMES)
-        outcome = PairOutcome(outcome.action, res.files, res.bytes, f"{files[0]} ({res.files} files)")
-    return outcome
-
-
-def _result_files(result: object) -> list[str]:
-    files = getattr(result, "files", ())
-    if isinstance(files, int):
-        return []
-    return [getattr(f, "path", f) for f in files]
+    outcome = PairOutcome("cached" if result.cached else "pulled", result.files, result.bytes)
+    manifest = NodeStore(DestLayout(dest)).manifest(result.storage_key)
+    names = [f.path for f in manifest.files] if manifest is not None else []
+    if len(names) != 1 or archive_kind(names[0]) is None or not (dest / names[0]).is_file():
+        return outcome
+    archive = dest / names[0]
+    size = archive.stat().st_size
+    res = unpack_archive(archive, dest, ctx.limits, remove_archive=False, reserved=RESERVED_NAMES)
+    replaced = any(p == names[0] for p in res.paths)
+    unpacked.write(dest, unpacked.build(dest, key, "" if replaced else names[0], size, res))
+    if not replaced:
+        archive.unlink()
+    return PairOutcome(outcome.action, res.files, res.bytes, f"{names[0]} ({res.files} files)")
 
 
 def link_local(uri: str, src: Path, dest: Path, ctx: Context) -> PairOutcome:
