@@ -157,7 +157,8 @@ def test_unknown_scheme_and_bad_uri(tmp_path: Path) -> None:
     assert r.code == 1
     lines = [line for line in r.err.splitlines() if line.startswith("error:")]
     assert len(lines) == 2
-    assert "ftp://host/model.bin" in lines[0] and "relative/not/there" in lines[1]
+    assert any(line.startswith("error: ftp://host/model.bin -> ") for line in lines)
+    assert any(line.startswith("error: relative/not/there -> ") for line in lines)
 
 
 def test_settings_error_names_every_pair_without_secret(tmp_path: Path) -> None:
