@@ -233,7 +233,7 @@ class Informer:
         for obj in items:
             seen.add(object_key(obj))
             self._apply(ADDED, obj)
-        for key in list(self.store.keys()):  # noqa: SIM118 (Store is not a dict)
+        for key in self.store.keys():  # noqa: SIM118 (Store is not a dict)
             if key not in seen:
                 old = self.store.remove(key)
                 if old is not None:
