@@ -1,0 +1,146 @@
+"""What the S3, GCS and Azure Blob sources share: folder-bounded listing, checksum encodings,
+parallel per-object metadata calls, and a ranged-read stream over a raw HTTP response.
+
+Object stores have no folders, only keys. ``s3://b/model`` must mean the object ``model`` or
+the keys under ``model/`` -- never ``model_v2/...`` (KServe's raw-prefix bug). Keys ending in
+``/`` are folder markers made by consoles and tools; real zero-byte files are kept.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import posixpath
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from modelcache.errors import InvalidURIError, NotFoundError, TransientError
+from modelcache.sources.base import safe_relpath
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a URI's prefix selects: the keys under ``folder`` (a ``/``-terminated prefix, or ""
+    for the whole bucket) and, if the folder is empty, possibly the single object ``single``."""
+
+    folder: str
+    single: str | None
+
+
+def scope_of(prefix: str) -> Scope:
+    if not prefix:
+        return Scope(folder="", single=None)
+    if prefix.endswith("/"):
+        return Scope(folder=prefix, single=None)
+    return Scope(folder=prefix + "/", single=prefix)
+
+
+def relpath_in(scope: Scope, key: str, where: str) -> str | None:
+    """The model-relative path of ``key``, or None for a folder marker."""
+    if key.endswith("/"):
+        return None
+    if not key.startswith(scope.folder):  # defensive: the listing was bounded by the folder
+        return None
+    return safe_relpath(key[len(scope.folder) :], where)
+
+
+def single_object_path(key: str, where: str) -> str:
+    """A single-object URI lands in the model folder under the object's basename (KServe)."""
+    return safe_relpath(posixpath.basename(key), where)
+
+
+def check_unique(paths: Iterable[str], where: str) -> None:
+    """Two keys that normalise to one path (``a//b`` and ``a/b``) would overwrite each other."""
+    seen: set[str] = set()
+    for p in paths:
+        if p in seen:
+            raise InvalidURIError(f"{where}: two objects map to the same file path {p!r}; rename one of them")
+        seen.add(p)
+
+
+def b64_to_hex(value: str | bytes | bytearray | None) -> str | None:
+    """Object stores send digests base64-encoded; modelcache carries lower-case hex."""
+    if value is None or value == "":
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True) if isinstance(value, str) else bytes(value)
+    except (binascii.Error, ValueError):
+        return None
+    return raw.hex()
+
+
+def nothing_found(display: str, backend: str) -> NotFoundError:
+    return NotFoundError(
+        f"no model found at {display}: the {backend} prefix has no objects (neither an object of that name "
+        "nor a folder under it); check the path and that the upload finished"
+    )
+
+
+def parallel_map(fn: Callable[[T], R], items: list[T], workers: int = 8) -> list[R]:
+    """Per-object metadata calls (HEAD) for a listing, a few at a time, in input order."""
+    if len(items) <= 1:
+        return [fn(i) for i in items]
+    with ThreadPoolExecutor(max_workers=min(workers, len(items)), thread_name_prefix="head") as pool:
+        return list(pool.map(fn, items))
+
+
+class _RawBody(Protocol):
+    def readinto(self, b: memoryview) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class RawRangeStream:
+    """``readinto`` straight from an HTTP response body (no copy through bytes objects).
+
+    Counts what arrives and turns a short body into a TransientError, so a dropped connection
+    can never pass for the end of the range. ``wrap`` maps transport exceptions to modelcache
+    errors (backend-specific).
+    """
+
+    def __init__(
+        self,
+        body: _RawBody,
+        expected: int | None,
+        wrap: Callable[[BaseException], Exception],
+        what: str,
+    ) -> None:
+        self._body = body
+        self._left = expected
+        self._wrap = wrap
+        self._what = what
+
+    def readinto(self, buf: memoryview) -> int:
+        if self._left is not None:
+            if self._left <= 0:
+                return 0
+            if len(buf) > self._left:
+                buf = buf[: self._left]
+        try:
+            n = self._body.readinto(buf)
+        except Exception as exc:
+            raise self._wrap(exc) from exc
+        if n == 0 and self._left:
+            raise TransientError(f"{self._what}: connection closed with {self._left} bytes of the range missing")
+        if self._left is not None:
+            self._left -= n
+        return n
+
+    def close(self) -> None:
+        try:
+            self._body.close()
+        except Exception:
+            pass
+
+
+class EmptyStream:
+    def readinto(self, buf: memoryview) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,299 @@
+"""S3 (``s3://bucket/prefix``) through boto3: listing, credentials and ranged GETs.
+
+Listing is bounded by ``/`` (see ``objectstore``). Every listed object gets one HEAD (with
+``ChecksumMode=ENABLED``), because the listing alone cannot tell which checksums are real:
+an SSE-KMS object's ETag is not its MD5, a multipart ETag needs the part size (a second HEAD
+with ``PartNumber=1``), and a multipart object's CRC is only a whole-file CRC when S3 says
+``ChecksumType=FULL_OBJECT``. Reads are pinned with ``If-Match`` (and the version id on
+versioned buckets) so an overwrite during the download fails loudly instead of mixing bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import boto3
+import botocore
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    NoCredentialsError,
+    PartialCredentialsError,
+    SSLError,
+)
+
+from modelcache.credentials import S3Settings, Settings
+from modelcache.errors import (
+    AccessDeniedError,
+    AuthError,
+    ModelcacheError,
+    NotFoundError,
+    RateLimitedError,
+    SourceError,
+    TransientError,
+)
+from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source
+from modelcache.sources.objectstore import (
+    EmptyStream,
+    RawRangeStream,
+    b64_to_hex,
+    check_unique,
+    nothing_found,
+    parallel_map,
+    relpath_in,
+    scope_of,
+    single_object_path,
+)
+from modelcache.uri import Location, S3Location, redact_uri
+
+_MD5_ETAG = re.compile(r"[0-9a-f]{32}")
+_MULTIPART_ETAG = re.compile(r"([0-9a-f]{32})-(\d+)")
+# HeadObject field -> modelcache hasher name (full-object additional checksums).
+_FULL_OBJECT_CHECKSUMS = (("sha256", "ChecksumSHA256"), ("crc32c", "ChecksumCRC32C"), ("crc32", "ChecksumCRC32"))
+_AUTH_CODES = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "AuthorizationHeaderMalformed",
+    "InvalidClientTokenId",
+    "UnrecognizedClientException",
+}
+_THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests", "503"}
+_LEGACY_GLOBAL_ENDPOINT = "https://s3.amazonaws.com"
+
+
+def make_client(cfg: S3Settings, pool: int) -> Any:
+    """A boto3 S3 client configured the way KServe's initializer configures it."""
+    addressing = "virtual" if cfg.virtual_addressing else "auto"
+    if cfg.endpoint_url == _LEGACY_GLOBAL_ENDPOINT and cfg.region and cfg.region != "us-east-1":
+        addressing = "virtual"  # KServe: the legacy global endpoint needs virtual hosting outside us-east-1
+    config = Config(
+        signature_version=botocore.UNSIGNED if cfg.anonymous else None,
+        s3={"addressing_style": addressing, "use_accelerate_endpoint": cfg.use_accelerate},
+        connect_timeout=cfg.connect_timeout,
+        read_timeout=cfg.read_timeout,
+        retries={"max_attempts": cfg.max_attempts, "mode": "standard"},
+        max_pool_connections=pool,
+    )
+    # Explicit keys (env or storage spec) win; otherwise boto3's default chain (IRSA / web
+    # identity, shared config, container and instance roles).
+    session = boto3.session.Session(
+        aws_access_key_id=cfg.access_key_id if cfg.has_static_keys else None,
+        aws_secret_access_key=cfg.secret_access_key if cfg.has_static_keys else None,
+        aws_session_token=cfg.session_token if cfg.has_static_keys else None,
+        region_name=cfg.region,
+    )
+    verify: bool | str | None = False if not cfg.verify else (cfg.ca_bundle or None)
+    return session.client("s3", endpoint_url=cfg.endpoint_url, verify=verify, config=config)
+
+
+@register_source("s3")
+class S3Source(Source):
+    preferred_chunk_size = 16 << 20
+    max_streams = 16
+
+    def __init__(self, location: Location, settings: Settings) -> None:
+        super().__init__(location, settings)
+        assert isinstance(location, S3Location)
+        self.loc = location
+        self.cfg = settings.s3
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            try:
+                self._client = make_client(self.cfg, self.max_streams + 4)
+            except BotoCoreError as exc:
+                raise self._error(exc, self.loc.display) from None
+        return self._client
+
+    # -- listing -------------------------------------------------------------------------
+
+    def list_files(self) -> list[RemoteFile]:
+        where = self.loc.display
+        scope = scope_of(self.loc.prefix)
+        found: list[tuple[str, str]] = []  # (relative path, key)
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.loc.bucket, Prefix=scope.folder)
+            for page in pages:
+                for obj in page.get("Contents", ()):
+                    rel = relpath_in(scope, obj["Key"], where)
+                    if rel is not None:
+                        found.append((rel, obj["Key"]))
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error(exc, where) from None
+        if not found and scope.single is not None:
+            found = [(single_object_path(scope.single, where), scope.single)]
+        if not found:
+            raise nothing_found(where, "S3")
+        check_unique((p for p, _ in found), where)
+        files = parallel_map(lambda item: self._describe(*item), found)
+        return sorted(files, key=lambda f: f.path)
+
+    def _head(self, key: str, **extra: Any) -> dict[str, Any]:
+        return self.client.head_object(Bucket=self.loc.bucket, Key=key, ChecksumMode="ENABLED", **extra)
+
+    def _describe(self, rel: str, key: str) -> RemoteFile:
+        where = f"s3://{self.loc.bucket}/{key}"
+        try:
+            head = self._head(key)
+        except (ClientError, BotoCoreError) as exc:
+            if _status(exc) == 404 and key == self.loc.prefix:
+                raise nothing_found(self.loc.display, "S3") from None
+            raise self._error(exc, where) from None
+        size = int(head["ContentLength"])
+        etag = str(head.get("ETag", "")).strip('"').lower()
+        version_id = head.get("VersionId")
+        if version_id == "null":
+            version_id = None
+        checksums = self._checksums(key, size, etag, head, where)
+        meta = [("key", key), ("etag", etag)]
+        if version_id:
+            meta.append(("version_id", str(version_id)))
+        return RemoteFile(
+            path=rel,
+            size=size,
+            version=str(version_id) if version_id else (etag or None),
+            checksums=tuple(checksums),
+            meta=tuple(meta),
+        )
+
+    def _checksums(self, key: str, size: int, etag: str, head: dict[str, Any], where: str) -> list[Checksum]:
+        out: list[Checksum] = []
+        multipart = _MULTIPART_ETAG.fullmatch(etag)
+        whole_ok = not multipart or head.get("ChecksumType") == "FULL_OBJECT"
+        if head.get("ChecksumType") != "COMPOSITE" and whole_ok:
+            for algo, name in _FULL_OBJECT_CHECKSUMS:
+                value = head.get(name)
+                if value and "-" not in value and (hexval := b64_to_hex(value)):
+                    out.append(Checksum(algo, hexval))
+        # The ETag is an MD5 only without SSE-KMS / SSE-C (their ETags are opaque).
+        if head.get("ServerSideEncryption", "").startswith("aws:kms") or head.get("SSECustomerAlgorithm"):
+            return out
+        if _MD5_ETAG.fullmatch(etag):
+            out.append(Checksum("md5", etag))
+        elif multipart:
+            parts = int(multipart.group(2))
+            part_size = self._part_size(key, where)
+            # Only uniform part sizes (every SDK's default) can be recomputed from the file.
+            if part_size and parts == max(1, math.ceil(size / part_size)):
+                out.append(
+                    Checksum("s3-etag", multipart.group(1), (("part_size", str(part_size)), ("parts", str(parts))))
+                )
+        return out
+
+    def _part_size(self, key: str, where: str) -> int | None:
+        try:
+            head = self._head(key, PartNumber=1)
+        except ClientError:
+            return None  # e.g. a store without part-level HEAD: verify with what we have
+        except BotoCoreError as exc:
+            raise self._error(exc, where) from None
+        return int(head["ContentLength"]) or None
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def open_range(self, file: RemoteFile, start: int, end: int | None) -> RangeStream:
+        key = file.meta_get("key") or file.path
+        where = f"s3://{self.loc.bucket}/{key}"
+        stop = file.size if end is None else end
+        if stop is not None and start >= stop:
+            return EmptyStream()
+        kwargs: dict[str, Any] = {"Bucket": self.loc.bucket, "Key": key}
+        if file.meta_get("etag"):
+            kwargs["IfMatch"] = f'"{file.meta_get("etag")}"'
+        if file.meta_get("version_id"):
+            kwargs["VersionId"] = file.meta_get("version_id")
+        if start or end is not None:
+            kwargs["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        try:
+            resp = self.client.get_object(**kwargs)
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error(exc, where, reading=True) from None
+        if "Range" in kwargs and not str(resp.get("ContentRange", "")).startswith(f"bytes {start}-"):
+            resp["Body"].close()
+            raise SourceError(f"{where}: the S3 endpoint ignored the byte range; it does not support ranged GETs")
+        return RawRangeStream(resp["Body"], int(resp["ContentLength"]), lambda e: self._error(e, where, True), where)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # -- errors --------------------------------------------------------------------------
+
+    def _endpoint(self) -> str:
+        return redact_uri(self.cfg.endpoint_url) if self.cfg.endpoint_url else "the AWS S3 endpoint"
+
+    def _error(self, exc: BaseException, where: str, reading: bool = False) -> ModelcacheError:
+        """One line per failure kind: what failed, for which URI, and what to change."""
+        bucket = self.loc.bucket
+        if isinstance(exc, ModelcacheError):
+            return exc
+        if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+            return AuthError(
+                f"no AWS credentials for {where}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or the "
+                "storage-spec secret), use IRSA, or awsAnonymousCredential=true for a public bucket"
+            )
+        if isinstance(exc, SSLError):
+            return SourceError(
+                f"TLS verification failed talking to {self._endpoint()} for {where}: set AWS_CA_BUNDLE to the "
+                "endpoint's CA certificate (or S3_VERIFY_SSL=0 for a test endpoint), or check S3_USE_HTTPS"
+            )
+        if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError)):
+            return TransientError(
+                f"cannot connect to S3 endpoint {self._endpoint()} for {where}: check AWS_ENDPOINT_URL / "
+                "S3_ENDPOINT, the region and the network"
+            )
+        if isinstance(exc, ClientError):
+            err = exc.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = _status(exc)
+            if code in _AUTH_CODES:
+                return AuthError(
+                    f"S3 rejected the credentials for {where} ({code}): check AWS_ACCESS_KEY_ID / "
+                    "AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN (or the storage-spec secret) and the region"
+                )
+            if code == "NoSuchBucket":
+                return NotFoundError(
+                    f"S3 bucket '{bucket}' does not exist ({where}): check the bucket name, the endpoint "
+                    f"({self._endpoint()}) and the region"
+                )
+            if code in ("AccessDenied", "AllAccessDisabled", "AccountProblem") or status == 403:
+                return AccessDeniedError(
+                    f"access denied to {where} ({code or 403}): the credentials need s3:ListBucket on bucket "
+                    f"'{bucket}' and s3:GetObject on its objects"
+                )
+            if code in ("PreconditionFailed",) or status == 412:
+                return SourceError(
+                    f"{where} changed while it was being downloaded (ETag no longer matches); run the pull again"
+                )
+            if code in ("NoSuchKey", "NoSuchVersion", "404") or status == 404:
+                return NotFoundError(f"S3 object {where} not found (deleted or replaced since listing?)")
+            if code in _THROTTLE_CODES or status in (429, 503):
+                return RateLimitedError(f"S3 is throttling requests for {where} ({code}); retrying")
+            if status >= 500 or code in ("InternalError", "RequestTimeout"):
+                return TransientError(f"S3 server error for {where} ({code or status})")
+            return SourceError(f"S3 error for {where}: {code or status} {err.get('Message', '')}".rstrip())
+        if isinstance(exc, BotoCoreError):
+            # Read timeouts, dropped streams, incomplete reads: retryable.
+            return TransientError(f"S3 transfer error for {where}: {type(exc).__name__}")
+        return (
+            TransientError(f"S3 read error for {where}: {type(exc).__name__}")
+            if reading
+            else SourceError(f"S3 error for {where}: {type(exc).__name__}")
+        )
+
+
+def _status(exc: BaseException) -> int:
+    if isinstance(exc, ClientError):
+        return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    return 0

@@ -1,0 +1,183 @@
+"""The S3 source against moto_server: listing bounded by '/', checksums, ranged reads, errors."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+from boto3.s3.transfer import TransferConfig
+
+from modelcache.errors import AccessDeniedError, AuthError, NotFoundError, SourceError, TransientError
+from modelcache.sources.base import open_source
+from tests.fixtures.objectstores import S3Server
+from tests.helpers import free_port
+from tests.objectstore_data import crc32_hex, md5_hex, model_tree, read_range, settings
+
+PART = 5 << 20
+
+
+@pytest.fixture
+def s3_model(moto_s3: S3Server, tmp_path) -> tuple[str, dict[str, bytes]]:
+    """Bucket with model/ (tree + multipart object + folder marker), a model_v2/ sibling and a
+    single object."""
+    bucket = moto_s3.new_bucket()
+    c = moto_s3.client()
+    tree = model_tree()
+    for name, data in tree.items():
+        c.put_object(Bucket=bucket, Key=f"model/{name}", Body=data)
+    c.put_object(Bucket=bucket, Key="model/weights/", Body=b"")  # folder marker
+    c.put_object(Bucket=bucket, Key="model_v2/other.bin", Body=b"not mine")
+    c.put_object(Bucket=bucket, Key="model.tar", Body=b"single object")
+    mp = os.urandom(2 * PART + 12345)
+    path = tmp_path / "mp.bin"
+    path.write_bytes(mp)
+    c.upload_file(
+        str(path),
+        bucket,
+        "model/big/multipart.bin",
+        Config=TransferConfig(multipart_threshold=PART, multipart_chunksize=PART),
+    )
+    tree["big/multipart.bin"] = mp
+    return bucket, tree
+
+
+def test_lists_folder_bounded_with_checksums(moto_s3: S3Server, s3_model) -> None:
+    bucket, tree = s3_model
+    with open_source(f"s3://{bucket}/model", settings(moto_s3.env())) as src:
+        files = {f.path: f for f in src.list_files()}
+        assert sorted(files) == sorted(tree)  # no folder marker, no model_v2/, zero-byte kept
+        for path, data in tree.items():
+            f = files[path]
+            assert f.size == len(data)
+            assert f.version
+            algos = {c.algo: c for c in f.checksums}
+            if path == "big/multipart.bin":
+                etag = algos["s3-etag"]
+                parts = [data[i : i + PART] for i in range(0, len(data), PART)]
+                import hashlib
+
+                composite = hashlib.md5(b"".join(hashlib.md5(p).digest() for p in parts)).hexdigest()
+                assert etag.value == composite
+                assert etag.param("part_size") == str(PART)
+                assert etag.param("parts") == str(math.ceil(len(data) / PART))
+                assert "md5" not in algos
+            else:
+                assert algos["md5"].value == md5_hex(data)
+                if "crc32" in algos:  # boto3 >= 1.36 uploads with a CRC32 that S3 keeps
+                    assert algos["crc32"].value == crc32_hex(data)
+            # every value is lower-case hex
+            for c in f.checksums:
+                assert c.value == c.value.lower() and int(c.value, 16) >= 0
+            assert read_range(src, f) == data
+        big = files["weights/model-00001.safetensors"]
+        data = tree[big.path]
+        assert read_range(src, big, 1 << 20, 2 << 20) == data[1 << 20 : 2 << 20]
+        assert read_range(src, big, (3 << 20) - 10, None) == data[-10:]
+        assert read_range(src, files["empty.txt"], 0, None) == b""
+
+
+def test_trailing_slash_and_bucket_root(moto_s3: S3Server, s3_model) -> None:
+    bucket, tree = s3_model
+    env = settings(moto_s3.env())
+    with open_source(f"s3://{bucket}/model/", env) as src:
+        assert sorted(f.path for f in src.list_files()) == sorted(tree)
+    with open_source(f"s3://{bucket}", env) as src:
+        paths = {f.path for f in src.list_files()}
+    assert {"model.tar", "model_v2/other.bin", "model/config.json"} <= paths
+
+
+def test_single_object_uri_uses_basename(moto_s3: S3Server, s3_model) -> None:
+    bucket, _ = s3_model
+    with open_source(f"s3://{bucket}/model.tar", settings(moto_s3.env())) as src:
+        (f,) = src.list_files()
+        assert f.path == "model.tar"
+        assert read_range(src, f) == b"single object"
+        assert f.checksums[-1].value == md5_hex(b"single object")
+
+
+def test_full_object_sha256_is_reported(moto_s3: S3Server) -> None:
+    import hashlib
+
+    bucket = moto_s3.new_bucket()
+    data = os.urandom(1000)
+    moto_s3.client().put_object(Bucket=bucket, Key="m/w.bin", Body=data, ChecksumAlgorithm="SHA256")
+    with open_source(f"s3://{bucket}/m", settings(moto_s3.env())) as src:
+        (f,) = src.list_files()
+    algos = {c.algo: c.value for c in f.checksums}
+    assert algos["sha256"] == hashlib.sha256(data).hexdigest()
+    assert algos["md5"] == md5_hex(data)
+
+
+def test_overwrite_after_listing_is_detected(moto_s3: S3Server) -> None:
+    bucket = moto_s3.new_bucket()
+    c = moto_s3.client()
+    c.put_object(Bucket=bucket, Key="m/w.bin", Body=b"version one")
+    with open_source(f"s3://{bucket}/m", settings(moto_s3.env())) as src:
+        (f,) = src.list_files()
+        c.put_object(Bucket=bucket, Key="m/w.bin", Body=b"version two")
+        with pytest.raises(SourceError, match="changed while it was being downloaded"):
+            read_range(src, f)
+
+
+def test_empty_prefix_missing_bucket(moto_s3: S3Server, s3_model) -> None:
+    bucket, _ = s3_model
+    env = settings(moto_s3.env())
+    with (
+        pytest.raises(NotFoundError, match=rf"no model found at s3://{bucket}/mode\b"),
+        open_source(f"s3://{bucket}/mode", env) as src,
+    ):
+        src.list_files()  # 'mode' is a string prefix of 'model/' but not a folder
+    with (
+        pytest.raises(NotFoundError, match="S3 bucket 'no-such-bucket' does not exist"),
+        open_source("s3://no-such-bucket/model", env) as src,
+    ):
+        src.list_files()
+
+
+def test_bad_credentials_and_access_denied(moto_s3: S3Server, s3_model) -> None:
+    bucket, _ = s3_model
+    uri = f"s3://{bucket}/model"
+    env = moto_s3.env() | {"AWS_SECRET_ACCESS_KEY": "wrong-secret-value"}
+    with pytest.raises(AuthError) as err, open_source(uri, settings(env)) as src:
+        src.list_files()
+    assert uri in str(err.value) and "AWS_SECRET_ACCESS_KEY" in str(err.value)
+    assert "wrong-secret-value" not in str(err.value)
+    key, secret = moto_s3.add_user(["s3:ListBucket"])
+    env = moto_s3.env() | {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
+    with (
+        pytest.raises(AccessDeniedError, match="access denied to s3://") as err,
+        open_source(uri, settings(env)) as src,
+    ):
+        src.list_files()
+    assert secret not in str(err.value) and key not in str(err.value)
+
+
+def test_unreachable_and_tls(moto_s3: S3Server, s3_model) -> None:
+    bucket, _ = s3_model
+    uri = f"s3://{bucket}/model"
+    port = free_port()
+    env = moto_s3.env() | {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "S3_MAX_ATTEMPTS": "1"}
+    with (
+        pytest.raises(TransientError, match=f"cannot connect to S3 endpoint http://127.0.0.1:{port} for {uri}"),
+        open_source(uri, settings(env)) as src,
+    ):
+        src.list_files()
+    # TLS against a plain-HTTP server: the handshake fails.
+    tls = moto_s3.endpoint.replace("http://", "https://")
+    env = moto_s3.env() | {"AWS_ENDPOINT_URL": tls, "S3_MAX_ATTEMPTS": "1"}
+    with (
+        pytest.raises(SourceError, match=r"TLS verification failed .*AWS_CA_BUNDLE"),
+        open_source(uri, settings(env)) as src,
+    ):
+        src.list_files()
+
+
+def test_s3_endpoint_and_use_https_from_annotations(moto_s3: S3Server, s3_model) -> None:
+    """S3_ENDPOINT + S3_USE_HTTPS=0 (what KServe's controller sets) reach the server."""
+    bucket, tree = s3_model
+    env = moto_s3.env()
+    del env["AWS_ENDPOINT_URL"]
+    env |= {"S3_ENDPOINT": moto_s3.endpoint.removeprefix("http://"), "S3_USE_HTTPS": "0"}
+    with open_source(f"s3://{bucket}/model", settings(env)) as src:
+        assert len(src.list_files()) == len(tree)
