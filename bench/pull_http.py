@@ -1,0 +1,306 @@
+#!/usr/bin/env python3
+"""Benchmark: pull a model-shaped folder over HTTP with modelcache and its peers.
+
+A folder of N shards (default 8 x 512 MiB) plus two small json files is served by nginx on
+127.0.0.1. Each round runs every tool once, in an order that rotates between rounds, into a
+fresh folder on the same disk; a run is timed until its files are durable (each output file is
+fsynced before the clock stops, also for tools that already fsync). ``dd oflag=direct`` gives the
+disk's durable write rate in the same run. The script prints median MB/s (1 MB = 10^6 bytes)
+per tool, the ratio of modelcache to each, and modelcache's peak RSS.
+
+    .venv/bin/python bench/pull_http.py                 # 4 GiB, 3 rounds (minutes)
+    .venv/bin/python bench/pull_http.py --size 256MiB --rounds 1    # quick check
+
+Tools: modelcache (every file URI in one ``modelcache pull`` call), aria2c (-x16 -s16 -i list),
+curl (one stream per file, all files in parallel), kserve-storage (``Storage.download`` per file,
+from its own venv under .work/ so its dependencies stay out of ours).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.fixtures.http import NginxServer, make_tls  # noqa: E402  (needs the repo on sys.path)
+from tests.helpers import free_port  # noqa: E402
+
+KSERVE_VENV = REPO / ".work" / "kserve-venv"
+KSERVE_VERSION = "0.21.0"
+SMALL_FILES = {
+    "config.json": json.dumps({"architectures": ["BenchModel"], "hidden_size": 4096}, indent=2).encode(),
+    "tokenizer_config.json": json.dumps({"model_max_length": 4096}).encode(),
+}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (e.g. 4GiB, 256MiB, 64M)")
+    unit = m.group(2).upper()
+    base = 1024 if m.group(3).lower().startswith("i") or not m.group(3) else 1000
+    power = "KMGT".index(unit) + 1 if unit else 0
+    return int(float(m.group(1)) * base**power)
+
+
+# ---- data ---------------------------------------------------------------------------------
+
+
+def make_model(folder: Path, total: int, shards: int) -> list[str]:
+    """Write (or reuse) the shards and json files; returns the relative file names."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shard_size = total // shards
+    names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    block = random.Random(1).randbytes(16 << 20)
+    for i, name in enumerate(names):
+        path = folder / name
+        if path.exists() and path.stat().st_size == shard_size:
+            continue
+        with open(path, "wb") as fh:
+            left, n = shard_size, 0
+            while left:
+                # A per-block prefix keeps blocks distinct; the content itself does not matter to HTTP.
+                piece = (i.to_bytes(4, "little") + n.to_bytes(8, "little") + block[12:])[: min(left, len(block))]
+                fh.write(piece)
+                left -= len(piece)
+                n += 1
+    for name, data in SMALL_FILES.items():
+        (folder / name).write_bytes(data)
+    for p in folder.iterdir():
+        os.chmod(p, 0o644)
+    return [*names, *SMALL_FILES]
+
+
+def fsync_tree(folder: Path) -> int:
+    """fsync every file and folder below ``folder``; returns the bytes found (to check completeness)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(folder):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                total += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return total
+
+
+# ---- tools --------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    tool: str
+    seconds: float
+    bytes: int
+    peak_rss_kib: int
+
+    @property
+    def mbps(self) -> float:
+        return self.bytes / self.seconds / 1e6
+
+
+@dataclass
+class Bench:
+    urls: list[str]
+    total_bytes: int
+    out_root: Path
+    workers: int | None
+    chunk_size: str | None
+    results: list[RunResult] = field(default_factory=list)
+
+    def _timed(self, tool: str, cmd: list[str], out: Path, env: dict[str, str] | None = None) -> RunResult:
+        """Run ``cmd``, then fsync what it wrote; time both. Peak RSS comes from wait4 of that child."""
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        assert proc.stderr is not None
+        _pid, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        err = proc.stderr.read().decode(errors="replace")
+        proc.stderr.close()
+        if proc.returncode != 0:
+            raise RuntimeError(f"{tool} failed (exit {proc.returncode}): {err.strip()[-1500:]}")
+        found = fsync_tree(out)
+        seconds = time.perf_counter() - t0
+        if found < self.total_bytes:
+            raise RuntimeError(f"{tool} wrote {found} bytes, expected at least {self.total_bytes}")
+        return RunResult(tool, seconds, self.total_bytes, usage.ru_maxrss)
+
+    def modelcache(self, out: Path) -> RunResult:
+        exe = REPO / ".venv" / "bin" / "modelcache"
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "modelcache.cli"]
+        cmd += ["pull", *self.urls, "--root", str(out)]
+        if self.workers:
+            cmd += ["--workers", str(self.workers)]
+        if self.chunk_size:
+            cmd += ["--chunk-size", self.chunk_size]
+        return self._timed("modelcache", cmd, out)
+
+    def aria2c(self, out: Path) -> RunResult:
+        listing = out.parent / f"{out.name}.aria2-list.txt"
+        listing.write_text("".join(u + "\n" for u in self.urls))
+        cmd = ["aria2c", "-x16", "-s16", "-i", str(listing), "-d", str(out), "-q",
+               "--allow-overwrite=true", "--auto-file-renaming=false", "--console-log-level=error"]
+        try:
+            return self._timed("aria2c", cmd, out)
+        finally:
+            listing.unlink(missing_ok=True)
+
+    def curl(self, out: Path) -> RunResult:
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = ["curl", "-sS", "--fail", "--parallel", "--parallel-max", str(len(self.urls))]
+        for u in self.urls:
+            cmd += ["-o", str(out / u.rsplit("/", 1)[1]), u]
+        return self._timed("curl", cmd, out)
+
+    def kserve(self, out: Path) -> RunResult:
+        out.mkdir(parents=True, exist_ok=True)
+        script = (
+            "import sys\nfrom kserve_storage import Storage\n"
+            "out = sys.argv[1]\nfor uri in sys.argv[2:]:\n    Storage.download(uri, out)\n"
+        )
+        cmd = [str(KSERVE_VENV / "bin" / "python"), "-c", script, str(out), *self.urls]
+        return self._timed("kserve-storage", cmd, out)
+
+    def dd(self, out: Path) -> RunResult:
+        out.mkdir(parents=True, exist_ok=True)
+        bs = 16 << 20
+        count = max(1, self.total_bytes // bs)
+        cmd = ["dd", "if=/dev/zero", f"of={out / 'dd.bin'}", f"bs={bs}", f"count={count}",
+               "oflag=direct", "conv=fsync", "status=none"]
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True)
+        fsync_tree(out)
+        return RunResult("dd oflag=direct", time.perf_counter() - t0, count * bs, 0)
+
+
+def ensure_kserve_venv() -> bool:
+    py = KSERVE_VENV / "bin" / "python"
+    probe = [str(py), "-c", "import kserve_storage"]
+    if py.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return True
+    print(f"installing kserve-storage=={KSERVE_VERSION} into {KSERVE_VENV} ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(KSERVE_VENV)], check=True)
+    r = subprocess.run([str(KSERVE_VENV / "bin" / "pip"), "install", "-q", f"kserve-storage=={KSERVE_VERSION}"])
+    return r.returncode == 0 and subprocess.run(probe, capture_output=True).returncode == 0
+
+
+# ---- report -------------------------------------------------------------------------------
+
+
+def report(results: list[RunResult], args: argparse.Namespace) -> str:
+    by_tool: dict[str, list[RunResult]] = {}
+    for r in results:
+        by_tool.setdefault(r.tool, []).append(r)
+    med = {t: statistics.median(x.mbps for x in rs) for t, rs in by_tool.items()}
+    mc = med.get("modelcache")
+    lines = [
+        f"HTTP pull benchmark: {args.shards} x {args.size // args.shards / 2**20:.0f} MiB + json "
+        f"({args.size / 2**30:.2f} GiB), {args.rounds} round(s), durable (fsync) MB/s, 1 MB = 10^6 B",
+        "",
+        "| tool | median MB/s | runs (MB/s) | modelcache / tool |",
+        "|---|---:|---|---:|",
+    ]
+    for tool, rs in by_tool.items():
+        ratio = f"{mc / med[tool]:.2f}x" if mc and tool != "modelcache" else "-"
+        runs = ", ".join(f"{x.mbps:.0f}" for x in rs)
+        lines.append(f"| {tool} | {med[tool]:.0f} | {runs} | {ratio} |")
+    if "modelcache" in by_tool:
+        rss = max(x.peak_rss_kib for x in by_tool["modelcache"]) / 1024
+        lines += ["", f"modelcache peak RSS: {rss:.0f} MiB (target <= 256 MiB)"]
+    targets = {"kserve-storage": 1.5, "aria2c": 1.3, "dd oflag=direct": 0.85}
+    if mc:
+        for tool, want in targets.items():
+            if tool in med:
+                got = mc / med[tool]
+                lines.append(f"target modelcache >= {want}x {tool}: {got:.2f}x {'OK' if got >= want else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", type=parse_size, default=parse_size("4GiB"), help="total shard bytes (default 4GiB)")
+    ap.add_argument("--shards", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tools", default="modelcache,aria2c,curl,kserve-storage,dd",
+                    help="comma-separated subset of modelcache,aria2c,curl,kserve-storage,dd")
+    ap.add_argument("--workdir", type=Path, default=REPO / ".work" / "bench-http",
+                    help="data and outputs (same disk for every tool)")
+    ap.add_argument("--workers", type=int, help="pass --workers to modelcache pull")
+    ap.add_argument("--chunk-size", help="pass --chunk-size to modelcache pull")
+    ap.add_argument("--json", type=Path, help="also write the raw results here")
+    args = ap.parse_args(argv)
+
+    tools = [t.strip() for t in args.tools.split(",") if t.strip()]
+    if "kserve-storage" in tools and not ensure_kserve_venv():
+        print("kserve-storage could not be installed; skipping it", file=sys.stderr)
+        tools.remove("kserve-storage")
+    for exe, tool in (("aria2c", "aria2c"), ("curl", "curl")):
+        if tool in tools and shutil.which(exe) is None:
+            print(f"{exe} not found (make test-deps); skipping it", file=sys.stderr)
+            tools.remove(tool)
+
+    work = args.workdir.resolve()
+    data = work / f"data-{args.shards}x{args.size // args.shards}"
+    print(f"preparing {args.size / 2**30:.2f} GiB in {data} ...", flush=True)
+    names = make_model(data, args.size, args.shards)
+    total = sum((data / n).stat().st_size for n in names)
+
+    nginx_dir = Path(tempfile.mkdtemp(prefix="nginx-", dir=work))
+    server = NginxServer(
+        binary=shutil.which("nginx", path="/usr/sbin:/usr/bin") or "/usr/sbin/nginx",
+        workdir=nginx_dir, docroot=data, tls=make_tls(nginx_dir / "tls"),
+        ports={"http": free_port(), "https": free_port(), "norange": free_port()},
+    )
+    server.start()
+    try:
+        bench = Bench(urls=[server.url(n) for n in names], total_bytes=total, out_root=work / "out",
+                      workers=args.workers, chunk_size=args.chunk_size)
+        runners: dict[str, Callable[[Path], RunResult]] = {
+            "modelcache": bench.modelcache, "aria2c": bench.aria2c, "curl": bench.curl,
+            "kserve-storage": bench.kserve, "dd": bench.dd,
+        }
+        for rnd in range(args.rounds):
+            order = tools[rnd % len(tools):] + tools[: rnd % len(tools)]  # rotate: no tool always goes first
+            for tool in order:
+                out = bench.out_root / f"{tool}-{rnd}"
+                shutil.rmtree(out, ignore_errors=True)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    res = runners[tool](out)
+                finally:
+                    shutil.rmtree(out, ignore_errors=True)
+                bench.results.append(res)
+                extra = f", peak RSS {res.peak_rss_kib / 1024:.0f} MiB" if tool == "modelcache" else ""
+                print(f"round {rnd + 1}: {res.tool:16s} {res.mbps:8.0f} MB/s  ({res.seconds:.2f} s{extra})", flush=True)
+    finally:
+        server.stop()
+        shutil.rmtree(nginx_dir, ignore_errors=True)
+    print()
+    print(report(bench.results, args))
+    if args.json:
+        args.json.write_text(json.dumps([r.__dict__ for r in bench.results], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
