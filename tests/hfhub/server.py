@@ -132,10 +132,13 @@ class HubServer:
         *,
         count: int = 1,
         retry_after: float | None = None,
+        error_code: str | None = None,
         when: Callable[[Request], bool] = lambda r: True,
     ) -> None:
-        """Answer the next ``count`` matching requests with ``status`` (Retry-After if given)."""
+        """Answer the next ``count`` matching requests with ``status`` (Retry-After, X-Error-Code if given)."""
         headers = {} if retry_after is None else {"Retry-After": f"{retry_after:g}"}
+        if error_code is not None:
+            headers["X-Error-Code"] = error_code
         with self._lock:
             self._failures.append(_Failure(when, status, headers, count))
 

@@ -1,0 +1,185 @@
+"""End to end: `modelcache pull hf://... --root DIR` as a subprocess against the test Hub."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from modelcache.uri import storage_key
+from tests.helpers import REPO, wait_until
+from tests.hfhub import HubServer, Request
+
+TOKEN = "hf_alice_token"
+BIG = os.urandom(600 * 1024 + 17)  # LFS; ~10 chunks at --chunk-size 64K
+FILES: dict[str, bytes] = {
+    "config.json": b'{"model_type": "tiny"}\n',
+    "model.safetensors": BIG,
+    "tokenizer/vocab.txt": b"a\nb\nc\n" * 50,
+    "tokenizer/deep/merges.txt": b"x y\n",
+}
+
+
+@pytest.fixture
+def hub(hf_hub: HubServer) -> HubServer:
+    hf_hub.tokens.add(TOKEN)
+    hf_hub.create_repo("org/tiny").commit(FILES, message="init")
+    return hf_hub
+
+
+def _env(hub: HubServer, tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "STORAGE_"))}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1", **extra)
+    return env
+
+
+def _cmd(uri: str, root: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "modelcache", "pull", uri, "--root", str(root), "--progress", "none", *args]
+
+
+def _pull(hub: HubServer, tmp_path: Path, uri: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        _cmd(uri, tmp_path / "root", "--chunk-size", "64K", *args),
+        env=_env(hub, tmp_path, **env),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _model(tmp_path: Path, uri: str) -> dict[str, bytes]:
+    root = tmp_path / "root" / "models" / storage_key(uri)
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _manifest(tmp_path: Path, uri: str) -> dict[str, object]:
+    return json.loads((tmp_path / "root" / ".modelcache" / "manifests" / f"{storage_key(uri)}.json").read_text())
+
+
+def _error_line(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    assert proc.returncode != 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and TOKEN not in proc.stderr, proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def test_pull_nested_multichunk_and_manifest(hub: HubServer, tmp_path: Path) -> None:
+    uri = "hf://org/tiny"
+    proc = _pull(hub, tmp_path, uri)
+    assert proc.returncode == 0, proc.stderr
+    assert _model(tmp_path, uri) == FILES
+    commit = hub.repos["org/tiny"].branches["main"]
+    man = _manifest(tmp_path, uri)
+    assert man["revision"] == commit and man["resolved_uri"] == f"hf://org/tiny:{commit}"
+    checks = {f["path"]: f["checksums"] for f in man["files"]}  # type: ignore[union-attr]
+    assert set(checks["model.safetensors"]) == {"sha256"} and set(checks["config.json"]) == {"git-blob-sha1"}
+    assert hub.count(origin="cdn", method="GET") >= 10  # the LFS file moved as ranged chunks
+    # A second pull is served from the store: no file bytes move.
+    before = hub.count(origin="cdn")
+    again = _pull(hub, tmp_path, uri)
+    assert again.returncode == 0, again.stderr
+    assert hub.count(origin="cdn") == before
+
+
+def test_pull_subfolder_and_patterns(hub: HubServer, tmp_path: Path) -> None:
+    proc = _pull(hub, tmp_path, "hf://org/tiny/tokenizer")
+    assert proc.returncode == 0, proc.stderr
+    assert _model(tmp_path, "hf://org/tiny/tokenizer") == {
+        "vocab.txt": FILES["tokenizer/vocab.txt"],
+        "deep/merges.txt": FILES["tokenizer/deep/merges.txt"],
+    }
+    uri = "hf://org/tiny:main"
+    proc = _pull(
+        hub, tmp_path, uri, STORAGE_ALLOW_PATTERNS='["*.json","tokenizer/*"]', STORAGE_IGNORE_PATTERNS="*/deep/*"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert set(_model(tmp_path, uri)) == {"config.json", "tokenizer/vocab.txt"}
+
+
+def test_pull_pins_one_commit_while_main_moves(hub: HubServer, tmp_path: Path) -> None:
+    repo = hub.repos["org/tiny"]
+    first = repo.branches["main"]
+    moved: list[str] = []
+
+    def move_main(_: Request) -> None:
+        moved.append(repo.commit({"config.json": b'{"v": 2}\n', "model.safetensors": os.urandom(100_000)}))
+
+    hub.on_request(move_main, when=lambda r: r.method == "GET" and r.origin == "hub" and "/resolve/" in r.path)
+    uri = "hf://org/tiny"
+    proc = _pull(hub, tmp_path, uri)
+    assert proc.returncode == 0, proc.stderr
+    assert moved and repo.branches["main"] == moved[0] != first
+    assert _model(tmp_path, uri) == FILES
+    assert _manifest(tmp_path, uri)["revision"] == first
+
+
+@pytest.mark.parametrize("path", ["model.safetensors", "config.json"])
+def test_corrupted_byte_fails_verification(hub: HubServer, tmp_path: Path, path: str) -> None:
+    hub.repos["org/tiny"].file("main", path).corrupt_at.add(len(FILES[path]) // 2)
+    uri = "hf://org/tiny"
+    proc = _pull(hub, tmp_path, uri)
+    line = _error_line(proc, path)
+    assert "sha256" in line if path.endswith("safetensors") else "git-blob-sha1" in line
+    assert not (tmp_path / "root" / "models" / storage_key(uri)).exists()
+
+
+def test_error_messages(hub: HubServer, tmp_path: Path) -> None:
+    hub.create_repo("org/private", private=True).commit({"a.txt": b"x"})
+    hub.create_repo("org/gated", gated=True).commit({"a.txt": b"x"})
+    _error_line(_pull(hub, tmp_path, "hf://org/missing"), "org/missing", "not found")
+    _error_line(_pull(hub, tmp_path, "hf://org/private"), "org/private", "HF_TOKEN")
+    _error_line(_pull(hub, tmp_path, "hf://org/gated"), "org/gated", "gated", "HF_TOKEN")
+    _error_line(_pull(hub, tmp_path, "hf://org/gated", HF_TOKEN=TOKEN), "org/gated", "not been granted")
+    _error_line(_pull(hub, tmp_path, "hf://org/tiny", HF_TOKEN="hf_bad"), "HF_TOKEN was rejected")
+    _error_line(_pull(hub, tmp_path, "hf://org/tiny:v9"), "org/tiny", "revision 'v9' not found")
+    _error_line(_pull(hub, tmp_path, "hf://org/tiny/nope"), "org/tiny", "folder 'nope' not found")
+    hub.fail(404, error_code="EntryNotFound", count=100, when=lambda r: r.method == "GET" and "vocab" in r.path)
+    _error_line(_pull(hub, tmp_path, "hf://org/tiny"), "org/tiny", "tokenizer/vocab.txt", "not found")
+    hub.fail(429, retry_after=0, count=1000, when=lambda r: "/revision/" in r.path)
+    _error_line(_pull(hub, tmp_path, "hf://org/tiny", "--max-attempts", "2"), "org/tiny", "rate-limited")
+
+
+def test_rate_limited_chunks_are_retried(hub: HubServer, tmp_path: Path) -> None:
+    hub.fail(429, retry_after=0, count=3, when=lambda r: r.method == "GET" and "/resolve/" in r.path)
+    uri = "hf://org/tiny"
+    proc = _pull(hub, tmp_path, uri)
+    assert proc.returncode == 0, proc.stderr
+    assert _model(tmp_path, uri) == FILES
+
+
+def test_resume_after_kill_9(hub: HubServer, tmp_path: Path) -> None:
+    big = os.urandom(3 << 20)
+    hub.repos["org/tiny"].commit({"model.safetensors": big})
+    hub.throttle_bps = 1.5 * (1 << 20)
+    uri = "hf://org/tiny"
+    proc = subprocess.Popen(
+        _cmd(uri, tmp_path / "root", "--chunk-size", "256K", "--workers", "2"),
+        env=_env(hub, tmp_path),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        wait_until(lambda: hub.body_bytes_sent > (1 << 20), timeout=60, what="half the download")
+        time.sleep(0.3)  # let finished chunks reach the journal
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    assert not (tmp_path / "root" / "models" / storage_key(uri)).exists()
+    hub.throttle_bps = None
+    sent_before = hub.body_bytes_sent
+    done = _pull(hub, tmp_path, uri, "--chunk-size", "256K")
+    assert done.returncode == 0, done.stderr
+    assert _model(tmp_path, uri)["model.safetensors"] == big
+    resent = hub.body_bytes_sent - sent_before
+    assert resent < len(big) - (512 << 10), f"resumed pull re-fetched {resent} of {len(big)} bytes"
