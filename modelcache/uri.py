@@ -252,7 +252,8 @@ class HDFSLocation(Location):
     @classmethod
     def parse(cls, uri: str) -> HDFSLocation:
         parts = urlsplit(uri)
-        if not parts.path or parts.path == "/":
+        # KServe reads everything after the scheme as the path (hdfs://models is /models).
+        if not (parts.netloc + parts.path).strip("/"):
             raise _invalid(uri, "missing path")
         return cls(uri=uri, scheme=parts.scheme, namenode=parts.netloc, path=unquote(parts.path))
 
