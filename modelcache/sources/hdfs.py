@@ -1,0 +1,182 @@
+"""HDFS over WebHDFS: ``hdfs://path`` and ``webhdfs://path``, configured as KServe does it.
+
+KServe takes everything after the scheme as the path (``hdfs://user/me/model`` is
+``/user/me/model``, or relative to ``HDFS_ROOTPATH`` when that is set) and the namenode(s) from
+the ``HDFS_NAMENODE`` file of the secret dir; we do the same so existing URIs keep working.
+The ``hdfs`` client lists (GETFILESTATUS, recursive LISTSTATUS), tries HA namenodes in turn
+and maps RemoteException errors; reads are WebHDFS ``OPEN`` with ``offset``/``length`` (WebHDFS
+has no HTTP Range), whose 307 to a datanode requests follows, so a big file moves as parallel
+chunks. Each read is checked to deliver exactly the bytes asked for.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import requests
+from hdfs import Client, HdfsError
+from requests.adapters import HTTPAdapter
+
+from modelcache.errors import (
+    AccessDeniedError,
+    AuthError,
+    ModelcacheError,
+    NotFoundError,
+    SourceError,
+    TransientError,
+    UnsupportedError,
+)
+from modelcache.sources.base import IterStream, RangeStream, RemoteFile, Source, register_source, safe_relpath
+from modelcache.uri import HDFSLocation
+
+if TYPE_CHECKING:
+    from modelcache.credentials import Settings
+
+_READ_CHUNK = 1 << 20
+_MAX_DEPTH = 64
+
+
+@register_source("hdfs")
+class HDFSSource(Source):
+    preferred_chunk_size = 32 << 20
+    max_streams = 8
+
+    def __init__(self, location: HDFSLocation, settings: Settings) -> None:  # type: ignore[override]
+        super().__init__(location, settings)
+        self.where = location.display
+        hs = settings.hdfs
+        if hs.kerberos_principal or hs.kerberos_keytab:
+            raise UnsupportedError(
+                f"{self.where}: Kerberos authentication (KERBEROS_PRINCIPAL/KERBEROS_KEYTAB in {hs.secret_dir}) "
+                "is not supported here; use a WebHDFS gateway with USER_PROXY/HEADERS or TLS client certificates"
+            )
+        if not hs.namenode:
+            raise SourceError(
+                f"{self.where}: no WebHDFS namenode: put its URL (e.g. http://namenode:9870) in the file "
+                f"HDFS_NAMENODE of the HDFS secret dir {hs.secret_dir} (HDFS_SECRET_DIR)"
+            )
+        raw = location.uri.split("://", 1)[1].split("?", 1)[0]
+        # As KServe: without HDFS_ROOTPATH the path is absolute; with it, relative to that root.
+        self.path = raw if hs.root_path else "/" + raw.lstrip("/")
+        session = requests.Session()
+        adapter = HTTPAdapter(pool_connections=4, pool_maxsize=32)
+        session.mount("http://", adapter)
+        session.mount("https://", adapter)
+        if hs.tls_cert:
+            session.cert = (hs.tls_cert, hs.tls_key) if hs.tls_key else hs.tls_cert
+        if hs.tls_ca:
+            session.verify = hs.tls_ca
+        if hs.tls_skip_verify:
+            session.verify = False
+        session.headers.update(dict(hs.headers))
+        self.client = Client(
+            hs.namenode,
+            root=hs.root_path,
+            proxy=hs.user_proxy,
+            timeout=(settings.http.connect_timeout, settings.http.read_timeout),
+            session=session,
+        )
+        self._session = session
+
+    # -- errors -----------------------------------------------------------------------------
+
+    def _error(self, exc: Exception, what: str) -> ModelcacheError:
+        if isinstance(exc, requests.RequestException):
+            return TransientError(f"{self.where}: cannot reach WebHDFS for {what}: {type(exc).__name__}")
+        if not isinstance(exc, HdfsError):
+            return SourceError(f"{self.where}: {what}: {exc}")
+        kind = getattr(exc, "exception", None)
+        text = str(exc).splitlines()[0][:300] if str(exc) else ""
+        if kind == "FileNotFoundException":
+            return NotFoundError(f"{self.where}: HDFS path '{what}' not found")
+        if kind in ("AccessControlException", "SecurityException") and "Authentication" not in text:
+            return AccessDeniedError(f"{self.where}: access to '{what}' denied by HDFS: {text}")
+        if "Authentication failure" in text:
+            hint = f"check USER_PROXY, HEADERS or TLS_* in {self.settings.hdfs.secret_dir}"
+            return AuthError(f"{self.where}: WebHDFS authentication failed for '{what}'; {hint}")
+        if kind in ("RetriableException", "StandbyException"):
+            return TransientError(f"{self.where}: HDFS busy for '{what}' ({kind})")
+        return SourceError(f"{self.where}: HDFS error for '{what}': {kind or ''} {text}".rstrip())
+
+    # -- Source API -------------------------------------------------------------------------
+
+    def list_files(self) -> list[RemoteFile]:
+        try:
+            root = self.client.resolve(self.path)
+            status = self.client.status(root)
+        except (HdfsError, requests.RequestException) as exc:
+            raise self._error(exc, self.path) from exc
+        if status["type"] == "FILE":
+            # A single file is saved under its own name, as KServe does.
+            files = [self._file(posixpath.basename(root), root, status)]
+        else:
+            files = list(self._walk(root, "", 0))
+        if not files:
+            raise NotFoundError(f"{self.where}: Failed to fetch model. No model found in '{root}'")
+        self._resolved = None  # HDFS has no revisions: a concurrent rewrite is caught by the length check
+        return sorted(files, key=lambda f: f.path)
+
+    def _walk(self, folder: str, rel: str, depth: int) -> Iterator[RemoteFile]:
+        if depth > _MAX_DEPTH:
+            raise SourceError(f"{self.where}: folders nested deeper than {_MAX_DEPTH} levels at '{folder}'")
+        try:
+            entries = self.client.list(folder, status=True)
+        except (HdfsError, requests.RequestException) as exc:
+            raise self._error(exc, folder) from exc
+        for name, status in entries:
+            child_rel = f"{rel}/{name}" if rel else name
+            child = posixpath.join(folder, name)
+            if status["type"] == "DIRECTORY":
+                yield from self._walk(child, child_rel, depth + 1)
+            else:
+                yield self._file(child_rel, child, status)
+
+    def _file(self, rel: str, absolute: str, status: dict) -> RemoteFile:
+        return RemoteFile(
+            path=safe_relpath(rel, self.where),
+            size=int(status["length"]),
+            version=str(status.get("modificationTime", "")) or None,
+            checksums=(),
+            ranged=True,
+            meta=(("hdfs.path", absolute),),
+        )
+
+    def open_range(self, file: RemoteFile, start: int, end: int | None) -> RangeStream:
+        path = file.meta_get("hdfs.path")
+        size = file.size or 0
+        stop = size if end is None else min(end, size)
+        length = max(0, stop - start)
+        if length == 0:
+            return IterStream(iter(()))
+        reader = self.client.read(path, offset=start, length=length, chunk_size=_READ_CHUNK)
+        try:
+            chunks = reader.__enter__()  # OPEN -> 307 -> datanode, errors raise here
+        except (HdfsError, requests.RequestException) as exc:
+            raise self._error(exc, path) from exc
+        return IterStream(self._exact(chunks, length, path, start), on_close=lambda: reader.__exit__(None, None, None))
+
+    def _exact(self, chunks: Iterator[bytes], length: int, path: str, start: int) -> Iterator[bytes]:
+        """Yield exactly ``length`` bytes: a short body means the file shrank or the datanode
+        died mid-stream; a long one means it grew (WebHDFS honours ``length``)."""
+        got = 0
+        try:
+            for chunk in chunks:
+                if got + len(chunk) > length:
+                    raise TransientError(
+                        f"{self.where}: '{path}' returned more than {length} bytes at offset {start}; "
+                        "the file changed during the pull"
+                    )
+                got += len(chunk)
+                yield chunk
+        except requests.RequestException as exc:
+            raise TransientError(f"{self.where}: read of '{path}' broke: {type(exc).__name__}") from exc
+        if got != length:
+            raise TransientError(
+                f"{self.where}: '{path}' ended after {got} of {length} bytes at offset {start} "
+                "(datanode stream cut, or the file changed)"
+            )
+
+    def close(self) -> None:
+        self._session.close()

@@ -1,0 +1,121 @@
+"""The HDFS/WebHDFS source against the WebHDFS test server: listing, ranged OPEN through the
+datanode redirect, KServe's secret-dir settings, and each error's message."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from modelcache.credentials import Settings
+from modelcache.errors import (
+    AccessDeniedError,
+    AuthError,
+    NotFoundError,
+    SourceError,
+    TransientError,
+    UnsupportedError,
+)
+from modelcache.sources.base import RemoteFile, open_source
+from tests.helpers import free_port
+from tests.webhdfs import WebHDFSServer
+
+
+def hdfs_settings(tmp_path: Path, **files: str) -> Settings:
+    secret = tmp_path / "hdfscreds"
+    secret.mkdir(parents=True, exist_ok=True)
+    for name, value in files.items():
+        (secret / name).write_text(value)
+    return Settings.from_env({"HDFS_SECRET_DIR": str(secret)})
+
+
+def read_range(src, f: RemoteFile, start: int, end: int | None) -> bytes:
+    stream = src.open_range(f, start, end)
+    out = bytearray()
+    buf = memoryview(bytearray(256 << 10))
+    try:
+        while n := stream.readinto(buf):
+            out += buf[:n]
+    finally:
+        stream.close()
+    return bytes(out)
+
+
+def test_nested_listing_and_ranged_reads(webhdfs: WebHDFSServer, tmp_path: Path) -> None:
+    big = os.urandom(2_500_000)
+    webhdfs.put("/models/bert/config.json", b"{}")
+    webhdfs.put("/models/bert/weights/shard/model.bin", big)
+    webhdfs.put("/models/bert/empty.txt", b"")
+    settings = hdfs_settings(
+        tmp_path, HDFS_NAMENODE=webhdfs.url, USER_PROXY="svc", HEADERS=json.dumps({"X-Trace": "abc"})
+    )
+    with open_source("hdfs://models/bert", settings) as src:
+        files = src.list_files()
+        assert [(f.path, f.size) for f in files] == [
+            ("config.json", 2),
+            ("empty.txt", 0),
+            ("weights/shard/model.bin", len(big)),
+        ]
+        f = files[2]
+        parts = [read_range(src, f, s, min(s + 1_000_000, len(big))) for s in range(0, len(big), 1_000_000)]
+        assert b"".join(parts) == big
+        assert read_range(src, f, 2_000_000, None) == big[2_000_000:]
+    opens = [r for r in webhdfs.ops("datanode") if r.op == "OPEN"]
+    assert {(r.params["offset"], r.params["length"]) for r in opens} >= {("1000000", "1000000"), ("2000000", "500000")}
+    assert all(r.params.get("doas") == "svc" and r.headers.get("x-trace") == "abc" for r in webhdfs.ops())
+    assert any(r.op == "LISTSTATUS" and r.path.endswith("/models/bert/weights") for r in webhdfs.ops("namenode"))
+
+
+def test_single_file_and_root_path(webhdfs: WebHDFSServer, tmp_path: Path) -> None:
+    webhdfs.put("/user/alice/models/one/model.onnx", b"onnx!")
+    settings = hdfs_settings(tmp_path, HDFS_NAMENODE=webhdfs.url, HDFS_ROOTPATH="/user/alice")
+    with open_source("webhdfs://models/one/model.onnx", settings) as src:
+        (f,) = src.list_files()
+        assert (f.path, f.size) == ("model.onnx", 5)
+        assert read_range(src, f, 0, None) == b"onnx!"
+
+
+def test_file_shrunk_after_listing_is_a_short_read(webhdfs: WebHDFSServer, tmp_path: Path) -> None:
+    webhdfs.put("/m/w.bin", b"x" * 10_000)
+    with open_source("hdfs://m", hdfs_settings(tmp_path, HDFS_NAMENODE=webhdfs.url)) as src:
+        (f,) = src.list_files()
+        webhdfs.put("/m/w.bin", b"x" * 4_000)
+        with pytest.raises(TransientError, match="ended after 4000 of 10000 bytes"):
+            read_range(src, f, 0, 10_000)
+
+
+def test_error_messages(webhdfs: WebHDFSServer, tmp_path: Path) -> None:
+    webhdfs.put("/models/m/a.bin", b"a")
+    (webhdfs.root / "models/emptydir").mkdir(parents=True)
+    ok = hdfs_settings(tmp_path, HDFS_NAMENODE=webhdfs.url)
+
+    def fail(uri: str, settings: Settings, exc: type[Exception], needle: str) -> None:
+        with pytest.raises(exc) as err, open_source(uri, settings) as src:
+            src.list_files()
+        msg = str(err.value)
+        assert needle in msg and uri in msg and "\n" not in msg, msg
+
+    fail("hdfs://models/missing", ok, NotFoundError, "'/models/missing' not found")
+    fail("hdfs://models/emptydir", ok, NotFoundError, "No model found")
+    webhdfs.required_headers = {"X-Gateway-Token": "s3cr3t"}
+    fail("hdfs://models/m", ok, AuthError, "authentication failed")
+    with_header = hdfs_settings(tmp_path / "h", HDFS_NAMENODE=webhdfs.url, HEADERS='{"X-Gateway-Token": "s3cr3t"}')
+    with open_source("hdfs://models/m", with_header) as src:
+        assert [f.path for f in src.list_files()] == ["a.bin"]
+    webhdfs.denied_paths = {"/models/m"}
+    fail("hdfs://models/m", with_header, AccessDeniedError, "access to '/models/m' denied")
+    fail("hdfs://models/m", hdfs_settings(tmp_path / "e"), SourceError, "HDFS_NAMENODE")
+    kerberos = hdfs_settings(tmp_path / "k", HDFS_NAMENODE=webhdfs.url, KERBEROS_PRINCIPAL="me@REALM")
+    fail("hdfs://models/m", kerberos, UnsupportedError, "Kerberos")
+    dead = hdfs_settings(tmp_path / "d", HDFS_NAMENODE=f"http://127.0.0.1:{free_port()}")
+    fail("hdfs://models/m", dead, TransientError, "cannot reach WebHDFS")
+
+
+def test_ha_namenodes_fall_over(webhdfs: WebHDFSServer, tmp_path: Path) -> None:
+    webhdfs.put("/models/m/a.bin", b"abc")
+    settings = hdfs_settings(tmp_path, HDFS_NAMENODE=f"http://127.0.0.1:{free_port()};{webhdfs.url}")
+    with open_source("hdfs://models/m", settings) as src:
+        (f,) = src.list_files()
+        assert read_range(src, f, 1, 3) == b"bc"
