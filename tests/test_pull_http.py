@@ -1,0 +1,185 @@
+"""HTTP pulls against real nginx: exact bytes for every size class, Range or not, TLS, headers, digests."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from modelcache.credentials import Settings
+from modelcache.errors import AuthError, IntegrityError, NotFoundError, SourceError
+from modelcache.pull import pull, pull_many
+from modelcache.store import NodeStore
+from modelcache.transfer import TransferOptions
+from modelcache.uri import storage_key
+
+CHUNK = 64 * 1024
+OPTS = TransferOptions(workers=4, chunk_size=CHUNK, backoff_initial=0.01)
+
+
+def sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def model_file(root: Path, uri: str) -> Path:
+    folder = root / "models" / storage_key(uri)
+    (only,) = [p for p in folder.rglob("*") if p.is_file()]
+    return only
+
+
+@pytest.mark.parametrize(
+    "size",
+    [0, 1, CHUNK, CHUNK - 1, CHUNK + 1, 2 * CHUNK - 1, 2 * CHUNK, 2 * CHUNK + 1, 37 * CHUNK + 4097],
+)
+@pytest.mark.parametrize("listener", ["http", "norange"])
+def test_exact_bytes_for_every_size(nginx, tmp_path, size, listener):
+    src = nginx.write(f"m/f{size}.bin", size)
+    uri = nginx.url(f"m/f{size}.bin", listener)
+    res = pull(uri, root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}))
+    out = model_file(tmp_path / "root", uri)
+    assert sha(out) == sha(src)
+    assert res.bytes == size and res.files == 1 and not res.cached
+    gets = nginx.requests_for(f"m/f{size}.bin")
+    if listener == "norange" or size <= 1:
+        assert len(gets) <= 2  # probe + one whole-file stream
+    else:
+        # the one-byte probe plus one GET per chunk (ranged unless the chunk is the whole file)
+        assert len(gets) == 1 + -(-size // CHUNK)
+        assert all(e.status == 206 for e in gets) or size <= CHUNK
+    assert NodeStore.at(tmp_path / "root").verify(storage_key(uri)) == []
+
+
+def test_many_files_one_call_and_cache_hit(nginx, tmp_path):
+    uris = []
+    for i in range(24):
+        nginx.write(f"shards/{i}.bin", 1000 * i + 7)
+        uris.append(nginx.url(f"shards/{i}.bin"))
+    results = pull_many(uris, root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}))
+    assert all(not isinstance(r, BaseException) for r in results), results
+    for i, uri in enumerate(uris):
+        assert sha(model_file(tmp_path / "root", uri)) == sha(nginx.docroot / f"shards/{i}.bin")
+    nginx.clear_access_log()
+    again = pull_many(uris, root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}))
+    assert all(r.cached for r in again)  # type: ignore[union-attr]
+    assert nginx.access_log() == []  # a cache hit sends no request at all
+
+
+def test_nested_folder_from_local_source(tmp_path):
+    src = tmp_path / "src"
+    for rel, size in {"a/b/c.bin": 3 * CHUNK + 5, "a/x.json": 12, "top.safetensors": CHUNK, "empty": 0}.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(bytes(range(256)) * (size // 256) + b"z" * (size % 256))
+    res = pull(f"file://{src}", root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}))
+    for rel in ("a/b/c.bin", "a/x.json", "top.safetensors", "empty"):
+        assert sha(res.path / rel) == sha(src / rel)
+    assert res.files == 4
+
+
+def test_https_with_custom_ca(nginx, tmp_path):
+    nginx.write("tls/w.bin", 3 * CHUNK)
+    uri = nginx.url("tls/w.bin", "https")
+    settings = Settings.from_env({"MODELCACHE_CA_BUNDLE": str(nginx.ca_path)})
+    res = pull(uri, root=tmp_path / "root", options=OPTS, settings=settings)
+    assert sha(res.path / "w.bin") == sha(nginx.docroot / "tls/w.bin")
+
+
+def test_https_untrusted_ca_is_a_clear_error(nginx, tmp_path):
+    nginx.write("tls/w.bin", 10)
+    uri = nginx.url("tls/w.bin", "https")
+    with pytest.raises(SourceError, match=r"TLS verification failed.*CA_BUNDLE"):
+        pull(uri, root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}))
+
+
+def test_host_headers_env(nginx, tmp_path):
+    nginx.write("w.bin", 2 * CHUNK + 3)
+    uri = nginx.url("auth/w.bin")
+    with pytest.raises(AuthError, match=r"401.*'127\.0\.0\.1-headers'"):
+        pull(uri, root=tmp_path / "r1", options=OPTS, settings=Settings.from_env({}))
+    name, value = nginx.auth_header
+    env = {"127.0.0.1-headers": json.dumps({name: value})}
+    res = pull(uri, root=tmp_path / "r2", options=OPTS, settings=Settings.from_env(env))
+    assert sha(res.path / "w.bin") == sha(nginx.docroot / "w.bin")
+
+
+def _b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode()
+
+
+@pytest.mark.parametrize("header", ["Repr-Digest", "Digest", "Content-MD5"])
+def test_digest_headers_verified_and_recorded(nginx, tmp_path, header):
+    data_path = nginx.write("d/ok.bin", 5 * CHUNK + 11)
+    data = data_path.read_bytes()
+    value = {
+        "Repr-Digest": f"sha-256=:{_b64(hashlib.sha256(data).digest())}:",
+        "Digest": f"SHA-256={_b64(hashlib.sha256(data).digest())}",
+        "Content-MD5": _b64(hashlib.md5(data).digest()),
+    }[header]
+    nginx.set_headers("d/ok.bin", {header: value})
+    uri = nginx.url("d/ok.bin")
+    res = pull(uri, root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}))
+    manifest = NodeStore.at(tmp_path / "root").manifest(res.storage_key)
+    assert manifest is not None
+    algo = "md5" if header == "Content-MD5" else "sha256"
+    expected = hashlib.md5(data).hexdigest() if algo == "md5" else hashlib.sha256(data).hexdigest()
+    assert manifest.files[0].checksums == {algo: expected}
+
+
+def test_wrong_digest_header_never_publishes(nginx, tmp_path):
+    nginx.write("d/bad.bin", 3 * CHUNK, headers={"Repr-Digest": f"sha-256=:{_b64(b'0' * 32)}:"})
+    uri = nginx.url("d/bad.bin")
+    with pytest.raises(IntegrityError, match=r"d?bad\.bin: sha256 mismatch after 3 attempts"):
+        pull(uri, root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}))
+    assert not (tmp_path / "root" / "models" / storage_key(uri)).exists()
+    assert not NodeStore.at(tmp_path / "root").is_present(storage_key(uri))
+
+
+def test_pinned_digest_fragment(nginx, tmp_path):
+    src = nginx.write("p/w.bin", 2 * CHUNK + 1)
+    good = nginx.url("p/w.bin") + "#sha256=" + hashlib.sha256(src.read_bytes()).hexdigest()
+    res = pull(good, root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}))
+    assert res.storage_key == storage_key(good)
+    bad = nginx.url("p/w.bin") + "#sha256=" + "0" * 64
+    with pytest.raises(IntegrityError, match="sha256 mismatch"):
+        pull(bad, root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}))
+
+
+def test_errors_name_the_url(nginx, tmp_path):
+    with pytest.raises(NotFoundError, match=r"http://127\.0\.0\.1:\d+/nope\.bin: HTTP 404"):
+        pull(nginx.url("nope.bin"), root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}))
+
+
+@pytest.mark.parametrize(
+    ("path", "needle"),
+    [("status/401/x.bin", "HTTP 401"), ("status/403/x.bin", "HTTP 403"), ("nope.bin", "HTTP 404")],
+)
+def test_cli_one_line_errors(nginx, tmp_path, path, needle):
+    uri = nginx.url(path) + "?X-Amz-Signature=topsecret"
+    proc = subprocess.run(
+        [sys.executable, "-m", "modelcache", "pull", uri, "--root", str(tmp_path / "root"), "--progress", "none"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert needle in lines[0] and nginx.url(path) in lines[0]
+    assert "topsecret" not in proc.stderr + proc.stdout
+
+
+def test_cli_unreachable_host(tmp_path):
+    from tests.helpers import free_port
+
+    port = free_port()
+    proc = subprocess.run(
+        [sys.executable, "-m", "modelcache", "pull", f"http://127.0.0.1:{port}/m.bin", "--root",
+         str(tmp_path / "root"), "--progress", "none", "--max-attempts", "2"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"error: http://127.0.0.1:{port}/m.bin: cannot connect to 127.0.0.1:{port}: connection refused"
+    ]
