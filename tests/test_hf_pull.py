@@ -149,12 +149,20 @@ def test_error_messages(hub: HubServer, tmp_path: Path) -> None:
     _error_line(_pull(hub, tmp_path, "hf://org/tiny", "--max-attempts", "2"), "org/tiny", "rate-limited")
 
 
-def test_rate_limited_chunks_are_retried(hub: HubServer, tmp_path: Path) -> None:
+def test_rate_limited_chunks_are_retried_after_retry_after(hub: HubServer, tmp_path: Path) -> None:
     hub.fail(429, retry_after=0, count=3, when=lambda r: r.method == "GET" and "/resolve/" in r.path)
     uri = "hf://org/tiny"
     proc = _pull(hub, tmp_path, uri)
     assert proc.returncode == 0, proc.stderr
     assert _model(tmp_path, uri) == FILES
+    # Retry-After is honoured: the rate-limited chunk is asked for again no sooner than told.
+    times: list[float] = []
+    hub.on_request(lambda r: times.append(time.monotonic()), when=lambda r: "config.json" in r.path, count=10)
+    hub.fail(429, retry_after=2, count=1, when=lambda r: r.method == "GET" and "config.json" in r.path)
+    proc = _pull(hub, tmp_path, "hf://org/tiny:main")
+    assert proc.returncode == 0, proc.stderr
+    gets = [r for r in hub.requests if r.method == "GET" and "config.json" in r.path]
+    assert len(gets) >= 2 and times[-1] - times[-2] >= 1.9
 
 
 def test_resume_after_kill_9(hub: HubServer, tmp_path: Path) -> None:
