@@ -89,7 +89,8 @@ class _Crc32c:
         self._h = google_crc32c.Checksum()
 
     def update(self, data: bytes | memoryview, /) -> None:
-        self._h.update(bytes(data) if isinstance(data, memoryview) and not data.contiguous else data)
+        # The C extension accepts only bytes (not even a read-only memoryview): copy.
+        self._h.update(data if isinstance(data, bytes) else bytes(data))
 
     def hexdigest(self) -> str:
         return self._h.digest().hex()

@@ -1,0 +1,107 @@
+"""URI parsing and KServe's storage key."""
+# ruff: noqa: E501
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from modelcache.errors import InvalidURIError, UnsupportedError
+from modelcache.uri import (
+    AzureBlobLocation,
+    GCSLocation,
+    HDFSLocation,
+    HFLocation,
+    HTTPLocation,
+    LocalLocation,
+    OCILocation,
+    PVCLocation,
+    S3Location,
+    parse_uri,
+    redact_uri,
+    storage_key,
+)
+
+
+def test_storage_key_is_kserves_rule_byte_for_byte():
+    uri = "s3://bucket/models/llama/"
+    assert storage_key(uri) == hashlib.sha256(uri.encode()).hexdigest()[:16]
+    assert storage_key("s3://bucket/models/llama") != storage_key(uri)  # trailing slash matters
+    assert len(storage_key("hf://a/b")) == 16
+
+
+@pytest.mark.parametrize(
+    ("uri", "cls", "fields"),
+    [
+        ("s3://my-bucket/a/b", S3Location, {"bucket": "my-bucket", "prefix": "a/b"}),
+        ("s3://my-bucket", S3Location, {"bucket": "my-bucket", "prefix": ""}),
+        ("gs://bkt/m/", GCSLocation, {"bucket": "bkt", "prefix": "m/"}),
+        (
+            "https://acct.blob.core.windows.net/cont/pre/fix?sv=1&sig=abc",
+            AzureBlobLocation,
+            {"account": "acct", "container": "cont", "prefix": "pre/fix", "sas": "sv=1&sig=abc",
+             "account_url": "https://acct.blob.core.windows.net?sv=1&sig=abc"},
+        ),
+        ("https://acct.z12.blob.storage.azure.net/c/p", AzureBlobLocation, {"account": "acct", "container": "c"}),
+        ("hf://org/model", HFLocation, {"repo_id": "org/model", "revision": None, "subfolder": ""}),
+        ("hf://org/model:v1.0/sub/dir", HFLocation, {"repo_id": "org/model", "revision": "v1.0", "subfolder": "sub/dir"}),
+        ("oci://reg.io:5000/ns/repo:tag1", OCILocation, {"registry": "reg.io:5000", "repository": "ns/repo", "tag": "tag1"}),
+        ("oci://reg.io/repo@sha256:" + "a" * 64, OCILocation, {"digest": "sha256:" + "a" * 64, "tag": None}),
+        ("oci+modelcar://reg.io/repo", OCILocation, {"mode": "modelcar", "reference": "latest"}),
+        ("hdfs://nn:9000/models/m", HDFSLocation, {"scheme": "hdfs", "namenode": "nn:9000", "path": "/models/m"}),
+        ("webhdfs:///models/m", HDFSLocation, {"scheme": "webhdfs", "namenode": "", "path": "/models/m"}),
+        ("pvc://claim-1/models/m", PVCLocation, {"claim": "claim-1", "path": "models/m"}),
+        ("file:///srv/m", LocalLocation, {"path": "/srv/m"}),
+        ("/srv/m/", LocalLocation, {"path": "/srv/m"}),
+        ("http://h:8080/a/m.tar.gz", HTTPLocation, {"host": "h", "filename": "m.tar.gz", "pinned": None}),
+        ("https://h/m.bin#sha256=" + "AB" * 32, HTTPLocation, {"url": "https://h/m.bin", "pinned": ("sha256", "ab" * 32)}),
+    ],
+)
+def test_parse_every_scheme(uri, cls, fields):
+    loc = parse_uri(uri)
+    assert type(loc) is cls
+    assert loc.uri == uri
+    for name, value in fields.items():
+        assert getattr(loc, name) == value
+
+
+@pytest.mark.parametrize(
+    ("uri", "why"),
+    [
+        ("ftp://h/x", "unknown scheme 'ftp://'"),
+        ("models/relative", "not an absolute path"),
+        ("", "empty URI"),
+        ("s3://", "missing bucket"),
+        ("s3://UPPER/x", "not a valid bucket name"),
+        ("hf://onlyowner", "expected hf://owner/model"),
+        ("hf://o/m:", "empty revision"),
+        ("oci://reg.io", "expected oci://registry/repository"),
+        ("oci://reg.io/r@sha256:zz", "not a valid digest"),
+        ("http://h/", "no filename"),
+        ("http://h/m.bin#sha256=abc", "pin a digest"),
+        ("pvc://Bad_Claim/x", "expected pvc://claim-name/path"),
+        ("pvc://c/../etc", "must not contain '..'"),
+    ],
+)
+def test_invalid_uris_quote_the_uri_and_list_forms(uri, why):
+    with pytest.raises(InvalidURIError) as err:
+        parse_uri(uri)
+    msg = str(err.value)
+    assert f"'{uri}'" in msg and why in msg
+    assert "s3://bucket/prefix" in msg and "hf://owner/model" in msg  # the accepted forms
+
+
+def test_azure_file_share_is_not_supported_and_says_so():
+    with pytest.raises(UnsupportedError, match=r"Azure File share URIs are not supported: 'https://a\.file"):
+        parse_uri("https://a.file.core.windows.net/share/m?sig=secret")
+    try:
+        parse_uri("https://a.file.core.windows.net/share/m?sig=secret")
+    except UnsupportedError as exc:
+        assert "secret" not in str(exc)
+
+
+def test_redact_uri_drops_secrets():
+    assert redact_uri("https://u:pw@h/x?sig=1") == "https://h/x?<redacted>"
+    assert redact_uri("/plain/path") == "/plain/path"
+    assert parse_uri("https://h/m.bin?X-Amz-Signature=s").display == "https://h/m.bin?<redacted>"
