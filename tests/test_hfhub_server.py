@@ -6,6 +6,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
+from tests.helpers import REPO, stop_process
 from tests.hfhub import HubServer
 
 TOKEN = "hf_testtoken_alice"
@@ -181,3 +183,25 @@ def test_rate_limit_is_retried_after_retry_after(hub: HubServer, tmp_path: Path)
     with pytest.raises(HfHubHTTPError) as err:
         HfApi(endpoint=hub.url, token=False).model_info("org/tiny", revision="main")
     assert err.value.response.status_code == 429 and err.value.response.headers["Retry-After"] == "7"
+
+
+def test_307_redirect_and_standalone_cli(hub: HubServer, tmp_path: Path) -> None:
+    hub.redirect_status = 307
+    got = hf_hub_download("org/tiny", "model.safetensors", endpoint=hub.url, cache_dir=tmp_path, token=TOKEN)
+    assert Path(got).read_bytes() == BIG
+    # The same server as a process, serving a folder: what `python -m tests.hfhub` prints is usable.
+    (tmp_path / "m" / "sub").mkdir(parents=True)
+    (tmp_path / "m" / "sub" / "w.bin").write_bytes(b"w" * 70_000)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.hfhub", "--repo", f"org/cli={tmp_path / 'm'}"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        endpoint = proc.stdout.readline().strip().partition("=")[2]
+        path = snapshot_download("org/cli", endpoint=endpoint, cache_dir=tmp_path / "c2", token=False)
+        assert (Path(path) / "sub" / "w.bin").read_bytes() == b"w" * 70_000
+    finally:
+        stop_process(proc)
