@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Mapping
+from dataclasses import replace
 
 from initializer.dispatch import Context
 from initializer.redact import Scrubber, ScrubbingFormatter
@@ -19,6 +20,7 @@ from initializer.run import describe_error, pairs_from_args, run_pairs
 from modelcache.archive import ArchiveLimits
 from modelcache.credentials import Settings, ca_bundle_from_env
 from modelcache.errors import ModelcacheError
+from modelcache.transfer import TransferOptions
 from modelcache.uri import redact_uri
 
 USAGE = "Usage: initializer-entrypoint src_uri_0 dest_path_0 ... src_uri_n dest_path_n"
@@ -69,6 +71,33 @@ def _settings() -> Settings:
     return Settings.from_env({**settings.env, **extra})
 
 
+_SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def _size(name: str, raw: str) -> int:
+    text = raw.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in _SIZE_SUFFIX else ""
+    try:
+        value = int(float(text[: len(text) - len(unit)]) * _SIZE_SUFFIX[unit])
+    except ValueError:
+        raise ModelcacheError(f"environment variable {name}={raw!r} is not a size (e.g. 16M)") from None
+    if value <= 0:
+        raise ModelcacheError(f"environment variable {name}={raw!r} must be positive")
+    return value
+
+
+def transfer_options(env: Mapping[str, str]) -> TransferOptions:
+    """Engine knobs for the init container (memory is workers x chunk size, plus spares)."""
+    base = TransferOptions()
+    workers = env.get("MODELCACHE_WORKERS")
+    chunk = env.get("MODELCACHE_CHUNK_SIZE")
+    return replace(
+        base,
+        workers=int(_size("MODELCACHE_WORKERS", workers)) if workers else base.workers,
+        chunk_size=_size("MODELCACHE_CHUNK_SIZE", chunk) if chunk else base.chunk_size,
+    )
+
+
 def _install_log_scrubbing(scrub: Scrubber) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(ScrubbingFormatter(scrub))
@@ -102,13 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         limits = ArchiveLimits.from_env(env)
         interval = float(env.get("MODELCACHE_PROGRESS_INTERVAL") or 5)
         parallel = int(env.get("MODELCACHE_INIT_PARALLEL") or 4)
+        options = transfer_options(env)
     except (ModelcacheError, ValueError) as exc:
         for pair in pairs:
             print(scrub(f"error: {redact_uri(pair.src)} -> {pair.dest}: {describe_error(exc)}"), file=sys.stderr)
         return 1
 
     reporter = Reporter(scrub, interval=interval)
-    ctx = Context(settings=settings, limits=limits, tracker=reporter.tracker)
+    ctx = Context(settings=settings, limits=limits, tracker=reporter.tracker, options=options)
     reporter.start()
     try:
         result = run_pairs(pairs, ctx, reporter, max_parallel=parallel)

@@ -20,6 +20,7 @@ from modelcache.archive import ArchiveLimits, archive_kind, remove_stale_staging
 from modelcache.credentials import Settings
 from modelcache.errors import ModelcacheError, NotFoundError, UnsupportedError
 from modelcache.progress import ProgressTracker
+from modelcache.transfer import TransferOptions
 
 PVC_MOUNT_PREFIX = "/mnt/pvc"
 MODEL_MOUNT_DIR = "/mnt/models"
@@ -32,6 +33,7 @@ class Context:
     settings: Settings
     limits: ArchiveLimits
     tracker: ProgressTracker
+    options: TransferOptions | None = None
 
 
 Handler = Callable[[str, Path, Context], PairOutcome]
@@ -116,7 +118,7 @@ def _pull(uri: str, dest: Path, ctx: Context) -> PairOutcome:
                 (dest / done.archive).unlink()
         return PairOutcome("cached", len(done.files), sum(s for _, s in done.files), f"{done.archive} (earlier)")
 
-    result = pull(uri, dest=dest, settings=ctx.settings, progress=ctx.tracker)
+    result = pull(uri, dest=dest, settings=ctx.settings, options=ctx.options, progress=ctx.tracker)
     outcome = PairOutcome("cached" if result.cached else "pulled", result.files, result.bytes)
     manifest = NodeStore(DestLayout(dest)).manifest(result.storage_key)
     names = [f.path for f in manifest.files] if manifest is not None else []

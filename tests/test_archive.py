@@ -23,52 +23,7 @@ from modelcache.archive import (
     unpack_archive,
 )
 from modelcache.errors import ModelcacheError
-
-# -- builders -------------------------------------------------------------------------------
-
-
-def _tar(path: Path, entries: list[tarfile.TarInfo | tuple[tarfile.TarInfo, bytes]], mode: str = "w") -> Path:
-    with tarfile.open(path, mode, format=tarfile.GNU_FORMAT) as tf:
-        for e in entries:
-            if isinstance(e, tuple):
-                info, data = e
-                info.size = len(data)
-                tf.addfile(info, io.BytesIO(data))
-            else:
-                tf.addfile(e)
-    return path
-
-
-def _file(name: str, data: bytes, mode: int = 0o644) -> tuple[tarfile.TarInfo, bytes]:
-    info = tarfile.TarInfo(name)
-    info.mode = mode
-    return info, data
-
-
-def _entry(name: str, type_: bytes, linkname: str = "") -> tarfile.TarInfo:
-    info = tarfile.TarInfo(name)
-    info.type = type_
-    info.linkname = linkname
-    if type_ == tarfile.DIRTYPE:
-        info.mode = 0o755
-    return info
-
-
-def _zip(path: Path, entries: list[tuple[str, bytes] | zipfile.ZipInfo | tuple[zipfile.ZipInfo, bytes]]) -> Path:
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-        for e in entries:
-            if isinstance(e, zipfile.ZipInfo):
-                zf.writestr(e, b"")
-            else:
-                zf.writestr(e[0], e[1])
-    return path
-
-
-def _zip_special(name: str, mode: int) -> zipfile.ZipInfo:
-    info = zipfile.ZipInfo(name)
-    info.create_system = 3  # unix: external_attr carries st_mode
-    info.external_attr = mode << 16
-    return info
+from tests.archive_util import make_tar, make_zip, tar_entry, tar_file, zip_special
 
 
 def _tree(root: Path) -> dict[str, str]:
@@ -106,21 +61,21 @@ def _assert_untouched(box: Path, before_dest: dict[str, str]) -> None:
 
 
 GOOD_TAR_ENTRIES = [
-    _entry("./", tarfile.DIRTYPE),
-    _entry("./model", tarfile.DIRTYPE),
-    _file("./model/config.json", b'{"a": 1}'),
-    _file("./model/run.sh", b"#!/bin/sh\n", 0o755),
-    _file("model/weights/part-0.bin", b"\x00\x01" * 5000),
-    _entry("model/latest", tarfile.SYMTYPE, "weights/part-0.bin"),
-    _entry("model/weights/again.bin", tarfile.LNKTYPE, "model/weights/part-0.bin"),
-    _entry("model/up", tarfile.SYMTYPE, "../model/config.json"),
+    tar_entry("./", tarfile.DIRTYPE),
+    tar_entry("./model", tarfile.DIRTYPE),
+    tar_file("./model/config.json", b'{"a": 1}'),
+    tar_file("./model/run.sh", b"#!/bin/sh\n", 0o755),
+    tar_file("model/weights/part-0.bin", b"\x00\x01" * 5000),
+    tar_entry("model/latest", tarfile.SYMTYPE, "weights/part-0.bin"),
+    tar_entry("model/weights/again.bin", tarfile.LNKTYPE, "model/weights/part-0.bin"),
+    tar_entry("model/up", tarfile.SYMTYPE, "../model/config.json"),
 ]
 
 
 @pytest.mark.parametrize("name,mode", [("m.tar", "w"), ("m.tar.gz", "w:gz"), ("m.tgz", "w:gz"), ("m.tar.xz", "w:xz")])
 def test_good_tar_unpacks_and_is_removed(box: Path, name: str, mode: str) -> None:
     dest = box / "dest"
-    archive = _tar(dest / name, GOOD_TAR_ENTRIES, mode)
+    archive = make_tar(dest / name, GOOD_TAR_ENTRIES, mode)
     res = unpack_archive(archive, dest)
     assert not archive.exists()
     tree = _tree(dest)
@@ -137,7 +92,7 @@ def test_good_tar_unpacks_and_is_removed(box: Path, name: str, mode: str) -> Non
 
 def test_good_zip_with_dirs_and_symlink(box: Path) -> None:
     dest = box / "dest"
-    link = _zip_special("m/current", stat.S_IFLNK | 0o777)
+    link = zip_special("m/current", stat.S_IFLNK | 0o777)
     with zipfile.ZipFile(dest / "m.zip", "w", compression=zipfile.ZIP_DEFLATED) as zf:
         zf.writestr("m/", b"")
         zf.writestr("m/a.txt", b"hello")
@@ -159,7 +114,7 @@ def test_merge_keeps_other_files_overwrites_same_and_replaces_links(box: Path) -
     (dest / "model" / "extra").write_text("extra")
     # A pre-existing link pointing outside must be replaced, not written through.
     (dest / "weights").symlink_to(box / "outside")
-    _tar(dest / "m.tar", [_file("model/config.json", b"new"), _file("weights/w.bin", b"w")])
+    make_tar(dest / "m.tar", [tar_file("model/config.json", b"new"), tar_file("weights/w.bin", b"w")])
     unpack_archive(dest / "m.tar", dest)
     assert (dest / "keep.txt").read_text() == "mine"
     assert (dest / "model/config.json").read_text() == "new"
@@ -170,7 +125,7 @@ def test_merge_keeps_other_files_overwrites_same_and_replaces_links(box: Path) -
 
 def test_duplicate_tar_entry_later_wins(box: Path) -> None:
     dest = box / "dest"
-    _tar(dest / "m.tar", [_file("a.txt", b"first"), _file("a.txt", b"second")])
+    make_tar(dest / "m.tar", [tar_file("a.txt", b"first"), tar_file("a.txt", b"second")])
     unpack_archive(dest / "m.tar", dest)
     assert (dest / "a.txt").read_text() == "second"
 
@@ -185,22 +140,22 @@ def test_archive_kind() -> None:
 
 
 HOSTILE_TARS = {
-    "tar-slip": [_file("ok.txt", b"ok"), _file("../evil.txt", b"x")],
-    "tar-slip-nested": [_file("a/b/../../../evil.txt", b"x")],
-    "absolute": [_file("/tmp/evil-modelcache.txt", b"x")],
-    "symlink-escape": [_entry("link", tarfile.SYMTYPE, "../outside")],
-    "symlink-absolute": [_entry("link", tarfile.SYMTYPE, "/etc/passwd")],
+    "tar-slip": [tar_file("ok.txt", b"ok"), tar_file("../evil.txt", b"x")],
+    "tar-slip-nested": [tar_file("a/b/../../../evil.txt", b"x")],
+    "absolute": [tar_file("/tmp/evil-modelcache.txt", b"x")],
+    "symlink-escape": [tar_entry("link", tarfile.SYMTYPE, "../outside")],
+    "symlink-absolute": [tar_entry("link", tarfile.SYMTYPE, "/etc/passwd")],
     # Each link is inside on its own; together 'a' resolves to the parent of dest.
-    "symlink-chain": [_entry("a", tarfile.SYMTYPE, "b/.."), _entry("b", tarfile.SYMTYPE, ".")],
-    "symlink-then-write-through": [_entry("d", tarfile.SYMTYPE, "sub"), _file("d/x.txt", b"x")],
-    "hardlink-escape": [_entry("h", tarfile.LNKTYPE, "../outside/secret")],
-    "hardlink-absolute": [_entry("h", tarfile.LNKTYPE, "/etc/passwd")],
-    "hardlink-not-member": [_entry("h", tarfile.LNKTYPE, "nothere")],
-    "hardlink-to-symlink": [_entry("s", tarfile.SYMTYPE, "x"), _entry("h", tarfile.LNKTYPE, "s")],
-    "char-device": [_entry("dev", tarfile.CHRTYPE)],
-    "block-device": [_entry("dev", tarfile.BLKTYPE)],
-    "fifo": [_entry("pipe", tarfile.FIFOTYPE)],
-    "reserved-name": [_file(".modelcache/manifest.json", b"{}")],
+    "symlink-chain": [tar_entry("a", tarfile.SYMTYPE, "b/.."), tar_entry("b", tarfile.SYMTYPE, ".")],
+    "symlink-then-write-through": [tar_entry("d", tarfile.SYMTYPE, "sub"), tar_file("d/x.txt", b"x")],
+    "hardlink-escape": [tar_entry("h", tarfile.LNKTYPE, "../outside/secret")],
+    "hardlink-absolute": [tar_entry("h", tarfile.LNKTYPE, "/etc/passwd")],
+    "hardlink-not-member": [tar_entry("h", tarfile.LNKTYPE, "nothere")],
+    "hardlink-to-symlink": [tar_entry("s", tarfile.SYMTYPE, "x"), tar_entry("h", tarfile.LNKTYPE, "s")],
+    "char-device": [tar_entry("dev", tarfile.CHRTYPE)],
+    "block-device": [tar_entry("dev", tarfile.BLKTYPE)],
+    "fifo": [tar_entry("pipe", tarfile.FIFOTYPE)],
+    "reserved-name": [tar_file(".modelcache/manifest.json", b"{}")],
 }
 
 
@@ -208,7 +163,7 @@ HOSTILE_TARS = {
 def test_hostile_tar_is_refused_and_dest_untouched(box: Path, case: str) -> None:
     dest = box / "dest"
     (dest / "existing.txt").write_text("before")
-    archive = _tar(dest / "bad.tar.gz", HOSTILE_TARS[case], "w:gz")
+    archive = make_tar(dest / "bad.tar.gz", HOSTILE_TARS[case], "w:gz")
     before = _tree(dest)
     with pytest.raises(UnsafeArchiveError) as err:
         unpack_archive(archive, dest, reserved=(".modelcache",))
@@ -222,16 +177,16 @@ HOSTILE_ZIPS = {
     "zip-slip-backslash": [("..\\evil.txt", b"x")],
     "absolute": [("/tmp/evil-modelcache.txt", b"x")],
     "drive": [("C:/evil.txt", b"x")],
-    "symlink-escape": [(_zip_special("link", stat.S_IFLNK | 0o777), b"../../outside")],
-    "fifo": [_zip_special("pipe", stat.S_IFIFO | 0o644)],
-    "device": [_zip_special("dev", stat.S_IFCHR | 0o644)],
+    "symlink-escape": [(zip_special("link", stat.S_IFLNK | 0o777), b"../../outside")],
+    "fifo": [zip_special("pipe", stat.S_IFIFO | 0o644)],
+    "device": [zip_special("dev", stat.S_IFCHR | 0o644)],
 }
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE_ZIPS))
 def test_hostile_zip_is_refused_and_dest_untouched(box: Path, case: str) -> None:
     dest = box / "dest"
-    archive = _zip(dest / "bad.zip", HOSTILE_ZIPS[case])  # type: ignore[arg-type]
+    archive = make_zip(dest / "bad.zip", HOSTILE_ZIPS[case])  # type: ignore[arg-type]
     before = _tree(dest)
     with pytest.raises(UnsafeArchiveError) as err:
         unpack_archive(archive, dest)
@@ -246,7 +201,7 @@ def test_hostile_zip_is_refused_and_dest_untouched(box: Path, case: str) -> None
 def test_bomb_over_ratio_cap_with_default_limits(box: Path) -> None:
     dest = box / "dest"
     # 8 MiB of zeros gzip to ~8 KiB: a ratio near 1000, refused by the default cap of 200.
-    _tar(dest / "bomb.tar.gz", [_file("zeros.bin", bytes(8 << 20))], "w:gz")
+    make_tar(dest / "bomb.tar.gz", [tar_file("zeros.bin", bytes(8 << 20))], "w:gz")
     before = _tree(dest)
     with pytest.raises(ArchiveLimitError, match="compression ratio"):
         unpack_archive(dest / "bomb.tar.gz", dest)
@@ -255,7 +210,7 @@ def test_bomb_over_ratio_cap_with_default_limits(box: Path) -> None:
 
 def test_zip_bomb_over_ratio_cap(box: Path) -> None:
     dest = box / "dest"
-    _zip(dest / "bomb.zip", [("zeros.bin", bytes(8 << 20))])
+    make_zip(dest / "bomb.zip", [("zeros.bin", bytes(8 << 20))])
     before = _tree(dest)
     with pytest.raises(ArchiveLimitError, match="compression ratio"):
         unpack_archive(dest / "bomb.zip", dest)
@@ -265,7 +220,7 @@ def test_zip_bomb_over_ratio_cap(box: Path) -> None:
 def test_bomb_over_byte_cap_stops_while_streaming(box: Path) -> None:
     dest = box / "dest"
     # The header is honest but the cap is low: refused mid-stream, nothing left behind.
-    _tar(dest / "big.tar", [_file("a.bin", os.urandom(600_000)), _file("b.bin", os.urandom(600_000))])
+    make_tar(dest / "big.tar", [tar_file("a.bin", os.urandom(600_000)), tar_file("b.bin", os.urandom(600_000))])
     before = _tree(dest)
     with pytest.raises(ArchiveLimitError, match="MODELCACHE_ARCHIVE_MAX_BYTES"):
         unpack_archive(dest / "big.tar", dest, ArchiveLimits(max_bytes=1_000_000))
@@ -274,7 +229,7 @@ def test_bomb_over_byte_cap_stops_while_streaming(box: Path) -> None:
 
 def test_zip_over_byte_cap_refused_before_writing(box: Path) -> None:
     dest = box / "dest"
-    _zip(dest / "big.zip", [("a.bin", os.urandom(300_000)), ("b.bin", os.urandom(300_000))])
+    make_zip(dest / "big.zip", [("a.bin", os.urandom(300_000)), ("b.bin", os.urandom(300_000))])
     before = _tree(dest)
     with pytest.raises(ArchiveLimitError):
         unpack_archive(dest / "big.zip", dest, ArchiveLimits(max_bytes=500_000))
@@ -286,9 +241,9 @@ def test_bomb_over_entry_cap(box: Path, kind: str) -> None:
     dest = box / "dest"
     files = [(f"f{i}.txt", b"x") for i in range(30)]
     if kind == "tar":
-        archive = _tar(dest / "many.tar", [_file(n, d) for n, d in files])
+        archive = make_tar(dest / "many.tar", [tar_file(n, d) for n, d in files])
     else:
-        archive = _zip(dest / "many.zip", files)  # type: ignore[arg-type]
+        archive = make_zip(dest / "many.zip", files)  # type: ignore[arg-type]
     before = _tree(dest)
     with pytest.raises(ArchiveLimitError, match="more than 20 entries"):
         unpack_archive(archive, dest, ArchiveLimits(max_entries=20))
@@ -298,7 +253,7 @@ def test_bomb_over_entry_cap(box: Path, kind: str) -> None:
 def test_small_compressible_archive_is_not_a_bomb(box: Path) -> None:
     dest = box / "dest"
     # 512 KiB of text compresses >200x but stays under ratio_min_bytes: unpacked.
-    _tar(dest / "cfg.tar.gz", [_file("vocab.txt", b"a" * (512 << 10))], "w:gz")
+    make_tar(dest / "cfg.tar.gz", [tar_file("vocab.txt", b"a" * (512 << 10))], "w:gz")
     unpack_archive(dest / "cfg.tar.gz", dest)
     assert (dest / "vocab.txt").stat().st_size == 512 << 10
 
@@ -325,7 +280,7 @@ def test_limits_from_env() -> None:
 def _truncated_targz(path: Path) -> Path:
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w:gz") as tf:
-        info, data = _file("w.bin", os.urandom(200_000))
+        info, data = tar_file("w.bin", os.urandom(200_000))
         info.size = len(data)
         tf.addfile(info, io.BytesIO(data))
     path.write_bytes(raw.getvalue()[: len(raw.getvalue()) // 2])
@@ -333,7 +288,7 @@ def _truncated_targz(path: Path) -> Path:
 
 
 def _bad_crc_zip(path: Path) -> Path:
-    _zip(path, [("w.bin", b"hello world" * 100)])
+    make_zip(path, [("w.bin", b"hello world" * 100)])
     data = bytearray(path.read_bytes())
     # Flip a byte inside the deflate stream of the only member (after its local header).
     data[40] ^= 0xFF
@@ -374,14 +329,14 @@ def test_remove_stale_staging(box: Path) -> None:
 
 def test_entry_named_like_the_archive_survives(box: Path) -> None:
     dest = box / "dest"
-    _tar(dest / "m.tar", [_file("m.tar", b"inner"), _file("x.txt", b"x")])
+    make_tar(dest / "m.tar", [tar_file("m.tar", b"inner"), tar_file("x.txt", b"x")])
     unpack_archive(dest / "m.tar", dest)
     assert (dest / "m.tar").read_bytes() == b"inner" and (dest / "x.txt").read_bytes() == b"x"
 
 
 def test_archive_through_symlink_removes_link_only(box: Path) -> None:
     dest = box / "dest"
-    src = _tar(box / "outside" / "m.tar", [_file("x.txt", b"x")])
+    src = make_tar(box / "outside" / "m.tar", [tar_file("x.txt", b"x")])
     (dest / "m.tar").symlink_to(src)
     unpack_archive(dest / "m.tar", dest)
     assert not os.path.lexists(dest / "m.tar") and src.exists()
