@@ -30,6 +30,7 @@ FILES: dict[str, bytes] = {
     "tokenizer/vocab.txt": b"a\nb\nc\n",
     "tokenizer/deep/merges.txt": b"x y\n",
     "empty.txt": b"",
+    "odd dir/naïve #1.txt": b"quoted path\n",
 }
 
 
@@ -156,7 +157,12 @@ def test_allow_and_ignore_patterns(hub: HubServer) -> None:
     src = _source(hub, "hf://org/tiny", STORAGE_ALLOW_PATTERNS='["*.json", "tokenizer/*"]')
     assert {f.path for f in src.list_files()} == {"config.json", "tokenizer/vocab.txt", "tokenizer/deep/merges.txt"}
     src = _source(hub, "hf://org/tiny", STORAGE_IGNORE_PATTERNS="*.safetensors, tokenizer/deep/*")
-    assert {f.path for f in src.list_files()} == {"config.json", "tokenizer/vocab.txt", "empty.txt"}
+    assert {f.path for f in src.list_files()} == {
+        "config.json",
+        "tokenizer/vocab.txt",
+        "empty.txt",
+        "odd dir/naïve #1.txt",
+    }
     with pytest.raises(NotFoundError, match="STORAGE_ALLOW_PATTERNS"):
         _source(hub, "hf://org/tiny", STORAGE_ALLOW_PATTERNS="*.gguf").list_files()
 
