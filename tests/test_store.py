@@ -1,0 +1,160 @@
+"""Node store: presence, atomic publish, crash recovery, rm, gc, verify; and the resume journal."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from modelcache.credentials import Settings
+from modelcache.journal import Journal
+from modelcache.pull import pull
+from modelcache.store import NodeStore
+from modelcache.transfer import TransferOptions
+from modelcache.uri import storage_key
+
+OPTS = TransferOptions(workers=2, chunk_size=64 * 1024)
+
+
+def make_model(folder: Path, sizes: dict[str, int]) -> Path:
+    for rel, size in sizes.items():
+        p = folder / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(os.urandom(size))
+    return folder
+
+
+@pytest.fixture
+def pulled(tmp_path):
+    src = make_model(tmp_path / "src", {"w.bin": 300_000, "cfg/config.json": 40})
+    root = tmp_path / "root"
+    res = pull(str(src), root=root, options=OPTS, settings=Settings.from_env({}))
+    return NodeStore.at(root), res, src
+
+
+def test_layout_and_manifest(pulled):
+    store, res, src = pulled
+    key = res.storage_key
+    root = store.layout.root
+    assert res.path == root / "models" / key
+    assert (root / ".modelcache" / "manifests" / f"{key}.json").is_file()
+    assert not (root / ".modelcache" / "staging" / key).exists()
+    assert sorted(p.relative_to(res.path).as_posix() for p in res.path.rglob("*") if p.is_file()) == [
+        "cfg/config.json", "w.bin"]  # nothing of ours inside the model folder
+    m = store.manifest(key)
+    assert m is not None and m.uri == str(src) and m.total_size == 300_040
+
+
+def test_presence_needs_manifest_and_matching_sizes(pulled):
+    store, res, _ = pulled
+    key = res.storage_key
+    assert store.is_present(key)
+    with open(res.path / "w.bin", "ab") as f:
+        f.write(b"x")
+    assert not store.is_present(key)
+    (res.path / "w.bin").unlink()
+    assert not store.is_present(key)
+
+
+def test_damaged_model_is_fetched_again(pulled):
+    store, res, src = pulled
+    (res.path / "cfg" / "config.json").unlink()
+    again = pull(str(src), root=store.layout.root, options=OPTS, settings=Settings.from_env({}))
+    assert not again.cached
+    assert (again.path / "cfg" / "config.json").read_bytes() == (src / "cfg" / "config.json").read_bytes()
+    assert store.verify(res.storage_key) == []
+
+
+def test_verify_detects_a_flipped_byte(pulled):
+    store, res, _ = pulled
+    p = res.path / "w.bin"
+    data = bytearray(p.read_bytes())
+    data[12345] ^= 0x01
+    p.write_bytes(bytes(data))
+    problems = store.verify(res.storage_key)
+    assert [pr.path for pr in problems] == ["w.bin"] and "xxh3-128" in problems[0].problem
+
+
+def test_recover_finishes_an_interrupted_publish(pulled):
+    store, res, _ = pulled
+    key = res.storage_key
+    staging = store.layout.staging_dir(key)
+    staging.mkdir(parents=True)
+    # The crash window: folder renamed into place, manifest still in staging.
+    os.rename(store.layout.manifest_path(key), staging / "manifest.json")
+    assert not store.is_present(key)
+    store.recover(key)
+    assert store.is_present(key) and not staging.exists()
+
+
+def test_rm_and_gc(tmp_path):
+    root = tmp_path / "root"
+    keys = []
+    for i in range(3):
+        src = make_model(tmp_path / f"src{i}", {"w.bin": 100_000 * (i + 1)})
+        keys.append(pull(str(src), root=root, options=OPTS, settings=Settings.from_env({})).storage_key)
+        time.sleep(0.02)
+    store = NodeStore.at(root)
+    os.utime(store.layout.manifest_path(keys[0]))  # model 0 used most recently
+    free = shutil.disk_usage(root).free
+    dry = store.gc(free + 250_000, dry_run=True)
+    assert [e.storage_key for e in dry] == [keys[1], keys[2]]  # least recently used first
+    assert all(store.is_present(k) for k in keys)
+    evicted = store.gc(free + 150_000)
+    assert [e.storage_key for e in evicted] == [keys[1]]
+    assert not store.is_present(keys[1]) and not (root / "models" / keys[1]).exists()
+    assert store.remove(keys[2]) and not store.remove(keys[2])
+    assert [e.storage_key for e in store.entries()] == [keys[0]]
+
+
+def test_journal_trusts_unsynced_lines_only_in_the_same_boot(tmp_path):
+    p = tmp_path / "journal"
+    p.write_text("boot other-boot\nc 0 0 4096\nS\nc 0 1 8192\nF 1 abc sha256\n")
+    j = Journal(str(p))
+    st = j.load()
+    assert st.chunks == {(0, 0): 4096} and st.files == {}  # after the last sync: not trusted
+    j.open(fresh=False)
+    j.chunk(0, 2, 100)
+    j.file_done(3, "def", ("md5",))
+    j.file_reset(0)
+    j.close()
+    st = j.load()
+    assert st.chunks == {} and st.files == {3: ("def", ("md5",))}
+    with open(p, "a") as f:
+        f.write("c 1 1 77")  # torn last line
+    assert (1, 1) not in j.load().chunks
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "modelcache", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_ls_verify_rm_gc_json(tmp_path):
+    src = make_model(tmp_path / "src", {"a.bin": 200_000})
+    root = str(tmp_path / "root")
+    p = run_cli("pull", str(src), "--root", root, "--json", "--progress", "none")
+    assert p.returncode == 0, p.stderr
+    (result,) = json.loads(p.stdout)
+    assert result["ok"] and result["storage_key"] == storage_key(str(src)) and not result["cached"]
+    p = run_cli("pull", str(src), "--root", root, "--json")
+    assert json.loads(p.stdout)[0]["cached"] is True
+    ls = json.loads(run_cli("ls", "--root", root, "--json").stdout)
+    assert [(e["storage_key"], e["present"], e["size"]) for e in ls] == [(storage_key(str(src)), True, 200_000)]
+    v = run_cli("verify", "--root", root, "--json")
+    assert v.returncode == 0 and json.loads(v.stdout) == {storage_key(str(src)): []}
+    model = Path(root) / "models" / storage_key(str(src)) / "a.bin"
+    model.write_bytes(b"\0" * 200_000)
+    v = run_cli("verify", str(src), "--root", root)
+    assert v.returncode == 1 and "a.bin: xxh3-128" in v.stdout
+    g = run_cli("gc", "--root", root, "--target-free", "1T", "--dry-run", "--json")
+    assert [e["storage_key"] for e in json.loads(g.stdout)["evicted"]] == [storage_key(str(src))]
+    assert model.exists()
+    r = run_cli("rm", str(src), "--root", root, "--json")
+    assert json.loads(r.stdout) == {str(src): True} and not model.exists()
+    assert json.loads(run_cli("ls", "--root", root, "--json").stdout) == []
