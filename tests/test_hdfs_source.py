@@ -18,6 +18,7 @@ from modelcache.errors import (
     TransientError,
     UnsupportedError,
 )
+from modelcache.integrity import new_hasher
 from modelcache.sources.base import RemoteFile, open_source
 from tests.helpers import free_port
 from tests.webhdfs import WebHDFSServer
@@ -119,3 +120,24 @@ def test_ha_namenodes_fall_over(webhdfs: WebHDFSServer, tmp_path: Path) -> None:
     with open_source("hdfs://models/m", settings) as src:
         (f,) = src.list_files()
         assert read_range(src, f, 1, 3) == b"bc"
+
+
+@pytest.mark.parametrize("size", [1, 511, 512, 700_000, 1 << 20, (1 << 20) + 1, 2_500_000, 3 << 20])
+def test_hdfs_checksum_matches_the_datanodes(webhdfs: WebHDFSServer, tmp_path: Path, size: int) -> None:
+    """The incremental hasher (fed in odd-sized pieces) equals the server's plain computation,
+    for one block, block boundaries and several blocks; one flipped byte changes it."""
+    data = os.urandom(size)
+    webhdfs.put("/c/f.bin", data)
+    with open_source("hdfs://c", hdfs_settings(tmp_path, HDFS_NAMENODE=webhdfs.url)) as src:
+        (f,) = src.list_files()
+    (checksum,) = f.checksums
+    assert checksum.algo == "hdfs-md5md5crc" and checksum.param("block_size") == str(1 << 20)
+    h = new_hasher(checksum, size)
+    for i in range(0, size, 77_777):
+        h.update(memoryview(data)[i : i + 77_777])
+    assert h.hexdigest() == checksum.value
+    bad = bytearray(data)
+    bad[size // 2] ^= 1
+    h2 = new_hasher(checksum, size)
+    h2.update(bytes(bad))
+    assert h2.hexdigest() != checksum.value

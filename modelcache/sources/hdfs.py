@@ -6,7 +6,8 @@ the ``HDFS_NAMENODE`` file of the secret dir; we do the same so existing URIs ke
 The ``hdfs`` client lists (GETFILESTATUS, recursive LISTSTATUS), tries HA namenodes in turn
 and maps RemoteException errors; reads are WebHDFS ``OPEN`` with ``offset``/``length`` (WebHDFS
 has no HTTP Range), whose 307 to a datanode requests follows, so a big file moves as parallel
-chunks. Each read is checked to deliver exactly the bytes asked for.
+chunks. Each read is checked to deliver exactly the bytes asked for, and each file is verified
+against HDFS's own MD5-of-MD5-of-CRC32C (GETFILECHECKSUM, see ``hdfs_checksum``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from modelcache.errors import (
     TransientError,
     UnsupportedError,
 )
-from modelcache.sources.base import IterStream, RangeStream, RemoteFile, Source, register_source, safe_relpath
+from modelcache.sources.base import Checksum, IterStream, RangeStream, RemoteFile, Source, register_source, safe_relpath
+from modelcache.sources.hdfs_checksum import checksum_from_webhdfs
 from modelcache.uri import HDFSLocation
 
 if TYPE_CHECKING:
@@ -134,14 +136,25 @@ class HDFSSource(Source):
                 yield self._file(child_rel, child, status)
 
     def _file(self, rel: str, absolute: str, status: dict) -> RemoteFile:
+        size = int(status["length"])
+        checksum = self._checksum(absolute, int(status.get("blockSize") or 0)) if size else None
         return RemoteFile(
             path=safe_relpath(rel, self.where),
-            size=int(status["length"]),
+            size=size,
             version=str(status.get("modificationTime", "")) or None,
-            checksums=(),
+            checksums=(checksum,) if checksum else (),
             ranged=True,
             meta=(("hdfs.path", absolute),),
         )
+
+    def _checksum(self, path: str, block_size: int) -> Checksum | None:
+        """HDFS's own file checksum (computed by the datanodes from stored CRCs, no data read);
+        None where the cluster or gateway cannot give one we can recompute."""
+        try:
+            doc = self.client.checksum(path)
+        except (HdfsError, requests.RequestException, ValueError, KeyError):
+            return None
+        return checksum_from_webhdfs(doc, block_size)
 
     def open_range(self, file: RemoteFile, start: int, end: int | None) -> RangeStream:
         path = file.meta_get("hdfs.path")

@@ -4,9 +4,10 @@ Two real HTTP listeners on 127.0.0.1: the namenode (``/webhdfs/v1<path>?op=...``
 datanode. Files live in a local folder (``root``) that stands for the HDFS namespace.
 
 Namenode operations: GETFILESTATUS, LISTSTATUS (a file lists itself with an empty
-``pathSuffix``), GETHOMEDIRECTORY, GETFILECHECKSUM, MKDIRS, DELETE, OPEN and CREATE. OPEN and
-CREATE answer **307** with ``Location`` on the datanode, which serves ``offset``/``length``
-(WebHDFS has no HTTP Range) or stores the PUT body. Identity is ``doas`` if given, else
+``pathSuffix``), GETHOMEDIRECTORY, GETFILECHECKSUM, MKDIRS, DELETE, OPEN and CREATE.
+GETFILECHECKSUM, OPEN and CREATE answer **307** with ``Location`` on the datanode, which
+computes the real MD5-of-MD5-of-CRC32C, serves ``offset``/``length`` (WebHDFS has no HTTP
+Range) or stores the PUT body. Identity is ``doas`` if given, else
 ``user.name``; ``required_headers`` missing -> 401; a user outside ``allowed_users`` or a path
 in ``denied_paths`` -> 403 AccessControlException; missing paths -> 404 FileNotFoundException,
 all as ``{"RemoteException": {...}}`` JSON. Tests can slow the datanode (``datanode_delay``)
@@ -19,12 +20,15 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+import google_crc32c
 
 PREFIX = "/webhdfs/v1"
 _JAVA = {
@@ -60,6 +64,8 @@ class WebHDFSServer:
     allowed_users: set[str] | None = None
     denied_paths: set[str] = field(default_factory=set)
     datanode_delay: float = 0.0
+    #: Small blocks so test files span several (real clusters: 128 MiB).
+    block_size: int = 1 << 20
     requests: list[Request] = field(default_factory=list)
 
     def start(self) -> WebHDFSServer:
@@ -113,7 +119,7 @@ class WebHDFSServer:
         is_dir = local.is_dir()
         return {
             "accessTime": int(st.st_atime * 1000),
-            "blockSize": 134217728,
+            "blockSize": self.block_size,
             "childrenNum": len(os.listdir(local)) if is_dir else 0,
             "fileId": st.st_ino,
             "group": "supergroup",
@@ -126,6 +132,22 @@ class WebHDFSServer:
             "storagePolicy": 0,
             "type": "DIRECTORY" if is_dir else "FILE",
         }
+
+
+def file_checksum(data: bytes, block_size: int, bytes_per_crc: int = 512) -> dict:
+    """HDFS's MD5-of-MD5-of-CRC32C, written out plainly (whole file in memory) so it checks
+    the source's incremental version independently."""
+    block_md5s = []
+    for b in range(0, len(data), block_size):
+        block = data[b : b + block_size]
+        crcs = b"".join(
+            google_crc32c.value(block[i : i + bytes_per_crc]).to_bytes(4, "big")
+            for i in range(0, len(block), bytes_per_crc)
+        )
+        block_md5s.append(hashlib.md5(crcs).digest())
+    crc_per_block = block_size // bytes_per_crc if len(block_md5s) > 1 else 0
+    raw = struct.pack(">iq", bytes_per_crc, crc_per_block) + hashlib.md5(b"".join(block_md5s)).digest()
+    return {"algorithm": f"MD5-of-{crc_per_block}MD5-of-{bytes_per_crc}CRC32C", "bytes": raw.hex(), "length": 28}
 
 
 def _handler(server: WebHDFSServer, node: str) -> type[BaseHTTPRequestHandler]:
@@ -245,16 +267,8 @@ def _handler(server: WebHDFSServer, node: str) -> type[BaseHTTPRequestHandler]:
                 self._json(200, {"FileStatuses": {"FileStatus": items}})
             elif self.command == "GET" and op == "GETHOMEDIRECTORY":
                 self._json(200, {"Path": f"/user/{self._user(req)}"})
-            elif self.command == "GET" and op == "GETFILECHECKSUM":
-                local = self._exists(hdfs_path)
-                if local.is_dir():
-                    raise _Error(404, "FileNotFoundException", f"Path is not a file: {hdfs_path}")
-                # Not HDFS's MD5-of-MD5-of-CRC32C: tests only check the shape and that it changes.
-                digest = hashlib.md5(local.read_bytes()).hexdigest() + "0" * 24
-                self._json(
-                    200, {"FileChecksum": {"algorithm": "MD5-of-0MD5-of-512CRC32C", "bytes": digest, "length": 28}}
-                )
-            elif self.command == "GET" and op == "OPEN":
+            elif self.command == "GET" and op in ("GETFILECHECKSUM", "OPEN"):
+                # Both are served by a datanode, as in a real cluster: 307 there.
                 local = self._exists(hdfs_path)
                 if local.is_dir():
                     raise _Error(404, "FileNotFoundException", f"Path is not a file: {hdfs_path}")
@@ -282,7 +296,10 @@ def _handler(server: WebHDFSServer, node: str) -> type[BaseHTTPRequestHandler]:
         # -- datanode -----------------------------------------------------------------------
 
         def _datanode(self, req: Request, hdfs_path: str) -> None:
-            if self.command == "GET" and req.op == "OPEN":
+            if self.command == "GET" and req.op == "GETFILECHECKSUM":
+                data = self._exists(hdfs_path).read_bytes()
+                self._json(200, {"FileChecksum": file_checksum(data, server.block_size)})
+            elif self.command == "GET" and req.op == "OPEN":
                 local = self._exists(hdfs_path)
                 size = local.stat().st_size
                 offset = int(req.params.get("offset") or 0)
