@@ -191,3 +191,23 @@ def test_resume_after_kill_9(hub: HubServer, tmp_path: Path) -> None:
     assert _model(tmp_path, uri)["model.safetensors"] == big
     resent = hub.body_bytes_sent - sent_before
     assert resent < len(big) - (512 << 10), f"resumed pull re-fetched {resent} of {len(big)} bytes"
+
+
+def test_storage_initializer_hf_into_dest(hub: HubServer, tmp_path: Path) -> None:
+    """KServe's init container contract: `storage-initializer hf://owner/model:rev DEST` with HF_TOKEN."""
+    from tests.initializer_util import run_initializer
+
+    repo = hub.repos["org/tiny"]
+    repo.private = True
+    repo.allowed_tokens.add(TOKEN)
+    repo.set_tag("v1", repo.branches["main"])
+    dest = tmp_path / "mnt" / "models"
+    run = run_initializer(
+        "hf://org/tiny:v1",
+        dest,
+        env={"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "HF_HOME": str(tmp_path / "hf-home")},
+    )
+    assert run.code == 0, run.output
+    got = {p.relative_to(dest).as_posix(): p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+    assert {k: v for k, v in got.items() if not k.startswith(".")} == FILES
+    assert TOKEN not in run.output
