@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TextIO
 
 from initializer.redact import Scrubber
@@ -94,12 +94,14 @@ class Reporter:
             self._thread.join(timeout=2)
 
     def _run(self) -> None:
-        last_done = -1
+        last_done, last_t = 0, time.monotonic()
         while not self._stop.wait(self.interval):
             snap = self.tracker.snapshot()
-            if snap.bytes_total == 0 and snap.bytes_done == 0:
-                continue
-            if snap.bytes_done == last_done and snap.rate == 0:
+            now = time.monotonic()
+            if snap.bytes_done == last_done:
                 continue  # nothing moved since the last line: don't spam the log
-            last_done = snap.bytes_done
-            self.info(format_line(snap, label="progress: "))
+            # The rate over the last interval: the tracker's own window needs several samples,
+            # and at one line every few seconds the first lines would all say 0 B/s.
+            rate = max(0.0, (snap.bytes_done - last_done) / max(now - last_t, 1e-3))
+            last_done, last_t = snap.bytes_done, now
+            self.info(format_line(replace(snap, rate=rate), label="progress: "))

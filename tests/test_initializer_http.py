@@ -93,7 +93,8 @@ def test_partial_dest_after_kill9_resumes(nginx: NginxServer, tmp_path: Path) ->
     nginx.write("slow/model.bin", size)
     nginx.set_limit_rate("slow", 2 << 20)
     dest = tmp_path / "d"
-    env = initializer_env({"MODELCACHE_WORKERS": "1", "MODELCACHE_CHUNK_SIZE": "16M"})
+    knobs = {"MODELCACHE_WORKERS": "1", "MODELCACHE_CHUNK_SIZE": "16M"}
+    env = initializer_env(knobs)
     proc = subprocess.Popen(
         [*initializer_cmd(), nginx.url("slow/model.bin"), str(dest)],
         env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -118,7 +119,7 @@ def test_partial_dest_after_kill9_resumes(nginx: NginxServer, tmp_path: Path) ->
     assert not (dest / "model.bin").exists()  # nothing half-written where the runtime looks
     nginx.set_limit_rate("slow", 1 << 30)
     nginx.clear_access_log()
-    r = run_initializer(nginx.url("slow/model.bin"), dest, env={"MODELCACHE_WORKERS": "1"})
+    r = run_initializer(nginx.url("slow/model.bin"), dest, env=knobs)
     assert r.code == 0, r.output
     assert (dest / "model.bin").read_bytes() == (nginx.docroot / "slow/model.bin").read_bytes()
     served = nginx.bytes_served("slow/model.bin")
