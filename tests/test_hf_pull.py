@@ -175,7 +175,7 @@ def test_resume_after_kill_9(hub: HubServer, tmp_path: Path) -> None:
         env=_env(hub, tmp_path),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
     )
     try:
         wait_until(lambda: hub.body_bytes_sent > (1 << 20), timeout=60, what="half the download")

@@ -205,3 +205,5 @@ def test_307_redirect_and_standalone_cli(hub: HubServer, tmp_path: Path) -> None
         assert (Path(path) / "sub" / "w.bin").read_bytes() == b"w" * 70_000
     finally:
         stop_process(proc)
+        if proc.stdout is not None:
+            proc.stdout.close()
