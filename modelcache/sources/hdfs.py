@@ -12,6 +12,7 @@ against HDFS's own MD5-of-MD5-of-CRC32C (GETFILECHECKSUM, see ``hdfs_checksum``)
 
 from __future__ import annotations
 
+import logging
 import posixpath
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 
 _READ_CHUNK = 1 << 20
 _MAX_DEPTH = 64
+# The hdfs client logs a 401's raw body at ERROR before raising; we raise one clear line instead.
+logging.getLogger("hdfs.client").setLevel(logging.CRITICAL)
 
 
 @register_source("hdfs")

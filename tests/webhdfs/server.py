@@ -10,8 +10,8 @@ computes the real MD5-of-MD5-of-CRC32C, serves ``offset``/``length`` (WebHDFS ha
 Range) or stores the PUT body. Identity is ``doas`` if given, else
 ``user.name``; ``required_headers`` missing -> 401; a user outside ``allowed_users`` or a path
 in ``denied_paths`` -> 403 AccessControlException; missing paths -> 404 FileNotFoundException,
-all as ``{"RemoteException": {...}}`` JSON. Tests can slow the datanode (``datanode_delay``)
-and read the request log.
+all as ``{"RemoteException": {...}}`` JSON. Tests can slow the datanode (``datanode_delay``),
+flip a byte of what OPEN sends (``corrupt_reads``), and read the request log and byte count.
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ class WebHDFSServer:
     datanode_delay: float = 0.0
     #: Small blocks so test files span several (real clusters: 128 MiB).
     block_size: int = 1 << 20
+    #: hdfs path -> file offset whose byte OPEN flips in transit (the stored file stays good).
+    corrupt_reads: dict[str, int] = field(default_factory=dict)
+    bytes_sent: int = 0
     requests: list[Request] = field(default_factory=list)
 
     def start(self) -> WebHDFSServer:
@@ -75,7 +78,7 @@ class WebHDFSServer:
         self._datanode = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self, "datanode"))
         for srv in (self._namenode, self._datanode):
             srv.daemon_threads = True
-            threading.Thread(target=srv.serve_forever, daemon=True).start()
+            threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         return self
 
     def stop(self) -> None:
@@ -313,15 +316,22 @@ def _handler(server: WebHDFSServer, node: str) -> type[BaseHTTPRequestHandler]:
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(end - offset))
                 self.end_headers()
+                flip = server.corrupt_reads.get(hdfs_path)
                 with open(local, "rb") as f:
                     f.seek(offset)
-                    left = end - offset
-                    while left:
-                        chunk = f.read(min(left, 1 << 20))
+                    pos = offset
+                    while pos < end:
+                        chunk = f.read(min(end - pos, 64 << 10))
                         if not chunk:
                             break
+                        if flip is not None and pos <= flip < pos + len(chunk):
+                            damaged = bytearray(chunk)
+                            damaged[flip - pos] ^= 0xFF
+                            chunk = bytes(damaged)
                         self.wfile.write(chunk)
-                        left -= len(chunk)
+                        pos += len(chunk)
+                        with server._lock:
+                            server.bytes_sent += len(chunk)
             elif self.command == "PUT" and req.op == "CREATE":
                 local = server.local(hdfs_path)
                 local.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,145 @@
+"""End to end: `modelcache pull hdfs://... --root DIR` as a subprocess against the WebHDFS test
+server (namenode + datanode on real HTTP)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from modelcache.uri import storage_key
+from tests.helpers import REPO, wait_until
+from tests.webhdfs import WebHDFSServer
+
+BIG = os.urandom(1_300_000)  # two HDFS blocks (1 MiB in the test server), ~20 chunks at 64K
+FILES = {
+    "config.json": b'{"model_type": "tiny"}',
+    "weights/shard-0/model.bin": BIG,
+    "tokenizer/vocab.txt": b"a\nb\n" * 100,
+}
+
+
+@pytest.fixture
+def hdfs(webhdfs: WebHDFSServer) -> WebHDFSServer:
+    for rel, data in FILES.items():
+        webhdfs.put(f"/models/bert/{rel}", data)
+    return webhdfs
+
+
+def _env(server: WebHDFSServer, tmp_path: Path, **secret: str) -> dict[str, str]:
+    folder = tmp_path / "hdfscreds"
+    folder.mkdir(exist_ok=True)
+    for name in list(os.listdir(folder)):
+        (folder / name).unlink()
+    for name, value in {"HDFS_NAMENODE": server.url, **secret}.items():
+        (folder / name).write_text(value)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HDFS_", "STORAGE_"))}
+    env["HDFS_SECRET_DIR"] = str(folder)
+    return env
+
+
+def _cmd(uri: str, root: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "modelcache", "pull", uri, "--root", str(root), "--progress", "none", *args]
+
+
+def _pull(server: WebHDFSServer, tmp_path: Path, uri: str, *args: str, **secret: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _cmd(uri, tmp_path / "root", "--chunk-size", "64K", *args),
+        env=_env(server, tmp_path, **secret),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _model(tmp_path: Path, uri: str) -> dict[str, bytes]:
+    root = tmp_path / "root" / "models" / storage_key(uri)
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _error_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    assert proc.returncode != 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def test_pull_nested_multichunk_verified(hdfs: WebHDFSServer, tmp_path: Path) -> None:
+    uri = "hdfs://models/bert"
+    proc = _pull(hdfs, tmp_path, uri)
+    assert proc.returncode == 0, proc.stderr
+    assert _model(tmp_path, uri) == FILES
+    manifest = json.loads((tmp_path / "root/.modelcache/manifests" / f"{storage_key(uri)}.json").read_text())
+    checks = {f["path"]: f.get("checksums", {}) for f in manifest["files"]}
+    assert all("hdfs-md5md5crc" in checks[p] for p in FILES), checks
+    opens = [r for r in hdfs.ops("datanode") if r.op == "OPEN" and r.path.endswith("model.bin")]
+    assert len(opens) >= len(BIG) // (64 << 10)  # parallel ranged chunks, not one stream
+    assert all(int(r.params["length"]) <= 64 << 10 for r in opens)
+    again = _pull(hdfs, tmp_path, uri)
+    assert again.returncode == 0 and "cached" in again.stderr, again.stderr
+
+
+def test_corrupted_byte_fails_verification(hdfs: WebHDFSServer, tmp_path: Path) -> None:
+    hdfs.corrupt_reads["/models/bert/weights/shard-0/model.bin"] = 1_100_000
+    uri = "webhdfs://models/bert"
+    proc = _pull(hdfs, tmp_path, uri)
+    _error_line(proc, "weights/shard-0/model.bin")
+    assert "hdfs-md5md5crc" in proc.stderr or "checksum" in proc.stderr.lower(), proc.stderr
+    assert not (tmp_path / "root/models" / storage_key(uri)).exists()
+
+
+def test_error_messages(hdfs: WebHDFSServer, tmp_path: Path) -> None:
+    _error_line(_pull(hdfs, tmp_path, "hdfs://models/missing"), "hdfs://models/missing", "not found")
+    hdfs.required_headers = {"X-Gateway-Token": "s3cr3t-value"}
+    line = _error_line(_pull(hdfs, tmp_path, "hdfs://models/bert"), "hdfs://models/bert", "authentication failed")
+    assert "s3cr3t-value" not in line
+    ok = _pull(hdfs, tmp_path, "hdfs://models/bert", HEADERS='{"X-Gateway-Token": "s3cr3t-value"}')
+    assert ok.returncode == 0, ok.stderr
+    assert "s3cr3t-value" not in ok.stderr
+    hdfs.denied_paths = {"/models/other"}
+    hdfs.put("/models/other/a.bin", b"a")
+    _error_line(
+        _pull(hdfs, tmp_path, "hdfs://models/other", HEADERS='{"X-Gateway-Token": "s3cr3t-value"}'),
+        "hdfs://models/other",
+        "denied",
+    )
+    kerberos = _pull(hdfs, tmp_path, "hdfs://models/bert/config.json", KERBEROS_PRINCIPAL="svc@EXAMPLE.COM")
+    _error_line(kerberos, "Kerberos", "not supported")
+
+
+def test_resume_after_kill_9(hdfs: WebHDFSServer, tmp_path: Path) -> None:
+    big = os.urandom(3 << 20)
+    hdfs.put("/models/big/model.bin", big)
+    hdfs.datanode_delay = 0.15
+    uri = "hdfs://models/big"
+    proc = subprocess.Popen(
+        _cmd(uri, tmp_path / "root", "--chunk-size", "128K", "--workers", "2"),
+        env=_env(hdfs, tmp_path),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        wait_until(lambda: hdfs.bytes_sent > (1 << 20), timeout=60, what="a third of the download")
+        time.sleep(0.3)  # let finished chunks reach the journal
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    assert not (tmp_path / "root/models" / storage_key(uri)).exists()
+    hdfs.datanode_delay = 0.0
+    before = hdfs.bytes_sent
+    done = _pull(hdfs, tmp_path, uri, "--chunk-size", "128K")
+    assert done.returncode == 0, done.stderr
+    assert _model(tmp_path, uri)["model.bin"] == big
+    resent = hdfs.bytes_sent - before
+    assert resent < len(big) - (512 << 10), f"resumed pull re-fetched {resent} of {len(big)} bytes"
