@@ -93,7 +93,12 @@ def run_pairs(
             try:
                 outcome = run_one(pair.src, Path(pair.dest), ctx)
             except Exception as exc:
-                reporter.pair_failed(redact_uri(pair.src), pair.dest, describe_error(exc))
+                shown = redact_uri(pair.src)
+                cause = describe_error(exc)
+                # Most messages start with the URI; the line already names it once.
+                for prefix in (f"{shown}: ", f"{pair.src}: "):
+                    cause = cause.removeprefix(prefix)
+                reporter.pair_failed(shown, pair.dest, cause)
                 done.append((pair, exc))
                 continue
             reporter.pair_done(redact_uri(pair.src), pair.dest, outcome, time.monotonic() - start)
