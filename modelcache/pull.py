@@ -66,14 +66,26 @@ def _store_for(location: Location, root: Path | None, dest: Path | None) -> Node
     return NodeStore(DestLayout(dest)) if dest is not None else NodeStore(NodeLayout(root))  # type: ignore[arg-type]
 
 
+def _matches(path: str, patterns: tuple[str, ...]) -> bool:
+    # As huggingface_hub (which KServe hands the patterns to): "dir/" means everything under it.
+    return any(fnmatch.fnmatch(path, p + "*" if p.endswith("/") else p) for p in patterns)
+
+
 def apply_patterns(files: list[RemoteFile], settings: Settings) -> list[RemoteFile]:
     """STORAGE_ALLOW_PATTERNS / STORAGE_IGNORE_PATTERNS, fnmatch on relative paths (KServe)."""
     out = files
     if settings.allow_patterns:
-        out = [f for f in out if any(fnmatch.fnmatch(f.path, p) for p in settings.allow_patterns)]
+        out = [f for f in out if _matches(f.path, settings.allow_patterns)]
     if settings.ignore_patterns:
-        out = [f for f in out if not any(fnmatch.fnmatch(f.path, p) for p in settings.ignore_patterns)]
+        out = [f for f in out if not _matches(f.path, settings.ignore_patterns)]
     return out
+
+
+def _name_uri(exc: BaseException, display: str) -> BaseException:
+    """Engine errors name the file; the user also needs to know which model it belongs to."""
+    if isinstance(exc, ModelcacheError) and display not in str(exc):
+        exc.args = (f"{display}: {exc}",)
+    return exc
 
 
 def _plan_doc(m: _Model, chunk_size: int) -> dict[str, object]:
@@ -263,7 +275,7 @@ def pull_many(
                 engine = TransferEngine(options, progress)
                 results, errors = engine.run(jobs)
                 for key, exc in errors.items():
-                    models[key].error = exc
+                    models[key].error = _name_uri(exc, models[key].location.display)
                 for key, fetched in results.items():
                     m = models[key]
                     if m.error is None:
