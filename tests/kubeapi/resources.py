@@ -32,6 +32,9 @@ class ResourceType:
     schema: dict[str, Any] | None = None  # openAPIV3Schema, CRDs only
     printer_columns: list[dict[str, Any]] = field(default_factory=list)
     crd: bool = False
+    # DELETE answers with the object (pods, PVs, PVCs, services, service accounts) or with a Status
+    # (everything else), as the official client's response types expect.
+    delete_returns_object: bool = False
 
     def __post_init__(self) -> None:
         self.singular = self.singular or self.kind.lower()
@@ -81,17 +84,17 @@ BUILTINS: list[ResourceType] = [
        short_names=("ns",), extra_fields=("status.phase",)),
     _b("", "v1", "Node", "nodes", False, status=True, initial_status=None, short_names=("no",),
        extra_fields=("spec.unschedulable",)),
-    _b("", "v1", "Pod", "pods", True, status=True, initial_status={"phase": "Pending"}, short_names=("po",),
-       extra_fields=_POD_FIELDS),
-    _b("", "v1", "PersistentVolume", "persistentvolumes", False, status=True,
+    _b("", "v1", "Pod", "pods", True, delete_returns_object=True, status=True, initial_status={"phase": "Pending"},
+       short_names=("po",), extra_fields=_POD_FIELDS),
+    _b("", "v1", "PersistentVolume", "persistentvolumes", False, delete_returns_object=True, status=True,
        initial_status={"phase": "Pending"}, short_names=("pv",)),
-    _b("", "v1", "PersistentVolumeClaim", "persistentvolumeclaims", True, status=True,
+    _b("", "v1", "PersistentVolumeClaim", "persistentvolumeclaims", True, delete_returns_object=True, status=True,
        initial_status={"phase": "Pending"}, short_names=("pvc",)),
     _b("", "v1", "Secret", "secrets", True, extra_fields=("type",)),
-    _b("", "v1", "ServiceAccount", "serviceaccounts", True, short_names=("sa",)),
+    _b("", "v1", "ServiceAccount", "serviceaccounts", True, delete_returns_object=True, short_names=("sa",)),
     _b("", "v1", "ConfigMap", "configmaps", True, short_names=("cm",)),
     _b("", "v1", "Event", "events", True, short_names=("ev",), extra_fields=_EVENT_FIELDS),
-    _b("", "v1", "Service", "services", True, status=True, short_names=("svc",)),
+    _b("", "v1", "Service", "services", True, delete_returns_object=True, status=True, short_names=("svc",)),
     _b("", "v1", "Endpoints", "endpoints", True, singular="endpoints", short_names=("ep",)),
     _b("coordination.k8s.io", "v1", "Lease", "leases", True),
     _b("events.k8s.io", "v1", "Event", "events", True, short_names=("ev",)),

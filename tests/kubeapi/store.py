@@ -324,9 +324,10 @@ class Store:
             if rt.key == NAMESPACE_TYPE.key:
                 return self._delete_namespace(old)
             if meta.get("finalizers"):
-                return self._mark_deleting(rt, old)
+                held = self._mark_deleting(rt, old)
+                return held if rt.delete_returns_object else self._deleted_status(rt, held)
             self._remove(rt, old)
-            return self._deleted_status(rt, old)
+            return self._out(rt, old) if rt.delete_returns_object else self._deleted_status(rt, old)
 
     def delete_collection(self, rt: ResourceType, ns: str, labels: list[Requirement],
                           fields: Callable[[Obj], bool], opts: DeleteOptions) -> list[Obj]:
@@ -419,8 +420,7 @@ class Store:
                     else:
                         self._remove(rt, obj)
         self._maybe_finish_namespace(name)
-        current = self._bucket(NAMESPACE_TYPE).get(("", name))
-        return self._out(NAMESPACE_TYPE, current) if current else self._deleted_status(NAMESPACE_TYPE, ns_obj)
+        return self._deleted_status(NAMESPACE_TYPE, ns_obj)
 
     def _maybe_finish_namespace(self, name: str) -> None:
         ns_obj = self._bucket(NAMESPACE_TYPE).get(("", name))
