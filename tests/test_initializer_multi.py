@@ -14,6 +14,8 @@ import pytest
 
 from tests.fixtures.http import NginxServer
 from tests.fixtures.objectstores import S3Server
+from tests.fixtures.oci import LAYER_TAR, OCIRegistry
+from tests.fixtures.oci import make_tar as oci_make_tar
 from tests.hfhub import HubServer
 from tests.initializer_util import run_initializer
 
@@ -121,3 +123,17 @@ def test_storage_config_with_a_wrong_secret(moto_s3: S3Server, bucket: str, tmp_
     (line,) = [x for x in r.err.splitlines() if x.startswith("error:")]
     assert f"s3://{bucket}/m" in line
     assert wrong not in r.output and moto_s3.secret_key not in r.output
+
+
+def test_oci_fetch_mode_modelcar_image(oci_registry: OCIRegistry, oci_repo: str, tmp_path: Path) -> None:
+    """KServe's OCI fetch mode runs the initializer on oci+fetch://: the image's /models tree lands in DEST."""
+    weights = os.urandom(40_000)
+    layer = oci_make_tar([("usr/bin/tool", b"t"), ("models/config.json", b"{}"), ("models/w/model.bin", weights)])
+    oci_registry.push_image(oci_repo, "v1", [(layer, LAYER_TAR)])
+    env = {"KSERVE_OCI_INSECURE_REGISTRY": "true", "KSERVE_OCI_DOCKER_CONFIG": str(tmp_path / "none.json")}
+    uri = f"oci+fetch://{oci_registry.host}/{oci_repo}:v1"
+    r = run_initializer(uri, tmp_path / "d", env=env)
+    assert r.code == 0, r.output
+    assert _files(tmp_path / "d") == {"config.json": b"{}", "w/model.bin": weights}
+    r = run_initializer(uri, tmp_path / "d", env=env)
+    assert r.code == 0 and "cached:" in r.out, r.output
