@@ -195,39 +195,45 @@ class _StagingWriter:
 
     # -- validation ---------------------------------------------------------------------
 
-    def _unsafe(self, entry: str, why: str) -> UnsafeArchiveError:
+    def unsafe(self, entry: str, why: str) -> UnsafeArchiveError:
         return UnsafeArchiveError(f"refusing to unpack {self.name}: entry {entry!r} {why}")
 
     def entry_path(self, raw: str) -> str | None:
         """The normalised relative path of an entry, None for the archive root itself."""
         if "\x00" in raw:
-            raise self._unsafe(raw, "has a NUL byte in its name")
+            raise self.unsafe(raw, "has a NUL byte in its name")
         if raw.startswith("/") or (len(raw) > 1 and raw[1] == ":" and raw[0].isalpha()):
-            raise self._unsafe(raw, "has an absolute path")
+            raise self.unsafe(raw, "has an absolute path")
         parts = [p for p in raw.replace("\\", "/").split("/") if p not in ("", ".")]
         if ".." in parts:
-            raise self._unsafe(raw, "has '..' in its path (outside the destination)")
+            raise self.unsafe(raw, "has '..' in its path (outside the destination)")
         if not parts:
             return None
         if parts[0] in self.reserved or parts[0].startswith(_STAGING_PREFIX):
-            raise self._unsafe(raw, "uses a name reserved by modelcache")
+            raise self.unsafe(raw, "uses a name reserved by modelcache")
         return "/".join(parts)
 
-    def count_entry(self, raw: str) -> None:
+    def too_many_entries(self) -> ArchiveLimitError:
+        return ArchiveLimitError(
+            f"refusing to unpack {self.name}: more than {self.limits.max_entries} entries "
+            "(raise MODELCACHE_ARCHIVE_MAX_ENTRIES if this archive is genuine)"
+        )
+
+    def too_many_bytes(self) -> ArchiveLimitError:
+        return ArchiveLimitError(
+            f"refusing to unpack {self.name}: it unpacks to more than {self.limits.max_bytes} bytes "
+            "(raise MODELCACHE_ARCHIVE_MAX_BYTES if this archive is genuine)"
+        )
+
+    def count_entry(self) -> None:
         self.result.entries += 1
         if self.result.entries > self.limits.max_entries:
-            raise ArchiveLimitError(
-                f"refusing to unpack {self.name}: more than {self.limits.max_entries} entries "
-                "(raise MODELCACHE_ARCHIVE_MAX_ENTRIES if this archive is genuine)"
-            )
+            raise self.too_many_entries()
 
     def _add_bytes(self, n: int) -> None:
         total = self.result.bytes + n
         if total > self.limits.max_bytes:
-            raise ArchiveLimitError(
-                f"refusing to unpack {self.name}: it unpacks to more than {self.limits.max_bytes} bytes "
-                "(raise MODELCACHE_ARCHIVE_MAX_BYTES if this archive is genuine)"
-            )
+            raise self.too_many_bytes()
         if total > self.limits.ratio_min_bytes and total / self.archive_size > self.limits.max_ratio:
             raise ArchiveLimitError(
                 f"refusing to unpack {self.name}: compression ratio above {self.limits.max_ratio:g} "
@@ -236,10 +242,10 @@ class _StagingWriter:
             )
         self.result.bytes = total
 
-    def check_declared_size(self, raw: str, size: int) -> None:
-        """Fail before writing when the header already says the entry is over the byte cap."""
+    def check_declared_size(self, size: int) -> None:
+        """Fail before writing when a header already says the entry is over the byte cap."""
         if self.result.bytes + size > self.limits.max_bytes:
-            self._add_bytes(size)
+            raise self.too_many_bytes()
 
     # -- writing ------------------------------------------------------------------------
 
@@ -247,13 +253,13 @@ class _StagingWriter:
         """Absolute staging path for ``rel``, parents created. No symlink exists in staging yet,
         so nothing here can be redirected outside it."""
         if rel in self._deferred_names:
-            raise self._unsafe(rel, "is both a link and a file or directory")
+            raise self.unsafe(rel, "is both a link and a file or directory")
         path = os.path.join(self.root, rel)
         parent = os.path.dirname(path)
         try:
             os.makedirs(parent, mode=0o755, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
-            raise self._unsafe(rel, "is inside a path the archive made a file") from None
+            raise self.unsafe(rel, "is inside a path the archive made a file") from None
         return path
 
     def _clear_file(self, path: str, rel: str) -> None:
@@ -263,13 +269,13 @@ class _StagingWriter:
         except FileNotFoundError:
             return
         if stat.S_ISDIR(st.st_mode):
-            raise self._unsafe(rel, "replaces a directory of the same archive")
+            raise self.unsafe(rel, "replaces a directory of the same archive")
         os.unlink(path)
 
     def add_dir(self, rel: str) -> None:
         path = self._prepare(rel)
         if os.path.lexists(path) and not os.path.isdir(path):
-            raise self._unsafe(rel, "replaces a file of the same archive with a directory")
+            raise self.unsafe(rel, "replaces a file of the same archive with a directory")
         os.makedirs(path, mode=0o755, exist_ok=True)
 
     def add_file(self, rel: str, stream: BinaryIO, mode: int) -> None:
@@ -296,10 +302,10 @@ class _StagingWriter:
     def add_hardlink(self, rel: str, raw_target: str) -> None:
         parts = [p for p in raw_target.split("/") if p not in ("", ".")]
         if raw_target.startswith("/") or ".." in parts or not parts:
-            raise self._unsafe(rel, f"is a hardlink to {raw_target!r}, outside the destination")
+            raise self.unsafe(rel, f"is a hardlink to {raw_target!r}, outside the destination")
         target = "/".join(parts)
         if target not in self._regular:
-            raise self._unsafe(rel, f"is a hardlink to {raw_target!r}, which is not a file of this archive")
+            raise self.unsafe(rel, f"is a hardlink to {raw_target!r}, which is not a file of this archive")
         path = self._prepare(rel)
         self._clear_file(path, rel)
         os.link(os.path.join(self.root, target), path, follow_symlinks=False)
@@ -309,12 +315,12 @@ class _StagingWriter:
 
     def add_symlink(self, rel: str, target: str) -> None:
         if not target or "\x00" in target:
-            raise self._unsafe(rel, "is a symlink with an empty target")
+            raise self.unsafe(rel, "is a symlink with an empty target")
         if target.startswith("/"):
-            raise self._unsafe(rel, f"is a symlink to the absolute path {target!r}")
+            raise self.unsafe(rel, f"is a symlink to the absolute path {target!r}")
         lexical = os.path.normpath(os.path.join(os.path.dirname(rel), target))
         if lexical == ".." or lexical.startswith("../"):
-            raise self._unsafe(rel, f"is a symlink to {target!r}, outside the destination")
+            raise self.unsafe(rel, f"is a symlink to {target!r}, outside the destination")
         if rel in self._regular:
             self._regular.discard(rel)  # a later entry replaces the earlier file
         self._deferred_names.add(rel)
@@ -325,17 +331,17 @@ class _StagingWriter:
         for rel, target in self._symlinks:
             parent = os.path.realpath(os.path.join(self.root, os.path.dirname(rel)))
             if not _inside(parent, self.real_root):
-                raise self._unsafe(rel, "is reached through a symlink that leaves the destination")
+                raise self.unsafe(rel, "is reached through a symlink that leaves the destination")
             os.makedirs(parent, mode=0o755, exist_ok=True)
             path = os.path.join(parent, os.path.basename(rel))
             if os.path.lexists(path):
                 if os.path.isdir(path) and not os.path.islink(path):
-                    raise self._unsafe(rel, "is a symlink that replaces a directory of the same archive")
+                    raise self.unsafe(rel, "is a symlink that replaces a directory of the same archive")
                 os.unlink(path)
             os.symlink(target, path)
         for rel, target in self._symlinks:
             if not _inside(os.path.realpath(os.path.join(self.root, rel)), self.real_root):
-                raise self._unsafe(rel, f"is a symlink to {target!r}, which resolves outside the destination")
+                raise self.unsafe(rel, f"is a symlink to {target!r}, which resolves outside the destination")
         self.result.symlinks = len(self._symlinks)
         self.result.paths.extend(rel for rel, _ in self._symlinks)
 
@@ -354,12 +360,12 @@ def _unpack_tar(archive: Path, w: _StagingWriter) -> None:
     # Stream mode: one pass, no seeking, bounded memory even for a 100 GiB .tar.gz.
     with tarfile.open(archive, mode="r|*") as tf:
         for member in _iter_tar(tf):
-            w.count_entry(member.name)
+            w.count_entry()
             rel = w.entry_path(member.name)
             if member.ischr() or member.isblk():
-                raise w._unsafe(member.name, "is a device file")
+                raise w.unsafe(member.name, "is a device file")
             if member.isfifo():
-                raise w._unsafe(member.name, "is a FIFO")
+                raise w.unsafe(member.name, "is a FIFO")
             if rel is None:
                 continue  # "./": the archive root itself
             if member.isdir():
@@ -369,13 +375,13 @@ def _unpack_tar(archive: Path, w: _StagingWriter) -> None:
             elif member.islnk():
                 w.add_hardlink(rel, member.linkname)
             elif member.isreg():
-                w.check_declared_size(member.name, member.size)
+                w.check_declared_size(member.size)
                 stream = tf.extractfile(member)
                 assert stream is not None
                 with stream:
                     w.add_file(rel, stream, member.mode)
             else:
-                raise w._unsafe(member.name, f"has an unsupported type {member.type!r}")
+                raise w.unsafe(member.name, f"has an unsupported type {member.type!r}")
 
 
 def _iter_tar(tf: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
@@ -394,26 +400,24 @@ def _unpack_zip(archive: Path, w: _StagingWriter) -> None:
             return
         # The central directory is known up front: refuse an obvious bomb before writing a byte.
         if len(infos) > w.limits.max_entries:
-            w.result.entries = w.limits.max_entries
-            w.count_entry(infos[-1].filename)
-        declared = sum(i.file_size for i in infos)
-        w.check_declared_size(archive.name, declared)
+            raise w.too_many_entries()
+        w.check_declared_size(sum(i.file_size for i in infos))
         for info in infos:
-            w.count_entry(info.filename)
+            w.count_entry()
             rel = w.entry_path(info.filename)
             unix_mode = info.external_attr >> 16
             kind = stat.S_IFMT(unix_mode) if unix_mode else 0
             if kind in (stat.S_IFCHR, stat.S_IFBLK):
-                raise w._unsafe(info.filename, "is a device file")
+                raise w.unsafe(info.filename, "is a device file")
             if kind in (stat.S_IFIFO, stat.S_IFSOCK):
-                raise w._unsafe(info.filename, "is a FIFO or socket")
+                raise w.unsafe(info.filename, "is a FIFO or socket")
             if rel is None:
                 continue
             if info.is_dir() or kind == stat.S_IFDIR:
                 w.add_dir(rel)
             elif kind == stat.S_IFLNK:
                 if info.file_size > _MAX_SYMLINK_TARGET:
-                    raise w._unsafe(info.filename, "is a symlink with an oversized target")
+                    raise w.unsafe(info.filename, "is a symlink with an oversized target")
                 w.add_symlink(rel, zf.read(info).decode("utf-8", "surrogateescape"))
             else:
                 with zf.open(info) as stream:
