@@ -195,14 +195,29 @@ def _extract(m: _Model, progress: ProgressTracker) -> list[FetchedFile] | None:
     from modelcache.integrity import hash_file
 
     staging = m.store.layout.staging_dir(m.key)
+    # Extract beside "data": a source may decline (None, e.g. an OCI artifact rather than a
+    # modelcar image), and then a resumable staged download in "data" must survive.
+    fresh = staging / "extract"
+    if fresh.exists():
+        shutil.rmtree(fresh)
+    fresh.mkdir(parents=True)
+    counted = False
+
+    def on_bytes(n: int) -> None:
+        nonlocal counted
+        if not counted:  # totals only once the source really extracts (else the engine counts)
+            counted = True
+            progress.add_total(sum(f.size or 0 for f in m.files), len(m.files))
+        progress.advance("", n)
+
+    paths = m.source.extract_into(str(fresh), on_bytes)
+    if paths is None:
+        shutil.rmtree(fresh)
+        return None
     data = staging / "data"
     if data.exists():
         shutil.rmtree(data)
-    data.mkdir(parents=True)
-    progress.add_total(sum(f.size or 0 for f in m.files), len(m.files))
-    paths = m.source.extract_into(str(data), lambda n: progress.advance("", n))
-    if paths is None:
-        return None
+    os.replace(fresh, data)
     out = []
     for rel in paths:
         p = data / rel
