@@ -1,0 +1,219 @@
+"""End to end: `modelcache pull oci://... --root DIR` as a subprocess against the Debian
+distribution registry (through the fault proxy where a test needs to slow or count bytes)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from modelcache.uri import storage_key
+from tests.faultproxy import FaultProxy
+from tests.fixtures.oci import LAYER_TAR, LAYER_TGZ, OCIRegistry, docker_config, make_tar
+from tests.helpers import REPO, wait_until
+from tests.test_oci_source import push_artifact
+
+BIG = os.urandom(900_000)  # ~14 chunks at 64K
+FILES = {"config.json": b'{"model_type": "tiny"}', "weights/part-0/model.safetensors": BIG, "tok/vocab.txt": b"v" * 999}
+
+
+@pytest.fixture
+def proxy(oci_registry: OCIRegistry) -> Iterator[FaultProxy]:
+    host, port = oci_registry.host.split(":")
+    p = FaultProxy((host, int(port)))
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _env(tmp_path: Path, config: Path | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KSERVE_OCI_", "STORAGE_"))}
+    env.update(
+        KSERVE_OCI_INSECURE_REGISTRY="true",
+        KSERVE_OCI_DOCKER_CONFIG=str(config or tmp_path / "no-config.json"),
+        HOME=str(tmp_path),  # no ~/.docker/config.json of the machine
+    )
+    return env
+
+
+def _cmd(uri: str, root: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "modelcache", "pull", uri, "--root", str(root), "--progress", "none", *args]
+
+
+def _pull(tmp_path: Path, uri: str, *args: str, config: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _cmd(uri, tmp_path / "root", "--chunk-size", "64K", *args),
+        env=_env(tmp_path, config),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _model(tmp_path: Path, uri: str) -> dict[str, bytes]:
+    root = tmp_path / "root" / "models" / storage_key(uri)
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _manifest(tmp_path: Path, uri: str) -> dict:
+    return json.loads((tmp_path / "root/.modelcache/manifests" / f"{storage_key(uri)}.json").read_text())
+
+
+def _error_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    assert proc.returncode != 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def test_pull_artifact_nested_multichunk(oci_registry: OCIRegistry, oci_repo: str, tmp_path: Path) -> None:
+    ref = f"{oci_registry.host}/{oci_repo}:v1"
+    push_artifact(oci_registry, ref, tmp_path / "push", FILES)
+    uri = f"oci://{ref}"
+    proc = _pull(tmp_path, uri)
+    assert proc.returncode == 0, proc.stderr
+    assert _model(tmp_path, uri) == FILES
+    manifest = _manifest(tmp_path, uri)
+    assert manifest["resolved_uri"].startswith(f"oci://{oci_registry.host}/{oci_repo}@sha256:")
+    checks = {f["path"]: f["checksums"] for f in manifest["files"]}
+    assert checks["weights/part-0/model.safetensors"] == {"sha256": hashlib.sha256(BIG).hexdigest()}
+    again = _pull(tmp_path, uri)
+    assert again.returncode == 0 and "cached" in again.stderr, again.stderr
+
+
+def test_pull_modelcar_image(oci_registry: OCIRegistry, oci_repo: str, tmp_path: Path) -> None:
+    base = make_tar([("usr/bin/tool", b"t"), *[(f"models/{k}", v) for k, v in FILES.items()]], gzip_it=True)
+    top = make_tar([("models/.wh.config.json", b""), ("models/config.json", b'{"v": 2}')])
+    oci_registry.push_image(oci_repo, "v1", [(base, LAYER_TGZ), (top, LAYER_TAR)])
+    uri = f"oci+fetch://{oci_registry.host}/{oci_repo}:v1"
+    proc = _pull(tmp_path, uri)
+    assert proc.returncode == 0, proc.stderr
+    assert _model(tmp_path, uri) == {**FILES, "config.json": b'{"v": 2}'}
+    assert "@sha256:" in _manifest(tmp_path, uri)["resolved_uri"]
+
+
+def test_corrupted_byte_fails_verification(oci_registry: OCIRegistry, oci_repo: str, tmp_path: Path) -> None:
+    ref = f"{oci_registry.host}/{oci_repo}:v1"
+    push_artifact(oci_registry, ref, tmp_path / "push", FILES)
+    blob = oci_registry.blob_path("sha256:" + hashlib.sha256(BIG).hexdigest())
+    data = bytearray(blob.read_bytes())
+    data[700_000] ^= 0x01
+    blob.write_bytes(bytes(data))
+    uri = f"oci://{ref}"
+    proc = _pull(tmp_path, uri)
+    _error_line(proc, "model.safetensors", "sha256")
+    assert not (tmp_path / "root/models" / storage_key(uri)).exists()
+
+
+def test_tag_moved_during_pull_yields_one_digest(
+    oci_registry: OCIRegistry, oci_repo: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    v1 = {"model.bin": os.urandom(1 << 20), "config.json": b"v1"}
+    v2 = {"model.bin": os.urandom(1 << 20), "config.json": b"v2"}
+    push_artifact(oci_registry, f"{oci_registry.host}/{oci_repo}:main", tmp_path / "a", v1)
+    uri = f"oci://127.0.0.1:{proxy.port}/{oci_repo}:main"
+    proxy.set_rate_limit(600_000)
+    proc = subprocess.Popen(
+        _cmd(uri, tmp_path / "root", "--chunk-size", "64K", "--workers", "2"),
+        env=_env(tmp_path),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until(lambda: proxy.total_bytes_sent > 200_000, timeout=60, what="pull under way")
+        push_artifact(oci_registry, f"{oci_registry.host}/{oci_repo}:main", tmp_path / "b", v2)  # the tag moves
+        proxy.set_rate_limit(None)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert _model(tmp_path, uri) == v1
+    with pytest.raises(AssertionError):
+        assert _model(tmp_path, uri) == v2
+    resolved = _manifest(tmp_path, uri)["resolved_uri"]
+    pinned = _pull(tmp_path / "again", resolved.replace(oci_registry.host, f"127.0.0.1:{proxy.port}"))
+    assert pinned.returncode == 0, pinned.stderr
+
+
+def test_resume_after_kill_9(oci_registry: OCIRegistry, oci_repo: str, proxy: FaultProxy, tmp_path: Path) -> None:
+    big = os.urandom(3 << 20)
+    push_artifact(oci_registry, f"{oci_registry.host}/{oci_repo}:v1", tmp_path / "push", {"model.bin": big})
+    uri = f"oci://127.0.0.1:{proxy.port}/{oci_repo}:v1"
+    proxy.set_rate_limit(1_500_000)
+    proc = subprocess.Popen(
+        _cmd(uri, tmp_path / "root", "--chunk-size", "128K", "--workers", "2"),
+        env=_env(tmp_path),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: proxy.total_bytes_sent > (1 << 20), timeout=60, what="a third of the download")
+        time.sleep(0.3)  # let finished chunks reach the journal
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    assert not (tmp_path / "root/models" / storage_key(uri)).exists()
+    proxy.set_rate_limit(None)
+    before = proxy.total_bytes_sent
+    done = _pull(tmp_path, uri, "--chunk-size", "128K")
+    assert done.returncode == 0, done.stderr
+    assert _model(tmp_path, uri)["model.bin"] == big
+    resent = proxy.total_bytes_sent - before
+    assert resent < len(big) - (512 << 10), f"resumed pull re-fetched {resent} of {len(big)} bytes"
+
+
+@pytest.mark.parametrize(
+    "entry, needle",
+    [
+        (("models/../../../tmp/slip.txt", b"x"), "escapes the model folder"),
+        (("models/evil", "->", "/etc/passwd"), "points outside"),
+        (("models/up", "->", "../../.."), "points outside"),
+    ],
+)
+def test_archive_escape_is_refused(
+    oci_registry: OCIRegistry, oci_repo: str, tmp_path: Path, entry: tuple, needle: str
+) -> None:
+    oci_registry.push_image(oci_repo, "evil", [(make_tar([("models/ok.txt", b"ok"), entry]), LAYER_TAR)])
+    uri = f"oci://{oci_registry.host}/{oci_repo}:evil"
+    _error_line(_pull(tmp_path, uri), uri, needle, "refused")
+    assert not (tmp_path / "root/models" / storage_key(uri)).exists()
+
+
+def test_error_messages(
+    oci_registry: OCIRegistry, oci_auth_registry: OCIRegistry, oci_repo: str, tmp_path: Path
+) -> None:
+    host = oci_registry.host
+    oci_registry.push_image(oci_repo, "nomodels", [(make_tar([("app/main.py", b"print()")]), LAYER_TAR)])
+    oci_registry.push_image(oci_repo, "odd", [(b"\x00" * 8, "application/vnd.example.weights")])
+    _error_line(
+        _pull(tmp_path, f"oci://{host}/{oci_repo}:nope"), f"oci://{host}/{oci_repo}:nope", "tag 'nope' not found"
+    )
+    _error_line(_pull(tmp_path, f"oci://{host}/{oci_repo}:nomodels"), "has no /models/ directory")
+    _error_line(_pull(tmp_path, f"oci://{host}/{oci_repo}:odd"), "media type 'application/vnd.example.weights'")
+    auth = oci_auth_registry
+    assert auth.auth is not None
+    auth.push_image(oci_repo, "v1", [(make_tar([("models/a.txt", b"a")]), LAYER_TAR)])
+    uri = f"oci://{auth.host}/{oci_repo}:v1"
+    line = _error_line(_pull(tmp_path, uri), uri, "unauthorized", "KSERVE_OCI_DOCKER_CONFIG")
+    assert auth.auth[1] not in line
+    ok = _pull(tmp_path, uri, config=docker_config(tmp_path / "cfg.json", auth.host, *auth.auth))
+    assert ok.returncode == 0, ok.stderr
+    assert auth.auth[1] not in ok.stderr
