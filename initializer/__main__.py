@@ -58,7 +58,11 @@ def _ca_env(env: Mapping[str, str]) -> dict[str, str]:
     if not custom:
         return {}
     merged = _merged_ca_bundle(custom)
-    return {name: merged for name in ("REQUESTS_CA_BUNDLE", "SSL_CERT_FILE") if not env.get(name)}
+    extra = {name: merged for name in ("REQUESTS_CA_BUNDLE", "SSL_CERT_FILE") if not env.get(name)}
+    # Through Settings (http.ca_bundle, s3.ca_bundle) the merged file reaches the HTTP, S3, HF
+    # and OCI sources, which would otherwise trust the custom CA *instead of* the public ones.
+    extra["MODELCACHE_CA_BUNDLE"] = merged
+    return extra
 
 
 def _settings() -> Settings:
