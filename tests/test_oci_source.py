@@ -113,6 +113,8 @@ def test_modelcar_layers_whiteouts_and_links(oci_registry: OCIRegistry, oci_repo
             ("models/stale/new", b"new"),
             ("models/config.json", b"{}"),
             ("models/link.bin", "->", "sub/dir/w.bin"),
+            ("models/linkdir", "->", "sub"),
+            ("models/dangling", "->", "nowhere"),
             ("models/hard.bin", "=>", "models/config.json"),
         ],
         gzip_it=True,
@@ -128,6 +130,7 @@ def test_modelcar_layers_whiteouts_and_links(oci_registry: OCIRegistry, oci_repo
     assert sum(seen) == len(base) + len(top)
     assert (staging / "sub/dir/w.bin").read_bytes() == weights
     assert os.readlink(staging / "link.bin") == "sub/dir/w.bin"
+    assert os.readlink(staging / "linkdir") == "sub"  # kept, but not listed as a file
     assert (staging / "hard.bin").read_bytes() == b"{}"
     assert not (staging / "old.bin").exists() and not (staging / "bin").exists()
 
@@ -240,3 +243,19 @@ def test_auth_from_docker_config(oci_auth_registry: OCIRegistry, oci_repo: str, 
     wrong = docker_config(tmp_path / "wrong.json", reg.host, reg.auth[0], "not-the-password")
     with open_source(uri, settings(tmp_path, config=wrong)) as src, pytest.raises(AuthError):
         src.list_files()
+
+
+def test_oras_directory_layer_is_unpacked(oci_registry: OCIRegistry, oci_repo: str, tmp_path: Path) -> None:
+    """`oras push ref ./dir` makes one tar+gzip layer marked for unpacking, titled by the folder."""
+    folder = tmp_path / "ocimodel"
+    (folder / "nested").mkdir(parents=True)
+    (folder / "nested/w.bin").write_bytes(b"w" * 70_000)
+    (folder / "config.json").write_bytes(b"{}")
+    ref = f"{oci_registry.host}/{oci_repo}:dir"
+    oras.client.OrasClient(hostname=oci_registry.host, insecure=True).push(
+        target=ref, files=[str(folder)], disable_path_validation=True
+    )
+    with open_source(f"oci://{ref}", settings(tmp_path)) as src:
+        files = src.extract_into(str(tmp_path / "s"), lambda n: None)
+    assert files == ["ocimodel/config.json", "ocimodel/nested/w.bin"]
+    assert (tmp_path / "s/ocimodel/nested/w.bin").read_bytes() == b"w" * 70_000

@@ -59,6 +59,7 @@ _INDEX_TYPES = (OCI_INDEX, DOCKER_LIST)
 _MANIFEST_TYPES = (OCI_MANIFEST, DOCKER_MANIFEST)
 TITLE = "org.opencontainers.image.title"
 ORAS_UNPACK = "io.deis.oras.content.unpack"
+ORAS_DIR_MEDIA_TYPE = "application/vnd.oci.image.layer.v1.tar+gzip"
 _READ_CHUNK = 1 << 20
 
 # platform.machine() -> GOARCH, as image indexes name architectures.
@@ -289,7 +290,10 @@ class OCISource(Source):
                 size=int(d["size"]) if d.get("size") is not None else None,
                 media_type=str(d.get("mediaType", "")),
                 title=(d.get("annotations") or {}).get(TITLE),
-                unpack=str((d.get("annotations") or {}).get(ORAS_UNPACK, "")).lower() == "true",
+                # oras marks a pushed folder with the unpack annotation (Go CLI) or only by its
+                # tar+gzip media type (oras-py); both unpack it on pull, so do we.
+                unpack=str((d.get("annotations") or {}).get(ORAS_UNPACK, "")).lower() == "true"
+                or d.get("mediaType") == ORAS_DIR_MEDIA_TYPE,
             )
             for d in doc.get("layers") or []
         ]

@@ -137,8 +137,8 @@ class LayerExtractor:
                 written.add(rel)
 
     def files(self) -> list[str]:
-        """Relative paths of the regular files and symlinks now in ``root``, after a final
-        physical check that no symlink (alone or through a chain) resolves outside it."""
+        """Relative paths of the regular files (and symlinks to them) now in ``root``, after a
+        final physical check that no symlink (alone or through a chain) resolves outside it."""
         out: list[str] = []
         real_root = os.path.realpath(self.root)
         for dirpath, dirnames, filenames in os.walk(self.root):
@@ -149,6 +149,8 @@ class LayerExtractor:
                     real = os.path.realpath(full)
                     if real != real_root and not real.startswith(real_root + os.sep):
                         raise UnsafeArchiveError(f"{self.where}: symlink '{rel}' resolves outside the model folder")
+                    if not os.path.isfile(real):
+                        continue  # links to folders or dangling stay as they are, but are not files
                 out.append(rel)
         return sorted(out)
 
