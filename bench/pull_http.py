@@ -130,13 +130,14 @@ class Bench:
 
     def _timed(self, tool: str, cmd: list[str], out: Path, env: dict[str, str] | None = None) -> RunResult:
         """Run ``cmd``, then fsync what it wrote; time both. Peak RSS comes from wait4 of that child."""
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-        assert proc.stderr is not None
-        _pid, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        err = proc.stderr.read().decode(errors="replace")
-        proc.stderr.close()
+        # stderr goes to a file, not a pipe: a chatty tool must never block on a full pipe mid-run.
+        with tempfile.TemporaryFile() as errfile:
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errfile, env=env)
+            _pid, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            errfile.seek(0)
+            err = errfile.read().decode(errors="replace")
         if proc.returncode != 0:
             raise RuntimeError(f"{tool} failed (exit {proc.returncode}): {err.strip()[-1500:]}")
         found = fsync_tree(out)
