@@ -140,7 +140,7 @@ class Settings:
                 docker_config=env.get("KSERVE_OCI_DOCKER_CONFIG") or DEFAULT_OCI_DOCKER_CONFIG,
                 insecure=(env.get("KSERVE_OCI_INSECURE_REGISTRY") or "").strip().lower() in ("1", "true", "yes"),
             ),
-            hdfs=hdfs_settings(env.get("HDFS_SECRET_DIR") or DEFAULT_HDFS_SECRET_DIR),
+            hdfs=hdfs_settings(hdfs_spec_dir(env) or env.get("HDFS_SECRET_DIR") or DEFAULT_HDFS_SECRET_DIR),
             hf=HFSettings(
                 token=(env.get("HF_TOKEN") or "").strip() or None,
                 endpoint=(env.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/"),
@@ -195,6 +195,35 @@ def _http_settings(env: Mapping[str, str]) -> HTTPSettings:
 
 
 _HDFS_FILE_SECRETS = ("TLS_CERT", "TLS_KEY", "TLS_CA", "KERBEROS_KEYTAB")
+
+
+_HDFS_SPEC_DIRS: dict[str, str] = {}
+
+
+def hdfs_spec_dir(env: Mapping[str, str]) -> str | None:
+    """KServe's storage spec of ``type`` hdfs/webhdfs: each key written to a file of a private
+    secret dir, used instead of HDFS_SECRET_DIR (``_update_with_storage_spec``). One dir per
+    distinct spec, so repeated calls do not pile up temp dirs."""
+    spec = storage_spec(env)
+    if str(spec.get("type", "")).lower() not in ("hdfs", "webhdfs"):
+        return None
+    import hashlib
+    import tempfile
+
+    fingerprint = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+    folder = _HDFS_SPEC_DIRS.get(fingerprint)
+    if folder and os.path.isdir(folder):
+        return folder
+    folder = tempfile.mkdtemp(prefix="modelcache-hdfs-spec-")
+    for key, value in spec.items():
+        if key == "type" or "/" in key or key.startswith("."):
+            continue
+        text = value if isinstance(value, str) else json.dumps(value)
+        fd = os.open(os.path.join(folder, key), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+    _HDFS_SPEC_DIRS[fingerprint] = folder
+    return folder
 
 
 def hdfs_settings(secret_dir: str) -> HDFSSettings:
