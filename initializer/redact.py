@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 
 REDACTED = "<redacted>"
 
-_SECRET_NAME = re.compile(r"(?i)(secret|token|passw|key|credential|sas|signature|auth|cookie|session)")
+_SECRET_NAME = re.compile(r"(?i)(secret|token|passw|key|credential|sas|signature|auth|cookie|session|header)")
 _SECRET_NAME_EXCLUDE = re.compile(r"(?i)(_FILE$|_PATH$|_DIR$|KEY_ID$|KEYTAB$|_NAME$)")
 _URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@'\"]+@")
 _URL_QUERY = re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^\s?'\"]*)\?[^\s'\"#]*")
@@ -55,7 +55,11 @@ def secret_values(env: Mapping[str, str]) -> list[str]:
             found.update(v for _, v in _json_strings(value))
             found.add(value)
         elif name in ("STORAGE_CONFIG", "STORAGE_OVERRIDE_CONFIG"):
-            found.update(v for k, v in _json_strings(value) if _SECRET_NAME.search(k) and not _is_benign(k))
+            for k, v in _json_strings(value):
+                if _SECRET_NAME.search(k) and not _is_benign(k):
+                    found.add(v)
+                    # e.g. an HDFS spec's HEADERS: a JSON object inside a string.
+                    found.update(inner for _, inner in _json_strings(v))
         elif _SECRET_NAME.search(name) and not _SECRET_NAME_EXCLUDE.search(name) and not _is_path(value):
             found.add(value)
     return sorted((v for v in found if len(v) >= _MIN_SECRET), key=len, reverse=True)

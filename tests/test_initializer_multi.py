@@ -18,6 +18,7 @@ from tests.fixtures.oci import LAYER_TAR, OCIRegistry
 from tests.fixtures.oci import make_tar as oci_make_tar
 from tests.hfhub import HubServer
 from tests.initializer_util import run_initializer
+from tests.webhdfs import WebHDFSServer
 
 
 def _files(dest: Path) -> dict[str, bytes]:
@@ -137,3 +138,17 @@ def test_oci_fetch_mode_modelcar_image(oci_registry: OCIRegistry, oci_repo: str,
     assert _files(tmp_path / "d") == {"config.json": b"{}", "w/model.bin": weights}
     r = run_initializer(uri, tmp_path / "d", env=env)
     assert r.code == 0 and "cached:" in r.out, r.output
+
+
+def test_hdfs_from_storage_config_spec(webhdfs: WebHDFSServer, tmp_path: Path) -> None:
+    """KServe's storage spec of type hdfs: its keys become the HDFS secret-dir files."""
+    webhdfs.put("/models/bert/config.json", b"{}")
+    webhdfs.put("/models/bert/w/model.bin", b"w" * 70_000)
+    spec = {"type": "hdfs", "HDFS_NAMENODE": webhdfs.url, "HEADERS": json.dumps({"X-Gw": "hdfs-header-secret"})}
+    r = run_initializer("hdfs://models/bert", tmp_path / "d", env={"STORAGE_CONFIG": json.dumps(spec)})
+    assert r.code == 0, r.output
+    assert _files(tmp_path / "d") == {"config.json": b"{}", "w/model.bin": b"w" * 70_000}
+    # Without the spec there is no namenode: a clear error naming the URI, and no secret.
+    spec.pop("HDFS_NAMENODE")
+    r = run_initializer("hdfs://models/bert", tmp_path / "e", env={"STORAGE_CONFIG": json.dumps(spec)})
+    assert r.code == 1 and "hdfs://models/bert" in r.err and "hdfs-header-secret" not in r.output
