@@ -18,13 +18,10 @@ owns retries.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
 import platform
-import tarfile
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -45,7 +42,7 @@ from modelcache.errors import (
     UnsupportedError,
 )
 from modelcache.sources.base import Checksum, IterStream, RangeStream, RemoteFile, Source, register_source, safe_relpath
-from modelcache.sources.oci_layers import DigestReader, LayerExtractor, open_layer_tar
+from modelcache.sources.oci_layers import DigestReader, LayerExtractor, corrupt_stream_errors, open_layer_tar
 from modelcache.uri import OCILocation
 
 if TYPE_CHECKING:
@@ -387,7 +384,7 @@ class OCISource(Source):
             reader.finish(layer.digest, layer.size, self.where)
         except (requests.RequestException, urllib3.exceptions.HTTPError) as exc:
             raise TransientError(f"{self.where}: layer {layer.digest} stream broke: {type(exc).__name__}") from exc
-        except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        except corrupt_stream_errors() as exc:
             raise IntegrityError(f"{self.where}: layer {layer.digest} is not a valid tar stream ({exc})") from exc
         finally:
             resp.close()

@@ -10,6 +10,7 @@ devices and FIFOs. Each layer's sha256 is checked over the compressed bytes as t
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import os
@@ -17,6 +18,7 @@ import posixpath
 import shutil
 import stat
 import tarfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO
@@ -42,6 +44,16 @@ TAR_MEDIA_TYPES: dict[str, str] = {
     "application/x-tar": "",
     "application/tar+gzip": "gzip",
 }
+
+
+def corrupt_stream_errors() -> tuple[type[BaseException], ...]:
+    """What decompressors and tar raise on bytes that are not a valid layer."""
+    errors: tuple[type[BaseException], ...] = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile)
+    try:
+        import zstandard
+    except ModuleNotFoundError:
+        return errors
+    return (*errors, zstandard.ZstdError)
 
 
 class UnsafeArchiveError(SourceError):
