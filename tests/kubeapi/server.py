@@ -103,11 +103,16 @@ class Handler(BaseHTTPRequestHandler):
         raw = self._body()
         if not raw:
             return None
+        if "protobuf" in content_type:
+            # Built-in typed clients (kubectl create ...) try protobuf first and fall back to JSON on 415.
+            raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - "
+                           f"accepted media types include: application/json, application/yaml")
         try:
             if "yaml" in content_type:
                 return yaml.safe_load(raw)
             return json.loads(raw)
         except (ValueError, yaml.YAMLError) as exc:
+            sys.stderr.write(f"kubeapi: undecodable body, Content-Type {content_type!r}: {raw[:40]!r}\n")
             raise bad_request(f"the body of the request could not be decoded: {exc}") from exc
 
     def _dispatch(self, method: str) -> None:
