@@ -35,12 +35,13 @@ def proxy(oci_registry: OCIRegistry) -> Iterator[FaultProxy]:
         p.close()
 
 
-def _env(tmp_path: Path, config: Path | None = None) -> dict[str, str]:
+def _env(tmp_path: Path, config: Path | None = None, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KSERVE_OCI_", "STORAGE_"))}
     env.update(
         KSERVE_OCI_INSECURE_REGISTRY="true",
         KSERVE_OCI_DOCKER_CONFIG=str(config or tmp_path / "no-config.json"),
         HOME=str(tmp_path),  # no ~/.docker/config.json of the machine
+        **extra,
     )
     return env
 
@@ -49,10 +50,12 @@ def _cmd(uri: str, root: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "modelcache", "pull", uri, "--root", str(root), "--progress", "none", *args]
 
 
-def _pull(tmp_path: Path, uri: str, *args: str, config: Path | None = None) -> subprocess.CompletedProcess:
+def _pull(
+    tmp_path: Path, uri: str, *args: str, config: Path | None = None, **extra: str
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         _cmd(uri, tmp_path / "root", "--chunk-size", "64K", *args),
-        env=_env(tmp_path, config),
+        env=_env(tmp_path, config, **extra),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -99,7 +102,8 @@ def test_pull_modelcar_image(oci_registry: OCIRegistry, oci_repo: str, tmp_path:
     top = make_tar([("models/.wh.config.json", b""), ("models/config.json", b'{"v": 2}')])
     oci_registry.push_image(oci_repo, "v1", [(base, LAYER_TGZ), (top, LAYER_TAR)])
     uri = f"oci+fetch://{oci_registry.host}/{oci_repo}:v1"
-    proc = _pull(tmp_path, uri)
+    # KServe does not apply STORAGE_ALLOW/IGNORE_PATTERNS to OCI: the whole /models tree comes.
+    proc = _pull(tmp_path, uri, STORAGE_ALLOW_PATTERNS='["*.json"]', STORAGE_IGNORE_PATTERNS="*")
     assert proc.returncode == 0, proc.stderr
     assert _model(tmp_path, uri) == {**FILES, "config.json": b'{"v": 2}'}
     assert "@sha256:" in _manifest(tmp_path, uri)["resolved_uri"]
