@@ -104,9 +104,10 @@ class Handler(BaseHTTPRequestHandler):
         if not raw:
             return None
         if "protobuf" in content_type:
-            # Built-in typed clients (kubectl create ...) try protobuf first and fall back to JSON on 415.
-            raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - "
-                           f"accepted media types include: application/json, application/yaml")
+            # kubectl's typed generators (`kubectl create namespace NAME`, ...) send protobuf; decoding it
+            # needs every type's .proto, so they get the real server's answer to an unknown format.
+            raise ApiError(415, "UnsupportedMediaType", "the body of the request was in an unknown format - "
+                           "accepted media types include: application/json, application/yaml")
         try:
             if "yaml" in content_type:
                 return yaml.safe_load(raw)
