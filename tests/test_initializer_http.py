@@ -106,7 +106,7 @@ def test_partial_dest_after_kill9_resumes(nginx: NginxServer, tmp_path: Path) ->
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
             seen += line
-            m = re.search(r"progress: .*?([\d.]+) MiB/", line)
+            m = re.match(r"progress: +[\d.]+% ([\d.]+) MiB/", line)
             if m and float(m.group(1)) >= 6:
                 break
             assert line, f"initializer ended before making progress: {seen}"
