@@ -16,10 +16,11 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
+from tenacity import RetryCallState, Retrying, retry_if_exception
 
 from modelcache.diskio import ALIGN, BufferPool, FileWriter, direct_io_supported
 from modelcache.errors import IntegrityError, ModelcacheError, RateLimitedError, TransientError
@@ -123,6 +124,30 @@ class _FileState:
         return self.result is not None or self.error is not None
 
 
+class _SourceStats:
+    """How a backend answers, to size requests: a server that takes long to start each response
+    (moto reads the whole object per ranged GET; some proxies pay per request) gets longer runs
+    of chunks per request, a fast one single chunks, for the most parallelism."""
+
+    def __init__(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        self.run_length = 1
+        self._lock = threading.Lock()
+        self._ttfb: float | None = None
+        self._rate: float | None = None
+
+    def observe(self, ttfb: float, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            rate = nbytes / max(seconds, 1e-6)
+            self._ttfb = ttfb if self._ttfb is None else 0.7 * self._ttfb + 0.3 * ttfb
+            self._rate = rate if self._rate is None else 0.7 * self._rate + 0.3 * rate
+            chunk_time = self.chunk_size / max(self._rate, 1.0)
+            if self._ttfb > 0.25 * chunk_time:
+                self.run_length = min(self.run_length * 2, 1024)
+            elif self._ttfb < 0.05 * chunk_time and self.run_length > 1:
+                self.run_length //= 2
+
+
 class _Watchdog:
     """Aborts streams that delivered no bytes for ``timeout`` seconds (the stall timeout)."""
 
@@ -175,6 +200,7 @@ class TransferEngine:
         self._failed_groups: dict[str, BaseException] = {}
         self._direct: dict[str, bool] = {}
         self._cancel = threading.Event()
+        self._source_stats: dict[int, _SourceStats] = {}
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -264,7 +290,8 @@ class TransferEngine:
 
     # ---- scheduling ---------------------------------------------------------------------
 
-    def _next(self) -> tuple[_FileState, _Chunk] | None:
+    def _next(self) -> tuple[_FileState, list[_Chunk]] | None:
+        """The next request: a run of consecutive fresh chunks of the least-served file."""
         with self._cond:
             while True:
                 if self._cancel.is_set():
@@ -276,32 +303,43 @@ class TransferEngine:
                         best = st
                 if best is not None:
                     best.active += 1
-                    return best, best.pending.pop(0)
+                    run = [best.pending.pop(0)]
+                    if not best.streamed and run[0].done == 0:
+                        limit = self._stats(best.job.source).run_length
+                        while (len(run) < limit and best.pending and best.pending[0].done == 0
+                               and best.pending[0].start == run[-1].end):
+                            run.append(best.pending.pop(0))
+                    return best, run
                 if all(st.finished or st.job.group in self._failed_groups for st in self._states):
                     return None
                 self._cond.wait(0.5)
+
+    def _stats(self, source: Source) -> _SourceStats:
+        stats = self._source_stats.get(id(source))
+        if stats is None:
+            stats = self._source_stats[id(source)] = _SourceStats(self.options.chunk_size)
+        return stats
 
     def _worker(self) -> None:
         while True:
             task = self._next()
             if task is None:
                 return
-            st, chunk = task
-            buf = self._pool.acquire()
-            keep_buf = False
+            st, run = task
             try:
                 with st.lock:
                     writer = self._open_writer(st)
                 if st.streamed:
-                    self._fetch_stream(st, writer, buf)
+                    buf = self._pool.acquire()
+                    try:
+                        self._fetch_stream(st, writer, buf)
+                    finally:
+                        self._pool.release(buf)
                 else:
-                    self._fetch_chunk(st, chunk, writer, buf)
-                    keep_buf = self._chunk_done(st, chunk, buf)
+                    self._fetch_run(st, run, writer)
             except BaseException as exc:
                 self._fail(st, exc)
             finally:
-                if not keep_buf:
-                    self._pool.release(buf)
                 with self._cond:
                     st.active -= 1
                     self._cond.notify_all()
@@ -314,26 +352,38 @@ class TransferEngine:
 
     # ---- fetching -----------------------------------------------------------------------
 
-    def _retrying(self, what: str) -> Retrying:
+    def _retrying(self, what: str, position: Callable[[], int] | None = None) -> Retrying:
+        """Retry policy for one request: ``max_attempts`` failures in a row *without progress*.
+
+        ``position`` tells how far the request got; an attempt that moved it forward resets
+        the count and the backoff, so a long run of chunks on a flaky link still completes
+        while a dead server fails after a bounded time.
+        """
         opts = self.options
+        streak = {"n": 0, "at": position() if position else 0}
+
+        def note_failure(state: RetryCallState) -> int:
+            now = position() if position else 0
+            if now > streak["at"]:
+                streak["n"], streak["at"] = 0, now
+            streak["n"] += 1
+            return streak["n"]
+
+        def stop(state: RetryCallState) -> bool:
+            return note_failure(state) >= opts.max_attempts
 
         def wait(state: RetryCallState) -> float:
             exc = state.outcome.exception() if state.outcome else None
             if isinstance(exc, RateLimitedError) and exc.retry_after:
                 return min(exc.retry_after, 300.0)
-            return min(opts.backoff_max, opts.backoff_initial * (2 ** (state.attempt_number - 1)))
+            return min(opts.backoff_max, opts.backoff_initial * (2 ** (streak["n"] - 1)))
 
         def before_sleep(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
             log.warning("%s: attempt %d failed (%s); retrying", what, state.attempt_number, exc)
 
-        return Retrying(
-            stop=stop_after_attempt(opts.max_attempts),
-            wait=wait,
-            retry=retry_if_exception(_retryable),
-            before_sleep=before_sleep,
-            reraise=True,
-        )
+        return Retrying(stop=stop, wait=wait, retry=retry_if_exception(_retryable),
+                        before_sleep=before_sleep, reraise=True)
 
     def _read_into(self, stream: RangeStream, view: memoryview, entry: list[Any], path: str) -> int:
         try:
@@ -351,43 +401,92 @@ class TransferEngine:
         entry[1] = time.monotonic()
         return n
 
-    def _fetch_chunk(self, st: _FileState, chunk: _Chunk, writer: FileWriter, buf: Any) -> None:
-        view = memoryview(buf)[: chunk.length]
+    def _fetch_run(self, st: _FileState, run: list[_Chunk], writer: FileWriter) -> None:
+        """Fetch consecutive chunks through as few requests as possible, one buffer per chunk.
+
+        Bytes already in a buffer survive a failed attempt: the retry asks only for the rest.
+        """
         path = st.job.remote.path
-        # On disk from an earlier run: in-order hashing needs it in memory.
-        if chunk.done and writer.read(chunk.start, view[: chunk.done]) != chunk.done:
-            chunk.done = 0
-        # ``pos`` survives failed attempts: bytes already in the buffer are not asked for again.
-        pos = written = chunk.done
-        for attempt in self._retrying(f"{path} bytes {chunk.start}-{chunk.end}"):
-            with attempt:
-                if pos >= chunk.length:
-                    break
-                if self._cancel.is_set() or st.job.group in self._failed_groups:
-                    raise ModelcacheError("cancelled")
-                stream = st.job.source.open_range(st.job.remote, chunk.start + pos, chunk.end)
-                entry = self._watchdog.watch(stream)
-                try:
-                    while pos < chunk.length:
-                        n = self._read_into(stream, view[pos : min(chunk.length, pos + READ_SIZE)], entry, path)
-                        if n == 0:
-                            raise TransientError(
-                                f"{path}: short read at byte {chunk.start + pos} (expected up to {chunk.end})"
-                            )
-                        pos += n
-                        self.progress.advance(path, n)
-                        if pos - written >= PIECE and pos < chunk.length:
-                            upto = pos - (pos % ALIGN)
-                            writer.write(chunk.start + written, view[written:upto])
-                            written = upto
-                            st.job.journal.chunk(st.job.index, chunk.index, written)
-                finally:
-                    self._watchdog.unwatch(entry)
-                    stream.close()
-        if written < chunk.length:
-            writer.write(chunk.start + written, view[written : chunk.length])
-            st.job.journal.chunk(st.job.index, chunk.index, chunk.length)
-        chunk.done = chunk.length
+        stats = self._stats(st.job.source)
+        end = run[-1].end
+        i = 0
+        buf: Any = None
+        view = memoryview(b"")
+        pos = written = 0
+        stream: RangeStream | None = None
+        entry: list[Any] = []
+        opened = first_byte = 0.0
+        got = 0
+
+        def begin(c: _Chunk) -> None:
+            nonlocal buf, view, pos, written
+            buf = self._pool.acquire()
+            view = memoryview(buf)[: c.length]
+            # On disk from an earlier run: in-order hashing needs it in memory.
+            if c.done and writer.read(c.start, view[: c.done]) != c.done:
+                c.done = 0
+            pos = written = c.done
+
+        def close_stream() -> None:
+            nonlocal stream
+            if stream is not None:
+                self._watchdog.unwatch(entry)
+                stream.close()
+                stream = None
+
+        begin(run[0])
+        try:
+            def position() -> int:
+                return run[i].start + pos if i < len(run) else end
+
+            for attempt in self._retrying(f"{path} bytes {run[0].start}-{end}", position):
+                with attempt:
+                    try:
+                        while i < len(run):
+                            c = run[i]
+                            if pos < c.length and stream is None:
+                                if self._cancel.is_set() or st.job.group in self._failed_groups:
+                                    raise ModelcacheError("cancelled")
+                                opened = time.monotonic()
+                                stream = st.job.source.open_range(st.job.remote, c.start + pos, end)
+                                entry = self._watchdog.watch(stream)
+                                first_byte = 0.0
+                                got = 0
+                            while pos < c.length:
+                                assert stream is not None
+                                n = self._read_into(stream, view[pos : min(c.length, pos + READ_SIZE)], entry, path)
+                                if n == 0:
+                                    raise TransientError(
+                                        f"{path}: short read at byte {c.start + pos} (expected up to {end})"
+                                    )
+                                if not got:
+                                    first_byte = time.monotonic()
+                                got += n
+                                pos += n
+                                self.progress.advance(path, n)
+                                if pos - written >= PIECE and pos < c.length:
+                                    upto = pos - (pos % ALIGN)
+                                    writer.write(c.start + written, view[written:upto])
+                                    written = upto
+                                    st.job.journal.chunk(st.job.index, c.index, written)
+                            if written < c.length:
+                                writer.write(c.start + written, view[written : c.length])
+                                st.job.journal.chunk(st.job.index, c.index, c.length)
+                                written = c.length
+                            c.done = c.length
+                            held, buf = buf, None
+                            if not self._chunk_done(st, c, held):
+                                self._pool.release(held)
+                            i += 1
+                            if i < len(run):
+                                begin(run[i])
+                        if stream is not None and got:
+                            stats.observe(first_byte - opened, got, time.monotonic() - first_byte)
+                    finally:
+                        close_stream()
+        finally:
+            if buf is not None:
+                self._pool.release(buf)
 
     def _fetch_stream(self, st: _FileState, writer: FileWriter, buf: Any) -> None:
         """A file the backend cannot range: one sequential stream, hashed inline, restarted on error."""

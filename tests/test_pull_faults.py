@@ -100,11 +100,6 @@ def test_transient_fault_is_retried_to_a_correct_model(
         assert time.monotonic() - t0 < 6
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine: one attempt budget per run of chunks, not reset when an attempt made progress "
-    "(a link that cuts every response after N bytes fails the pull); remove this mark once fixed",
-)
 def test_every_body_cut_short_still_completes_by_resuming_mid_chunk(
     fault_proxy: FaultProxy, weights: bytes, tmp_path: Path
 ) -> None:

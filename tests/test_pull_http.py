@@ -48,8 +48,9 @@ def test_exact_bytes_for_every_size(nginx, tmp_path, size, listener):
     if listener == "norange" or size <= 1:
         assert len(gets) <= 2  # probe + one whole-file stream
     else:
-        # the one-byte probe plus one GET per chunk (ranged unless the chunk is the whole file)
-        assert len(gets) == 1 + -(-size // CHUNK)
+        # the one-byte probe plus at most one GET per chunk (fewer when the engine sees
+        # that starting a response costs more than a chunk's transfer and merges requests)
+        assert 2 <= len(gets) <= 1 + -(-size // CHUNK)
         assert all(e.status == 206 for e in gets) or size <= CHUNK
     assert NodeStore.at(tmp_path / "root").verify(storage_key(uri)) == []
 
