@@ -259,3 +259,21 @@ def test_oras_directory_layer_is_unpacked(oci_registry: OCIRegistry, oci_repo: s
         files = src.extract_into(str(tmp_path / "s"), lambda n: None)
     assert files == ["ocimodel/config.json", "ocimodel/nested/w.bin"]
     assert (tmp_path / "s/ocimodel/nested/w.bin").read_bytes() == b"w" * 70_000
+
+
+def test_bearer_token_auth(oci_token_registry: OCIRegistry, oci_repo: str, tmp_path: Path) -> None:
+    """The Bearer flow of Docker Hub, GHCR, Harbor...: 401 challenge -> token server (oras) -> retry."""
+    reg = oci_token_registry
+    assert reg.auth is not None
+    big = os.urandom(300_000)
+    reg.push_image(oci_repo, "v1", [(make_tar([("models/w.bin", big)]), LAYER_TAR)])
+    uri = f"oci://{reg.host}/{oci_repo}:v1"
+    with open_source(uri, settings(tmp_path)) as src, pytest.raises(AuthError, match="unauthorized"):
+        src.list_files()
+    cfg = docker_config(tmp_path / "config.json", reg.host, *reg.auth)
+    with open_source(uri, settings(tmp_path, config=cfg)) as src:
+        (layer,) = src.list_files()
+        assert src.extract_into(str(tmp_path / "s"), lambda n: None) == ["w.bin"]
+        first = read_all(src, layer, 100_000)  # ranged blob reads reuse the token
+        assert hashlib.sha256(first).hexdigest() == layer.checksums[0].value
+    assert (tmp_path / "s/w.bin").read_bytes() == big
