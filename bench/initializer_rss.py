@@ -30,7 +30,20 @@ from tests.helpers import free_port  # noqa: E402
 TARGET_MIB = 256
 
 
-def run(size: int, work: Path, env_extra: dict[str, str]) -> dict[str, object]:
+KSERVE_PY = REPO / ".work" / "kserve-venv" / "bin" / "python"  # made by bench/pull_http.py
+_KSERVE_SCRIPT = "import sys\nfrom kserve_storage import Storage\nStorage.download(sys.argv[1], sys.argv[2])\n"
+
+
+def _measure(cmd: list[str], env: dict[str, str]) -> tuple[int, float, float]:
+    """(exit code, seconds, peak RSS MiB) of one child, from wait4's rusage."""
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, time.monotonic() - start, usage.ru_maxrss / 1024  # Linux: KiB
+
+
+def run(size: int, work: Path, env_extra: dict[str, str], kserve: bool = False) -> dict[str, object]:
     binary = _nginx_binary()
     if binary is None:
         raise SystemExit("nginx is not installed (make test-deps)")
@@ -53,21 +66,22 @@ def run(size: int, work: Path, env_extra: dict[str, str]) -> dict[str, object]:
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
         env.update({"PYTHONPATH": str(REPO), "MODELCACHE_PROGRESS_INTERVAL": "5", **env_extra})
         dest = work / "out" / "model"
-        start = time.monotonic()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "initializer", server.url("model.bin"), str(dest)],
-            env=env,
-            cwd=REPO,
-        )
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        seconds = time.monotonic() - start
-        if proc.returncode != 0:
-            raise SystemExit(f"initializer failed with exit code {proc.returncode}")
+        url = server.url("model.bin")
+        code, seconds, peak_mib = _measure([sys.executable, "-m", "initializer", url, str(dest)], env)
+        if code != 0:
+            raise SystemExit(f"initializer failed with exit code {code}")
         got = (dest / "model.bin").stat().st_size
         if got != size:
             raise SystemExit(f"wrong size: {got} != {size}")
-        peak_mib = usage.ru_maxrss / 1024  # Linux: KiB
+        shutil.rmtree(dest)
+        extra: dict[str, object] = {}
+        if kserve and KSERVE_PY.exists():
+            # The same download through KServe's own initializer code, for comparison.
+            kdest = work / "out" / "kserve"
+            kdest.mkdir()
+            kcode, kseconds, kpeak = _measure([str(KSERVE_PY), "-c", _KSERVE_SCRIPT, url, str(kdest)], env)
+            extra = {"kserve_exit": kcode, "kserve_seconds": round(kseconds, 2), "kserve_peak_rss_mib": round(kpeak, 1)}
+            shutil.rmtree(kdest)
         return {
             "bench": "initializer_rss",
             "size_bytes": size,
@@ -77,6 +91,7 @@ def run(size: int, work: Path, env_extra: dict[str, str]) -> dict[str, object]:
             "target_mib": TARGET_MIB,
             "ok": peak_mib <= TARGET_MIB,
             "env": env_extra,
+            **extra,
         }
     finally:
         server.stop()
@@ -88,11 +103,12 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
     ap.add_argument("--env", action="append", default=[], help="extra KEY=VALUE for the initializer")
+    ap.add_argument("--kserve", action="store_true", help="also measure KServe's initializer (.work/kserve-venv)")
     args = ap.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="mc-rss-"))
     extra = dict(item.split("=", 1) for item in args.env)
     try:
-        result = run(int(args.size_gib * (1 << 30)), work, extra)
+        result = run(int(args.size_gib * (1 << 30)), work, extra, kserve=args.kserve)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
