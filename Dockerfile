@@ -9,7 +9,7 @@ FROM python:3.11-slim AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 RUN python -m venv /opt/venv && /opt/venv/bin/pip install -q -U pip
-# Dependencies first, so code edits do not re-download them.
+# README.m[d]: the wildcard keeps the build working before README.md exists.
 COPY pyproject.toml README.m[d] ./
 COPY modelcache ./modelcache
 COPY initializer ./initializer
