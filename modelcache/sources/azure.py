@@ -1,0 +1,272 @@
+"""Azure Blob (``https://<account>.blob.core.windows.net/<container>/<prefix>``) through
+azure-storage-blob.
+
+Credentials follow KServe's order: an Azure AD identity when ``AZURE_CLIENT_ID`` is set (legacy
+``AZ_*`` names already mapped by ``credentials``), else the account key, else anonymous; a SAS
+query string on the URI is kept on the account URL. The identity is built from our settings
+(client secret, workload identity, managed identity: the parts of DefaultAzureCredential that
+apply in a pod) rather than DefaultAzureCredential itself, which would read the process
+environment instead of the settings the caller passed. Reads are pinned to the ETag seen at
+listing time with If-Match.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from azure.core import MatchConditions
+from azure.core.credentials import AccessToken
+from azure.core.exceptions import (
+    ClientAuthenticationError,
+    HttpResponseError,
+    ResourceModifiedError,
+    ResourceNotFoundError,
+    ServiceRequestError,
+    ServiceResponseError,
+)
+from azure.storage.blob import BlobServiceClient
+
+from modelcache.credentials import AzureSettings, Settings
+from modelcache.errors import (
+    AccessDeniedError,
+    AuthError,
+    ModelcacheError,
+    NotFoundError,
+    RateLimitedError,
+    SourceError,
+    TransientError,
+)
+from modelcache.sources.base import Checksum, IterStream, RangeStream, RemoteFile, Source, register_source
+from modelcache.sources.objectstore import (
+    EmptyStream,
+    b64_to_hex,
+    check_unique,
+    nothing_found,
+    relpath_in,
+    scope_of,
+    single_object_path,
+)
+from modelcache.uri import AzureBlobLocation, Location
+
+# The SDK's HTTP logging prints request URLs and headers; keep it quiet whatever the root level.
+logging.getLogger("azure.core.pipeline.policies.http_logging_policy").setLevel(logging.WARNING)
+logging.getLogger("azure.identity").setLevel(logging.WARNING)
+
+# Each SDK GET is buffered whole; keep the buffers small so many streams stay within memory.
+_GET_SIZE = 8 << 20
+_AUTH_CODES = {"AuthenticationFailed", "NoAuthenticationInformation", "InvalidAuthenticationInfo"}
+_DENIED_CODES = {
+    "AuthorizationPermissionMismatch",
+    "AuthorizationFailure",
+    "AuthorizationResourceTypeMismatch",
+    "AuthorizationSourceIPMismatch",
+    "AuthorizationProtocolMismatch",
+    "InsufficientAccountPermissions",
+}
+
+
+class _StaticToken:
+    """AZURE_ACCESS_TOKEN: a bearer token handed over as is (no refresh possible)."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
+        return AccessToken(self._token, int(time.time()) + 3600)
+
+
+def make_credential(cfg: AzureSettings, account: str) -> Any:
+    if cfg.use_default_credential:
+        from azure import identity
+
+        if cfg.client_secret and cfg.tenant_id:
+            return identity.ClientSecretCredential(cfg.tenant_id, str(cfg.client_id), cfg.client_secret)
+        if cfg.federated_token_file and cfg.tenant_id:
+            return identity.WorkloadIdentityCredential(
+                tenant_id=cfg.tenant_id, client_id=cfg.client_id, token_file_path=cfg.federated_token_file
+            )
+        return identity.ManagedIdentityCredential(client_id=cfg.client_id)
+    if cfg.access_key:
+        return {"account_name": account, "account_key": cfg.access_key}
+    if cfg.access_token:
+        return _StaticToken(cfg.access_token)
+    return None  # a SAS in the URL, or a public container
+
+
+@register_source("azure")
+class AzureBlobSource(Source):
+    preferred_chunk_size = 16 << 20
+    max_streams = 16
+
+    def __init__(self, location: Location, settings: Settings) -> None:
+        super().__init__(location, settings)
+        assert isinstance(location, AzureBlobLocation)
+        self.loc = location
+        self.cfg = settings.azure
+        if self.cfg.endpoint_template:
+            base = self.cfg.endpoint_template.format(account=location.account).rstrip("/")
+            self.account_url = base + (f"?{location.sas}" if location.sas else "")
+            self.endpoint = base
+        else:
+            self.account_url = location.account_url
+            self.endpoint = location.account_url.split("?", 1)[0]
+        self._service: BlobServiceClient | None = None
+
+    @property
+    def container(self) -> Any:
+        if self._service is None:
+            try:
+                credential = make_credential(self.cfg, self.loc.account)
+            except Exception as exc:
+                raise self._error(exc, self.loc.display) from None
+            self._service = BlobServiceClient(
+                self.account_url,
+                credential=credential,
+                max_single_get_size=_GET_SIZE,
+                max_chunk_get_size=_GET_SIZE,
+                retry_total=self.cfg.retry_total,
+                retry_backoff_factor=0.4,
+                connection_timeout=self.cfg.connect_timeout,
+                read_timeout=self.cfg.read_timeout,
+            )
+        return self._service.get_container_client(self.loc.container)
+
+    # -- listing -------------------------------------------------------------------------
+
+    def list_files(self) -> list[RemoteFile]:
+        where = self.loc.display
+        scope = scope_of(self.loc.prefix)
+        container = self.container
+        files: list[RemoteFile] = []
+        try:
+            for blob in container.list_blobs(name_starts_with=scope.folder or None, include=["metadata"]):
+                if (blob.metadata or {}).get("hdi_isfolder") == "true":
+                    continue  # ADLS Gen2 directory entry
+                rel = relpath_in(scope, blob.name, where)
+                if rel is not None:
+                    files.append(self._describe(rel, blob))
+            if not files and scope.single is not None:
+                try:
+                    blob = container.get_blob_client(scope.single).get_blob_properties()
+                except ResourceNotFoundError as exc:
+                    if exc.error_code == "ContainerNotFound":
+                        raise
+                else:
+                    files.append(self._describe(single_object_path(scope.single, where), blob))
+        except Exception as exc:
+            raise self._error(exc, where) from None
+        if not files:
+            raise nothing_found(where, "Azure Blob")
+        check_unique((f.path for f in files), where)
+        return sorted(files, key=lambda f: f.path)
+
+    @staticmethod
+    def _describe(rel: str, blob: Any) -> RemoteFile:
+        checksums = []
+        settings = getattr(blob, "content_settings", None)
+        if settings is not None and (md5 := b64_to_hex(settings.content_md5)):
+            checksums.append(Checksum("md5", md5))
+        etag = str(blob.etag or "").strip('"') or None
+        meta = [("name", blob.name)]
+        if etag:
+            meta.append(("etag", etag))
+        return RemoteFile(
+            path=rel, size=int(blob.size or 0), version=etag, checksums=tuple(checksums), meta=tuple(meta)
+        )
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def open_range(self, file: RemoteFile, start: int, end: int | None) -> RangeStream:
+        name = file.meta_get("name") or file.path
+        where = f"blob '{name}' of {self.loc.display}"
+        stop = file.size if end is None else end
+        if stop is not None and start >= stop:
+            return EmptyStream()
+        kwargs: dict[str, Any] = {
+            "offset": start,
+            "length": None if stop is None else stop - start,
+            "max_concurrency": 1,
+        }
+        if file.meta_get("etag"):
+            kwargs.update(etag=f'"{file.meta_get("etag")}"', match_condition=MatchConditions.IfNotModified)
+        try:
+            downloader = self.container.get_blob_client(name).download_blob(**kwargs)
+        except Exception as exc:
+            raise self._error(exc, where) from None
+        return IterStream(self._guarded(downloader.chunks(), where))
+
+    def _guarded(self, chunks: Any, where: str) -> Any:
+        try:
+            yield from chunks
+        except Exception as exc:
+            raise self._error(exc, where) from None
+
+    def close(self) -> None:
+        if self._service is not None:
+            self._service.close()
+            self._service = None
+
+    # -- errors --------------------------------------------------------------------------
+
+    def _error(self, exc: BaseException, where: str) -> ModelcacheError:
+        if isinstance(exc, ModelcacheError):
+            return exc
+        raw_code = getattr(exc, "error_code", "") or ""
+        code = str(getattr(raw_code, "value", raw_code))
+        status = int(getattr(getattr(exc, "response", None), "status_code", 0) or getattr(exc, "status_code", 0) or 0)
+        account = self.loc.account
+        if isinstance(exc, ServiceRequestError):
+            inner = exc.inner_exception or exc.__cause__
+            if "SSL" in type(inner).__name__ or "SSL" in repr(inner)[:200] or "CERTIFICATE" in repr(inner)[:200]:
+                return SourceError(
+                    f"TLS verification failed talking to {self.endpoint} for {where}: install the endpoint's CA "
+                    "certificate (REQUESTS_CA_BUNDLE) or check the account URL"
+                )
+            return TransientError(
+                f"cannot connect to Azure Blob endpoint {self.endpoint} for {where}: check the account name, "
+                "private endpoint / DNS and the network"
+            )
+        if isinstance(exc, ServiceResponseError):
+            return TransientError(f"Azure Blob connection error for {where}: {type(exc).__name__}")
+        # Azurite (and Azure behind a firewall) answer a wrong account key with AuthorizationFailure.
+        key_refused = (
+            code == "AuthorizationFailure" and bool(self.cfg.access_key) and not self.cfg.use_default_credential
+        )
+        if (
+            code in _AUTH_CODES
+            or key_refused
+            or (isinstance(exc, ClientAuthenticationError) and code not in _DENIED_CODES)
+        ):
+            return AuthError(
+                f"Azure rejected the credentials for {where} ({code or type(exc).__name__}): check "
+                "AZURE_STORAGE_ACCESS_KEY, the AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET service principal, "
+                "or the SAS token (expiry, signature); or the account's network rules block this client"
+            )
+        if code in _DENIED_CODES or status == 403:
+            return AccessDeniedError(
+                f"access denied to {where} ({code or 403}): the identity needs the 'Storage Blob Data Reader' role "
+                f"on container '{self.loc.container}' of account '{account}' (or a SAS with read and list permission)"
+            )
+        if code == "ContainerNotFound":
+            return NotFoundError(
+                f"Azure container '{self.loc.container}' does not exist in storage account '{account}' ({where}): "
+                "check the container name in the URI"
+            )
+        if isinstance(exc, ResourceModifiedError) or code == "ConditionNotMet" or status == 412:
+            return SourceError(f"{where} changed while it was being downloaded (ETag no longer matches); run again")
+        if isinstance(exc, ResourceNotFoundError) or status == 404:
+            return NotFoundError(f"Azure blob {where} not found (deleted since listing?)")
+        if status in (429, 503) or code == "ServerBusy":
+            return RateLimitedError(f"Azure Blob is throttling requests for {where}; retrying")
+        if isinstance(exc, HttpResponseError) and status >= 500:
+            return TransientError(f"Azure Blob server error {status} for {where}")
+        if isinstance(exc, HttpResponseError):
+            return SourceError(f"Azure Blob error for {where}: {code or status}")
+        if type(exc).__module__.startswith("azure.identity") or "Credential" in type(exc).__name__:
+            return AuthError(
+                f"cannot get an Azure AD token for {where} ({type(exc).__name__}): check AZURE_CLIENT_ID, "
+                "AZURE_TENANT_ID and AZURE_CLIENT_SECRET (or the workload identity)"
+            )
+        return TransientError(f"Azure Blob error for {where}: {type(exc).__name__}")
