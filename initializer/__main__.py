@@ -147,6 +147,19 @@ def main(argv: list[str] | None = None) -> int:
             print(scrub(f"error: {redact_uri(pair.src)} -> {pair.dest}: {describe_error(exc)}"), file=sys.stderr)
         return 1
 
+    if (env.get("CONFIDENTIAL_ENABLED") or "").strip().lower() == "true":
+        # KServe decrypts the downloaded files (JWE) afterwards; handing the runtime encrypted
+        # bytes as if they were the model would be worse than failing.
+        for pair in pairs:
+            print(
+                scrub(
+                    f"error: {redact_uri(pair.src)} -> {pair.dest}: CONFIDENTIAL_ENABLED=true is not supported "
+                    "(modelcache's initializer cannot decrypt JWE-encrypted models); use KServe's initializer image"
+                ),
+                file=sys.stderr,
+            )
+        return 1
+
     reporter = Reporter(scrub, interval=interval)
     ctx = Context(settings=settings, limits=limits, tracker=reporter.tracker, options=options)
     reporter.start()

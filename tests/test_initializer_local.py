@@ -208,3 +208,10 @@ def test_scrubber_removes_env_secrets_queries_and_userinfo() -> None:
     for secret in ("wJalrXUtnFEMI/K7MDENG", "hf_abcdefghijklmnop", "tok-123456", "storage-secret-1", "pw@", "sig=abc"):
         assert secret not in out
     assert "https://<redacted>@h.example/x?<redacted> done second line" in out
+
+
+def test_confidential_mode_is_refused_not_ignored(tmp_path: Path) -> None:
+    src = _model_dir(tmp_path / "src")
+    r = run_initializer(src, tmp_path / "d", env={"CONFIDENTIAL_ENABLED": "true"})
+    assert r.code == 1 and "CONFIDENTIAL_ENABLED" in r.err
+    assert list((tmp_path / "d").iterdir()) == []
