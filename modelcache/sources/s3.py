@@ -185,9 +185,8 @@ class S3Source(Source):
             part_size = self._part_size(key, where)
             # Only uniform part sizes (every SDK's default) can be recomputed from the file.
             if part_size and parts == max(1, math.ceil(size / part_size)):
-                out.append(
-                    Checksum("s3-etag", multipart.group(1), (("part_size", str(part_size)), ("parts", str(parts))))
-                )
+                # Value as S3 shows it and modelcache.integrity's s3-etag hasher computes it: <md5 hex>-<parts>.
+                out.append(Checksum("s3-etag", etag, (("part_size", str(part_size)), ("parts", str(parts)))))
         return out
 
     def _part_size(self, key: str, where: str) -> int | None:
