@@ -14,8 +14,9 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,18 @@ class PullResult:
     bytes: int
     cached: bool
     elapsed: float
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    """What a model's download needs, known once it is listed (for admission and reservations)."""
+
+    location: Location
+    storage_key: str
+    total_bytes: int
+    bytes_needed: int
+    files: int
+    revision: str | None
 
 
 @dataclass
@@ -119,15 +132,22 @@ def _prepare_staging(m: _Model, chunk_size: int) -> None:
     m.journal.open(fresh=fresh)
 
 
-def _check_space(m: _Model) -> None:
+def bytes_needed(m: _Model) -> int:
+    """Bytes the download still has to allocate (preallocated staged files already hold theirs)."""
     staging = m.store.layout.staging_dir(m.key) / "data"
     need = 0
     for f in m.files:
         try:
-            have = (staging / f.path).stat().st_size  # preallocated files already hold their space
+            have = (staging / f.path).stat().st_size
         except OSError:
             have = 0
         need += max(0, (f.size or 0) - have)
+    return need
+
+
+def _check_space(m: _Model) -> None:
+    staging = m.store.layout.staging_dir(m.key) / "data"
+    need = bytes_needed(m)
     free = shutil.disk_usage(staging).free
     if need + SPACE_MARGIN > free:
         raise InsufficientSpaceError(
@@ -171,6 +191,10 @@ def _list(m: _Model, settings: Settings) -> None:
 
 def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
     path = m.store.layout.model_dir(m.key)
+    if not cached and m.files and {f.path for f in fetched} != {f.path for f in m.files} and \
+            type(m.source).extract_into is Source.extract_into:
+        missing = sorted({f.path for f in m.files} - {f.path for f in fetched})
+        raise ModelcacheError(f"{m.location.display}: incomplete download, missing {missing[:3]}; pull again")
     if not cached:
         path = m.store.publish(m.key, _manifest(m, fetched))
     manifest = m.store.manifest(m.key)
@@ -242,8 +266,16 @@ def pull_many(
     settings: Settings | None = None,
     options: TransferOptions | None = None,
     progress: ProgressTracker | None = None,
+    admit: Callable[[PullPlan], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> list[PullResult | ModelcacheError | BaseException]:
-    """Pull several models with one worker pool; one result or error per URI, in order."""
+    """Pull several models with one worker pool; one result or error per URI, in order.
+
+    ``admit`` is called once per model after its listing and before any byte is written, with
+    what the download needs; it may raise (e.g. InsufficientSpaceError from the agent's
+    reservations against a node group's storage limit) to refuse that model. Setting
+    ``cancel`` stops the transfer; staged data is kept for a later resume.
+    """
     settings = settings if settings is not None else Settings.from_env()
     options = (options or TransferOptions()).normalized()
     progress = progress or ProgressTracker()
@@ -279,6 +311,9 @@ def pull_many(
                         m.result = _finish(m, extracted, cached=False)
                         continue
                     _prepare_staging(m, options.chunk_size)
+                    if admit is not None:
+                        admit(PullPlan(m.location, m.key, sum(f.size or 0 for f in m.files), bytes_needed(m),
+                                       len(m.files), m.source.resolved_revision))
                     _check_space(m)
                     data = m.store.layout.staging_dir(m.key) / "data"
                     assert m.journal is not None
@@ -288,7 +323,12 @@ def pull_many(
                     m.error = exc
             if jobs:
                 engine = TransferEngine(options, progress)
-                results, errors = engine.run(jobs)
+                watcher = _cancel_watcher(cancel, engine)
+                try:
+                    results, errors = engine.run(jobs)
+                finally:
+                    if watcher is not None:
+                        watcher.set()
                 for key, exc in errors.items():
                     models[key].error = _name_uri(exc, models[key].location.display)
                 for key, fetched in results.items():
@@ -315,6 +355,24 @@ def pull_many(
     return out
 
 
+def _cancel_watcher(cancel: threading.Event | None, engine: TransferEngine) -> threading.Event | None:
+    if cancel is None:
+        return None
+    done = threading.Event()
+    if cancel.is_set():
+        engine.cancel()
+        return done
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            if cancel.is_set():
+                engine.cancel()
+                return
+
+    threading.Thread(target=watch, name="modelcache-cancel", daemon=True).start()
+    return done
+
+
 def pull(
     uri: str,
     *,
@@ -323,9 +381,12 @@ def pull(
     settings: Settings | None = None,
     options: TransferOptions | None = None,
     progress: ProgressTracker | None = None,
+    admit: Callable[[PullPlan], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> PullResult:
     """Pull one model; raises its error."""
-    (result,) = pull_many([uri], root=root, dest=dest, settings=settings, options=options, progress=progress)
+    (result,) = pull_many([uri], root=root, dest=dest, settings=settings, options=options, progress=progress,
+                          admit=admit, cancel=cancel)
     if isinstance(result, BaseException):
         raise result
     return result

@@ -311,7 +311,7 @@ class NodeStore:
         """Evict least recently used models until ``target_free`` bytes are free."""
         if not isinstance(self.layout, NodeLayout):
             raise StoreError("gc needs a node store root")
-        free = shutil.disk_usage(self.layout.root).free
+        free = self.free_bytes()
         evicted: list[StoreEntry] = []
         for entry in sorted(self.entries(), key=lambda e: e.last_used):
             if free >= target_free:
@@ -326,6 +326,10 @@ class NodeStore:
             evicted.append(entry)
             free += entry.size
         return evicted
+
+    def free_bytes(self) -> int:
+        assert isinstance(self.layout, NodeLayout)
+        return shutil.disk_usage(self.layout.root).free
 
     def verify(self, key: str) -> list[VerifyProblem]:
         """Re-hash every file and compare with the manifest."""

@@ -238,6 +238,10 @@ class TransferEngine:
                 if st.writer is not None:
                     st.writer.close()
             pool.close()
+        for st in self._states:  # cancelled before it finished: never a partial result
+            if not st.finished and st.job.group not in self._failed_groups:
+                self._failed_groups[st.job.group] = ModelcacheError(
+                    f"{st.job.remote.path}: download cancelled (staged data kept for a resume)")
         results: dict[str, list[FetchedFile]] = {}
         for st in self._states:
             if st.result is not None and st.job.group not in self._failed_groups:

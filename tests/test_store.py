@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -100,13 +99,17 @@ def test_rm_and_gc(tmp_path):
         src = make_model(tmp_path / f"src{i}", {"w.bin": 100_000 * (i + 1)})
         keys.append(pull(str(src), root=root, options=OPTS, settings=Settings.from_env({})).storage_key)
         time.sleep(0.02)
-    store = NodeStore.at(root)
+    # The disk is shared with other processes: gc sees a fixed free-space reading here.
+    class FixedFree(NodeStore):
+        def free_bytes(self) -> int:
+            return 1_000_000
+
+    store = FixedFree(NodeStore.at(root).layout)
     os.utime(store.layout.manifest_path(keys[0]))  # model 0 used most recently
-    free = shutil.disk_usage(root).free
-    dry = store.gc(free + 250_000, dry_run=True)
+    dry = store.gc(1_000_000 + 250_000, dry_run=True)
     assert [e.storage_key for e in dry] == [keys[1], keys[2]]  # least recently used first
     assert all(store.is_present(k) for k in keys)
-    evicted = store.gc(free + 150_000)
+    evicted = store.gc(1_000_000 + 150_000)
     assert [e.storage_key for e in evicted] == [keys[1]]
     assert not store.is_present(keys[1]) and not (root / "models" / keys[1]).exists()
     assert store.remove(keys[2]) and not store.remove(keys[2])
@@ -158,3 +161,40 @@ def test_cli_ls_verify_rm_gc_json(tmp_path):
     r = run_cli("rm", str(src), "--root", root, "--json")
     assert json.loads(r.stdout) == {str(src): True} and not model.exists()
     assert json.loads(run_cli("ls", "--root", root, "--json").stdout) == []
+
+
+def test_admit_hook_sees_the_plan_and_can_refuse(tmp_path):
+    from modelcache.errors import InsufficientSpaceError
+    from modelcache.pull import PullPlan
+
+    src = make_model(tmp_path / "src", {"a.bin": 150_000, "b/c.bin": 50_000})
+    seen: list[PullPlan] = []
+
+    def refuse(plan: PullPlan) -> None:
+        seen.append(plan)
+        raise InsufficientSpaceError(f"insufficient space: need {plan.bytes_needed}")
+
+    with pytest.raises(InsufficientSpaceError, match="need 200000"):
+        pull(str(src), root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}), admit=refuse)
+    assert seen[0].total_bytes == 200_000 and seen[0].files == 2 and seen[0].storage_key == storage_key(str(src))
+    assert not NodeStore.at(tmp_path / "root").is_present(storage_key(str(src)))
+    res = pull(str(src), root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}), admit=seen.append)
+    assert res.files == 2 and len(seen) == 2
+
+
+def test_cancel_keeps_staging_and_never_publishes(tmp_path):
+    import threading
+
+    from modelcache.errors import ModelcacheError
+
+    src = make_model(tmp_path / "src", {"a.bin": 4_000_000})
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(ModelcacheError, match="cancelled"):
+        pull(str(src), root=tmp_path / "root", options=TransferOptions(workers=1, chunk_size=4096),
+             settings=Settings.from_env({}), cancel=cancel)
+    store = NodeStore.at(tmp_path / "root")
+    assert not store.is_present(storage_key(str(src)))
+    assert not (tmp_path / "root" / "models" / storage_key(str(src))).exists()
+    res = pull(str(src), root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}))
+    assert (res.path / "a.bin").read_bytes() == (src / "a.bin").read_bytes()
