@@ -16,10 +16,11 @@ from dataclasses import replace
 from initializer.dispatch import Context
 from initializer.redact import Scrubber, ScrubbingFormatter
 from initializer.report import Reporter
-from initializer.run import describe_error, pairs_from_args, run_pairs
+from initializer.run import Pair, describe_error, pairs_from_args, run_pairs
 from modelcache.archive import ArchiveLimits
 from modelcache.credentials import Settings, ca_bundle_from_env
 from modelcache.errors import ModelcacheError
+from modelcache.progress import ProgressTracker
 from modelcache.transfer import TransferOptions
 from modelcache.uri import redact_uri
 
@@ -103,7 +104,7 @@ def transfer_options(env: Mapping[str, str]) -> TransferOptions:
     chunk = env.get("MODELCACHE_CHUNK_SIZE")
     return replace(
         base,
-        workers=int(_size("MODELCACHE_WORKERS", workers)) if workers else base.workers,
+        workers=_size("MODELCACHE_WORKERS", workers) if workers else base.workers,
         chunk_size=_size("MODELCACHE_CHUNK_SIZE", chunk) if chunk else base.chunk_size,
     )
 
@@ -116,6 +117,35 @@ def _install_log_scrubbing(scrub: Scrubber) -> None:
     root.setLevel(logging.WARNING)
 
 
+def _fail_all(pairs: list[Pair], cause: str, scrub: Scrubber) -> int:
+    """A problem before any download (settings, env): one line per pair, as for pair errors."""
+    for pair in pairs:
+        print(scrub(f"error: {redact_uri(pair.src)} -> {pair.dest}: {cause}"), file=sys.stderr)
+    return 1
+
+
+def _prepare() -> tuple[Scrubber, Context, float, int]:
+    """Settings, scrubber and run context from the environment; raises ModelcacheError."""
+    settings = _settings()
+    env = settings.env
+    scrub = Scrubber.from_env(env)
+    if (env.get("CONFIDENTIAL_ENABLED") or "").strip().lower() == "true":
+        # KServe decrypts the downloaded files (JWE) afterwards; handing the runtime encrypted
+        # bytes as if they were the model would be worse than failing.
+        raise ModelcacheError(
+            "CONFIDENTIAL_ENABLED=true is not supported (modelcache's initializer cannot decrypt "
+            "JWE-encrypted models); use KServe's initializer image"
+        )
+    try:
+        interval = float(env.get("MODELCACHE_PROGRESS_INTERVAL") or 5)
+        parallel = int(env.get("MODELCACHE_INIT_PARALLEL") or 4)
+    except ValueError:
+        raise ModelcacheError("MODELCACHE_PROGRESS_INTERVAL and MODELCACHE_INIT_PARALLEL must be numbers") from None
+    limits = ArchiveLimits.from_env(env)
+    ctx = Context(settings=settings, limits=limits, tracker=ProgressTracker(), options=transfer_options(env))
+    return scrub, ctx, interval, parallel
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 2 or len(args) % 2:
@@ -123,45 +153,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     pairs = pairs_from_args(args)
     for pair in pairs:
-        os.makedirs(pair.dest, exist_ok=True)
+        try:
+            os.makedirs(pair.dest, exist_ok=True)
+        except OSError as exc:
+            return _fail_all([pair], f"cannot create the destination: {describe_error(exc)}", Scrubber())
 
     try:
-        settings = _settings()
+        scrub, ctx, interval, parallel = _prepare()
     except ModelcacheError as exc:
-        # Before settings exist we can only scrub what the error message itself may carry.
-        scrub = Scrubber()
-        for pair in pairs:
-            print(scrub(f"error: {redact_uri(pair.src)} -> {pair.dest}: {describe_error(exc)}"), file=sys.stderr)
-        return 1
+        # Messages of ours never carry secret values; scrub URLs in them all the same.
+        return _fail_all(pairs, describe_error(exc), Scrubber())
 
-    scrub = Scrubber.from_env(settings.env)
     _install_log_scrubbing(scrub)
-    env = settings.env
-    try:
-        limits = ArchiveLimits.from_env(env)
-        interval = float(env.get("MODELCACHE_PROGRESS_INTERVAL") or 5)
-        parallel = int(env.get("MODELCACHE_INIT_PARALLEL") or 4)
-        options = transfer_options(env)
-    except (ModelcacheError, ValueError) as exc:
-        for pair in pairs:
-            print(scrub(f"error: {redact_uri(pair.src)} -> {pair.dest}: {describe_error(exc)}"), file=sys.stderr)
-        return 1
-
-    if (env.get("CONFIDENTIAL_ENABLED") or "").strip().lower() == "true":
-        # KServe decrypts the downloaded files (JWE) afterwards; handing the runtime encrypted
-        # bytes as if they were the model would be worse than failing.
-        for pair in pairs:
-            print(
-                scrub(
-                    f"error: {redact_uri(pair.src)} -> {pair.dest}: CONFIDENTIAL_ENABLED=true is not supported "
-                    "(modelcache's initializer cannot decrypt JWE-encrypted models); use KServe's initializer image"
-                ),
-                file=sys.stderr,
-            )
-        return 1
-
-    reporter = Reporter(scrub, interval=interval)
-    ctx = Context(settings=settings, limits=limits, tracker=reporter.tracker, options=options)
+    reporter = Reporter(scrub, interval=interval, tracker=ctx.tracker)
     reporter.start()
     try:
         result = run_pairs(pairs, ctx, reporter, max_parallel=parallel)

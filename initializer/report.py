@@ -34,10 +34,11 @@ class Reporter:
         interval: float = 5.0,
         out: TextIO | None = None,
         err: TextIO | None = None,
+        tracker: ProgressTracker | None = None,
     ) -> None:
         self.scrub = scrub
         self.interval = interval
-        self.tracker = ProgressTracker()
+        self.tracker = tracker or ProgressTracker()
         self._out = out or sys.stdout
         self._err = err or sys.stderr
         self._lock = threading.Lock()
