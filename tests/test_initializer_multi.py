@@ -1,5 +1,5 @@
-"""storage-initializer across schemes in one run (S3 on moto, the test Hugging Face Hub, nginx,
-a local folder), with STORAGE_CONFIG credentials and allow/ignore patterns."""
+"""storage-initializer across schemes (S3 on moto, GCS emulator, Azurite, the test Hugging Face Hub,
+OCI registry, WebHDFS, nginx, a local folder), with STORAGE_CONFIG credentials and allow/ignore patterns."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.http import NginxServer
-from tests.fixtures.objectstores import S3Server
+from tests.fixtures.objectstores import AzureServer, GCSServer, S3Server
 from tests.fixtures.oci import LAYER_TAR, OCIRegistry
 from tests.fixtures.oci import make_tar as oci_make_tar
 from tests.hfhub import HubServer
@@ -152,3 +152,27 @@ def test_hdfs_from_storage_config_spec(webhdfs: WebHDFSServer, tmp_path: Path) -
     spec.pop("HDFS_NAMENODE")
     r = run_initializer("hdfs://models/bert", tmp_path / "e", env={"STORAGE_CONFIG": json.dumps(spec)})
     assert r.code == 1 and "hdfs://models/bert" in r.err and "hdfs-header-secret" not in r.output
+
+
+def test_gcs_and_azure_pairs(gcs_emulator: GCSServer, azurite: AzureServer, tmp_path: Path) -> None:
+    weights = os.urandom(120_000)
+    bucket = gcs_emulator.new_bucket()
+    gbucket = gcs_emulator.client().bucket(bucket)
+    gbucket.blob("m/config.json").upload_from_string(b"{}")
+    gbucket.blob("m/w/model.bin").upload_from_string(weights)
+    container = azurite.new_container()
+    cc = azurite.service().get_container_client(container)
+    cc.upload_blob("m/config.json", b'{"az": 1}')
+    cc.upload_blob("m/model.bin", weights)
+    env = {**gcs_emulator.env(), **azurite.env(), "STORAGE_IGNORE_PATTERNS": "*.json"}
+    r = run_initializer(
+        f"gs://{bucket}/m", tmp_path / "gcs", azurite.uri(container, "m"), tmp_path / "az", env=env
+    )
+    assert r.code == 0, r.output
+    assert _files(tmp_path / "gcs") == {"w/model.bin": weights}
+    assert _files(tmp_path / "az") == {"model.bin": weights}
+    assert azurite.key not in r.output
+    r = run_initializer(
+        f"gs://{bucket}/m", tmp_path / "gcs", azurite.uri(container, "m"), tmp_path / "az", env=env
+    )
+    assert r.code == 0 and r.out.count("cached:") == 2, r.output
