@@ -142,7 +142,9 @@ def _prepare() -> tuple[Scrubber, Context, float, int]:
     except ValueError:
         raise ModelcacheError("MODELCACHE_PROGRESS_INTERVAL and MODELCACHE_INIT_PARALLEL must be numbers") from None
     limits = ArchiveLimits.from_env(env)
-    ctx = Context(settings=settings, limits=limits, tracker=ProgressTracker(), options=transfer_options(env))
+    ctx = Context(
+        settings=settings, limits=limits, tracker=ProgressTracker(), options=transfer_options(env), interval=interval
+    )
     return scrub, ctx, interval, parallel
 
 
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _install_log_scrubbing(scrub)
     reporter = Reporter(scrub, interval=interval, tracker=ctx.tracker)
+    ctx.note = reporter.info
     reporter.start()
     try:
         result = run_pairs(pairs, ctx, reporter, max_parallel=parallel)

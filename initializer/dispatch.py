@@ -10,16 +10,17 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from initializer import unpacked
 from initializer.report import PairOutcome
-from modelcache.archive import ArchiveLimits, archive_kind, remove_stale_staging, unpack_archive
+from modelcache.archive import ArchiveLimits, UnpackResult, archive_kind, remove_stale_staging, unpack_archive
 from modelcache.credentials import Settings
 from modelcache.errors import ModelcacheError, NotFoundError, UnsupportedError
-from modelcache.progress import ProgressTracker
+from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.transfer import TransferOptions
 
 PVC_MOUNT_PREFIX = "/mnt/pvc"
@@ -34,6 +35,27 @@ class Context:
     limits: ArchiveLimits
     tracker: ProgressTracker
     options: TransferOptions | None = None
+    #: Where informational lines go (the reporter's stdout); silent by default.
+    note: Callable[[str], None] = lambda _line: None
+    #: Seconds between "unpacking" lines for a long archive.
+    interval: float = 5.0
+
+
+def _unpack(archive: Path, dest: Path, ctx: Context, *, remove_archive: bool = True) -> UnpackResult:
+    """Unpack with a plain progress line every ``ctx.interval`` seconds (a 100 GB .tar.gz takes a while)."""
+    ctx.note(f"unpacking {archive.name} into {dest}")
+    state = {"bytes": 0, "last": time.monotonic()}
+
+    def on_bytes(n: int) -> None:
+        state["bytes"] += n
+        now = time.monotonic()
+        if now - state["last"] >= ctx.interval:
+            state["last"] = now
+            ctx.note(f"unpacking {archive.name}: {human_bytes(state['bytes'])} written")
+
+    return unpack_archive(
+        archive, dest, ctx.limits, remove_archive=remove_archive, reserved=RESERVED_NAMES, on_bytes=on_bytes
+    )
 
 
 Handler = Callable[[str, Path, Context], PairOutcome]
@@ -126,7 +148,7 @@ def _pull(uri: str, dest: Path, ctx: Context) -> PairOutcome:
         return outcome
     archive = dest / names[0]
     size = archive.stat().st_size
-    res = unpack_archive(archive, dest, ctx.limits, remove_archive=False, reserved=RESERVED_NAMES)
+    res = _unpack(archive, dest, ctx, remove_archive=False)
     replaced = any(p == names[0] for p in res.paths)
     unpacked.write(dest, unpacked.build(dest, key, "" if replaced else names[0], size, res))
     if not replaced:
@@ -150,7 +172,7 @@ def link_local(uri: str, src: Path, dest: Path, ctx: Context) -> PairOutcome:
         if not os.path.lexists(target):
             os.symlink(entry, target)
     if len(entries) == 1 and archive_kind(entries[0].name) is not None:
-        res = unpack_archive(dest / entries[0].name, dest, ctx.limits, reserved=RESERVED_NAMES)
+        res = _unpack(dest / entries[0].name, dest, ctx)
         return PairOutcome("linked", res.files, res.bytes, f"{entries[0].name} ({res.files} files)")
     return PairOutcome("linked", files=len(entries))
 

@@ -27,7 +27,7 @@ import tarfile
 import uuid
 import zipfile
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,12 +126,13 @@ def unpack_archive(
     *,
     remove_archive: bool = True,
     reserved: tuple[str, ...] = (),
+    on_bytes: Callable[[int], None] | None = None,
 ) -> UnpackResult:
     """Unpack ``archive`` into ``dest`` safely, then delete the archive.
 
     ``reserved`` lists top-level names the archive may not write (our own bookkeeping). On any
     error ``dest`` is left exactly as it was (the archive included) and an ``ArchiveError``
-    naming the archive is raised.
+    naming the archive is raised. ``on_bytes(n)`` is called as unpacked bytes are written.
     """
     limits = limits or ArchiveLimits()
     kind = archive_kind(archive.name)
@@ -141,7 +142,7 @@ def unpack_archive(
     staging = dest / f"{_STAGING_PREFIX}{uuid.uuid4().hex[:12]}"
     staging.mkdir()
     try:
-        writer = _StagingWriter(staging, archive, limits, reserved)
+        writer = _StagingWriter(staging, archive, limits, reserved, on_bytes)
         try:
             if kind == "zip":
                 _unpack_zip(archive, writer)
@@ -181,7 +182,15 @@ def _short(exc: BaseException) -> str:
 class _StagingWriter:
     """Writes entries under ``root``; links are deferred; caps are enforced as bytes arrive."""
 
-    def __init__(self, root: Path, archive: Path, limits: ArchiveLimits, reserved: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        root: Path,
+        archive: Path,
+        limits: ArchiveLimits,
+        reserved: tuple[str, ...],
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        self.on_bytes = on_bytes
         self.root = root
         self.real_root = os.path.realpath(root)
         self.name = archive.name
@@ -241,6 +250,8 @@ class _StagingWriter:
                 "raise MODELCACHE_ARCHIVE_MAX_RATIO if this archive is genuine)"
             )
         self.result.bytes = total
+        if self.on_bytes is not None:
+            self.on_bytes(n)
 
     def check_declared_size(self, size: int) -> None:
         """Fail before writing when a header already says the entry is over the byte cap."""

@@ -341,3 +341,11 @@ def test_archive_through_symlink_removes_link_only(box: Path) -> None:
     unpack_archive(dest / "m.tar", dest)
     assert not os.path.lexists(dest / "m.tar") and src.exists()
     assert (dest / "x.txt").read_bytes() == b"x"
+
+
+def test_on_bytes_reports_every_unpacked_byte(box: Path) -> None:
+    dest = box / "dest"
+    make_tar(dest / "m.tar", [tar_file("a.bin", os.urandom(3 << 20)), tar_file("b.bin", b"xyz")])
+    seen: list[int] = []
+    res = unpack_archive(dest / "m.tar", dest, on_bytes=seen.append)
+    assert sum(seen) == res.bytes == (3 << 20) + 3 and len(seen) >= 3

@@ -100,6 +100,7 @@ def test_local_archive_is_unpacked_and_link_removed(tmp_path: Path) -> None:
     assert (dest / "model" / "a.txt").read_bytes() == b"a"
     assert archive.exists()  # the source archive itself is never deleted
     assert "unpacked model.tar.gz (2 files)" in r.out
+    assert f"unpacking model.tar.gz into {dest}" in r.out
 
 
 def test_local_hostile_archive_fails_cleanly(tmp_path: Path) -> None:
