@@ -355,3 +355,24 @@ def test_namespace_deletion_removes_its_objects(apis):
         core.read_namespace("gone")
     assert core.list_config_map_for_all_namespaces(field_selector="metadata.namespace=gone").items == []
     assert crd.list_cluster_custom_object(GROUP, VERSION, "localmodelnamespacecaches")["items"] == []
+
+
+def test_claim_and_pod_specs_are_immutable(apis):
+    core = apis[0]
+    core.create_namespaced_persistent_volume_claim("default", {"metadata": {"name": "c"}, "spec": {
+        "accessModes": ["ReadWriteOnce"], "storageClassName": "local", "resources": {"requests": {"storage": "1Gi"}}}})
+    bound = core.patch_namespaced_persistent_volume_claim("c", "default", {"spec": {"volumeName": "pv-1"}})
+    assert bound.spec.volume_name == "pv-1"  # binding sets volumeName once
+    grown = core.patch_namespaced_persistent_volume_claim("c", "default", {"spec": {"resources": {
+        "requests": {"storage": "2Gi"}}}})
+    assert grown.spec.resources.requests == {"storage": "2Gi"}
+    for change in ({"storageClassName": "other"}, {"volumeName": "pv-2"}):
+        with pytest.raises(ApiException) as err:
+            core.patch_namespaced_persistent_volume_claim("c", "default", {"spec": change})
+        assert err.value.status == 422 and "spec is immutable" in api_error(err.value)["message"]
+    core.create_namespaced_pod("default", {"metadata": {"name": "p"}, "spec": {
+        "containers": [{"name": "c", "image": "i:1"}]}})
+    core.patch_namespaced_pod("p", "default", {"spec": {"containers": [{"name": "c", "image": "i:2"}]}})
+    with pytest.raises(ApiException) as err:
+        core.patch_namespaced_pod("p", "default", {"spec": {"nodeName": "elsewhere"}})
+    assert err.value.status == 422 and "pod updates may not change fields" in api_error(err.value)["message"]

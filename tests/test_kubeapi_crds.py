@@ -189,3 +189,17 @@ def test_node_group_has_no_status_subresource(crd_api):
     out = crd_api.patch_cluster_custom_object(GROUP, VERSION, "localmodelnodegroups", "gpu",
                                               {"status": {"used": "1Gi"}})
     assert out["status"] == {"used": "1Gi"} and out["metadata"]["generation"] == 2
+
+
+def test_field_validation_strict_rejects_unknown_fields(crd_api):
+    obj = copy.deepcopy(examples()["LocalModelCache"])
+    obj["spec"]["bogus"] = 1
+    with pytest.raises(ApiException) as err:
+        crd_api.create_cluster_custom_object(GROUP, VERSION, "localmodelcaches", obj, field_validation="Strict")
+    assert err.value.status == 400
+    assert api_error(err.value)["message"] == (
+        'LocalModelCache in version "v1alpha1" cannot be handled as a LocalModelCache: strict decoding error: '
+        'unknown field "spec.bogus"')
+    # the default (Warn) and Ignore store the pruned object
+    created = crd_api.create_cluster_custom_object(GROUP, VERSION, "localmodelcaches", obj, field_validation="Ignore")
+    assert "bogus" not in created["spec"]

@@ -116,3 +116,15 @@ def test_core_kinds_with_kubectl(kubeapi):
     proc = kubeapi.kubectl("get", "namespace", "team-a", check=False)
     assert proc.returncode != 0 and "not found" in proc.stderr
     assert "default" in kubeapi.kubectl("get", "namespaces", "-o", "name").stdout
+
+
+def test_unknown_fields_are_reported_by_kubectl(kubeapi, tmp_path):
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("apiVersion: serving.kserve.io/v1alpha1\nkind: LocalModelCache\nmetadata:\n  name: extra\n"
+                     "spec:\n  sourceModelUri: s3://a/b\n  modelSize: 1Gi\n  nodeGroups: [gpu]\n  bogus: 1\n")
+    # kubectl >= 1.27 asks for strict field validation (an error), older ones get the default warning
+    proc = kubeapi.kubectl("apply", "-f", str(extra), check=False)
+    assert 'unknown field "spec.bogus"' in proc.stderr
+    proc = kubeapi.kubectl("apply", "--validate=false", "-f", str(extra))
+    got = json.loads(kubeapi.kubectl("get", "localmodelcache", "extra", "-o", "json").stdout)
+    assert "bogus" not in got["spec"]

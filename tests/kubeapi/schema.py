@@ -30,16 +30,21 @@ def _preserves(schema: dict[str, Any]) -> bool:
     return bool(schema.get("x-kubernetes-preserve-unknown-fields"))
 
 
-def prune(schema: dict[str, Any], obj: Any, root: bool = False) -> Any:
-    """Drop fields the schema doesn't know (unless preserved) and nulls on non-nullable fields."""
+def prune(schema: dict[str, Any], obj: Any, root: bool = False, path: str = "",
+          dropped: list[str] | None = None) -> Any:
+    """Drop fields the schema doesn't know (unless preserved; their paths go to `dropped`) and nulls
+    on non-nullable fields."""
+    dropped = [] if dropped is None else dropped
     if isinstance(obj, dict):
         props = schema.get("properties")
         addl = schema.get("additionalProperties")
         out: dict[str, Any] = {}
         for k, v in obj.items():
             if root and k in _ROOT_KEEP:
-                out[k] = {m: mv for m, mv in v.items() if m in _META_FIELDS} if k == "metadata" and \
-                    isinstance(v, dict) else v
+                if k == "metadata" and isinstance(v, dict):
+                    dropped.extend(f"metadata.{m}" for m in v if m not in _META_FIELDS)
+                    v = {m: mv for m, mv in v.items() if m in _META_FIELDS}
+                out[k] = v
                 continue
             sub: dict[str, Any] | None = None
             if props and k in props:
@@ -50,13 +55,14 @@ def prune(schema: dict[str, Any], obj: Any, root: bool = False) -> Any:
                 out[k] = v
                 continue
             if sub is None:
+                dropped.append(_join(path, k))
                 continue
             if v is None and not sub.get("nullable"):
                 continue
-            out[k] = prune(sub, v)
+            out[k] = prune(sub, v, path=_join(path, k), dropped=dropped)
         return out
     if isinstance(obj, list) and isinstance(schema.get("items"), dict):
-        return [prune(schema["items"], v) for v in obj]
+        return [prune(schema["items"], v, path=f"{path}[{i}]", dropped=dropped) for i, v in enumerate(obj)]
     return obj
 
 
@@ -203,12 +209,14 @@ def validate_transitions(schema: dict[str, Any], new: Any, old: Any, path: str =
     return errs
 
 
-def admit(schema: dict[str, Any], obj: dict[str, Any], old: dict[str, Any] | None) -> tuple[dict[str, Any],
-                                                                                             list[FieldError]]:
-    """Prune, default and validate `obj` (and its transition from `old`) for a custom resource."""
-    pruned = prune(schema, obj, root=True)
+def admit(schema: dict[str, Any], obj: dict[str, Any],
+          old: dict[str, Any] | None) -> tuple[dict[str, Any], list[FieldError], list[str]]:
+    """Prune, default and validate `obj` (and its transition from `old`) for a custom resource.
+    Returns the stored object, the validation errors and the paths of pruned unknown fields."""
+    unknown: list[str] = []
+    pruned = prune(schema, obj, root=True, dropped=unknown)
     apply_defaults(schema, pruned)
     errs = validate(schema, pruned)
     if old is not None:
         errs.extend(validate_transitions(schema, pruned, old))
-    return pruned, errs
+    return pruned, errs, unknown

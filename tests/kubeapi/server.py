@@ -15,7 +15,7 @@ from tests.kubeapi import discovery
 from tests.kubeapi.errors import ApiError, bad_request
 from tests.kubeapi.resources import Registry, ResourceType
 from tests.kubeapi.selectors import parse_field_selector, parse_label_selector
-from tests.kubeapi.store import DeleteOptions, Store
+from tests.kubeapi.store import DeleteOptions, Store, WriteOptions
 from tests.kubeapi.tables import to_table, wants_table
 from tests.kubeapi.watch import WatchRequest, run_watch
 
@@ -83,17 +83,20 @@ class Handler(BaseHTTPRequestHandler):
     def do_DELETE(self) -> None:
         self._dispatch("DELETE")
 
-    def _send(self, code: int, body: bytes, content_type: str = "application/json") -> None:
+    def _send(self, code: int, body: bytes, content_type: str = "application/json",
+              warnings: list[str] | None = None) -> None:
         self.send_response(code)
         self.send_header("Content-Type", content_type)
+        for w in warnings or []:
+            self.send_header("Warning", '299 - "' + w.replace("\\", "\\\\").replace('"', '\\"') + '"')
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-cache, private")
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _json(self, code: int, obj: Any) -> None:
-        self._send(code, json.dumps(obj).encode())
+    def _json(self, code: int, obj: Any, warnings: list[str] | None = None) -> None:
+        self._send(code, json.dumps(obj).encode(), warnings=warnings)
 
     def _body(self) -> bytes:
         length = int(self.headers.get("Content-Length") or 0)
@@ -213,14 +216,17 @@ class Handler(BaseHTTPRequestHandler):
                 else:
                     self._json(200, obj)
         elif method == "POST" and name is None:
-            self._json(201, store.create(rt, ns, self._parsed_body(ctype)))
+            wopts = self._write_options()
+            self._json(201, store.create(rt, ns, self._parsed_body(ctype), wopts), wopts.warnings)
         elif method == "PUT" and name is not None:
-            self._json(200, store.replace(rt, ns, name, self._parsed_body(ctype), route.sub))
+            wopts = self._write_options()
+            self._json(200, store.replace(rt, ns, name, self._parsed_body(ctype), route.sub, wopts), wopts.warnings)
         elif method == "PATCH" and name is not None:
             body = self._parsed_body(ctype)
             if body is None:
                 raise bad_request("the body of the request was empty")
-            self._json(200, store.patch(rt, ns, name, ctype, body, route.sub))
+            wopts = self._write_options()
+            self._json(200, store.patch(rt, ns, name, ctype, body, route.sub, wopts), wopts.warnings)
         elif method == "DELETE":
             opts = DeleteOptions.from_body(self._parsed_body(ctype), self.query.get("propagationPolicy"))
             if name is None:
@@ -233,6 +239,12 @@ class Handler(BaseHTTPRequestHandler):
         else:
             raise ApiError(405, "MethodNotAllowed", "the server does not allow this method on the requested "
                            "resource")
+
+    def _write_options(self) -> WriteOptions:
+        mode = self.query.get("fieldValidation") or "Warn"
+        if mode not in ("Strict", "Warn", "Ignore"):
+            raise bad_request(f"fieldValidation must be one of Ignore, Warn, Strict (got {mode!r})")
+        return WriteOptions(mode)
 
     def _labels(self) -> list[Any]:
         return parse_label_selector(self.query.get("labelSelector"))

@@ -18,13 +18,14 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from dataclasses import dataclass, field
 from typing import Any
 
+from tests.kubeapi import kinds
 from tests.kubeapi import patch as patches
+from tests.kubeapi.clock import now_rfc3339
 from tests.kubeapi.errors import ApiError, FieldError, already_exists, bad_request, conflict, invalid, not_found
-from tests.kubeapi.resources import CRD_TYPE, NAMESPACE_TYPE, Registry, ResourceType
+from tests.kubeapi.resources import NAMESPACE_TYPE, Registry, ResourceType
 from tests.kubeapi.schema import admit
 from tests.kubeapi.selectors import Requirement, labels_match
 
@@ -33,10 +34,6 @@ ObjKey = tuple[str, str]  # (namespace, name); namespace "" for cluster-scoped k
 _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _SUFFIX_CHARS = "bcdfghjklmnpqrstvwxz2456789"
-
-
-def now_rfc3339() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -63,6 +60,14 @@ class DeleteOptions:
         if body.get("orphanDependents") is True:
             policy = "Orphan"
         return cls(policy or "Background", pre.get("uid"), pre.get("resourceVersion"))
+
+
+@dataclass
+class WriteOptions:
+    """Per-request write options: fieldValidation (Strict | Warn | Ignore) and the warnings it produced."""
+
+    field_validation: str = "Warn"
+    warnings: list[str] = field(default_factory=list)
 
 
 def _strip_for_generation(obj: Obj, rt: ResourceType) -> Obj:
@@ -116,6 +121,14 @@ class Store:
         if obj is None:
             raise not_found(rt, name)
         return obj
+
+    def drop_bucket(self, key: tuple[str, str], rt: ResourceType | None) -> None:
+        """Remove every object of a kind at once (its CRD was deleted), with DELETED events."""
+        for obj in list(self.objects.pop(key, {}).values()):
+            if rt is not None:
+                gone = copy.deepcopy(obj)
+                gone["metadata"]["resourceVersion"] = self._next_rv()
+                self._record(rt, "DELETED", gone, obj)
 
     def compact(self) -> int:
         """Forget all watch history (tests: force 410 Gone for every older resourceVersion)."""
@@ -177,7 +190,8 @@ class Store:
 
     # ----- writes ----------------------------------------------------------------------------
 
-    def create(self, rt: ResourceType, ns: str, body: Any) -> Obj:
+    def create(self, rt: ResourceType, ns: str, body: Any, opts: WriteOptions | None = None) -> Obj:
+        opts = opts or WriteOptions()
         if not isinstance(body, dict):
             raise bad_request("the body of the request was in an unknown format")
         obj = copy.deepcopy(body)
@@ -213,7 +227,7 @@ class Store:
                     obj.pop("status", None)
             for m in ("deletionTimestamp", "deletionGracePeriodSeconds", "managedFields", "selfLink"):
                 meta.pop(m, None)
-            obj = self._admit(rt, obj, None)
+            obj = self._admit(rt, obj, None, opts)
             meta = obj["metadata"]
             meta["uid"] = str(uuid.uuid4())
             meta["creationTimestamp"] = now_rfc3339()
@@ -221,10 +235,11 @@ class Store:
             meta["resourceVersion"] = self._next_rv()
             self._bucket(rt)[self._key(rt, ns, name)] = obj
             self._record(rt, "ADDED", obj, None)
-            _AFTER_WRITE.get(rt.key, _noop)(self, obj)
+            kinds.after_write(self, rt, obj)
             return self._out(rt, obj)
 
-    def replace(self, rt: ResourceType, ns: str, name: str, body: Any, sub: str | None) -> Obj:
+    def replace(self, rt: ResourceType, ns: str, name: str, body: Any, sub: str | None,
+                opts: WriteOptions | None = None) -> Obj:
         if not isinstance(body, dict):
             raise bad_request("the body of the request was in an unknown format")
         meta = body.get("metadata") or {}
@@ -238,12 +253,15 @@ class Store:
                                                     "must be specified for an update")])
             if rv and rv != old["metadata"]["resourceVersion"]:
                 raise conflict(rt, name)
-            return self._update(rt, old, copy.deepcopy(body), sub)
+            return self._update(rt, old, copy.deepcopy(body), sub, opts or WriteOptions())
 
-    def patch(self, rt: ResourceType, ns: str, name: str, content_type: str, body: Any, sub: str | None) -> Obj:
+    def patch(self, rt: ResourceType, ns: str, name: str, content_type: str, body: Any, sub: str | None,
+              opts: WriteOptions | None = None) -> Obj:
+        opts = opts or WriteOptions()
         with self.cond:
             if content_type == patches.APPLY and self._key(rt, ns, name) not in self._bucket(rt):
-                return self.create(rt, ns, {**body, "metadata": {**(body.get("metadata") or {}), "name": name}})
+                return self.create(rt, ns, {**body, "metadata": {**(body.get("metadata") or {}), "name": name}},
+                                   opts)
             old = self._existing(rt, ns, name)
             current = self._out(rt, old)
             if content_type == patches.JSON_PATCH:
@@ -263,9 +281,10 @@ class Store:
             new_meta = new.get("metadata") or {}
             if new_meta.get("resourceVersion") not in (None, old["metadata"]["resourceVersion"]):
                 raise conflict(rt, name)
-            return self._update(rt, old, new, sub)
+            return self._update(rt, old, new, sub, opts)
 
-    def _update(self, rt: ResourceType, old: Obj, body: Obj, sub: str | None) -> Obj:
+    def _update(self, rt: ResourceType, old: Obj, body: Obj, sub: str | None,
+                opts: WriteOptions | None = None) -> Obj:
         """Apply a full new object (PUT body or patched object) to `old`. Hold self.cond."""
         if sub == "status":
             new = copy.deepcopy(old)
@@ -297,7 +316,7 @@ class Store:
                 raise invalid(rt, old_meta["name"], [FieldError(
                     "metadata.finalizers", "Forbidden", detail="no new finalizers can be added if the object is "
                     "being deleted, found new finalizers " + json.dumps(sorted(added)))])
-        new = self._admit(rt, new, old)
+        new = self._admit(rt, new, old, opts or WriteOptions())
         if new == old:
             return self._out(rt, old)  # a no-op write changes nothing, not even resourceVersion
         if _strip_for_generation(new, rt) != _strip_for_generation(old, rt):
@@ -306,7 +325,7 @@ class Store:
         key = self._key(rt, old_meta.get("namespace", ""), old_meta["name"])
         self._bucket(rt)[key] = new
         self._record(rt, "MODIFIED", new, old)
-        _AFTER_WRITE.get(rt.key, _noop)(self, new)
+        kinds.after_write(self, rt, new)
         if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
             self._remove(rt, new)
         return self._out(rt, new)
@@ -369,7 +388,7 @@ class Store:
         gone = copy.deepcopy(obj)
         gone["metadata"]["resourceVersion"] = self._next_rv()
         self._record(rt, "DELETED", gone, obj)
-        _AFTER_REMOVE.get(rt.key, _noop)(self, gone)
+        kinds.after_remove(self, rt, gone)
         self._collect_garbage(meta["uid"], orphan=meta["uid"] in self._orphan_on_remove)
         self._orphan_on_remove.discard(meta["uid"])
         if rt.namespaced:
@@ -448,86 +467,16 @@ class Store:
             raise ApiError(403, "Forbidden", f"unable to create new content in namespace {ns} because it is being "
                            "terminated", {"name": ns, "kind": "namespaces"})
 
-    def _admit(self, rt: ResourceType, obj: Obj, old: Obj | None) -> Obj:
-        obj = _BEFORE_WRITE.get(rt.key, _identity)(obj)
+    def _admit(self, rt: ResourceType, obj: Obj, old: Obj | None, opts: WriteOptions) -> Obj:
+        obj = kinds.before_write(rt, obj, old)
         if rt.crd and rt.schema is not None:
-            obj, errs = admit(rt.schema, obj, old)
+            obj, errs, unknown = admit(rt.schema, obj, old)
+            if unknown and opts.field_validation == "Strict":
+                listed = ", ".join(f'unknown field "{u}"' for u in unknown)
+                raise bad_request(f'{rt.kind} in version "{rt.version}" cannot be handled as a {rt.kind}: '
+                                  f"strict decoding error: {listed}")
+            if unknown and opts.field_validation == "Warn":
+                opts.warnings.extend(f'unknown field "{u}"' for u in unknown)
             if errs:
                 raise invalid(rt, obj["metadata"].get("name", ""), errs)
         return obj
-
-
-# ----- per-kind hooks (registries, not if-chains) ----------------------------------------------
-
-
-def _noop(store: Store, obj: Obj) -> None:
-    return None
-
-
-def _identity(obj: Obj) -> Obj:
-    return obj
-
-
-def _secret_string_data(obj: Obj) -> Obj:
-    """Secrets: stringData is write-only sugar merged into base64 data, as the real API does."""
-    string_data = obj.pop("stringData", None) or {}
-    if string_data:
-        data = obj.setdefault("data", {}) or {}
-        obj["data"] = data
-        for k, v in string_data.items():
-            data[k] = base64.b64encode(str(v).encode()).decode()
-    return obj
-
-
-def _crd_defaults(obj: Obj) -> Obj:
-    spec = obj.get("spec") or {}
-    names = spec.get("names") or {}
-    if not spec.get("group") or not names.get("plural") or not names.get("kind") or not spec.get("versions"):
-        raise invalid(CRD_TYPE, (obj.get("metadata") or {}).get("name", ""),
-                      [FieldError("spec", "Required value", detail="group, names.plural, names.kind and versions "
-                                                                     "are required")])
-    expected = f"{names['plural']}.{spec['group']}"
-    if obj["metadata"].get("name") != expected:
-        raise invalid(CRD_TYPE, obj["metadata"].get("name", ""), [FieldError(
-            "metadata.name", "Invalid value", obj["metadata"].get("name", ""), "must be spec.names.plural+\".\"+"
-            "spec.group")])
-    accepted = {**names, "singular": names.get("singular") or names["kind"].lower(),
-                "listKind": names.get("listKind") or names["kind"] + "List"}
-    if (obj.get("status") or {}).get("acceptedNames") == accepted:
-        return obj  # unchanged names: keep the conditions, so a re-apply is a no-op
-    obj["status"] = {
-        "acceptedNames": accepted,
-        "storedVersions": [v["name"] for v in spec["versions"] if v.get("storage")],
-        "conditions": [
-            {"type": t, "status": "True", "reason": r, "message": m, "lastTransitionTime": now_rfc3339()}
-            for t, r, m in (("NamesAccepted", "NoConflicts", "no conflicts found"),
-                            ("Established", "InitialNamesAccepted", "the initial names have been accepted"))
-        ],
-    }
-    return obj
-
-
-def _crd_registered(store: Store, crd: Obj) -> None:
-    store.registry.register_crd(crd)
-
-
-def _crd_removed(store: Store, crd: Obj) -> None:
-    """Deleting a CRD deletes every object of its kind, then its endpoints disappear."""
-    spec = crd.get("spec") or {}
-    key = (spec.get("group", ""), (spec.get("names") or {}).get("plural", ""))
-    types = store.registry.unregister_crd(crd["metadata"]["name"])
-    bucket = store.objects.get(key, {})
-    if types:
-        for obj in list(bucket.values()):
-            gone = copy.deepcopy(obj)
-            gone["metadata"]["resourceVersion"] = store._next_rv()
-            store._record(types[0], "DELETED", gone, obj)
-    store.objects.pop(key, None)
-
-
-_BEFORE_WRITE: dict[tuple[str, str], Callable[[Obj], Obj]] = {
-    ("", "secrets"): _secret_string_data,
-    CRD_TYPE.key: _crd_defaults,
-}
-_AFTER_WRITE: dict[tuple[str, str], Callable[[Store, Obj], None]] = {CRD_TYPE.key: _crd_registered}
-_AFTER_REMOVE: dict[tuple[str, str], Callable[[Store, Obj], None]] = {CRD_TYPE.key: _crd_removed}
