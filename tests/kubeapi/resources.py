@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,6 +123,15 @@ CRD_TYPE = next(rt for rt in BUILTINS if rt.plural == "customresourcedefinitions
 NAMESPACE_TYPE = next(rt for rt in BUILTINS if rt.plural == "namespaces")
 
 
+def version_priority(version: str) -> tuple[int, int, int, str]:
+    """Sort key: v2 before v1 before v1beta2 before v1beta1 before v1alpha1 before anything else."""
+    m = re.fullmatch(r"v(\d+)(?:(alpha|beta)(\d+))?", version)
+    if not m:
+        return (3, 0, 0, version)
+    stage = {None: 0, "beta": 1, "alpha": 2}[m.group(2)]
+    return (stage, -int(m.group(1)), -int(m.group(3) or 0), version)
+
+
 def types_from_crd(crd: dict[str, Any]) -> list[ResourceType]:
     """One ResourceType per served version of a CustomResourceDefinition object."""
     spec = crd.get("spec") or {}
@@ -162,13 +172,13 @@ class Registry:
             return list(self._types.values())
 
     def groups(self) -> dict[str, list[str]]:
-        """group -> versions, in registration order (first is preferred)."""
+        """group -> versions, in Kubernetes priority order (GA > beta > alpha; the first is preferred)."""
         out: dict[str, list[str]] = {}
         for rt in self.all():
             versions = out.setdefault(rt.group, [])
             if rt.version not in versions:
                 versions.append(rt.version)
-        return out
+        return {g: sorted(vs, key=version_priority) for g, vs in out.items()}
 
     def register_crd(self, crd: dict[str, Any]) -> None:
         name = crd["metadata"]["name"]

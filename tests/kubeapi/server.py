@@ -98,12 +98,12 @@ class Handler(BaseHTTPRequestHandler):
     def _json(self, code: int, obj: Any, warnings: list[str] | None = None) -> None:
         self._send(code, json.dumps(obj).encode(), warnings=warnings)
 
-    def _body(self) -> bytes:
+    def _read_body(self) -> bytes:
         length = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(length) if length else b""
 
     def _parsed_body(self, content_type: str) -> Any:
-        raw = self._body()
+        raw = self._raw_body
         if not raw:
             return None
         if "protobuf" in content_type:
@@ -120,7 +120,8 @@ class Handler(BaseHTTPRequestHandler):
             raise bad_request(f"the body of the request could not be decoded: {exc}") from exc
 
     def _dispatch(self, method: str) -> None:
-        self._raw_body: bytes | None = None
+        # Read the whole body first: an early error reply must not leave bytes on a kept-alive connection.
+        self._raw_body = self._read_body()
         url = urlsplit(self.path)
         self.query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
         try:
