@@ -1,0 +1,274 @@
+"""deploy/: every manifest is accepted by the API test server, and the workloads and RBAC keep
+the contracts the agent and coordinator rely on (least privilege, downward API, probes, ports)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client, utils
+
+from tests.fixtures.kubeapi import KubeAPI
+from tests.helpers import IN_CI, REPO, require_tool
+
+DEPLOY = REPO / "deploy"
+Obj = dict[str, Any]
+
+
+def _read_kustomization(directory: Path) -> list[Obj]:
+    """Fallback without kubectl: the listed resources as written (no transformers applied)."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    docs: list[Obj] = []
+    for entry in kustomization.get("resources") or []:
+        path = directory / entry
+        if path.is_dir():
+            docs += _read_kustomization(path)
+        else:
+            docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def render() -> list[Obj]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        assert not IN_CI, "kubectl is required in CI (tests/setup.d/20-kubectl.sh)"
+        return _read_kustomization(DEPLOY)
+    out = subprocess.run([kubectl, "kustomize", str(DEPLOY)], capture_output=True, text=True, check=True).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> list[Obj]:
+    return render()
+
+
+def find(docs: list[Obj], kind: str, name: str) -> Obj:
+    matches = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind}/{name}, found {len(matches)}"
+    return matches[0]
+
+
+def test_every_yaml_under_deploy_is_part_of_the_kustomization(rendered: list[Obj]) -> None:
+    on_disk = {
+        (d["kind"], d["metadata"]["name"])
+        for p in DEPLOY.rglob("*.yaml") if p.name != "kustomization.yaml"
+        for d in yaml.safe_load_all(p.read_text()) if d
+    }
+    assert on_disk == {(d["kind"], d["metadata"]["name"]) for d in rendered}
+
+
+def test_every_manifest_is_accepted_by_the_api_server(
+    rendered: list[Obj], kubeapi_factory: Callable[..., KubeAPI]
+) -> None:
+    # No CRDs preloaded: the CRDs must come from deploy/ itself, as on a real cluster.
+    api = kubeapi_factory(crd_dirs=())
+    api_client = api.api_client()
+    for doc in rendered:
+        # The official client validates the body against its models first (a misspelt field is
+        # an error there), then the server validates it against its schema.
+        utils.create_from_dict(api_client, doc)
+    dyn = client.ApiextensionsV1Api(api_client)
+    crds = {c.metadata.name for c in dyn.list_custom_resource_definition().items}
+    assert {d["metadata"]["name"] for d in rendered if d["kind"] == "CustomResourceDefinition"} <= crds
+    # The kinds the CRDs define are now served: a LocalModelNode as KServe writes it is accepted.
+    custom = client.CustomObjectsApi(api_client)
+    custom.create_cluster_custom_object("serving.kserve.io", "v1alpha1", "localmodelnodes", {
+        "apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelNode", "metadata": {"name": "n1"},
+        "spec": {"localModels": [{"modelName": "m", "sourceModelUri": "s3://b/m"}]},
+    })
+    apps = client.AppsV1Api(api_client)
+    ds = apps.read_namespaced_daemon_set("modelcache-agent", "modelcache-system")
+    assert ds.spec.template.spec.containers[0].volume_mounts[0].mount_path == "/mnt/models"
+
+
+def test_kubectl_apply_is_idempotent(kubeapi_factory: Callable[..., KubeAPI]) -> None:
+    require_tool("kubectl")
+    api = kubeapi_factory(crd_dirs=())
+    first = api.kubectl("apply", "-k", str(DEPLOY)).stdout.splitlines()
+    assert first and all(line.endswith(" created") for line in first), first
+    second = api.kubectl("apply", "-k", str(DEPLOY)).stdout.splitlines()
+    assert second and all(line.endswith(" unchanged") for line in second), second
+
+
+# --- RBAC -----------------------------------------------------------------------------------
+
+
+def rules(docs: list[Obj], kind: str, name: str) -> list[tuple[str, str, set[str], tuple[str, ...]]]:
+    """(apiGroup, resource, verbs, resourceNames) per resource."""
+    out = []
+    for rule in find(docs, kind, name)["rules"]:
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                out.append((group, res, set(rule["verbs"]), tuple(rule.get("resourceNames") or ())))
+    return out
+
+
+def verbs_for(rs: list[tuple[str, str, set[str], tuple[str, ...]]], group: str, resource: str) -> set[str]:
+    return set().union(*[v for g, r, v, _ in rs if g == group and r == resource])
+
+
+def test_no_wildcards_in_any_rule(rendered: list[Obj]) -> None:
+    for doc in rendered:
+        for rule in doc.get("rules") or []:
+            for field in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule[field], f"{doc['kind']}/{doc['metadata']['name']} grants * in {field}"
+
+
+def test_agent_rbac_is_least_privilege(rendered: list[Obj]) -> None:
+    cluster = rules(rendered, "ClusterRole", "modelcache-agent")
+    assert verbs_for(cluster, "serving.kserve.io", "localmodelnodes") == {"get", "list", "watch"}
+    assert verbs_for(cluster, "serving.kserve.io", "localmodelnodes/status") <= {"get", "patch", "update"}
+    assert verbs_for(cluster, "", "pods") == {"list", "watch"}
+    assert verbs_for(cluster, "", "secrets") == set()  # never cluster-wide
+    writable = {(g, r) for g, r, v, _ in cluster if v - {"get", "list", "watch"}}
+    assert writable <= {("serving.kserve.io", "localmodelnodes/status"), ("", "events"), ("events.k8s.io", "events")}
+    role = find(rendered, "Role", "modelcache-agent-credentials")
+    assert role["metadata"]["namespace"] == "modelcache-system"
+    ns_rules = rules(rendered, "Role", "modelcache-agent-credentials")
+    assert verbs_for(ns_rules, "", "secrets") == {"get"}
+    assert verbs_for(ns_rules, "", "serviceaccounts") == {"get"}
+
+
+def test_coordinator_rbac_covers_its_reconcilers_and_no_more(rendered: list[Obj]) -> None:
+    cluster = rules(rendered, "ClusterRole", "modelcache-coordinator")
+    kserve = "serving.kserve.io"
+    for res in ("localmodelcaches", "localmodelnamespacecaches"):
+        assert {"get", "list", "watch", "patch"} <= verbs_for(cluster, kserve, res)
+        assert {"patch", "update"} <= verbs_for(cluster, kserve, f"{res}/status")
+        assert "update" in verbs_for(cluster, kserve, f"{res}/finalizers")
+        assert "delete" not in verbs_for(cluster, kserve, res)  # users own their caches
+    assert {"create", "patch", "delete", "watch"} <= verbs_for(cluster, kserve, "localmodelnodes")
+    assert verbs_for(cluster, kserve, "localmodelnodegroups") == {"get", "list", "watch"}
+    assert verbs_for(cluster, kserve, "inferenceservices") == {"get", "list", "watch"}
+    for res in ("persistentvolumes", "persistentvolumeclaims"):
+        assert {"create", "delete", "watch"} <= verbs_for(cluster, "", res)
+    assert verbs_for(cluster, "", "nodes") == {"get", "list", "watch", "patch"}
+    assert verbs_for(cluster, "", "pods") == {"get", "list", "watch"}
+    assert verbs_for(cluster, "", "secrets") == set()
+    assert verbs_for(cluster, "coordination.k8s.io", "leases") == set()  # only in its namespace
+    ns_rules = rules(rendered, "Role", "modelcache-coordinator")
+    assert verbs_for(ns_rules, "coordination.k8s.io", "leases") == {"get", "create", "update"}
+
+
+def test_bindings_point_at_existing_roles_and_service_accounts(rendered: list[Obj]) -> None:
+    sas = {(d["metadata"]["namespace"], d["metadata"]["name"]) for d in rendered if d["kind"] == "ServiceAccount"}
+    bindings = [d for d in rendered if d["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+    assert len(bindings) == 4
+    for b in bindings:
+        role_kind = b["roleRef"]["kind"]
+        role = find(rendered, role_kind, b["roleRef"]["name"])
+        if b["kind"] == "RoleBinding":
+            assert role_kind == "ClusterRole" or role["metadata"]["namespace"] == b["metadata"]["namespace"]
+        for s in b["subjects"]:
+            assert (s["namespace"], s["name"]) in sas
+    for workload in (find(rendered, "DaemonSet", "modelcache-agent"), find(rendered, "Deployment",
+                                                                           "modelcache-coordinator")):
+        pod = workload["spec"]["template"]["spec"]
+        assert (workload["metadata"]["namespace"], pod["serviceAccountName"]) in sas
+
+
+# --- workloads ------------------------------------------------------------------------------
+
+
+def check_container_hardening(pod: Obj, container: Obj) -> None:
+    sc = container.get("securityContext") or {}
+    assert sc.get("allowPrivilegeEscalation") is False
+    assert sc.get("readOnlyRootFilesystem") is True
+    assert sc.get("capabilities", {}).get("drop") == ["ALL"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 1000
+    assert "runAsUser" not in sc and "runAsNonRoot" not in sc  # the main containers never override
+    res = container["resources"]
+    assert res["requests"]["cpu"] and res["requests"]["memory"] and res["limits"]["memory"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        get = container[probe]["httpGet"]
+        assert get["path"] == path and get["port"] in ports
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert "/tmp" in mounts  # a writable scratch dir, since the root file system is read-only
+
+
+def test_agent_daemonset_contract(rendered: list[Obj]) -> None:
+    ds = find(rendered, "DaemonSet", "modelcache-agent")
+    pod = ds["spec"]["template"]["spec"]
+    assert ds["metadata"]["namespace"] == "modelcache-system"
+    assert pod["nodeSelector"] == {"kserve/localmodel": "worker"}
+    (agent,) = pod["containers"]
+    check_container_hardening(pod, agent)
+    env = {e["name"]: e for e in agent["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert "--node=$(NODE_NAME)" in agent["args"] and "--root=/mnt/models" in agent["args"]
+    assert agent["command"] == ["modelcache-agent"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (root_mount,) = [m for m in agent["volumeMounts"] if m["mountPath"] == "/mnt/models"]
+    assert volumes[root_mount["name"]]["hostPath"]["type"] == "DirectoryOrCreate"
+    assert not root_mount.get("readOnly")
+    # The only root step is the init container that hands the host dir to uid 1000, with CHOWN only.
+    (init,) = pod["initContainers"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert init["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_coordinator_deployment_service_and_webhooks_line_up(rendered: list[Obj]) -> None:
+    dep = find(rendered, "Deployment", "modelcache-coordinator")
+    pod = dep["spec"]["template"]["spec"]
+    (coord,) = pod["containers"]
+    check_container_hardening(pod, coord)
+    assert coord["command"] == ["modelcache-coordinator"]
+    env = {e["name"]: e for e in coord["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"  # lease identity
+    assert dep["spec"]["replicas"] >= 2  # leader election makes a standby useful
+    cert_dir = next(a.split("=", 1)[1] for a in coord["args"] if a.startswith("--webhook-cert-dir="))
+    (cert_mount,) = [m for m in coord["volumeMounts"] if m["mountPath"] == cert_dir]
+    assert {v["name"]: v for v in pod["volumes"]}[cert_mount["name"]]["secret"]["secretName"]
+
+    svc = find(rendered, "Service", "modelcache-coordinator-webhook")
+    assert svc["spec"]["selector"].items() <= pod_labels(dep).items()
+    (svc_port,) = svc["spec"]["ports"]
+    assert svc_port["targetPort"] in {p["name"] for p in coord["ports"]}
+
+    paths = {}
+    for kind, name in (("MutatingWebhookConfiguration", "modelcache-pod-mutator"),
+                       ("ValidatingWebhookConfiguration", "modelcache-cache-validator")):
+        for hook in find(rendered, kind, name)["webhooks"]:
+            ref = hook["clientConfig"]["service"]
+            assert (ref["name"], ref["namespace"], ref["port"]) == (svc["metadata"]["name"], "modelcache-system",
+                                                                    svc_port["port"])
+            assert hook["admissionReviewVersions"] == ["v1"] and hook["sideEffects"] == "None"
+            paths[ref["path"]] = (hook["failurePolicy"], [r["resources"] for r in hook["rules"]])
+    assert paths == {
+        "/mutate-pods": ("Ignore", [["pods"]]),
+        "/validate-localmodelcaches": ("Fail", [["localmodelcaches"]]),
+        "/validate-localmodelnamespacecaches": ("Fail", [["localmodelnamespacecaches"]]),
+    }
+
+
+def pod_labels(workload: Obj) -> dict[str, str]:
+    return workload["spec"]["template"]["metadata"]["labels"]
+
+
+# --- image ----------------------------------------------------------------------------------
+
+
+def test_one_image_runs_every_role(rendered: list[Obj]) -> None:
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    images = set()
+    for doc in rendered:
+        if doc["kind"] in ("DaemonSet", "Deployment"):
+            pod = doc["spec"]["template"]["spec"]
+            for c in pod.get("initContainers", []) + pod["containers"]:
+                images.add(c["image"])
+                if c.get("command", ["python"])[0] != "python":
+                    assert c["command"][0] in scripts, f"{c['command'][0]} is not a console script of the package"
+    assert len(images) == 1
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert "FROM python:3.11-slim" in dockerfile
+    assert "USER 1000:1000" in dockerfile
+    assert 'ENTRYPOINT ["storage-initializer"]' in dockerfile and "storage-initializer" in scripts
+    for package in ("modelcache", "initializer", "agent", "coordinator"):
+        assert f"COPY {package} ./{package}" in dockerfile
