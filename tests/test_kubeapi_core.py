@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import threading
 from typing import Any
 
 import pytest
@@ -376,3 +377,30 @@ def test_claim_and_pod_specs_are_immutable(apis):
     with pytest.raises(ApiException) as err:
         core.patch_namespaced_pod("p", "default", {"spec": {"nodeName": "elsewhere"}})
     assert err.value.status == 422 and "pod updates may not change fields" in api_error(err.value)["message"]
+
+
+def test_concurrent_read_modify_write_with_conflict_retries(kubeapi):
+    """Four writers increment one counter with GET + PUT, retrying on 409: no update is lost."""
+    with kubeapi.api_client() as setup:
+        client.CoreV1Api(setup).create_namespaced_config_map("default", {"metadata": {"name": "n"},
+                                                                         "data": {"v": "0"}})
+    def writer() -> None:
+        with kubeapi.api_client() as api_client:
+            core = client.CoreV1Api(api_client)
+            for _ in range(10):
+                while True:
+                    cm = core.read_namespaced_config_map("n", "default")
+                    cm.data["v"] = str(int(cm.data["v"]) + 1)
+                    try:
+                        core.replace_namespaced_config_map("n", "default", cm)
+                        break
+                    except ApiException as exc:
+                        assert exc.status == 409
+
+    threads = [threading.Thread(target=writer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    with kubeapi.api_client() as check:
+        assert client.CoreV1Api(check).read_namespaced_config_map("n", "default").data == {"v": "40"}
