@@ -237,8 +237,8 @@ class HTTPSource(Source):
         whole = start == 0 and (end is None or end == file.size)
         if not whole:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
-            if self._etag:
-                headers["If-Match"] = self._etag
+        if self._etag:  # the listed version or nothing: a replaced file answers 412
+            headers["If-Match"] = self._etag
         resp = self._request("GET", headers)
         self._check_status(resp, (200,) if whole else (206,))
         return _HTTPStream(resp, self.where)
