@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -18,39 +17,13 @@ from initializer.redact import Scrubber, ScrubbingFormatter
 from initializer.report import Reporter
 from initializer.run import Pair, describe_error, pairs_from_args, run_pairs
 from modelcache.archive import ArchiveLimits
-from modelcache.credentials import Settings, ca_bundle_from_env
+from modelcache.credentials import Settings, ca_bundle_from_env, merged_ca_bundle
 from modelcache.errors import ModelcacheError
 from modelcache.progress import ProgressTracker
 from modelcache.transfer import TransferOptions
 from modelcache.uri import redact_uri
 
 USAGE = "Usage: initializer-entrypoint src_uri_0 dest_path_0 ... src_uri_n dest_path_n"
-_SYSTEM_CA_FILES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
-
-
-def _merged_ca_bundle(custom: str) -> str:
-    """KServe merges ``cabundle.crt`` with the system and certifi bundles, so the custom CA is
-    trusted in addition to the public ones; we do the same, into a private temp file."""
-    parts: list[bytes] = []
-    sources = list(_SYSTEM_CA_FILES)
-    try:
-        import certifi
-
-        sources.append(certifi.where())
-    except ImportError:
-        pass
-    for path in sources:
-        if os.path.isfile(path):
-            with open(path, "rb") as fh:
-                parts.append(fh.read())
-    with open(custom, "rb") as fh:
-        parts.append(fh.read())
-    fd, path = tempfile.mkstemp(prefix="modelcache-ca-", suffix=".crt")
-    with os.fdopen(fd, "wb") as out:
-        out.write(b"\n".join(parts))
-    return path
-
-
 def _ca_env(env: Mapping[str, str]) -> dict[str, str]:
     """Env additions that carry the custom CA bundle to every SDK that reads the standard
     variables (requests: google-auth, azure-core, oras, huggingface_hub; httpx; OpenSSL).
@@ -58,7 +31,7 @@ def _ca_env(env: Mapping[str, str]) -> dict[str, str]:
     custom = ca_bundle_from_env(env)
     if not custom:
         return {}
-    merged = _merged_ca_bundle(custom)
+    merged = merged_ca_bundle(custom)
     extra = {name: merged for name in ("REQUESTS_CA_BUNDLE", "SSL_CERT_FILE") if not env.get(name)}
     # Through Settings (http.ca_bundle, s3.ca_bundle) the merged file reaches the HTTP, S3, HF
     # and OCI sources, which would otherwise trust the custom CA *instead of* the public ones.

@@ -54,6 +54,13 @@ class HTTPSettings:
     def headers_for(self, host: str) -> dict[str, str]:
         return dict(self.headers.get(host, {}))
 
+    @property
+    def requests_verify(self) -> bool | str:
+        """``verify=`` for requests-based clients: a custom CA is trusted *besides* the public ones."""
+        if not self.verify:
+            return False
+        return merged_ca_bundle(self.ca_bundle) if self.ca_bundle else True
+
     def __repr__(self) -> str:
         return f"HTTPSettings(hosts_with_headers={sorted(self.headers)}, verify={self.verify})"
 
@@ -149,6 +156,42 @@ class Settings:
             ignore_patterns=parse_patterns(env.get("STORAGE_IGNORE_PATTERNS")),
             env=env,
         )
+
+
+_SYSTEM_CA_FILES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
+_merged_bundles: dict[tuple[str, int], str] = {}
+
+
+def merged_ca_bundle(custom: str) -> str:
+    """KServe merges ``cabundle.crt`` with the system and certifi bundles, so the custom CA is
+    trusted in addition to the public ones; we do the same, once per bundle, in a private file."""
+    import tempfile
+
+    try:
+        key = (custom, os.stat(custom).st_mtime_ns)
+    except OSError as exc:
+        raise ModelcacheError(f"cannot read the CA bundle '{custom}': {exc.strerror}") from exc
+    if key in _merged_bundles and os.path.exists(_merged_bundles[key]):
+        return _merged_bundles[key]
+    sources = list(_SYSTEM_CA_FILES)
+    try:
+        import certifi
+
+        sources.append(certifi.where())
+    except ImportError:
+        pass
+    parts: list[bytes] = []
+    for path in sources:
+        if os.path.isfile(path):
+            with open(path, "rb") as fh:
+                parts.append(fh.read())
+    with open(custom, "rb") as fh:
+        parts.append(fh.read())
+    fd, merged = tempfile.mkstemp(prefix="modelcache-ca-", suffix=".crt")
+    with os.fdopen(fd, "wb") as out:
+        out.write(b"\n".join(parts))
+    _merged_bundles[key] = merged
+    return merged
 
 
 def ca_bundle_from_env(env: Mapping[str, str]) -> str | None:

@@ -176,7 +176,7 @@ class HFSource(Source):
                 s.mount("http://", adapter)
                 s.mount("https://", adapter)
                 http = self.settings.http
-                s.verify = http.ca_bundle if (http.verify and http.ca_bundle) else http.verify
+                s.verify = http.requests_verify
                 self._session = s
             return self._session
 
