@@ -1,0 +1,52 @@
+"""The cache's entry in each member's LocalModelNode, with KServe's exact fields.
+
+Entries are plain dicts so that fields written by others (a newer KServe, our agent's
+additions) survive; an entry is identified by (``modelName``, ``namespace``), with an empty
+namespace meaning a cluster cache, as KServe matches them.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+#: Fields whose difference makes the entry be replaced (KServe's list, plus the URI).
+COMPARED = ("sourceModelUri", "serviceAccountName", "nodeGroup", "storage")
+
+
+def desired_entry(cache: Mapping[str, Any], node_group: str) -> dict[str, Any]:
+    meta, spec = cache.get("metadata") or {}, cache.get("spec") or {}
+    entry: dict[str, Any] = {"modelName": meta["name"], "sourceModelUri": spec.get("sourceModelUri", "")}
+    if meta.get("namespace"):
+        entry["namespace"] = meta["namespace"]
+    entry["nodeGroup"] = node_group
+    if spec.get("serviceAccountName"):
+        entry["serviceAccountName"] = spec["serviceAccountName"]
+    if spec.get("storage"):
+        entry["storage"] = copy.deepcopy(spec["storage"])
+    return entry
+
+
+def same_entry(entry: Mapping[str, Any], model_name: str, namespace: str | None) -> bool:
+    return entry.get("modelName") == model_name and (entry.get("namespace") or None) == (namespace or None)
+
+
+def upsert(models: list[dict[str, Any]], entry: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``models`` with ``entry`` replacing its namesake when a compared field differs, else appended."""
+    out = [copy.deepcopy(m) for m in models]
+    for i, m in enumerate(out):
+        if same_entry(m, entry["modelName"], entry.get("namespace")):
+            if any(m.get(k) != entry.get(k) for k in COMPARED):
+                out[i] = copy.deepcopy(dict(entry))
+            return out
+    out.append(copy.deepcopy(dict(entry)))
+    return out
+
+
+def remove(models: list[dict[str, Any]], model_name: str, namespace: str | None) -> list[dict[str, Any]]:
+    return [copy.deepcopy(m) for m in models if not same_entry(m, model_name, namespace)]
+
+
+def has(models: list[dict[str, Any]], model_name: str, namespace: str | None) -> bool:
+    return any(same_entry(m, model_name, namespace) for m in models)

@@ -1,0 +1,149 @@
+"""Which cache serves a model URI, by KServe's rules (shared/KSERVE-CONTRACTS.md §4).
+
+Namespace caches in the service's namespace are tried first, then cluster caches, each in
+name order (the API's list order); the first whose URI matches wins. A match is: equal after
+stripping one trailing ``/`` from each, or the service URI is the cache URI + ``/`` + a
+sub-path. ``serving.kserve.io/nodegroup`` restricts the match to caches listing that group;
+``serving.kserve.io/disable-localmodel`` (present, any value) opts the service out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from modelcache.kube.types import (
+    DISABLE_LOCALMODEL_ANNOTATION,
+    LOCALMODEL_LABEL,
+    LOCALMODEL_NAMESPACE_LABEL,
+    LOCALMODEL_PVC_ANNOTATION,
+    LOCALMODEL_SOURCEURI_ANNOTATION,
+    NODEGROUP_ANNOTATION,
+)
+
+
+@dataclass(frozen=True)
+class CacheRef:
+    """What matching needs of a LocalModelCache / LocalModelNamespaceCache."""
+
+    name: str
+    uri: str
+    node_groups: tuple[str, ...]
+    namespace: str | None = None  # set for a namespace cache
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}" if self.namespace else self.name
+
+    @classmethod
+    def of(cls, obj: Mapping[str, Any]) -> CacheRef:
+        meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
+        return cls(
+            name=str(meta.get("name", "")),
+            uri=str(spec.get("sourceModelUri", "")),
+            node_groups=tuple(spec.get("nodeGroups") or ()),
+            namespace=meta.get("namespace") or None,
+        )
+
+
+@dataclass(frozen=True)
+class CacheMatch:
+    cache: CacheRef
+    #: The group the serving PVC is named after: the nodegroup annotation, else the cache's first.
+    node_group: str
+    sub_path: str  # "" or "/more/path": what the service URI adds to the cache URI
+
+    @property
+    def pvc_name(self) -> str:
+        return serving_pvc_name(self.cache.name, self.node_group)
+
+
+def serving_pvc_name(cache: str, group: str) -> str:
+    return f"{cache}-{group}"
+
+
+def _trim(uri: str) -> str:
+    return uri[:-1] if uri.endswith("/") else uri
+
+
+def match_storage_uri(cache_uri: str, uri: str) -> bool:
+    cache, want = _trim(cache_uri), _trim(uri)
+    return bool(cache) and (want == cache or want.startswith(cache + "/"))
+
+
+def sub_path(cache_uri: str, uri: str) -> str:
+    """The part of ``uri`` below ``cache_uri`` (``""`` or ``/a/b``); call only on a match."""
+    return _trim(uri)[len(_trim(cache_uri)):]
+
+
+def select_cache(
+    uri: str | None,
+    namespace: str,
+    annotations: Mapping[str, str] | None,
+    namespace_caches: Iterable[CacheRef],
+    cluster_caches: Iterable[CacheRef],
+) -> CacheMatch | None:
+    annotations = annotations or {}
+    if not uri or DISABLE_LOCALMODEL_ANNOTATION in annotations:
+        return None
+    wanted_group = annotations.get(NODEGROUP_ANNOTATION) or None
+    ns_first = sorted((c for c in namespace_caches if c.namespace == namespace), key=lambda c: c.name)
+    candidates = [*ns_first, *sorted(cluster_caches, key=lambda c: c.name)]
+    for cache in candidates:
+        if not match_storage_uri(cache.uri, uri):
+            continue
+        if wanted_group and wanted_group not in cache.node_groups:
+            continue
+        group = wanted_group or (cache.node_groups[0] if cache.node_groups else "")
+        return CacheMatch(cache, group, sub_path(cache.uri, uri))
+    return None
+
+
+def defaulter_metadata(match: CacheMatch | None) -> tuple[dict[str, str | None], dict[str, str | None]]:
+    """The labels and annotations KServe's ISVC defaulter sets (None = remove the key)."""
+    if match is None:
+        labels: dict[str, str | None] = {LOCALMODEL_LABEL: None, LOCALMODEL_NAMESPACE_LABEL: None}
+        return labels, {LOCALMODEL_SOURCEURI_ANNOTATION: None, LOCALMODEL_PVC_ANNOTATION: None}
+    labels = {LOCALMODEL_LABEL: match.cache.name, LOCALMODEL_NAMESPACE_LABEL: match.cache.namespace}
+    annotations: dict[str, str | None] = {
+        LOCALMODEL_SOURCEURI_ANNOTATION: match.cache.uri,
+        LOCALMODEL_PVC_ANNOTATION: match.pvc_name,
+    }
+    return labels, annotations
+
+
+def metadata_patch(
+    obj: Mapping[str, Any], labels: Mapping[str, str | None], annotations: Mapping[str, str | None]
+) -> dict[str, Any]:
+    """A merge patch setting ``labels``/``annotations`` on ``obj`` ({} when it already has them)."""
+    meta = obj.get("metadata") or {}
+    patch: dict[str, Any] = {}
+    for field, want in (("labels", labels), ("annotations", annotations)):
+        have = meta.get(field) or {}
+        diff = {k: v for k, v in want.items() if have.get(k) != v and not (v is None and k not in have)}
+        if diff:
+            patch[field] = diff
+    return {"metadata": patch} if patch else {}
+
+
+def isvc_storage_uri(isvc: Mapping[str, Any]) -> str | None:
+    """The predictor's single ``storageUri`` (``predictor.model``, else a framework spec).
+
+    Like KServe's defaulter, ``storageUris[]`` and ``storage`` are not considered.
+    """
+    predictor = (isvc.get("spec") or {}).get("predictor") or {}
+    model = predictor.get("model")
+    if isinstance(model, dict) and model.get("storageUri"):
+        return str(model["storageUri"])
+    for value in predictor.values():
+        if isinstance(value, dict) and value.get("storageUri"):
+            return str(value["storageUri"])
+    return None
+
+
+def llmisvc_model_uri(obj: Mapping[str, Any]) -> str | None:
+    """An LLMInferenceService's ``spec.model.uri``."""
+    model = (obj.get("spec") or {}).get("model") or {}
+    uri = model.get("uri") if isinstance(model, dict) else None
+    return str(uri) if uri else None

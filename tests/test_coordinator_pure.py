@@ -1,0 +1,296 @@
+"""Unit tests of the coordinator's pure functions: node selectors, membership, URI matching,
+status aggregation, LocalModelNode entries, serving volumes, node labels and pod mutation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from coordinator import aggregate, entries, membership, nodelabels, podmutate, urimatch, volumes
+from coordinator.nodeselector import match_node_selector_terms, match_term, node_ready
+from modelcache.kube.types import LOCALMODEL_LABEL, LOCALMODEL_NAMESPACE_LABEL, LOCALMODEL_PVC_ANNOTATION
+from modelcache.uri import storage_key
+
+
+def node(name: str, ready: bool | None = True, **labels: str) -> dict[str, Any]:
+    conds = [] if ready is None else [{"type": "Ready", "status": "True" if ready else "False"}]
+    return {"metadata": {"name": name, "labels": labels}, "status": {"conditions": conds}}
+
+
+def expr(key: str, op: str, *values: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"key": key, "operator": op}
+    if values:
+        out["values"] = list(values)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("req", "labels", "want"),
+    [
+        (expr("gpu", "In", "a100", "h100"), {"gpu": "a100"}, True),
+        (expr("gpu", "In", "a100"), {"gpu": "t4"}, False),
+        (expr("gpu", "In", "a100"), {}, False),
+        (expr("gpu", "NotIn", "a100"), {"gpu": "t4"}, True),
+        (expr("gpu", "NotIn", "a100"), {}, True),  # absent label: NotIn holds
+        (expr("gpu", "NotIn", "a100"), {"gpu": "a100"}, False),
+        (expr("gpu", "Exists"), {"gpu": ""}, True),
+        (expr("gpu", "Exists"), {}, False),
+        (expr("gpu", "DoesNotExist"), {}, True),
+        (expr("gpu", "DoesNotExist"), {"gpu": "x"}, False),
+        (expr("mem", "Gt", "10"), {"mem": "11"}, True),
+        (expr("mem", "Gt", "10"), {"mem": "10"}, False),
+        (expr("mem", "Gt", "10"), {"mem": "abc"}, False),
+        (expr("mem", "Gt", "10"), {}, False),
+        (expr("mem", "Lt", "10"), {"mem": "9"}, True),
+        (expr("mem", "Lt", "10"), {"mem": "10"}, False),
+        (expr("mem", "Lt", "10", "20"), {"mem": "9"}, False),  # Gt/Lt need exactly one value
+        (expr("gpu", "Bogus", "a"), {"gpu": "a"}, False),
+    ],
+)
+def test_match_expression(req: dict[str, Any], labels: dict[str, str], want: bool) -> None:
+    n = {"metadata": {"name": "n1", "labels": labels}}
+    assert match_term({"matchExpressions": [req]}, n) is want
+
+
+def test_terms_are_ored_and_expressions_anded() -> None:
+    n = node("n1", gpu="a100", zone="b")
+    both = {"matchExpressions": [expr("gpu", "In", "a100"), expr("zone", "In", "a")]}
+    assert not match_node_selector_terms([both], n)
+    assert match_node_selector_terms([both, {"matchExpressions": [expr("zone", "In", "b")]}], n)
+    assert not match_node_selector_terms([], n)
+    assert not match_node_selector_terms(None, n)
+    assert not match_node_selector_terms([{}], n)  # an empty term selects nothing
+
+
+def test_match_fields_metadata_name() -> None:
+    term = {"matchFields": [expr("metadata.name", "In", "n1", "n2")]}
+    assert match_term(term, node("n1"))
+    assert not match_term(term, node("n3"))
+    assert not match_term({"matchFields": [expr("spec.other", "In", "n1")]}, node("n1"))
+    mixed = {"matchFields": [expr("metadata.name", "NotIn", "n2")], "matchExpressions": [expr("gpu", "Exists")]}
+    assert match_term(mixed, node("n1", gpu="x"))
+    assert not match_term(mixed, node("n1"))
+
+
+def test_node_ready() -> None:
+    assert node_ready(node("a"))
+    assert not node_ready(node("a", ready=False))
+    assert not node_ready(node("a", ready=None))
+    unknown = {"status": {"conditions": [{"type": "Ready", "status": "Unknown"}]}}
+    assert not node_ready(unknown)
+
+
+def group(name: str, terms: list[dict[str, Any]] | None) -> dict[str, Any]:
+    pv: dict[str, Any] = {"local": {"path": "/models"}, "capacity": {"storage": "1Gi"}}
+    if terms is not None:
+        pv["nodeAffinity"] = {"required": {"nodeSelectorTerms": terms}}
+    return {"metadata": {"name": name}, "spec": {"persistentVolumeSpec": pv,
+                                                  "persistentVolumeClaimSpec": {"accessModes": ["ReadWriteOnce"]}}}
+
+
+def test_membership_first_group_wins_and_readiness() -> None:
+    groups = {
+        "gpu": group("gpu", [{"matchExpressions": [expr("gpu", "Exists")]}]),
+        "all": group("all", [{"matchExpressions": [expr("kubernetes.io/os", "In", "linux")]}]),
+        "none": group("none", None),
+    }
+    nodes = [node("a", gpu="1", **{"kubernetes.io/os": "linux"}), node("b", ready=False, gpu="1"),
+             node("c", **{"kubernetes.io/os": "linux"}), node("d")]
+    placed = membership.place(["gpu", "all", "missing"], groups, nodes)
+    assert placed == {
+        "a": membership.Member("a", "gpu", True),
+        "b": membership.Member("b", "gpu", False),
+        "c": membership.Member("c", "all", True),
+    }
+    assert membership.place(["none"], groups, nodes) == {}  # no nodeAffinity.required: no members
+    assert membership.place(["missing"], groups, nodes) == {}
+
+
+@pytest.mark.parametrize(
+    ("cache", "uri", "want", "sub"),
+    [
+        ("s3://b/m", "s3://b/m", True, ""),
+        ("s3://b/m/", "s3://b/m", True, ""),
+        ("s3://b/m", "s3://b/m/", True, ""),
+        ("s3://b/m", "s3://b/m/sub/dir", True, "/sub/dir"),
+        ("s3://b/m/", "s3://b/m/sub", True, "/sub"),
+        ("s3://b/m", "s3://b/model2", False, None),
+        ("s3://b/m", "s3://b", False, None),
+        ("s3://b/m//", "s3://b/m", False, None),  # only one trailing '/' is stripped
+        ("", "s3://b/m", False, None),
+    ],
+)
+def test_uri_match(cache: str, uri: str, want: bool, sub: str | None) -> None:
+    assert urimatch.match_storage_uri(cache, uri) is want
+    if want:
+        assert urimatch.sub_path(cache, uri) == sub
+
+
+def test_select_cache_order_group_and_opt_out() -> None:
+    c_cluster = urimatch.CacheRef("zcluster", "s3://b/m", ("g1", "g2"))
+    c_cluster2 = urimatch.CacheRef("acluster", "s3://b/m/", ("g3",))
+    c_ns = urimatch.CacheRef("nscache", "s3://b/m", ("g1",), "team")
+    c_other_ns = urimatch.CacheRef("aaa", "s3://b/m", ("g1",), "other")
+    ns_caches, cl = [c_ns, c_other_ns], [c_cluster, c_cluster2]
+    m = urimatch.select_cache("s3://b/m/x", "team", {}, ns_caches, cl)
+    assert m is not None and m.cache == c_ns and m.node_group == "g1" and m.sub_path == "/x"
+    m = urimatch.select_cache("s3://b/m", "default", {}, ns_caches, cl)
+    assert m is not None and m.cache == c_cluster2 and m.pvc_name == "acluster-g3"  # name order
+    m = urimatch.select_cache("s3://b/m", "default", {"serving.kserve.io/nodegroup": "g2"}, ns_caches, cl)
+    assert m is not None and m.cache == c_cluster and m.pvc_name == "zcluster-g2"
+    assert urimatch.select_cache("s3://b/m", "default", {"serving.kserve.io/nodegroup": "g9"}, ns_caches, cl) is None
+    assert urimatch.select_cache("s3://b/m", "team", {"serving.kserve.io/disable-localmodel": ""}, ns_caches, cl) \
+        is None
+    assert urimatch.select_cache("gs://x/y", "team", {}, ns_caches, cl) is None
+    assert urimatch.select_cache(None, "team", {}, ns_caches, cl) is None
+
+
+def test_defaulter_metadata_and_patch() -> None:
+    m = urimatch.CacheMatch(urimatch.CacheRef("c", "s3://b/m", ("g",), "team"), "g", "")
+    labels, ann = urimatch.defaulter_metadata(m)
+    assert labels == {LOCALMODEL_LABEL: "c", LOCALMODEL_NAMESPACE_LABEL: "team"}
+    assert ann[LOCALMODEL_PVC_ANNOTATION] == "c-g"
+    isvc = {"metadata": {"labels": {"x": "y"}}}
+    patch = urimatch.metadata_patch(isvc, labels, ann)
+    assert patch["metadata"]["labels"] == {LOCALMODEL_LABEL: "c", LOCALMODEL_NAMESPACE_LABEL: "team"}
+    isvc["metadata"]["labels"].update(patch["metadata"]["labels"])
+    isvc["metadata"]["annotations"] = patch["metadata"]["annotations"]
+    assert urimatch.metadata_patch(isvc, labels, ann) == {}
+    labels, ann = urimatch.defaulter_metadata(None)
+    removal = urimatch.metadata_patch(isvc, labels, ann)
+    assert removal["metadata"]["labels"] == {LOCALMODEL_LABEL: None, LOCALMODEL_NAMESPACE_LABEL: None}
+    assert urimatch.metadata_patch({"metadata": {}}, labels, ann) == {}
+
+
+def test_storage_uri_of_services() -> None:
+    assert urimatch.isvc_storage_uri({"spec": {"predictor": {"model": {"storageUri": "s3://a"}}}}) == "s3://a"
+    assert urimatch.isvc_storage_uri({"spec": {"predictor": {"sklearn": {"storageUri": "gs://b"}}}}) == "gs://b"
+    assert urimatch.isvc_storage_uri({"spec": {"predictor": {"minReplicas": 1}}}) is None
+    assert urimatch.llmisvc_model_uri({"spec": {"model": {"uri": "hf://o/m"}}}) == "hf://o/m"
+
+
+def test_status_aggregation_counts_current_members_only() -> None:
+    members = {
+        "a": membership.Member("a", "g", True),
+        "b": membership.Member("b", "g", True),
+        "c": membership.Member("c", "g", False),
+        "d": membership.Member("d", "g", True),
+        "e": membership.Member("e", "g", True),
+    }
+    states = {"a": "ModelDownloaded", "b": "ModelDownloadError", "c": "ModelDownloaded", "d": None, "e": "ModelDownloading"}
+    st = aggregate.node_status(members, states)
+    assert st == {"a": "NodeDownloaded", "b": "NodeDownloadError", "c": "NodeNotReady",
+                  "d": "NodeDownloadPending", "e": "NodeDownloading"}
+    assert aggregate.copies(st) == aggregate.Copies(available=1, total=5, failed=1)
+    del members["a"]  # node deleted: it leaves the status and the counts
+    st2 = aggregate.node_status(members, states)
+    assert "a" not in st2 and aggregate.copies(st2).total == 4 and aggregate.copies(st2).available == 0
+    gained, lost = aggregate.copy_changes(st2, st)
+    assert (gained, lost) == (["a"], [])
+    assert aggregate.copy_changes(st, st2) == ([], ["a"])
+    assert aggregate.node_state("") == "NodeDownloadPending"
+
+
+def cache(name: str, uri: str, groups: list[str], ns: str | None = None, **spec: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "uid": f"uid-{name}"}
+    if ns:
+        meta["namespace"] = ns
+    return {"kind": "LocalModelNamespaceCache" if ns else "LocalModelCache", "metadata": meta,
+            "spec": {"sourceModelUri": uri, "modelSize": "1Gi", "nodeGroups": groups, **spec}}
+
+
+def test_entries_kserve_fields_upsert_remove() -> None:
+    c = cache("m", "s3://b/m", ["g"], serviceAccountName="sa", storage={"key": "k"})
+    e = entries.desired_entry(c, "g")
+    assert e == {"modelName": "m", "sourceModelUri": "s3://b/m", "nodeGroup": "g", "serviceAccountName": "sa",
+                 "storage": {"key": "k"}}
+    ns_e = entries.desired_entry(cache("m", "s3://b/m", ["g"], ns="team"), "g")
+    assert ns_e == {"modelName": "m", "sourceModelUri": "s3://b/m", "namespace": "team", "nodeGroup": "g"}
+    models = entries.upsert([], e)
+    models = entries.upsert(models, ns_e)  # same name, other namespace: a second entry
+    assert len(models) == 2
+    assert entries.upsert(models, e) == models
+    moved = entries.upsert(models, {**e, "nodeGroup": "g2"})
+    assert moved[0]["nodeGroup"] == "g2" and len(moved) == 2
+    extra = [{**e, "agentNote": "kept"}]
+    assert entries.upsert(extra, e) == extra  # unchanged compared fields: other keys survive
+    assert entries.remove(models, "m", None) == [ns_e]
+    assert entries.remove(models, "m", "team") == [e]
+    assert entries.has(models, "m", "team") and not entries.has(models, "x", None)
+
+
+def test_serving_volumes() -> None:
+    groups = {"g1": group("g1", [{"matchExpressions": [expr("gpu", "Exists")]}]), "g2": group("g2", [])}
+    c = cache("m", "s3://b/m", ["g1", "g2", "gone"])
+    uses = [volumes.Use("a", {}), volumes.Use("a", {}), volumes.Use("b", {"serving.kserve.io/nodegroup": "g2"}),
+            volumes.Use("c", {"serving.kserve.io/nodegroup": "other"}),
+            volumes.Use("d", {"serving.kserve.io/nodegroup": "gone"})]
+    pairs = volumes.desired_pairs(c, groups, uses)
+    assert sorted(pairs) == [("a", "g1"), ("b", "g2")]
+    p = pairs[("a", "g1")]
+    assert (p.pv_name, p.pvc_name) == ("m-g1-a", "m-g1")
+    pv = volumes.pv_body(c, groups["g1"], p)
+    assert pv["spec"] == groups["g1"]["spec"]["persistentVolumeSpec"]
+    assert pv["metadata"]["ownerReferences"][0]["uid"] == "uid-m"
+    pvc = volumes.pvc_body(c, groups["g1"], p)
+    assert pvc["spec"]["volumeName"] == "m-g1-a" and pvc["metadata"]["namespace"] == "a"
+    assert volumes.cache_of(pvc) == (None, "m")
+    nc = cache("m", "s3://b/m", ["g1"], ns="a")
+    assert sorted(volumes.desired_pairs(nc, groups, uses)) == [("a", "g1")]
+    assert "ownerReferences" not in volumes.pv_body(nc, groups["g1"], pairs[("a", "g1")])["metadata"]
+    assert volumes.cache_of(volumes.pv_body(nc, groups["g1"], pairs[("a", "g1")])) == ("a", "m")
+
+
+def test_node_labels() -> None:
+    lmn = {"spec": {"localModels": [
+        {"modelName": "a", "sourceModelUri": "s3://b/a"},
+        {"modelName": "b", "namespace": "team", "sourceModelUri": "s3://b/b"},
+        {"modelName": "c", "sourceModelUri": "s3://b/c"},
+    ]}, "status": {"modelStatus": {"a": "ModelDownloaded", "team/b": "ModelDownloaded", "c": "ModelDownloadError",
+                                   "b": "ModelDownloaded"}}}
+    want = nodelabels.downloaded_labels(lmn)
+    assert want == {f"downloaded.modelcache.io/{storage_key('s3://b/a')}", f"downloaded.modelcache.io/{storage_key('s3://b/b')}"}
+    n = {"metadata": {"labels": {"other": "x", "downloaded.modelcache.io/stale": "true"}}}
+    patch = nodelabels.label_patch(n, want)
+    assert patch["metadata"]["labels"]["downloaded.modelcache.io/stale"] is None
+    assert all(patch["metadata"]["labels"][k] == "true" for k in want)
+    assert "other" not in patch["metadata"]["labels"]
+    n["metadata"]["labels"] = {"other": "x", **{k: "true" for k in want}}
+    assert nodelabels.label_patch(n, want) == {}
+    assert nodelabels.downloaded_labels(None) == set()
+
+
+def test_pod_mutation_affinity_and_rewrite() -> None:
+    pod = {"metadata": {"annotations": {}}, "spec": {
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [expr("zone", "In", "a")]}, {"matchExpressions": [expr("zone", "In", "b")]}]}}},
+        "initContainers": [{"name": "storage-initializer"}],
+        "containers": [{"name": "kserve-container", "env": [{"name": "STORAGE_URI", "value": "s3://b/m/x"}]},
+                       {"name": "sidecar"}]}}
+    target = podmutate.PodTarget("s3://b/m", "m-g", "/x")
+    out = podmutate.mutate(pod, target, rewrite=False)
+    terms = out["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    label = f"downloaded.modelcache.io/{storage_key('s3://b/m')}"
+    assert all({"key": label, "operator": "Exists"} in t["matchExpressions"] for t in terms) and len(terms) == 2
+    assert out["spec"]["initContainers"] == pod["spec"]["initContainers"]  # no rewrite
+    assert podmutate.mutate(out, target, rewrite=False) == out  # idempotent (webhook reinvocation)
+    rw = podmutate.mutate(pod, target, rewrite=True)
+    assert "initContainers" not in rw["spec"]
+    assert rw["spec"]["volumes"] == [{"name": "kserve-pvc-source",
+                                      "persistentVolumeClaim": {"claimName": "m-g", "readOnly": True}}]
+    kc = rw["spec"]["containers"][0]
+    assert kc["volumeMounts"] == [{"name": "kserve-pvc-source", "mountPath": "/mnt/models",
+                                   "subPath": f"models/{storage_key('s3://b/m')}/x", "readOnly": True}]
+    assert kc["env"] == [{"name": "STORAGE_URI", "value": "/mnt/models"}]
+    assert "volumeMounts" not in rw["spec"]["containers"][1]
+    assert podmutate.mutate(rw, target, rewrite=True) == rw
+    ops = podmutate.json_patch(pod, rw)
+    assert {"op": "remove", "path": "/spec/initContainers"} in ops
+    assert {o["path"] for o in ops} == {"/spec/initContainers", "/spec/affinity", "/spec/containers", "/spec/volumes"}
+    bare = podmutate.mutate({"spec": {"containers": [{"name": "kserve-container"}]}}, target, rewrite=False)
+    assert bare["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": label, "operator": "Exists"}]}]}
+    writable = podmutate.mutate({"metadata": {"annotations": {"storage.kserve.io/readonly": "false"}},
+                                 "spec": {"containers": [{"name": "kserve-container"}]}}, target, rewrite=True)
+    assert writable["spec"]["containers"][0]["volumeMounts"][0]["readOnly"] is False
