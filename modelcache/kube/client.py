@@ -155,8 +155,10 @@ class Kube:
             kw["namespace"] = namespace
         else:
             name = f"{verb}_cluster_custom_object{suffix}"
-        verb_fn = getattr(self.custom, name)
-        return verb_fn(group=res.group, version=res.version, plural=res.plural, _preload_content=False, **kw)
+        # The all-namespaces list names its plural parameter differently from every other method.
+        plural_arg = "resource_plural" if name == "list_custom_object_for_all_namespaces" else "plural"
+        kw[plural_arg] = res.plural
+        return getattr(self.custom, name)(group=res.group, version=res.version, _preload_content=False, **kw)
 
     def _call(self, res: Resource, verb: str, namespace: str | None, suffix: str = "", **kw: Any) -> Any:
         if res.api == "custom":

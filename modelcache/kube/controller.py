@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelcache.kube.informer import Informer, object_key, wait_for_all
+from modelcache.kube.leader import LeaderElector
 from modelcache.kube.workqueue import ExponentialBackoff, ShutDown, WorkQueue
 
 log = logging.getLogger(__name__)
@@ -128,12 +129,18 @@ class Controller:
 
 
 class Manager:
-    """Starts informers, then controllers; stops them in reverse. Optionally gated by a leader
-    election: controllers run only while this process holds the lease."""
+    """Runs informers and controllers, optionally only while holding a leader Lease.
+
+    As controller-runtime does, informers start at once (a standby's caches are warm when it
+    takes over), controllers start when leadership is acquired, and losing leadership ends
+    :meth:`run` with False: the process should exit and be restarted rather than try to
+    un-start reconcilers that may be mid-write.
+    """
 
     def __init__(self) -> None:
         self.informers: list[Informer] = []
         self.controllers: list[Controller] = []
+        self._controllers_started = threading.Event()
 
     def add(self, controller: Controller) -> Controller:
         self.controllers.append(controller)
@@ -142,15 +149,46 @@ class Manager:
                 self.informers.append(inf)
         return controller
 
-    def start(self, wait_sync: float = 60.0) -> None:
+    @property
+    def controllers_running(self) -> bool:
+        return self._controllers_started.is_set()
+
+    def start_informers(self) -> None:
         for inf in self.informers:
             if not inf.started:
                 inf.start()
+
+    def start_controllers(self, wait_sync: float = 60.0) -> None:
         for c in self.controllers:
             c.start(wait_sync)
+        self._controllers_started.set()
 
-    def stop(self) -> None:
+    def run(self, stop: threading.Event, elector: LeaderElector | None = None, wait_sync: float = 60.0) -> bool:
+        """Block until ``stop`` is set; returns False if leadership was lost before that."""
+        lost = threading.Event()
+        self.start_informers()
+        try:
+            if elector is None:
+                self.start_controllers(wait_sync)
+            else:
+                elector.on_started_leading = lambda: self.start_controllers(wait_sync)
+
+                def stopped() -> None:
+                    if not stop.is_set():
+                        lost.set()
+                        stop.set()
+
+                elector.on_stopped_leading = stopped
+                elector.start()
+            stop.wait()
+        finally:
+            self.shutdown(elector)
+        return not lost.is_set()
+
+    def shutdown(self, elector: LeaderElector | None = None) -> None:
         for c in self.controllers:
             c.stop()
+        if elector is not None:
+            elector.stop()  # releases the Lease after our workers have stopped writing
         for inf in self.informers:
             inf.stop()

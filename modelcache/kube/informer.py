@@ -252,7 +252,7 @@ class Informer:
         self.stats["watches"] += 1
         try:
             buf = b""
-            for chunk in resp.stream(amt=65536, decode_content=False):
+            for chunk in resp.stream(amt=65536, decode_content=True):
                 if self._stop.is_set():
                     return
                 buf += chunk

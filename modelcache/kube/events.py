@@ -1,0 +1,85 @@
+"""Kubernetes Events (core/v1) about our objects: what ``kubectl describe`` shows a user.
+
+Repeats of the same (object, reason, message) within one process bump ``count`` and
+``lastTimestamp`` on the existing Event instead of creating a new one, as client-go's
+recorder does, so a model that fails every minute does not flood the namespace.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import logging
+import threading
+from typing import Any
+
+from modelcache.kube.client import EVENTS, Kube
+
+log = logging.getLogger(__name__)
+
+NORMAL = "Normal"
+WARNING = "Warning"
+#: Where Events about cluster-scoped objects (LocalModelNode, LocalModelCache) go, as kubectl expects.
+CLUSTER_EVENTS_NAMESPACE = "default"
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class EventRecorder:
+    def __init__(self, kube: Kube, component: str, host: str | None = None) -> None:
+        self.kube = kube
+        self.component = component
+        self.host = host
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[str, int]] = {}  # dedup key -> (event name, count)
+
+    def record(self, obj: dict[str, Any], event_type: str, reason: str, message: str) -> None:
+        """Best effort: a failure to record an Event is logged, never raised."""
+        meta = obj.get("metadata") or {}
+        namespace = meta.get("namespace") or CLUSTER_EVENTS_NAMESPACE
+        message = message[:1024]
+        key = "\x00".join((obj.get("kind", ""), namespace, meta.get("name", ""), meta.get("uid", ""), reason, message))
+        try:
+            with self._lock:
+                seen = self._seen.get(key)
+            if seen is not None:
+                name, count = seen
+                self.kube.patch(EVENTS, name, {"count": count + 1, "lastTimestamp": _now()}, namespace)
+                with self._lock:
+                    self._seen[key] = (name, count + 1)
+                return
+            digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+            name = f"{meta.get('name', 'object')}.{digest}"[:253]
+            existing = self.kube.get_or_none(EVENTS, name, namespace)  # recorded before a restart
+            if existing is not None:
+                count = int(existing.get("count") or 1) + 1
+                self.kube.patch(EVENTS, name, {"count": count, "lastTimestamp": _now()}, namespace)
+                with self._lock:
+                    self._seen[key] = (name, count)
+                return
+            now = _now()
+            self.kube.create(EVENTS, {
+                "metadata": {"name": name, "namespace": namespace},
+                "involvedObject": {
+                    "apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "name": meta.get("name"),
+                    "namespace": meta.get("namespace"), "uid": meta.get("uid"),
+                    "resourceVersion": meta.get("resourceVersion"),
+                },
+                "type": event_type,
+                "reason": reason,
+                "message": message,
+                "count": 1,
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "source": {"component": self.component, **({"host": self.host} if self.host else {})},
+                "reportingComponent": self.component,
+                "reportingInstance": self.host or self.component,
+            }, namespace)
+            with self._lock:
+                self._seen[key] = (name, 1)
+        except Exception as exc:
+            log.warning("could not record event %s on %s: %s", reason, meta.get("name"), type(exc).__name__)
+            with self._lock:
+                self._seen.pop(key, None)
