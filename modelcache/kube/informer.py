@@ -186,12 +186,14 @@ class Informer:
 
     def run(self) -> None:
         need_list = True
+        failures = 0
         while not self._stop.is_set():
             try:
                 if need_list:
                     self._list()
                     need_list = False
                 self._watch()
+                failures = 0
             except Gone:
                 self.stats["gone"] += 1
                 log.info("%s: watch version expired, relisting", self.resource.plural)
@@ -204,8 +206,13 @@ class Informer:
                     self.stats["gone"] += 1
                     need_list = True
                     continue
-                log.warning("%s: list/watch failed (%s), retrying", self.resource.plural, type(exc).__name__)
-                self._stop.wait(self.retry_delay)
+                # Back off while the API server is unreachable (1x, 2x, 4x ... up to 30x retry_delay),
+                # so a fleet of agents does not hammer a recovering server.
+                delay = self.retry_delay * min(30, 2**failures)
+                failures += 1
+                log.warning("%s: list/watch failed (%s), retrying in %.1fs", self.resource.plural,
+                            type(exc).__name__, delay)
+                self._stop.wait(delay)
 
     # -- list and watch ---------------------------------------------------------------------
     def _list(self) -> None:
