@@ -1,11 +1,151 @@
-"""Entry point placeholder until the agent issue lands."""
+"""``modelcache-agent``: flags (each with an environment default) -> AgentConfig -> a runner."""
 
+from __future__ import annotations
+
+import logging
+import signal
 import sys
+import threading
+from pathlib import Path
+
+import click
+
+from agent.capacity import parse_quantity
+from agent.config import DEFAULT_ROOT, AgentConfig
+from agent.logs import fields, setup_logging
+
+log = logging.getLogger("agent")
+
+
+def _size(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
+    n = parse_quantity(value)
+    if n is None or n < 0:
+        raise click.BadParameter(f"{value!r} is not a size (e.g. 16Mi, 256Mi, 1G)")
+    return n
+
+
+def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in values:
+        for pair in item.split():
+            key, sep, value = pair.partition("=")
+            if not sep or not key:
+                raise click.BadParameter(f"expected KEY=VALUE, got {key!r}")
+            out[key] = value
+    return out
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.option("--node", envvar="NODE_NAME", help="This node's name: the LocalModelNode to serve. [env NODE_NAME]")
+@click.option("--root", envvar="MODELCACHE_ROOT", default=DEFAULT_ROOT, show_default=True,
+              type=click.Path(file_okay=False, path_type=Path), help="Model root. [env MODELCACHE_ROOT]")
+@click.option("--max-concurrent-models", envvar="MODELCACHE_MAX_CONCURRENT_MODELS", default=2, show_default=True,
+              type=click.IntRange(1), help="Models downloading at once.")
+@click.option("--workers", envvar="MODELCACHE_WORKERS", default=8, show_default=True, type=click.IntRange(1),
+              help="Parallel transfer workers per model.")
+@click.option("--chunk-size", envvar="MODELCACHE_CHUNK_SIZE", default="16Mi", show_default=True, callback=_size,
+              help="Ranged-read chunk size.")
+@click.option("--transfer-attempts", envvar="MODELCACHE_TRANSFER_ATTEMPTS", default=6, show_default=True,
+              type=click.IntRange(1), help="Attempts per chunk within one download.")
+@click.option("--resync-period", envvar="MODELCACHE_RESYNC_PERIOD", default=60.0, show_default=True, type=float,
+              help="Seconds between full re-applications of the spec.")
+@click.option("--port", envvar="MODELCACHE_AGENT_PORT", default=8080, show_default=True, type=int,
+              help="Port for /healthz, /readyz and /metrics (0: any free port; -1: none).")
+@click.option("--host", envvar="MODELCACHE_AGENT_HOST", default="0.0.0.0", show_default=True)
+@click.option("--credentials-namespace", envvar=["MODELCACHE_CREDENTIALS_NAMESPACE", "POD_NAMESPACE"],
+              default="kserve", show_default=True,
+              help="Namespace of the storage-config secret and the service accounts. [env POD_NAMESPACE]")
+@click.option("--kubeconfig", envvar="KUBECONFIG", default=None,
+              help="Kubeconfig file (default: in-cluster, else ~/.kube/config). [env KUBECONFIG]")
+@click.option("--standalone", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="No cluster: read a LocalModelNode from this YAML file, write FILE.status.yaml beside it.")
+@click.option("--watch", is_flag=True, help="Standalone: keep running (re-read FILE on change, retry errors).")
+@click.option("--backoff-initial", envvar="MODELCACHE_BACKOFF_INITIAL", default=5.0, show_default=True, type=float,
+              help="First retry delay of a failed model (doubles per failure).")
+@click.option("--backoff-max", envvar="MODELCACHE_BACKOFF_MAX", default=300.0, show_default=True, type=float,
+              help="Longest retry delay.")
+@click.option("--status-interval", envvar="MODELCACHE_STATUS_INTERVAL", default=3.0, show_default=True, type=float,
+              help="Progress is written to status at most this often (state changes at once).")
+@click.option("--size-check-interval", envvar="MODELCACHE_SIZE_CHECK_INTERVAL", default=300.0, show_default=True,
+              type=float, help="Seconds between size checks of downloaded models (0: off).")
+@click.option("--verify-interval", envvar="MODELCACHE_VERIFY_INTERVAL", default=86400.0, show_default=True,
+              type=float, help="Seconds between full re-hashes of downloaded models (0: off).")
+@click.option("--removal-recheck", envvar="MODELCACHE_REMOVAL_RECHECK", default=10.0, show_default=True,
+              type=float, help="Seconds between checks of a removal that waits for a mounting pod.")
+@click.option("--space-margin", envvar="MODELCACHE_SPACE_MARGIN", default="256Mi", show_default=True,
+              callback=_size, help="Kept free on the root's file system.")
+@click.option("--host-path", "host_paths", envvar="MODELCACHE_HOST_PATH", multiple=True,
+              help="The root's path as the node group PVs name it (local.path); default: any PV counts.")
+@click.option("--download-env", envvar="MODELCACHE_DOWNLOAD_ENV", multiple=True, callback=_env_pairs,
+              help="Non-secret KEY=VALUE settings for every download (endpoints, CA bundle); repeatable.")
+@click.option("--log-format", envvar="MODELCACHE_LOG_FORMAT", type=click.Choice(["logfmt", "json"]),
+              default="logfmt", show_default=True)
+@click.option("--log-level", envvar="MODELCACHE_LOG_LEVEL", default="info", show_default=True)
+def cli(**kw: object) -> None:
+    """Node agent: fills the node's model root from its LocalModelNode and reports status."""
+    setup_logging(str(kw["log_format"]), str(kw["log_level"]))
+    standalone = kw["standalone"]
+    node = kw["node"] or ("standalone" if standalone else None)
+    if not node:
+        raise click.UsageError("--node (or NODE_NAME) is required outside --standalone")
+    host_paths = tuple(kw.pop("host_paths") or ())  # type: ignore[arg-type]
+    cfg = AgentConfig(node=str(node), **{k: v for k, v in kw.items() if k != "node"})  # type: ignore[arg-type]
+    sys.exit(run(cfg, host_paths))
+
+
+def run(cfg: AgentConfig, host_paths: tuple[str, ...] = ()) -> int:
+    from agent.core import Agent
+    from agent.credentials import Credentials, KubeSecretReader
+    from agent.health import HealthServer
+    from agent.inuse import KubeMountChecker, NoMounts
+    from agent.metrics import AgentMetrics
+
+    metrics = AgentMetrics()
+    log.info("agent starting", extra=fields(node=cfg.node, root=str(cfg.root), standalone=bool(cfg.standalone),
+                                            max_concurrent_models=cfg.max_concurrent_models, workers=cfg.workers))
+    if cfg.standalone is not None:
+        from agent.standalone import StandaloneRunner
+
+        agent = Agent(cfg, Credentials(None, cfg.download_env), NoMounts(), metrics)
+        runner = StandaloneRunner(agent, cfg.standalone, cfg.watch)
+        server = _serve(cfg, HealthServer, agent.alive, agent.spec_seen.is_set, metrics.render)
+        try:
+            return runner.run()
+        finally:
+            if server is not None:
+                server.stop()
+
+    from agent.kubemode import KubeRunner
+    from modelcache.kube.client import Kube, load_api_client
+
+    kube = Kube(load_api_client(cfg.kubeconfig))
+    creds = Credentials(KubeSecretReader(kube, cfg.credentials_namespace), cfg.download_env)
+    agent = Agent(cfg, creds, KubeMountChecker(kube, cfg.node, host_paths), metrics)
+    krunner = KubeRunner(agent, kube)
+    server = _serve(cfg, HealthServer, krunner.healthy, krunner.ready, metrics.render)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    krunner.start()
+    log.info("agent running", extra=fields(node=cfg.node, port=server.port if server else -1))
+    stop.wait()
+    log.info("agent stopping", extra=fields(node=cfg.node))
+    krunner.stop()
+    if server is not None:
+        server.stop()
+    return 0
+
+
+def _serve(cfg: AgentConfig, cls: type, healthy: object, ready: object, metrics: object) -> object | None:
+    if cfg.port < 0:
+        return None
+    server = cls(cfg.host, cfg.port, healthy, ready, metrics).start()
+    log.info("serving health and metrics", extra=fields(port=server.port))
+    return server
 
 
 def main() -> None:
-    print("modelcache-agent: not implemented yet", file=sys.stderr)
-    sys.exit(2)
+    cli()
 
 
 if __name__ == "__main__":

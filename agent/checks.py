@@ -1,0 +1,65 @@
+"""Periodic checks of downloaded models: sizes often (stats only), a full re-hash rarely.
+
+Both run on one background thread, never on the supervisor's, so a multi-hour hash of a big
+root does not delay downloads or status. A damaged model is handed to ``Agent.damaged``,
+which reports it and downloads it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from agent.logs import fields
+
+if TYPE_CHECKING:
+    from agent.core import Agent
+    from agent.state import ModelRecord
+
+log = logging.getLogger("agent.checks")
+
+
+class Checker:
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="check")
+        self._busy: set[str] = set()
+        self._lock = threading.Lock()
+
+    def stop(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def maybe_check(self, rec: ModelRecord, now: float) -> None:
+        cfg = self.agent.cfg
+        full = cfg.verify_interval > 0 and now - rec.last_verify >= cfg.verify_interval
+        sizes = cfg.size_check_interval > 0 and now - rec.last_size_check >= cfg.size_check_interval
+        if not (full or sizes):
+            return
+        with self._lock:
+            if rec.key in self._busy:
+                return
+            self._busy.add(rec.key)
+        rec.last_size_check = now
+        if full:
+            rec.last_verify = now
+        self.pool.submit(self._check, rec, full)
+
+    def _check(self, rec: ModelRecord, full: bool) -> None:
+        try:
+            store = self.agent.store
+            if full:
+                problems = store.verify(rec.key)
+                problem = "; ".join(f"{p.path}: {p.problem}" if p.path else p.problem for p in problems[:3])
+            else:
+                problem = "" if store.is_present(rec.key) else "a file is missing or has the wrong size"
+            log.info("check done", extra=fields(storage_key=rec.key, kind="verify" if full else "sizes",
+                                                ok=not problem))
+            if problem:
+                self.agent.damaged(rec, problem)
+        except Exception as exc:
+            log.warning("check failed", extra=fields(storage_key=rec.key, error=str(exc)))
+        finally:
+            with self._lock:
+                self._busy.discard(rec.key)

@@ -1,0 +1,46 @@
+"""The agent's settings: one plain dataclass, filled from flags (each with an env default)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_ROOT = "/mnt/models"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    node: str
+    root: Path = Path(DEFAULT_ROOT)
+    #: Models downloading at once, and transfer workers (parallel ranged reads) per model.
+    max_concurrent_models: int = 2
+    workers: int = 8
+    chunk_size: int = 16 << 20
+    #: Attempts per chunk inside one download (the engine's own retries).
+    transfer_attempts: int = 6
+    #: Full resync of the LocalModelNode (level-triggered safety net).
+    resync_period: float = 60.0
+    #: Health and metrics port (0: pick a free one; -1: no server).
+    port: int = 8080
+    host: str = "0.0.0.0"
+    #: Namespace whose secrets and service accounts hold download credentials (KServe's jobNamespace).
+    credentials_namespace: str = "kserve"
+    kubeconfig: str | None = None
+    standalone: Path | None = None
+    watch: bool = False
+    #: Retry of a failed model: exponential from ``backoff_initial`` up to ``backoff_max`` seconds.
+    backoff_initial: float = 5.0
+    backoff_max: float = 300.0
+    #: Status progress is written at most this often (state changes are written at once).
+    status_interval: float = 3.0
+    #: Cheap size check of every downloaded model, and a full re-hash (0 turns either off).
+    size_check_interval: float = 300.0
+    verify_interval: float = 86400.0
+    #: How often a removal that waits for a mounting pod is re-checked.
+    removal_recheck: float = 10.0
+    #: Kept free on the root's file system besides the models.
+    space_margin: int = 256 << 20
+    #: Non-secret settings for every download (endpoints, CA bundle, tunables): KEY=VALUE.
+    download_env: dict[str, str] = field(default_factory=dict)
+    log_format: str = "logfmt"
+    log_level: str = "info"

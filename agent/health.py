@@ -1,0 +1,55 @@
+"""``/healthz``, ``/readyz`` and ``/metrics`` on a small threaded HTTP server."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST
+
+
+class HealthServer:
+    """``healthy()``: the process works (its loops are alive); ``ready()``: it has synced its spec."""
+
+    def __init__(self, host: str, port: int, healthy: Callable[[], bool], ready: Callable[[], bool],
+                 metrics: Callable[[], bytes]) -> None:
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:  # probes every few seconds: not worth a log line
+                pass
+
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, outer.metrics(), CONTENT_TYPE_LATEST)
+                elif path == "/healthz":
+                    ok = outer.healthy()
+                    self._send(200 if ok else 503, b"ok\n" if ok else b"unhealthy\n")
+                elif path == "/readyz":
+                    ok = outer.ready()
+                    self._send(200 if ok else 503, b"ok\n" if ok else b"not ready\n")
+                else:
+                    self._send(404, b"not found\n")
+
+            def _send(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.healthy, self.ready, self.metrics = healthy, ready, metrics
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, name="agent-http", daemon=True)
+
+    def start(self) -> HealthServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

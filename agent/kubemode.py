@@ -1,0 +1,117 @@
+"""Cluster mode: the LocalModelNode named after this node is the spec, its status the report.
+
+One informer watches only that object (``fieldSelector=metadata.name=<node>``), another the
+LocalModelNodeGroups for their ``storageLimit``. Status is written through
+``patch_status_if_changed``: nothing is sent when nothing differs, and a concurrent writer
+makes us re-read instead of overwriting.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import UTC, datetime
+from typing import Any
+
+from agent.capacity import parse_quantity
+from agent.core import Agent
+from agent.logs import fields
+from agent.publish import Publisher
+from modelcache.kube.client import LOCAL_MODEL_NODE_GROUPS, LOCAL_MODEL_NODES, Kube
+from modelcache.kube.informer import DELETED, Informer
+from modelcache.kube.status import patch_status_if_changed
+from modelcache.kube.types import LocalModelNode
+
+log = logging.getLogger("agent.kube")
+
+#: Status keys the agent owns (others, written by anyone else, are kept).
+OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration")
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class KubeRunner:
+    def __init__(self, agent: Agent, kube: Kube) -> None:
+        self.agent, self.kube = agent, kube
+        self.node = agent.cfg.node
+        self.nodes = Informer(kube, LOCAL_MODEL_NODES, field_selector=f"metadata.name={self.node}")
+        self.groups = Informer(kube, LOCAL_MODEL_NODE_GROUPS)
+        self.nodes.add_handler(self._on_node)
+        self.groups.add_handler(self._on_group)
+        self.publisher = Publisher(agent, self._write_status, agent.cfg.status_interval)
+        self.synced = threading.Event()
+        self._stop = threading.Event()
+
+    def _on_node(self, event: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
+        if (obj.get("metadata") or {}).get("name") != self.node:
+            return
+        if old is not None and event != DELETED and old.get("spec") == obj.get("spec"):
+            return  # our own status writes come back as updates: not a spec change
+        if event == DELETED:
+            # As KServe's agent: a missing LocalModelNode means nothing to do; files stay.
+            log.info("LocalModelNode deleted; keeping the models", extra=fields(node=self.node))
+            return
+        lmn = LocalModelNode.from_dict(obj)
+        self.agent.set_spec(lmn.spec.local_models, lmn.generation or None)
+
+    def _on_group(self, event: str, obj: dict[str, Any], _old: dict[str, Any] | None) -> None:
+        name = (obj.get("metadata") or {}).get("name", "")
+        limit = parse_quantity((obj.get("spec") or {}).get("storageLimit"))
+        if event == DELETED or limit is None:
+            self.agent.group_limits.pop(name, None)
+        else:
+            self.agent.group_limits[name] = limit
+
+    def _desired(self, ours: dict[str, Any]) -> Any:
+        def desired(obj: dict[str, Any]) -> dict[str, Any]:
+            old = dict(obj.get("status") or {})
+            new = {k: v for k, v in old.items() if k not in (*OWNED, "lastUpdated")}
+            new.update(ours)
+            if {k: v for k, v in old.items() if k != "lastUpdated"} == new:
+                return old  # nothing changed: no write, not even a new timestamp
+            new["lastUpdated"] = _now()
+            return new
+
+        return desired
+
+    def _write_status(self, ours: dict[str, Any]) -> None:
+        current = self.nodes.store.get(self.node)
+        if current is None:
+            return
+        patch_status_if_changed(self.kube, LOCAL_MODEL_NODES, self.node, self._desired(ours), current=current)
+
+    def start(self, timeout: float = 60.0) -> KubeRunner:
+        self.groups.start()
+        self.nodes.start()
+        if not (self.groups.wait_for_sync(timeout) and self.nodes.wait_for_sync(timeout)):
+            raise TimeoutError("could not list LocalModelNode/LocalModelNodeGroups from the API server")
+        if self.nodes.store.get(self.node) is None:
+            log.info("no LocalModelNode for this node yet; waiting", extra=fields(node=self.node))
+        self.synced.set()
+        self.agent.start()
+        self.publisher.start()
+        threading.Thread(target=self._resync, name="agent-resync", daemon=True).start()
+        return self
+
+    def _resync(self) -> None:
+        """Level-triggered safety net: re-apply the cached spec every resync period."""
+        while not self._stop.wait(self.agent.cfg.resync_period):
+            obj = self.nodes.store.get(self.node)
+            if obj is not None:
+                lmn = LocalModelNode.from_dict(obj)
+                self.agent.set_spec(lmn.spec.local_models, lmn.generation or None)
+
+    def healthy(self) -> bool:
+        return self.agent.alive() and self.publisher.alive()
+
+    def ready(self) -> bool:
+        return self.synced.is_set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.agent.stop()
+        self.publisher.stop()
+        self.nodes.stop()
+        self.groups.stop()

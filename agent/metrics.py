@@ -1,0 +1,38 @@
+"""Prometheus metrics of one agent (own registry, so tests can run several agents in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from modelcache.kube.types import MODEL_STATES
+
+DURATION_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, float("inf"))
+
+
+class AgentMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.bytes = Counter("modelcache_agent_downloaded_bytes", "Bytes downloaded, by source scheme",
+                             ["scheme"], registry=r)
+        self.duration = Histogram("modelcache_agent_download_duration_seconds",
+                                  "Duration of finished downloads (attempts that ended)", ["scheme", "outcome"],
+                                  buckets=DURATION_BUCKETS, registry=r)
+        self.models = Gauge("modelcache_agent_models", "Models in the spec, by state", ["state"], registry=r)
+        self.errors = Counter("modelcache_agent_errors", "Failed download attempts and checks, by reason",
+                              ["reason"], registry=r)
+        self.free = Gauge("modelcache_agent_free_bytes", "Free bytes on the model root's file system", registry=r)
+        self.reserved = Gauge("modelcache_agent_reserved_bytes", "Bytes reserved by downloads in flight", registry=r)
+        self.removals_waiting = Gauge("modelcache_agent_removals_waiting",
+                                      "Models out of the spec kept because a running pod mounts them", registry=r)
+        for state in MODEL_STATES:
+            if state:
+                self.models.labels(state=state)
+
+    def set_states(self, counts: dict[str, int]) -> None:
+        for state in MODEL_STATES:
+            if state:
+                self.models.labels(state=state).set(counts.get(state, 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
