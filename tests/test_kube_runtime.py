@@ -344,3 +344,29 @@ def test_failing_reconcile_backs_off_and_recovers(kube: Kube) -> None:
     assert len(attempts) == 4
     assert gaps[0] >= 0.09 and gaps[1] >= 0.19 and gaps[2] >= 0.39  # 0.1, 0.2, 0.4: exponential
     assert ctl.queue.retries("r1") == 0
+
+
+def test_bookmarks_keep_a_quiet_watch_resumable(kubeapi_factory) -> None:
+    """A selective watch sees no events while others write; the server's BOOKMARKs still move its
+    resourceVersion forward, so resuming after a drop needs no relist even once the history the
+    informer listed at has been trimmed away."""
+    api = kubeapi_factory(history=5, bookmark_interval=0.3)
+    kube = Kube(load_api_client(str(api.kubeconfig)))
+    inf = Informer(kube, LOCAL_MODEL_NODES, label_selector="team=red").start()
+    try:
+        assert inf.wait_for_sync(10)
+        listed_at = inf.last_resource_version
+        for i in range(12):  # more writes than the server keeps: listed_at is now too old to watch from
+            kube.create(LOCAL_MODEL_NODES, {"metadata": {"name": f"blue{i}", "labels": {"team": "blue"}},
+                                            "spec": {"localModels": []}})
+            time.sleep(0.05)  # let the server's watch keep pace with its 5-event history
+        wait_until(lambda: int(inf.last_resource_version or 0) >= int(listed_at or 0) + 12, timeout=10,
+                   what="a bookmark past the writes")
+        api.drop_watches()
+        red = kube.create(LOCAL_MODEL_NODES, {"metadata": {"name": "red", "labels": {"team": "red"}},
+                                              "spec": {"localModels": []}})
+        wait_for_version(inf, "red", red["metadata"]["resourceVersion"])
+        assert inf.stats["gone"] == 0 and inf.stats["lists"] == 1
+        assert inf.store.keys() == ["red"]
+    finally:
+        inf.stop()
