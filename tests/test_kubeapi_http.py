@@ -53,7 +53,13 @@ def test_openapi_v2_is_served_for_kubectl(kubeapi):
     conn = _conn(kubeapi)
     conn.request("GET", "/openapi/v2", headers={"Accept": "application/json"})
     resp = conn.getresponse()
-    assert resp.status == 200 and json.loads(resp.read())["swagger"] == "2.0"
+    doc = json.loads(resp.read())
+    assert resp.status == 200 and doc["swagger"] == "2.0" and doc["definitions"] == {}
+    patch = doc["paths"]["/apis/serving.kserve.io/v1alpha1/localmodelcaches/{name}"]["patch"]
+    assert patch["x-kubernetes-group-version-kind"] == {"group": "serving.kserve.io", "kind": "LocalModelCache",
+                                                        "version": "v1alpha1"}
+    assert {p["name"] for p in patch["parameters"]} == {"dryRun", "fieldManager", "fieldValidation"}
+    assert "/api/v1/namespaces/{namespace}/pods/{name}" in doc["paths"]
     conn.request("GET", "/openapi/v2", headers={"Accept": "application/com.github.proto-openapi.spec.v2@v1.0+protobuf"})
     resp = conn.getresponse()
     data = resp.read()

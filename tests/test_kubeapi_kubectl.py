@@ -128,3 +128,17 @@ def test_unknown_fields_are_reported_by_kubectl(kubeapi, tmp_path):
     proc = kubeapi.kubectl("apply", "--validate=false", "-f", str(extra))
     got = json.loads(kubeapi.kubectl("get", "localmodelcache", "extra", "-o", "json").stdout)
     assert "bogus" not in got["spec"]
+
+
+def test_server_side_dry_run_validates_without_storing(kubeapi, tmp_path):
+    out = kubeapi.kubectl("apply", "--dry-run=server", "-f", str(EXAMPLES)).stdout
+    assert out.count("(server dry run)") == 5
+    assert kubeapi.kubectl("get", "localmodelcaches", "-o", "name").stdout.strip() == ""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(EXAMPLES.read_text().replace("nodeGroups:\n  - gpu\n  serviceAccountName", "serviceAccountName"))
+    proc = kubeapi.kubectl("apply", "--dry-run=server", "-f", str(bad), check=False)
+    assert proc.returncode != 0 and "spec.nodeGroups: Required value" in proc.stderr
+    kubeapi.kubectl("apply", "-f", str(EXAMPLES))
+    kubeapi.kubectl("delete", "--dry-run=server", "localmodelcache", "meta-llama3-8b-instruct")
+    assert kubeapi.kubectl("get", "localmodelcaches", "-o", "name").stdout.split() == [
+        "localmodelcache.serving.kserve.io/meta-llama3-8b-instruct"]

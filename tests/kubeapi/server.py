@@ -147,10 +147,10 @@ class Handler(BaseHTTPRequestHandler):
             return
         if path.rstrip("/") == "/openapi/v2" and method == "GET":
             if "protobuf" in (self.headers.get("Accept") or ""):
-                self._send(200, discovery.openapi_v2_protobuf(),
+                self._send(200, discovery.openapi_v2_protobuf(self.server.registry),
                            "application/com.github.proto-openapi.spec.v2.v1.0+protobuf")
             else:
-                self._json(200, discovery.OPENAPI_V2_JSON)
+                self._json(200, discovery.openapi_v2_json(self.server.registry))
             return
         if parts[:1] == ["_kubeapi"] and method == "POST":
             self._test_control(parts[1:])
@@ -229,7 +229,8 @@ class Handler(BaseHTTPRequestHandler):
             wopts = self._write_options()
             self._json(200, store.patch(rt, ns, name, ctype, body, route.sub, wopts), wopts.warnings)
         elif method == "DELETE":
-            opts = DeleteOptions.from_body(self._parsed_body(ctype), self.query.get("propagationPolicy"))
+            opts = DeleteOptions.from_body(self._parsed_body(ctype), self.query.get("propagationPolicy"),
+                                           self.query.get("dryRun") == "All")
             if name is None:
                 items = store.delete_collection(rt, ns, self._labels(), self._fields(rt), opts)
                 self._json(200, {"kind": rt.kind + "List", "apiVersion": rt.group_version,
@@ -245,7 +246,7 @@ class Handler(BaseHTTPRequestHandler):
         mode = self.query.get("fieldValidation") or "Warn"
         if mode not in ("Strict", "Warn", "Ignore"):
             raise bad_request(f"fieldValidation must be one of Ignore, Warn, Strict (got {mode!r})")
-        return WriteOptions(mode)
+        return WriteOptions(mode, dry_run=self.query.get("dryRun") == "All")
 
     def _labels(self) -> list[Any]:
         return parse_label_selector(self.query.get("labelSelector"))

@@ -51,15 +51,17 @@ class DeleteOptions:
     propagation: str = "Background"  # Background | Foreground (treated as Background) | Orphan
     uid: str | None = None
     resource_version: str | None = None
+    dry_run: bool = False
 
     @classmethod
-    def from_body(cls, body: Any, query_policy: str | None) -> DeleteOptions:
+    def from_body(cls, body: Any, query_policy: str | None, dry_run: bool = False) -> DeleteOptions:
         body = body if isinstance(body, dict) else {}
         pre = body.get("preconditions") or {}
         policy = body.get("propagationPolicy") or query_policy
         if body.get("orphanDependents") is True:
             policy = "Orphan"
-        return cls(policy or "Background", pre.get("uid"), pre.get("resourceVersion"))
+        return cls(policy or "Background", pre.get("uid"), pre.get("resourceVersion"),
+                   dry_run or body.get("dryRun") == ["All"])
 
 
 @dataclass
@@ -67,6 +69,7 @@ class WriteOptions:
     """Per-request write options: fieldValidation (Strict | Warn | Ignore) and the warnings it produced."""
 
     field_validation: str = "Warn"
+    dry_run: bool = False  # dryRun=All: admit and answer, store nothing
     warnings: list[str] = field(default_factory=list)
 
 
@@ -232,6 +235,8 @@ class Store:
             meta["uid"] = str(uuid.uuid4())
             meta["creationTimestamp"] = now_rfc3339()
             meta["generation"] = 1
+            if opts.dry_run:
+                return self._out(rt, obj)
             meta["resourceVersion"] = self._next_rv()
             self._bucket(rt)[self._key(rt, ns, name)] = obj
             self._record(rt, "ADDED", obj, None)
@@ -316,11 +321,14 @@ class Store:
                 raise invalid(rt, old_meta["name"], [FieldError(
                     "metadata.finalizers", "Forbidden", detail="no new finalizers can be added if the object is "
                     "being deleted, found new finalizers " + json.dumps(sorted(added)))])
-        new = self._admit(rt, new, old, opts or WriteOptions())
+        opts = opts or WriteOptions()
+        new = self._admit(rt, new, old, opts)
         if new == old:
             return self._out(rt, old)  # a no-op write changes nothing, not even resourceVersion
         if _strip_for_generation(new, rt) != _strip_for_generation(old, rt):
             new["metadata"]["generation"] = int(old_meta.get("generation", 1)) + 1
+        if opts.dry_run:
+            return self._out(rt, new)
         new["metadata"]["resourceVersion"] = self._next_rv()
         key = self._key(rt, old_meta.get("namespace", ""), old_meta["name"])
         self._bucket(rt)[key] = new
@@ -338,6 +346,8 @@ class Store:
             if (opts.uid and opts.uid != meta["uid"]) or (
                     opts.resource_version and opts.resource_version != meta["resourceVersion"]):
                 raise conflict(rt, name)
+            if opts.dry_run:
+                return self._out(rt, old) if rt.delete_returns_object else self._deleted_status(rt, old)
             if opts.propagation == "Orphan":
                 self._orphan_on_remove.add(meta["uid"])
             if rt.key == NAMESPACE_TYPE.key:
@@ -355,7 +365,8 @@ class Store:
             for item in items:
                 m = item["metadata"]
                 try:
-                    self.delete(rt, m.get("namespace", ""), m["name"], DeleteOptions(opts.propagation))
+                    self.delete(rt, m.get("namespace", ""), m["name"],
+                                DeleteOptions(opts.propagation, dry_run=opts.dry_run))
                 except ApiError:
                     pass
             return items
