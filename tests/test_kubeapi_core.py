@@ -404,3 +404,16 @@ def test_concurrent_read_modify_write_with_conflict_retries(kubeapi):
         t.join(60)
     with kubeapi.api_client() as check:
         assert client.CoreV1Api(check).read_namespaced_config_map("n", "default").data == {"v": "40"}
+
+
+def test_node_keeps_status_on_create_and_status_is_a_subresource(apis):
+    core = apis[0]
+    ready = {"conditions": [{"type": "Ready", "status": "True"}]}
+    node = core.create_node({"metadata": {"name": "gpu-1", "labels": {"kserve/localmodel": "worker"}},
+                             "status": ready})
+    assert node.status.conditions[0].type == "Ready"  # the kubelet registers nodes with their status
+    node = core.patch_node("gpu-1", {"status": {"conditions": [{"type": "Ready", "status": "False"}]}})
+    assert node.status.conditions[0].status == "True"
+    node = core.patch_node_status("gpu-1", {"status": {"conditions": [{"type": "Ready", "status": "False"}]}})
+    assert node.status.conditions[0].status == "False"
+    assert [n.metadata.name for n in core.list_node(label_selector="kserve/localmodel=worker").items] == ["gpu-1"]

@@ -88,3 +88,15 @@ def test_crd_lifecycle_adds_and_removes_endpoints(kubeapi_factory):
         with pytest.raises(client.ApiException) as err:
             custom.list_namespaced_custom_object("example.com", "v1", "default", "widgets")
         assert err.value.status == 404
+
+
+def test_legacy_watch_path_streams_chunked_events(kubeapi):
+    with kubeapi.api_client() as api_client:
+        client.CoreV1Api(api_client).create_namespaced_config_map("default", {"metadata": {"name": "w"}})
+    conn = _conn(kubeapi)
+    conn.request("GET", "/api/v1/watch/namespaces/default/configmaps?timeoutSeconds=1")
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("Transfer-Encoding") == "chunked"
+    events = [json.loads(line) for line in resp.read().splitlines() if line.strip()]
+    assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [("ADDED", "w")]
+    conn.close()
