@@ -83,8 +83,10 @@ def test_pull_nested_multichunk_verified(hdfs: WebHDFSServer, tmp_path: Path) ->
     checks = {f["path"]: f.get("checksums", {}) for f in manifest["files"]}
     assert all("hdfs-md5md5crc" in checks[p] for p in FILES), checks
     opens = [r for r in hdfs.ops("datanode") if r.op == "OPEN" and r.path.endswith("model.bin")]
-    assert len(opens) >= len(BIG) // (64 << 10)  # parallel ranged chunks, not one stream
-    assert all(int(r.params["length"]) <= 64 << 10 for r in opens)
+    spans = sorted((int(r.params["offset"]), int(r.params["length"])) for r in opens)
+    assert len(spans) > 1  # ranged requests (offset/length), not one whole-file stream
+    assert spans[0][0] == 0 and sum(n for _, n in spans) == len(BIG)
+    assert all(off % (64 << 10) == 0 for off, _ in spans)
     again = _pull(hdfs, tmp_path, uri)
     assert again.returncode == 0 and "cached" in again.stderr, again.stderr
 
@@ -118,9 +120,9 @@ def test_error_messages(hdfs: WebHDFSServer, tmp_path: Path) -> None:
 
 
 def test_resume_after_kill_9(hdfs: WebHDFSServer, tmp_path: Path) -> None:
-    big = os.urandom(3 << 20)
+    big = os.urandom(4 << 20)
     hdfs.put("/models/big/model.bin", big)
-    hdfs.datanode_delay = 0.15
+    hdfs.throttle_bps = 600_000  # per stream; two workers
     uri = "hdfs://models/big"
     proc = subprocess.Popen(
         _cmd(uri, tmp_path / "root", "--chunk-size", "128K", "--workers", "2"),
@@ -130,16 +132,17 @@ def test_resume_after_kill_9(hdfs: WebHDFSServer, tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
     )
     try:
-        wait_until(lambda: hdfs.bytes_sent > (1 << 20), timeout=60, what="a third of the download")
+        # half sent: socket buffers may still hold up to ~1 MiB that never reached the disk
+        wait_until(lambda: hdfs.bytes_sent > (2 << 20), timeout=60, what="half the download")
         time.sleep(0.3)  # let finished chunks reach the journal
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
     assert not (tmp_path / "root/models" / storage_key(uri)).exists()
-    hdfs.datanode_delay = 0.0
+    hdfs.throttle_bps = None
     before = hdfs.bytes_sent
     done = _pull(hdfs, tmp_path, uri, "--chunk-size", "128K")
     assert done.returncode == 0, done.stderr
     assert _model(tmp_path, uri)["model.bin"] == big
     resent = hdfs.bytes_sent - before
-    assert resent < len(big) - (512 << 10), f"resumed pull re-fetched {resent} of {len(big)} bytes"
+    assert resent < len(big) - (768 << 10), f"resumed pull re-fetched {resent} of {len(big)} bytes"

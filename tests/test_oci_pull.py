@@ -157,10 +157,10 @@ def test_tag_moved_during_pull_yields_one_digest(
 
 
 def test_resume_after_kill_9(oci_registry: OCIRegistry, oci_repo: str, proxy: FaultProxy, tmp_path: Path) -> None:
-    big = os.urandom(3 << 20)
+    big = os.urandom(4 << 20)
     push_artifact(oci_registry, f"{oci_registry.host}/{oci_repo}:v1", tmp_path / "push", {"model.bin": big})
     uri = f"oci://127.0.0.1:{proxy.port}/{oci_repo}:v1"
-    proxy.set_rate_limit(1_500_000)
+    proxy.set_rate_limit(1_200_000)
     proc = subprocess.Popen(
         _cmd(uri, tmp_path / "root", "--chunk-size", "128K", "--workers", "2"),
         env=_env(tmp_path),
@@ -169,7 +169,8 @@ def test_resume_after_kill_9(oci_registry: OCIRegistry, oci_repo: str, proxy: Fa
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_until(lambda: proxy.total_bytes_sent > (1 << 20), timeout=60, what="a third of the download")
+        # half sent: socket buffers may still hold up to ~1 MiB that never reached the disk
+        wait_until(lambda: proxy.total_bytes_sent > (2 << 20), timeout=60, what="half the download")
         time.sleep(0.3)  # let finished chunks reach the journal
     finally:
         os.kill(proc.pid, signal.SIGKILL)
@@ -181,7 +182,7 @@ def test_resume_after_kill_9(oci_registry: OCIRegistry, oci_repo: str, proxy: Fa
     assert done.returncode == 0, done.stderr
     assert _model(tmp_path, uri)["model.bin"] == big
     resent = proxy.total_bytes_sent - before
-    assert resent < len(big) - (512 << 10), f"resumed pull re-fetched {resent} of {len(big)} bytes"
+    assert resent < len(big) - (768 << 10), f"resumed pull re-fetched {resent} of {len(big)} bytes"
 
 
 @pytest.mark.parametrize(

@@ -32,12 +32,12 @@ from modelcache.errors import (
 )
 from modelcache.sources.base import Checksum, IterStream, RangeStream, RemoteFile, Source, register_source, safe_relpath
 from modelcache.sources.hdfs_checksum import checksum_from_webhdfs
+from modelcache.sources.response_stream import ResponseStream
 from modelcache.uri import HDFSLocation
 
 if TYPE_CHECKING:
     from modelcache.credentials import Settings
 
-_READ_CHUNK = 1 << 20
 _MAX_DEPTH = 64
 # The hdfs client logs a 401's raw body at ERROR before raising; we raise one clear line instead.
 logging.getLogger("hdfs.client").setLevel(logging.CRITICAL)
@@ -166,33 +166,16 @@ class HDFSSource(Source):
         length = max(0, stop - start)
         if length == 0:
             return IterStream(iter(()))
-        reader = self.client.read(path, offset=start, length=length, chunk_size=_READ_CHUNK)
+        reader = self.client.read(path, offset=start, length=length)
         try:
-            chunks = reader.__enter__()  # OPEN -> 307 -> datanode, errors raise here
+            raw = reader.__enter__()  # OPEN -> 307 -> datanode; errors raise here
         except (HdfsError, requests.RequestException) as exc:
             raise self._error(exc, path) from exc
-        return IterStream(self._exact(chunks, length, path, start), on_close=lambda: reader.__exit__(None, None, None))
-
-    def _exact(self, chunks: Iterator[bytes], length: int, path: str, start: int) -> Iterator[bytes]:
-        """Yield exactly ``length`` bytes: a short body means the file shrank or the datanode
-        died mid-stream; a long one means it grew (WebHDFS honours ``length``)."""
-        got = 0
-        try:
-            for chunk in chunks:
-                if got + len(chunk) > length:
-                    raise TransientError(
-                        f"{self.where}: '{path}' returned more than {length} bytes at offset {start}; "
-                        "the file changed during the pull"
-                    )
-                got += len(chunk)
-                yield chunk
-        except requests.RequestException as exc:
-            raise TransientError(f"{self.where}: read of '{path}' broke: {type(exc).__name__}") from exc
-        if got != length:
-            raise TransientError(
-                f"{self.where}: '{path}' ended after {got} of {length} bytes at offset {start} "
-                "(datanode stream cut, or the file changed)"
-            )
+        # Exactly ``length`` bytes: a short body means the datanode stream was cut or the file
+        # shrank; WebHDFS honours ``length``, so we never read past it.
+        return ResponseStream(
+            raw, f"{self.where}: '{path}'", length, on_close=lambda: reader.__exit__(None, None, None)
+        )
 
     def close(self) -> None:
         self._session.close()

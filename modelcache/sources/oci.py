@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 import platform
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,8 +41,9 @@ from modelcache.errors import (
     TransientError,
     UnsupportedError,
 )
-from modelcache.sources.base import Checksum, IterStream, RangeStream, RemoteFile, Source, register_source, safe_relpath
+from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source, safe_relpath
 from modelcache.sources.oci_layers import DigestReader, LayerExtractor, corrupt_stream_errors, open_layer_tar
+from modelcache.sources.response_stream import ResponseStream
 from modelcache.uri import OCILocation
 
 if TYPE_CHECKING:
@@ -236,22 +237,6 @@ def _error_codes(resp: requests.Response) -> list[str]:
         return []
 
 
-def _iter_body(resp: requests.Response, skip: int, limit: int | None) -> Iterator[bytes]:
-    """The response body, minus ``skip`` leading bytes (a 200 to a range), at most ``limit``."""
-    for chunk in resp.iter_content(_READ_CHUNK):
-        if skip:
-            if len(chunk) <= skip:
-                skip -= len(chunk)
-                continue
-            chunk, skip = chunk[skip:], 0
-        if limit is not None:
-            if len(chunk) >= limit:
-                yield chunk[:limit]
-                return
-            limit -= len(chunk)
-        yield chunk
-
-
 @register_source("oci")
 class OCISource(Source):
     preferred_chunk_size = 16 << 20
@@ -350,9 +335,10 @@ class OCISource(Source):
     def open_range(self, file: RemoteFile, start: int, end: int | None) -> RangeStream:
         digest = file.meta_get("oci.digest") or file.version or ""
         resp = self.client.blob(digest, start, end)
-        skip = start if resp.status_code == 200 else 0
-        limit = None if end is None else end - start
-        return IterStream(_iter_body(resp, skip, limit), on_close=resp.close)
+        skip = start if resp.status_code == 200 else 0  # a registry that ignored the Range
+        stop = end if end is not None else file.size
+        length = None if stop is None else stop - start
+        return ResponseStream(resp.raw, f"{self.where}: {file.path}", length, skip, on_close=resp.close)
 
     def extract_into(self, staging_dir: str, on_bytes: Callable[[int], None]) -> list[str] | None:
         plan = self.plan()

@@ -10,7 +10,8 @@ computes the real MD5-of-MD5-of-CRC32C, serves ``offset``/``length`` (WebHDFS ha
 Range) or stores the PUT body. Identity is ``doas`` if given, else
 ``user.name``; ``required_headers`` missing -> 401; a user outside ``allowed_users`` or a path
 in ``denied_paths`` -> 403 AccessControlException; missing paths -> 404 FileNotFoundException,
-all as ``{"RemoteException": {...}}`` JSON. Tests can slow the datanode (``datanode_delay``),
+all as ``{"RemoteException": {...}}`` JSON. Tests can slow the datanode (``datanode_delay``,
+``throttle_bps``),
 flip a byte of what OPEN sends (``corrupt_reads``), and read the request log and byte count.
 """
 
@@ -64,6 +65,8 @@ class WebHDFSServer:
     allowed_users: set[str] | None = None
     denied_paths: set[str] = field(default_factory=set)
     datanode_delay: float = 0.0
+    #: Cap on each OPEN stream's bytes per second (None: as fast as it goes).
+    throttle_bps: float | None = None
     #: Small blocks so test files span several (real clusters: 128 MiB).
     block_size: int = 1 << 20
     #: hdfs path -> file offset whose byte OPEN flips in transit (the stored file stays good).
@@ -330,6 +333,8 @@ def _handler(server: WebHDFSServer, node: str) -> type[BaseHTTPRequestHandler]:
                             chunk = bytes(damaged)
                         self.wfile.write(chunk)
                         pos += len(chunk)
+                        if server.throttle_bps:
+                            time.sleep(len(chunk) / server.throttle_bps)
                         with server._lock:
                             server.bytes_sent += len(chunk)
             elif self.command == "PUT" and req.op == "CREATE":
