@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -24,7 +26,7 @@ from modelcache.kube.informer import Informer
 from modelcache.kube.leader import LeaderElector, micro_time
 from modelcache.kube.types import LocalModelNamespaceCache
 from tests.fixtures.kubeapi import KubeAPI
-from tests.helpers import wait_until
+from tests.helpers import REPO, wait_until
 
 
 @pytest.fixture
@@ -153,3 +155,14 @@ def test_events_are_recorded_and_repeats_counted(kube: Kube) -> None:
     EventRecorder(kube, "modelcache-agent", host="n1").record(node, WARNING, "DownloadFailed",
                                                               "m0: s3://b/m: access denied; check the secret")
     assert kube.list(EVENTS, "default")["items"][0]["count"] == 4
+
+
+def test_a_process_finds_the_api_server_through_kubeconfig(kubeapi: KubeAPI, kube: Kube) -> None:
+    """No flag: a fresh process outside a cluster uses $KUBECONFIG, as kubectl does."""
+    kube.create(NAMESPACES, {"metadata": {"name": "found-me"}})
+    code = ("from modelcache.kube.client import NAMESPACES, Kube, load_api_client\n"
+            "print(sorted(n['metadata']['name'] for n in Kube(load_api_client()).list(NAMESPACES)['items']))")
+    env = {k: v for k, v in kubeapi.env().items() if not k.startswith("KUBERNETES_SERVICE")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
+                         cwd=REPO, check=True).stdout
+    assert "'found-me'" in out
