@@ -1,0 +1,207 @@
+"""Helpers for the agent tests: run ``modelcache-agent`` as a subprocess against the kube test
+server, and create/read the Kubernetes objects it works from."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
+from modelcache.kube.client import (
+    LOCAL_MODEL_NODE_GROUPS,
+    LOCAL_MODEL_NODES,
+    NAMESPACES,
+    PERSISTENT_VOLUME_CLAIMS,
+    PERSISTENT_VOLUMES,
+    PODS,
+    SECRETS,
+    SERVICE_ACCOUNTS,
+    Kube,
+)
+from tests.helpers import REPO, stop_process, wait_until
+
+CRED_NS = "kserve"
+#: Short timings so failures, retries and checks happen within a test's few seconds.
+FAST_FLAGS = ("--backoff-initial", "0.5", "--backoff-max", "2", "--status-interval", "0.5",
+              "--removal-recheck", "0.3", "--resync-period", "5", "--space-margin", "1Mi",
+              "--chunk-size", "1Mi", "--workers", "2", "--transfer-attempts", "2")
+
+
+@dataclass
+class AgentProc:
+    node: str
+    root: Path
+    log_path: Path
+    proc: subprocess.Popen[bytes] = field(repr=False)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    @property
+    def port(self) -> int:
+        found: list[int] = []
+
+        def ready() -> bool:
+            m = re.search(r'msg="serving health and metrics" port=(\d+)', self.log())
+            if m:
+                found.append(int(m.group(1)))
+            return bool(m)
+
+        wait_until(ready, timeout=20, what="agent health server")
+        return found[0]
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def kill9(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+def start_agent(kubeconfig: Path | None, node: str, root: Path, workdir: Path, *extra: str,
+                env: dict[str, str] | None = None, name: str = "") -> AgentProc:
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_path = workdir / f"agent-{name or node}-{time.monotonic_ns()}.log"
+    cmd = [sys.executable, "-m", "agent", "--node", node, "--root", str(root), "--port", "0",
+           "--credentials-namespace", CRED_NS, *FAST_FLAGS, *extra]
+    if kubeconfig is not None:
+        cmd += ["--kubeconfig", str(kubeconfig)]
+    penv = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "KUBECONFIG"))}
+    penv.update(env or {})
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=penv)
+    return AgentProc(node, root, log_path, proc)
+
+
+# ---- objects ----------------------------------------------------------------------------
+
+
+def kube_for(api: Any) -> Kube:
+    return Kube(api.api_client())
+
+
+def ensure_namespace(kube: Kube, name: str) -> None:
+    try:
+        kube.create(NAMESPACES, {"metadata": {"name": name}})
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+
+
+def entry(name: str, uri: str, **extra: Any) -> dict[str, Any]:
+    return {"modelName": name, "sourceModelUri": uri, **extra}
+
+
+def create_node(kube: Kube, node: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    return kube.create(LOCAL_MODEL_NODES, {"metadata": {"name": node}, "spec": {"localModels": entries}})
+
+
+def set_entries(kube: Kube, node: str, entries: list[dict[str, Any]]) -> None:
+    kube.patch(LOCAL_MODEL_NODES, node, {"spec": {"localModels": entries}})
+
+
+def node_status(kube: Kube, node: str) -> dict[str, Any]:
+    return kube.get(LOCAL_MODEL_NODES, node).get("status") or {}
+
+
+def wait_states(kube: Kube, node: str, want: dict[str, str], timeout: float = 60,
+                agent: AgentProc | None = None) -> dict[str, Any]:
+    """Wait until ``status.modelStatus`` has exactly these states for these keys."""
+    seen: dict[str, Any] = {}
+
+    def check() -> bool:
+        seen.clear()
+        seen.update(node_status(kube, node))
+        ms = seen.get("modelStatus") or {}
+        return all(ms.get(k) == v for k, v in want.items())
+
+    try:
+        wait_until(check, timeout=timeout, what=f"states {want}")
+    except TimeoutError as exc:
+        tail = agent.log()[-4000:] if agent else ""
+        raise AssertionError(f"{exc}; status now: {seen}\nagent log tail:\n{tail}") from None
+    return seen
+
+
+def create_group(kube: Kube, name: str, storage_limit: str, path: str) -> None:
+    kube.create(LOCAL_MODEL_NODE_GROUPS, {
+        "metadata": {"name": name},
+        "spec": {
+            "storageLimit": storage_limit,
+            "persistentVolumeSpec": {
+                "accessModes": ["ReadWriteOnce"], "capacity": {"storage": storage_limit},
+                "local": {"path": path}, "storageClassName": "standard",
+                "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "kubernetes.io/hostname", "operator": "In", "values": ["node-a"]}]}]}},
+            },
+            "persistentVolumeClaimSpec": {"accessModes": ["ReadWriteOnce"],
+                                          "resources": {"requests": {"storage": storage_limit}}},
+        },
+    })
+
+
+def create_serving_pod(kube: Kube, node: str, namespace: str, name: str, pv_path: str, key: str) -> None:
+    """A running predictor pod as KServe rewrites it: PVC <cache>-<group> bound to the group PV,
+    mounted with subPath models/<storageKey>."""
+    ensure_namespace(kube, namespace)
+    pv, pvc = f"cache-group-{namespace}", "cache-group"
+    kube.create(PERSISTENT_VOLUMES, {"metadata": {"name": pv}, "spec": {
+        "capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "local": {"path": pv_path},
+        "storageClassName": "standard", "persistentVolumeReclaimPolicy": "Retain",
+        "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]}}}})
+    kube.create(PERSISTENT_VOLUME_CLAIMS, {"metadata": {"name": pvc}, "spec": {
+        "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}},
+        "storageClassName": "standard", "volumeName": pv}}, namespace)
+    kube.create(PODS, {"metadata": {"name": name}, "spec": {
+        "nodeName": node,
+        "containers": [{"name": "kserve-container", "image": "runtime",
+                        "volumeMounts": [{"name": "kserve-pvc-source", "mountPath": "/mnt/models",
+                                          "subPath": f"models/{key}", "readOnly": True}]}],
+        "volumes": [{"name": "kserve-pvc-source", "persistentVolumeClaim": {"claimName": pvc}}]}}, namespace)
+    kube.patch_status(PODS, name, {"status": {"phase": "Running"}}, namespace)
+
+
+def create_secret(kube: Kube, name: str, string_data: dict[str, str],
+                  annotations: dict[str, str] | None = None) -> None:
+    meta: dict[str, Any] = {"name": name}
+    if annotations:
+        meta["annotations"] = annotations
+    kube.create(SECRETS, {"metadata": meta, "stringData": string_data}, CRED_NS)
+
+
+def create_service_account(kube: Kube, name: str, secrets: list[str]) -> None:
+    kube.create(SERVICE_ACCOUNTS, {"metadata": {"name": name}, "secrets": [{"name": s} for s in secrets]}, CRED_NS)
+
+
+def model_files(root: Path, key: str) -> dict[str, int]:
+    base = root / "models" / key
+    return {str(p.relative_to(base)): p.stat().st_size for p in sorted(base.rglob("*")) if p.is_file()}
+
+
+def poll_while(cond: Callable[[], bool], check: Callable[[], None], timeout: float) -> None:
+    """Run ``check`` repeatedly until ``cond`` holds (for invariants that must hold throughout)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        check()
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError("condition not reached in time")

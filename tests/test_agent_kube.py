@@ -1,0 +1,181 @@
+"""The node agent as a subprocess against the kube test server and real storage servers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from modelcache.kube.client import PODS
+from modelcache.uri import storage_key
+from tests.agent_util import (
+    CRED_NS,
+    create_node,
+    create_secret,
+    create_service_account,
+    create_serving_pod,
+    ensure_namespace,
+    entry,
+    kube_for,
+    model_files,
+    node_status,
+    set_entries,
+    start_agent,
+    wait_states,
+)
+from tests.fixtures.http import random_bytes
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+D = "ModelDownloaded"
+
+
+@pytest.fixture
+def kube(kubeapi):
+    k = kube_for(kubeapi)
+    ensure_namespace(k, CRED_NS)
+    return k
+
+
+def test_two_backends_with_credentials_status_metrics_and_no_secret_in_logs(kubeapi, kube, nginx, moto_s3, tmp_path):
+    # HTTP (nginx): one file. S3 (moto, IAM auth on): the same prefix reached twice, once with the
+    # storage-config secret (storage.key) and once through a service account's secret.
+    nginx.write("m/model.bin", 3 << 20)
+    s3 = moto_s3.client()
+    bucket = moto_s3.new_bucket()
+    objects = {"llm/config.json": b'{"a": 1}', "llm/weights/model-1.safetensors": random_bytes(2 << 20, 7)}
+    for k, body in objects.items():
+        s3.put_object(Bucket=bucket, Key=k, Body=body)
+    s3.put_object(Bucket=bucket, Key="sa/model.bin", Body=random_bytes(1 << 20, 9))
+
+    spec_cfg = {"type": "s3", "access_key_id": moto_s3.access_key, "secret_access_key": moto_s3.secret_key,
+                "endpoint_url": moto_s3.endpoint, "region": "us-east-1"}
+    create_secret(kube, "storage-config", {"localS3": json.dumps(spec_cfg)})
+    host = moto_s3.endpoint.removeprefix("http://")
+    create_secret(kube, "s3creds", {"awsAccessKeyID": moto_s3.access_key, "awsSecretAccessKey": moto_s3.secret_key},
+                  annotations={"serving.kserve.io/s3-endpoint": host, "serving.kserve.io/s3-usehttps": "0",
+                               "serving.kserve.io/s3-region": "us-east-1"})
+    create_service_account(kube, "models-sa", ["s3creds"])
+
+    http_uri, s3_uri, sa_uri = nginx.url("m/model.bin"), f"s3://{bucket}/llm", f"s3://{bucket}/sa"
+    create_node(kube, "node-a", [
+        entry("web", http_uri),
+        entry("llm", s3_uri, storage={"key": "localS3"}),
+        entry("llm", s3_uri, namespace="team", storage={"key": "localS3"}),  # same URI: one folder
+        entry("viasa", sa_uri, serviceAccountName="models-sa"),
+    ])
+    agent = start_agent(kubeapi.kubeconfig, "node-a", tmp_path / "root", tmp_path)
+    try:
+        status = wait_states(kube, "node-a", {"web": D, "llm": D, "team/llm": D, "viasa": D}, agent=agent)
+        root = tmp_path / "root"
+        assert model_files(root, storage_key(http_uri)) == {"model.bin": 3 << 20}
+        assert model_files(root, storage_key(s3_uri)) == {"config.json": 8, "weights/model-1.safetensors": 2 << 20}
+        assert model_files(root, storage_key(sa_uri)) == {"model.bin": 1 << 20}
+        assert sorted(p.name for p in (root / "models").iterdir()) == sorted(
+            {storage_key(u) for u in (http_uri, s3_uri, sa_uri)})
+
+        d = status["modelDetails"]["llm"]
+        assert d["state"] == D and d["storageKey"] == storage_key(s3_uri) and d["sourceModelUri"] == s3_uri
+        assert d["bytesTotal"] == d["bytesDone"] == (2 << 20) + 8 and d["filesTotal"] == 2
+        assert d["startedAt"] and d["finishedAt"] and d["attempts"] == 1 and d.get("resolvedRevision")
+        assert status["modelDetails"]["team/llm"]["storageKey"] == d["storageKey"]
+        assert status["modelCounts"] == {"downloaded": 4, "downloading": 0, "pending": 0, "failed": 0, "total": 4}
+        cap = status["capacity"]
+        assert cap["totalBytes"] > 0 and 0 < cap["freeBytes"] <= cap["totalBytes"] and cap["free"]
+        assert status.get("lastUpdated")
+
+        code, text = agent.get("/metrics")
+        assert code == 200
+        assert 'modelcache_agent_models{state="ModelDownloaded"} 4.0' in text  # by status key, as modelStatus
+        assert 'modelcache_agent_downloaded_bytes_total{scheme="http"} 3.145728e+06' in text
+        assert 'modelcache_agent_downloaded_bytes_total{scheme="s3"}' in text
+        assert "modelcache_agent_download_duration_seconds_count" in text
+        assert "modelcache_agent_free_bytes" in text and "modelcache_agent_reserved_bytes 0.0" in text
+        assert agent.get("/healthz")[0] == 200 and agent.get("/readyz")[0] == 200
+    finally:
+        agent.stop()
+    logs = agent.log()
+    assert "download finished" in logs and "progress" in logs
+    for secret in (moto_s3.secret_key, moto_s3.access_key):
+        assert secret not in logs
+        assert secret not in json.dumps(node_status(kube, "node-a"))
+
+
+def test_wrong_storage_key_is_an_error_without_the_secret(kubeapi, kube, moto_s3, tmp_path):
+    bucket = moto_s3.new_bucket()
+    moto_s3.client().put_object(Bucket=bucket, Key="p/f.bin", Body=b"x" * 1000)
+    bad = {"type": "s3", "access_key_id": "AKIAWRONGWRONGWRONG", "secret_access_key": "wrong-secret-value-123",
+           "endpoint_url": moto_s3.endpoint, "region": "us-east-1"}
+    create_secret(kube, "storage-config", {"bad": json.dumps(bad)})
+    create_node(kube, "node-a", [entry("m", f"s3://{bucket}/p", storage={"key": "bad"}),
+                                 entry("nokey", f"s3://{bucket}/p/", storage={"key": "missing"})])
+    agent = start_agent(kubeapi.kubeconfig, "node-a", tmp_path / "root", tmp_path)
+    try:
+        status = wait_states(kube, "node-a", {"m": "ModelDownloadError", "nokey": "ModelDownloadError"}, agent=agent)
+        assert "no key 'missing'" in status["modelDetails"]["nokey"]["message"]
+        assert status["modelDetails"]["m"]["message"]
+    finally:
+        agent.stop()
+    assert "wrong-secret-value-123" not in agent.log()
+    assert "wrong-secret-value-123" not in json.dumps(node_status(kube, "node-a"))
+
+
+def test_removal_waits_for_the_mounting_pod(kubeapi, kube, nginx, tmp_path):
+    nginx.write("a/model.bin", 1 << 20)
+    nginx.write("b/model.bin", 1 << 20)
+    ua, ub = nginx.url("a/model.bin"), nginx.url("b/model.bin")
+    ka, kb = storage_key(ua), storage_key(ub)
+    root = tmp_path / "root"
+    create_node(kube, "node-a", [entry("a", ua), entry("b", ub)])
+    agent = start_agent(kubeapi.kubeconfig, "node-a", root, tmp_path, "--host-path", str(root))
+    try:
+        wait_states(kube, "node-a", {"a": D, "b": D}, agent=agent)
+        # b is served by a running pod on this node; a is not.
+        create_serving_pod(kube, "node-a", "team", "isvc-predictor-0", str(root), kb)
+        set_entries(kube, "node-a", [])
+        wait_until(lambda: not (root / "models" / ka).exists(), timeout=20, what="a deleted")
+        assert not (root / ".modelcache" / "manifests" / f"{ka}.json").exists()
+
+        def waiting() -> bool:
+            st = node_status(kube, "node-a")
+            return st.get("modelStatus") == {} and "isvc-predictor-0" in (
+                st.get("modelDetails", {}).get("b", {}).get("message") or "")
+
+        wait_until(waiting, timeout=20, what="b reported as kept for the pod")
+        assert model_files(root, kb) == {"model.bin": 1 << 20}
+        _, metrics = agent.get("/metrics")
+        assert "modelcache_agent_removals_waiting 1.0" in metrics
+        # The pod finishes: now b goes.
+        kube.delete(PODS, "isvc-predictor-0", "team")
+        wait_until(lambda: not (root / "models" / kb).exists(), timeout=20, what="b deleted after the pod")
+        wait_until(lambda: node_status(kube, "node-a").get("modelDetails") in ({}, None), timeout=10,
+                   what="details cleared")
+    finally:
+        agent.stop()
+
+
+def test_two_agents_two_nodes_two_roots(kubeapi, kube, nginx, tmp_path):
+    nginx.write("x/model.bin", 1 << 20)
+    nginx.write("y/model.bin", 1 << 20)
+    ux, uy = nginx.url("x/model.bin"), nginx.url("y/model.bin")
+    create_node(kube, "node-a", [entry("x", ux)])
+    create_node(kube, "node-b", [entry("y", uy)])
+    ra, rb = tmp_path / "ra", tmp_path / "rb"
+    a = start_agent(kubeapi.kubeconfig, "node-a", ra, tmp_path)
+    b = start_agent(kubeapi.kubeconfig, "node-b", rb, tmp_path)
+    try:
+        wait_states(kube, "node-a", {"x": D}, agent=a)
+        wait_states(kube, "node-b", {"y": D}, agent=b)
+        assert sorted(p.name for p in (ra / "models").iterdir()) == [storage_key(ux)]
+        assert sorted(p.name for p in (rb / "models").iterdir()) == [storage_key(uy)]
+        assert set(node_status(kube, "node-a")["modelStatus"]) == {"x"}
+        assert set(node_status(kube, "node-b")["modelStatus"]) == {"y"}
+        # A change to one node touches only that node's root.
+        set_entries(kube, "node-b", [])
+        wait_until(lambda: not any((rb / "models").iterdir()), timeout=20, what="node-b emptied")
+        assert model_files(ra, storage_key(ux)) == {"model.bin": 1 << 20}
+        assert node_status(kube, "node-a")["modelStatus"] == {"x": D}
+    finally:
+        a.stop()
+        b.stop()
