@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import posixpath
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import requests
@@ -115,15 +116,18 @@ class HDFSSource(Source):
             raise self._error(exc, self.path) from exc
         if status["type"] == "FILE":
             # A single file is saved under its own name, as KServe does.
-            files = [self._file(posixpath.basename(root), root, status)]
+            found = [(posixpath.basename(root), root, status)]
         else:
-            files = list(self._walk(root, "", 0))
-        if not files:
+            found = list(self._walk(root, "", 0))
+        if not found:
             raise NotFoundError(f"{self.where}: Failed to fetch model. No model found in '{root}'")
-        self._resolved = None  # HDFS has no revisions: a concurrent rewrite is caught by the length check
+        # One GETFILECHECKSUM per file, a round trip each (and a datanode hop): in parallel.
+        with ThreadPoolExecutor(max_workers=min(8, len(found))) as pool:
+            files = list(pool.map(lambda f: self._file(*f), found))
+        # HDFS has no revisions: a file rewritten meanwhile fails its checksum or length check.
         return sorted(files, key=lambda f: f.path)
 
-    def _walk(self, folder: str, rel: str, depth: int) -> Iterator[RemoteFile]:
+    def _walk(self, folder: str, rel: str, depth: int) -> Iterator[tuple[str, str, dict]]:
         if depth > _MAX_DEPTH:
             raise SourceError(f"{self.where}: folders nested deeper than {_MAX_DEPTH} levels at '{folder}'")
         try:
@@ -136,7 +140,7 @@ class HDFSSource(Source):
             if status["type"] == "DIRECTORY":
                 yield from self._walk(child, child_rel, depth + 1)
             else:
-                yield self._file(child_rel, child, status)
+                yield child_rel, child, status
 
     def _file(self, rel: str, absolute: str, status: dict) -> RemoteFile:
         size = int(status["length"])
