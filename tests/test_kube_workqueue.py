@@ -105,3 +105,31 @@ def test_workers_never_share_a_key_and_failures_retry() -> None:
     assert calls["flaky"] >= 3  # failed twice, retried with backoff, then succeeded
     assert ctl.queue.retries("flaky") == 0  # success forgets the backoff
     assert calls["a"] < 20  # adds during processing were collapsed
+
+
+def test_mappers_owner_label_and_predicate() -> None:
+    from modelcache.kube.controller import generation_or_meta_changed, label_keys, owner_keys
+
+    pvc = {"metadata": {"name": "c-g", "namespace": "team", "ownerReferences": [
+        {"kind": "LocalModelCache", "name": "c", "controller": True},
+        {"kind": "Other", "name": "x", "controller": False}]}}
+    assert owner_keys("LocalModelCache")("ADDED", pvc, None) == ["c"]
+    assert owner_keys("Other")("ADDED", pvc, None) == []
+    assert owner_keys("Other", controller_only=False)("ADDED", pvc, None) == ["x"]
+    assert owner_keys("LocalModelCache", owner_namespaced=True)("ADDED", pvc, None) == ["team/c"]
+
+    old = {"metadata": {"labels": {"internal.serving.kserve.io/localmodel": "a"}}}
+    new = {"metadata": {"labels": {"internal.serving.kserve.io/localmodel": "b",
+                                   "internal.serving.kserve.io/localmodel-namespace": "ns"}}}
+    assert label_keys("internal.serving.kserve.io/localmodel")("MODIFIED", new, old) == ["a", "b"]
+    ns_keys = label_keys("internal.serving.kserve.io/localmodel", "internal.serving.kserve.io/localmodel-namespace")
+    assert ns_keys("MODIFIED", new, old) == ["ns/b"]
+    assert label_keys("x")("ADDED", {"metadata": {}}, None) == []
+
+    base = {"metadata": {"generation": 1, "labels": {"a": "1"}}, "status": {"s": 1}}
+    status_only = {"metadata": {"generation": 1, "labels": {"a": "1"}}, "status": {"s": 2}}
+    relabelled = {"metadata": {"generation": 1, "labels": {"a": "2"}}}
+    assert not generation_or_meta_changed("MODIFIED", status_only, base)
+    assert generation_or_meta_changed("MODIFIED", relabelled, base)
+    assert generation_or_meta_changed("MODIFIED", {"metadata": {"generation": 2}}, base)
+    assert generation_or_meta_changed("ADDED", base, None) and generation_or_meta_changed("DELETED", base, None)

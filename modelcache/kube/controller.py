@@ -43,6 +43,47 @@ def own_key(_event: str, obj: dict[str, Any], _old: dict[str, Any] | None) -> li
     return [object_key(obj)]
 
 
+def owner_keys(kind: str, owner_namespaced: bool = False, controller_only: bool = True) -> Mapper:
+    """Map an owned object (a PV, a PVC) to its owner's key via ``metadata.ownerReferences``.
+
+    A namespaced owner lives in its dependent's namespace (Kubernetes forbids cross-namespace
+    owners), so its key is ``<namespace>/<name>``; a cluster-scoped owner's key is its name.
+    """
+
+    def mapper(_event: str, obj: dict[str, Any], _old: dict[str, Any] | None) -> list[str]:
+        meta = obj.get("metadata") or {}
+        ns = meta.get("namespace")
+        keys = []
+        for ref in meta.get("ownerReferences") or []:
+            if ref.get("kind") == kind and (ref.get("controller") or not controller_only):
+                keys.append(f"{ns}/{ref['name']}" if owner_namespaced and ns else ref["name"])
+        return keys
+
+    return mapper
+
+
+def label_keys(label: str, namespace_label: str | None = None) -> Mapper:
+    """Map an object to the key named by its label value (old and new, so a relabel reaches both).
+
+    With ``namespace_label`` the key is ``<that label's value>/<label value>`` (a namespaced owner).
+    """
+
+    def one(obj: dict[str, Any] | None) -> list[str]:
+        labels = ((obj or {}).get("metadata") or {}).get("labels") or {}
+        name = labels.get(label)
+        if not name:
+            return []
+        if namespace_label is None:
+            return [name]
+        ns = labels.get(namespace_label)
+        return [f"{ns}/{name}"] if ns else []
+
+    def mapper(_event: str, obj: dict[str, Any], old: dict[str, Any] | None) -> list[str]:
+        return sorted(set(one(obj)) | set(one(old)))
+
+    return mapper
+
+
 def generation_or_meta_changed(event: str, obj: dict[str, Any], old: dict[str, Any] | None) -> bool:
     """Skip updates that change only status (controller-runtime's GenerationChangedPredicate,
     plus labels/annotations/deletion, which do not bump the generation)."""
