@@ -1,11 +1,62 @@
-"""Entry point placeholder until the coordinator issue lands."""
+"""``modelcache-coordinator``: caches to nodes, truthful status, services, PV/PVCs, pod placement."""
 
+from __future__ import annotations
+
+import logging
+import signal
+import socket
 import sys
+from pathlib import Path
+
+import click
+
+from coordinator.app import Config, Coordinator
 
 
-def main() -> None:
-    print("modelcache-coordinator: not implemented yet", file=sys.stderr)
-    sys.exit(2)
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--kubeconfig", envvar="KUBECONFIG", default=None,
+              help="kubeconfig file; default: in-cluster, else $KUBECONFIG / ~/.kube/config")
+@click.option("--webhook-cert-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="directory with tls.crt and tls.key; the webhook server starts only when given")
+@click.option("--webhook-port", type=int, default=9443)
+@click.option("--self-signed/--no-self-signed", default=False,
+              help="generate a self-signed pair into --webhook-cert-dir if none is there (development)")
+@click.option("--bind", "host", default="0.0.0.0", help="address of the health/metrics and webhook servers")
+@click.option("--port", type=int, default=8080, help="port of /healthz, /readyz and /metrics")
+@click.option("--leader-election/--no-leader-election", default=True)
+@click.option("--lease-name", default="modelcache-coordinator")
+@click.option("--lease-namespace", envvar="POD_NAMESPACE", default="modelcache-system")
+@click.option("--identity", envvar="POD_NAME", default=socket.gethostname(), help="lease holder identity")
+@click.option("--mutate-isvc/--no-mutate-isvc", default=True,
+              help="set KServe's local-model label/annotations on services (off where KServe's webhook does it)")
+@click.option("--pod-rewrite", type=click.Choice(["off", "on"]), default="off",
+              help="also do KServe's local-model pod rewrite (where KServe's pod mutator is not installed)")
+@click.option("--pod-failure-policy", type=click.Choice(["Ignore", "Fail"]), default="Ignore",
+              help="when the pod webhook cannot look up caches: admit unchanged, or deny")
+@click.option("--workers", type=int, default=2, help="workers per controller")
+@click.option("--log-level", default="INFO")
+def main(kubeconfig: str | None, webhook_cert_dir: Path | None, webhook_port: int, self_signed: bool, host: str,
+         port: int, leader_election: bool, lease_name: str, lease_namespace: str, identity: str, mutate_isvc: bool,
+         pod_rewrite: str, pod_failure_policy: str, workers: int, log_level: str) -> None:
+    """Run the modelcache coordinator."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = Config(
+        kubeconfig=kubeconfig, webhook_cert_dir=webhook_cert_dir, webhook_host=host, webhook_port=webhook_port,
+        self_signed=self_signed, host=host, port=port, leader_election=leader_election, lease_name=lease_name,
+        lease_namespace=lease_namespace, identity=identity, mutate_isvc=mutate_isvc, pod_rewrite=pod_rewrite == "on",
+        pod_fail_closed=pod_failure_policy == "Fail", workers=workers,
+    )
+    coordinator = Coordinator(cfg)
+
+    def on_signal(_sig: int, _frame: object) -> None:
+        coordinator.done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    coordinator.start()
+    code = coordinator.wait()
+    coordinator.stop()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

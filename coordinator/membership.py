@@ -47,9 +47,3 @@ def place(
                 break
     return out
 
-
-def first_group_for_node(groups: Mapping[str, Mapping[str, Any]], names: Iterable[str], node: Mapping[str, Any]) -> str | None:
-    for g in names:
-        if g in groups and group_matches(groups[g], node):
-            return g
-    return None

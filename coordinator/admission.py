@@ -1,0 +1,146 @@
+"""Admission logic: AdmissionReview v1 in, AdmissionReview v1 out.
+
+``/mutate-pods``: serving pods of a cached model get a required node affinity to nodes where
+the model is downloaded (and, in rewrite mode, KServe's local-model mount).
+``/validate-localmodelcaches`` and ``/validate-localmodelnamespacecaches``: KServe's rules
+(unique URI among cluster caches, no delete while a service uses the cache, node groups exist)
+plus the immutability of ``sourceModelUri``. A cache whose services are already gone can be
+deleted at once (KServe denies until its status refreshes).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator import podmutate
+from coordinator.lookup import ApiLookup
+from coordinator.urimatch import match_storage_uri, select_cache, serving_pvc_name, sub_path
+from modelcache.kube.types import LOCALMODEL_LABEL, LOCALMODEL_NAMESPACE_LABEL, LOCALMODEL_PVC_ANNOTATION
+
+log = logging.getLogger(__name__)
+
+Review = dict[str, Any]
+
+
+def response(request: Review, allowed: bool, message: str = "", patch: list[dict[str, Any]] | None = None,
+             code: int = 403) -> Review:
+    resp: dict[str, Any] = {"uid": (request.get("request") or {}).get("uid", ""), "allowed": allowed}
+    if not allowed:
+        resp["status"] = {"code": code, "message": message, "reason": "Forbidden" if code == 403 else ""}
+    elif message:
+        resp["warnings"] = [message]
+    if patch:
+        resp["patchType"] = "JSONPatch"
+        resp["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": resp}
+
+
+# -- pods -------------------------------------------------------------------------------------
+
+
+def pod_target(pod: dict[str, Any], namespace: str, lookup: ApiLookup) -> podmutate.PodTarget | None:
+    meta = pod.get("metadata") or {}
+    labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
+    source = annotations.get(podmutate.SOURCE_URI_ANNOTATION)
+    name = labels.get(LOCALMODEL_LABEL)
+    if name:  # labelled by KServe's (or our) defaulter through the service
+        cache = lookup.cache(labels.get(LOCALMODEL_NAMESPACE_LABEL) or None, name)
+        if cache is None:
+            return None
+        uri = (cache.get("spec") or {}).get("sourceModelUri", "")
+        groups = (cache.get("spec") or {}).get("nodeGroups") or [""]
+        pvc = annotations.get(LOCALMODEL_PVC_ANNOTATION) or serving_pvc_name(name, groups[0])
+        sub = sub_path(uri, source) if source and match_storage_uri(uri, source) else ""
+        return podmutate.PodTarget(uri, pvc, sub)
+    if source:
+        match = select_cache(source, namespace, annotations, *lookup.cache_refs(namespace))
+        if match is not None:
+            return podmutate.PodTarget(match.cache.uri, match.pvc_name, match.sub_path)
+    return None
+
+
+@dataclass
+class PodMutator:
+    lookup: ApiLookup
+    rewrite: bool = False
+    fail_closed: bool = False  # failure policy for our own errors: deny (Fail) or admit unchanged (Ignore)
+
+    def __call__(self, review: Review) -> Review:
+        req = review.get("request") or {}
+        pod = req.get("object") or {}
+        namespace = req.get("namespace") or (pod.get("metadata") or {}).get("namespace") or "default"
+        try:
+            target = pod_target(pod, namespace, self.lookup)
+        except Exception as exc:
+            log.warning("pod admission: cache lookup failed: %s", exc)
+            if self.fail_closed:
+                return response(review, False, f"modelcache: cannot look up the model cache: {exc}", code=500)
+            return response(review, True, "modelcache: cache lookup failed; pod admitted without placement")
+        if target is None:
+            return response(review, True)
+        return response(review, True, patch=podmutate.json_patch(pod, podmutate.mutate(pod, target, self.rewrite)))
+
+
+# -- caches -----------------------------------------------------------------------------------
+
+
+@dataclass
+class CacheValidator:
+    lookup: ApiLookup
+    namespaced: bool
+
+    @property
+    def kind(self) -> str:
+        return "LocalModelNamespaceCache" if self.namespaced else "LocalModelCache"
+
+    def __call__(self, review: Review) -> Review:
+        req = review.get("request") or {}
+        op = req.get("operation")
+        checks: dict[str, Callable[[Review], str | None]] = {
+            "CREATE": self._create_or_update, "UPDATE": self._create_or_update, "DELETE": self._delete,
+        }
+        check = checks.get(str(op))
+        denial = check(req) if check else None
+        return response(review, denial is None, denial or "")
+
+    def _create_or_update(self, req: Review) -> str | None:
+        obj, old = req.get("object") or {}, req.get("oldObject") or None
+        meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
+        if meta.get("deletionTimestamp"):
+            return None
+        uri = spec.get("sourceModelUri", "")
+        if old and (old.get("spec") or {}).get("sourceModelUri") != uri:
+            return "StorageUri is immutable"
+        if not self.namespaced:
+            for other in self.lookup.cluster_caches():
+                om = other.get("metadata") or {}
+                if om.get("name") != meta.get("name") and not om.get("deletionTimestamp") and \
+                        (other.get("spec") or {}).get("sourceModelUri") == uri:
+                    return f"LocalModelCache {om.get('name')} has the same StorageURI {uri}"
+        for group in spec.get("nodeGroups") or []:
+            if not self.lookup.group_exists(group):
+                return f"NodeGroup {group} not found: create the LocalModelNodeGroup first"
+        return None
+
+    def _delete(self, req: Review) -> str | None:
+        obj = req.get("oldObject") or {}
+        meta = obj.get("metadata") or {}
+        name = meta.get("name") or req.get("name", "")
+        ns = meta.get("namespace") or req.get("namespace") or None
+        selector = f"{LOCALMODEL_LABEL}={name}"
+        if self.namespaced:
+            selector += f",{LOCALMODEL_NAMESPACE_LABEL}={ns}"
+        else:
+            selector += f",!{LOCALMODEL_NAMESPACE_LABEL}"
+        users = self.lookup.services_labelled(selector, ns if self.namespaced else None)
+        users = [(k, s) for k, s in users if not (s.get("metadata") or {}).get("deletionTimestamp")]
+        if users:
+            kind, svc = users[0]
+            sm = svc.get("metadata") or {}
+            return f"{self.kind} {name} is being used by {kind} {sm.get('namespace')}/{sm.get('name')}"
+        return None

@@ -1,0 +1,157 @@
+"""The running coordinator: health/metrics and webhooks on every replica; the reconcilers only
+on the replica holding the Lease (started when it is won, the process exits when it is lost,
+as controller-runtime does, so a deposed leader can never write beside the new one)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coordinator import controllers, metrics
+from coordinator.admission import CacheValidator, PodMutator
+from coordinator.certs import CERT_FILE, ReloadingContext, generate_self_signed
+from coordinator.events import EventRecorder
+from coordinator.httpserve import HealthServer, WebhookServer
+from coordinator.lookup import ApiLookup
+from coordinator.view import ClusterView
+from modelcache.kube.client import Kube, load_api_client
+from modelcache.kube.controller import Manager
+from modelcache.kube.leader import LeaderElector
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Config:
+    kubeconfig: str | None = None
+    webhook_cert_dir: Path | None = None
+    webhook_host: str = "0.0.0.0"
+    webhook_port: int = 9443
+    self_signed: bool = False
+    host: str = "0.0.0.0"
+    port: int = 8080
+    leader_election: bool = True
+    lease_name: str = "modelcache-coordinator"
+    lease_namespace: str = "modelcache-system"
+    identity: str = field(default_factory=socket.gethostname)
+    mutate_isvc: bool = True
+    pod_rewrite: bool = False
+    pod_fail_closed: bool = False
+    workers: int = 2
+    watch_timeout: int = 300
+    lease_duration: float = 15.0
+    renew_deadline: float = 10.0
+    retry_period: float = 2.0
+
+
+class Coordinator:
+    def __init__(self, cfg: Config, kube: Kube | None = None) -> None:
+        self.cfg = cfg
+        self.kube = kube or Kube(load_api_client(cfg.kubeconfig))
+        self.view: ClusterView | None = None
+        self.manager: Manager | None = None
+        self.webhooks: WebhookServer | None = None
+        self.tls: ReloadingContext | None = None
+        self.health: HealthServer | None = None
+        self.elector: LeaderElector | None = None
+        self.leading = threading.Event()
+        self.controllers_running = threading.Event()
+        self.done = threading.Event()
+        self.exit_code = 0
+        self._lock = threading.Lock()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> Coordinator:
+        self.health = HealthServer(self.cfg.host, self.cfg.port, self.ready).start()
+        if self.cfg.webhook_cert_dir is not None:
+            self._start_webhooks(self.cfg.webhook_cert_dir)
+        if self.cfg.leader_election:
+            self.elector = LeaderElector(
+                self.kube, self.cfg.lease_namespace, self.cfg.lease_name, self.cfg.identity,
+                lease_duration=self.cfg.lease_duration, renew_deadline=self.cfg.renew_deadline,
+                retry_period=self.cfg.retry_period,
+                on_started_leading=self._started_leading, on_stopped_leading=self._stopped_leading,
+            ).start()
+        else:
+            self._started_leading()
+        return self
+
+    def _start_webhooks(self, cert_dir: Path) -> None:
+        if self.cfg.self_signed and not (cert_dir / CERT_FILE).exists():
+            generate_self_signed(cert_dir, [socket.gethostname(), "localhost", "127.0.0.1"])
+            log.warning("generated a self-signed webhook certificate in %s (development only)", cert_dir)
+        self.tls = ReloadingContext(cert_dir).start()
+        lookup = ApiLookup(self.kube)
+        routes = {
+            "/mutate-pods": PodMutator(lookup, self.cfg.pod_rewrite, self.cfg.pod_fail_closed),
+            "/validate-localmodelcaches": CacheValidator(lookup, namespaced=False),
+            "/validate-localmodelnamespacecaches": CacheValidator(lookup, namespaced=True),
+        }
+        self.webhooks = WebhookServer(self.cfg.webhook_host, self.cfg.webhook_port, routes, self.tls.context).start()
+        log.info("webhooks serving on :%d", self.webhooks.port)
+
+    def _started_leading(self) -> None:
+        self.leading.set()
+        metrics.LEADER.set(1)
+        # Informer sync can take longer than a lease renewal period: never block the elector.
+        threading.Thread(target=self._run_controllers, name="controllers", daemon=True).start()
+
+    def _run_controllers(self) -> None:
+        try:
+            with self._lock:
+                if self.done.is_set():
+                    return
+                self.view = ClusterView.build(self.kube, watch_timeout=self.cfg.watch_timeout)
+                self.manager = controllers.build(
+                    self.view, EventRecorder(self.kube, self.cfg.identity),
+                    controllers.Options(mutate_services=self.cfg.mutate_isvc, workers=self.cfg.workers))
+                self.view.start()
+                self.manager.start()
+            self.controllers_running.set()
+            log.info("controllers running")
+        except Exception:
+            log.exception("controllers failed to start")
+            self.exit_code = 1
+            self.done.set()
+
+    def _stopped_leading(self) -> None:
+        metrics.LEADER.set(0)
+        self.leading.clear()
+        if not self.done.is_set():
+            log.error("lost the lease: exiting so that only the new leader reconciles")
+            self.exit_code = 1
+            self.done.set()
+        self._stop_controllers()
+
+    def _stop_controllers(self) -> None:
+        with self._lock:
+            if self.manager is not None:
+                self.manager.stop()
+            if self.view is not None:
+                self.view.stop()
+            self.manager = self.view = None
+            self.controllers_running.clear()
+
+    def ready(self) -> bool:
+        """Webhooks up (if configured); and, on the leader, caches synced and workers running."""
+        if self.cfg.webhook_cert_dir is not None and self.webhooks is None:
+            return False
+        return not self.leading.is_set() or self.controllers_running.is_set()
+
+    def stop(self) -> None:
+        self.done.set()
+        if self.elector is not None:
+            self.elector.stop()  # releases the lease: a successor takes over at once
+        self._stop_controllers()
+        for server in (self.webhooks, self.health):
+            if server is not None:
+                server.stop()
+        if self.tls is not None:
+            self.tls.stop()
+
+    def wait(self) -> int:
+        self.done.wait()
+        return self.exit_code

@@ -1,0 +1,239 @@
+"""Reconciler for LocalModelCache and LocalModelNamespaceCache (one key at a time).
+
+Desired state from the informer caches, then diffed against what exists:
+* the finalizer is on while the cache lives;
+* every Ready member of the cache's groups has the entry in its LocalModelNode (created if
+  missing); nodes that are no longer members lose it; a member that is NotReady keeps whatever
+  it has (a node that flaps must not lose its files);
+* ``status`` = nodeStatus/copies over current members, the services labelled with the cache;
+* serving PV/PVC pairs exist for each (namespace, group) with a service, and no others.
+Deletion never depends on the node groups (kserve#6154): entries are removed wherever they
+are, our volumes are deleted, then the finalizer goes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
+from coordinator import aggregate, entries, metrics, volumes
+from coordinator.events import EventRecorder
+from coordinator.membership import Member, place
+from coordinator.view import BY_CACHE, ClusterView, cache_key
+from modelcache.kube.client import (
+    LOCAL_MODEL_CACHES,
+    LOCAL_MODEL_NAMESPACE_CACHES,
+    LOCAL_MODEL_NODES,
+    PERSISTENT_VOLUME_CLAIMS,
+    PERSISTENT_VOLUMES,
+    Resource,
+)
+from modelcache.kube.controller import Result
+from modelcache.kube.status import patch_status_if_changed, update_if_changed
+from modelcache.kube.types import CACHE_FINALIZER, NAMESPACE_CACHE_FINALIZER, status_key
+
+log = logging.getLogger(__name__)
+
+
+class CacheReconciler:
+    def __init__(self, view: ClusterView, recorder: EventRecorder, namespaced: bool) -> None:
+        self.view = view
+        self.kube = view.kube
+        self.recorder = recorder
+        self.namespaced = namespaced
+        self.res: Resource = LOCAL_MODEL_NAMESPACE_CACHES if namespaced else LOCAL_MODEL_CACHES
+        self.finalizer = NAMESPACE_CACHE_FINALIZER if namespaced else CACHE_FINALIZER
+        self.name = self.res.kind
+
+    def __call__(self, key: str) -> Result:
+        obj = self.view.cache(key)
+        if obj is None:
+            return Result()
+        if (obj.get("metadata") or {}).get("deletionTimestamp"):
+            self.finalize(key, obj)
+            return Result()
+        obj = self.ensure_finalizer(obj) or obj
+        spec = obj.get("spec") or {}
+        groups = self.view.group_map()
+        members = place(spec.get("nodeGroups") or [], groups, self.view.nodes.store.list())
+        self.sync_entries(key, obj, members)
+        self.sync_volumes(key, obj, groups)
+        self.sync_status(key, obj, members)
+        missing = [g for g in spec.get("nodeGroups") or [] if g not in groups]
+        if missing:
+            log.info("%s %s: node group(s) %s not found", self.res.kind, key, ", ".join(missing))
+        return Result()
+
+    # -- finalizer ----------------------------------------------------------------------------
+    def ensure_finalizer(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        if self.finalizer in (obj["metadata"].get("finalizers") or []):
+            return None
+
+        def add(o: dict[str, Any]) -> None:
+            fins = o["metadata"].setdefault("finalizers", [])
+            if self.finalizer not in fins:
+                fins.append(self.finalizer)
+
+        metrics.WRITES.labels(self.res.kind, "update").inc()
+        return update_if_changed(self.kube, self.res, obj["metadata"]["name"], add, obj["metadata"].get("namespace"),
+                                 current=obj)
+
+    def finalize(self, key: str, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        if self.finalizer not in (meta.get("finalizers") or []):
+            return
+        name, ns = meta["name"], meta.get("namespace") or None
+        # A fresh list, not the informer: an entry written a moment ago must not be missed.
+        for lmn in self.kube.list(LOCAL_MODEL_NODES).get("items") or []:
+            if entries.has((lmn.get("spec") or {}).get("localModels") or [], name, ns):
+                self._remove_entry(lmn["metadata"]["name"], name, ns, None)
+        for pvc in self.view.pvcs.store.by_index(BY_CACHE, key):
+            self._delete(PERSISTENT_VOLUME_CLAIMS, pvc["metadata"]["name"], pvc["metadata"]["namespace"])
+        for pv in self.view.pvs.store.by_index(BY_CACHE, key):
+            self._delete(PERSISTENT_VOLUMES, pv["metadata"]["name"], None)
+
+        def drop(o: dict[str, Any]) -> None:
+            o["metadata"]["finalizers"] = [f for f in o["metadata"].get("finalizers") or [] if f != self.finalizer]
+
+        update_if_changed(self.kube, self.res, name, drop, ns, current=obj)
+        _forget_gauges(key)
+        log.info("%s %s: finalized", self.res.kind, key)
+
+    # -- LocalModelNode entries ------------------------------------------------------------------
+    def sync_entries(self, key: str, obj: dict[str, Any], members: dict[str, Member]) -> None:
+        name, ns = obj["metadata"]["name"], obj["metadata"].get("namespace") or None
+        for node, member in sorted(members.items()):
+            if member.ready:
+                self._put_entry(node, entries.desired_entry(obj, member.group))
+        for lmn in self.view.lmns.store.by_index(BY_CACHE, key):
+            node = lmn["metadata"]["name"]
+            if node not in members:
+                self._remove_entry(node, name, ns, lmn)
+
+    def _put_entry(self, node: str, entry: dict[str, Any]) -> None:
+        current = self.view.lmns.store.get(node)
+
+        def upsert(o: dict[str, Any]) -> None:
+            spec = o.setdefault("spec", {})
+            spec["localModels"] = entries.upsert(spec.get("localModels") or [], entry)
+
+        if current is None:
+            try:
+                metrics.WRITES.labels("LocalModelNode", "create").inc()
+                self.kube.create(LOCAL_MODEL_NODES, {"metadata": {"name": node}, "spec": {"localModels": [entry]}})
+                return
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+                # Created meanwhile (by a reconcile of another cache): merge into it.
+        if current is not None:
+            probe = {"spec": {"localModels": (current.get("spec") or {}).get("localModels") or []}}
+            upsert(probe)
+            if probe["spec"]["localModels"] == (current.get("spec") or {}).get("localModels"):
+                return
+        metrics.WRITES.labels("LocalModelNode", "update").inc()
+        update_if_changed(self.kube, LOCAL_MODEL_NODES, node, upsert, current=current)
+
+    def _remove_entry(self, node: str, name: str, ns: str | None, current: dict[str, Any] | None) -> None:
+        def drop(o: dict[str, Any]) -> None:
+            spec = o.setdefault("spec", {})
+            spec["localModels"] = entries.remove(spec.get("localModels") or [], name, ns)
+
+        metrics.WRITES.labels("LocalModelNode", "update").inc()
+        update_if_changed(self.kube, LOCAL_MODEL_NODES, node, drop, current=current)
+
+    # -- serving volumes -------------------------------------------------------------------------
+    def sync_volumes(self, key: str, obj: dict[str, Any], groups: dict[str, dict[str, Any]]) -> None:
+        isvcs, llms = self.view.services_of(key)
+        uses = [volumes.Use(s["metadata"]["namespace"], (s["metadata"].get("annotations") or {}))
+                for s in [*isvcs, *llms] if not s["metadata"].get("deletionTimestamp")]
+        pairs = volumes.desired_pairs(obj, groups, uses)
+        have_pvs = {pv["metadata"]["name"]: pv for pv in self.view.pvs.store.by_index(BY_CACHE, key)}
+        have_pvcs = {(c["metadata"]["namespace"], c["metadata"]["name"]): c
+                     for c in self.view.pvcs.store.by_index(BY_CACHE, key)}
+        for pair in pairs.values():
+            group = groups[pair.group]
+            if pair.pv_name not in have_pvs:
+                self._create(PERSISTENT_VOLUMES, volumes.pv_body(obj, group, pair), None)
+            if (pair.namespace, pair.pvc_name) not in have_pvcs:
+                self._create(PERSISTENT_VOLUME_CLAIMS, volumes.pvc_body(obj, group, pair), pair.namespace)
+        want_pvcs = {(p.namespace, p.pvc_name) for p in pairs.values()}
+        want_pvs = {p.pv_name for p in pairs.values()}
+        for (ns, pvc_name) in have_pvcs.keys() - want_pvcs:
+            self._delete(PERSISTENT_VOLUME_CLAIMS, pvc_name, ns)
+        for pv_name in have_pvs.keys() - want_pvs:
+            self._delete(PERSISTENT_VOLUMES, pv_name, None)
+
+    def _create(self, res: Resource, body: dict[str, Any], ns: str | None) -> None:
+        try:
+            metrics.WRITES.labels(res.kind, "create").inc()
+            self.kube.create(res, body, ns)
+        except ApiException as exc:
+            if exc.status != 409:  # exists (made by us a moment ago, or by hand): create-if-absent
+                raise
+
+    def _delete(self, res: Resource, name: str, ns: str | None) -> None:
+        metrics.WRITES.labels(res.kind, "delete").inc()
+        self.kube.delete(res, name, ns)
+
+    # -- status ----------------------------------------------------------------------------------
+    def sync_status(self, key: str, obj: dict[str, Any], members: dict[str, Member]) -> None:
+        meta = obj["metadata"]
+        skey = status_key(meta["name"], meta.get("namespace") or None)
+        model_states: dict[str, str | None] = {}
+        for node in members:
+            lmn = self.view.lmns.store.get_raw(node)
+            states = ((lmn or {}).get("status") or {}).get("modelStatus") or {}
+            model_states[node] = states.get(skey)
+        node_status = aggregate.node_status(members, model_states)
+        copies = aggregate.copies(node_status)
+        isvcs, llms = self.view.services_of(key)
+
+        def refs(items: list[dict[str, Any]]) -> list[dict[str, str]]:
+            return sorted(({"namespace": s["metadata"]["namespace"], "name": s["metadata"]["name"]} for s in items),
+                          key=lambda r: (r["namespace"], r["name"]))
+
+        old_status = dict((obj.get("status") or {}).get("nodeStatus") or {})
+
+        def desired(current: dict[str, Any]) -> dict[str, Any]:
+            status = dict(current.get("status") or {})
+            status["nodeStatus"] = node_status
+            status["copies"] = copies.to_dict()
+            for field, items in (("inferenceServices", isvcs), ("llmInferenceServices", llms)):
+                if items:
+                    status[field] = refs(items)
+                else:
+                    status.pop(field, None)
+            return status
+
+        written = patch_status_if_changed(self.kube, self.res, meta["name"], desired, meta.get("namespace"),
+                                          current=obj)
+        for state, value in copies.to_dict().items():
+            metrics.COPIES.labels(key, state).set(value)
+        if written is None:
+            return
+        metrics.WRITES.labels(self.res.kind, "status").inc()
+        gained, lost = aggregate.copy_changes(old_status, node_status)
+        for node in gained:
+            self.recorder.record(obj, "CopyAvailable", f"model is downloaded on node {node} "
+                                 f"({copies.available}/{copies.total} copies available)")
+        for node in lost:
+            self.recorder.record(obj, "CopyLost", f"node {node} no longer has a usable copy "
+                                 f"({copies.available}/{copies.total} copies available)", "Warning")
+
+
+def _forget_gauges(key: str) -> None:
+    for state in ("available", "total", "failed"):
+        try:
+            metrics.COPIES.remove(key, state)
+        except KeyError:
+            pass
+
+
+def cache_keys_for_kind(keys: list[str], namespaced: bool) -> list[str]:
+    return [k for k in keys if ("/" in k) == namespaced]
+
+
+__all__ = ["CacheReconciler", "cache_key", "cache_keys_for_kind"]

@@ -1,0 +1,140 @@
+"""Wiring: which informer events wake which reconciler (controller-runtime's ``Watches``).
+
+Cache keys route by shape: ``name`` to the LocalModelCache controller, ``namespace/name`` to the
+LocalModelNamespaceCache controller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.caches import CacheReconciler, cache_keys_for_kind
+from coordinator.events import EventRecorder
+from coordinator.nodes import NodeReconciler
+from coordinator.nodeselector import node_ready
+from coordinator.services import ServiceReconciler
+from coordinator.urimatch import isvc_storage_uri, llmisvc_model_uri
+from coordinator.view import ClusterView, entry_cache_keys, service_cache_keys, volume_cache_keys
+from modelcache.kube.client import INFERENCE_SERVICES
+from modelcache.kube.controller import Controller, Manager, Result, generation_or_meta_changed, own_key
+from modelcache.kube.informer import ADDED, DELETED
+
+from . import metrics
+
+Obj = dict[str, Any]
+
+
+@dataclass
+class Options:
+    mutate_services: bool = True
+    workers: int = 2
+
+
+def counted(name: str, reconcile: Callable[[str], Result]) -> Callable[[str], Result]:
+    def run(key: str) -> Result:
+        try:
+            result = reconcile(key)
+        except Exception:
+            metrics.RECONCILES.labels(name, "error").inc()
+            raise
+        metrics.RECONCILES.labels(name, "ok").inc()
+        return result
+    return run
+
+
+def _meta(obj: Obj | None, field: str) -> Any:
+    return ((obj or {}).get("metadata") or {}).get(field)
+
+
+def node_changed(event: str, obj: Obj, old: Obj | None) -> bool:
+    """Adds, deletes, label changes and readiness flips; not the kubelet's heartbeats."""
+    if event != "MODIFIED" or old is None:
+        return True
+    return _meta(obj, "labels") != _meta(old, "labels") or node_ready(obj) != node_ready(old)
+
+
+def _spec_or_status_changed(event: str, obj: Obj, old: Obj | None) -> bool:
+    return event != "MODIFIED" or old is None or obj.get("spec") != old.get("spec") or \
+        obj.get("status") != old.get("status")
+
+
+def _meta_changed(event: str, obj: Obj, old: Obj | None) -> bool:
+    if event != "MODIFIED" or old is None:
+        return True
+    return any(_meta(obj, k) != _meta(old, k) for k in ("labels", "annotations", "deletionTimestamp"))
+
+
+def build(view: ClusterView, recorder: EventRecorder, options: Options | None = None) -> Manager:
+    options = options or Options()
+    manager = Manager()
+    cache_controllers: list[tuple[Controller, bool]] = []
+    for namespaced in (False, True):
+        rec = CacheReconciler(view, recorder, namespaced)
+        ctl = Controller(rec.name, counted(rec.name, rec), workers=options.workers)
+        own = view.ns_caches if namespaced else view.caches
+
+        def mine(keys: Iterable[str], ns: bool = namespaced) -> list[str]:
+            return cache_keys_for_kind(sorted(set(keys)), ns)
+
+        def all_caches(_e: str, _o: Obj, _old: Obj | None, inf: Any = own) -> list[str]:
+            return inf.store.keys()
+
+        def by_group(_e: str, obj: Obj, old: Obj | None, inf: Any = own) -> list[str]:
+            names = {_meta(obj, "name"), _meta(old, "name")}
+            return [k for k in inf.store.keys()  # noqa: SIM118 (Store is not a dict)
+                    if names & set(((inf.store.get_raw(k) or {}).get("spec") or {}).get("nodeGroups") or [])]
+
+        def by_entries(_e: str, obj: Obj, old: Obj | None, mine: Any = mine) -> list[str]:
+            return mine([*entry_cache_keys(obj), *entry_cache_keys(old)])
+
+        def by_service(_e: str, obj: Obj, old: Obj | None, mine: Any = mine) -> list[str]:
+            return mine([*service_cache_keys(obj), *service_cache_keys(old)])
+
+        def by_volume(_e: str, obj: Obj, old: Obj | None, mine: Any = mine) -> list[str]:
+            return mine([*volume_cache_keys(obj), *volume_cache_keys(old)])
+
+        ctl.watch(own, own_key)
+        ctl.watch(view.groups, by_group)
+        ctl.watch(view.nodes, all_caches, node_changed)
+        ctl.watch(view.lmns, by_entries, _spec_or_status_changed)
+        for inf in view.service_informers():
+            ctl.watch(inf, by_service, _meta_changed)
+        ctl.watch(view.pvs, by_volume, lambda e, _o, _old: e in (ADDED, DELETED))
+        ctl.watch(view.pvcs, by_volume, lambda e, _o, _old: e in (ADDED, DELETED))
+        manager.add(ctl)
+        cache_controllers.append((ctl, namespaced))
+
+    nodes = NodeReconciler(view)
+    node_ctl = Controller("node", counted("node", nodes), workers=options.workers)
+    node_ctl.watch(view.nodes, own_key, node_changed)
+    node_ctl.watch(view.lmns, own_key, _spec_or_status_changed)
+
+    def nodes_with_entry(event: str, obj: Obj, _old: Obj | None) -> list[str]:
+        # A deleted cache: sweep the nodes still holding its entry (normally none, see finalize).
+        return [] if event != DELETED else view.lmns.store.keys()
+
+    node_ctl.watch(view.caches, nodes_with_entry)
+    node_ctl.watch(view.ns_caches, nodes_with_entry)
+    manager.add(node_ctl)
+
+    if options.mutate_services:
+        for inf, res, uri_of in ((view.isvcs, INFERENCE_SERVICES, isvc_storage_uri),
+                                 (view.llmisvcs, view.llm_resource, llmisvc_model_uri)):
+            if inf is None or res is None:
+                continue
+            svc = ServiceReconciler(view, inf, res, uri_of)
+            svc_ctl = Controller(res.kind, counted(res.kind, svc), workers=options.workers)
+            svc_ctl.watch(inf, own_key, generation_or_meta_changed)
+
+            def every_service(event: str, obj: Obj, old: Obj | None, inf: Any = inf) -> list[str]:
+                if event == "MODIFIED" and old is not None and obj.get("spec") == old.get("spec") and \
+                        _meta(obj, "deletionTimestamp") == _meta(old, "deletionTimestamp"):
+                    return []
+                return inf.store.keys()
+
+            svc_ctl.watch(view.caches, every_service)
+            svc_ctl.watch(view.ns_caches, every_service)
+            manager.add(svc_ctl)
+    return manager

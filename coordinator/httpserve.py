@@ -1,0 +1,127 @@
+"""The coordinator's two small HTTP servers: webhooks over HTTPS, and health + metrics.
+
+Threaded stdlib servers: admission requests are short and independent, and the API reads they
+make are blocking client calls anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import ssl
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from coordinator import metrics
+
+log = logging.getLogger(__name__)
+
+AdmissionHandler = Callable[[dict[str, Any]], dict[str, Any]]
+MAX_BODY = 8 << 20
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class WebhookServer:
+    """POST ``path`` with an AdmissionReview -> the handler's AdmissionReview."""
+
+    def __init__(self, host: str, port: int, routes: dict[str, AdmissionHandler],
+                 context: ssl.SSLContext | None) -> None:
+        handler = self._handler_class(routes)
+        self.httpd = _Server((host, port), handler)
+        if context is not None:
+            # Handshake in the request thread, not in accept(): a slow client must not stall the others.
+            self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True,
+                                                    do_handshake_on_connect=False)
+        self.port = self.httpd.server_address[1]
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def _handler_class(routes: dict[str, AdmissionHandler]) -> type[BaseHTTPRequestHandler]:
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, fmt: str, *args: Any) -> None:
+                log.debug("webhook: " + fmt, *args)
+
+            def do_POST(self) -> None:
+                path = self.path.split("?", 1)[0]
+                handle = routes.get(path)
+                length = int(self.headers.get("Content-Length") or 0)
+                if handle is None or length <= 0 or length > MAX_BODY:
+                    self._send(404 if handle is None else 400, {"error": "bad request"})
+                    return
+                try:
+                    review = json.loads(self.rfile.read(length))
+                    out = handle(review)
+                except Exception as exc:
+                    log.exception("webhook %s failed", path)
+                    metrics.WEBHOOK.labels(path, "error").inc()
+                    self._send(500, {"error": type(exc).__name__})
+                    return
+                allowed = (out.get("response") or {}).get("allowed")
+                metrics.WEBHOOK.labels(path, "allowed" if allowed else "denied").inc()
+                self._send(200, out)
+
+            def _send(self, code: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        return Handler
+
+    def start(self) -> WebhookServer:
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="webhooks", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class HealthServer:
+    """``/healthz`` (the process is serving), ``/readyz`` (``ready()``), ``/metrics`` (Prometheus)."""
+
+    def __init__(self, host: str, port: int, ready: Callable[[], bool]) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, fmt: str, *args: Any) -> None:
+                log.debug("health: " + fmt, *args)
+
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/healthz":
+                    self._send(200, b"ok\n", "text/plain")
+                elif path == "/readyz":
+                    ok = ready()
+                    self._send(200 if ok else 503, b"ok\n" if ok else b"not ready\n", "text/plain")
+                elif path == "/metrics":
+                    self._send(200, metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
+                else:
+                    self._send(404, b"not found\n", "text/plain")
+
+            def _send(self, code: int, body: bytes, ctype: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = _Server((host, port), Handler)
+        self.port = self.httpd.server_address[1]
+
+    def start(self) -> HealthServer:
+        threading.Thread(target=self.httpd.serve_forever, name="health", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

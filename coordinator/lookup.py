@@ -1,0 +1,60 @@
+"""Reads the webhooks need, straight from the API (fresh, and on every replica, leader or not)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coordinator.urimatch import CacheRef
+from coordinator.view import LLMISVC_VERSIONS, llm_resource, served
+from modelcache.kube.client import (
+    INFERENCE_SERVICES,
+    LOCAL_MODEL_CACHES,
+    LOCAL_MODEL_NAMESPACE_CACHES,
+    LOCAL_MODEL_NODE_GROUPS,
+    Kube,
+    Resource,
+)
+
+
+class ApiLookup:
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+        self._services: list[Resource] | None = None
+
+    def cache(self, namespace: str | None, name: str) -> dict[str, Any] | None:
+        if namespace:
+            return self.kube.get_or_none(LOCAL_MODEL_NAMESPACE_CACHES, name, namespace)
+        return self.kube.get_or_none(LOCAL_MODEL_CACHES, name)
+
+    def cluster_caches(self) -> list[dict[str, Any]]:
+        return list(self.kube.list(LOCAL_MODEL_CACHES).get("items") or [])
+
+    def cache_refs(self, namespace: str) -> tuple[list[CacheRef], list[CacheRef]]:
+        def live(items: list[dict[str, Any]]) -> list[CacheRef]:
+            return [CacheRef.of(o) for o in items if not (o.get("metadata") or {}).get("deletionTimestamp")]
+        ns_items = self.kube.list(LOCAL_MODEL_NAMESPACE_CACHES, namespace).get("items") or []
+        for o in ns_items:  # list items may omit the namespace in some servers' answers
+            o.setdefault("metadata", {}).setdefault("namespace", namespace)
+        return live(ns_items), live(self.cluster_caches())
+
+    def group_exists(self, name: str) -> bool:
+        return self.kube.get_or_none(LOCAL_MODEL_NODE_GROUPS, name) is not None
+
+    def service_resources(self) -> list[Resource]:
+        """InferenceService and the served LLMInferenceService version (checked once)."""
+        if self._services is None:
+            found = [INFERENCE_SERVICES] if served(self.kube, INFERENCE_SERVICES) else []
+            for version in LLMISVC_VERSIONS:
+                if served(self.kube, llm_resource(version)):
+                    found.append(llm_resource(version))
+                    break
+            self._services = found
+        return self._services
+
+    def services_labelled(self, selector: str, namespace: str | None) -> list[tuple[str, dict[str, Any]]]:
+        """(kind, service) for every service matching ``selector``."""
+        out = []
+        for res in self.service_resources():
+            for item in self.kube.list(res, namespace, label_selector=selector).get("items") or []:
+                out.append((res.kind, item))
+        return out

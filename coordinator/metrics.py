@@ -1,0 +1,21 @@
+"""Prometheus metrics of the coordinator (one registry, served on ``/metrics``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+REGISTRY = CollectorRegistry()
+
+RECONCILES = Counter("modelcache_coordinator_reconciles_total", "Reconciles by controller and outcome",
+                     ["controller", "outcome"], registry=REGISTRY)
+WRITES = Counter("modelcache_coordinator_api_writes_total", "API writes by kind and verb", ["kind", "verb"],
+                 registry=REGISTRY)
+COPIES = Gauge("modelcache_cache_copies", "Copies of a cached model by state (available, total, failed)",
+               ["cache", "state"], registry=REGISTRY)
+WEBHOOK = Counter("modelcache_coordinator_webhook_requests_total", "Admission requests by path and result",
+                  ["path", "result"], registry=REGISTRY)
+LEADER = Gauge("modelcache_coordinator_leader", "1 while this replica holds the lease", registry=REGISTRY)
+
+
+def render() -> bytes:
+    return generate_latest(REGISTRY)

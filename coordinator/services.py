@@ -1,0 +1,44 @@
+"""Reconciler for InferenceServices and LLMInferenceServices: KServe's defaulter, continuously.
+
+KServe sets the local-model label and annotations once, when a service is admitted. We keep
+them right: a service matched to a cache by KServe's rule gets them, one that no longer matches
+(cache deleted, opted out, URI changed) loses them, and a service created before its cache
+picks it up. Off with ``--no-mutate-isvc`` where KServe's own webhook does this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from coordinator import metrics
+from coordinator.urimatch import defaulter_metadata, isvc_storage_uri, metadata_patch, select_cache
+from coordinator.view import ClusterView
+from modelcache.kube.client import Resource
+from modelcache.kube.controller import Result
+from modelcache.kube.informer import Informer
+
+
+class ServiceReconciler:
+    def __init__(self, view: ClusterView, informer: Informer, res: Resource,
+                 uri_of: Callable[[dict[str, Any]], str | None] = isvc_storage_uri) -> None:
+        self.view = view
+        self.informer = informer
+        self.res = res
+        self.uri_of = uri_of
+        self.name = res.kind
+
+    def __call__(self, key: str) -> Result:
+        obj = self.informer.store.get(key)
+        if obj is None or (obj.get("metadata") or {}).get("deletionTimestamp"):
+            return Result()
+        meta = obj["metadata"]
+        ns_caches, cluster_caches = self.view.cache_refs()
+        match = select_cache(self.uri_of(obj), meta["namespace"], meta.get("annotations") or {},
+                             ns_caches, cluster_caches)
+        patch = metadata_patch(obj, *defaulter_metadata(match))
+        if patch:
+            patch["metadata"]["resourceVersion"] = meta.get("resourceVersion")
+            metrics.WRITES.labels(self.res.kind, "patch").inc()
+            self.view.kube.patch(self.res, meta["name"], patch, meta["namespace"])
+        return Result()

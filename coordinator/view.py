@@ -1,0 +1,174 @@
+"""The coordinator's view of the cluster: one informer per kind it reads, with the indexes the
+reconcilers and event mappers need, so a reconcile reads from memory and the API only sees writes.
+
+Cache keys are ``name`` for a LocalModelCache and ``namespace/name`` for a
+LocalModelNamespaceCache (a cluster object's name never contains ``/``), and the same keys
+are the index values linking services, LocalModelNode entries and volumes to their cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
+from coordinator.urimatch import CacheRef
+from coordinator.volumes import MANAGED_SELECTOR, cache_of
+from modelcache.kube.client import (
+    INFERENCE_SERVICES,
+    KSERVE,
+    LOCAL_MODEL_CACHES,
+    LOCAL_MODEL_NAMESPACE_CACHES,
+    LOCAL_MODEL_NODE_GROUPS,
+    LOCAL_MODEL_NODES,
+    NODES,
+    PERSISTENT_VOLUME_CLAIMS,
+    PERSISTENT_VOLUMES,
+    Kube,
+    Resource,
+)
+from modelcache.kube.informer import Informer
+from modelcache.kube.types import LOCALMODEL_LABEL, LOCALMODEL_NAMESPACE_LABEL
+
+log = logging.getLogger(__name__)
+
+BY_CACHE = "cache"
+#: LLMInferenceService versions, newest first: we use whichever the cluster serves.
+LLMISVC_VERSIONS = ("v1alpha2", "v1alpha1")
+
+
+def llm_resource(version: str) -> Resource:
+    return Resource(KSERVE, version, "llminferenceservices", "LLMInferenceService", True)
+
+
+def cache_key(namespace: str | None, name: str) -> str:
+    return f"{namespace}/{name}" if namespace else name
+
+
+def service_cache_keys(obj: dict[str, Any] | None) -> list[str]:
+    """The cache a service is labelled with (KServe's defaulter labels)."""
+    if not obj:
+        return []
+    meta = obj.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    name = labels.get(LOCALMODEL_LABEL)
+    if not name:
+        return []
+    cache_ns = labels.get(LOCALMODEL_NAMESPACE_LABEL)
+    if cache_ns and cache_ns != meta.get("namespace"):
+        return []  # a namespace cache serves only its own namespace
+    return [cache_key(cache_ns or None, name)]
+
+
+def entry_cache_keys(obj: dict[str, Any] | None) -> list[str]:
+    if not obj:
+        return []
+    models = (obj.get("spec") or {}).get("localModels") or []
+    return sorted({cache_key(m.get("namespace") or None, m.get("modelName", "")) for m in models})
+
+
+def volume_cache_keys(obj: dict[str, Any] | None) -> list[str]:
+    owner = cache_of(obj or {})
+    return [cache_key(*owner)] if owner else []
+
+
+def served(kube: Kube, res: Resource) -> bool:
+    """Whether the API serves ``res`` (a CRD may be absent: KServe not installed)."""
+    try:
+        kube.list(res, limit=1)
+        return True
+    except ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+
+
+@dataclass
+class ClusterView:
+    kube: Kube
+    caches: Informer
+    ns_caches: Informer
+    groups: Informer
+    nodes: Informer
+    lmns: Informer
+    pvs: Informer
+    pvcs: Informer
+    isvcs: Informer | None = None
+    llmisvcs: Informer | None = None
+    llm_resource: Resource | None = None
+    extra: list[Informer] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, kube: Kube, watch_timeout: int = 300, with_services: bool = True) -> ClusterView:
+        def inf(res: Resource, **kw: Any) -> Informer:
+            return Informer(kube, res, watch_timeout=watch_timeout, retry_delay=1.0, **kw)
+
+        by_service = {BY_CACHE: service_cache_keys}
+        view = cls(
+            kube=kube,
+            caches=inf(LOCAL_MODEL_CACHES),
+            ns_caches=inf(LOCAL_MODEL_NAMESPACE_CACHES),
+            groups=inf(LOCAL_MODEL_NODE_GROUPS),
+            nodes=inf(NODES),
+            lmns=inf(LOCAL_MODEL_NODES, indexers={BY_CACHE: entry_cache_keys}),
+            pvs=inf(PERSISTENT_VOLUMES, label_selector=MANAGED_SELECTOR, indexers={BY_CACHE: volume_cache_keys}),
+            pvcs=inf(PERSISTENT_VOLUME_CLAIMS, label_selector=MANAGED_SELECTOR,
+                     indexers={BY_CACHE: volume_cache_keys}),
+        )
+        if with_services:
+            if served(kube, INFERENCE_SERVICES):
+                view.isvcs = inf(INFERENCE_SERVICES, indexers=by_service)
+            else:
+                log.info("InferenceService (serving.kserve.io/v1beta1) is not served: services are not tracked")
+            for version in LLMISVC_VERSIONS:
+                res = llm_resource(version)
+                if served(kube, res):
+                    view.llmisvcs, view.llm_resource = inf(res, indexers=by_service), res
+                    break
+            else:
+                log.info("LLMInferenceService is not served: LLM services are not tracked")
+        return view
+
+    def informers(self) -> list[Informer]:
+        infs = [self.caches, self.ns_caches, self.groups, self.nodes, self.lmns, self.pvs, self.pvcs, *self.extra]
+        return infs + [i for i in (self.isvcs, self.llmisvcs) if i is not None]
+
+    def start(self) -> None:
+        for inf in self.informers():
+            if not inf.started:
+                inf.start()
+
+    def stop(self) -> None:
+        for inf in self.informers():
+            inf.stop()
+
+    def synced(self) -> bool:
+        return all(inf.synced.is_set() for inf in self.informers())
+
+    # -- reads --------------------------------------------------------------------------------
+    def cache(self, key: str) -> dict[str, Any] | None:
+        return (self.ns_caches if "/" in key else self.caches).store.get(key)
+
+    def cache_keys(self) -> list[str]:
+        return self.caches.store.keys() + self.ns_caches.store.keys()
+
+    def cache_refs(self) -> tuple[list[CacheRef], list[CacheRef]]:
+        """(namespace caches, cluster caches), skipping those being deleted."""
+        def live(inf: Informer) -> list[CacheRef]:
+            return [CacheRef.of(o) for o in inf.store.list() if not (o.get("metadata") or {}).get("deletionTimestamp")]
+        return live(self.ns_caches), live(self.caches)
+
+    def group_map(self) -> dict[str, dict[str, Any]]:
+        return {o["metadata"]["name"]: o for o in self.groups.store.list()}
+
+    def services_of(self, key: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(InferenceServices, LLMInferenceServices) labelled with the cache."""
+        isvcs = self.isvcs.store.by_index(BY_CACHE, key) if self.isvcs else []
+        llms = self.llmisvcs.store.by_index(BY_CACHE, key) if self.llmisvcs else []
+        return isvcs, llms
+
+    def service_informers(self) -> Iterable[Informer]:
+        return [i for i in (self.isvcs, self.llmisvcs) if i is not None]
