@@ -240,6 +240,13 @@ def test_auth_from_docker_config(oci_auth_registry: OCIRegistry, oci_repo: str, 
     cfg = docker_config(tmp_path / "config.json", reg.host, *reg.auth)
     with open_source(uri, settings(tmp_path, config=cfg)) as src:
         assert src.extract_into(str(tmp_path / "s"), lambda n: None) == ["a.txt"]
+    # keys written as URLs, and username/password fields, as other tools write them
+    url_key = tmp_path / "url-key.json"
+    url_key.write_text(
+        json.dumps({"auths": {f"http://{reg.host}/v2/": {"username": reg.auth[0], "password": reg.auth[1]}}})
+    )
+    with open_source(uri, settings(tmp_path, config=url_key)) as src:
+        assert src.list_files()[0].size
     wrong = docker_config(tmp_path / "wrong.json", reg.host, reg.auth[0], "not-the-password")
     with open_source(uri, settings(tmp_path, config=wrong)) as src, pytest.raises(AuthError):
         src.list_files()

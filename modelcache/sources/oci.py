@@ -18,6 +18,7 @@ owns retries.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -25,6 +26,7 @@ import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import oras.provider
 import requests
@@ -97,6 +99,30 @@ class Plan:
     layers: list[Layer] = field(default_factory=list)
 
 
+def docker_config_credentials(path: str, registry: str) -> tuple[str, str] | None:
+    """Credentials for ``registry`` in a docker config, for the entries oras matches only by
+    bare host name: keys written as URLs (``https://host/v1/``) and ``username``/``password``
+    fields instead of ``auth``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            auths = (json.load(f) or {}).get("auths") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    for key, entry in auths.items():
+        host = urlsplit(key).netloc if "://" in key else key.split("/")[0]
+        if host != registry or not isinstance(entry, dict):
+            continue
+        if entry.get("auth"):
+            try:
+                user, _, password = base64.b64decode(entry["auth"]).decode().partition(":")
+            except (ValueError, UnicodeDecodeError):
+                return None
+            return user, password
+        if entry.get("username") and entry.get("password"):
+            return str(entry["username"]), str(entry["password"])
+    return None
+
+
 class RegistryClient:
     """The distribution v2 HTTP API for one repository, with auth taken from oras."""
 
@@ -109,6 +135,10 @@ class RegistryClient:
         self._oras = oras.provider.Registry(hostname=registry, insecure=settings.oci.insecure, auth_backend="token")
         configs = [self._config_path] if os.path.isfile(self._config_path) else []
         self._oras.auth.load_configs(self._oras.get_container(f"{registry}/{repository}"), configs=configs)
+        if not getattr(self._oras.auth, "_basic_auth", None) and configs:
+            creds = docker_config_credentials(self._config_path, registry)
+            if creds:
+                self._oras.auth.set_basic_auth(*creds)
         self._session: requests.Session = self._oras.session
         adapter = HTTPAdapter(pool_connections=4, pool_maxsize=32)
         self._session.mount("http://", adapter)
