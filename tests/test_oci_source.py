@@ -15,8 +15,9 @@ import zstandard
 from modelcache.credentials import Settings
 from modelcache.errors import AuthError, IntegrityError, NotFoundError, SourceError, UnsupportedError
 from modelcache.sources.base import RemoteFile, open_source
-from modelcache.sources.oci import OCI_INDEX, node_arch
+from modelcache.sources.oci import node_arch
 from modelcache.sources.oci_layers import UnsafeArchiveError
+from modelcache.sources.oci_registry import OCI_INDEX
 from tests.fixtures.oci import LAYER_TAR, LAYER_TGZ, LAYER_TZST, OCIRegistry, docker_config, make_tar
 
 

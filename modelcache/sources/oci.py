@@ -10,53 +10,30 @@ moved during a pull cannot mix two versions. Two layouts are understood:
   layers, verifies each digest and unpacks only ``models/`` (see ``oci_layers``). ORAS
   directory layers (``io.deis.oras.content.unpack``) take the same path.
 
-The registry protocol and auth come from oras: its docker-config loader finds credentials
-(``KSERVE_OCI_DOCKER_CONFIG``) and its token backend answers Bearer challenges. Requests go out
-without oras's retry decorator (it sleeps minutes on a refused connection); the transfer engine
-owns retries.
+The registry protocol and auth (through oras) live in ``oci_registry``.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
 import os
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
-import oras.provider
 import requests
 import urllib3
-from requests.adapters import HTTPAdapter
 
-from modelcache.errors import (
-    AccessDeniedError,
-    AuthError,
-    IntegrityError,
-    NotFoundError,
-    RateLimitedError,
-    SourceError,
-    TransientError,
-    UnsupportedError,
-)
+from modelcache.errors import IntegrityError, NotFoundError, TransientError, UnsupportedError
 from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source, safe_relpath
 from modelcache.sources.oci_layers import DigestReader, LayerExtractor, corrupt_stream_errors, open_layer_tar
+from modelcache.sources.oci_registry import INDEX_TYPES, MANIFEST_TYPES, RegistryClient
 from modelcache.sources.response_stream import ResponseStream
 from modelcache.uri import OCILocation
 
 if TYPE_CHECKING:
     from modelcache.credentials import Settings
 
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
-DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
-_INDEX_TYPES = (OCI_INDEX, DOCKER_LIST)
-_MANIFEST_TYPES = (OCI_MANIFEST, DOCKER_MANIFEST)
 TITLE = "org.opencontainers.image.title"
 ORAS_UNPACK = "io.deis.oras.content.unpack"
 ORAS_DIR_MEDIA_TYPE = "application/vnd.oci.image.layer.v1.tar+gzip"
@@ -99,174 +76,6 @@ class Plan:
     layers: list[Layer] = field(default_factory=list)
 
 
-def docker_config_credentials(path: str, registry: str) -> tuple[str, str] | None:
-    """Credentials for ``registry`` in a docker config, for the entries oras matches only by
-    bare host name: keys written as URLs (``https://host/v1/``) and ``username``/``password``
-    fields instead of ``auth``."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            auths = (json.load(f) or {}).get("auths") or {}
-    except (OSError, ValueError, AttributeError):
-        return None
-    for key, entry in auths.items():
-        host = urlsplit(key).netloc if "://" in key else key.split("/")[0]
-        if host != registry or not isinstance(entry, dict):
-            continue
-        if entry.get("auth"):
-            try:
-                user, _, password = base64.b64decode(entry["auth"]).decode().partition(":")
-            except (ValueError, UnicodeDecodeError):
-                return None
-            return user, password
-        if entry.get("username") and entry.get("password"):
-            return str(entry["username"]), str(entry["password"])
-    return None
-
-
-class RegistryClient:
-    """The distribution v2 HTTP API for one repository, with auth taken from oras."""
-
-    def __init__(self, registry: str, repository: str, settings: Settings, where: str) -> None:
-        self.registry = registry
-        self.repository = repository
-        self.where = where
-        self._config_path = settings.oci.docker_config
-        self._insecure = settings.oci.insecure
-        self._oras = oras.provider.Registry(hostname=registry, insecure=settings.oci.insecure, auth_backend="token")
-        configs = [self._config_path] if os.path.isfile(self._config_path) else []
-        self._oras.auth.load_configs(self._oras.get_container(f"{registry}/{repository}"), configs=configs)
-        if not getattr(self._oras.auth, "_basic_auth", None) and configs:
-            creds = docker_config_credentials(self._config_path, registry)
-            if creds:
-                self._oras.auth.set_basic_auth(*creds)
-        self._session: requests.Session = self._oras.session
-        adapter = HTTPAdapter(pool_connections=4, pool_maxsize=32)
-        self._session.mount("http://", adapter)
-        self._session.mount("https://", adapter)
-        self._verify: bool | str = settings.http.ca_bundle or True
-        self._timeout = (settings.http.connect_timeout, settings.http.read_timeout)
-        self._auth: dict[str, str] = {}
-        self.base = f"{'http' if self._insecure else 'https'}://{registry}/v2/{repository}"
-
-    # -- requests ---------------------------------------------------------------------------
-
-    def request(
-        self, method: str, url: str, headers: dict[str, str] | None = None, stream: bool = False
-    ) -> requests.Response:
-        """One request; on a 401 answer the registry's challenge once (Basic or Bearer)."""
-        for attempt in range(2):
-            try:
-                resp = self._session.request(
-                    method,
-                    url,
-                    headers={**(headers or {}), **self._auth},
-                    stream=stream,
-                    verify=self._verify,
-                    timeout=self._timeout,
-                    allow_redirects=True,
-                )
-            except requests.exceptions.SSLError as exc:
-                hint = "" if self._insecure else " (a plain-http registry needs KSERVE_OCI_INSECURE_REGISTRY=true)"
-                raise SourceError(f"{self.where}: TLS handshake with {self.registry} failed{hint}") from exc
-            except (requests.ConnectionError, requests.Timeout) as exc:
-                raise TransientError(
-                    f"{self.where}: cannot reach registry {self.registry}: {type(exc).__name__}"
-                ) from exc
-            if resp.status_code != 401 or attempt == 1 or not self._answer_challenge(resp):
-                return resp
-            resp.close()
-        raise AssertionError("unreachable")
-
-    def _answer_challenge(self, resp: requests.Response) -> bool:
-        challenge = resp.headers.get("Www-Authenticate", "")
-        auth = self._oras.auth
-        if challenge.lower().startswith("basic"):
-            basic = getattr(auth, "_basic_auth", None)
-            if basic and self._auth.get("Authorization") != f"Basic {basic}":
-                self._auth = {"Authorization": f"Basic {basic}"}
-                return True
-            return False
-        if challenge.lower().startswith("bearer"):
-            try:
-                headers, changed = auth.authenticate_request(resp, {}, refresh=bool(self._auth))
-            except requests.RequestException as exc:
-                raise TransientError(
-                    f"{self.where}: token request to the registry failed: {type(exc).__name__}"
-                ) from exc
-            if changed and headers.get("Authorization"):
-                self._auth = {"Authorization": headers["Authorization"]}
-                return True
-        return False
-
-    def check(self, resp: requests.Response, what: str) -> None:
-        """Map a failed response to one clear error line."""
-        code = resp.status_code
-        if code < 400:
-            return
-        errors = _error_codes(resp)
-        resp.close()
-        if code == 401:
-            raise AuthError(
-                f"{self.where}: unauthorized at {self.registry}; put credentials for it in the docker config "
-                f"at {self._config_path} (KSERVE_OCI_DOCKER_CONFIG)"
-            )
-        if code == 403:
-            raise AccessDeniedError(
-                f"{self.where}: access to {self.registry}/{self.repository} denied; check the credentials' permissions"
-            )
-        if code == 404:
-            if "NAME_UNKNOWN" in errors:
-                raise NotFoundError(f"{self.where}: repository '{self.repository}' not found in {self.registry}")
-            raise NotFoundError(f"{self.where}: {what} not found in {self.registry}/{self.repository}")
-        if code == 429:
-            retry = resp.headers.get("Retry-After")
-            raise RateLimitedError(
-                f"{self.where}: registry rate limit (429)",
-                retry_after=float(retry) if retry and retry.isdigit() else None,
-            )
-        if code >= 500:
-            raise TransientError(f"{self.where}: registry error {code} fetching {what}")
-        raise SourceError(
-            f"{self.where}: registry answered {code} fetching {what} ({', '.join(errors) or 'no detail'})"
-        )
-
-    # -- API --------------------------------------------------------------------------------
-
-    def manifest(self, reference: str, what: str) -> tuple[dict[str, Any], str, str]:
-        """GET a manifest; returns (parsed, sha256 digest of the exact bytes, media type)."""
-        accept = ", ".join((*_MANIFEST_TYPES, *_INDEX_TYPES))
-        resp = self.request("GET", f"{self.base}/manifests/{reference}", headers={"Accept": accept})
-        self.check(resp, what)
-        body = resp.content
-        digest = "sha256:" + hashlib.sha256(body).hexdigest()
-        if reference.startswith("sha256:") and digest != reference:
-            raise IntegrityError(f"{self.where}: manifest {reference} failed verification (got {digest})")
-        try:
-            doc = json.loads(body)
-        except json.JSONDecodeError as exc:
-            raise SourceError(f"{self.where}: {what} is not a JSON manifest") from exc
-        media_type = doc.get("mediaType") or resp.headers.get("Content-Type", "").split(";")[0].strip()
-        return doc, digest, media_type
-
-    def blob(self, digest: str, start: int = 0, end: int | None = None) -> requests.Response:
-        headers = {}
-        if start or end is not None:
-            headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
-        resp = self.request("GET", f"{self.base}/blobs/{digest}", headers=headers, stream=True)
-        self.check(resp, f"blob {digest}")
-        return resp
-
-    def close(self) -> None:
-        self._session.close()
-
-
-def _error_codes(resp: requests.Response) -> list[str]:
-    try:
-        return [str(e.get("code")) for e in resp.json().get("errors", []) if isinstance(e, dict)]
-    except (ValueError, AttributeError):
-        return []
-
-
 @register_source("oci")
 class OCISource(Source):
     preferred_chunk_size = 16 << 20
@@ -291,10 +100,10 @@ class OCISource(Source):
         ref = self.loc.reference
         what = f"digest {ref}" if self.loc.digest else f"tag '{ref}'"
         doc, digest, media_type = self.client.manifest(ref, what)
-        if media_type in _INDEX_TYPES or ("manifests" in doc and "layers" not in doc):
+        if media_type in INDEX_TYPES or ("manifests" in doc and "layers" not in doc):
             child = self._pick_platform(doc)
             doc, _, media_type = self.client.manifest(child, f"manifest {child}")
-        if media_type not in _MANIFEST_TYPES and "layers" not in doc:
+        if media_type not in MANIFEST_TYPES and "layers" not in doc:
             raise UnsupportedError(f"{self.where}: unsupported manifest media type '{media_type}'")
         layers = [
             Layer(
