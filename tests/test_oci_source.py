@@ -17,7 +17,7 @@ from modelcache.errors import AuthError, IntegrityError, NotFoundError, SourceEr
 from modelcache.sources.base import RemoteFile, open_source
 from modelcache.sources.oci import node_arch
 from modelcache.sources.oci_layers import UnsafeArchiveError
-from modelcache.sources.oci_registry import OCI_INDEX
+from modelcache.sources.oci_registry import OCI_INDEX, api_endpoint, docker_config_credentials
 from tests.fixtures.oci import LAYER_TAR, LAYER_TGZ, LAYER_TZST, OCIRegistry, docker_config, make_tar
 
 
@@ -285,3 +285,12 @@ def test_bearer_token_auth(oci_token_registry: OCIRegistry, oci_repo: str, tmp_p
         first = read_all(src, layer, 100_000)  # ranged blob reads reuse the token
         assert hashlib.sha256(first).hexdigest() == layer.checksums[0].value
     assert (tmp_path / "s/w.bin").read_bytes() == big
+
+
+def test_docker_hub_names(tmp_path: Path) -> None:
+    assert api_endpoint("docker.io", "kserve-model") == ("registry-1.docker.io", "library/kserve-model")
+    assert api_endpoint("index.docker.io", "org/model") == ("registry-1.docker.io", "org/model")
+    assert api_endpoint("ghcr.io", "org/model") == ("ghcr.io", "org/model")
+    cfg = docker_config(tmp_path / "c.json", "https://index.docker.io/v1/", "hubuser", "hubpass")
+    assert docker_config_credentials(str(cfg), "docker.io") == ("hubuser", "hubpass")
+    assert docker_config_credentials(str(cfg), "ghcr.io") is None

@@ -40,6 +40,18 @@ INDEX_TYPES = (OCI_INDEX, DOCKER_LIST)
 MANIFEST_TYPES = (OCI_MANIFEST, DOCKER_MANIFEST)
 
 
+# Docker Hub's names for itself (image references, docker config keys) vs. its API host.
+_DOCKER_HUB = {"docker.io", "index.docker.io", "registry-1.docker.io"}
+DOCKER_HUB_API = "registry-1.docker.io"
+
+
+def api_endpoint(registry: str, repository: str) -> tuple[str, str]:
+    """Host and repository as the registry API wants them (``docker.io/x`` is ``library/x``)."""
+    if registry in _DOCKER_HUB:
+        return DOCKER_HUB_API, repository if "/" in repository else f"library/{repository}"
+    return registry, repository
+
+
 def docker_config_credentials(path: str, registry: str) -> tuple[str, str] | None:
     """Credentials for ``registry`` in a docker config, for the entries oras matches only by
     bare host name: keys written as URLs (``https://host/v1/``) and ``username``/``password``
@@ -51,7 +63,8 @@ def docker_config_credentials(path: str, registry: str) -> tuple[str, str] | Non
         return None
     for key, entry in auths.items():
         host = urlsplit(key).netloc if "://" in key else key.split("/")[0]
-        if host != registry or not isinstance(entry, dict):
+        same = host == registry or (host in _DOCKER_HUB and registry in _DOCKER_HUB)
+        if not same or not isinstance(entry, dict):
             continue
         if entry.get("auth"):
             try:
@@ -87,7 +100,8 @@ class RegistryClient:
         self._verify: bool | str = settings.http.ca_bundle or True
         self._timeout = (settings.http.connect_timeout, settings.http.read_timeout)
         self._auth: dict[str, str] = {}
-        self.base = f"{'http' if self._insecure else 'https'}://{registry}/v2/{repository}"
+        api_host, api_repo = api_endpoint(registry, repository)
+        self.base = f"{'http' if self._insecure else 'https'}://{api_host}/v2/{api_repo}"
 
     # -- requests ---------------------------------------------------------------------------
 
