@@ -125,6 +125,8 @@ def test_agent_rbac_is_least_privilege(rendered: list[Obj]) -> None:
     assert verbs_for(cluster, "serving.kserve.io", "localmodelnodes") == {"get", "list", "watch"}
     assert verbs_for(cluster, "serving.kserve.io", "localmodelnodes/status") <= {"get", "patch", "update"}
     assert verbs_for(cluster, "", "pods") == {"list", "watch"}
+    assert verbs_for(cluster, "", "persistentvolumeclaims") == verbs_for(cluster, "", "persistentvolumes") == {"get"}
+    assert verbs_for(cluster, "serving.kserve.io", "localmodelnodegroups") == {"get", "list", "watch"}
     assert verbs_for(cluster, "", "secrets") == set()  # never cluster-wide
     writable = {(g, r) for g, r, v, _ in cluster if v - {"get", "list", "watch"}}
     assert writable <= {("serving.kserve.io", "localmodelnodes/status"), ("", "events"), ("events.k8s.io", "events")}
@@ -145,11 +147,12 @@ def test_coordinator_rbac_covers_its_reconcilers_and_no_more(rendered: list[Obj]
         assert "delete" not in verbs_for(cluster, kserve, res)  # users own their caches
     assert {"create", "patch", "delete", "watch"} <= verbs_for(cluster, kserve, "localmodelnodes")
     assert verbs_for(cluster, kserve, "localmodelnodegroups") == {"get", "list", "watch"}
-    assert verbs_for(cluster, kserve, "inferenceservices") == {"get", "list", "watch"}
+    for res in ("inferenceservices", "llminferenceservices"):
+        assert verbs_for(cluster, kserve, res) == {"get", "list", "watch", "patch"}
     for res in ("persistentvolumes", "persistentvolumeclaims"):
         assert {"create", "delete", "watch"} <= verbs_for(cluster, "", res)
     assert verbs_for(cluster, "", "nodes") == {"get", "list", "watch", "patch"}
-    assert verbs_for(cluster, "", "pods") == {"get", "list", "watch"}
+    assert verbs_for(cluster, "", "pods") == set()  # the pod webhook gets pods in the AdmissionReview
     assert verbs_for(cluster, "", "secrets") == set()
     assert verbs_for(cluster, "coordination.k8s.io", "leases") == set()  # only in its namespace
     ns_rules = rules(rendered, "Role", "modelcache-coordinator")
@@ -203,6 +206,9 @@ def test_agent_daemonset_contract(rendered: list[Obj]) -> None:
     env = {e["name"]: e for e in agent["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert "--node=$(NODE_NAME)" in agent["args"] and "--root=/mnt/models" in agent["args"]
+    # The agent recognises its root in node group PVs by the host path it is mounted from.
+    host_root = next(v for v in pod["volumes"] if v["name"] == "hostroot")["hostPath"]["path"]
+    assert env["MODELCACHE_HOST_PATH"]["value"] == host_root
     assert agent["command"] == ["modelcache-agent"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     (root_mount,) = [m for m in agent["volumeMounts"] if m["mountPath"] == "/mnt/models"]
