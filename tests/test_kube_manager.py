@@ -166,3 +166,17 @@ def test_a_process_finds_the_api_server_through_kubeconfig(kubeapi: KubeAPI, kub
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
                          cwd=REPO, check=True).stdout
     assert "'found-me'" in out
+
+
+def test_informer_lists_in_pages(kube: Kube) -> None:
+    for i in range(7):
+        kube.create(LOCAL_MODEL_NODES, {"metadata": {"name": f"p{i}"}, "spec": {"localModels": []}})
+    inf = Informer(kube, LOCAL_MODEL_NODES, page_size=2).start()
+    try:
+        assert inf.wait_for_sync(10)
+        assert sorted(inf.store.keys()) == [f"p{i}" for i in range(7)]
+        late = kube.create(LOCAL_MODEL_NODES, {"metadata": {"name": "late"}, "spec": {"localModels": []}})
+        wait_until(lambda: inf.store.get_raw("late") is not None, timeout=10, what="watch after a paged list")
+        assert inf.store.get("late")["metadata"]["resourceVersion"] == late["metadata"]["resourceVersion"]
+    finally:
+        inf.stop()

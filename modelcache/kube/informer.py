@@ -131,6 +131,7 @@ class Informer:
         indexers: dict[str, IndexFunc] | None = None,
         watch_timeout: int = 300,
         retry_delay: float = 1.0,
+        page_size: int = 500,
     ) -> None:
         self.kube = kube
         self.resource = resource
@@ -140,6 +141,7 @@ class Informer:
         self.store = Store(indexers)
         self.watch_timeout = watch_timeout
         self.retry_delay = retry_delay
+        self.page_size = page_size  # list in pages so 5000 nodes are not one giant response
         self.synced = threading.Event()
         self.last_resource_version: str | None = None
         #: Counters a test or a metrics endpoint can read: lists done, watches opened, 410s seen.
@@ -217,7 +219,7 @@ class Informer:
     # -- list and watch ---------------------------------------------------------------------
     def _list(self) -> None:
         items: list[dict[str, Any]] = []
-        query: dict[str, Any] = dict(self.selectors, limit=500)
+        query: dict[str, Any] = dict(self.selectors, limit=self.page_size)
         while True:
             page = self.kube.list(self.resource, self.namespace, **query)
             for obj in page.get("items") or []:
