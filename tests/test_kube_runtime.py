@@ -280,6 +280,7 @@ def test_leader_election_hands_over_when_the_leader_stops_renewing(kube: Kube) -
         assert time.monotonic() - t0 >= 1.0  # not before the lease could have expired
         lease = kube.get(LEASES, "ctl", "le")
         assert lease["spec"]["holderIdentity"] == "b" and lease["spec"]["leaseTransitions"] == 1
+        wait_until(lambda: len(started) == 2, timeout=5, what="on_started_leading callbacks")
         assert started == ["a", "b"]
 
         # A clean shutdown releases the lease, so the next candidate takes over without waiting.

@@ -158,7 +158,10 @@ class LeaderElector:
                 return
             self._leading.set()
             log.info("lease %s/%s: %s is the leader", self.namespace, self.name, self.identity)
-            self._call(self.on_started_leading)
+            # In its own thread (as client-go's goroutine): starting controllers waits for caches to
+            # sync, and the lease must keep being renewed meanwhile.
+            threading.Thread(target=self._call, args=(self.on_started_leading,), name=f"leader-{self.name}-start",
+                             daemon=True).start()
             self._renew_until_lost()
             self._leading.clear()
             log.info("lease %s/%s: %s stopped leading", self.namespace, self.name, self.identity)
