@@ -15,7 +15,8 @@ A rule matches requests by method and path; it fires on the ``nth`` matching req
 position is ``at`` (an offset into the response body; default: its middle) or ``file_offset`` (an
 offset in the file, located through Content-Range; the rule then only fires on responses that
 cover it). Counters record requests, body bytes delivered per path and faults applied, and an
-optional global rate limit slows everything down (to kill a client mid-transfer, for instance).
+optional global rate limit slows everything down and ``pause`` holds every body still (to kill a
+client mid-transfer at a known point, for instance).
 """
 
 from __future__ import annotations
@@ -125,6 +126,8 @@ class FaultProxy:
         self._rules: list[Fault] = []
         self._conns: set[socket.socket] = set()
         self._bucket: _Bucket | None = None
+        self._flowing = threading.Event()
+        self._flowing.set()
         self.records: list[ProxyRecord] = []
         self.requests: Counter[str] = Counter()
         self.bytes_sent: Counter[str] = Counter()
@@ -154,6 +157,13 @@ class FaultProxy:
     def set_rate_limit(self, bytes_per_s: int | None) -> None:
         """Cap the body bytes all connections together deliver per second (None: no cap)."""
         self._bucket = _Bucket(bytes_per_s) if bytes_per_s else None
+
+    def pause(self) -> None:
+        """Stop delivering body bytes (connections stay open) until ``resume``."""
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
 
     def reset_counters(self) -> None:
         with self._lock:
@@ -344,6 +354,9 @@ class FaultProxy:
                 buf = bytearray(piece)
                 buf[at - sent] ^= fault.xor
                 piece = bytes(buf)
+            while not self._flowing.wait(0.05):
+                if self._stop.is_set():
+                    raise _ClientGone()
             if self._bucket is not None:
                 self._bucket.take(len(piece), self._stop)
             try:

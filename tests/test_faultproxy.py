@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
@@ -160,3 +161,15 @@ def test_upstream_statuses_pass_through(fault_proxy: FaultProxy) -> None:
         assert pm.request("GET", fault_proxy.url("status/403/x")).status == 403
         assert pm.request("GET", fault_proxy.url("nope.bin")).status == 404
         assert pm.request("HEAD", fault_proxy.url("status/401/x")).status == 401
+
+
+def test_pause_holds_bodies_until_resume(fault_proxy: FaultProxy, served: bytes) -> None:
+    fault_proxy.pause()
+    result: list[tuple[int, bytes, Exception | None]] = []
+    t = threading.Thread(target=lambda: result.append(fetch(fault_proxy.url("m/w.bin"))))
+    t.start()
+    time.sleep(0.4)
+    assert fault_proxy.total_bytes_sent == 0 and not result
+    fault_proxy.resume()
+    t.join(timeout=10)
+    assert result and result[0][1] == served
