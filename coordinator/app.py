@@ -1,6 +1,6 @@
-"""The running coordinator: health/metrics and webhooks on every replica; the reconcilers only
-on the replica holding the Lease (started when it is won, the process exits when it is lost,
-as controller-runtime does, so a deposed leader can never write beside the new one)."""
+"""The running coordinator: health/metrics, webhooks and warm informers on every replica; the
+reconcilers only on the replica holding the Lease (started when it is won; the process exits
+when it is lost, as controller-runtime does, so a deposed leader never writes beside the new one)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pathlib import Path
 from coordinator import controllers, metrics
 from coordinator.admission import CacheValidator, PodMutator
 from coordinator.certs import CERT_FILE, ReloadingContext, generate_self_signed
-from coordinator.events import EventRecorder
 from coordinator.httpserve import HealthServer, WebhookServer
 from coordinator.lookup import ApiLookup
 from coordinator.view import ClusterView
 from modelcache.kube.client import Kube, load_api_client
 from modelcache.kube.controller import Manager
+from modelcache.kube.events import EventRecorder
 from modelcache.kube.leader import LeaderElector
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,12 @@ class Coordinator:
         self.health = HealthServer(self.cfg.host, self.cfg.port, self.ready).start()
         if self.cfg.webhook_cert_dir is not None:
             self._start_webhooks(self.cfg.webhook_cert_dir)
+        self.view = ClusterView.build(self.kube, watch_timeout=self.cfg.watch_timeout)
+        self.manager = controllers.build(
+            self.view, EventRecorder(self.kube, "modelcache-coordinator", self.cfg.identity),
+            controllers.Options(mutate_services=self.cfg.mutate_isvc, workers=self.cfg.workers))
+        self.view.start()
+        self.manager.start_informers()
         if self.cfg.leader_election:
             self.elector = LeaderElector(
                 self.kube, self.cfg.lease_namespace, self.cfg.lease_name, self.cfg.identity,
@@ -102,14 +108,9 @@ class Coordinator:
     def _run_controllers(self) -> None:
         try:
             with self._lock:
-                if self.done.is_set():
+                if self.done.is_set() or self.manager is None:
                     return
-                self.view = ClusterView.build(self.kube, watch_timeout=self.cfg.watch_timeout)
-                self.manager = controllers.build(
-                    self.view, EventRecorder(self.kube, self.cfg.identity),
-                    controllers.Options(mutate_services=self.cfg.mutate_isvc, workers=self.cfg.workers))
-                self.view.start()
-                self.manager.start()
+                self.manager.start_controllers()
             self.controllers_running.set()
             log.info("controllers running")
         except Exception:
@@ -124,28 +125,28 @@ class Coordinator:
             log.error("lost the lease: exiting so that only the new leader reconciles")
             self.exit_code = 1
             self.done.set()
-        self._stop_controllers()
 
-    def _stop_controllers(self) -> None:
+    def _shutdown_controllers(self) -> None:
         with self._lock:
             if self.manager is not None:
-                self.manager.stop()
+                self.manager.shutdown(self.elector)  # workers stop, then the lease is released
+            elif self.elector is not None:
+                self.elector.stop()
             if self.view is not None:
                 self.view.stop()
-            self.manager = self.view = None
             self.controllers_running.clear()
 
     def ready(self) -> bool:
-        """Webhooks up (if configured); and, on the leader, caches synced and workers running."""
+        """Webhooks up (if configured), informers synced, and on the leader the workers running."""
         if self.cfg.webhook_cert_dir is not None and self.webhooks is None:
+            return False
+        if self.view is None or not self.view.synced():
             return False
         return not self.leading.is_set() or self.controllers_running.is_set()
 
     def stop(self) -> None:
         self.done.set()
-        if self.elector is not None:
-            self.elector.stop()  # releases the lease: a successor takes over at once
-        self._stop_controllers()
+        self._shutdown_controllers()
         for server in (self.webhooks, self.health):
             if server is not None:
                 server.stop()

@@ -19,7 +19,6 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from coordinator import aggregate, entries, metrics, volumes
-from coordinator.events import EventRecorder
 from coordinator.membership import Member, place
 from coordinator.view import BY_CACHE, ClusterView, cache_key
 from modelcache.kube.client import (
@@ -31,6 +30,7 @@ from modelcache.kube.client import (
     Resource,
 )
 from modelcache.kube.controller import Result
+from modelcache.kube.events import NORMAL, WARNING, EventRecorder
 from modelcache.kube.status import patch_status_if_changed, update_if_changed
 from modelcache.kube.types import CACHE_FINALIZER, NAMESPACE_CACHE_FINALIZER, status_key
 
@@ -76,9 +76,9 @@ class CacheReconciler:
             if self.finalizer not in fins:
                 fins.append(self.finalizer)
 
-        metrics.WRITES.labels(self.res.kind, "update").inc()
-        return update_if_changed(self.kube, self.res, obj["metadata"]["name"], add, obj["metadata"].get("namespace"),
-                                 current=obj)
+        written = update_if_changed(self.kube, self.res, obj["metadata"]["name"], add,
+                                    obj["metadata"].get("namespace"), current=obj)
+        return metrics.wrote(self.res.kind, "update", written)  # type: ignore[return-value]
 
     def finalize(self, key: str, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
@@ -133,16 +133,16 @@ class CacheReconciler:
             upsert(probe)
             if probe["spec"]["localModels"] == (current.get("spec") or {}).get("localModels"):
                 return
-        metrics.WRITES.labels("LocalModelNode", "update").inc()
-        update_if_changed(self.kube, LOCAL_MODEL_NODES, node, upsert, current=current)
+        metrics.wrote("LocalModelNode", "update",
+                      update_if_changed(self.kube, LOCAL_MODEL_NODES, node, upsert, current=current))
 
     def _remove_entry(self, node: str, name: str, ns: str | None, current: dict[str, Any] | None) -> None:
         def drop(o: dict[str, Any]) -> None:
             spec = o.setdefault("spec", {})
             spec["localModels"] = entries.remove(spec.get("localModels") or [], name, ns)
 
-        metrics.WRITES.labels("LocalModelNode", "update").inc()
-        update_if_changed(self.kube, LOCAL_MODEL_NODES, node, drop, current=current)
+        metrics.wrote("LocalModelNode", "update",
+                      update_if_changed(self.kube, LOCAL_MODEL_NODES, node, drop, current=current))
 
     # -- serving volumes -------------------------------------------------------------------------
     def sync_volumes(self, key: str, obj: dict[str, Any], groups: dict[str, dict[str, Any]]) -> None:
@@ -217,11 +217,11 @@ class CacheReconciler:
         metrics.WRITES.labels(self.res.kind, "status").inc()
         gained, lost = aggregate.copy_changes(old_status, node_status)
         for node in gained:
-            self.recorder.record(obj, "CopyAvailable", f"model is downloaded on node {node} "
+            self.recorder.record(obj, NORMAL, "CopyAvailable", f"model is downloaded on node {node} "
                                  f"({copies.available}/{copies.total} copies available)")
         for node in lost:
-            self.recorder.record(obj, "CopyLost", f"node {node} no longer has a usable copy "
-                                 f"({copies.available}/{copies.total} copies available)", "Warning")
+            self.recorder.record(obj, WARNING, "CopyLost", f"node {node} no longer has a usable copy "
+                                 f"({copies.available}/{copies.total} copies available)")
 
 
 def _forget_gauges(key: str) -> None:

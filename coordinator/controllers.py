@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.caches import CacheReconciler, cache_keys_for_kind
-from coordinator.events import EventRecorder
 from coordinator.nodes import NodeReconciler
 from coordinator.nodeselector import node_ready
 from coordinator.services import ServiceReconciler
@@ -19,6 +18,7 @@ from coordinator.urimatch import isvc_storage_uri, llmisvc_model_uri
 from coordinator.view import ClusterView, entry_cache_keys, service_cache_keys, volume_cache_keys
 from modelcache.kube.client import INFERENCE_SERVICES
 from modelcache.kube.controller import Controller, Manager, Result, generation_or_meta_changed, own_key
+from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import ADDED, DELETED
 
 from . import metrics

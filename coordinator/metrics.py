@@ -19,3 +19,10 @@ LEADER = Gauge("modelcache_coordinator_leader", "1 while this replica holds the 
 
 def render() -> bytes:
     return generate_latest(REGISTRY)
+
+
+def wrote(kind: str, verb: str, result: object = True) -> object:
+    """Count one API write when ``result`` says one happened (update helpers return None if not)."""
+    if result is not None:
+        WRITES.labels(kind, verb).inc()
+    return result

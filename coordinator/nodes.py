@@ -60,7 +60,7 @@ class NodeReconciler:
                 kept = entries.remove(kept, m.get("modelName", ""), m.get("namespace") or None)
             spec["localModels"] = kept
 
-        metrics.WRITES.labels("LocalModelNode", "update").inc()
-        update_if_changed(self.kube, LOCAL_MODEL_NODES, key, drop, current=lmn)
+        metrics.wrote("LocalModelNode", "update",
+                      update_if_changed(self.kube, LOCAL_MODEL_NODES, key, drop, current=lmn))
         log.info("node %s: removed entries of deleted caches: %s", key,
                  ", ".join(cache_key(m.get("namespace"), m.get("modelName", "")) for m in orphans))

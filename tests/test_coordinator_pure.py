@@ -178,7 +178,8 @@ def test_status_aggregation_counts_current_members_only() -> None:
         "d": membership.Member("d", "g", True),
         "e": membership.Member("e", "g", True),
     }
-    states = {"a": "ModelDownloaded", "b": "ModelDownloadError", "c": "ModelDownloaded", "d": None, "e": "ModelDownloading"}
+    states = {"a": "ModelDownloaded", "b": "ModelDownloadError", "c": "ModelDownloaded", "d": None,
+              "e": "ModelDownloading"}
     st = aggregate.node_status(members, states)
     assert st == {"a": "NodeDownloaded", "b": "NodeDownloadError", "c": "NodeNotReady",
                   "d": "NodeDownloadPending", "e": "NodeDownloading"}
@@ -270,7 +271,8 @@ def test_pod_mutation_affinity_and_rewrite() -> None:
                        {"name": "sidecar"}]}}
     target = podmutate.PodTarget("s3://b/m", "m-g", "/x")
     out = podmutate.mutate(pod, target, rewrite=False)
-    terms = out["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    required = out["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    terms = required["nodeSelectorTerms"]
     label = f"downloaded.modelcache.io/{storage_key('s3://b/m')}"
     assert all({"key": label, "operator": "Exists"} in t["matchExpressions"] for t in terms) and len(terms) == 2
     assert out["spec"]["initContainers"] == pod["spec"]["initContainers"]  # no rewrite

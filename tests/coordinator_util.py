@@ -1,0 +1,87 @@
+"""Helpers for coordinator tests: objects as a user (or kubelet, or agent) would write them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from modelcache.kube.client import (
+    INFERENCE_SERVICES,
+    LOCAL_MODEL_CACHES,
+    LOCAL_MODEL_NAMESPACE_CACHES,
+    LOCAL_MODEL_NODE_GROUPS,
+    LOCAL_MODEL_NODES,
+    NAMESPACES,
+    NODES,
+    Kube,
+)
+
+GROUP_LABEL = "kserve/localmodel"
+
+
+def ready_condition(ready: bool) -> dict[str, Any]:
+    return {"type": "Ready", "status": "True" if ready else "False", "reason": "KubeletReady"}
+
+
+def make_node(kube: Kube, name: str, ready: bool = True, **labels: str) -> dict[str, Any]:
+    body = {"metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **labels}},
+            "status": {"conditions": [ready_condition(ready)]}}
+    return kube.create(NODES, body)
+
+
+def set_ready(kube: Kube, name: str, ready: bool) -> None:
+    kube.patch_status(NODES, name, {"status": {"conditions": [ready_condition(ready)]}})
+
+
+def make_group(kube: Kube, name: str, label_value: str = "worker", path: str = "/models") -> dict[str, Any]:
+    return kube.create(LOCAL_MODEL_NODE_GROUPS, {"metadata": {"name": name}, "spec": {
+        "storageLimit": "10Gi",
+        "persistentVolumeSpec": {
+            "accessModes": ["ReadWriteOnce"], "volumeMode": "Filesystem", "capacity": {"storage": "10Gi"},
+            "local": {"path": path}, "persistentVolumeReclaimPolicy": "Delete", "storageClassName": "local-storage",
+            "nodeAffinity": {"required": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": GROUP_LABEL, "operator": "In", "values": [label_value]}]}]}},
+        },
+        "persistentVolumeClaimSpec": {
+            "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "10Gi"}},
+            "storageClassName": "local-storage", "volumeMode": "Filesystem",
+        },
+    }})
+
+
+def make_cache(kube: Kube, name: str, uri: str, groups: list[str], namespace: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"metadata": {"name": name}, "spec": {"sourceModelUri": uri, "modelSize": "1Mi",
+                                                                  "nodeGroups": groups}}
+    if namespace:
+        body["metadata"]["namespace"] = namespace
+        return kube.create(LOCAL_MODEL_NAMESPACE_CACHES, body, namespace)
+    return kube.create(LOCAL_MODEL_CACHES, body)
+
+
+def make_namespace(kube: Kube, name: str) -> None:
+    if kube.get_or_none(NAMESPACES, name) is None:
+        kube.create(NAMESPACES, {"metadata": {"name": name}})
+
+
+def make_isvc(kube: Kube, name: str, namespace: str, uri: str, annotations: dict[str, str] | None = None,
+              labels: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": namespace}
+    if annotations:
+        meta["annotations"] = annotations
+    if labels:
+        meta["labels"] = labels
+    body = {"metadata": meta, "spec": {"predictor": {"model": {"modelFormat": {"name": "sklearn"}, "storageUri": uri}}}}
+    return kube.create(INFERENCE_SERVICES, body, namespace)
+
+
+def report(kube: Kube, node: str, states: dict[str, str]) -> None:
+    """Act as the node's agent: set status.modelStatus."""
+    lmn = kube.get(LOCAL_MODEL_NODES, node)
+    current = (lmn.get("status") or {}).get("modelStatus") or {}
+    patch = {k: None for k in current if k not in states}
+    patch.update(states)
+    kube.patch_status(LOCAL_MODEL_NODES, node, {"status": {"modelStatus": patch}})
+
+
+def entries_of(kube: Kube, node: str) -> list[dict[str, Any]] | None:
+    lmn = kube.get_or_none(LOCAL_MODEL_NODES, node)
+    return None if lmn is None else list((lmn.get("spec") or {}).get("localModels") or [])
