@@ -37,7 +37,7 @@ from modelcache.kube.types import (
 )
 from modelcache.progress import ProgressTracker, format_line
 from modelcache.pull import PullPlan, pull
-from modelcache.store import NodeLayout, NodeStore
+from modelcache.store import NodeLayout, NodeStore, now_iso
 from modelcache.transfer import TransferOptions
 from modelcache.uri import parse_uri, redact_uri, storage_key
 
@@ -189,7 +189,8 @@ class Agent:
     def _start(self, rec: ModelRecord) -> None:
         rec.running, rec.cancel, rec.progress = True, threading.Event(), ProgressTracker()
         rec.attempts += 1
-        rec.to(MODEL_DOWNLOADING, f"attempt {rec.attempts}" if rec.attempts > 1 else "")
+        rec.to(MODEL_DOWNLOADING, f"repairing ({rec.damage})" if rec.damage else
+               (f"attempt {rec.attempts}" if rec.attempts > 1 else ""))
         log.info("download started", extra=fields(storage_key=rec.key, uri=redact_uri(rec.uri), attempt=rec.attempts))
         self.changed.set()
         self.pool.submit(self._download, rec)
@@ -237,7 +238,10 @@ class Agent:
                 rec.revision = (manifest.revision if manifest else None) or result.resolved_uri
                 rec.bytes_total, rec.files_total = result.bytes, result.files
                 rec.failures, rec.next_attempt = 0, 0.0
-                rec.to(MODEL_DOWNLOADED)
+                # A repair stays visible in the status until the next change, not only in the logs.
+                rec.to(MODEL_DOWNLOADED, f"repaired {now_iso()}: {rec.damage}"
+                       if rec.damage else "")
+                rec.damage = ""
                 rec.last_size_check = rec.last_verify = time.monotonic()
                 self.metrics.duration.labels(scheme=scheme, outcome="ok").observe(elapsed)
                 log.info("download finished", extra=fields(
@@ -271,6 +275,7 @@ class Agent:
             except ModelcacheError:
                 return  # someone else holds the model right now: check again later
             rec.to(MODEL_DOWNLOAD_ERROR, f"damaged: {problem}; repairing", "Damaged")
+            rec.damage = f"was damaged: {problem}"
             rec.next_attempt = 0.0
             self.metrics.errors.labels(reason="Damaged").inc()
             log.warning("model damaged: repairing", extra=fields(storage_key=rec.key, problem=problem))

@@ -64,6 +64,8 @@ class ModelRecord:
     #: Out of the spec; files deleted once no pod mounts them.
     removing: bool = False
     mounted_by: list[str] = field(default_factory=list)
+    #: What a check found, until the repair has finished.
+    damage: str = ""
     last_size_check: float = field(default_factory=time.monotonic)
     last_verify: float = field(default_factory=time.monotonic)
 

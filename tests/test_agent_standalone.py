@@ -1,0 +1,144 @@
+"""Standalone agent (no cluster): a LocalModelNode file in, the root filled, FILE.status.yaml out;
+restart from manifests without re-hashing; periodic checks find damage and repair it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from modelcache.uri import storage_key
+from tests.agent_util import FAST_FLAGS, model_files
+from tests.helpers import REPO, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+D, E = "ModelDownloaded", "ModelDownloadError"
+
+
+def write_node(path: Path, entries: list[dict[str, Any]]) -> Path:
+    path.write_text(yaml.safe_dump({"apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelNode",
+                                    "metadata": {"name": "box"}, "spec": {"localModels": entries}}))
+    return path
+
+
+def agent_cmd(spec: Path, root: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "agent", "--standalone", str(spec), "--root", str(root), "--port", "-1",
+            *FAST_FLAGS, *extra]
+
+
+def run_agent(spec: Path, root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(agent_cmd(spec, root, *extra), cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def status_of(spec: Path) -> dict[str, Any]:
+    return yaml.safe_load(spec.with_name(spec.name + ".status.yaml").read_text())["status"]
+
+
+def test_standalone_fills_the_root_and_writes_status_beside_the_file(nginx, tmp_path):
+    nginx.write("s/model.bin", 2 << 20)
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "config.json").write_text("{}")
+    (src / "sub" / "w.bin").write_bytes(os.urandom(300_000))
+    http_uri, local_uri = nginx.url("s/model.bin"), f"file://{src}"
+    spec = write_node(tmp_path / "node.yaml", [{"modelName": "web", "sourceModelUri": http_uri},
+                                                {"modelName": "loc", "sourceModelUri": local_uri,
+                                                 "namespace": "team"}])
+    before = spec.read_text()
+    root = tmp_path / "root"
+    proc = run_agent(spec, root)
+    assert proc.returncode == 0, proc.stderr
+    assert spec.read_text() == before  # the input is never rewritten
+    st = status_of(spec)
+    assert st["modelStatus"] == {"web": D, "team/loc": D}
+    assert st["modelDetails"]["web"]["bytesDone"] == 2 << 20
+    assert model_files(root, storage_key(http_uri)) == {"model.bin": 2 << 20}
+    assert model_files(root, storage_key(local_uri)) == {"config.json": 2, "sub/w.bin": 300_000}
+    assert "download finished" in proc.stderr
+
+
+def test_error_exit_code_and_orphans_deleted(nginx, tmp_path):
+    nginx.write("o/model.bin", 1 << 20)
+    uri = nginx.url("o/model.bin")
+    root = tmp_path / "root"
+    spec = write_node(tmp_path / "node.yaml", [{"modelName": "m", "sourceModelUri": uri}])
+    assert run_agent(spec, root).returncode == 0
+    # The entry changes to a missing file: the old model leaves the spec (deleted), the new one fails.
+    write_node(spec, [{"modelName": "m", "sourceModelUri": nginx.url("o/missing.bin")}])
+    proc = run_agent(spec, root)
+    assert proc.returncode == 1
+    st = status_of(spec)
+    assert st["modelStatus"] == {"m": E}
+    assert "404" in st["modelDetails"]["m"]["message"] or "not found" in st["modelDetails"]["m"]["message"].lower()
+    assert not (root / "models" / storage_key(uri)).exists()
+
+
+def test_restart_trusts_manifests_then_full_verify_repairs(nginx, tmp_path):
+    data = nginx.write("r/model.bin", 2 << 20).read_bytes()
+    uri = nginx.url("r/model.bin")
+    root = tmp_path / "root"
+    spec = write_node(tmp_path / "node.yaml", [{"modelName": "m", "sourceModelUri": uri}])
+    assert run_agent(spec, root).returncode == 0
+    target = root / "models" / storage_key(uri) / "model.bin"
+    # Flip one byte, same size: a restart must not re-hash (seconds for a big root), so it does not notice.
+    with open(target, "r+b") as f:
+        f.seek(12345)
+        f.write(bytes([data[12345] ^ 0xFF]))
+    nginx.clear_access_log()
+    t0 = time.monotonic()
+    proc = run_agent(spec, root, "--verify-interval", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - t0 < 20
+    assert status_of(spec)["modelStatus"] == {"m": D}
+    assert "model present" in proc.stderr and "download started" not in proc.stderr
+    assert nginx.access_log() == []
+    # The slower full verify finds it, reports it and repairs it.
+    agent = subprocess.Popen(agent_cmd(spec, root, "--watch", "--verify-interval", "1"), cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        seen: list[str] = []
+
+        def repaired() -> bool:
+            d = status_of(spec)["modelDetails"]["m"]
+            if "damaged" in (d.get("message") or ""):  # "damaged: ...", "repairing (...)", "repaired ...: ..."
+                seen.append(d["message"])
+            return bool(seen) and d["state"] == D and target.read_bytes() == data
+
+        wait_until(repaired, timeout=40, what="damage reported and repaired")
+        assert "model.bin" in seen[0] and "xxh3" in seen[0]
+        assert status_of(spec)["modelDetails"]["m"]["message"].startswith("repaired ")
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        _, err = agent.communicate(timeout=20)
+    assert "model damaged: repairing" in err
+
+
+def test_size_check_finds_a_truncated_file_and_watch_picks_up_spec_changes(nginx, tmp_path):
+    data = nginx.write("t/model.bin", 1 << 20).read_bytes()
+    nginx.write("t2/model.bin", 1 << 20)
+    uri, uri2 = nginx.url("t/model.bin"), nginx.url("t2/model.bin")
+    root = tmp_path / "root"
+    spec = write_node(tmp_path / "node.yaml", [{"modelName": "m", "sourceModelUri": uri}])
+    agent = subprocess.Popen(agent_cmd(spec, root, "--watch", "--size-check-interval", "0.5"), cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        target = root / "models" / storage_key(uri) / "model.bin"
+        wait_until(lambda: status_of(spec)["modelStatus"] == {"m": D}, timeout=30, what="downloaded")
+        os.truncate(target, 1000)
+        wait_until(lambda: target.stat().st_size == 1 << 20 and status_of(spec)["modelStatus"] == {"m": D}
+                   and status_of(spec)["modelDetails"]["m"]["attempts"] == 2, timeout=30, what="repaired")
+        assert target.read_bytes() == data
+        write_node(spec, [{"modelName": "m2", "sourceModelUri": uri2}])
+        wait_until(lambda: status_of(spec)["modelStatus"] == {"m2": D} and not target.parent.exists(),
+                   timeout=30, what="spec change applied")
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(20)
