@@ -26,7 +26,7 @@ from modelcache.transfer import TransferOptions
 from modelcache.uri import storage_key
 from tests.faultproxy import Fault, FaultProxy
 from tests.fixtures.http import NginxServer
-from tests.helpers import free_port, require
+from tests.helpers import free_port, require, wait_until
 from tests.pull_helpers import (
     MiB,
     assert_store_correct,
@@ -313,19 +313,29 @@ def test_enospc_while_writing_fails_clearly_then_resumes(
 # ---- two pulls of one model at once -------------------------------------------------------------
 
 
-def test_concurrent_pulls_of_one_uri_download_once(nginx: NginxServer, weights: bytes, tmp_path: Path) -> None:
-    nginx.write("slow/w.bin", weights)
-    nginx.set_limit_rate("slow", 8 * MiB)  # per connection: the pull takes ~0.3 s, long enough to overlap
-    uri = nginx.url("slow/w.bin")
+def test_concurrent_pulls_of_one_uri_download_once(
+    nginx: NginxServer, fault_proxy: FaultProxy, weights: bytes, tmp_path: Path
+) -> None:
+    uri = fault_proxy.url("m/w.bin")
     root = tmp_path / "root"
-    procs = [popen_cli("pull", uri, "--root", str(root), "--json", "--chunk-size", "1M") for _ in range(2)]
-    outs = [p.communicate(timeout=60) for p in procs]
-    for p, (_out, err) in zip(procs, outs, strict=True):
+    args = ("pull", uri, "--root", str(root), "--json", "--chunk-size", "1M", "--progress", "none")
+    fault_proxy.pause()  # the first pull starts its download and is held there
+    first = popen_cli(*args)
+    # HEAD passes; the Range probe is held: the first pull holds the model lock from here on.
+    wait_until(lambda: fault_proxy.requests["/m/w.bin"] >= 2 or first.poll() is not None, what="first pull")
+    second = popen_cli(*args)
+    time.sleep(1.0)  # the second pull is up and waiting for the model's lock
+    assert first.poll() is None and second.poll() is None
+    fault_proxy.resume()
+    outs = [p.communicate(timeout=60) for p in (first, second)]
+    for p, (_out, err) in zip((first, second), outs, strict=True):
         assert p.returncode == 0, err
     assert_store_correct(root, {uri: {"w.bin": weights}}, must_have={uri})
-    body = [e for e in nginx.requests_for("slow/w.bin") if e.range != "bytes=0-0"]
+    # One download in nginx's log: the body bytes of every GET but the 1-byte Range probe add up to one copy.
+    body = [e for e in nginx.requests_for("m/w.bin") if e.range != "bytes=0-0"]
     assert sum(e.bytes_sent for e in body) == SIZE, body
-    assert sorted('"cached": true' in out for out, _ in outs) == [False, True]
+    assert len(nginx.requests_for("m/w.bin", method="HEAD")) == 1
+    assert ['"cached": true' in out for out, _ in outs] == [False, True]
 
 
 def test_concurrent_library_pulls_in_threads(fault_proxy: FaultProxy, weights: bytes, tmp_path: Path) -> None:
