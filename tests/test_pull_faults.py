@@ -146,6 +146,18 @@ def test_persistent_fault_fails_clearly_and_is_resumable(
     pull_ok(uri, root, weights)
 
 
+def test_cli_persistent_fault_ends_with_one_error_line(fault_proxy: FaultProxy, weights: bytes, tmp_path: Path) -> None:
+    fault_proxy.add(Fault("status", path="/m/w.bin", nth=3, times=None, status=503))
+    uri = fault_proxy.url("m/w.bin")
+    root = tmp_path / "root"
+    r = run_cli("pull", uri, "--root", str(root), "--chunk-size", "1M", "--max-attempts", "2", "--progress", "none")
+    assert r.returncode != 0
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and uri in errors[0] and "503" in errors[0], r.stderr
+    assert r.stderr.strip().splitlines()[-1] == errors[0]
+    assert not model_dir(root, uri).exists()
+
+
 # ---- a flipped byte is caught by a checksum ----------------------------------------------------
 
 
