@@ -71,6 +71,31 @@ def step(title: str, args: list[str]) -> None:
         sys.exit(proc.returncode)
 
 
+def agent_step(uris: list[str]) -> None:
+    """The node agent's job without a cluster: a LocalModelNode file in, a filled root and its status out."""
+    import shutil
+
+    import yaml
+
+    node_root, spec = WORK / "node", WORK / "localmodelnode.yaml"
+    shutil.rmtree(node_root, ignore_errors=True)
+    names = [Path(u).name.split(".")[0].lower().replace("_", "-") for u in uris]
+    entries = [{"modelName": f"sample-{n}", "sourceModelUri": u} for n, u in zip(names, uris, strict=True)]
+    spec.write_text(yaml.safe_dump({"apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelNode",
+                                    "metadata": {"name": "demo-node"}, "spec": {"localModels": entries}}))
+    args = ["--standalone", str(spec), "--root", str(node_root), "--port", "-1"]
+    print(f"\n\033[1m== agent: fill a node root from a LocalModelNode, report status\033[0m\n"
+          f"$ modelcache-agent {' '.join(shlex.quote(a) for a in args)}", flush=True)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "agent", *args])
+    status = yaml.safe_load(spec.with_name(spec.name + ".status.yaml").read_text())["status"]
+    print(yaml.safe_dump({"modelStatus": status["modelStatus"], "modelCounts": status["modelCounts"]},
+                         sort_keys=False), end="")
+    print(f"({time.monotonic() - t0:.2f}s, exit {proc.returncode}; full status in {spec}.status.yaml)", flush=True)
+    if proc.returncode != 0:
+        sys.exit(proc.returncode)
+
+
 def main() -> None:
     src = WORK / "model"
     root = WORK / "store"
@@ -89,6 +114,7 @@ def main() -> None:
         step("pull again: a cache hit, no request sent", ["pull", *uris, "--root", str(root)])
         step("verify: re-hash every file against its manifest", ["verify", "--root", str(root)])
         step("ls: the node store", ["ls", "--root", str(root)])
+        agent_step(uris)
     finally:
         server.shutdown()
     print(f"\nthe model files are under {root}/models/<storageKey>/, exactly where KServe's pods look for them")
