@@ -121,7 +121,8 @@ class Agent:
             manifest = self.store.manifest(key)
             rec.to(MODEL_DOWNLOADED)
             if manifest is not None:
-                rec.revision = manifest.revision or manifest.resolved_uri
+                rec.revision = manifest.revision or (
+                    manifest.resolved_uri if manifest.resolved_uri != manifest.uri else None)
                 rec.bytes_total, rec.files_total = manifest.total_size, len(manifest.files)
                 rec.finished_at = manifest.created_at
             log.info("model present", extra=fields(storage_key=key, uri=redact_uri(uri),
@@ -235,7 +236,8 @@ class Agent:
                 log.info("download stopped: model left the spec", extra=fields(storage_key=rec.key))
             elif error is None and result is not None:
                 manifest = self.store.manifest(rec.key)
-                rec.revision = (manifest.revision if manifest else None) or result.resolved_uri
+                resolved = result.resolved_uri if result.resolved_uri != redact_uri(rec.uri) else None
+                rec.revision = (manifest.revision if manifest else None) or resolved
                 rec.bytes_total, rec.files_total = result.bytes, result.files
                 rec.failures, rec.next_attempt = 0, 0.0
                 # A repair stays visible in the status until the next change, not only in the logs.
@@ -334,6 +336,8 @@ class Agent:
             active = [r for r in self.records.values() if r.running and r.progress is not None]
         for rec in active:
             snap = rec.progress.snapshot()  # type: ignore[union-attr]
+            if not snap.bytes_total:
+                continue  # still listing
             log.info("progress " + format_line(snap), extra=fields(
                 storage_key=rec.key, bytes_done=snap.bytes_done, bytes_total=snap.bytes_total,
                 rate=int(snap.rate)))
