@@ -103,13 +103,17 @@ class Store:
         with self._lock:
             return list(self._items)
 
-    def list(self) -> list[dict[str, Any]]:
+    def list(self, copy_objects: bool = True) -> list[dict[str, Any]]:
+        """All objects; ``copy_objects=False`` skips the deep copies for read-only callers (hot
+        loops over thousands of objects), who then must not mutate what they get."""
         with self._lock:
-            return [copy.deepcopy(o) for o in self._items.values()]
+            objs = list(self._items.values())
+        return [copy.deepcopy(o) for o in objs] if copy_objects else objs
 
-    def by_index(self, name: str, value: str) -> list[dict[str, Any]]:
+    def by_index(self, name: str, value: str, copy_objects: bool = True) -> list[dict[str, Any]]:
         with self._lock:
-            return [copy.deepcopy(self._items[k]) for k in sorted(self._indices[name].get(value, ()))]
+            objs = [self._items[k] for k in sorted(self._indices[name].get(value, ()))]
+        return [copy.deepcopy(o) for o in objs] if copy_objects else objs
 
     def __len__(self) -> int:
         with self._lock:
