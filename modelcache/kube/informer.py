@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 ADDED, MODIFIED, DELETED = "ADDED", "MODIFIED", "DELETED"
 
-#: handler(event_type, new_or_deleted_object, old_object_or_None)
+#: handler(event_type, new_or_deleted_object, old_object_or_None). The objects are the cache's
+#: own: handlers read them and must not mutate them (copy first).
 Handler = Callable[[str, dict[str, Any], dict[str, Any] | None], None]
 IndexFunc = Callable[[dict[str, Any]], Iterable[str]]
 
