@@ -149,3 +149,20 @@ class StoreWatcher:
         assert self._thread is not None
         self._thread.join(timeout=10)
         self._check_once()
+
+
+def journaled_bytes(root: Path, uri: str) -> int:
+    """Bytes the engine's resume journal says are on disk for ``uri`` (max per chunk, summed).
+
+    Crash tests wait on this rather than on what a server sent: on a loaded machine loopback
+    socket buffers can hold megabytes that never reached the client's disk.
+    """
+    journal = Path(root) / ".modelcache" / "staging" / storage_key(uri) / "journal"
+    done: dict[tuple[str, str], int] = {}
+    if journal.exists():
+        for line in journal.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 4 and parts[0] == "c":
+                key = (parts[1], parts[2])
+                done[key] = max(done.get(key, 0), int(parts[3]))
+    return sum(done.values())

@@ -14,6 +14,7 @@ import pytest
 
 from modelcache.uri import storage_key
 from tests.helpers import REPO, wait_until
+from tests.pull_helpers import journaled_bytes
 from tests.webhdfs import WebHDFSServer
 
 BIG = os.urandom(1_300_000)  # two HDFS blocks (1 MiB in the test server), ~20 chunks at 64K
@@ -118,17 +119,6 @@ def test_error_messages(hdfs: WebHDFSServer, tmp_path: Path) -> None:
     _error_line(kerberos, "Kerberos", "not supported")
 
 
-def _journaled(journal: Path) -> int:
-    """Bytes the engine's resume journal says are on disk (max per chunk, summed)."""
-    done: dict[tuple[str, str], int] = {}
-    if journal.exists():
-        for line in journal.read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 4 and parts[0] == "c":
-                done[(parts[1], parts[2])] = max(done.get((parts[1], parts[2]), 0), int(parts[3]))
-    return sum(done.values())
-
-
 def test_resume_after_kill_9(hdfs: WebHDFSServer, tmp_path: Path) -> None:
     big = os.urandom(4 << 20)
     hdfs.put("/models/big/model.bin", big)
@@ -144,8 +134,8 @@ def test_resume_after_kill_9(hdfs: WebHDFSServer, tmp_path: Path) -> None:
     try:
         # Wait on what the client journaled, not on what the server sent: on a loaded machine
         # loopback socket buffers can hold megabytes that never reached the disk.
-        journal = tmp_path / "root/.modelcache/staging" / storage_key(uri) / "journal"
-        wait_until(lambda: _journaled(journal) > (3 << 19), timeout=60, what="1.5 MiB journaled")
+        root = tmp_path / "root"
+        wait_until(lambda: journaled_bytes(root, uri) > (3 << 19), timeout=60, what="1.5 MiB journaled")
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)

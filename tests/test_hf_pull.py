@@ -15,6 +15,7 @@ import pytest
 from modelcache.uri import storage_key
 from tests.helpers import REPO, wait_until
 from tests.hfhub import HubServer, Request
+from tests.pull_helpers import journaled_bytes
 
 TOKEN = "hf_alice_token"
 BIG = os.urandom(600 * 1024 + 17)  # LFS; ~10 chunks at --chunk-size 64K
@@ -179,8 +180,8 @@ def test_resume_after_kill_9(hub: HubServer, tmp_path: Path) -> None:
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_until(lambda: hub.body_bytes_sent > (1 << 20), timeout=60, what="half the download")
-        time.sleep(0.3)  # let finished chunks reach the journal
+        root = tmp_path / "root"
+        wait_until(lambda: journaled_bytes(root, uri) > (3 << 18), timeout=60, what="768 KiB journaled")
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)

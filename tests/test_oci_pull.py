@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from modelcache.uri import storage_key
 from tests.faultproxy import FaultProxy
 from tests.fixtures.oci import LAYER_TAR, LAYER_TGZ, OCIRegistry, docker_config, make_tar
 from tests.helpers import REPO, wait_until
+from tests.pull_helpers import journaled_bytes
 from tests.test_oci_source import push_artifact
 
 BIG = os.urandom(900_000)  # ~14 chunks at 64K
@@ -169,9 +169,8 @@ def test_resume_after_kill_9(oci_registry: OCIRegistry, oci_repo: str, proxy: Fa
         stderr=subprocess.DEVNULL,
     )
     try:
-        # half sent: socket buffers may still hold up to ~1 MiB that never reached the disk
-        wait_until(lambda: proxy.total_bytes_sent > (2 << 20), timeout=60, what="half the download")
-        time.sleep(0.3)  # let finished chunks reach the journal
+        root = tmp_path / "root"
+        wait_until(lambda: journaled_bytes(root, uri) > (3 << 19), timeout=60, what="1.5 MiB journaled")
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
