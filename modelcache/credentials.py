@@ -520,6 +520,8 @@ class AzureSettings:
     #: AZURE_ACCESS_TOKEN: a bearer token KServe's controller may inject.
     access_token: str | None = field(default=None, repr=False)
     federated_token_file: str | None = None
+    #: AZURE_AUTHORITY_HOST: the Azure AD endpoint (sovereign clouds); None means the public cloud.
+    authority_host: str | None = None
     #: Account URL template, e.g. ``http://127.0.0.1:10000/{account}`` for Azurite or a private
     #: endpoint (MODELCACHE_AZURE_BLOB_ENDPOINT); None means the URI's own host.
     endpoint_template: str | None = None
@@ -549,6 +551,7 @@ def _azure_settings(env: Mapping[str, str]) -> AzureSettings:
         tenant_id=get("TENANT_ID"),
         access_token=env.get("AZURE_ACCESS_TOKEN") or None,
         federated_token_file=env.get("AZURE_FEDERATED_TOKEN_FILE") or None,
+        authority_host=env.get("AZURE_AUTHORITY_HOST") or None,
         endpoint_template=env.get("MODELCACHE_AZURE_BLOB_ENDPOINT") or None,
         connect_timeout=float(env.get("MODELCACHE_CONNECT_TIMEOUT") or 15),
         read_timeout=float(env.get("MODELCACHE_READ_TIMEOUT") or 60),
