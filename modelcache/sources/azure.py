@@ -52,7 +52,8 @@ from modelcache.uri import AzureBlobLocation, Location
 
 # The SDK's HTTP logging prints request URLs and headers; keep it quiet whatever the root level.
 logging.getLogger("azure.core.pipeline.policies.http_logging_policy").setLevel(logging.WARNING)
-logging.getLogger("azure.identity").setLevel(logging.WARNING)
+# azure.identity warns on stderr for every failed token request; our one-line error says it all.
+logging.getLogger("azure.identity").setLevel(logging.ERROR)
 
 # Each SDK GET is buffered whole; keep the buffers small so many streams stay within memory.
 _GET_SIZE = 8 << 20
@@ -81,11 +82,12 @@ def make_credential(cfg: AzureSettings, account: str) -> Any:
     if cfg.use_default_credential:
         from azure import identity
 
+        extra = {"authority": cfg.authority_host} if cfg.authority_host else {}
         if cfg.client_secret and cfg.tenant_id:
-            return identity.ClientSecretCredential(cfg.tenant_id, str(cfg.client_id), cfg.client_secret)
+            return identity.ClientSecretCredential(cfg.tenant_id, str(cfg.client_id), cfg.client_secret, **extra)
         if cfg.federated_token_file and cfg.tenant_id:
             return identity.WorkloadIdentityCredential(
-                tenant_id=cfg.tenant_id, client_id=cfg.client_id, token_file_path=cfg.federated_token_file
+                tenant_id=cfg.tenant_id, client_id=cfg.client_id, token_file_path=cfg.federated_token_file, **extra
             )
         return identity.ManagedIdentityCredential(client_id=cfg.client_id)
     if cfg.access_key:
@@ -264,6 +266,10 @@ class AzureBlobSource(Source):
             return TransientError(f"Azure Blob server error {status} for {where}")
         if isinstance(exc, HttpResponseError):
             return SourceError(f"Azure Blob error for {where}: {code or status}")
+        if isinstance(exc, ValueError) and "HTTPS" in str(exc):
+            return SourceError(
+                f"Azure AD credentials (AZURE_CLIENT_ID) need an https:// account URL, not {self.endpoint}, for {where}"
+            )
         if type(exc).__module__.startswith("azure.identity") or "Credential" in type(exc).__name__:
             return AuthError(
                 f"cannot get an Azure AD token for {where} ({type(exc).__name__}): check AZURE_CLIENT_ID, "

@@ -1,0 +1,381 @@
+"""``modelcache pull`` end to end (a subprocess) against S3 (moto), GCS (gcp-storage-emulator) and
+Azure Blob (Azurite): trees, zero-byte and multi-chunk files, multipart objects, single-object
+URIs, prefix bounding, corruption, clear errors, resume after kill -9, credentials from env,
+STORAGE_CONFIG and STORAGE_OVERRIDE_CONFIG -- and no secret in any output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+
+from tests.faultproxy import Fault, FaultProxy
+from tests.fixtures.objectstores import AzureServer, GCSServer, S3Server
+from tests.objectstore_data import model_tree
+from tests.pull_helpers import MiB, assert_store_correct, cli_cmd, model_dir, one_error_line
+
+CHUNK = 256 * 1024
+#: Every CLI run's output, for the final grep for secrets.
+CAPTURED: list[str] = []
+SECRETS: set[str] = set()
+
+
+@dataclass
+class Backend:
+    """One object store seen through the same small interface."""
+
+    name: str
+    env: dict[str, str]
+    uri: Callable[[str], str]
+    put: Callable[[str, bytes], None]
+    wire_path: Callable[[str], str]  # the HTTP path a GET of the object uses (proxy fault rules)
+    proxied_env: Callable[[str], dict[str, str]]
+    upstream: tuple[str, int]
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+def _hostport(url: str) -> tuple[str, int]:
+    host, port = url.split("://", 1)[1].split("/", 1)[0].split(":")
+    return host, int(port)
+
+
+def _s3(server: S3Server) -> Backend:
+    bucket = server.new_bucket()
+    client = server.client()
+    SECRETS.add(server.secret_key)
+    return Backend(
+        name="s3",
+        env=server.env(),
+        uri=lambda p: f"s3://{bucket}/{p}",
+        put=lambda k, d: client.put_object(Bucket=bucket, Key=k, Body=d),
+        wire_path=lambda k: f"/{bucket}/{k}",
+        proxied_env=lambda url: server.env(url),
+        upstream=_hostport(server.endpoint),
+        extra={"bucket": bucket, "client": client, "server": server},
+    )
+
+
+def _gcs(server: GCSServer) -> Backend:
+    name = server.new_bucket()
+    bucket = server.client().bucket(name)
+    return Backend(
+        name="gcs",
+        env=server.env(),
+        uri=lambda p: f"gs://{name}/{p}",
+        put=lambda k, d: bucket.blob(k).upload_from_string(d),
+        wire_path=lambda k: f"/download/storage/v1/b/{name}/o/{quote(k, safe='')}",
+        proxied_env=lambda url: server.env(url),
+        upstream=_hostport(server.endpoint),
+        extra={"bucket": name},
+    )
+
+
+def _azure(server: AzureServer) -> Backend:
+    container = server.new_container()
+    cc = server.service().get_container_client(container)
+    SECRETS.add(server.key)
+    return Backend(
+        name="azure",
+        env=server.env(),
+        uri=lambda p: server.uri(container, p),
+        put=lambda k, d: cc.upload_blob(k, d, overwrite=True),
+        wire_path=lambda k: f"/{server.account}/{container}/{k}",
+        proxied_env=lambda url: server.env(f"{url}/{server.account}"),
+        upstream=_hostport(server.endpoint),
+        extra={"container": container, "server": server},
+    )
+
+
+@pytest.fixture(params=["s3", "gcs", "azure"])
+def backend(request: pytest.FixtureRequest) -> Backend:
+    make = {"s3": ("moto_s3", _s3), "gcs": ("gcs_emulator", _gcs), "azure": ("azurite", _azure)}
+    fixture, build = make[request.param]
+    return build(request.getfixturevalue(fixture))
+
+
+@pytest.fixture
+def proxy_for() -> Iterator[Callable[[Backend], FaultProxy]]:
+    made: list[FaultProxy] = []
+
+    def make(b: Backend) -> FaultProxy:
+        p = FaultProxy(b.upstream)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def clean_env(extra: dict[str, str]) -> dict[str, str]:
+    """The test process's env minus every credential variable, plus ``extra``."""
+    drop = ("AWS_", "S3_", "AZURE_", "AZ_", "GOOGLE_", "STORAGE_", "MODELCACHE_AZURE", "awsAnonymous")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    return env | extra
+
+
+def pull(root: Path, uri: str, env: dict[str, str], *more: str) -> subprocess.CompletedProcess[str]:
+    args = [
+        "pull",
+        uri,
+        "--root",
+        str(root),
+        "--chunk-size",
+        str(CHUNK),
+        "--workers",
+        "4",
+        "--progress",
+        "plain",
+        "--progress-interval",
+        "0.2",
+        *more,
+    ]
+    r = subprocess.run([*cli_cmd(), *args], capture_output=True, text=True, env=clean_env(env), timeout=120)
+    record(r.stdout + r.stderr)
+    return r
+
+
+def record(output: str) -> None:
+    CAPTURED.append(output)
+    for s in SECRETS:
+        assert s not in output, "a secret value appeared in modelcache's output"
+
+
+def upload_model(b: Backend) -> dict[str, bytes]:
+    tree = model_tree()
+    for name, data in tree.items():
+        b.put(f"model/{name}", data)
+    b.put("model/weights/", b"")  # folder marker: not a file
+    b.put("model_v2/other.bin", b"sibling folder, not part of s3://b/model")
+    return tree
+
+
+# --- downloads ---------------------------------------------------------------------------------
+
+
+def test_pull_tree_bounded_by_folder(backend: Backend, tmp_path: Path) -> None:
+    tree = upload_model(backend)
+    uri = backend.uri("model")
+    r = pull(tmp_path, uri, backend.env)
+    assert r.returncode == 0, r.stderr
+    assert_store_correct(tmp_path, {uri: tree}, must_have={uri})
+    assert (model_dir(tmp_path, uri) / "empty.txt").stat().st_size == 0
+    # again: served from the store, nothing downloaded
+    again = pull(tmp_path, uri, backend.env, "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)[0]["cached"] is True
+
+
+def test_pull_single_object_uri(backend: Backend, tmp_path: Path) -> None:
+    data = os.urandom(700 * 1024)
+    backend.put("releases/model.onnx", data)
+    backend.put("releases/model.onnx.bak", b"other")
+    uri = backend.uri("releases/model.onnx")
+    r = pull(tmp_path, uri, backend.env)
+    assert r.returncode == 0, r.stderr
+    assert_store_correct(tmp_path, {uri: {"model.onnx": data}}, must_have={uri})
+
+
+def test_pull_s3_multipart_object(moto_s3: S3Server, tmp_path: Path) -> None:
+    from boto3.s3.transfer import TransferConfig
+
+    b = _s3(moto_s3)
+    data = os.urandom(11 * MiB + 333)
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+    cfg = TransferConfig(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB)
+    b.extra["client"].upload_file(str(src), b.extra["bucket"], "mp/weights.bin", Config=cfg)  # type: ignore[attr-defined]
+    uri = b.uri("mp")
+    r = pull(tmp_path / "root", uri, b.env, "--chunk-size", "1M")
+    assert r.returncode == 0, r.stderr
+    assert_store_correct(tmp_path / "root", {uri: {"weights.bin": data}}, must_have={uri})
+
+
+def test_corrupted_object_fails_verification(backend: Backend, proxy_for, tmp_path: Path) -> None:
+    tree = upload_model(backend)
+    proxy = proxy_for(backend)
+    target = "model/weights/model-00001.safetensors"
+    # Flip a byte in every response covering file offset 1 MiB + 5: retries cannot fix it.
+    proxy.add(Fault("flip", path=backend.wire_path(target), file_offset=MiB + 5, times=None))
+    uri = backend.uri("model")
+    r = pull(tmp_path, uri, backend.proxied_env(proxy.base_url))
+    assert r.returncode != 0
+    line = one_error_line(_errors_only(r.stderr))
+    assert uri in line and "weights/model-00001.safetensors: " in line and "mismatch" in line
+    assert proxy.faults["flip"] >= 1
+    assert not model_dir(tmp_path, uri).exists()
+    assert tree  # the others were fine
+
+
+def _errors_only(stderr: str) -> str:
+    """The CLI's error report (progress lines are interleaved on stderr with --progress plain)."""
+    return "\n".join(ln for ln in stderr.splitlines() if ln.startswith("error:") or "Error" in ln.split(":")[0])
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def _fails_with(root: Path, uri: str, env: dict[str, str], *needles: str) -> str:
+    r = pull(root, uri, env)
+    assert r.returncode != 0
+    line = one_error_line(_errors_only(r.stderr))
+    for n in needles:
+        assert n in line, f"{n!r} not in {line!r}"
+    return line
+
+
+def test_clear_errors_empty_prefix_and_missing_bucket(backend: Backend, tmp_path: Path) -> None:
+    upload_model(backend)
+    uri = backend.uri("mode")  # a string prefix of model/ but not a folder
+    _fails_with(tmp_path, uri, backend.env, "no model found at", uri)
+    missing = {"s3": "s3://no-such-bucket/model", "gcs": "gs://no-such-bucket/model"}.get(
+        backend.name, backend.uri("model").replace(str(backend.extra.get("container")), "no-such-container")
+    )
+    _fails_with(tmp_path, missing, backend.env, "does not exist", "no-such-")
+
+
+def test_clear_errors_bad_credentials(backend: Backend, tmp_path: Path) -> None:
+    upload_model(backend)
+    uri = backend.uri("model")
+    if backend.name == "s3":
+        wrong = "wrong-secret-" + os.urandom(6).hex()
+        SECRETS.add(wrong)
+        _fails_with(
+            tmp_path,
+            uri,
+            backend.env | {"AWS_SECRET_ACCESS_KEY": wrong},
+            "rejected the credentials",
+            uri,
+            "AWS_SECRET_ACCESS_KEY",
+        )
+        key, secret = backend.extra["server"].add_user(["s3:ListBucket"])  # type: ignore[attr-defined]
+        SECRETS.add(secret)
+        env = backend.env | {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
+        _fails_with(tmp_path, uri, env, "access denied to s3://", "s3:GetObject")
+    elif backend.name == "azure":
+        wrong = "V3JvbmdLZXk" + os.urandom(8).hex() + "=="
+        SECRETS.add(wrong)
+        _fails_with(tmp_path, uri, backend.env | {"AZURE_STORAGE_ACCESS_KEY": wrong}, "rejected the credentials", uri)
+    else:
+        bad = tmp_path / "sa.json"
+        secret = "PRIVATEKEY" + os.urandom(6).hex()
+        SECRETS.add(secret)
+        bad.write_text(json.dumps({"type": "service_account", "private_key": secret}))
+        env = {"GOOGLE_APPLICATION_CREDENTIALS": str(bad)}  # no emulator: real credentials path
+        _fails_with(tmp_path, uri, env, "cannot load Google credentials", "GOOGLE_APPLICATION_CREDENTIALS")
+
+
+def test_clear_error_endpoint_unreachable(backend: Backend, tmp_path: Path) -> None:
+    from tests.helpers import free_port
+
+    port = free_port()
+    env = backend.proxied_env(f"http://127.0.0.1:{port}") | {
+        "S3_MAX_ATTEMPTS": "1",
+        "MODELCACHE_GCS_RETRY_DEADLINE": "1",
+        "MODELCACHE_AZURE_RETRY_TOTAL": "0",
+    }
+    _fails_with(tmp_path, backend.uri("model"), env, "cannot connect to", f"127.0.0.1:{port}")
+
+
+# --- resume ------------------------------------------------------------------------------------
+
+
+def test_resume_after_kill9(backend: Backend, proxy_for, tmp_path: Path) -> None:
+    tree = upload_model(backend)
+    total = sum(len(d) for d in tree.values())
+    proxy = proxy_for(backend)
+    proxy.set_rate_limit(2 * MiB)
+    uri = backend.uri("model")
+    env = backend.proxied_env(proxy.base_url)
+    args = ["pull", uri, "--root", str(tmp_path), "--chunk-size", str(CHUNK), "--workers", "4", "--progress", "none"]
+    proc = subprocess.Popen(
+        [*cli_cmd(), *args], env=clean_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 30
+    while proxy.total_bytes_sent < total * 0.4 and proc.poll() is None:
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    out, err = proc.communicate(timeout=10)
+    record(out + err)
+    first = proxy.total_bytes_sent
+    assert first < total, "the pull finished before it could be killed"
+    assert not model_dir(tmp_path, uri).exists()
+    proxy.set_rate_limit(None)
+    r = pull(tmp_path, uri, env)
+    assert r.returncode == 0, r.stderr
+    assert_store_correct(tmp_path, {uri: tree}, must_have={uri})
+    second = proxy.total_bytes_sent - first
+    # Finished chunks are not fetched again: at most the in-flight chunks (4 workers) plus listings.
+    assert second < total - first + 4 * 2 * CHUNK + 64 * 1024, (first, second, total)
+
+
+# --- credentials from env, STORAGE_CONFIG, STORAGE_OVERRIDE_CONFIG ------------------------------
+
+
+def test_s3_credentials_from_storage_config_and_override(moto_s3: S3Server, tmp_path: Path) -> None:
+    b = _s3(moto_s3)
+    tree = upload_model(b)
+    uri = b.uri("model")
+    spec = {
+        "type": "s3",
+        "endpoint_url": moto_s3.endpoint,
+        "access_key_id": moto_s3.access_key,
+        "secret_access_key": moto_s3.secret_key,
+        "region": "us-east-1",
+        "verify_ssl": "0",
+    }
+    # Storage spec only: no AWS_* variables at all.
+    r = pull(tmp_path / "a", uri, {"STORAGE_CONFIG": json.dumps(spec)})
+    assert r.returncode == 0, r.stderr
+    assert_store_correct(tmp_path / "a", {uri: tree}, must_have={uri})
+    # The spec wins over wrong env values (KServe writes the spec over the environment).
+    wrong = "env-secret-" + os.urandom(6).hex()
+    SECRETS.add(wrong)
+    env = {"AWS_ACCESS_KEY_ID": "AKIAWRONG", "AWS_SECRET_ACCESS_KEY": wrong, "STORAGE_CONFIG": json.dumps(spec)}
+    assert pull(tmp_path / "b", uri, env).returncode == 0
+    # STORAGE_OVERRIDE_CONFIG overrides the spec's keys: a wrong secret there fails, a right one fixes a bad spec.
+    bad_spec = spec | {"secret_access_key": wrong}
+    env = {"STORAGE_CONFIG": json.dumps(spec), "STORAGE_OVERRIDE_CONFIG": json.dumps({"secret_access_key": wrong})}
+    _fails_with(tmp_path / "c", uri, env, "rejected the credentials")
+    env = {
+        "STORAGE_CONFIG": json.dumps(bad_spec),
+        "STORAGE_OVERRIDE_CONFIG": json.dumps({"secret_access_key": moto_s3.secret_key}),
+    }
+    r = pull(tmp_path / "d", uri, env)
+    assert r.returncode == 0, r.stderr
+
+
+def test_azure_credentials_from_storage_config(azurite: AzureServer, tmp_path: Path) -> None:
+    b = _azure(azurite)
+    tree = upload_model(b)
+    uri = b.uri("model")
+    endpoint = {"MODELCACHE_AZURE_BLOB_ENDPOINT": b.env["MODELCACHE_AZURE_BLOB_ENDPOINT"]}
+    spec = {"type": "azure", "account_key": azurite.key}
+    r = pull(tmp_path / "a", uri, endpoint | {"STORAGE_CONFIG": json.dumps(spec)})
+    assert r.returncode == 0, r.stderr
+    assert_store_correct(tmp_path / "a", {uri: tree}, must_have={uri})
+    wrong = "T3ZlcnJpZGU" + os.urandom(8).hex() + "=="
+    SECRETS.add(wrong)
+    env = endpoint | {"STORAGE_CONFIG": json.dumps(spec), "STORAGE_OVERRIDE_CONFIG": json.dumps({"account_key": wrong})}
+    _fails_with(tmp_path / "b", uri, env, "rejected the credentials")
+
+
+# --- last: nothing secret was ever printed -----------------------------------------------------
+
+
+def test_zz_no_secret_in_any_output() -> None:
+    if not CAPTURED:
+        pytest.skip("run with the rest of this module")
+    assert SECRETS
+    for out in CAPTURED:
+        for s in SECRETS:
+            assert s not in out

@@ -1,0 +1,127 @@
+"""Object-store settings from KServe's environment contract and the storage-spec secret."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from modelcache.credentials import Settings
+from modelcache.errors import ModelcacheError
+
+
+def test_s3_from_kserve_env() -> None:
+    s = Settings.from_env(
+        {
+            "AWS_ACCESS_KEY_ID": "AKID",
+            "AWS_SECRET_ACCESS_KEY": "SECRET1",
+            "AWS_SESSION_TOKEN": "TOKEN1",
+            "AWS_ENDPOINT_URL": "https://minio.local:9000",
+            "AWS_REGION": "eu-west-1",
+            "S3_VERIFY_SSL": "0",
+            "AWS_CA_BUNDLE": "/etc/ca.pem",
+            "awsAnonymousCredential": "true",
+            "S3_USER_VIRTUAL_BUCKET": "true",
+            "S3_USE_ACCELERATE": "true",
+        }
+    ).s3
+    assert (s.access_key_id, s.secret_access_key, s.session_token) == ("AKID", "SECRET1", "TOKEN1")
+    assert s.endpoint_url == "https://minio.local:9000" and s.region == "eu-west-1"
+    assert s.verify is False and s.ca_bundle is None  # verification off: no bundle
+    assert s.anonymous and s.virtual_addressing and s.use_accelerate
+    assert "SECRET1" not in repr(s) and "TOKEN1" not in repr(s) and "AKID" not in repr(s)
+
+
+def test_s3_region_precedence_and_ca_bundle() -> None:
+    s = Settings.from_env({"AWS_DEFAULT_REGION": "us-west-2", "AWS_REGION": "eu-west-1", "AWS_CA_BUNDLE": "/ca"}).s3
+    assert s.region == "us-west-2" and s.verify and s.ca_bundle == "/ca"
+    assert Settings.from_env({"S3_VERIFY_SSL": "false"}).s3.verify is False
+    assert Settings.from_env({"S3_VERIFY_SSL": "1"}).s3.verify is True
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"S3_ENDPOINT": "minio:9000"}, "https://minio:9000"),
+        ({"S3_ENDPOINT": "minio:9000", "S3_USE_HTTPS": "0"}, "http://minio:9000"),
+        ({"S3_ENDPOINT": "minio:9000", "S3_USE_HTTPS": "1"}, "https://minio:9000"),
+        ({"S3_ENDPOINT": "http://minio:9000", "S3_USE_HTTPS": "1"}, "http://minio:9000"),
+        ({"S3_ENDPOINT": "minio:9000", "AWS_ENDPOINT_URL": "http://other:1"}, "http://other:1"),
+        ({}, None),
+    ],
+)
+def test_s3_endpoint_from_annotation_envs(env: dict[str, str], expected: str | None) -> None:
+    assert Settings.from_env(env).s3.endpoint_url == expected
+
+
+def test_storage_config_overrides_env_and_override_config_wins() -> None:
+    spec = {
+        "type": "s3",
+        "endpoint_url": "http://spec:9000",
+        "access_key_id": "SPECKEY",
+        "secret_access_key": "SPECSECRET",
+        "region": "ap-south-1",
+        "ca_bundle": "/spec/ca.pem",
+        "verify_ssl": True,
+        "anonymous": False,
+        "bucket": "ignored",
+    }
+    env = {"AWS_ACCESS_KEY_ID": "ENVKEY", "AWS_SECRET_ACCESS_KEY": "ENVSECRET", "STORAGE_CONFIG": json.dumps(spec)}
+    s = Settings.from_env(env).s3
+    assert (s.access_key_id, s.secret_access_key) == ("SPECKEY", "SPECSECRET")
+    assert (s.endpoint_url, s.region, s.ca_bundle, s.verify, s.anonymous) == (
+        "http://spec:9000",
+        "ap-south-1",
+        "/spec/ca.pem",
+        True,
+        False,
+    )
+    env["STORAGE_OVERRIDE_CONFIG"] = json.dumps({"secret_access_key": "OVERRIDE", "verify_ssl": "0"})
+    s = Settings.from_env(env).s3
+    assert (s.access_key_id, s.secret_access_key, s.verify) == ("SPECKEY", "OVERRIDE", False)
+    # A spec of another type leaves S3 alone.
+    s = Settings.from_env({"AWS_ACCESS_KEY_ID": "ENVKEY", "STORAGE_CONFIG": json.dumps({"type": "hdfs"})}).s3
+    assert s.access_key_id == "ENVKEY"
+
+
+def test_invalid_storage_config_never_echoes_the_secret() -> None:
+    with pytest.raises(ModelcacheError, match="STORAGE_CONFIG") as err:
+        Settings.from_env({"STORAGE_CONFIG": '{"type": "s3", "secret_access_key": "TOPSECRET"'})
+    assert "TOPSECRET" not in str(err.value)
+    with pytest.raises(ModelcacheError, match="STORAGE_OVERRIDE_CONFIG"):
+        Settings.from_env({"STORAGE_OVERRIDE_CONFIG": "[1]"})
+
+
+def test_gcs_settings() -> None:
+    g = Settings.from_env(
+        {"GOOGLE_APPLICATION_CREDENTIALS": "/var/secrets/gcp.json", "STORAGE_EMULATOR_HOST": "h:1"}
+    ).gcs
+    assert g.credentials_file == "/var/secrets/gcp.json" and g.emulator_host == "http://h:1"
+    sa = {"type": "service_account", "private_key": "PEMSECRET", "client_email": "x@y"}
+    spec = {"type": "gs", "base64_service_account": base64.b64encode(json.dumps(sa).encode()).decode()}
+    g = Settings.from_env({"STORAGE_CONFIG": json.dumps(spec)}).gcs
+    assert g.service_account_info == sa and "PEMSECRET" not in repr(g)
+    with pytest.raises(ModelcacheError, match="base64_service_account"):
+        Settings.from_env({"STORAGE_CONFIG": json.dumps({"type": "gs", "base64_service_account": "!!notb64"})})
+
+
+def test_azure_legacy_names_and_credential_choice() -> None:
+    from azure.identity import ClientSecretCredential, ManagedIdentityCredential
+
+    from modelcache.sources.azure import make_credential
+
+    a = Settings.from_env({"AZ_CLIENT_ID": "cid", "AZ_CLIENT_SECRET": "CSECRET", "AZ_TENANT_ID": "tid"}).azure
+    assert (a.client_id, a.client_secret, a.tenant_id) == ("cid", "CSECRET", "tid") and a.use_default_credential
+    assert "CSECRET" not in repr(a)
+    assert isinstance(make_credential(a, "acct"), ClientSecretCredential)
+    # AZURE_* wins over the legacy name; client id alone: managed identity
+    a = Settings.from_env({"AZURE_CLIENT_ID": "new", "AZ_CLIENT_ID": "old"}).azure
+    assert a.client_id == "new" and isinstance(make_credential(a, "acct"), ManagedIdentityCredential)
+    # identity wins over the key (KServe's order), key over anonymous
+    a = Settings.from_env({"AZURE_STORAGE_ACCESS_KEY": "KEY"}).azure
+    assert make_credential(a, "acct") == {"account_name": "acct", "account_key": "KEY"}
+    assert make_credential(Settings.from_env({}).azure, "acct") is None
+    spec = {"type": "azure", "client_id": "c2", "client_secret": "S2", "tenant_id": "t2"}
+    a = Settings.from_env({"AZURE_STORAGE_ACCESS_KEY": "KEY", "STORAGE_CONFIG": json.dumps(spec)}).azure
+    assert isinstance(make_credential(a, "acct"), ClientSecretCredential)
