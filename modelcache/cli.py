@@ -109,7 +109,9 @@ def pull(uris: tuple[str, ...], root: Path, dest: Path | None, workers: int, chu
             out.append({**asdict(res), "path": str(res.path), "ok": True})
             if not as_json:
                 how = "cached" if res.cached else f"in {res.elapsed:.1f}s"
-                click.echo(f"{res.uri} -> {res.path} ({res.files} files, {human_bytes(res.bytes)}, {how})", err=True)
+                checked = f", {'+'.join(res.verified)} verified" if res.verified else ""
+                click.echo(f"{res.uri} -> {res.path} ({res.files} files, {human_bytes(res.bytes)}, {how}{checked})",
+                           err=True)
         else:
             failed = True
             out.append({"uri": uri, "ok": False, "error": str(res), "reason": getattr(res, "reason", "Error")})

@@ -45,6 +45,8 @@ class PullResult:
     bytes: int
     cached: bool
     elapsed: float
+    #: Source checksum algorithms the files were verified with ("sha256", ...), beyond xxh3-128.
+    verified: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -208,6 +210,7 @@ def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
         bytes=total,
         cached=cached,
         elapsed=time.monotonic() - m.started,
+        verified=tuple(sorted({a for f in (manifest.files if manifest else []) for a in f.checksums})),
     )
 
 
