@@ -90,6 +90,8 @@ class Agent:
                 if rec is None:
                     self.records[key] = self._new_record(key, uri, infos)
                     continue
+                if rec.entries != infos and rec.state == MODEL_DOWNLOAD_ERROR:
+                    rec.next_attempt, rec.failures = 0.0, 0  # the entry was edited (say, its credentials): retry now
                 rec.entries, rec.uri = infos, uri
                 if rec.removing:
                     rec.removing, rec.mounted_by = False, []

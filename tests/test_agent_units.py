@@ -1,0 +1,113 @@
+"""Agent pieces without servers: quantities, reservations, credential mapping, subPath parsing."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.capacity import Capacity, parse_quantity
+from agent.credentials import Credentials, service_account_env, storage_env
+from agent.inuse import subpath_key
+from modelcache.errors import AuthError, InsufficientSpaceError
+from modelcache.kube.types import LocalModelInfo, StorageSpec
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("3Mi", 3 << 20), ("1Gi", 1 << 30), ("1.5G", 1_500_000_000), ("5e3", 5000), (1024, 1024), ("", None),
+    ("bogus", None), ("100", 100), ("2Ti", 2 << 40),
+])
+def test_parse_quantity(text: Any, value: int | None) -> None:
+    assert parse_quantity(text) == value
+
+
+def test_reservations_count_against_disk_and_limit(tmp_path: Path) -> None:
+    used = {"n": 0}
+    cap = Capacity(tmp_path, margin=10, used_bytes=lambda: used["n"], disk_usage=lambda _p: (1000, 500))
+    cap.reserve("a", 300, 300, None, "a")
+    with pytest.raises(InsufficientSpaceError, match="insufficient space: need 200 B, free 190 B"):
+        cap.reserve("b", 200, 200, None, "b")  # 500 free - 10 margin - 300 reserved
+    cap.reserve("a", 100, 100, None, "a")  # a re-reservation replaces the first
+    cap.reserve("b", 200, 200, None, "b")
+    assert cap.reserved_bytes == 300
+    cap.release("a")
+    cap.release("b")
+    used["n"] = 700
+    with pytest.raises(InsufficientSpaceError, match="storageLimit"):
+        cap.reserve("c", 10, 400, 1000, "c")  # the limit holds 700 already
+    cap.reserve("c", 10, 300, 1000, "c")
+    assert cap.reserved_bytes == 10
+
+
+class Reader:
+    def __init__(self, secrets: dict[str, dict[str, Any]], sas: dict[str, dict[str, Any]]) -> None:
+        self.secrets, self.sas = secrets, sas
+
+    def secret(self, name: str) -> dict[str, Any] | None:
+        return self.secrets.get(name)
+
+    def service_account(self, name: str) -> dict[str, Any] | None:
+        return self.sas.get(name)
+
+
+def test_service_account_secrets_map_like_kserve(tmp_path: Path) -> None:
+    reader = Reader(
+        secrets={
+            "s3": {"metadata": {"annotations": {"serving.kserve.io/s3-endpoint": "minio:9000",
+                                                "serving.kserve.io/s3-usehttps": "0"}},
+                   "stringData": {"awsAccessKeyID": "AK", "awsSecretAccessKey": "SK"}},
+            "gcs": {"stringData": {"gcloud-application-credentials.json": '{"type": "service_account"}'}},
+            "web": {"stringData": {"https-host": "models.example.com", "headers": '{"X-Token": "t"}',
+                                   "HF_TOKEN": "hf_x", "AZ_CLIENT_ID": "cid"}},
+        },
+        sas={"sa": {"metadata": {"annotations": {"serving.kserve.io/s3-region": "eu-west-1"}},
+                    "secrets": [{"name": "s3"}, {"name": "gcs"}, {"name": "web"}, {"name": "gone"}]}},
+    )
+    env = service_account_env(LocalModelInfo(model_name="m", service_account_name="sa"), reader, str(tmp_path))
+    assert env["AWS_ACCESS_KEY_ID"] == "AK" and env["AWS_SECRET_ACCESS_KEY"] == "SK"
+    assert env["S3_ENDPOINT"] == "minio:9000" and env["S3_USE_HTTPS"] == "0"
+    assert env["AWS_DEFAULT_REGION"] == "eu-west-1"  # from the service account's annotation
+    key_file = Path(env["GOOGLE_APPLICATION_CREDENTIALS"])
+    assert json.loads(key_file.read_text()) == {"type": "service_account"}
+    assert oct(key_file.stat().st_mode & 0o777) == "0o600"
+    assert env["models.example.com-headers"] == '{"X-Token": "t"}'
+    assert env["HF_TOKEN"] == "hf_x" and env["AZ_CLIENT_ID"] == "cid"
+    with pytest.raises(AuthError, match="service account 'nope' not found"):
+        service_account_env(LocalModelInfo(model_name="m", service_account_name="nope"), reader, str(tmp_path))
+
+
+def test_storage_spec_key_defaults_and_overrides() -> None:
+    reader = Reader(secrets={"storage-config": {"stringData": {
+        "default": '{"type": "s3", "bucket": "d"}', "default_s3": '{"type": "s3", "bucket": "typed"}'}}}, sas={})
+    explicit = storage_env(LocalModelInfo(model_name="m", storage=StorageSpec(key="default")), reader)
+    assert json.loads(explicit["STORAGE_CONFIG"])["bucket"] == "d" and "STORAGE_OVERRIDE_CONFIG" not in explicit
+    typed = storage_env(LocalModelInfo(model_name="m", storage=StorageSpec(parameters={"type": "s3"})), reader)
+    assert json.loads(typed["STORAGE_CONFIG"])["bucket"] == "typed"
+    assert json.loads(typed["STORAGE_OVERRIDE_CONFIG"]) == {"type": "s3"}
+    with pytest.raises(AuthError, match="no key 'other'"):
+        storage_env(LocalModelInfo(model_name="m", storage=StorageSpec(key="other")), reader)
+
+
+def test_settings_are_built_per_download_without_touching_the_environment() -> None:
+    before = dict(os.environ)
+    reader = Reader(secrets={"storage-config": {"stringData": {"k": json.dumps({
+        "type": "s3", "access_key_id": "A1", "secret_access_key": "S1", "endpoint_url": "http://s3.local"})}}}, sas={})
+    creds = Credentials(reader, {"HF_ENDPOINT": "http://hub.local"})
+    with creds.settings_for(LocalModelInfo(model_name="m", storage=StorageSpec(key="k"))) as settings:
+        assert settings.s3.access_key_id == "A1" and settings.s3.endpoint_url == "http://s3.local"
+        assert settings.hf.endpoint == "http://hub.local"
+        assert "S1" not in repr(settings)
+    with creds.settings_for(LocalModelInfo(model_name="plain")) as settings:
+        assert settings.s3.access_key_id is None  # no storage, no SA: no credentials (KServe)
+    assert dict(os.environ) == before
+
+
+@pytest.mark.parametrize(("sub", "key"), [
+    ("models/0123456789abcdef", "0123456789abcdef"), ("models/0123456789abcdef/sub/dir", "0123456789abcdef"),
+    ("/models/abc/", "abc"), ("models", None), ("other/abc", None), ("", None),
+])
+def test_subpath_key(sub: str, key: str | None) -> None:
+    assert subpath_key(sub) == key
