@@ -179,3 +179,22 @@ def test_two_agents_two_nodes_two_roots(kubeapi, kube, nginx, tmp_path):
     finally:
         a.stop()
         b.stop()
+
+
+def test_entry_removed_mid_download_cancels_and_cleans_up(kubeapi, kube, nginx, tmp_path):
+    nginx.write("slow/model.bin", 4 << 20)
+    nginx.set_limit_rate("slow", 300_000)
+    uri = nginx.url("slow/model.bin")
+    key, root = storage_key(uri), tmp_path / "root"
+    create_node(kube, "node-a", [entry("m", uri)])
+    agent = start_agent(kubeapi.kubeconfig, "node-a", root, tmp_path)
+    try:
+        wait_until(lambda: (node_status(kube, "node-a").get("modelDetails", {}).get("m", {}).get("bytesDone")
+                            or 0) > 0, timeout=30, what="download under way")
+        set_entries(kube, "node-a", [])
+        wait_until(lambda: not (root / ".modelcache" / "staging" / key).exists(), timeout=20, what="staging gone")
+        assert not (root / "models" / key).exists()
+        assert node_status(kube, "node-a")["modelStatus"] == {}
+        assert "download stopped: model left the spec" in agent.log()
+    finally:
+        agent.stop()
