@@ -167,7 +167,7 @@ def test_unreachable_and_tls(moto_s3: S3Server, s3_model) -> None:
     tls = moto_s3.endpoint.replace("http://", "https://")
     env = moto_s3.env() | {"AWS_ENDPOINT_URL": tls, "S3_MAX_ATTEMPTS": "1"}
     with (
-        pytest.raises(SourceError, match=r"TLS verification failed .*AWS_CA_BUNDLE"),
+        pytest.raises(SourceError, match=r"TLS handshake/verification failed .*AWS_CA_BUNDLE"),
         open_source(uri, settings(env)) as src,
     ):
         src.list_files()

@@ -223,7 +223,7 @@ class AzureBlobSource(Source):
             inner = exc.inner_exception or exc.__cause__
             if "SSL" in type(inner).__name__ or "SSL" in repr(inner)[:200] or "CERTIFICATE" in repr(inner)[:200]:
                 return SourceError(
-                    f"TLS verification failed talking to {self.endpoint} for {where}: install the endpoint's CA "
+                    f"TLS handshake/verification failed with {self.endpoint} for {where}: install the endpoint's CA "
                     "certificate (REQUESTS_CA_BUNDLE) or check the account URL"
                 )
             return TransientError(

@@ -251,7 +251,7 @@ class GCSSource(Source):
         ssl_error = isinstance(exc, requests.exceptions.SSLError) or "SSL" in type(exc.__cause__ or exc).__name__
         if ssl_error:
             return SourceError(
-                f"TLS verification failed talking to {endpoint} for {where}: install the endpoint's CA certificate "
+                f"TLS handshake/verification failed with {endpoint} for {where}: install the endpoint's CA certificate "
                 "(REQUESTS_CA_BUNDLE) or fix STORAGE_EMULATOR_HOST's scheme"
             )
         if isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, TransportError)):

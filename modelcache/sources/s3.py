@@ -244,7 +244,7 @@ class S3Source(Source):
             )
         if isinstance(exc, SSLError):
             return SourceError(
-                f"TLS verification failed talking to {self._endpoint()} for {where}: set AWS_CA_BUNDLE to the "
+                f"TLS handshake/verification failed with {self._endpoint()} for {where}: set AWS_CA_BUNDLE to the "
                 "endpoint's CA certificate (or S3_VERIFY_SSL=0 for a test endpoint), or check S3_USE_HTTPS"
             )
         if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError)):
