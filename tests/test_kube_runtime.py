@@ -260,6 +260,14 @@ def test_conflict_is_retried_and_unchanged_status_is_not_written(kube: Kube) -> 
         patch_status_if_changed(kube, LOCAL_MODEL_NODES, "c1", always_conflict, retries=3)
     assert err.value.status == 409
 
+    # Deleted after we read it (a cached copy): nothing to write, no error.
+    cached = kube.get(LOCAL_MODEL_NODES, "c1")
+    kube.patch(LOCAL_MODEL_NODES, "c1", {"metadata": {"finalizers": None}})
+    kube.delete(LOCAL_MODEL_NODES, "c1")
+    assert patch_status_if_changed(kube, LOCAL_MODEL_NODES, "c1", lambda o: {"modelStatus": {}}, current=cached) is None
+    relabel = lambda o: o["metadata"].setdefault("labels", {}).update(gone="yes")  # noqa: E731
+    assert update_if_changed(kube, LOCAL_MODEL_NODES, "c1", relabel, current=cached) is None
+
 
 def test_leader_election_hands_over_when_the_leader_stops_renewing(kube: Kube) -> None:
     kube.create(NAMESPACES, {"metadata": {"name": "le"}})

@@ -265,6 +265,8 @@ class Informer:
         self._resp = resp = self.kube.watch_response(self.resource, self.namespace, **query)
         self.stats["watches"] += 1
         try:
+            if self._stop.is_set():  # stop() ran while we were connecting and found no response to close
+                return
             buf = b""
             for chunk in resp.stream(amt=65536, decode_content=True):
                 if self._stop.is_set():

@@ -50,6 +50,8 @@ def _retry_on_conflict(what: str, attempt: Callable[[], Any], retries: int) -> A
         try:
             return attempt()
         except ApiException as exc:
+            if exc.status == 404:
+                return None  # deleted meanwhile: nothing left to write
             if exc.status != 409 or n == retries - 1:
                 raise
             log.debug("%s: conflict, retrying (%d)", what, n + 1)
