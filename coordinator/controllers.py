@@ -10,7 +10,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator import metrics
 from coordinator.caches import CacheReconciler, cache_keys_for_kind
+from coordinator.nodelabels import LABEL_PREFIX
 from coordinator.nodes import NodeReconciler
 from coordinator.nodeselector import node_ready
 from coordinator.services import ServiceReconciler
@@ -20,8 +22,6 @@ from modelcache.kube.client import INFERENCE_SERVICES
 from modelcache.kube.controller import Controller, Manager, Result, generation_or_meta_changed, own_key
 from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import ADDED, DELETED
-
-from . import metrics
 
 Obj = dict[str, Any]
 
@@ -55,9 +55,25 @@ def node_changed(event: str, obj: Obj, old: Obj | None) -> bool:
     return _meta(obj, "labels") != _meta(old, "labels") or node_ready(obj) != node_ready(old)
 
 
-def _spec_or_status_changed(event: str, obj: Obj, old: Obj | None) -> bool:
+def _user_labels(obj: Obj | None) -> dict[str, str]:
+    return {k: v for k, v in (_meta(obj, "labels") or {}).items() if not k.startswith(LABEL_PREFIX)}
+
+
+def node_membership_changed(event: str, obj: Obj, old: Obj | None) -> bool:
+    """What can change a cache's members: not our own downloaded-model labels."""
+    if event != "MODIFIED" or old is None:
+        return True
+    return _user_labels(obj) != _user_labels(old) or node_ready(obj) != node_ready(old)
+
+
+def _model_status(obj: Obj | None) -> Any:
+    return ((obj or {}).get("status") or {}).get("modelStatus")
+
+
+def entries_or_states_changed(event: str, obj: Obj, old: Obj | None) -> bool:
+    """LocalModelNode spec or ``modelStatus`` changes; not the agent's progress details."""
     return event != "MODIFIED" or old is None or obj.get("spec") != old.get("spec") or \
-        obj.get("status") != old.get("status")
+        _model_status(obj) != _model_status(old)
 
 
 def _meta_changed(event: str, obj: Obj, old: Obj | None) -> bool:
@@ -97,8 +113,8 @@ def build(view: ClusterView, recorder: EventRecorder, options: Options | None = 
 
         ctl.watch(own, own_key)
         ctl.watch(view.groups, by_group)
-        ctl.watch(view.nodes, all_caches, node_changed)
-        ctl.watch(view.lmns, by_entries, _spec_or_status_changed)
+        ctl.watch(view.nodes, all_caches, node_membership_changed)
+        ctl.watch(view.lmns, by_entries, entries_or_states_changed)
         for inf in view.service_informers():
             ctl.watch(inf, by_service, _meta_changed)
         ctl.watch(view.pvs, by_volume, lambda e, _o, _old: e in (ADDED, DELETED))
@@ -109,7 +125,7 @@ def build(view: ClusterView, recorder: EventRecorder, options: Options | None = 
     nodes = NodeReconciler(view)
     node_ctl = Controller("node", counted("node", nodes), workers=options.workers)
     node_ctl.watch(view.nodes, own_key, node_changed)
-    node_ctl.watch(view.lmns, own_key, _spec_or_status_changed)
+    node_ctl.watch(view.lmns, own_key, entries_or_states_changed)
 
     def nodes_with_entry(event: str, obj: Obj, _old: Obj | None) -> list[str]:
         # A deleted cache: sweep the nodes still holding its entry (normally none, see finalize).
