@@ -64,6 +64,14 @@ def test_every_yaml_under_deploy_is_part_of_the_kustomization(rendered: list[Obj
     assert on_disk == {(d["kind"], d["metadata"]["name"]) for d in rendered}
 
 
+def test_every_object_of_ours_is_labelled_part_of_modelcache(rendered: list[Obj]) -> None:
+    # Set in each file, not by a kustomize transformer: the kustomization must stay renderable by
+    # kustomize v2 (Debian 12's kubectl 1.20), which has no `labels:` field.
+    unlabelled = [f"{d['kind']}/{d['metadata']['name']}" for d in rendered if d["kind"] != "CustomResourceDefinition"
+                  and (d["metadata"].get("labels") or {}).get("app.kubernetes.io/part-of") != "modelcache"]
+    assert unlabelled == []
+
+
 def test_every_manifest_is_accepted_by_the_api_server(
     rendered: list[Obj], kubeapi_factory: Callable[..., KubeAPI]
 ) -> None:
