@@ -1,0 +1,321 @@
+#!/usr/bin/env python3
+"""Benchmark: pull a model-shaped folder from a local S3 server with modelcache and its peers.
+
+A folder of N shards (default 8 x 512 MiB) plus two small json files is uploaded once to
+s3rver (npm, streams ranges from files; see shared TESTING.md §9) or moto_server on 127.0.0.1.
+Each round runs every tool once, in an order that rotates between rounds, into a fresh folder;
+a run is timed until its files are durable (fsynced). Prints median MB/s (1 MB = 10^6 B),
+modelcache's ratio to each peer, client CPU seconds per GiB and peak RSS.
+
+    .venv/bin/python bench/pull_s3.py                             # s3rver, 4 GiB, 3 rounds
+    .venv/bin/python bench/pull_s3.py --server moto --size 1GiB   # moto (measures moto's ranged GETs)
+    .venv/bin/python bench/pull_s3.py --size 256MiB --rounds 1    # quick check
+
+Tools: modelcache (``modelcache pull s3://...``), s5cmd (``cp 's3://b/m/*'``), boto3
+``download_file`` with a tuned TransferConfig (files in parallel), aria2c (-x16 -s16) and curl
+(one stream per file, in parallel) on presigned URLs, and KServe's initializer
+(``kserve_storage.Storage.download``, S3 path, from its own venv under .work/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from pull_http import ensure_kserve_venv, fsync_tree, make_model, parse_size  # noqa: E402
+
+from tests.helpers import free_port, port_open, wait_until  # noqa: E402
+
+KSERVE_VENV = REPO / ".work" / "kserve-venv"
+S3RVER_DIR = REPO / ".work" / "s3rver"
+S3RVER_VERSION = "3.7.1"
+BUCKET = "models"
+PREFIX = "bench-model"
+KEY, SECRET = "S3RVER", "S3RVER"  # s3rver's fixed development credentials
+
+
+@dataclass
+class RunResult:
+    tool: str
+    seconds: float
+    bytes: int
+    peak_rss_kib: int
+    cpu_seconds: float
+
+    @property
+    def mbps(self) -> float:
+        return self.bytes / self.seconds / 1e6
+
+    @property
+    def cpu_per_gib(self) -> float:
+        return self.cpu_seconds / (self.bytes / 2**30)
+
+
+# ---- servers ------------------------------------------------------------------------------
+
+
+def ensure_s3rver() -> Path:
+    script = S3RVER_DIR / "node_modules" / "s3rver" / "bin" / "s3rver.js"
+    if not script.exists():
+        print(f"installing s3rver@{S3RVER_VERSION} into {S3RVER_DIR} ...", flush=True)
+        S3RVER_DIR.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund", "--no-save",
+                        f"s3rver@{S3RVER_VERSION}"], cwd=S3RVER_DIR, check=True)
+    return script
+
+
+def start_server(kind: str, work: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    log = open(work / f"{kind}.log", "wb")  # noqa: SIM115 - lives as long as the server
+    if kind == "s3rver":
+        data = work / "s3rver-data"
+        data.mkdir(parents=True, exist_ok=True)
+        cmd = ["node", str(ensure_s3rver()), "-d", str(data), "-a", "127.0.0.1", "-p", str(port), "--silent",
+               "--configure-bucket", BUCKET]
+    else:
+        cmd = [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_until(lambda: port_open(port), 30, what=kind)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def s3_client(endpoint: str):  # type: ignore[no-untyped-def]
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=KEY, aws_secret_access_key=SECRET,
+                        region_name="us-east-1",
+                        config=Config(s3={"addressing_style": "path"}, max_pool_connections=32))
+
+
+def upload(endpoint: str, data: Path, names: list[str]) -> None:
+    """Upload each file once (single PUT, so the ETag is the MD5 modelcache verifies)."""
+    from boto3.s3.transfer import TransferConfig
+
+    c = s3_client(endpoint)
+    try:
+        c.head_bucket(Bucket=BUCKET)
+    except Exception:
+        c.create_bucket(Bucket=BUCKET)
+    cfg = TransferConfig(multipart_threshold=8 << 30)
+    for n in names:
+        size = (data / n).stat().st_size
+        try:
+            if c.head_object(Bucket=BUCKET, Key=f"{PREFIX}/{n}")["ContentLength"] == size:
+                continue
+        except Exception:
+            pass
+        print(f"uploading {n} ...", flush=True)
+        c.upload_file(str(data / n), BUCKET, f"{PREFIX}/{n}", Config=cfg)
+
+
+# ---- tools --------------------------------------------------------------------------------
+
+
+@dataclass
+class Bench:
+    endpoint: str
+    names: list[str]
+    total_bytes: int
+    workers: int | None
+    chunk_size: str | None
+    results: list[RunResult] = field(default_factory=list)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return os.environ | {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
+                             "AWS_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1",
+                             "AWS_REGION": "us-east-1"}
+
+    def _timed(self, tool: str, cmd: list[str], out: Path) -> RunResult:
+        with tempfile.TemporaryFile() as errfile:
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errfile, env=self.env)
+            _pid, status, usage = os.wait4(proc.pid, 0)
+            rc = os.waitstatus_to_exitcode(status)
+            errfile.seek(0)
+            err = errfile.read().decode(errors="replace")
+        if rc != 0:
+            raise RuntimeError(f"{tool} failed (exit {rc}): {err.strip()[-1500:]}")
+        found = fsync_tree(out)
+        seconds = time.perf_counter() - t0
+        if found < self.total_bytes:
+            raise RuntimeError(f"{tool} wrote {found} bytes, expected at least {self.total_bytes}")
+        return RunResult(tool, seconds, self.total_bytes, usage.ru_maxrss, usage.ru_utime + usage.ru_stime)
+
+    def presigned(self) -> list[str]:
+        c = s3_client(self.endpoint)
+        return [c.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": f"{PREFIX}/{n}"},
+                                         ExpiresIn=3600) for n in self.names]
+
+    def modelcache(self, out: Path) -> RunResult:
+        exe = REPO / ".venv" / "bin" / "modelcache"
+        cmd = [str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else ["-m", "modelcache.cli"])]
+        cmd += ["pull", f"s3://{BUCKET}/{PREFIX}", "--root", str(out), "--progress", "none"]
+        if self.workers:
+            cmd += ["--workers", str(self.workers)]
+        if self.chunk_size:
+            cmd += ["--chunk-size", self.chunk_size]
+        return self._timed("modelcache", cmd, out)
+
+    def s5cmd(self, out: Path) -> RunResult:
+        exe = Path(sys.executable).parent / "s5cmd"
+        cmd = [str(exe), "--endpoint-url", self.endpoint, "cp", f"s3://{BUCKET}/{PREFIX}/*", f"{out}/"]
+        return self._timed("s5cmd", cmd, out)
+
+    def boto3(self, out: Path) -> RunResult:
+        script = (
+            "import sys, boto3\nfrom concurrent.futures import ThreadPoolExecutor\n"
+            "from boto3.s3.transfer import TransferConfig\nfrom botocore.config import Config\n"
+            "ep, out, bucket, prefix, *names = sys.argv[1:]\n"
+            "c = boto3.client('s3', endpoint_url=ep, config=Config(max_pool_connections=64))\n"
+            "cfg = TransferConfig(multipart_chunksize=16 << 20, max_concurrency=16, use_threads=True)\n"
+            "def one(n): c.download_file(bucket, f'{prefix}/{n}', f'{out}/{n}', Config=cfg)\n"
+            "with ThreadPoolExecutor(4) as ex: list(ex.map(one, names))\n"
+        )
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-c", script, self.endpoint, str(out), BUCKET, PREFIX, *self.names]
+        return self._timed("boto3 tuned", cmd, out)
+
+    def aria2c(self, out: Path) -> RunResult:
+        listing = out.parent / f"{out.name}.aria2-list.txt"
+        listing.write_text("".join(f"{u}\n  out={n}\n" for u, n in zip(self.presigned(), self.names, strict=True)))
+        cmd = ["aria2c", "-x16", "-s16", "-i", str(listing), "-d", str(out), "-q", "--allow-overwrite=true",
+               "--auto-file-renaming=false", "--console-log-level=error"]
+        try:
+            return self._timed("aria2c", cmd, out)
+        finally:
+            listing.unlink(missing_ok=True)
+
+    def curl(self, out: Path) -> RunResult:
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = ["curl", "-sS", "--fail", "--parallel", "--parallel-max", str(len(self.names))]
+        for u, n in zip(self.presigned(), self.names, strict=True):
+            cmd += ["-o", str(out / n), u]
+        return self._timed("curl", cmd, out)
+
+    def kserve(self, out: Path) -> RunResult:
+        out.mkdir(parents=True, exist_ok=True)
+        script = "import sys\nfrom kserve_storage import Storage\nStorage.download(sys.argv[1], sys.argv[2])\n"
+        cmd = [str(KSERVE_VENV / "bin" / "python"), "-c", script, f"s3://{BUCKET}/{PREFIX}", str(out)]
+        return self._timed("kserve-storage", cmd, out)
+
+
+# ---- report -------------------------------------------------------------------------------
+
+
+def report(results: list[RunResult], args: argparse.Namespace) -> str:
+    by_tool: dict[str, list[RunResult]] = {}
+    for r in results:
+        by_tool.setdefault(r.tool, []).append(r)
+    med = {t: statistics.median(x.mbps for x in rs) for t, rs in by_tool.items()}
+    mc = med.get("modelcache")
+    lines = [
+        f"S3 pull benchmark ({args.server}): {args.shards} x {args.size // args.shards / 2**20:.0f} MiB + json "
+        f"({args.size / 2**30:.2f} GiB), {args.rounds} round(s), durable MB/s, 1 MB = 10^6 B",
+        "",
+        "| tool | median MB/s | runs (MB/s) | modelcache / tool | CPU s/GiB | peak RSS MiB |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for tool, rs in by_tool.items():
+        ratio = f"{mc / med[tool]:.2f}x" if mc and tool != "modelcache" else "-"
+        runs = ", ".join(f"{x.mbps:.0f}" for x in rs)
+        cpu = statistics.median(x.cpu_per_gib for x in rs)
+        rss = max(x.peak_rss_kib for x in rs) / 1024
+        lines.append(f"| {tool} | {med[tool]:.0f} | {runs} | {ratio} | {cpu:.2f} | {rss:.0f} |")
+    if mc:
+        peers = {t: v for t, v in med.items() if t not in ("modelcache", "kserve-storage")}
+        if peers:
+            best = max(peers, key=lambda t: peers[t])
+            got = mc / peers[best]
+            lines.append(f"\ntarget >= 1.0x the best peer ({best}): {got:.2f}x {'OK' if got >= 1.0 else 'MISSED'}")
+        if "kserve-storage" in med and args.server == "s3rver":
+            got = mc / med["kserve-storage"]
+            lines.append(f"target >= 2.0x kserve-storage: {got:.2f}x {'OK' if got >= 2.0 else 'MISSED'}")
+        mrs = by_tool["modelcache"]
+        cpu = statistics.median(x.cpu_per_gib for x in mrs)
+        rss = max(x.peak_rss_kib for x in mrs) / 1024
+        lines.append(f"target client CPU <= 1.0 s/GiB: {cpu:.2f} {'OK' if cpu <= 1.0 else 'MISSED'}")
+        lines.append(f"target peak RSS <= 256 MiB: {rss:.0f} {'OK' if rss <= 256 else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--server", choices=["s3rver", "moto"], default="s3rver")
+    ap.add_argument("--size", type=parse_size, default=parse_size("4GiB"), help="total shard bytes (default 4GiB)")
+    ap.add_argument("--shards", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tools", default="modelcache,s5cmd,boto3,aria2c,curl,kserve-storage",
+                    help="comma-separated subset of modelcache,s5cmd,boto3,aria2c,curl,kserve-storage")
+    ap.add_argument("--workdir", type=Path, default=REPO / ".work" / "bench-s3")
+    ap.add_argument("--workers", type=int, help="pass --workers to modelcache pull")
+    ap.add_argument("--chunk-size", help="pass --chunk-size to modelcache pull")
+    ap.add_argument("--json", type=Path, help="also write the raw results here")
+    args = ap.parse_args(argv)
+
+    tools = [t.strip() for t in args.tools.split(",") if t.strip()]
+    if "kserve-storage" in tools and not ensure_kserve_venv():
+        print("kserve-storage could not be installed; skipping it", file=sys.stderr)
+        tools.remove("kserve-storage")
+    for exe, tool in (("aria2c", "aria2c"), ("curl", "curl")):
+        if tool in tools and shutil.which(exe) is None:
+            print(f"{exe} not found (make test-deps); skipping it", file=sys.stderr)
+            tools.remove(tool)
+
+    work = args.workdir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / f"data-{args.shards}x{args.size // args.shards}"
+    print(f"preparing {args.size / 2**30:.2f} GiB in {data} ...", flush=True)
+    names = make_model(data, args.size, args.shards)
+    total = sum((data / n).stat().st_size for n in names)
+    proc, endpoint = start_server(args.server, work)
+    try:
+        upload(endpoint, data, names)
+        bench = Bench(endpoint, names, total, args.workers, args.chunk_size)
+        runners: dict[str, Callable[[Path], RunResult]] = {
+            "modelcache": bench.modelcache, "s5cmd": bench.s5cmd, "boto3": bench.boto3,
+            "aria2c": bench.aria2c, "curl": bench.curl, "kserve-storage": bench.kserve,
+        }
+        for rnd in range(args.rounds):
+            order = tools[rnd % len(tools):] + tools[: rnd % len(tools)]
+            for tool in order:
+                out = work / "out" / f"{tool}-{rnd}"
+                shutil.rmtree(out, ignore_errors=True)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    res = runners[tool](out)
+                finally:
+                    shutil.rmtree(out, ignore_errors=True)
+                bench.results.append(res)
+                print(f"round {rnd + 1}: {res.tool:16s} {res.mbps:8.0f} MB/s  ({res.seconds:.2f} s, "
+                      f"{res.cpu_per_gib:.2f} CPU-s/GiB, peak RSS {res.peak_rss_kib / 1024:.0f} MiB)", flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    print()
+    print(report(bench.results, args))
+    if args.json:
+        args.json.write_text(json.dumps([r.__dict__ for r in bench.results], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
