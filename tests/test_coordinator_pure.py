@@ -296,3 +296,45 @@ def test_pod_mutation_affinity_and_rewrite() -> None:
     writable = podmutate.mutate({"metadata": {"annotations": {"storage.kserve.io/readonly": "false"}},
                                  "spec": {"containers": [{"name": "kserve-container"}]}}, target, rewrite=True)
     assert writable["spec"]["containers"][0]["volumeMounts"][0]["readOnly"] is False
+
+
+def test_event_predicates_ignore_noise() -> None:
+    from coordinator.controllers import entries_or_states_changed, node_membership_changed
+
+    old = node("a", gpu="1")
+    ours = node("a", gpu="1", **{"downloaded.modelcache.io/abc": "true"})
+    assert not node_membership_changed("MODIFIED", ours, old)  # our own label: not a membership change
+    assert node_membership_changed("MODIFIED", node("a", gpu="2"), old)
+    assert node_membership_changed("MODIFIED", node("a", ready=False, gpu="1"), old)
+    assert node_membership_changed("DELETED", old, None)
+    heartbeat = node("a", gpu="1")
+    heartbeat["status"]["conditions"][0]["lastHeartbeatTime"] = "now"
+    assert not node_membership_changed("MODIFIED", heartbeat, old)
+
+    lmn = {"spec": {"localModels": [{"modelName": "m"}]}, "status": {"modelStatus": {"m": "ModelDownloading"}}}
+    progress = {**lmn, "status": {**lmn["status"], "modelDetails": {"m": {"bytesDone": 5}}}}
+    assert not entries_or_states_changed("MODIFIED", progress, lmn)
+    assert entries_or_states_changed("MODIFIED", {**lmn, "status": {"modelStatus": {"m": "ModelDownloaded"}}}, lmn)
+    assert entries_or_states_changed("MODIFIED", {**lmn, "spec": {"localModels": []}}, lmn)
+
+
+@pytest.mark.parametrize("fail_closed", [False, True])
+def test_pod_webhook_failure_policy(fail_closed: bool) -> None:
+    from kubernetes import client
+
+    from coordinator.admission import PodMutator
+    from coordinator.lookup import ApiLookup
+    from modelcache.kube.client import Kube
+    from tests.helpers import free_port
+
+    cfg = client.Configuration(host=f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    cfg.retries = 0
+    mutator = PodMutator(ApiLookup(Kube(client.ApiClient(cfg))), rewrite=False, fail_closed=fail_closed)
+    pod = {"metadata": {"annotations": {"internal.serving.kserve.io/storage-initializer-sourceuri": "s3://b/m"}},
+           "spec": {"containers": [{"name": "kserve-container"}]}}
+    out = mutator({"request": {"uid": "u", "namespace": "ns", "object": pod}})["response"]
+    assert out["uid"] == "u" and "patch" not in out
+    if fail_closed:
+        assert out["allowed"] is False and out["status"]["code"] == 500
+    else:
+        assert out["allowed"] is True and out["warnings"]
