@@ -76,15 +76,15 @@ def test_model_cache_e2e(kubeapi: KubeAPI, nginx: Any, coordinator_factory: Any,
         assert kube.get_or_none(LOCAL_MODEL_NODES, "control-plane") is None
         label = model_label(uri)
         wait_until(lambda: all(kube.get(NODES, n)["metadata"]["labels"].get(label) == "true" for n in WORKERS),
-                   timeout=15, what="downloaded labels")
+                   timeout=30, what="downloaded labels")
         assert label not in kube.get(NODES, "control-plane")["metadata"]["labels"]
 
         # A service -> labelled, listed, serving PV/PVC made.
         make_isvc(kube, "qwen-svc", "serving", uri)
         wait_until(lambda: cache_status().get("inferenceServices") == [{"namespace": "serving", "name": "qwen-svc"}],
-                   timeout=15, what="service listed")
+                   timeout=30, what="service listed")
         wait_until(lambda: kube.get_or_none(PERSISTENT_VOLUME_CLAIMS, "qwen-workers", "serving") is not None,
-                   timeout=15, what="serving PVC")
+                   timeout=30, what="serving PVC")
         assert kube.get(PERSISTENT_VOLUMES, "qwen-workers-serving")["spec"]["local"] == {"path": "/models"}
         isvc_meta = kube.get(INFERENCE_SERVICES, "qwen-svc", "serving")["metadata"]
 
@@ -114,9 +114,9 @@ def test_model_cache_e2e(kubeapi: KubeAPI, nginx: Any, coordinator_factory: Any,
         # One node deleted (with its agent): total 2, its LocalModelNode gone.
         agents["node-3"].stop()
         kube.delete(NODES, "node-3")
-        wait_until(lambda: kube.get_or_none(LOCAL_MODEL_NODES, "node-3") is None, timeout=15,
+        wait_until(lambda: kube.get_or_none(LOCAL_MODEL_NODES, "node-3") is None, timeout=30,
                    what="node-3's LocalModelNode deleted")
-        wait_until(lambda: cache_status().get("copies") == {"available": 2, "total": 2, "failed": 0}, timeout=15,
+        wait_until(lambda: cache_status().get("copies") == {"available": 2, "total": 2, "failed": 0}, timeout=30,
                    what="copies {2,2,0}")
         assert set(cache_status()["nodeStatus"]) == {"node-1", "node-2"}
 
@@ -129,10 +129,10 @@ def test_model_cache_e2e(kubeapi: KubeAPI, nginx: Any, coordinator_factory: Any,
         wait_until(lambda: not any((roots[n] / "models" / key).exists() for n in ("node-1", "node-2")),
                    timeout=30, what="files deleted by the agents")
         wait_until(lambda: kube.get_or_none(PERSISTENT_VOLUME_CLAIMS, "qwen-workers", "serving") is None
-                   and kube.get_or_none(PERSISTENT_VOLUMES, "qwen-workers-serving") is None, timeout=15,
+                   and kube.get_or_none(PERSISTENT_VOLUMES, "qwen-workers-serving") is None, timeout=30,
                    what="serving PV/PVC removed")
         wait_until(lambda: all(label not in kube.get(NODES, n)["metadata"]["labels"] for n in ("node-1", "node-2")),
-                   timeout=15, what="labels removed")
+                   timeout=30, what="labels removed")
     finally:
         for a in agents.values():
             a.stop()

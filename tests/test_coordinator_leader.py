@@ -46,13 +46,13 @@ def test_only_the_leader_reconciles_and_a_successor_takes_over(kubeapi: KubeAPI,
 
     make_cache(kube, "c1", URI, ["workers"])
     wait_until(lambda: entries_of(kube, "n1") == [{"modelName": "c1", "sourceModelUri": URI, "nodeGroup": "workers"}],
-               timeout=15, what="leader reconciled c1")
+               timeout=30, what="leader reconciled c1")
 
     a.stop()  # releases the Lease: the standby takes over without waiting for it to expire
-    wait_until(b.controllers_running.is_set, timeout=15, what="standby leads")
+    wait_until(b.controllers_running.is_set, timeout=30, what="standby leads")
     assert holder(kube) == b.cfg.identity
     make_cache(kube, "c2", URI + "2", ["workers"])
-    wait_until(lambda: len(entries_of(kube, "n1") or []) == 2, timeout=15, what="successor reconciles c2")
+    wait_until(lambda: len(entries_of(kube, "n1") or []) == 2, timeout=30, what="successor reconciles c2")
 
 
 def test_cli_process(kubeapi: KubeAPI, tmp_path: Any) -> None:

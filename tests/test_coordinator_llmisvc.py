@@ -41,9 +41,9 @@ def test_llm_services_listed_and_given_volumes(kubeapi_factory: Any, coordinator
     kube.create(res, {"metadata": {"name": "chat", "namespace": "llm"},
                       "spec": {"model": {"uri": "hf://Qwen/Qwen2-0.5B", "name": "qwen"}}}, "llm")
     wait_until(lambda: (kube.get(res, "chat", "llm")["metadata"].get("labels") or {})
-               .get("internal.serving.kserve.io/localmodel") == "qwen", timeout=15, what="LLMISVC labelled")
+               .get("internal.serving.kserve.io/localmodel") == "qwen", timeout=30, what="LLMISVC labelled")
     wait_until(lambda: (kube.get(LOCAL_MODEL_CACHES, "qwen").get("status") or {}).get("llmInferenceServices")
-               == [{"namespace": "llm", "name": "chat"}], timeout=15, what="listed in llmInferenceServices")
+               == [{"namespace": "llm", "name": "chat"}], timeout=30, what="listed in llmInferenceServices")
     assert "inferenceServices" not in kube.get(LOCAL_MODEL_CACHES, "qwen")["status"]
-    wait_until(lambda: kube.get_or_none(PERSISTENT_VOLUME_CLAIMS, "qwen-workers", "llm") is not None, timeout=15,
+    wait_until(lambda: kube.get_or_none(PERSISTENT_VOLUME_CLAIMS, "qwen-workers", "llm") is not None, timeout=30,
                what="serving PVC for the LLM service")

@@ -47,7 +47,7 @@ def status(kube: Kube, name: str, ns: str | None = None) -> dict[str, Any]:
     return kube.get(res, name, ns).get("status") or {}
 
 
-def eventually(check: Any, what: str, timeout: float = 15) -> None:
+def eventually(check: Any, what: str, timeout: float = 30) -> None:
     wait_until(check, timeout=timeout, what=what)
 
 
@@ -237,4 +237,4 @@ def test_runs_without_kserve_service_crds(kubeapi_factory: Any, coordinator_fact
     assert c.view.isvcs is None and c.view.llmisvcs is None
     make_cache(kube, "c", URI, ["workers"])
     wait_until(lambda: (kube.get(LOCAL_MODEL_CACHES, "c").get("status") or {}).get("copies", {}).get("total") == 1,
-               timeout=15, what="status without ISVC CRD")
+               timeout=30, what="status without ISVC CRD")

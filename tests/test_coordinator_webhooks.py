@@ -79,7 +79,7 @@ def test_cache_validation(hooks: Any, kube: Kube) -> None:
     # Delete is refused while a service uses the cache, allowed once it is gone.
     make_isvc(kube, "svc", "team", URI + "/v1")
     wait_until(lambda: (kube.get(INFERENCE_SERVICES, "svc", "team")["metadata"].get("labels") or {})
-               .get("internal.serving.kserve.io/localmodel") == "llm", timeout=15, what="ISVC labelled")
+               .get("internal.serving.kserve.io/localmodel") == "llm", timeout=30, what="ISVC labelled")
     old = kube.get(LOCAL_MODEL_CACHES, "llm")
     denied = review(hooks, cluster, {"operation": "DELETE", "name": "llm", "oldObject": old})
     assert not denied["allowed"]
@@ -157,7 +157,7 @@ def test_tls_and_health_endpoints(hooks: Any, tmp_path: Any) -> None:
         requests.post(f"https://127.0.0.1:{hooks.cfg.webhook_port}/mutate-pods", json={}, timeout=5)
     base = f"http://127.0.0.1:{hooks.cfg.port}"
     assert requests.get(f"{base}/healthz", timeout=5).status_code == 200
-    wait_until(lambda: requests.get(f"{base}/readyz", timeout=5).status_code == 200, timeout=15, what="readyz")
+    wait_until(lambda: requests.get(f"{base}/readyz", timeout=5).status_code == 200, timeout=30, what="readyz")
     requests.post(f"https://127.0.0.1:{hooks.cfg.webhook_port}/validate-localmodelcaches",
                   json={"request": {"uid": "x", "operation": "CONNECT"}},
                   verify=str(hooks.cfg.webhook_cert_dir / "tls.crt"), timeout=5)
