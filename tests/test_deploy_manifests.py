@@ -133,6 +133,17 @@ def verbs_for(rs: list[tuple[str, str, set[str], tuple[str, ...]]], group: str, 
     return set().union(*[v for g, r, v, _ in rs if g == group and r == resource])
 
 
+def test_no_rule_or_env_var_is_duplicated(rendered: list[Obj]) -> None:
+    for doc in rendered:
+        grants = [(g, r) for rule in doc.get("rules") or [] for g in rule["apiGroups"] for r in rule["resources"]
+                  if not rule.get("resourceNames")]
+        assert len(grants) == len(set(grants)), f"{doc['kind']}/{doc['metadata']['name']} repeats a grant"
+        if doc["kind"] in ("DaemonSet", "Deployment"):
+            for c in doc["spec"]["template"]["spec"]["containers"]:
+                names = [e["name"] for e in c.get("env") or []]
+                assert len(names) == len(set(names)), f"{doc['metadata']['name']}/{c['name']} repeats an env var"
+
+
 def test_no_wildcards_in_any_rule(rendered: list[Obj]) -> None:
     for doc in rendered:
         for rule in doc.get("rules") or []:
