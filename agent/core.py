@@ -44,6 +44,8 @@ from modelcache.uri import parse_uri, redact_uri, storage_key
 log = logging.getLogger("agent")
 
 STORAGE_KEY = re.compile(r"^[0-9a-f]{16}$")
+#: Free space in the status changes only in steps of this size (the metric is exact).
+FREE_REPORT_STEP = 1 << 30
 
 
 def group_entries(entries: Iterable[LocalModelInfo]) -> dict[str, tuple[str, list[LocalModelInfo]]]:
@@ -78,6 +80,7 @@ class Agent:
         self._thread: threading.Thread | None = None
         self._last_progress_log = 0.0
         self._last_removal_check = 0.0
+        self._last_free: int | None = None
         (cfg.root / "models").mkdir(parents=True, exist_ok=True)
 
     # ---- desired state --------------------------------------------------------------------
@@ -354,6 +357,15 @@ class Agent:
         self.metrics.free.set(free)
         self.metrics.reserved.set(self.capacity.reserved_bytes)
 
+    def _reported_free(self) -> tuple[int, int]:
+        """Free bytes for the status, held until they move by ``FREE_REPORT_STEP`` (or 1% of the
+        disk, if less): other writers on the file system must not turn every tick into a PATCH."""
+        total, free = self.capacity.disk()
+        last = self._last_free
+        if last is None or abs(free - last) >= min(FREE_REPORT_STEP, max(1, total // 100)):
+            self._last_free = last = free
+        return total, last
+
     def status(self) -> dict[str, Any]:
         """Our part of ``LocalModelNode.status`` (without ``lastUpdated``)."""
         model_status: dict[str, str] = {}
@@ -372,7 +384,7 @@ class Agent:
                         details[info.status_key] = rec.detail().to_dict()
         for k, v in removing.items():
             details.setdefault(k, v)
-        total, free = self.capacity.disk()
+        total, free = self._reported_free()
         cap = NodeCapacity(total_bytes=total, free_bytes=free, reserved_bytes=self.capacity.reserved_bytes,
                            free=_quantity(free))
         out: dict[str, Any] = {

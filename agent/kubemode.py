@@ -104,6 +104,8 @@ class KubeRunner:
                 self.agent.set_spec(lmn.spec.local_models, lmn.generation or None)
 
     def healthy(self) -> bool:
+        if not self.synced.is_set():
+            return True  # still listing; start() gives up (and the process exits) if that never ends
         return self.agent.alive() and self.publisher.alive()
 
     def ready(self) -> bool:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
-from modelcache.kube.client import PODS
+from modelcache.kube.client import LOCAL_MODEL_NODES, PODS
 from modelcache.uri import storage_key
 from tests.agent_util import (
     CRED_NS,
@@ -170,6 +171,10 @@ def test_two_agents_two_nodes_two_roots(kubeapi, kube, nginx, tmp_path):
         assert sorted(p.name for p in (ra / "models").iterdir()) == [storage_key(ux)]
         assert sorted(p.name for p in (rb / "models").iterdir()) == [storage_key(uy)]
         assert set(node_status(kube, "node-a")["modelStatus"]) == {"x"}
+        # Settled: no more writes (the status interval is 0.5 s, so several ticks pass here).
+        rv = kube.get(LOCAL_MODEL_NODES, "node-a")["metadata"]["resourceVersion"]
+        time.sleep(2.5)
+        assert kube.get(LOCAL_MODEL_NODES, "node-a")["metadata"]["resourceVersion"] == rv
         assert set(node_status(kube, "node-b")["modelStatus"]) == {"y"}
         # A change to one node touches only that node's root.
         set_entries(kube, "node-b", [])
