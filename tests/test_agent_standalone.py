@@ -142,3 +142,37 @@ def test_size_check_finds_a_truncated_file_and_watch_picks_up_spec_changes(nginx
     finally:
         agent.send_signal(signal.SIGTERM)
         agent.wait(20)
+
+
+def test_restart_of_a_big_root_takes_seconds(tmp_path):
+    """40 models of 2 GiB each (sparse files) with their manifests: a restart reports them all
+    Downloaded from stats alone; hashing 80 GiB (or fetching from the unreachable URIs) could not."""
+    from modelcache.store import Manifest, ManifestFile, NodeStore
+
+    root = tmp_path / "root"
+    store = NodeStore.at(root)
+    entries = []
+    for i in range(40):
+        uri = f"http://127.0.0.1:9/unreachable/m{i}.bin"
+        key = storage_key(uri)
+        folder = root / "models" / key
+        folder.mkdir(parents=True)
+        with open(folder / f"m{i}.bin", "wb") as f:
+            f.truncate(2 << 30)
+        manifest = Manifest(storage_key=key, uri=uri, resolved_uri=uri, revision=None,
+                            files=[ManifestFile(path=f"m{i}.bin", size=2 << 30, xxh3="0" * 32)],
+                            created_at="2026-01-01T00:00:00Z")
+        path = store.layout.manifest_path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(manifest.to_json())
+        entries.append({"modelName": f"m{i}", "sourceModelUri": uri})
+    spec = write_node(tmp_path / "node.yaml", entries)
+    t0 = time.monotonic()
+    proc = run_agent(spec, root, "--verify-interval", "0", "--size-check-interval", "0")
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    st = status_of(spec)
+    assert set(st["modelStatus"].values()) == {D} and len(st["modelStatus"]) == 40
+    assert st["modelDetails"]["m7"]["bytesTotal"] == 2 << 30
+    assert "download started" not in proc.stderr
+    assert elapsed < 15, elapsed
