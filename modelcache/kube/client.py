@@ -165,8 +165,10 @@ class Kube:
             return self._custom_call(res, verb, namespace, suffix, **kw)
         if verb == "get":
             verb = "read"
-        if verb in ("create", "replace") and "body" in kw:
-            kw["body"] = getattr(client, res.model).model_validate(kw["body"])
+        model = getattr(client, res.model)
+        if verb in ("create", "replace") and "body" in kw and hasattr(model, "model_validate"):
+            # kubernetes>=37 (pydantic models) wants the typed body; older clients send the dict as is.
+            kw["body"] = model.model_validate(kw["body"])
         return self._typed_call(res, verb, namespace, suffix, **kw)
 
     # -- verbs ------------------------------------------------------------------------------
