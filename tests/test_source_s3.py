@@ -62,10 +62,10 @@ def test_lists_folder_bounded_with_checksums(moto_s3: S3Server, s3_model) -> Non
                 assert etag.param("part_size") == str(PART)
                 assert etag.param("parts") == str(math.ceil(len(data) / PART))
                 assert "md5" not in algos
+            elif "crc32" in algos:  # boto3 >= 1.36 uploads with a CRC32 that S3 keeps: preferred to MD5
+                assert algos["crc32"].value == crc32_hex(data) and "md5" not in algos
             else:
                 assert algos["md5"].value == md5_hex(data)
-                if "crc32" in algos:  # boto3 >= 1.36 uploads with a CRC32 that S3 keeps
-                    assert algos["crc32"].value == crc32_hex(data)
             # every value is lower-case hex
             for c in f.checksums:
                 assert c.value == c.value.lower() and int(c.value.split("-")[0], 16) >= 0
@@ -93,7 +93,7 @@ def test_single_object_uri_uses_basename(moto_s3: S3Server, s3_model) -> None:
         (f,) = src.list_files()
         assert f.path == "model.tar"
         assert read_range(src, f) == b"single object"
-        assert f.checksums[-1].value == md5_hex(b"single object")
+        assert {c.value for c in f.checksums} & {md5_hex(b"single object"), crc32_hex(b"single object")}
 
 
 def test_full_object_sha256_is_reported(moto_s3: S3Server) -> None:
@@ -105,8 +105,19 @@ def test_full_object_sha256_is_reported(moto_s3: S3Server) -> None:
     with open_source(f"s3://{bucket}/m", settings(moto_s3.env())) as src:
         (f,) = src.list_files()
     algos = {c.algo: c.value for c in f.checksums}
-    assert algos["sha256"] == hashlib.sha256(data).hexdigest()
-    assert algos["md5"] == md5_hex(data)
+    assert algos == {"sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_md5_etag_when_no_full_object_checksum(moto_s3: S3Server) -> None:
+    """An object uploaded without a checksum (older SDKs, other tools): the ETag MD5 is used."""
+    bucket = moto_s3.new_bucket()
+    data = os.urandom(1000)
+    c = moto_s3.client()
+    c.meta.config.request_checksum_calculation = "when_required"
+    c.put_object(Bucket=bucket, Key="m/w.bin", Body=data)
+    with open_source(f"s3://{bucket}/m", settings(moto_s3.env())) as src:
+        (f,) = src.list_files()
+    assert [(c.algo, c.value) for c in f.checksums] == [("md5", md5_hex(data))]
 
 
 def test_overwrite_after_listing_is_detected(moto_s3: S3Server) -> None:
