@@ -203,3 +203,24 @@ def test_entry_removed_mid_download_cancels_and_cleans_up(kubeapi, kube, nginx, 
         assert "download stopped: model left the spec" in agent.log()
     finally:
         agent.stop()
+
+
+def test_restarted_agent_keeps_downloaded_models_without_fetching(kubeapi, kube, nginx, tmp_path):
+    nginx.write("k/model.bin", 1 << 20)
+    uri = nginx.url("k/model.bin")
+    create_node(kube, "node-a", [entry("m", uri)])
+    agent = start_agent(kubeapi.kubeconfig, "node-a", tmp_path / "root", tmp_path)
+    try:
+        wait_states(kube, "node-a", {"m": D}, agent=agent)
+    finally:
+        agent.stop()
+    nginx.clear_access_log()
+    again = start_agent(kubeapi.kubeconfig, "node-a", tmp_path / "root", tmp_path, name="again")
+    try:
+        wait_until(lambda: "model present" in again.log(), timeout=20, what="restart")
+        assert again.get("/readyz")[0] == 200
+        time.sleep(1)
+        assert node_status(kube, "node-a")["modelStatus"] == {"m": D}
+    finally:
+        again.stop()
+    assert nginx.access_log() == [] and "download started" not in again.log()

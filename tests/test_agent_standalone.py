@@ -176,3 +176,17 @@ def test_restart_of_a_big_root_takes_seconds(tmp_path):
     assert st["modelDetails"]["m7"]["bytesTotal"] == 2 << 30
     assert "download started" not in proc.stderr
     assert elapsed < 15, elapsed
+
+
+def test_max_concurrent_models_is_honoured(nginx, tmp_path):
+    uris = []
+    for i in range(3):
+        nginx.write(f"c/m{i}.bin", 400_000)
+        uris.append(nginx.url(f"c/m{i}.bin"))
+    nginx.set_limit_rate("c", 400_000)
+    spec = write_node(tmp_path / "node.yaml", [{"modelName": f"m{i}", "sourceModelUri": u} for i, u in enumerate(uris)])
+    proc = run_agent(spec, tmp_path / "root", "--max-concurrent-models", "1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    events = [line.split('msg="', 1)[1].split('"', 1)[0] for line in proc.stderr.splitlines()
+              if 'msg="download started"' in line or 'msg="download finished"' in line]
+    assert events == ["download started", "download finished"] * 3
