@@ -168,7 +168,9 @@ class GCSSource(Source):
         checksums = []
         if crc := b64_to_hex(blob.crc32c):
             checksums.append(Checksum("crc32c", crc))
-        if md5 := b64_to_hex(blob.md5_hash):  # composite objects have none
+        # crc32c is on every GCS object and proves the bytes at ~0.1 CPU-s/GiB; md5 (absent on
+        # composite objects) would add ~1.2, so it is only the fallback.
+        if not checksums and (md5 := b64_to_hex(blob.md5_hash)):
             checksums.append(Checksum("md5", md5))
         generation = str(blob.generation) if blob.generation is not None else None
         meta = [("name", blob.name)]
