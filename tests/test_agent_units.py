@@ -111,3 +111,17 @@ def test_settings_are_built_per_download_without_touching_the_environment() -> N
 ])
 def test_subpath_key(sub: str, key: str | None) -> None:
     assert subpath_key(sub) == key
+
+
+def test_log_lines_are_structured() -> None:
+    import logging
+
+    from agent.logs import StructuredFormatter, fields
+
+    record = logging.LogRecord("agent", logging.INFO, __file__, 1, "download finished", None, None)
+    record.fields = fields(storage_key="0123456789abcdef", bytes=5, uri="http://h/a b")["fields"]
+    line = StructuredFormatter("logfmt").format(record)
+    assert 'level=info logger=agent msg="download finished" storage_key=0123456789abcdef bytes=5' in line
+    assert 'uri="http://h/a b"' in line
+    doc = json.loads(StructuredFormatter("json").format(record))
+    assert doc["msg"] == "download finished" and doc["bytes"] == 5 and doc["level"] == "info" and doc["ts"]
