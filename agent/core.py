@@ -13,7 +13,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -81,6 +81,9 @@ class Agent:
         self._last_progress_log = 0.0
         self._last_removal_check = 0.0
         self._last_free: int | None = None
+        #: Optional sink for notable transitions (cluster mode: Kubernetes Events on the LocalModelNode):
+        #: on_event(type "Normal"|"Warning", reason, message). Called without the lock held.
+        self.on_event: Callable[[str, str, str], None] | None = None
         (cfg.root / "models").mkdir(parents=True, exist_ok=True)
 
     # ---- desired state --------------------------------------------------------------------
@@ -256,8 +259,20 @@ class Agent:
                     seconds=round(elapsed, 2), cached=result.cached, revision=rec.revision or ""))
             else:
                 self._failed(rec, error, elapsed, scheme)
+            event = None if rec.removing else (
+                ("Normal", "Downloaded", f"{_names(rec)}: downloaded {rec.bytes_total or 0} bytes")
+                if rec.state == MODEL_DOWNLOADED else
+                ("Warning", "DownloadFailed", f"{_names(rec)}: {rec.reason}: {_one_line(error)}"))
         self.changed.set()
         self.wake.set()
+        self._emit(event)
+
+    def _emit(self, event: tuple[str, str, str] | None) -> None:
+        if event is not None and self.on_event is not None:
+            try:
+                self.on_event(*event)
+            except Exception as exc:
+                log.warning("could not report an event", extra=fields(error=_one_line(exc)))
 
     def _failed(self, rec: ModelRecord, error: BaseException | None, elapsed: float, scheme: str) -> None:
         reason = getattr(error, "reason", None) or type(error).__name__
@@ -288,6 +303,7 @@ class Agent:
             log.warning("model damaged: repairing", extra=fields(storage_key=rec.key, problem=problem))
         self.changed.set()
         self.wake.set()
+        self._emit(("Warning", "ModelDamaged", f"{_names(rec)}: {problem}; repairing"))
 
     # ---- removals -------------------------------------------------------------------------
 
@@ -408,6 +424,10 @@ class Agent:
 
 class _NoUri:
     uri = ""
+
+
+def _names(rec: ModelRecord) -> str:
+    return ", ".join(i.status_key for i in rec.entries) or rec.key
 
 
 def _scheme(uri: str) -> str:

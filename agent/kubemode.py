@@ -18,6 +18,7 @@ from agent.core import Agent
 from agent.logs import fields
 from agent.publish import Publisher
 from modelcache.kube.client import LOCAL_MODEL_NODE_GROUPS, LOCAL_MODEL_NODES, Kube
+from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import DELETED, Informer
 from modelcache.kube.status import patch_status_if_changed
 from modelcache.kube.types import LocalModelNode
@@ -42,6 +43,8 @@ class KubeRunner:
         self.groups.add_handler(self._on_group)
         self.publisher = Publisher(agent, self._write_status, agent.cfg.status_interval)
         self.synced = threading.Event()
+        self.recorder = EventRecorder(kube, "modelcache-agent", self.node)
+        agent.on_event = self._event
         self._stop = threading.Event()
 
     def _on_node(self, event: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
@@ -55,6 +58,11 @@ class KubeRunner:
             return
         lmn = LocalModelNode.from_dict(obj)
         self.agent.set_spec(lmn.spec.local_models, lmn.generation or None)
+
+    def _event(self, event_type: str, reason: str, message: str) -> None:
+        obj = self.nodes.store.get(self.node)
+        if obj is not None:
+            self.recorder.record(obj, event_type, reason, message)
 
     def _on_group(self, event: str, obj: dict[str, Any], _old: dict[str, Any] | None) -> None:
         name = (obj.get("metadata") or {}).get("name", "")

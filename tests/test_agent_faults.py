@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from modelcache.kube.client import LOCAL_MODEL_NODE_GROUPS
+from modelcache.kube.client import EVENTS, LOCAL_MODEL_NODE_GROUPS
 from modelcache.uri import storage_key
 from tests.agent_util import (
     CRED_NS,
@@ -62,6 +62,12 @@ def test_storage_fault_is_an_error_then_heals(kubeapi, kube, nginx, fault_proxy,
         status = wait_states(kube, "node-a", {"m": D}, agent=agent, timeout=30)
         assert (tmp_path / "root" / "models" / storage_key(uri) / "model.bin").read_bytes() == data
         assert not status["modelDetails"]["m"].get("message")
+        events = kube.list(EVENTS, "default")["items"]
+        mine = {e["reason"]: e for e in events if e["involvedObject"]["name"] == "node-a"}
+        assert mine["DownloadFailed"]["type"] == "Warning" and mine["DownloadFailed"]["message"].startswith("m: ")
+        if fault == "status":  # the same failure again and again: counted on one Event, not duplicated
+            assert mine["DownloadFailed"]["count"] >= 2
+        assert mine["Downloaded"]["type"] == "Normal"
     finally:
         agent.stop()
 
