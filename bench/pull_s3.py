@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -123,6 +124,49 @@ def upload(endpoint: str, data: Path, names: list[str]) -> None:
         c.upload_file(str(data / n), BUCKET, f"{PREFIX}/{n}", Config=cfg)
 
 
+class RssSampler:
+    """Peak RSS of a process tree, sampled from /proc every 20 ms.
+
+    ``wait4``'s ru_maxrss would count the benchmark's own image, which the child carries
+    between fork and exec (every peer would show ~100 MiB).
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak_kib = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _tree(self, pid: int) -> list[int]:
+        out = [pid]
+        for task in Path(f"/proc/{pid}/task").glob("*/children"):
+            try:
+                out += [c for k in task.read_text().split() for c in self._tree(int(k))]
+            except OSError:
+                pass
+        return out
+
+    def _rss_kib(self, pid: int) -> int:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        except OSError:
+            pass
+        return 0
+
+    def _run(self) -> None:
+        time.sleep(0.005)  # past exec
+        while not self._stop.is_set():
+            self.peak_kib = max(self.peak_kib, sum(self._rss_kib(p) for p in self._tree(self.pid)))
+            self._stop.wait(0.02)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 # ---- tools --------------------------------------------------------------------------------
 
 
@@ -145,7 +189,9 @@ class Bench:
         with tempfile.TemporaryFile() as errfile:
             t0 = time.perf_counter()
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errfile, env=self.env)
+            sampler = RssSampler(proc.pid)
             _pid, status, usage = os.wait4(proc.pid, 0)
+            sampler.stop()
             rc = os.waitstatus_to_exitcode(status)
             errfile.seek(0)
             err = errfile.read().decode(errors="replace")
@@ -155,7 +201,9 @@ class Bench:
         seconds = time.perf_counter() - t0
         if found < self.total_bytes:
             raise RuntimeError(f"{tool} wrote {found} bytes, expected at least {self.total_bytes}")
-        return RunResult(tool, seconds, self.total_bytes, usage.ru_maxrss, usage.ru_utime + usage.ru_stime)
+        # ru_utime/ru_stime include waited-for children (kserve's process pool, s5cmd is one process).
+        cpu = usage.ru_utime + usage.ru_stime
+        return RunResult(tool, seconds, self.total_bytes, sampler.peak_kib, cpu)
 
     def presigned(self) -> list[str]:
         c = s3_client(self.endpoint)
