@@ -6,7 +6,7 @@
 - otherwise ``serviceAccountName`` (only when set, as KServe): the secrets attached to that
   service account are read as KServe's credential builder reads them (S3 keys plus the
   ``serving.kserve.io/s3-*`` annotations, the GCS key file, Azure keys, ``https-host`` +
-  ``headers``, ``HF_TOKEN``).
+  ``headers``, ``HF_TOKEN``, the HDFS secret's keys as files of a private secret dir).
 
 The result is an environment *dict* handed to ``Settings.from_env`` for that download only:
 the agent's own environment is never read or changed, and nothing here is logged. A GCS key
@@ -29,6 +29,7 @@ from modelcache.kube.types import LocalModelInfo
 
 STORAGE_CONFIG_SECRET = "storage-config"
 GCS_KEY_FILE = "gcloud-application-credentials.json"
+HDFS_NAMENODE_KEY = "HDFS_NAMENODE"
 S3_ACCESS_KEY_NAME = "awsAccessKeyID"
 S3_SECRET_KEY_NAME = "awsSecretAccessKey"
 ANNOTATION_PREFIX = "serving.kserve.io/"
@@ -124,6 +125,17 @@ def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str
             with os.fdopen(fd, "w") as f:
                 f.write(data[GCS_KEY_FILE])
             env["GOOGLE_APPLICATION_CREDENTIALS"] = path
+        if data.get(HDFS_NAMENODE_KEY):
+            # KServe mounts such a secret at /var/secrets/kserve-hdfscreds: one file per key.
+            folder = os.path.join(key_dir, "hdfs")
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            for name, value in data.items():
+                if "/" in name or name.startswith("."):
+                    continue
+                fd = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(value)
+            env["HDFS_SECRET_DIR"] = folder
         if data.get("https-host") and data.get("headers"):
             env[f"{data['https-host']}-headers"] = data["headers"]
         for k in PLAIN_KEYS:

@@ -60,11 +60,12 @@ def test_service_account_secrets_map_like_kserve(tmp_path: Path) -> None:
                                                 "serving.kserve.io/s3-usehttps": "0"}},
                    "stringData": {"awsAccessKeyID": "AK", "awsSecretAccessKey": "SK"}},
             "gcs": {"stringData": {"gcloud-application-credentials.json": '{"type": "service_account"}'}},
+            "hdfs": {"stringData": {"HDFS_NAMENODE": "http://nn:9870", "USER_PROXY": "alice"}},
             "web": {"stringData": {"https-host": "models.example.com", "headers": '{"X-Token": "t"}',
                                    "HF_TOKEN": "hf_x", "AZ_CLIENT_ID": "cid"}},
         },
         sas={"sa": {"metadata": {"annotations": {"serving.kserve.io/s3-region": "eu-west-1"}},
-                    "secrets": [{"name": "s3"}, {"name": "gcs"}, {"name": "web"}, {"name": "gone"}]}},
+                    "secrets": [{"name": "s3"}, {"name": "gcs"}, {"name": "web"}, {"name": "hdfs"}, {"name": "gone"}]}},
     )
     env = service_account_env(LocalModelInfo(model_name="m", service_account_name="sa"), reader, str(tmp_path))
     assert env["AWS_ACCESS_KEY_ID"] == "AK" and env["AWS_SECRET_ACCESS_KEY"] == "SK"
@@ -75,6 +76,8 @@ def test_service_account_secrets_map_like_kserve(tmp_path: Path) -> None:
     assert oct(key_file.stat().st_mode & 0o777) == "0o600"
     assert env["models.example.com-headers"] == '{"X-Token": "t"}'
     assert env["HF_TOKEN"] == "hf_x" and env["AZ_CLIENT_ID"] == "cid"
+    hdfs = Path(env["HDFS_SECRET_DIR"])
+    assert (hdfs / "HDFS_NAMENODE").read_text() == "http://nn:9870" and (hdfs / "USER_PROXY").read_text() == "alice"
     with pytest.raises(AuthError, match="service account 'nope' not found"):
         service_account_env(LocalModelInfo(model_name="m", service_account_name="nope"), reader, str(tmp_path))
 
