@@ -190,3 +190,32 @@ def test_max_concurrent_models_is_honoured(nginx, tmp_path):
     events = [line.split('msg="', 1)[1].split('"', 1)[0] for line in proc.stderr.splitlines()
               if 'msg="download started"' in line or 'msg="download finished"' in line]
     assert events == ["download started", "download finished"] * 3
+
+
+def test_full_disk_is_a_clear_error_and_other_models_stay(nginx, tmp_path):
+    from tests.helpers import require
+
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    ok = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=100m,mode=0755", "tmpfs", str(mnt)], capture_output=True).returncode == 0
+    require(ok, "mounting a small tmpfs (needs root)")
+    try:
+        small = nginx.write("d/small.bin", 2 << 20).read_bytes()
+        nginx.write("d/big.bin", 60 << 20)
+        us, ub = nginx.url("d/small.bin"), nginx.url("d/big.bin")
+        spec = write_node(tmp_path / "node.yaml", [{"modelName": "small", "sourceModelUri": us},
+                                                    {"modelName": "big", "sourceModelUri": ub}])
+        # A 64 MiB margin on a 100 MiB disk: the 2 MiB model fits, the 60 MiB one cannot.
+        proc = run_agent(spec, mnt, "--space-margin", "64Mi")
+        assert proc.returncode == 1
+        st = status_of(spec)
+        assert st["modelStatus"] == {"small": D, "big": E}
+        msg = st["modelDetails"]["big"]["message"]
+        assert "insufficient space: need 60.0 MiB, free" in msg and str(mnt) in msg, msg
+        assert (mnt / "models" / storage_key(us) / "small.bin").read_bytes() == small
+        assert not (mnt / "models" / storage_key(ub)).exists()
+        assert nginx.bytes_served("d/big.bin") <= 1  # refused before downloading
+        assert st["capacity"]["totalBytes"] == 100 << 20 and st["capacity"]["reservedBytes"] == 0
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
