@@ -13,6 +13,7 @@ listing time with If-Match.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -115,9 +116,14 @@ class AzureBlobSource(Source):
             self.account_url = location.account_url
             self.endpoint = location.account_url.split("?", 1)[0]
         self._service: BlobServiceClient | None = None
+        self._lock = threading.Lock()  # engine threads may make the first call concurrently
 
     @property
     def container(self) -> Any:
+        with self._lock:
+            return self._service_client().get_container_client(self.loc.container)
+
+    def _service_client(self) -> BlobServiceClient:
         if self._service is None:
             try:
                 credential = make_credential(self.cfg, self.loc.account)
@@ -133,7 +139,7 @@ class AzureBlobSource(Source):
                 connection_timeout=self.cfg.connect_timeout,
                 read_timeout=self.cfg.read_timeout,
             )
-        return self._service.get_container_client(self.loc.container)
+        return self._service
 
     # -- listing -------------------------------------------------------------------------
 

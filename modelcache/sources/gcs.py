@@ -10,6 +10,7 @@ cannot afford. Objects carry crc32c (and md5 unless composite) in their metadata
 from __future__ import annotations
 
 import json
+import threading
 import warnings
 from typing import Any
 from urllib.parse import quote
@@ -112,32 +113,36 @@ class GCSSource(Source):
         self._project: str | None = None
         self._client: storage.Client | None = None
         self._session: AuthorizedSession | None = None
+        self._lock = threading.RLock()  # engine threads may make the first call concurrently
 
     def _credentials(self) -> Any:
-        if self._creds is None:
-            self._creds, self._project = load_credentials(self.cfg, self.loc.display)
-        return self._creds
+        with self._lock:
+            if self._creds is None:
+                self._creds, self._project = load_credentials(self.cfg, self.loc.display)
+            return self._creds
 
     @property
     def client(self) -> storage.Client:
-        if self._client is None:
-            creds = self._credentials()
-            self._client = storage.Client(
-                project=self._project or "modelcache",  # listing objects needs no project; avoid a lookup
-                credentials=creds,
-                client_options={"api_endpoint": self.endpoint},
-            )
-        return self._client
+        with self._lock:
+            if self._client is None:
+                creds = self._credentials()
+                self._client = storage.Client(
+                    project=self._project or "modelcache",  # listing objects needs no project; avoid a lookup
+                    credentials=creds,
+                    client_options={"api_endpoint": self.endpoint},
+                )
+            return self._client
 
     @property
     def session(self) -> AuthorizedSession:
-        if self._session is None:
-            session = AuthorizedSession(self._credentials())
-            adapter = HTTPAdapter(pool_connections=1, pool_maxsize=self.max_streams + 4, max_retries=0)
-            session.mount("https://", adapter)
-            session.mount("http://", adapter)
-            self._session = session
-        return self._session
+        with self._lock:
+            if self._session is None:
+                session = AuthorizedSession(self._credentials())
+                adapter = HTTPAdapter(pool_connections=1, pool_maxsize=self.max_streams + 4, max_retries=0)
+                session.mount("https://", adapter)
+                session.mount("http://", adapter)
+                self._session = session
+            return self._session
 
     # -- listing -------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from typing import Any
 
 import boto3
@@ -107,15 +108,17 @@ class S3Source(Source):
         self.loc = location
         self.cfg = settings.s3
         self._client: Any = None
+        self._lock = threading.Lock()  # engine threads may make the first call concurrently
 
     @property
     def client(self) -> Any:
-        if self._client is None:
-            try:
-                self._client = make_client(self.cfg, self.max_streams + 4)
-            except BotoCoreError as exc:
-                raise self._error(exc, self.loc.display) from None
-        return self._client
+        with self._lock:
+            if self._client is None:
+                try:
+                    self._client = make_client(self.cfg, self.max_streams + 4)
+                except BotoCoreError as exc:
+                    raise self._error(exc, self.loc.display) from None
+            return self._client
 
     # -- listing -------------------------------------------------------------------------
 
