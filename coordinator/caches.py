@@ -19,7 +19,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from coordinator import aggregate, entries, metrics, volumes
-from coordinator.membership import Member, place
+from coordinator.membership import Member
 from coordinator.view import BY_CACHE, ClusterView, cache_key
 from modelcache.kube.client import (
     LOCAL_MODEL_CACHES,
@@ -57,7 +57,7 @@ class CacheReconciler:
         obj = self.ensure_finalizer(obj) or obj
         spec = obj.get("spec") or {}
         groups = self.view.group_map()
-        members = place(spec.get("nodeGroups") or [], groups, self.view.nodes.store.list())
+        members = self.view.members(list(spec.get("nodeGroups") or []))
         self.sync_entries(key, obj, members)
         self.sync_volumes(key, obj, groups)
         self.sync_status(key, obj, members)

@@ -12,12 +12,11 @@ from typing import Any
 
 from coordinator import metrics
 from coordinator.caches import CacheReconciler, cache_keys_for_kind
-from coordinator.nodelabels import LABEL_PREFIX
 from coordinator.nodes import NodeReconciler
 from coordinator.nodeselector import node_ready
 from coordinator.services import ServiceReconciler
 from coordinator.urimatch import isvc_storage_uri, llmisvc_model_uri
-from coordinator.view import ClusterView, entry_cache_keys, service_cache_keys, volume_cache_keys
+from coordinator.view import ClusterView, entry_cache_keys, service_cache_keys, user_labels, volume_cache_keys
 from modelcache.kube.client import INFERENCE_SERVICES
 from modelcache.kube.controller import Controller, Manager, Result, generation_or_meta_changed, own_key
 from modelcache.kube.events import EventRecorder
@@ -55,15 +54,11 @@ def node_changed(event: str, obj: Obj, old: Obj | None) -> bool:
     return _meta(obj, "labels") != _meta(old, "labels") or node_ready(obj) != node_ready(old)
 
 
-def _user_labels(obj: Obj | None) -> dict[str, str]:
-    return {k: v for k, v in (_meta(obj, "labels") or {}).items() if not k.startswith(LABEL_PREFIX)}
-
-
 def node_membership_changed(event: str, obj: Obj, old: Obj | None) -> bool:
     """What can change a cache's members: not our own downloaded-model labels."""
     if event != "MODIFIED" or old is None:
         return True
-    return _user_labels(obj) != _user_labels(old) or node_ready(obj) != node_ready(old)
+    return user_labels(obj) != user_labels(old) or node_ready(obj) != node_ready(old)
 
 
 def _model_status(obj: Obj | None) -> Any:

@@ -9,12 +9,16 @@ are the index values linking services, LocalModelNode entries and volumes to the
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
+from coordinator.membership import Member, place
+from coordinator.nodelabels import LABEL_PREFIX
+from coordinator.nodeselector import node_ready
 from coordinator.urimatch import CacheRef
 from coordinator.volumes import MANAGED_SELECTOR, cache_of
 from modelcache.kube.client import (
@@ -46,6 +50,13 @@ def llm_resource(version: str) -> Resource:
 
 def cache_key(namespace: str | None, name: str) -> str:
     return f"{namespace}/{name}" if namespace else name
+
+
+def user_labels(obj: dict[str, Any] | None) -> dict[str, str]:
+    """Node labels other than our downloaded-model ones: those we write must not count as a
+    membership change (a group selecting on them would be selecting on download state)."""
+    labels = ((obj or {}).get("metadata") or {}).get("labels") or {}
+    return {k: v for k, v in labels.items() if not k.startswith(LABEL_PREFIX)}
 
 
 def service_cache_keys(obj: dict[str, Any] | None) -> list[str]:
@@ -100,6 +111,10 @@ class ClusterView:
     llmisvcs: Informer | None = None
     llm_resource: Resource | None = None
     extra: list[Informer] = field(default_factory=list)
+    #: Bumped after any node or group change that can alter membership (see members()).
+    _epoch: int = 0
+    _members: dict[tuple[str, ...], tuple[int, dict[str, Member]]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def build(cls, kube: Kube, watch_timeout: int = 300, with_services: bool = True) -> ClusterView:
@@ -118,6 +133,8 @@ class ClusterView:
             pvcs=inf(PERSISTENT_VOLUME_CLAIMS, label_selector=MANAGED_SELECTOR,
                      indexers={BY_CACHE: volume_cache_keys}),
         )
+        view.nodes.add_handler(view._bump_if_membership)
+        view.groups.add_handler(view._bump)
         if with_services:
             if served(kube, INFERENCE_SERVICES):
                 view.isvcs = inf(INFERENCE_SERVICES, indexers=by_service)
@@ -131,6 +148,34 @@ class ClusterView:
             else:
                 log.info("LLMInferenceService is not served: LLM services are not tracked")
         return view
+
+    # -- membership, memoized: 50 caches x 500 nodes must not re-match every node per reconcile --
+    def _bump(self, _event: str, _obj: dict[str, Any], _old: dict[str, Any] | None) -> None:
+        with self._lock:
+            self._epoch += 1
+            self._members.clear()
+
+    def _bump_if_membership(self, event: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
+        if event != "MODIFIED" or old is None or user_labels(obj) != user_labels(old) or \
+                node_ready(obj) != node_ready(old):
+            self._bump(event, obj, old)
+
+    def members(self, cache_groups: list[str]) -> dict[str, Member]:
+        """node -> Member for a cache's groups, recomputed only after a relevant node/group change.
+
+        The epoch is bumped after the informer has stored the change, so a result computed under
+        an epoch never predates a change announced by that epoch's successor.
+        """
+        key = tuple(cache_groups)
+        with self._lock:
+            epoch, hit = self._epoch, self._members.get(key)
+        if hit is not None and hit[0] == epoch:
+            return dict(hit[1])
+        result = place(cache_groups, self.group_map(), self.nodes.store.list())
+        with self._lock:
+            if self._epoch == epoch:
+                self._members[key] = (epoch, result)
+        return dict(result)
 
     def informers(self) -> list[Informer]:
         infs = [self.caches, self.ns_caches, self.groups, self.nodes, self.lmns, self.pvs, self.pvcs, *self.extra]
