@@ -36,7 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.fixtures.http import NginxServer, make_tls  # noqa: E402  (needs the repo on sys.path)
+from bench.rss import RssSampler  # noqa: E402  (needs the repo on sys.path)
+from tests.fixtures.http import NginxServer, make_tls  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
 KSERVE_VENV = REPO / ".work" / "kserve-venv"
@@ -113,10 +114,15 @@ class RunResult:
     seconds: float
     bytes: int
     peak_rss_kib: int
+    cpu_seconds: float = 0.0
 
     @property
     def mbps(self) -> float:
         return self.bytes / self.seconds / 1e6
+
+    @property
+    def cpu_per_gib(self) -> float:
+        return self.cpu_seconds / (self.bytes / 2**30)
 
 
 @dataclass
@@ -129,12 +135,14 @@ class Bench:
     results: list[RunResult] = field(default_factory=list)
 
     def _timed(self, tool: str, cmd: list[str], out: Path, env: dict[str, str] | None = None) -> RunResult:
-        """Run ``cmd``, then fsync what it wrote; time both. Peak RSS comes from wait4 of that child."""
+        """Run ``cmd``, then fsync what it wrote; time both. Peak RSS is sampled from /proc, CPU from wait4."""
         # stderr goes to a file, not a pipe: a chatty tool must never block on a full pipe mid-run.
         with tempfile.TemporaryFile() as errfile:
             t0 = time.perf_counter()
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errfile, env=env)
+            sampler = RssSampler(proc.pid)
             _pid, status, usage = os.wait4(proc.pid, 0)
+            peak = sampler.stop()
             proc.returncode = os.waitstatus_to_exitcode(status)
             errfile.seek(0)
             err = errfile.read().decode(errors="replace")
@@ -144,7 +152,7 @@ class Bench:
         seconds = time.perf_counter() - t0
         if found < self.total_bytes:
             raise RuntimeError(f"{tool} wrote {found} bytes, expected at least {self.total_bytes}")
-        return RunResult(tool, seconds, self.total_bytes, usage.ru_maxrss)
+        return RunResult(tool, seconds, self.total_bytes, peak, usage.ru_utime + usage.ru_stime)
 
     def modelcache(self, out: Path) -> RunResult:
         exe = REPO / ".venv" / "bin" / "modelcache"
@@ -218,16 +226,18 @@ def report(results: list[RunResult], args: argparse.Namespace) -> str:
         f"HTTP pull benchmark: {args.shards} x {args.size // args.shards / 2**20:.0f} MiB + json "
         f"({args.size / 2**30:.2f} GiB), {args.rounds} round(s), durable (fsync) MB/s, 1 MB = 10^6 B",
         "",
-        "| tool | median MB/s | runs (MB/s) | modelcache / tool |",
-        "|---|---:|---|---:|",
+        "| tool | median MB/s | runs (MB/s) | modelcache / tool | CPU s/GiB | peak RSS MiB |",
+        "|---|---:|---|---:|---:|---:|",
     ]
     for tool, rs in by_tool.items():
         ratio = f"{mc / med[tool]:.2f}x" if mc and tool != "modelcache" else "-"
         runs = ", ".join(f"{x.mbps:.0f}" for x in rs)
-        lines.append(f"| {tool} | {med[tool]:.0f} | {runs} | {ratio} |")
+        cpu = statistics.median(x.cpu_per_gib for x in rs)
+        rss = max(x.peak_rss_kib for x in rs) / 1024
+        lines.append(f"| {tool} | {med[tool]:.0f} | {runs} | {ratio} | {cpu:.2f} | {rss:.0f} |")
     if "modelcache" in by_tool:
         rss = max(x.peak_rss_kib for x in by_tool["modelcache"]) / 1024
-        lines += ["", f"modelcache peak RSS: {rss:.0f} MiB (target <= 256 MiB)"]
+        lines += ["", f"modelcache peak RSS: {rss:.0f} MiB (target <= 256 MiB: {'OK' if rss <= 256 else 'MISSED'})"]
     targets = {"kserve-storage": 1.5, "aria2c": 1.3, "dd oflag=direct": 0.85}
     if mc:
         for tool, want in targets.items():
