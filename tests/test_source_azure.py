@@ -138,3 +138,21 @@ def test_file_share_uri_is_rejected() -> None:
     with pytest.raises(UnsupportedError, match="Azure File share URIs are not supported") as err:
         parse_uri(uri)
     assert "https://acct.file.core.windows.net/share/model" in str(err.value) and "SECRETSIG" not in str(err.value)
+
+
+def test_anonymous_read_of_a_public_container(azurite: AzureServer, az_model) -> None:
+    container, tree = az_model
+    uri = azurite.uri(container, "model")
+    env = {"MODELCACHE_AZURE_BLOB_ENDPOINT": azurite.env()["MODELCACHE_AZURE_BLOB_ENDPOINT"]}  # no credentials
+    with (
+        pytest.raises(AuthError, match=f"anonymous access to {uri} was refused"),
+        open_source(uri, settings(env)) as src,
+    ):
+        src.list_files()  # private container
+    azurite.service().get_container_client(container).set_container_access_policy(
+        signed_identifiers={}, public_access="container"
+    )
+    with open_source(uri, settings(env)) as src:
+        files = {f.path: f for f in src.list_files()}
+        assert sorted(files) == sorted(tree)
+        assert read_range(src, files["config.json"]) == tree["config.json"]

@@ -238,6 +238,16 @@ class AzureBlobSource(Source):
             )
         if isinstance(exc, ServiceResponseError):
             return TransientError(f"Azure Blob connection error for {where}: {type(exc).__name__}")
+        anonymous = not (
+            self.cfg.use_default_credential or self.cfg.access_key or self.cfg.access_token or self.loc.sas
+        )
+        # Azure hides private containers from anonymous callers behind a plain 404 ResourceNotFound.
+        hidden = status == 404 and code == "ResourceNotFound"
+        if anonymous and (status in (401, 403) or hidden or code in _AUTH_CODES or code in _DENIED_CODES):
+            return AuthError(
+                f"anonymous access to {where} was refused ({code or status}): the container is not public; set "
+                "AZURE_STORAGE_ACCESS_KEY, AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET, or add a SAS to the URI"
+            )
         # Azurite (and Azure behind a firewall) answer a wrong account key with AuthorizationFailure.
         key_refused = (
             code == "AuthorizationFailure" and bool(self.cfg.access_key) and not self.cfg.use_default_credential
