@@ -192,3 +192,22 @@ def test_s3_endpoint_and_use_https_from_annotations(moto_s3: S3Server, s3_model)
     env |= {"S3_ENDPOINT": moto_s3.endpoint.removeprefix("http://"), "S3_USE_HTTPS": "0"}
     with open_source(f"s3://{bucket}/model", settings(env)) as src:
         assert len(src.list_files()) == len(tree)
+
+
+def test_anonymous_public_and_private(moto_s3_open: str, tmp_path) -> None:
+    import boto3
+
+    admin = boto3.client(
+        "s3", endpoint_url=moto_s3_open, region_name="us-east-1", aws_access_key_id="a", aws_secret_access_key="b"
+    )
+    admin.create_bucket(Bucket="public-models", ACL="public-read")
+    admin.put_object(Bucket="public-models", Key="m/w.bin", Body=b"public bytes", ACL="public-read")
+    admin.create_bucket(Bucket="private-models")
+    admin.put_object(Bucket="private-models", Key="m/w.bin", Body=b"private bytes")
+    env = {"AWS_ENDPOINT_URL": moto_s3_open, "awsAnonymousCredential": "true", "AWS_DEFAULT_REGION": "us-east-1"}
+    with open_source("s3://public-models/m", settings(env)) as src:
+        (f,) = src.list_files()
+        assert read_range(src, f) == b"public bytes"
+    with pytest.raises(AccessDeniedError, match=r"anonymous access .*awsAnonymousCredential"), \
+            open_source("s3://private-models/m", settings(env)) as src:
+        src.list_files()

@@ -274,6 +274,11 @@ class S3Source(Source):
                     f"S3 bucket '{bucket}' does not exist ({where}): check the bucket name, the endpoint "
                     f"({self._endpoint()}) and the region"
                 )
+            if self.cfg.anonymous and (code == "AccessDenied" or status in (401, 403)):
+                return AccessDeniedError(
+                    f"anonymous access (awsAnonymousCredential=true) to {where} was refused: the bucket is not "
+                    "public; unset awsAnonymousCredential and provide AWS credentials"
+                )
             if code in ("AccessDenied", "AllAccessDisabled", "AccountProblem") or status == 403:
                 return AccessDeniedError(
                     f"access denied to {where} ({code or 403}): the credentials need s3:ListBucket on bucket "
