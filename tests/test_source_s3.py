@@ -208,6 +208,8 @@ def test_anonymous_public_and_private(moto_s3_open: str, tmp_path) -> None:
     with open_source("s3://public-models/m", settings(env)) as src:
         (f,) = src.list_files()
         assert read_range(src, f) == b"public bytes"
-    with pytest.raises(AccessDeniedError, match=r"anonymous access .*awsAnonymousCredential"), \
-            open_source("s3://private-models/m", settings(env)) as src:
+    with (
+        pytest.raises(AccessDeniedError, match=r"anonymous access .*awsAnonymousCredential"),
+        open_source("s3://private-models/m", settings(env)) as src,
+    ):
         src.list_files()
