@@ -33,9 +33,14 @@ def test_s3_from_kserve_env() -> None:
     assert "SECRET1" not in repr(s) and "TOKEN1" not in repr(s) and "AKID" not in repr(s)
 
 
-def test_s3_region_precedence_and_ca_bundle() -> None:
-    s = Settings.from_env({"AWS_DEFAULT_REGION": "us-west-2", "AWS_REGION": "eu-west-1", "AWS_CA_BUNDLE": "/ca"}).s3
-    assert s.region == "us-west-2" and s.verify and s.ca_bundle == "/ca"
+def test_s3_region_precedence_and_ca_bundle(tmp_path) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    env = {"AWS_DEFAULT_REGION": "us-west-2", "AWS_REGION": "eu-west-1", "AWS_CA_BUNDLE": str(ca)}
+    s = Settings.from_env(env).s3
+    assert s.region == "us-west-2" and s.verify and s.ca_bundle == str(ca)
+    with pytest.raises(ModelcacheError, match=r"Failed to find ca bundle file\(/nope.pem\)"):
+        Settings.from_env({"AWS_CA_BUNDLE": "/nope.pem"})
     assert Settings.from_env({"S3_VERIFY_SSL": "false"}).s3.verify is False
     assert Settings.from_env({"S3_VERIFY_SSL": "1"}).s3.verify is True
 
@@ -63,21 +68,18 @@ def test_storage_config_overrides_env_and_override_config_wins() -> None:
         "secret_access_key": "SPECSECRET",
         "region": "ap-south-1",
         "ca_bundle": "/spec/ca.pem",
-        "verify_ssl": True,
+        "verify_ssl": False,
         "anonymous": False,
         "bucket": "ignored",
     }
     env = {"AWS_ACCESS_KEY_ID": "ENVKEY", "AWS_SECRET_ACCESS_KEY": "ENVSECRET", "STORAGE_CONFIG": json.dumps(spec)}
     s = Settings.from_env(env).s3
     assert (s.access_key_id, s.secret_access_key) == ("SPECKEY", "SPECSECRET")
-    assert (s.endpoint_url, s.region, s.ca_bundle, s.verify, s.anonymous) == (
-        "http://spec:9000",
-        "ap-south-1",
-        "/spec/ca.pem",
-        True,
-        False,
-    )
-    env["STORAGE_OVERRIDE_CONFIG"] = json.dumps({"secret_access_key": "OVERRIDE", "verify_ssl": "0"})
+    assert (s.endpoint_url, s.region, s.verify, s.anonymous) == ("http://spec:9000", "ap-south-1", False, False)
+    env["STORAGE_OVERRIDE_CONFIG"] = json.dumps({"secret_access_key": "OVERRIDE", "verify_ssl": "1"})
+    with pytest.raises(ModelcacheError, match=r"ca bundle file\(/spec/ca.pem\)"):
+        Settings.from_env(env)  # verification back on: the spec's CA bundle must exist
+    env["STORAGE_OVERRIDE_CONFIG"] = json.dumps({"secret_access_key": "OVERRIDE", "ca_bundle": ""})
     s = Settings.from_env(env).s3
     assert (s.access_key_id, s.secret_access_key, s.verify) == ("SPECKEY", "OVERRIDE", False)
     # A spec of another type leaves S3 alone.
