@@ -436,11 +436,6 @@ def _s3_settings(env: Mapping[str, str]) -> S3Settings:
     verify_raw = env.get("S3_VERIFY_SSL", "").strip().lower()
     verify = verify_raw not in ("0", "false", "no", "off")
     ca_bundle = env.get("AWS_CA_BUNDLE") or None
-    if verify and ca_bundle and not os.path.isfile(ca_bundle):
-        raise ModelcacheError(
-            f"Failed to find ca bundle file({ca_bundle}): AWS_CA_BUNDLE (or the storage spec's ca_bundle) must "
-            "name a PEM file mounted in the container"
-        )
     if verify and not ca_bundle:
         ca_bundle = ca_bundle_from_env(env)
     return S3Settings(
