@@ -13,6 +13,7 @@ during the download fails loudly instead of mixing bytes.
 from __future__ import annotations
 
 import math
+import os
 import re
 import threading
 from typing import Any
@@ -93,6 +94,11 @@ def make_client(cfg: S3Settings, pool: int) -> Any:
         aws_session_token=cfg.session_token if cfg.has_static_keys else None,
         region_name=cfg.region,
     )
+    if cfg.verify and cfg.ca_bundle and not os.path.isfile(cfg.ca_bundle):
+        raise SourceError(
+            f"Failed to find ca bundle file({cfg.ca_bundle}): AWS_CA_BUNDLE (or the storage spec's ca_bundle) must "
+            "name a PEM file mounted in the container"
+        )
     verify: bool | str | None = False if not cfg.verify else (cfg.ca_bundle or None)
     return session.client("s3", endpoint_url=cfg.endpoint_url, verify=verify, config=config)
 
