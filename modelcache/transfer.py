@@ -177,11 +177,22 @@ class _Watchdog:
                 for e in stalled:
                     e[2] = True
             for e in stalled:
-                abort = getattr(e[0], "abort", None) or e[0].close
-                try:
-                    abort()
-                except Exception:  # the stream is being torn down either way
-                    pass
+                self._abort(e)
+
+    @staticmethod
+    def _abort(entry: list[Any]) -> None:
+        abort = getattr(entry[0], "abort", None) or entry[0].close
+        try:
+            abort()
+        except Exception:  # the stream is being torn down either way
+            pass
+
+    def abort_all(self) -> None:
+        """Wake every reader blocked in a stream (cancel): they must not wait for the stall timeout."""
+        with self._lock:
+            entries = list(self._streams.values())
+        for e in entries:
+            self._abort(e)
 
     def stop(self) -> None:
         self._stop.set()
@@ -206,6 +217,19 @@ class TransferEngine:
         self._cancel.set()
         with self._cond:
             self._cond.notify_all()
+        # A worker blocked in a read (a stalled server, a long run of chunks) would otherwise
+        # only notice at its next request: up to the stall timeout, or a whole file, later.
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None:
+            watchdog.abort_all()
+
+    def _check_cancelled(self, st: _FileState) -> None:
+        """Stop fetching for a cancelled run or a model that already failed (not retried)."""
+        if self._cancel.is_set():
+            raise ModelcacheError(f"{st.job.remote.path}: download cancelled (staged data kept for a resume)")
+        failed = self._failed_groups.get(st.job.group)
+        if failed is not None:
+            raise ModelcacheError(f"{st.job.remote.path}: stopped: another file of the model failed ({failed})")
 
     # ---- public entry point -------------------------------------------------------------
 
@@ -386,20 +410,25 @@ class TransferEngine:
             exc = state.outcome.exception() if state.outcome else None
             log.warning("%s: attempt %d failed (%s); retrying", what, state.attempt_number, exc)
 
+        # Backoff sleeps end early on cancel (the next attempt then stops at its first check).
         return Retrying(stop=stop, wait=wait, retry=retry_if_exception(_retryable),
-                        before_sleep=before_sleep, reraise=True)
+                        before_sleep=before_sleep, reraise=True, sleep=self._cancel.wait)
 
-    def _read_into(self, stream: RangeStream, view: memoryview, entry: list[Any], path: str) -> int:
+    def _read_into(self, st: _FileState, stream: RangeStream, view: memoryview, entry: list[Any]) -> int:
+        path = st.job.remote.path
+        self._check_cancelled(st)
         try:
             n = stream.readinto(view)
-        except ModelcacheError:
-            raise
         except Exception as exc:
+            self._check_cancelled(st)  # the read failed because cancel() aborted the stream
+            if isinstance(exc, ModelcacheError):
+                raise
             if entry[2]:
                 raise TransientError(f"{path}: no data for {self.options.stall_timeout:.0f}s (stalled)") from exc
             if isinstance(exc, OSError):
                 raise TransientError(f"{path}: connection error: {exc}") from exc
             raise
+        self._check_cancelled(st)  # an aborted stream may also just end early
         if entry[2]:
             raise TransientError(f"{path}: no data for {self.options.stall_timeout:.0f}s (stalled)")
         entry[1] = time.monotonic()
@@ -449,8 +478,7 @@ class TransferEngine:
                         while i < len(run):
                             c = run[i]
                             if pos < c.length and stream is None:
-                                if self._cancel.is_set() or st.job.group in self._failed_groups:
-                                    raise ModelcacheError("cancelled")
+                                self._check_cancelled(st)
                                 opened = time.monotonic()
                                 stream = st.job.source.open_range(st.job.remote, c.start + pos, end)
                                 entry = self._watchdog.watch(stream)
@@ -458,7 +486,7 @@ class TransferEngine:
                                 got = 0
                             while pos < c.length:
                                 assert stream is not None
-                                n = self._read_into(stream, view[pos : min(c.length, pos + READ_SIZE)], entry, path)
+                                n = self._read_into(st, stream, view[pos : min(c.length, pos + READ_SIZE)], entry)
                                 if n == 0:
                                     raise TransientError(
                                         f"{path}: short read at byte {c.start + pos} (expected up to {end})"
@@ -478,9 +506,16 @@ class TransferEngine:
                                 st.job.journal.chunk(st.job.index, c.index, c.length)
                                 written = c.length
                             c.done = c.length
-                            held, buf = buf, None
-                            if not self._chunk_done(st, c, held):
-                                self._pool.release(held)
+                            # The buffer goes back to the pool unless it was parked, also when
+                            # completing the chunk raises (a final checksum mismatch, a failed
+                            # fsync): a leaked buffer shrinks the pool for the rest of the run,
+                            # and once spares + 1 are lost a worker waits in acquire() for ever.
+                            held, buf, parked = buf, None, False
+                            try:
+                                parked = self._chunk_done(st, c, held)
+                            finally:
+                                if not parked:
+                                    self._pool.release(held)
                             i += 1
                             if i < len(run):
                                 begin(run[i])
@@ -503,13 +538,14 @@ class TransferEngine:
                     self.progress.rewind(path, total)
                     total = 0
                     st.hasher = MultiHasher(st.job.remote.checksums, st.size)
+                    self._check_cancelled(st)
                     stream = st.job.source.open_range(st.job.remote, 0, None)
                     entry = self._watchdog.watch(stream)
                     try:
                         while True:
                             fill = 0
                             while fill < len(view):
-                                n = self._read_into(stream, view[fill:], entry, path)
+                                n = self._read_into(st, stream, view[fill:], entry)
                                 if n == 0:
                                     break
                                 fill += n
@@ -591,7 +627,10 @@ class TransferEngine:
         if bad:
             expected, actual = bad[0]
             st.attempts += 1
-            if st.attempts > self.options.integrity_retries:
+            # A ranged file without chunks (zero bytes) has nothing to fetch again: queueing
+            # it would leave it neither finished nor failed, and the workers waiting for ever.
+            nothing_to_refetch = not st.streamed and not st.chunks
+            if st.attempts > self.options.integrity_retries or nothing_to_refetch:
                 raise IntegrityError(
                     f"{path}: {expected.algo} mismatch after {st.attempts} attempts: expected {expected.value}, "
                     f"got {actual}; the source object is corrupt or changed during download"

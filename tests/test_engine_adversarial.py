@@ -1,0 +1,127 @@
+"""Adversarial tests of the core byte path: engine deadlocks, cancel, resume order, odd streams.
+
+Each test here was written against a bug found by review (it failed before the fix beside it in
+the same commit). Runs that could hang are run in a daemon thread with a deadline, so a
+regression fails fast with a clear message instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import TypeVar
+
+from modelcache.credentials import Settings
+from modelcache.errors import IntegrityError, ModelcacheError
+from modelcache.journal import Journal
+from modelcache.pull import pull, pull_many
+from modelcache.sources.base import Checksum
+from modelcache.sources.local import LocalSource
+from modelcache.transfer import FileJob, TransferEngine, TransferOptions
+from modelcache.uri import parse_uri
+from tests.faultproxy import Fault, FaultProxy
+from tests.fixtures.http import NginxServer
+from tests.pull_helpers import MiB, assert_store_correct, model_dir, sha256
+
+T = TypeVar("T")
+QUICK = dict(max_attempts=3, backoff_initial=0.01, backoff_max=0.05)
+
+
+def settings() -> Settings:
+    return Settings.from_env({})
+
+
+def within(seconds: float, fn: Callable[[], T], what: str) -> T:
+    """Run ``fn`` in a daemon thread; fail (not hang) if it does not return in time."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the test thread
+            box["error"] = exc
+
+    t = threading.Thread(target=run, name="adversarial", daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{what}: still running after {seconds}s (deadlock or missed cancel)"
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
+
+
+# ---- deadlocks ---------------------------------------------------------------------------------
+
+
+def test_models_failing_integrity_do_not_leak_buffers_and_hang_the_next(nginx: NginxServer, tmp_path: Path) -> None:
+    """A file whose last chunk fails its checksum must give its buffer back to the pool.
+
+    With one buffer (one worker, no spares) the second model waited forever in acquire().
+    """
+    uris = []
+    for name in ("a", "b", "c"):
+        data = (nginx.write(f"m/{name}.bin", 2 * MiB + 5, seed=ord(name))).read_bytes()
+        uris.append(nginx.url(f"m/{name}.bin") + "#sha256=" + sha256(data[::-1]))  # a wrong pin
+    good = nginx.write("m/good.bin", 3 * MiB, seed=7).read_bytes()
+    uris.append(nginx.url("m/good.bin"))
+    opts = TransferOptions(workers=1, chunk_size=MiB, spare_buffers=0, integrity_retries=0, **QUICK)
+    root = tmp_path / "root"
+    out = within(30, lambda: pull_many(uris, root=root, settings=settings(), options=opts), "pull_many")
+    assert [type(r) for r in out[:3]] == [IntegrityError] * 3, out
+    assert not isinstance(out[3], BaseException), out[3]
+    assert_store_correct(root, {uris[3]: {"good.bin": good}}, must_have={uris[3]})
+
+
+def test_empty_file_with_a_wrong_checksum_fails_instead_of_hanging(tmp_path: Path) -> None:
+    """Zero bytes have no chunk to re-fetch: a mismatch is final, not queued for ever."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "empty.bin").write_bytes(b"")
+    source = LocalSource(parse_uri(str(src)), settings())
+    (remote,) = source.list_files()
+    remote = replace(remote, checksums=(Checksum("sha256", "00" * 32),))
+    journal = Journal(str(tmp_path / "journal"))
+    journal.open(fresh=True)
+    job = FileJob(source, remote, str(tmp_path / "out" / "empty.bin"), journal, 0, "g")
+    engine = TransferEngine(TransferOptions(workers=2, chunk_size=MiB, **QUICK))
+    results, errors = within(10, lambda: engine.run([job]), "engine.run")
+    journal.close()
+    assert not results and isinstance(errors.get("g"), IntegrityError), errors
+
+
+# ---- cancel ------------------------------------------------------------------------------------
+
+
+def test_cancel_aborts_a_stalled_read_at_once(fault_proxy: FaultProxy, nginx: NginxServer, tmp_path: Path) -> None:
+    """Cancel (agent: entry removed, SIGTERM) must not wait for a stalled stream's stall timeout."""
+    nginx.write("m/w.bin", 4 * MiB, seed=1)
+    fault = fault_proxy.add(Fault("stall", path="/m/w.bin", nth=3, times=None, at=100_000, stall_seconds=25))
+    cancel = threading.Event()
+    opts = TransferOptions(workers=2, chunk_size=MiB, stall_timeout=60, **QUICK)
+    root = tmp_path / "root"
+    uri = fault_proxy.url("m/w.bin")
+
+    def go() -> BaseException | None:
+        try:
+            pull(uri, root=root, settings=settings(), options=opts, cancel=cancel)
+        except ModelcacheError as exc:
+            return exc
+        return None
+
+    def cancel_when_stalled() -> None:
+        deadline = time.monotonic() + 10
+        while fault.applied < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)
+        cancel.set()
+
+    threading.Thread(target=cancel_when_stalled, daemon=True).start()
+    t0 = time.monotonic()
+    err = within(20, go, "cancelled pull")
+    assert time.monotonic() - t0 < 8, "cancel waited for the stalled streams"
+    assert err is not None and "cancelled" in str(err) and "w.bin" in str(err), err
+    assert "\n" not in str(err)
+    assert not model_dir(root, uri).exists()
