@@ -62,8 +62,14 @@ def test_storage_fault_is_an_error_then_heals(kubeapi, kube, nginx, fault_proxy,
         status = wait_states(kube, "node-a", {"m": D}, agent=agent, timeout=30)
         assert (tmp_path / "root" / "models" / storage_key(uri) / "model.bin").read_bytes() == data
         assert not status["modelDetails"]["m"].get("message")
-        events = kube.list(EVENTS, "default")["items"]
-        mine = {e["reason"]: e for e in events if e["involvedObject"]["name"] == "node-a"}
+        mine: dict = {}
+
+        def events() -> bool:  # recorded just after the status write
+            mine.update({e["reason"]: e for e in kube.list(EVENTS, "default")["items"]
+                         if e["involvedObject"]["name"] == "node-a"})
+            return "Downloaded" in mine
+
+        wait_until(events, timeout=10, what="Downloaded event")
         assert mine["DownloadFailed"]["type"] == "Warning" and mine["DownloadFailed"]["message"].startswith("m: ")
         if fault == "status":  # the same failure again and again: counted on one Event, not duplicated
             assert mine["DownloadFailed"]["count"] >= 2
