@@ -27,6 +27,7 @@ from azure.core.exceptions import (
     ServiceRequestError,
     ServiceResponseError,
 )
+from azure.core.pipeline.transport import RequestsTransport
 from azure.storage.blob import BlobServiceClient
 
 from modelcache.credentials import AzureSettings, Settings
@@ -41,6 +42,7 @@ from modelcache.errors import (
 )
 from modelcache.sources.base import Checksum, IterStream, RangeStream, RemoteFile, Source, register_source
 from modelcache.sources.objectstore import (
+    CONNECTION_POOL,
     EmptyStream,
     b64_to_hex,
     check_unique,
@@ -77,6 +79,28 @@ class _StaticToken:
 
     def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
         return AccessToken(self._token, int(time.time()) + 3600)
+
+
+def _pooled_transport(cfg: AzureSettings) -> RequestsTransport:
+    """The SDK's requests transport with a connection pool sized for many parallel reads (its
+    default of 10 makes urllib3 discard connections and warn once the engine runs more)."""
+    import requests
+    from azure.core.pipeline.transport._bigger_block_size_http_adapters import BiggerBlockSizeHTTPAdapter
+    from urllib3.util.retry import Retry
+
+    session = requests.Session()
+    session.trust_env = True  # proxies from HTTPS_PROXY / NO_PROXY, as the SDK's default
+    adapter = BiggerBlockSizeHTTPAdapter(
+        max_retries=Retry(total=False, redirect=False, raise_on_status=False), pool_maxsize=CONNECTION_POOL
+    )
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return RequestsTransport(
+        session=session,
+        session_owner=True,
+        connection_timeout=cfg.connect_timeout,
+        read_timeout=cfg.read_timeout,
+    )
 
 
 def make_credential(cfg: AzureSettings, account: str) -> Any:
@@ -132,12 +156,11 @@ class AzureBlobSource(Source):
             self._service = BlobServiceClient(
                 self.account_url,
                 credential=credential,
+                transport=_pooled_transport(self.cfg),
                 max_single_get_size=_GET_SIZE,
                 max_chunk_get_size=_GET_SIZE,
                 retry_total=self.cfg.retry_total,
                 retry_backoff_factor=0.4,
-                connection_timeout=self.cfg.connect_timeout,
-                read_timeout=self.cfg.read_timeout,
             )
         return self._service
 

@@ -37,6 +37,7 @@ from modelcache.errors import (
 )
 from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source
 from modelcache.sources.objectstore import (
+    CONNECTION_POOL,
     EmptyStream,
     RawRangeStream,
     b64_to_hex,
@@ -138,7 +139,7 @@ class GCSSource(Source):
         with self._lock:
             if self._session is None:
                 session = AuthorizedSession(self._credentials())
-                adapter = HTTPAdapter(pool_connections=1, pool_maxsize=self.max_streams + 4, max_retries=0)
+                adapter = HTTPAdapter(pool_connections=1, pool_maxsize=CONNECTION_POOL, max_retries=0)
                 session.mount("https://", adapter)
                 session.mount("http://", adapter)
                 self._session = session

@@ -19,6 +19,10 @@ from typing import Protocol, TypeVar
 from modelcache.errors import InvalidURIError, NotFoundError, TransientError
 from modelcache.sources.base import safe_relpath
 
+#: HTTP connections each source keeps pooled. Above the engine's usual worker counts: a pool
+#: smaller than the number of concurrent reads makes urllib3 discard connections (and warn).
+CONNECTION_POOL = 64
+
 T = TypeVar("T")
 R = TypeVar("R")
 

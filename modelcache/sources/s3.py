@@ -43,6 +43,7 @@ from modelcache.errors import (
 )
 from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source
 from modelcache.sources.objectstore import (
+    CONNECTION_POOL,
     EmptyStream,
     RawRangeStream,
     b64_to_hex,
@@ -121,7 +122,7 @@ class S3Source(Source):
         with self._lock:
             if self._client is None:
                 try:
-                    self._client = make_client(self.cfg, self.max_streams + 4)
+                    self._client = make_client(self.cfg, CONNECTION_POOL)
                 except BotoCoreError as exc:
                     raise self._error(exc, self.loc.display) from None
             return self._client
