@@ -174,6 +174,15 @@ def test_pull_tree_bounded_by_folder(backend: Backend, tmp_path: Path) -> None:
     assert again.returncode == 0 and json.loads(again.stdout)[0]["cached"] is True
 
 
+def test_many_parallel_reads_reuse_connections_quietly(backend: Backend, tmp_path: Path) -> None:
+    tree = upload_model(backend)
+    uri = backend.uri("model")
+    r = pull(tmp_path, uri, backend.env, "--workers", "32", "--chunk-size", "64K")
+    assert r.returncode == 0, r.stderr
+    assert_store_correct(tmp_path, {uri: tree}, must_have={uri})
+    assert "pool is full" not in r.stderr and "WARNING" not in r.stderr.upper().replace("WARNINGS", ""), r.stderr
+
+
 def test_pull_single_object_uri(backend: Backend, tmp_path: Path) -> None:
     data = os.urandom(700 * 1024)
     backend.put("releases/model.onnx", data)
