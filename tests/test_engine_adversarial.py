@@ -125,3 +125,40 @@ def test_cancel_aborts_a_stalled_read_at_once(fault_proxy: FaultProxy, nginx: Ng
     assert err is not None and "cancelled" in str(err) and "w.bin" in str(err), err
     assert "\n" not in str(err)
     assert not model_dir(root, uri).exists()
+
+
+# ---- stalls: "no bytes for N s", and the retry asks only for what is missing --------------------
+
+
+def test_a_slow_link_is_not_a_stall(fault_proxy: FaultProxy, nginx: NginxServer, tmp_path: Path) -> None:
+    """Bytes flowing slower than one read's size per stall timeout are still progress.
+
+    The HTTP stream filled the engine's whole 1 MiB read before returning, so at 512 KiB/s a 1.5 s
+    stall timeout fired on every attempt although data never stopped, and the pull failed.
+    """
+    data = nginx.write("m/slow.bin", 3 * MiB // 2, seed=5).read_bytes()
+    fault_proxy.set_rate_limit(512 * 1024)
+    uri = fault_proxy.url("m/slow.bin")
+    opts = TransferOptions(workers=1, chunk_size=2 * MiB, stall_timeout=1.5, **QUICK)
+    within(30, lambda: pull(uri, root=tmp_path / "root", settings=settings(), options=opts), "slow pull")
+    assert_store_correct(tmp_path / "root", {uri: {"slow.bin": data}}, must_have={uri})
+
+
+def test_stall_mid_read_is_aborted_and_only_missing_bytes_are_fetched_again(
+    fault_proxy: FaultProxy, nginx: NginxServer, tmp_path: Path
+) -> None:
+    """The watchdog shuts the socket of a stalled read down; what had arrived is kept."""
+    data = nginx.write("m/w.bin", 2 * MiB, seed=6).read_bytes()
+    fault = fault_proxy.add(Fault("stall", path="/m/w.bin", nth=2, at=900_000, stall_seconds=30))
+    uri = fault_proxy.url("m/w.bin")
+    opts = TransferOptions(workers=1, chunk_size=2 * MiB, stall_timeout=1.0, **QUICK)
+    t0 = time.monotonic()
+    within(20, lambda: pull(uri, root=tmp_path / "root", settings=settings(), options=opts), "stalled pull")
+    assert time.monotonic() - t0 < 10  # not the 30 s of the stall
+    assert fault.applied == 1
+    assert_store_correct(tmp_path / "root", {uri: {"w.bin": data}}, must_have={uri})
+    # Sent: the 1-byte probe, 900_000 bytes before the stall, then the retry. Bytes that had
+    # reached the client before the stall must not be asked for again (a partly filled read
+    # may lose a little: well under what was delivered).
+    refetched = fault_proxy.bytes_sent["/m/w.bin"] - 1 - len(data)
+    assert refetched < 300_000, f"{refetched} bytes fetched twice"

@@ -70,6 +70,14 @@ def parse_digest_headers(headers: Any) -> list[Checksum]:
     return [Checksum(a, v) for a, v in sorted(found.items())]
 
 
+# http.client's readinto fills the whole buffer before it returns (BufferedReader loops over
+# recv), so one 1 MiB read blocks until the whole MiB arrived: on a link slower than 1 MiB per
+# stall timeout the watchdog saw "no data" although bytes flowed, and a read it aborted lost
+# everything it had received. At most this much per call bounds both (the recv calls are the
+# same; only Python-level calls grow, ~4k/s at 1 GB/s).
+_MAX_READ = 256 << 10
+
+
 class _HTTPStream:
     def __init__(self, resp: urllib3.BaseHTTPResponse, where: str) -> None:
         self._resp = resp
@@ -82,6 +90,7 @@ class _HTTPStream:
         self._raw = raw if isinstance(raw, http.client.HTTPResponse) and not coded else None
 
     def readinto(self, buf: memoryview) -> int:
+        buf = buf[:_MAX_READ]
         try:
             if self._raw is not None:
                 return self._raw.readinto(buf)
@@ -144,9 +153,7 @@ class HTTPSource(Source):
         if headers:
             all_headers.update(headers)
         try:
-            return self.pool.request(
-                method, self.loc.url, headers=all_headers, preload_content=False, redirect=True
-            )
+            return self.pool.request(method, self.loc.url, headers=all_headers, preload_content=False, redirect=True)
         except SSLError as exc:
             reason = str(exc.__context__ or exc).split("(_ssl", 1)[0][:200]
             raise SourceError(
@@ -167,7 +174,7 @@ class HTTPSource(Source):
         if code == 401:
             raise AuthError(
                 f"{self.where}: HTTP 401 Unauthorized: set request headers in the env variable "
-                f"'{self.loc.host}-headers' (JSON, e.g. {{\"Authorization\": \"Bearer ...\"}})"
+                f'\'{self.loc.host}-headers\' (JSON, e.g. {{"Authorization": "Bearer ..."}})'
             )
         if code == 403:
             raise AccessDeniedError(f"{self.where}: HTTP 403 Forbidden: the credentials do not allow reading it")
