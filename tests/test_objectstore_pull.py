@@ -391,6 +391,56 @@ def test_azure_credentials_from_storage_config(azurite: AzureServer, tmp_path: P
     _fails_with(tmp_path / "b", uri, env, "rejected the credentials")
 
 
+def test_azure_sas_uri_pull_keeps_the_sas_out_of_output_and_store(
+    azurite: AzureServer, proxy_for, tmp_path: Path
+) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from azure.storage.blob import ContainerSasPermissions, generate_container_sas
+
+    b = _azure(azurite)
+    tree = upload_model(b)
+    sas = generate_container_sas(
+        azurite.account,
+        str(b.extra["container"]),
+        account_key=azurite.key,
+        permission=ContainerSasPermissions(read=True, list=True),
+        expiry=datetime.now(UTC) + timedelta(hours=1),
+    )
+    from urllib.parse import unquote
+
+    sig = dict(p.split("=", 1) for p in sas.split("&"))["sig"]
+    SECRETS.update({sig, unquote(sig)})
+    uri = b.uri("model") + "?" + sas
+    # Kill it mid-way so staging (plan, journal) exists on disk too, then finish.
+    proxy = proxy_for(b)
+    proxy.set_rate_limit(2 * MiB)
+    env = {"MODELCACHE_AZURE_BLOB_ENDPOINT": b.proxied_env(proxy.base_url)["MODELCACHE_AZURE_BLOB_ENDPOINT"]}
+    args = ["pull", uri, "--root", str(tmp_path), "--chunk-size", str(CHUNK), "--progress", "plain"]
+    proc = subprocess.Popen(
+        [*cli_cmd(), *args], env=clean_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 30
+    while journaled_bytes(tmp_path, uri) < 1 * MiB and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    for f in (tmp_path / ".modelcache").rglob("*"):
+        if f.is_file():
+            data = f.read_bytes()
+            assert sig.encode() not in data and unquote(sig).encode() not in data, f"SAS signature written to {f}"
+    proc.kill()
+    out, err = proc.communicate(timeout=10)
+    record(out + err)
+    proxy.set_rate_limit(None)
+    r = pull(tmp_path, uri, env, "--json")
+    assert r.returncode == 0, r.stderr
+    assert_store_correct(tmp_path, {uri: tree}, must_have={uri})
+    for f in tmp_path.rglob("*"):
+        if f.is_file():
+            data = f.read_bytes()
+            assert sig.encode() not in data and unquote(sig).encode() not in data, f"SAS signature written to {f}"
+
+
 # --- last: nothing secret was ever printed -----------------------------------------------------
 
 

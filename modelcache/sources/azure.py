@@ -164,6 +164,11 @@ class AzureBlobSource(Source):
             )
         return self._service
 
+    @property
+    def resolved_uri(self) -> str:
+        """Never the raw URI: it may carry a SAS token (and a renewed SAS must not defeat resume)."""
+        return self._resolved or self.loc.display
+
     # -- listing -------------------------------------------------------------------------
 
     def list_files(self) -> list[RemoteFile]:
