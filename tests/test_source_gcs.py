@@ -100,3 +100,60 @@ def test_reads_are_pinned_to_the_listed_generation(gcs_emulator: GCSServer, gcs_
         assert read_range(src, f) == tree["config.json"]
     gets = [p for m, p, _ in proxy.log.requests if m == "GET" and "alt=media" in p]
     assert gets and all(f"generation={f.version}" in p for p in gets)
+
+
+def test_rejected_service_account_key(tmp_path) -> None:
+    """A well-formed key that the token endpoint refuses (revoked / deleted): a real OAuth
+    exchange against a local token server answering 400 invalid_grant, as Google does."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    hits: list[str] = []
+
+    class Token(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            hits.append(self.path)
+            body = b'{"error": "invalid_grant", "error_description": "Invalid JWT Signature."}'
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Token)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ).decode()
+        sa = {
+            "type": "service_account",
+            "project_id": "p",
+            "private_key_id": "kid-123",
+            "private_key": pem,
+            "client_email": "loader@p.iam.gserviceaccount.com",
+            "token_uri": f"http://127.0.0.1:{server.server_address[1]}/token",
+        }
+        path = tmp_path / "sa.json"
+        path.write_text(json.dumps(sa))
+        uri = "gs://some-bucket/model"
+        env = {"GOOGLE_APPLICATION_CREDENTIALS": str(path), "MODELCACHE_GCS_RETRY_DEADLINE": "2"}
+        with (
+            pytest.raises(AuthError, match="Google authentication failed") as err,
+            open_source(uri, settings(env)) as s,
+        ):
+            s.list_files()
+        assert uri in str(err.value) and "GOOGLE_APPLICATION_CREDENTIALS" in str(err.value)
+        assert "PRIVATE KEY" not in str(err.value)
+        assert hits and set(hits) == {"/token"}  # the key was really exchanged, and refused
+    finally:
+        server.shutdown()
+        server.server_close()
