@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TypeVar
+
+import pytest
 
 from modelcache.credentials import Settings
 from modelcache.errors import IntegrityError, ModelcacheError
@@ -20,10 +23,11 @@ from modelcache.journal import Journal
 from modelcache.pull import pull, pull_many
 from modelcache.sources.base import Checksum
 from modelcache.sources.local import LocalSource
+from modelcache.store import NodeStore
 from modelcache.transfer import FileJob, TransferEngine, TransferOptions
-from modelcache.uri import parse_uri
+from modelcache.uri import parse_uri, storage_key
 from tests.faultproxy import Fault, FaultProxy
-from tests.fixtures.http import NginxServer
+from tests.fixtures.http import NginxServer, random_bytes
 from tests.pull_helpers import MiB, assert_store_correct, model_dir, sha256
 
 T = TypeVar("T")
@@ -162,3 +166,110 @@ def test_stall_mid_read_is_aborted_and_only_missing_bytes_are_fetched_again(
     # may lose a little: well under what was delivered).
     refetched = fault_proxy.bytes_sent["/m/w.bin"] - 1 - len(data)
     assert refetched < 300_000, f"{refetched} bytes fetched twice"
+
+
+# ---- unknown size: chunked transfer coding, no Content-Length, no Range --------------------------
+
+
+class _ChunkedHandler(BaseHTTPRequestHandler):
+    """Answers every GET with the whole body in chunked coding (nginx cannot be made to)."""
+
+    protocol_version = "HTTP/1.1"
+    body = b""
+    cut_first: list[int] = []  # cut the first GET bodies after this many bytes (no last chunk)
+    gets = 0
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def do_GET(self) -> None:
+        cls = type(self)
+        cls.gets += 1
+        cut = cls.cut_first.pop(0) if cls.cut_first and self.headers.get("Range") is None else None
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        body = self.body if cut is None else self.body[:cut]
+        for i in range(0, len(body), 100_000):
+            piece = body[i : i + 100_000]
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        if cut is not None:
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        self.wfile.write(b"0\r\n\r\n")
+
+
+@pytest.fixture
+def chunked_server() -> Iterator[tuple[str, type[_ChunkedHandler]]]:
+    handler = type("Handler", (_ChunkedHandler,), {"body": random_bytes(MiB + 12345, seed=11), "cut_first": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/m/stream.bin", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_unknown_size_chunked_stream_is_fetched_whole(chunked_server, tmp_path: Path) -> None:
+    uri, handler = chunked_server
+    opts = TransferOptions(workers=3, chunk_size=256 * 1024, **QUICK)
+    res = within(20, lambda: pull(uri, root=tmp_path / "root", settings=settings(), options=opts), "chunked pull")
+    assert res.bytes == len(handler.body) and res.files == 1
+    assert_store_correct(tmp_path / "root", {uri: {"stream.bin": handler.body}}, must_have={uri})
+    assert NodeStore.at(tmp_path / "root").verify(storage_key(uri)) == []
+
+
+def test_unknown_size_stream_cut_short_is_fetched_again_not_published_short(chunked_server, tmp_path: Path) -> None:
+    uri, handler = chunked_server
+    handler.cut_first.extend([300_000, 5])  # the first two whole-body GETs end without the last chunk
+    opts = TransferOptions(workers=2, chunk_size=256 * 1024, **QUICK)
+    within(20, lambda: pull(uri, root=tmp_path / "root", settings=settings(), options=opts), "chunked pull")
+    assert not handler.cut_first, "the faults did not fire"
+    assert_store_correct(tmp_path / "root", {uri: {"stream.bin": handler.body}}, must_have={uri})
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+_RSS_SCRIPT = """
+import json, sys
+from modelcache.credentials import Settings
+from modelcache.pull import pull
+from modelcache.transfer import TransferOptions
+opts = TransferOptions(workers=8, chunk_size=int(sys.argv[3]))
+res = pull(sys.argv[1], root=sys.argv[2], settings=Settings.from_env({}), options=opts)
+# VmHWM, not ru_maxrss: the latter is inherited from the parent across fork and exec.
+hwm = [ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:")][0].split()[1]
+print(json.dumps({"peak_kib": int(hwm), "bytes": res.bytes}))
+"""
+
+
+def test_peak_rss_of_one_large_file_with_8_workers_stays_within_the_buffer_pool(
+    nginx: NginxServer, tmp_path: Path
+) -> None:
+    """(workers + spares) x chunk plus the interpreter: out-of-order chunks must not pile up."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    chunk = 4 * MiB
+    size = 96 * MiB + 4097
+    nginx.write("m/big.bin", size, seed=12)
+    uri = nginx.url("m/big.bin")
+    r = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, uri, str(tmp_path / "root"), str(chunk)],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["bytes"] == size
+    pool = (8 + 4) * chunk
+    assert out["peak_kib"] * 1024 <= pool + 80 * MiB, f"peak RSS {out['peak_kib'] / 1024:.0f} MiB"
