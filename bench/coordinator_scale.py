@@ -38,6 +38,7 @@ class RequestCounter:
 
     def __init__(self, kube: Kube) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
+        self.paths: collections.Counter[str] = collections.Counter()  # method + path without the name
         self._lock = threading.Lock()
         pool = kube.api_client.rest_client.pool_manager
         original = pool.request
@@ -46,6 +47,7 @@ class RequestCounter:
             kind = "WATCH" if method == "GET" and "watch=" in url else method
             with self._lock:
                 self.counts[kind] += 1
+                self.paths[f"{kind} {url.split('?')[0].rsplit('/', 1)[0].split('/', 3)[-1]}"] += 1
             return original(method, url, *args, **kwargs)
 
         pool.request = request  # type: ignore[method-assign]
@@ -53,6 +55,10 @@ class RequestCounter:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self.counts)
+
+    def path_snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.paths)
 
 
 def simulate_agents(kube: Kube, stop: threading.Event) -> None:
@@ -121,7 +127,7 @@ def main() -> None:
             agents.join(10)
             time.sleep(3)  # let the last events drain
 
-            before = counter.snapshot()
+            before, before_paths = counter.snapshot(), counter.path_snapshot()
             keys = 0
             for ctl in coord.manager.controllers:
                 for inf in ctl.informers[:1]:  # the controller's own kind
@@ -133,12 +139,15 @@ def main() -> None:
             time.sleep(1)
             after = counter.snapshot()
             delta = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+            after_paths = counter.path_snapshot()
+            path_delta = {k: v - before_paths.get(k, 0) for k, v in after_paths.items() if v - before_paths.get(k, 0)}
             coord.stop()
             print(json.dumps({
                 "nodes": args.nodes, "groups": args.groups, "caches": args.caches, "workers": args.workers,
                 "converge_seconds": round(converge_s, 1), "requests_to_converge": before,
                 "resync_keys_reconciled": keys,
                 "resync_requests": {k: v for k, v in sorted(delta.items()) if v},
+                "resync_requests_by_path": path_delta,
                 "resync_writes": sum(v for k, v in delta.items() if k in ("POST", "PUT", "PATCH", "DELETE")),
             }))
         finally:
