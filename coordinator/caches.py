@@ -216,12 +216,18 @@ class CacheReconciler:
             return
         metrics.WRITES.labels(self.res.kind, "status").inc()
         gained, lost = aggregate.copy_changes(old_status, node_status)
-        for node in gained:
-            self.recorder.record(obj, NORMAL, "CopyAvailable", f"model is downloaded on node {node} "
-                                 f"({copies.available}/{copies.total} copies available)")
-        for node in lost:
-            self.recorder.record(obj, WARNING, "CopyLost", f"node {node} no longer has a usable copy "
-                                 f"({copies.available}/{copies.total} copies available)")
+        summary = f"{copies.available}/{copies.total} copies available"
+        # One event per status change, not per node: 50 caches x 500 nodes must not mean 25k events.
+        if gained:
+            self.recorder.record(obj, NORMAL, "CopyAvailable",
+                                 f"model downloaded on {_nodes(gained)} ({summary})")
+        if lost:
+            self.recorder.record(obj, WARNING, "CopyLost", f"no usable copy any more on {_nodes(lost)} ({summary})")
+
+
+def _nodes(names: list[str], shown: int = 5) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ("node " if len(names) == 1 else "nodes ") + ", ".join(names[:shown]) + more
 
 
 def _forget_gauges(key: str) -> None:
