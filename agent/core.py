@@ -78,7 +78,6 @@ class Agent:
         self.checker = Checker(self)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_progress_log = 0.0
         self._last_removal_check = 0.0
         self._last_free: int | None = None
         #: Optional sink for notable transitions (cluster mode: Kubernetes Events on the LocalModelNode):
@@ -350,15 +349,16 @@ class Agent:
             return sum(r.bytes_total or 0 for r in self.records.values() if r.state == MODEL_DOWNLOADED)
 
     def _log_progress(self, now: float) -> None:
-        if now - self._last_progress_log < max(2.0, self.cfg.status_interval):
-            return
-        self._last_progress_log = now
+        """One progress line per download every few seconds, the first as soon as its size is known."""
+        every = max(2.0, self.cfg.status_interval)
         with self.lock:
-            active = [r for r in self.records.values() if r.running and r.progress is not None]
+            active = [r for r in self.records.values() if r.running and r.progress is not None
+                      and now - r.last_progress_log >= every]
         for rec in active:
             snap = rec.progress.snapshot()  # type: ignore[union-attr]
             if not snap.bytes_total:
                 continue  # still listing
+            rec.last_progress_log = now
             log.info("progress " + format_line(snap), extra=fields(
                 storage_key=rec.key, bytes_done=snap.bytes_done, bytes_total=snap.bytes_total,
                 rate=int(snap.rate)))

@@ -68,6 +68,7 @@ class ModelRecord:
     damage: str = ""
     last_size_check: float = field(default_factory=time.monotonic)
     last_verify: float = field(default_factory=time.monotonic)
+    last_progress_log: float = 0.0
 
     @property
     def primary(self) -> LocalModelInfo:
