@@ -125,8 +125,9 @@ class Source(ABC):
 
     @property
     def resolved_uri(self) -> str:
-        """The URI pinned to what was listed (commit, digest, version); the URI itself if none."""
-        return self._resolved or self.location.uri
+        """The URI pinned to what was listed (commit, digest, version); else the URI as safe to
+        print and store (never a SAS token or signature: it lands in plan files and manifests)."""
+        return self._resolved or self.location.display
 
     @property
     def resolved_revision(self) -> str | None:
