@@ -18,7 +18,7 @@ from modelcache.uri import storage_key
 from tests.faultproxy import FaultProxy
 from tests.fixtures.oci import LAYER_TAR, LAYER_TGZ, OCIRegistry, docker_config, make_tar
 from tests.helpers import REPO, wait_until
-from tests.pull_helpers import journaled_bytes
+from tests.pull_helpers import journaled_bytes, sha256
 from tests.test_oci_source import push_artifact
 
 BIG = os.urandom(900_000)  # ~14 chunks at 64K
@@ -148,9 +148,9 @@ def test_tag_moved_during_pull_yields_one_digest(
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, err
-    assert _model(tmp_path, uri) == v1
-    with pytest.raises(AssertionError):
-        assert _model(tmp_path, uri) == v2
+    got = _model(tmp_path, uri)
+    # Compare digests: a failing `==` on megabytes makes pytest diff them for minutes.
+    assert {k: sha256(v) for k, v in got.items()} == {k: sha256(v) for k, v in v1.items()}
     resolved = _manifest(tmp_path, uri)["resolved_uri"]
     pinned = _pull(tmp_path / "again", resolved.replace(oci_registry.host, f"127.0.0.1:{proxy.port}"))
     assert pinned.returncode == 0, pinned.stderr
