@@ -16,6 +16,8 @@ import os
 import threading
 from dataclasses import dataclass, field
 
+from modelcache.diskio import store_error
+
 
 def boot_id() -> str:
     try:
@@ -97,7 +99,13 @@ class Journal:
     def _write(self, line: str) -> None:
         with self._lock:
             if self._fd >= 0:
-                os.write(self._fd, line.encode())
+                try:
+                    os.write(self._fd, line.encode())
+                except OSError as exc:
+                    # Data files are preallocated, so on a disk that another writer fills up
+                    # mid-download the journal is what fails to grow: the store's one-line
+                    # space error, not a bare "[Errno 28]".
+                    raise store_error(exc, self.path, "writing the resume journal") from exc
 
     def chunk(self, file_idx: int, chunk_idx: int, done: int) -> None:
         self._write(f"c {file_idx} {chunk_idx} {done}\n")

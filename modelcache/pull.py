@@ -339,8 +339,8 @@ def pull_many(
                     if m.error is None:
                         try:
                             m.result = _finish(m, fetched, cached=False)
-                        except BaseException as exc:
-                            m.error = exc
+                        except BaseException as exc:  # e.g. no space for the manifest: name the URI
+                            m.error = _name_uri(exc, m.location.display)
     finally:
         for m in models.values():
             if m.journal is not None:

@@ -676,5 +676,8 @@ class TransferEngine:
             for st in self._states:
                 if id(st.job.journal) in journals:
                     journals.discard(id(st.job.journal))
-                    st.job.journal.synced()
+                    try:
+                        st.job.journal.synced()
+                    except ModelcacheError:
+                        pass  # a full disk: the workers report it; a missing mark only costs a refetch
 

@@ -18,7 +18,7 @@ from typing import TypeVar
 import pytest
 
 from modelcache.credentials import Settings
-from modelcache.errors import IntegrityError, ModelcacheError
+from modelcache.errors import IntegrityError, ModelcacheError, StoreError
 from modelcache.journal import Journal
 from modelcache.pull import pull, pull_many
 from modelcache.sources.base import Checksum
@@ -273,3 +273,93 @@ def test_peak_rss_of_one_large_file_with_8_workers_stays_within_the_buffer_pool(
     assert out["bytes"] == size
     pool = (8 + 4) * chunk
     assert out["peak_kib"] * 1024 <= pool + 80 * MiB, f"peak RSS {out['peak_kib'] / 1024:.0f} MiB"
+
+
+# ---- a disk that fills up during the download ---------------------------------------------------
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 96 MiB tmpfs (root only); elsewhere skipped locally, failed in CI."""
+    import os
+    import subprocess
+
+    from tests.helpers import require
+
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    ok = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=96m,mode=0755", "tmpfs", str(mnt)], capture_output=True
+    ).returncode == 0
+    require(ok, "mounting a small tmpfs (needs root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def _fill(folder: Path) -> Path:
+    """Take every free byte of ``folder``'s file system (another writer filling the disk)."""
+    import errno
+
+    filler = folder / "filler"
+    block = b"\0" * MiB
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(block)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+        small = b"\0" * 4096
+        try:
+            while True:
+                f.write(small)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    return filler
+
+
+@pytest.mark.parametrize("mib", [24, 8], ids=["journal-full", "publish-full"])
+def test_disk_filled_by_someone_else_mid_download_is_a_clear_space_error_then_resumes(
+    fault_proxy: FaultProxy, nginx: NginxServer, tiny_fs: Path, mib: int
+) -> None:
+    """Data files are preallocated, so when the disk fills up later the journal is what fails to grow
+    (or, with few journal lines, the manifest at publish).
+
+    The journal raised a bare OSError ("[Errno 28] ...", no path, no fix) instead of the store's
+    space error, and the publish error did not name the URI.
+    """
+    data = nginx.write("m/w.bin", mib * MiB, seed=13).read_bytes()
+    uri = fault_proxy.url("m/w.bin")
+    root = tiny_fs / "root"
+    # 64 KiB chunks: 384 journal lines of ~15 bytes for 24 MiB outgrow the journal's first 4 KiB page.
+    opts = TransferOptions(workers=2, chunk_size=64 * 1024, **QUICK)
+    # The first chunk requests hold their bodies for 2 s: the download has begun (files
+    # preallocated) when the disk fills up.
+    fault_proxy.add(Fault("stall", path="/m/w.bin", nth=2, times=2, at=0, stall_seconds=2))
+    box: dict[str, BaseException | None] = {}
+
+    def go() -> None:
+        try:
+            pull(uri, root=root, settings=settings(), options=opts)
+            box["err"] = None
+        except BaseException as exc:
+            box["err"] = exc
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    staged = root / ".modelcache" / "staging" / storage_key(uri) / "data" / "w.bin"
+    deadline = time.monotonic() + 10
+    while not (staged.exists() and staged.stat().st_blocks * 512 >= len(data)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert staged.exists(), "the download did not start"
+    filler = _fill(tiny_fs)
+    t.join(30)
+    assert not t.is_alive(), "the pull hung on a full disk"
+    err = box["err"]
+    assert isinstance(err, StoreError), repr(err)
+    assert "space" in str(err).lower() and uri in str(err) and "\n" not in str(err), err
+    assert not model_dir(root, uri).exists()
+    filler.unlink()  # space again: the next pull completes
+    within(30, lambda: pull(uri, root=root, settings=settings(), options=opts), "pull after freeing space")
+    assert_store_correct(root, {uri: {"w.bin": data}}, must_have={uri})
