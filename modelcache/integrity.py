@@ -68,12 +68,18 @@ def _git_blob(_c: Checksum, size: int | None) -> Hasher:
     return h
 
 
+try:  # ISA-L's CRC32 runs ~12 GiB/s here against ~2.5 for zlib's (S3's default checksum)
+    from isal.isal_zlib import crc32 as _crc32_impl
+except ImportError:  # pragma: no cover - isal is a dependency; zlib is the same function, slower
+    _crc32_impl = zlib.crc32
+
+
 class _Crc32:
     def __init__(self) -> None:
         self._v = 0
 
     def update(self, data: bytes | memoryview, /) -> None:
-        self._v = zlib.crc32(data, self._v)
+        self._v = _crc32_impl(data, self._v)
 
     def hexdigest(self) -> str:
         return f"{self._v:08x}"
