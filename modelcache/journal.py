@@ -7,11 +7,15 @@ changed) only lines before the last marker are trusted, since later ones may des
 that never reached the disk. Each line is one small ``write`` on an O_APPEND descriptor, so a
 crash leaves at worst one torn last line, which is ignored.
 
-Lines:  ``boot <id>``, ``c <file> <chunk> <done>``, ``F <file> <xxh3> <algo,algo>``, ``S``.
+Lines:  ``boot <id>``, ``c <file> <chunk> <done>``, ``F <file> <xxh3> <algo,algo>``, ``R <file>``,
+``S <n>``. A sync mark covers the first ``n`` lines of its segment (those written before the
+fdatasync began: lines appended while it ran may describe data it missed); a bare ``S`` (older
+journals) covers every line before it.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from dataclasses import dataclass, field
@@ -42,9 +46,17 @@ def _trusted(lines: list[str], current_boot: str) -> list[str]:
     def flush() -> None:
         if seg_boot == current_boot:
             out.extend(segment)
-        else:
-            last_sync = max((i for i, ln in enumerate(segment) if ln == "S"), default=-1)
-            out.extend(segment[: last_sync + 1])
+            return
+        covered = 0
+        for i, ln in enumerate(segment):
+            if ln == "S":
+                covered = max(covered, i + 1)
+            elif ln.startswith("S "):
+                try:
+                    covered = max(covered, min(int(ln[2:]), i))
+                except ValueError:
+                    continue
+        out.extend(segment[:covered])
 
     for line in lines:
         if line.startswith("boot "):
@@ -61,6 +73,7 @@ class Journal:
         self.path = path
         self._lock = threading.Lock()
         self._fd = -1
+        self._lines = 0  # lines written in this run's segment (after its boot line)
 
     def load(self) -> JournalState:
         """Read what earlier runs recorded; trust unsynced lines only within the same boot."""
@@ -93,19 +106,27 @@ class Journal:
     def open(self, fresh: bool) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if fresh else 0)
         self._fd = os.open(self.path, flags, 0o644)
-        # A new boot line starts every run: lines after it are judged by this boot's id.
-        self._write(f"boot {boot_id()}\n")
+        # A new boot line starts every run: lines after it are judged by this boot's id. The
+        # leading newline ends a line torn by a crash, which would otherwise swallow the boot
+        # line and let this run's marks cover the unsynced tail of the last boot's segment.
+        self._write(f"\nboot {boot_id()}\n")
+        self._lines = 0
 
     def _write(self, line: str) -> None:
         with self._lock:
             if self._fd >= 0:
+                data = line.encode()
                 try:
-                    os.write(self._fd, line.encode())
+                    if os.write(self._fd, data) != len(data):  # a torn line would shift the marks' count
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 except OSError as exc:
                     # Data files are preallocated, so on a disk that another writer fills up
                     # mid-download the journal is what fails to grow: the store's one-line
                     # space error, not a bare "[Errno 28]".
+                    os.close(self._fd)  # nothing more may be appended after a torn line
+                    self._fd = -1
                     raise store_error(exc, self.path, "writing the resume journal") from exc
+                self._lines += 1
 
     def chunk(self, file_idx: int, chunk_idx: int, done: int) -> None:
         self._write(f"c {file_idx} {chunk_idx} {done}\n")
@@ -116,8 +137,16 @@ class Journal:
     def file_reset(self, file_idx: int) -> None:
         self._write(f"R {file_idx}\n")
 
-    def synced(self) -> None:
-        self._write("S\n")
+    def mark(self) -> int:
+        """Take before fdatasyncing the data files; pass to ``synced`` once they are durable."""
+        with self._lock:
+            return self._lines
+
+    def synced(self, upto: int | None = None) -> None:
+        """The data of the first ``upto`` lines of this run (all so far if None) is on disk."""
+        with self._lock:
+            upto = self._lines if upto is None else upto
+        self._write(f"S {upto}\n")
 
     def close(self) -> None:
         with self._lock:

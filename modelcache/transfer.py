@@ -47,6 +47,7 @@ class TransferOptions:
     stall_timeout: float = 30.0
     direct_io: bool | None = None  # None: use O_DIRECT where the file system accepts it
     integrity_retries: int = 2  # re-fetches of a file whose bytes did not match its checksum
+    sync_interval: float = 2.0  # seconds between fdatasyncs of the files in flight (journal marks)
 
     def normalized(self) -> TransferOptions:
         chunk = max(ALIGN, self.chunk_size - self.chunk_size % ALIGN)
@@ -60,6 +61,7 @@ class TransferOptions:
             stall_timeout=self.stall_timeout,
             direct_io=self.direct_io,
             integrity_retries=self.integrity_retries,
+            sync_interval=max(0.01, self.sync_interval),
         )
 
 
@@ -663,21 +665,34 @@ class TransferEngine:
 
     def _sync_loop(self, stop: threading.Event) -> None:
         """Make journaled pieces durable every few seconds, then mark the journal."""
-        while not stop.wait(2.0):
-            journals: set[int] = set()
-            for st in self._states:
-                w = st.writer
-                if w is not None and not st.finished:
-                    try:
-                        w.datasync()
-                    except OSError:
-                        continue
-                    journals.add(id(st.job.journal))
-            for st in self._states:
-                if id(st.job.journal) in journals:
-                    journals.discard(id(st.job.journal))
-                    try:
-                        st.job.journal.synced()
-                    except ModelcacheError:
-                        pass  # a full disk: the workers report it; a missing mark only costs a refetch
+        while not stop.wait(self.options.sync_interval):
+            self._sync_once()
 
+    def _sync_once(self) -> None:
+        # Each journal is marked *before* its files are synced: a piece journaled while they
+        # sync may not be in what the sync wrote, and after a reboot a mark is all that says a
+        # line's data is on disk. Files of a failed model stay open and are synced too (their
+        # chunks are resumed); a finished file was fsynced before its ``F`` line.
+        marks: dict[int, tuple[Journal, int]] = {}
+        for st in self._states:
+            journal = st.job.journal
+            if id(journal) not in marks:
+                marks[id(journal)] = (journal, journal.mark())
+        synced: set[int] = set()
+        failed: set[int] = set()
+        for st in self._states:
+            w = st.writer
+            if w is None or st.result is not None:
+                continue
+            try:
+                w.datasync()
+                synced.add(id(st.job.journal))
+            except OSError:
+                if w.fd >= 0:  # not just closed by _finish_file (which fsynced it)
+                    failed.add(id(st.job.journal))
+        for jid in synced - failed:
+            journal, upto = marks[jid]
+            try:
+                journal.synced(upto)
+            except ModelcacheError:
+                pass  # a full disk: the workers report it; a missing mark only costs a refetch
