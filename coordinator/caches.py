@@ -1,14 +1,13 @@
 """Reconciler for LocalModelCache and LocalModelNamespaceCache (one key at a time).
 
-Desired state from the informer caches, then diffed against what exists:
+From the informer caches, then diffed against what exists:
 * the finalizer is on while the cache lives;
-* every Ready member of the cache's groups has the entry in its LocalModelNode (created if
-  missing); nodes that are no longer members lose it; a member that is NotReady keeps whatever
-  it has (a node that flaps must not lose its files);
-* ``status`` = nodeStatus/copies over current members, the services labelled with the cache;
+* ``status`` = nodeStatus/copies over the current members of its groups (NotReady members show
+  ``NodeNotReady``), and the services labelled with the cache;
 * serving PV/PVC pairs exist for each (namespace, group) with a service, and no others.
-Deletion never depends on the node groups (kserve#6154): entries are removed wherever they
-are, our volumes are deleted, then the finalizer goes.
+The LocalModelNode entries are written by the node reconciler (one write per node for all
+caches). Deletion never depends on the node groups (kserve#6154): once no LocalModelNode holds
+the entry any more, our volumes are deleted and the finalizer goes.
 """
 
 from __future__ import annotations
@@ -52,13 +51,11 @@ class CacheReconciler:
         if obj is None:
             return Result()
         if (obj.get("metadata") or {}).get("deletionTimestamp"):
-            self.finalize(key, obj)
-            return Result()
+            return self.finalize(key, obj)
         obj = self.ensure_finalizer(obj) or obj
         spec = obj.get("spec") or {}
         groups = self.view.group_map()
         members = self.view.members(list(spec.get("nodeGroups") or []))
-        self.sync_entries(key, obj, members)
         self.sync_volumes(key, obj, groups)
         self.sync_status(key, obj, members)
         missing = [g for g in spec.get("nodeGroups") or [] if g not in groups]
@@ -80,15 +77,17 @@ class CacheReconciler:
                                     obj["metadata"].get("namespace"), current=obj)
         return metrics.wrote(self.res.kind, "update", written)  # type: ignore[return-value]
 
-    def finalize(self, key: str, obj: dict[str, Any]) -> None:
+    def finalize(self, key: str, obj: dict[str, Any]) -> Result:
         meta = obj["metadata"]
         if self.finalizer not in (meta.get("finalizers") or []):
-            return
+            return Result()
         name, ns = meta["name"], meta.get("namespace") or None
-        # A fresh list, not the informer: an entry written a moment ago must not be missed.
-        for lmn in self.kube.list(LOCAL_MODEL_NODES).get("items") or []:
-            if entries.has((lmn.get("spec") or {}).get("localModels") or [], name, ns):
-                self._remove_entry(lmn["metadata"]["name"], name, ns, None)
+        # The node reconcilers, woken by the deletion, remove the entry; wait until none holds it
+        # (checked in a fresh list too: an entry written a moment ago must not be missed).
+        if self.view.lmns.store.by_index(BY_CACHE, key) or any(
+                entries.has((lmn.get("spec") or {}).get("localModels") or [], name, ns)
+                for lmn in self.kube.list(LOCAL_MODEL_NODES).get("items") or []):
+            return Result(requeue_after=0.5)
         for pvc in self.view.pvcs.store.by_index(BY_CACHE, key):
             self._delete(PERSISTENT_VOLUME_CLAIMS, pvc["metadata"]["name"], pvc["metadata"]["namespace"])
         for pv in self.view.pvs.store.by_index(BY_CACHE, key):
@@ -100,49 +99,7 @@ class CacheReconciler:
         update_if_changed(self.kube, self.res, name, drop, ns, current=obj)
         _forget_gauges(key)
         log.info("%s %s: finalized", self.res.kind, key)
-
-    # -- LocalModelNode entries ------------------------------------------------------------------
-    def sync_entries(self, key: str, obj: dict[str, Any], members: dict[str, Member]) -> None:
-        name, ns = obj["metadata"]["name"], obj["metadata"].get("namespace") or None
-        for node, member in sorted(members.items()):
-            if member.ready:
-                self._put_entry(node, entries.desired_entry(obj, member.group))
-        for lmn in self.view.lmns.store.by_index(BY_CACHE, key):
-            node = lmn["metadata"]["name"]
-            if node not in members:
-                self._remove_entry(node, name, ns, lmn)
-
-    def _put_entry(self, node: str, entry: dict[str, Any]) -> None:
-        current = self.view.lmns.store.get(node)
-
-        def upsert(o: dict[str, Any]) -> None:
-            spec = o.setdefault("spec", {})
-            spec["localModels"] = entries.upsert(spec.get("localModels") or [], entry)
-
-        if current is None:
-            try:
-                metrics.WRITES.labels("LocalModelNode", "create").inc()
-                self.kube.create(LOCAL_MODEL_NODES, {"metadata": {"name": node}, "spec": {"localModels": [entry]}})
-                return
-            except ApiException as exc:
-                if exc.status != 409:
-                    raise
-                # Created meanwhile (by a reconcile of another cache): merge into it.
-        if current is not None:
-            probe = {"spec": {"localModels": (current.get("spec") or {}).get("localModels") or []}}
-            upsert(probe)
-            if probe["spec"]["localModels"] == (current.get("spec") or {}).get("localModels"):
-                return
-        metrics.wrote("LocalModelNode", "update",
-                      update_if_changed(self.kube, LOCAL_MODEL_NODES, node, upsert, current=current))
-
-    def _remove_entry(self, node: str, name: str, ns: str | None, current: dict[str, Any] | None) -> None:
-        def drop(o: dict[str, Any]) -> None:
-            spec = o.setdefault("spec", {})
-            spec["localModels"] = entries.remove(spec.get("localModels") or [], name, ns)
-
-        metrics.wrote("LocalModelNode", "update",
-                      update_if_changed(self.kube, LOCAL_MODEL_NODES, node, drop, current=current))
+        return Result()
 
     # -- serving volumes -------------------------------------------------------------------------
     def sync_volumes(self, key: str, obj: dict[str, Any], groups: dict[str, dict[str, Any]]) -> None:

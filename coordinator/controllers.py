@@ -16,7 +16,15 @@ from coordinator.nodes import NodeReconciler
 from coordinator.nodeselector import node_ready
 from coordinator.services import ServiceReconciler
 from coordinator.urimatch import isvc_storage_uri, llmisvc_model_uri
-from coordinator.view import ClusterView, entry_cache_keys, service_cache_keys, user_labels, volume_cache_keys
+from coordinator.view import (
+    BY_CACHE,
+    ClusterView,
+    cache_key,
+    entry_cache_keys,
+    service_cache_keys,
+    user_labels,
+    volume_cache_keys,
+)
 from modelcache.kube.client import INFERENCE_SERVICES
 from modelcache.kube.controller import Controller, Manager, Result, generation_or_meta_changed, own_key
 from modelcache.kube.events import EventRecorder
@@ -122,12 +130,27 @@ def build(view: ClusterView, recorder: EventRecorder, options: Options | None = 
     node_ctl.watch(view.nodes, own_key, node_changed)
     node_ctl.watch(view.lmns, own_key, entries_or_states_changed)
 
-    def nodes_with_entry(event: str, obj: Obj, _old: Obj | None) -> list[str]:
-        # A deleted cache: sweep the nodes still holding its entry (normally none, see finalize).
-        return [] if event != DELETED else view.lmns.store.keys()
+    def cache_nodes(_e: str, obj: Obj, old: Obj | None) -> list[str]:
+        """A cache's members (before and after) and the nodes holding its entry."""
+        out: set[str] = set()
+        for o in (obj, old):
+            if o is None:
+                continue
+            out.update(view.members(list((o.get("spec") or {}).get("nodeGroups") or [])))
+            out.update(lmn["metadata"]["name"] for lmn in view.lmns.store.by_index(BY_CACHE, cache_key(
+                _meta(o, "namespace") or None, _meta(o, "name"))))
+        return sorted(out)
 
-    node_ctl.watch(view.caches, nodes_with_entry)
-    node_ctl.watch(view.ns_caches, nodes_with_entry)
+    def cache_spec_changed(event: str, obj: Obj, old: Obj | None) -> bool:
+        return event != "MODIFIED" or old is None or obj.get("spec") != old.get("spec") or \
+            _meta(obj, "deletionTimestamp") != _meta(old, "deletionTimestamp")
+
+    def all_nodes(_e: str, _o: Obj, _old: Obj | None) -> list[str]:
+        return view.nodes.store.keys()
+
+    node_ctl.watch(view.caches, cache_nodes, cache_spec_changed)
+    node_ctl.watch(view.ns_caches, cache_nodes, cache_spec_changed)
+    node_ctl.watch(view.groups, all_nodes)
     manager.add(node_ctl)
 
     if options.mutate_services:
