@@ -432,3 +432,85 @@ def test_journal_marks_cover_counted_lines_and_a_torn_tail_cannot_swallow_the_ne
     j.synced(j.mark())
     j.close()
     assert j.load().chunks == {(0, 0): 4096, (1, 0): 8192}
+
+
+# ---- a file replaced on the server between two runs ----------------------------------------------
+
+
+class _RangeHandler(BaseHTTPRequestHandler):
+    """Ranges and Last-Modified but no ETag (as python's http.server and many app servers)."""
+
+    protocol_version = "HTTP/1.1"
+    body = b""
+    mtime = 0.0
+    fail_from = 0  # answer 503 to the nth and later GETs of a chunk (0: never)
+    gets = 0
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _head(self, code: int, length: int, extra: dict[str, str]) -> None:
+        from email.utils import formatdate
+
+        self.send_response(code)
+        self.send_header("Content-Length", str(length))
+        self.send_header("Last-Modified", formatdate(self.mtime, usegmt=True))
+        self.send_header("Accept-Ranges", "bytes")
+        for k, v in extra.items():
+            self.send_header(k, v)
+        self.end_headers()
+
+    def do_HEAD(self) -> None:
+        self._head(200, len(self.body), {})
+
+    def do_GET(self) -> None:
+        import re
+        from email.utils import parsedate_to_datetime
+
+        cls = type(self)
+        rng = self.headers.get("Range")
+        if rng and rng != "bytes=0-0":
+            cls.gets += 1
+            if cls.fail_from and cls.gets >= cls.fail_from:
+                self._head(503, 0, {})
+                return
+        since = self.headers.get("If-Unmodified-Since")
+        if since and parsedate_to_datetime(since).timestamp() < int(self.mtime):
+            self._head(412, 0, {})
+            return
+        m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng or "")
+        if not m:
+            self._head(200, len(self.body), {})
+            self.wfile.write(self.body)
+            return
+        start = int(m.group(1))
+        end = int(m.group(2)) if m.group(2) else len(self.body) - 1
+        end = min(end, len(self.body) - 1)
+        self._head(206, end - start + 1, {"Content-Range": f"bytes {start}-{end}/{len(self.body)}"})
+        self.wfile.write(self.body[start : end + 1])
+
+
+def test_file_replaced_with_same_size_between_runs_is_not_mixed_into_the_resume(tmp_path: Path) -> None:
+    """Without an ETag the listing's version was None, so a staged download of the old file
+    matched the new listing (same size) and its chunks were resumed into the new one: a
+    silently mixed file (re-uploaded weights of the same shape are the usual case)."""
+    old, new = random_bytes(4 * MiB, seed=21), random_bytes(4 * MiB, seed=22)
+    handler = type("Handler", (_RangeHandler,), {"body": old, "mtime": 1_700_000_000.0, "fail_from": 3, "gets": 0})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        uri = f"http://127.0.0.1:{server.server_address[1]}/m/w.bin"
+        root = tmp_path / "root"
+        opts = TransferOptions(workers=1, chunk_size=MiB, max_attempts=2, backoff_initial=0.01, backoff_max=0.02)
+        # Run 1: two chunks of the old file land, then the server fails: staged, resumable.
+        with pytest.raises(ModelcacheError):
+            pull(uri, root=root, settings=settings(), options=opts)
+        assert not model_dir(root, uri).exists()
+        # The file is replaced (same size, newer), the server heals, run 2.
+        handler.body, handler.mtime, handler.fail_from = new, 1_700_000_600.0, 0
+        within(20, lambda: pull(uri, root=root, settings=settings(), options=opts), "second pull")
+        assert_store_correct(root, {uri: {"w.bin": new}}, must_have={uri})
+    finally:
+        server.shutdown()
+        server.server_close()

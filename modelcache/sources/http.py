@@ -147,6 +147,7 @@ class HTTPSource(Source):
                 urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
         self.pool = urllib3.PoolManager(**kwargs)
         self._etag: str | None = None
+        self._modified: str | None = None
 
     def _request(self, method: str, headers: dict[str, str] | None = None) -> urllib3.BaseHTTPResponse:
         all_headers = dict(self.headers)
@@ -205,12 +206,13 @@ class HTTPSource(Source):
         head = self._request("HEAD")
         checksums: list[Checksum] = []
         size: int | None = None
-        etag = None
+        etag = modified = None
         if head.status not in (405, 501):
             self._check_status(head, (200,))
             checksums = parse_digest_headers(head.headers)
             size = _int(head.headers.get("Content-Length"))
             etag = head.headers.get("ETag")
+            modified = head.headers.get("Last-Modified")
             head.drain_conn()
             head.release_conn()
         probe = self._request("GET", {"Range": "bytes=0-0"})
@@ -231,13 +233,20 @@ class HTTPSource(Source):
                 size = _int(probe.headers.get("Content-Length"))
                 probe.close()  # don't read a whole body just to learn it ignores Range
             etag = etag or probe.headers.get("ETag")
+            modified = modified or probe.headers.get("Last-Modified")
         if self.loc.pinned:
             pin = Checksum(*self.loc.pinned)
             checksums = [c for c in checksums if c.algo != pin.algo] + [pin]
         if etag and not etag.startswith("W/"):
             self._etag = etag
+        elif modified:
+            # No strong ETag: Last-Modified is the version. Without it a file replaced by one of
+            # the same size matched a staged download of the old one and the resume mixed both.
+            self._modified = modified
+        version = etag or (f"last-modified {modified}" if modified else None)
         path = safe_relpath(self.loc.filename, self.where)
-        return RemoteFile(path=path, size=size, version=etag, checksums=tuple(checksums), ranged=ranged and bool(size))
+        return RemoteFile(path=path, size=size, version=version, checksums=tuple(checksums),
+                          ranged=ranged and bool(size))
 
     def open_range(self, file: RemoteFile, start: int, end: int | None) -> _HTTPStream:
         headers: dict[str, str] = {}
@@ -246,6 +255,8 @@ class HTTPSource(Source):
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
         if self._etag:  # the listed version or nothing: a replaced file answers 412
             headers["If-Match"] = self._etag
+        elif self._modified:  # the same, by date, for servers without an ETag
+            headers["If-Unmodified-Since"] = self._modified
         resp = self._request("GET", headers)
         self._check_status(resp, (200,) if whole else (206,))
         return _HTTPStream(resp, self.where)
