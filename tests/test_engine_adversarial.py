@@ -514,3 +514,34 @@ def test_file_replaced_with_same_size_between_runs_is_not_mixed_into_the_resume(
     finally:
         server.shutdown()
         server.server_close()
+
+
+# ---- processes pulling overlapping sets of models at once ----------------------------------------
+
+
+def test_processes_pulling_overlapping_uri_sets_neither_deadlock_nor_download_twice(
+    nginx: NginxServer, fault_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Locks are taken in one global order, so {A, B}, {C, B} and {B, A} at once all finish."""
+    from tests.helpers import wait_until
+    from tests.pull_helpers import popen_cli
+
+    files = {name: nginx.write(f"m/{name}.bin", MiB + 333, seed=30 + i).read_bytes()
+             for i, name in enumerate("abc")}
+    uri = {name: fault_proxy.url(f"m/{name}.bin") for name in files}
+    root = tmp_path / "root"
+    common = ("--root", str(root), "--chunk-size", "256K", "--progress", "none", "--json")
+    fault_proxy.pause()  # the first process takes its locks and is held mid-listing
+    first = popen_cli("pull", uri["a"], uri["b"], *common)
+    wait_until(lambda: sum(fault_proxy.requests.values()) >= 2 or first.poll() is not None, what="first pull")
+    others = [popen_cli("pull", uri["c"], uri["b"], *common), popen_cli("pull", uri["b"], uri["a"], *common)]
+    time.sleep(1.0)
+    assert all(p.poll() is None for p in [first, *others]), "a pull did not wait for the models' locks"
+    fault_proxy.resume()
+    for p in [first, *others]:
+        _out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+    assert_store_correct(root, {uri[n]: {f"{n}.bin": files[n]} for n in files}, must_have=set(uri.values()))
+    for n, data in files.items():
+        body = [e for e in nginx.requests_for(f"m/{n}.bin") if e.range != "bytes=0-0"]
+        assert sum(e.bytes_sent for e in body) == len(data), f"{n}.bin downloaded more than once: {body}"
