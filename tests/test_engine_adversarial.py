@@ -545,3 +545,47 @@ def test_processes_pulling_overlapping_uri_sets_neither_deadlock_nor_download_tw
     for n, data in files.items():
         body = [e for e in nginx.requests_for(f"m/{n}.bin") if e.range != "bytes=0-0"]
         assert sum(e.bytes_sent for e in body) == len(data), f"{n}.bin downloaded more than once: {body}"
+
+
+# ---- a run of several chunks per request, broken in the middle -------------------------------------
+
+
+def _range_len(rng: str | None) -> int:
+    import re
+
+    m = re.fullmatch(r'"?bytes=(\d+)-(\d+)"?', rng or "")
+    return int(m.group(2)) - int(m.group(1)) + 1 if m else 0
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["retried", "failed-then-resumed"])
+def test_run_of_chunks_broken_midway_fetches_only_what_is_missing(
+    nginx: NginxServer, fault_proxy: FaultProxy, tmp_path: Path, persistent: bool
+) -> None:
+    chunk = 256 * 1024
+    data = nginx.write("m/w.bin", 16 * chunk, seed=40).read_bytes()
+    uri = fault_proxy.url("m/w.bin")
+    root = tmp_path / "root"
+    # Slow first bytes on three requests: the engine merges chunks into runs of 2, 4, then 8.
+    fault_proxy.add(Fault("stall", path="/m/w.bin", nth=2, times=3, at=0, stall_seconds=0.3))
+    cut = fault_proxy.add(Fault("reset", path="/m/w.bin", file_offset=11 * chunk + 1000, nth=5,
+                                times=None if persistent else 1))
+    opts = TransferOptions(workers=1, chunk_size=chunk, max_attempts=3, backoff_initial=0.01, backoff_max=0.02,
+                           stall_timeout=10)
+    if persistent:
+        with pytest.raises(ModelcacheError):
+            pull(uri, root=root, settings=settings(), options=opts)
+        assert not model_dir(root, uri).exists()
+        fault_proxy.clear()
+        before = fault_proxy.bytes_sent["/m/w.bin"]
+        within(20, lambda: pull(uri, root=root, settings=settings(), options=opts), "resumed pull")
+        resumed = fault_proxy.bytes_sent["/m/w.bin"] - before
+        # Chunks 0-10 were journaled whole; chunk 11 had not completed: the resume fetches 11-15.
+        assert resumed - 1 <= 5 * chunk, f"the resume fetched {resumed} bytes"
+    else:
+        within(20, lambda: pull(uri, root=root, settings=settings(), options=opts), "pull")
+        refetched = fault_proxy.bytes_sent["/m/w.bin"] - 1 - len(data)
+        assert refetched < chunk, f"{refetched} bytes fetched twice"
+    assert cut.applied >= 1
+    spans = [_range_len(e.range) for e in nginx.requests_for("m/w.bin")]
+    assert max(spans) > 2 * chunk, f"no request spanned a run of chunks: {spans}"
+    assert_store_correct(root, {uri: {"w.bin": data}}, must_have={uri})
