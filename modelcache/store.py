@@ -205,8 +205,8 @@ class NodeStore:
         if mdir.is_dir():
             found |= {p.stem for p in mdir.glob("*.json")}
         models = self.layout.root / "models"
-        if models.is_dir():
-            found |= {p.name for p in models.iterdir() if p.is_dir()}
+        if models.is_dir():  # a dot folder is never a model (a trash folder left by a crash)
+            found |= {p.name for p in models.iterdir() if p.is_dir() and not p.name.startswith(".")}
         return sorted(found)
 
     def entries(self) -> list[StoreEntry]:
@@ -297,7 +297,7 @@ class NodeStore:
                 removed = True
             target = self.layout.model_dir(key)
             if target.exists():
-                trash = target.parent / f".trash-{key}-{time.time_ns()}"
+                trash = self._trash_dir(target) / f".trash-{key}-{time.time_ns()}"
                 os.rename(target, trash)
                 shutil.rmtree(trash, ignore_errors=True)
                 removed = True
@@ -307,10 +307,29 @@ class NodeStore:
                 removed = True
         return removed
 
+    def _trash_dir(self, target: Path) -> Path:
+        """Where a folder goes to be deleted: out of ``models/``, which serving pods and ``ls``
+        read (the rename is instant, the delete is not)."""
+        if isinstance(self.layout, NodeLayout):
+            d = self.layout.meta / "staging"
+            d.mkdir(parents=True, exist_ok=True)
+            return d
+        return target.parent
+
+    def _clear_trash(self) -> None:
+        """Delete trash folders a crash left between a rename and its delete."""
+        assert isinstance(self.layout, NodeLayout)
+        for folder in (self.layout.meta / "staging", self.layout.root / "models"):
+            if folder.is_dir():
+                for p in folder.glob(".trash-*"):
+                    shutil.rmtree(p, ignore_errors=True)
+
     def gc(self, target_free: int, dry_run: bool = False, keep: frozenset[str] = frozenset()) -> list[StoreEntry]:
         """Evict least recently used models until ``target_free`` bytes are free."""
         if not isinstance(self.layout, NodeLayout):
             raise StoreError("gc needs a node store root")
+        if not dry_run:
+            self._clear_trash()
         free = self.free_bytes()
         evicted: list[StoreEntry] = []
         for entry in sorted(self.entries(), key=lambda e: e.last_used):

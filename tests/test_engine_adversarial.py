@@ -589,3 +589,33 @@ def test_run_of_chunks_broken_midway_fetches_only_what_is_missing(
     spans = [_range_len(e.range) for e in nginx.requests_for("m/w.bin")]
     assert max(spans) > 2 * chunk, f"no request spanned a run of chunks: {spans}"
     assert_store_correct(root, {uri: {"w.bin": data}}, must_have={uri})
+
+
+# ---- store: removal never shows anything else under models/ ----------------------------------------
+
+
+def test_rm_never_shows_a_trash_folder_under_models_and_ls_ignores_leftovers(tmp_path: Path) -> None:
+    """``rm`` renamed the model to ``models/.trash-*`` before deleting it: serving pods and ``ls``
+    saw an extra entry, and one left by a crash stayed listed as a model for ever."""
+    from tests.pull_helpers import StoreWatcher
+
+    src = tmp_path / "src"
+    for i in range(1500):
+        p = src / f"d{i % 30}" / f"f{i}.json"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"x" * (i % 7))
+    root = tmp_path / "root"
+    uri = str(src)
+    pull(uri, root=root, settings=settings(), options=TransferOptions(workers=4, chunk_size=MiB))
+    store = NodeStore.at(root)
+    expected = {uri: {p.relative_to(src).as_posix(): p.read_bytes() for p in src.rglob("*") if p.is_file()}}
+    with StoreWatcher(root, expected, interval=0.001) as watcher:
+        assert store.remove(storage_key(uri))
+    assert watcher.problems == [], watcher.problems[:3]
+    # A crash between the rename and the delete left a trash folder: not a model.
+    (root / "models" / ".trash-0123456789abcdef-1").mkdir()
+    (root / ".modelcache" / "staging" / ".trash-0123456789abcdef-2").mkdir(parents=True)
+    assert [e.storage_key for e in store.entries()] == []
+    store.gc(target_free=0)
+    assert not (root / ".modelcache" / "staging" / ".trash-0123456789abcdef-2").exists()
+    assert not (root / "models" / ".trash-0123456789abcdef-1").exists()
