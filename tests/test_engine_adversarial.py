@@ -619,3 +619,41 @@ def test_rm_never_shows_a_trash_folder_under_models_and_ls_ignores_leftovers(tmp
     store.gc(target_free=0)
     assert not (root / ".modelcache" / "staging" / ".trash-0123456789abcdef-2").exists()
     assert not (root / "models" / ".trash-0123456789abcdef-1").exists()
+
+
+def test_range_answered_with_the_whole_file_once_is_retried_without_reading_that_body(tmp_path: Path) -> None:
+    """Some caches answer a ranged GET with 200 and the whole object (on a miss). The engine read
+    that whole body to reuse the connection, then failed the pull as an unexpected status."""
+    body = random_bytes(24 * MiB, seed=50)
+    state = {"whole_left": 1, "whole_completed": 0}
+
+    class Handler(_RangeHandler):
+        def do_GET(self) -> None:
+            rng = self.headers.get("Range")
+            if rng and rng != "bytes=0-0" and state["whole_left"]:
+                state["whole_left"] -= 1
+                self._head(200, len(self.body), {})
+                try:
+                    for i in range(0, len(self.body), MiB):
+                        self.wfile.write(self.body[i : i + MiB])
+                        time.sleep(0.01)  # a body that takes a while: the client must not wait it out
+                    state["whole_completed"] += 1
+                except OSError:
+                    pass
+                return
+            super().do_GET()
+
+    Handler.body, Handler.mtime = body, 1_700_000_000.0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        uri = f"http://127.0.0.1:{server.server_address[1]}/m/w.bin"
+        opts = TransferOptions(workers=2, chunk_size=4 * MiB, **QUICK)
+        within(30, lambda: pull(uri, root=tmp_path / "root", settings=settings(), options=opts), "pull")
+        assert state["whole_left"] == 0
+        assert state["whole_completed"] == 0, "the client read a whole-file answer to a ranged request"
+        assert_store_correct(tmp_path / "root", {uri: {"w.bin": body}}, must_have={uri})
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -258,6 +258,16 @@ class HTTPSource(Source):
         elif self._modified:  # the same, by date, for servers without an ETag
             headers["If-Unmodified-Since"] = self._modified
         resp = self._request("GET", headers)
+        if not whole and resp.status in (200, 206):
+            # A cache may answer a range with the whole object (200, e.g. on a miss) or, broken,
+            # with another range: never read gigabytes we did not ask for, nor write bytes at the
+            # wrong offset. Drop the connection and let the engine retry.
+            m = re.match(r"bytes (\d+)-\d+/", resp.headers.get("Content-Range", ""))
+            if resp.status == 200 or m is None or int(m.group(1)) != start:
+                resp.close()
+                got = "HTTP 200 with the whole file" if resp.status == 200 else \
+                    f"Content-Range {resp.headers.get('Content-Range', 'missing')!r}"
+                raise TransientError(f"{self.where}: asked for bytes from {start}, got {got}")
         self._check_status(resp, (200,) if whole else (206,))
         return _HTTPStream(resp, self.where)
 
