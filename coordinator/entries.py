@@ -32,21 +32,5 @@ def same_entry(entry: Mapping[str, Any], model_name: str, namespace: str | None)
     return entry.get("modelName") == model_name and (entry.get("namespace") or None) == (namespace or None)
 
 
-def upsert(models: list[dict[str, Any]], entry: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """``models`` with ``entry`` replacing its namesake when a compared field differs, else appended."""
-    out = [copy.deepcopy(m) for m in models]
-    for i, m in enumerate(out):
-        if same_entry(m, entry["modelName"], entry.get("namespace")):
-            if any(m.get(k) != entry.get(k) for k in COMPARED):
-                out[i] = copy.deepcopy(dict(entry))
-            return out
-    out.append(copy.deepcopy(dict(entry)))
-    return out
-
-
-def remove(models: list[dict[str, Any]], model_name: str, namespace: str | None) -> list[dict[str, Any]]:
-    return [copy.deepcopy(m) for m in models if not same_entry(m, model_name, namespace)]
-
-
 def has(models: list[dict[str, Any]], model_name: str, namespace: str | None) -> bool:
     return any(same_entry(m, model_name, namespace) for m in models)

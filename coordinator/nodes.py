@@ -15,11 +15,13 @@ ModelDownloaded (the pod webhook places serving pods by these labels).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
 from coordinator import entries, metrics, nodelabels
+from coordinator.membership import Member
 from coordinator.view import ClusterView, cache_key
 from modelcache.kube.client import LOCAL_MODEL_NODES, NODES
 from modelcache.kube.controller import Result
@@ -28,10 +30,16 @@ from modelcache.kube.status import update_if_changed
 log = logging.getLogger(__name__)
 
 
-def desired_models(view: ClusterView, node: str, current: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The node's ``localModels``: existing entries first, in their order, then new ones by cache key."""
-    caches = {cache_key((c["metadata"].get("namespace") or None), c["metadata"]["name"]): c
-              for c in view.caches.store.list() + view.ns_caches.store.list()}
+def desired_models(
+    node: str,
+    current: list[dict[str, Any]],
+    caches: Mapping[str, dict[str, Any]],
+    members_of: Callable[[list[str]], Mapping[str, Member]],
+) -> list[dict[str, Any]]:
+    """The node's ``localModels``: existing entries first, in their order, then new ones by cache key.
+
+    ``caches`` maps cache keys to objects; ``members_of(groups)`` gives a cache's members.
+    """
     out: list[dict[str, Any]] = []
     seen: set[str] = set()
 
@@ -39,7 +47,7 @@ def desired_models(view: ClusterView, node: str, current: list[dict[str, Any]]) 
         cache = caches.get(key)
         if cache is None or cache["metadata"].get("deletionTimestamp"):
             return None
-        member = view.members(list((cache.get("spec") or {}).get("nodeGroups") or [])).get(node)
+        member = members_of(list((cache.get("spec") or {}).get("nodeGroups") or [])).get(node)
         if member is None:
             return None
         if not member.ready:
@@ -52,7 +60,7 @@ def desired_models(view: ClusterView, node: str, current: list[dict[str, Any]]) 
     for have in current:
         key = cache_key(have.get("namespace") or None, have.get("modelName", ""))
         if key in seen:
-            continue
+            continue  # a duplicate entry (hand-written): keep the first
         seen.add(key)
         kept = want(key, have)
         if kept is not None:
@@ -88,7 +96,9 @@ class NodeReconciler:
 
     def sync_entries(self, key: str, lmn: dict[str, Any] | None) -> dict[str, Any] | None:
         current = list(((lmn or {}).get("spec") or {}).get("localModels") or [])
-        models = desired_models(self.view, key, current)
+        caches = {cache_key((c["metadata"].get("namespace") or None), c["metadata"]["name"]): c
+                  for c in self.view.caches.store.list() + self.view.ns_caches.store.list()}
+        models = desired_models(key, current, caches, self.view.members)
         if models == current and lmn is not None:
             return lmn
         if lmn is None:
@@ -105,7 +115,7 @@ class NodeReconciler:
 
         def apply(o: dict[str, Any]) -> None:
             spec = o.setdefault("spec", {})
-            spec["localModels"] = desired_models(self.view, key, list(spec.get("localModels") or []))
+            spec["localModels"] = desired_models(key, list(spec.get("localModels") or []), caches, self.view.members)
 
         written = update_if_changed(self.kube, LOCAL_MODEL_NODES, key, apply, current=lmn)
         metrics.wrote("LocalModelNode", "update", written)

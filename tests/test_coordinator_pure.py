@@ -201,24 +201,44 @@ def cache(name: str, uri: str, groups: list[str], ns: str | None = None, **spec:
             "spec": {"sourceModelUri": uri, "modelSize": "1Gi", "nodeGroups": groups, **spec}}
 
 
-def test_entries_kserve_fields_upsert_remove() -> None:
+def test_entries_kserve_fields() -> None:
     c = cache("m", "s3://b/m", ["g"], serviceAccountName="sa", storage={"key": "k"})
     e = entries.desired_entry(c, "g")
     assert e == {"modelName": "m", "sourceModelUri": "s3://b/m", "nodeGroup": "g", "serviceAccountName": "sa",
                  "storage": {"key": "k"}}
     ns_e = entries.desired_entry(cache("m", "s3://b/m", ["g"], ns="team"), "g")
     assert ns_e == {"modelName": "m", "sourceModelUri": "s3://b/m", "namespace": "team", "nodeGroup": "g"}
-    models = entries.upsert([], e)
-    models = entries.upsert(models, ns_e)  # same name, other namespace: a second entry
-    assert len(models) == 2
-    assert entries.upsert(models, e) == models
-    moved = entries.upsert(models, {**e, "nodeGroup": "g2"})
-    assert moved[0]["nodeGroup"] == "g2" and len(moved) == 2
-    extra = [{**e, "agentNote": "kept"}]
-    assert entries.upsert(extra, e) == extra  # unchanged compared fields: other keys survive
-    assert entries.remove(models, "m", None) == [ns_e]
-    assert entries.remove(models, "m", "team") == [e]
-    assert entries.has(models, "m", "team") and not entries.has(models, "x", None)
+    assert entries.has([e, ns_e], "m", "team") and entries.has([e], "m", None) and not entries.has([ns_e], "m", None)
+
+
+def test_desired_models_for_one_node() -> None:
+    from coordinator.nodes import desired_models
+
+    caches = {"a": cache("a", "s3://b/a", ["g1"]), "team/a": cache("a", "s3://b/a", ["g1"], ns="team"),
+              "b": cache("b", "s3://b/b", ["g2"]), "gone-soon": cache("gone-soon", "s3://b/x", ["g1"])}
+    caches["gone-soon"]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    groups = {"g1": {"n1": membership.Member("n1", "g1", True), "sick": membership.Member("sick", "g1", False)},
+              "g2": {}}
+
+    def members_of(names: list[str]) -> dict[str, membership.Member]:
+        out: dict[str, membership.Member] = {}
+        for g in names:
+            out.update(groups.get(g, {}))
+        return out
+
+    fresh = desired_models("n1", [], caches, members_of)
+    assert fresh == [entries.desired_entry(caches["a"], "g1"), entries.desired_entry(caches["team/a"], "g1")]
+    # Existing order kept, extra fields kept when unchanged, stale entries dropped, changed ones replaced.
+    current = [{**entries.desired_entry(caches["team/a"], "g1"), "note": "kept"},
+               {"modelName": "b", "sourceModelUri": "s3://b/b", "nodeGroup": "g2"},  # node not in g2
+               {"modelName": "deleted", "sourceModelUri": "s3://b/d"},  # cache gone
+               {"modelName": "gone-soon", "sourceModelUri": "s3://b/x", "nodeGroup": "g1"},  # being deleted
+               {"modelName": "a", "sourceModelUri": "s3://b/a", "nodeGroup": "old"}]  # group changed
+    assert desired_models("n1", current, caches, members_of) == [current[0], entries.desired_entry(caches["a"], "g1")]
+    # A NotReady member keeps what it has and gets nothing new.
+    assert desired_models("sick", current[:1], caches, members_of) == current[:1]
+    assert desired_models("sick", [], caches, members_of) == []
+    assert desired_models("elsewhere", current, caches, members_of) == []
 
 
 def test_serving_volumes() -> None:
