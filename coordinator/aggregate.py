@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from coordinator.membership import Member
 from modelcache.kube.types import (
@@ -54,3 +55,17 @@ def copy_changes(old: Mapping[str, str], new: Mapping[str, str]) -> tuple[list[s
     gained = sorted(n for n, s in new.items() if s == NODE_DOWNLOADED and old.get(n) != NODE_DOWNLOADED)
     lost = sorted(n for n, s in old.items() if s == NODE_DOWNLOADED and new.get(n) != NODE_DOWNLOADED)
     return gained, lost
+
+
+def set_condition(conditions: list[dict[str, Any]], type_: str, status: bool, reason: str, message: str,
+                  now: str) -> list[dict[str, Any]]:
+    """``conditions`` with ``type_`` set; an unchanged condition keeps its ``lastTransitionTime``
+    (so a reconcile that changes nothing writes nothing)."""
+    value = "True" if status else "False"
+    out = [dict(c) for c in conditions if c.get("type") != type_]
+    old = next((c for c in conditions if c.get("type") == type_), None)
+    if old is not None and (old.get("status"), old.get("reason"), old.get("message")) == (value, reason, message):
+        new = dict(old)
+    else:
+        new = {"type": type_, "status": value, "reason": reason, "message": message, "lastTransitionTime": now}
+    return sorted([*out, new], key=lambda c: str(c.get("type")))

@@ -12,6 +12,7 @@ the entry any more, our volumes are deleted and the finalizer goes.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from typing import Any
 
@@ -57,10 +58,8 @@ class CacheReconciler:
         groups = self.view.group_map()
         members = self.view.members(list(spec.get("nodeGroups") or []))
         self.sync_volumes(key, obj, groups)
-        self.sync_status(key, obj, members)
         missing = [g for g in spec.get("nodeGroups") or [] if g not in groups]
-        if missing:
-            log.info("%s %s: node group(s) %s not found", self.res.kind, key, ", ".join(missing))
+        self.sync_status(key, obj, members, missing)
         return Result()
 
     # -- finalizer ----------------------------------------------------------------------------
@@ -136,7 +135,7 @@ class CacheReconciler:
         self.kube.delete(res, name, ns)
 
     # -- status ----------------------------------------------------------------------------------
-    def sync_status(self, key: str, obj: dict[str, Any], members: dict[str, Member]) -> None:
+    def sync_status(self, key: str, obj: dict[str, Any], members: dict[str, Member], missing: list[str]) -> None:
         meta = obj["metadata"]
         skey = status_key(meta["name"], meta.get("namespace") or None)
         model_states: dict[str, str | None] = {}
@@ -163,6 +162,10 @@ class CacheReconciler:
                     status[field] = refs(items)
                 else:
                     status.pop(field, None)
+            message = f"node group(s) not found: {', '.join(missing)}" if missing else "all node groups exist"
+            status["conditions"] = aggregate.set_condition(
+                list(status.get("conditions") or []), GROUPS_CONDITION, not missing,
+                "NodeGroupNotFound" if missing else "NodeGroupsFound", message, _now())
             return status
 
         written = patch_status_if_changed(self.kube, self.res, meta["name"], desired, meta.get("namespace"),
@@ -185,6 +188,13 @@ class CacheReconciler:
 def _nodes(names: list[str], shown: int = 5) -> str:
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return ("node " if len(names) == 1 else "nodes ") + ", ".join(names[:shown]) + more
+
+
+GROUPS_CONDITION = "NodeGroupsFound"
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _forget_gauges(key: str) -> None:

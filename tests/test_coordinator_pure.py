@@ -358,3 +358,14 @@ def test_pod_webhook_failure_policy(fail_closed: bool) -> None:
         assert out["allowed"] is False and out["status"]["code"] == 500
     else:
         assert out["allowed"] is True and out["warnings"]
+
+
+def test_condition_keeps_its_time_while_unchanged() -> None:
+    conds = aggregate.set_condition([], "NodeGroupsFound", True, "NodeGroupsFound", "ok", "t1")
+    assert conds == [{"type": "NodeGroupsFound", "status": "True", "reason": "NodeGroupsFound", "message": "ok",
+                      "lastTransitionTime": "t1"}]
+    assert aggregate.set_condition(conds, "NodeGroupsFound", True, "NodeGroupsFound", "ok", "t2") == conds
+    flipped = aggregate.set_condition([*conds, {"type": "Other"}], "NodeGroupsFound", False, "NodeGroupNotFound",
+                                      "missing g", "t3")
+    assert flipped == [{"type": "NodeGroupsFound", "status": "False", "reason": "NodeGroupNotFound",
+                        "message": "missing g", "lastTransitionTime": "t3"}, {"type": "Other"}]

@@ -120,6 +120,13 @@ def test_delete_cache_whose_group_is_gone(kubeapi: KubeAPI, kube: Kube, coordina
     eventually(lambda: entries_of(kube, "n1") == [{"modelName": "c", "sourceModelUri": URI, "nodeGroup": "workers"}],
                "entry")
     kube.delete(LOCAL_MODEL_NODE_GROUPS, "workers")
+
+    def groups_condition() -> dict[str, Any]:
+        conds = status(kube, "c").get("conditions") or []
+        return next((c for c in conds if c["type"] == "NodeGroupsFound"), {})
+
+    eventually(lambda: groups_condition().get("status") == "False", "NodeGroupsFound=False")
+    assert groups_condition()["message"] == "node group(s) not found: workers"
     kube.delete(LOCAL_MODEL_CACHES, "c")
     eventually(lambda: kube.get_or_none(LOCAL_MODEL_CACHES, "c") is None, "cache deleted without its group")
     assert entries_of(kube, "n1") == []
