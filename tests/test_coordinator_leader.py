@@ -83,3 +83,17 @@ def test_cli_process(kubeapi: KubeAPI, tmp_path: Any) -> None:
         assert holder(kube) in (None, "")  # released on a clean exit
     finally:
         stop_process(proc)
+
+
+def test_a_leader_that_loses_the_lease_stops(kubeapi: KubeAPI, coordinator_factory: Any) -> None:
+    kube = Kube(load_api_client(str(kubeapi.kubeconfig)))
+    make_namespace(kube, "modelcache-system")
+    c = coordinator_factory(kubeapi, wait=False, leader_election=True, lease_duration=3.0, renew_deadline=2.0,
+                            retry_period=0.3)
+    wait_until(c.controllers_running.is_set, timeout=30, what="leading")
+    # Another replica took the lease over (as after a partition): ours can no longer renew.
+    lease = kube.get(LEASES, "modelcache-coordinator", "modelcache-system")
+    lease["spec"].update(holderIdentity="someone-else", leaseDurationSeconds=3600)
+    kube.replace(LEASES, lease, "modelcache-system")
+    wait_until(c.done.is_set, timeout=30, what="deposed leader stops")
+    assert c.exit_code == 1 and not c.leading.is_set()
