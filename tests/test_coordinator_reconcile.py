@@ -245,3 +245,25 @@ def test_runs_without_kserve_service_crds(kubeapi_factory: Any, coordinator_fact
     make_cache(kube, "c", URI, ["workers"])
     wait_until(lambda: (kube.get(LOCAL_MODEL_CACHES, "c").get("status") or {}).get("copies", {}).get("total") == 1,
                timeout=30, what="status without ISVC CRD")
+
+
+def test_kserve_labels_services_when_mutation_is_off(kubeapi: KubeAPI, kube: Kube, coordinator_factory: Any) -> None:
+    """With --no-mutate-isvc (KServe's webhook labels services), services are left alone but still
+    listed and given volumes, in the group their nodegroup annotation names."""
+    make_namespace(kube, "a")
+    make_node(kube, "n1", **{"kserve/localmodel": "worker"})
+    make_group(kube, "workers")
+    make_group(kube, "spare", label_value="spare")
+    coordinator_factory(kubeapi, mutate_isvc=False)
+    make_cache(kube, "llm", "s3://models/llm", ["workers", "spare"])
+    make_isvc(kube, "plain", "a", "s3://models/llm")  # not labelled: not ours to touch
+    make_isvc(kube, "svc", "a", "s3://models/llm", annotations={"serving.kserve.io/nodegroup": "spare"},
+              labels={"internal.serving.kserve.io/localmodel": "llm"})
+    eventually(lambda: status(kube, "llm").get("inferenceServices") == [{"namespace": "a", "name": "svc"}],
+               "labelled service listed")
+    eventually(lambda: kube.get_or_none(PERSISTENT_VOLUME_CLAIMS, "llm-spare", "a") is not None, "PVC in spare")
+    assert kube.get_or_none(PERSISTENT_VOLUME_CLAIMS, "llm-workers", "a") is None
+    assert kube.get(PERSISTENT_VOLUMES, "llm-spare-a")["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"][0][
+        "matchExpressions"][0]["values"] == ["spare"]
+    time.sleep(0.5)
+    assert "labels" not in kube.get(INFERENCE_SERVICES, "plain", "a")["metadata"]
