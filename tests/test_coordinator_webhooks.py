@@ -177,3 +177,37 @@ def test_self_signed_pair(tmp_path: Any) -> None:
     assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
     assert key.stat().st_mode & 0o777 == 0o600
     ssl.create_default_context().load_cert_chain(cert, key)  # the pair belongs together
+
+
+def test_rotated_certificate_is_picked_up(tmp_path: Any) -> None:
+    import socket
+    import time
+
+    from coordinator.certs import ReloadingContext
+    from coordinator.httpserve import WebhookServer
+    from tests.helpers import free_port
+
+    certs = tmp_path / "certs"
+    generate_self_signed(certs, ["127.0.0.1"])
+    first = (certs / "tls.crt").read_bytes()
+    tls = ReloadingContext(certs, interval=0.1).start()
+    server = WebhookServer("127.0.0.1", free_port(), {}, tls.context).start()
+
+    def served_cert() -> bytes:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw, \
+                ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+            der = s.getpeercert(binary_form=True)
+        return ssl.DER_cert_to_PEM_cert(der).encode()
+
+    try:
+        assert served_cert().strip() == first.strip()
+        time.sleep(0.05)
+        generate_self_signed(certs, ["127.0.0.1"])  # the secret volume is updated in place
+        second = (certs / "tls.crt").read_bytes()
+        assert second != first
+        wait_until(lambda: served_cert().strip() == second.strip(), timeout=10, what="rotated certificate served")
+    finally:
+        server.stop()
+        tls.stop()
