@@ -14,7 +14,7 @@ import re
 import socket
 import ssl
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
 import urllib3
 from urllib3.exceptions import (
@@ -39,6 +39,9 @@ from modelcache.errors import (
 from modelcache.integrity import safe_b64_to_hex
 from modelcache.sources.base import Checksum, RemoteFile, Source, register_source, safe_relpath
 from modelcache.uri import HTTPLocation, redact_uri
+
+_REDIRECT_CODES = (301, 302, 303, 307, 308)
+_MAX_REDIRECTS = 10
 
 # Digest algorithm names in HTTP headers -> our hasher names.
 _HTTP_ALGOS = {"sha-256": "sha256", "sha-512": "sha512", "md5": "md5", "sha": "sha1", "sha-1": "sha1"}
@@ -132,29 +135,49 @@ class HTTPSource(Source):
         self.loc = location
         http = settings.http
         self.where = redact_uri(location.url)
-        self.headers = {"Accept-Encoding": "identity", "User-Agent": "modelcache"}
-        self.headers.update(http.headers_for(location.host))
+        self.base_headers = {"Accept-Encoding": "identity", "User-Agent": "modelcache"}
+        self.headers = {**self.base_headers, **http.headers_for(location.host)}
         timeout = urllib3.Timeout(connect=http.connect_timeout, read=http.read_timeout)
+        # retries=False: the engine retries (with progress). It also turns urllib3's redirects
+        # off, so _request follows them itself. A custom CA also applies to an https URL that an
+        # http one redirects to (PoolManager drops TLS settings for plain http pools); without
+        # one, a context (~15 ms to build) only for https URLs.
         kwargs: dict[str, Any] = {"timeout": timeout, "retries": False, "maxsize": 32, "block": False}
-        if location.url.startswith("https://"):
-            if http.verify:
-                ctx = ssl.create_default_context()
-                if http.ca_bundle:
-                    ctx.load_verify_locations(cafile=http.ca_bundle)
-                kwargs["ssl_context"] = ctx
-            else:
-                kwargs["cert_reqs"] = "CERT_NONE"
-                urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
+        if http.verify and not (http.ca_bundle or location.url.startswith("https://")):
+            pass  # urllib3's default verification for an https redirect target
+        elif http.verify:
+            ctx = ssl.create_default_context()
+            if http.ca_bundle:
+                ctx.load_verify_locations(cafile=http.ca_bundle)
+            kwargs["ssl_context"] = ctx
+        else:
+            kwargs["cert_reqs"] = "CERT_NONE"
+            urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
         self.pool = urllib3.PoolManager(**kwargs)
         self._etag: str | None = None
         self._modified: str | None = None
 
     def _request(self, method: str, headers: dict[str, str] | None = None) -> urllib3.BaseHTTPResponse:
-        all_headers = dict(self.headers)
-        if headers:
-            all_headers.update(headers)
+        """Send one request, following redirects on every request (a presigned target may expire)."""
+        url = self.loc.url
+        sent = {**self.headers, **(headers or {})}
+        for _ in range(_MAX_REDIRECTS + 1):
+            resp = self._send(method, url, sent)
+            location = resp.headers.get("Location")
+            if resp.status not in _REDIRECT_CODES or not location:
+                return resp
+            resp.drain_conn()
+            resp.release_conn()
+            target = urljoin(url, location)
+            if urlsplit(target).netloc.rsplit("@", 1)[-1] != urlsplit(url).netloc.rsplit("@", 1)[-1]:
+                # Headers configured for this host (tokens) are not for another one.
+                sent = {**self.base_headers, **(headers or {})}
+            url = target
+        raise SourceError(f"{self.where}: more than {_MAX_REDIRECTS} redirects")
+
+    def _send(self, method: str, url: str, headers: dict[str, str]) -> urllib3.BaseHTTPResponse:
         try:
-            return self.pool.request(method, self.loc.url, headers=all_headers, preload_content=False, redirect=True)
+            return self.pool.request(method, url, headers=headers, preload_content=False, redirect=False)
         except SSLError as exc:
             reason = str(exc.__context__ or exc).split("(_ssl", 1)[0][:200]
             raise SourceError(
