@@ -709,3 +709,36 @@ def test_redirects_are_followed_per_request_and_host_headers_stay_with_their_hos
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_presigned_style_url_that_refuses_head_is_listed_with_the_ranged_probe(tmp_path: Path) -> None:
+    """S3 and GCS presigned URLs are signed for GET: a HEAD answers 403. KServe only GETs, so
+    such URIs worked there; here the listing's HEAD failed the pull as "403 Forbidden"."""
+    import base64
+    import hashlib
+
+    body = random_bytes(2 * MiB + 5, seed=70)
+    digest = base64.b64encode(hashlib.sha256(body).digest()).decode()
+
+    class Handler(_RangeHandler):
+        def do_HEAD(self) -> None:
+            self._head(403, 0, {})
+
+        def _head(self, code: int, length: int, extra: dict[str, str]) -> None:
+            if self.command == "GET":
+                extra = {**extra, "Repr-Digest": f"sha-256=:{digest}:"}
+            super()._head(code, length, extra)
+
+    Handler.body, Handler.mtime = body, 1_700_000_000.0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        uri = f"http://127.0.0.1:{server.server_address[1]}/bucket/w.bin?X-Amz-Signature=abc"
+        opts = TransferOptions(workers=2, chunk_size=MiB, **QUICK)
+        res = within(30, lambda: pull(uri, root=tmp_path / "root", settings=settings(), options=opts), "pull")
+        assert res.bytes == len(body) and res.verified == ("sha256",)
+        assert_store_correct(tmp_path / "root", {uri: {"w.bin": body}}, must_have={uri})
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -230,7 +230,15 @@ class HTTPSource(Source):
         checksums: list[Checksum] = []
         size: int | None = None
         etag = modified = None
-        if head.status not in (405, 501):
+        # No HEAD, or one refused: presigned S3/GCS URLs are signed for GET only and answer a
+        # HEAD with 403 (KServe only GETs, so they work there). The ranged GET probe below then
+        # tells everything, and reports the real error if GET is refused too.
+        head_usable = head.status not in (405, 501) and not (400 <= head.status < 500 and
+                                                               head.status not in (404, 410, 429))
+        if not head_usable:
+            head.drain_conn()
+            head.release_conn()
+        else:
             self._check_status(head, (200,))
             checksums = parse_digest_headers(head.headers)
             size = _int(head.headers.get("Content-Length"))
@@ -248,10 +256,12 @@ class HTTPSource(Source):
             if ranged:
                 m = re.match(r"bytes \d+-\d+/(\d+)", probe.headers.get("Content-Range", ""))
                 size = int(m.group(1)) if m else size
+                if not head_usable:  # of a 206, only Repr-Digest is about the whole file
+                    checksums = parse_digest_headers({"Repr-Digest": probe.headers.get("Repr-Digest")})
                 probe.drain_conn()
                 probe.release_conn()
             else:
-                if head.status in (405, 501):
+                if not head_usable:
                     checksums = parse_digest_headers(probe.headers)
                 size = _int(probe.headers.get("Content-Length"))
                 probe.close()  # don't read a whole body just to learn it ignores Range
