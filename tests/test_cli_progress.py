@@ -18,16 +18,18 @@ LINE = re.compile(r"^\s*\d+\.\d% [\d.]+ \w+/[\d.]+ \w+ files \d+/\d+ [\d.]+ \w+/
 
 def test_plain_progress_lines_in_logs(nginx, tmp_path):
     nginx.write("slow/w.bin", 3 << 20)
-    nginx.set_limit_rate("slow", 1 << 20)  # ~3 s with one stream per chunk of 1 MiB
+    # nginx lets each response send one second's worth at once, then 1 MiB/s: one request of
+    # 3 MiB takes ~2 s.
+    nginx.set_limit_rate("slow", 1 << 20)
     proc = subprocess.run(
         [sys.executable, "-m", "modelcache", "pull", nginx.url("slow/w.bin"), "--root", str(tmp_path / "root"),
-         "--progress", "plain", "--progress-interval", "0.3", "--chunk-size", "1M", "--workers", "1"],
+         "--progress", "plain", "--progress-interval", "0.3", "--chunk-size", "4M", "--workers", "1"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.strip().splitlines()
     progress = [ln for ln in lines if LINE.match(ln)]
-    assert len(progress) >= 3, lines  # a line every 0.3 s over a ~3 s pull
+    assert len(progress) >= 3, lines  # a line every 0.3 s over a ~2 s pull
     pcts = [float(ln.split("%")[0]) for ln in progress]
     assert pcts == sorted(pcts) and pcts[-1] > 0
     assert "eta" in progress[0] and "3.0 MiB" in progress[-1]
@@ -40,7 +42,7 @@ def test_bars_on_a_terminal(nginx, tmp_path):
     pid, fd = pty.fork()
     if pid == 0:  # child: stderr is the terminal, as for a user at a shell
         os.execv(sys.executable, [sys.executable, "-m", "modelcache", "pull", nginx.url("slow/t.bin"),
-                                  "--root", str(tmp_path / "root"), "--chunk-size", "1M", "--workers", "1"])
+                                  "--root", str(tmp_path / "root"), "--chunk-size", "4M", "--workers", "1"])
     out = b""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
