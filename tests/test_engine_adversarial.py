@@ -742,3 +742,31 @@ def test_presigned_style_url_that_refuses_head_is_listed_with_the_ranged_probe(t
     finally:
         server.shutdown()
         server.server_close()
+
+
+# ---- resume inside a chunk ---------------------------------------------------------------------
+
+
+def test_resume_inside_a_partly_journaled_chunk_hashes_in_order_and_fetches_only_the_rest(
+    nginx: NginxServer, fault_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Chunks larger than a journal piece (4 MiB) are journaled piece by piece; a resume reads the
+    journaled part back into the chunk's buffer, fetches the rest, and hashes the file in order."""
+    chunk = 12 * MiB
+    data = nginx.write("m/w.bin", 2 * chunk + 123, seed=80).read_bytes()
+    uri = fault_proxy.url("m/w.bin") + "#sha256=" + sha256(data)
+    root = tmp_path / "root"
+    opts = TransferOptions(workers=1, chunk_size=chunk, max_attempts=2, backoff_initial=0.01, backoff_max=0.02)
+    fault_proxy.add(Fault("truncate", path="/m/w.bin", file_offset=9 * MiB + 777, times=None))
+    with pytest.raises(ModelcacheError):
+        pull(uri, root=root, settings=settings(), options=opts)
+    from tests.pull_helpers import journaled_bytes
+
+    assert journaled_bytes(root, uri) == 8 * MiB  # two pieces of chunk 0
+    fault_proxy.clear()
+    before = fault_proxy.bytes_sent["/m/w.bin"]
+    res = within(30, lambda: pull(uri, root=root, settings=settings(), options=opts), "resumed pull")
+    assert fault_proxy.bytes_sent["/m/w.bin"] - before == len(data) - 8 * MiB + 1  # + the probe's byte
+    assert res.verified == ("sha256",)
+    assert_store_correct(root, {uri: {"w.bin": data}}, must_have={uri})
+    assert NodeStore.at(root).verify(storage_key(uri)) == []
