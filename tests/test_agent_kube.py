@@ -186,22 +186,32 @@ def test_two_agents_two_nodes_two_roots(kubeapi, kube, nginx, tmp_path):
         b.stop()
 
 
-def test_entry_removed_mid_download_cancels_and_cleans_up(kubeapi, kube, nginx, tmp_path):
+def test_entry_removed_mid_download_cancels_and_cleans_up(kubeapi, kube, nginx, fault_proxy, tmp_path):
+    # Through the fault proxy, held still once under way: on a loaded machine a merely slow download
+    # could finish before the entry is removed (the test then saw a published model and flaked).
     nginx.write("slow/model.bin", 4 << 20)
-    nginx.set_limit_rate("slow", 300_000)
-    uri = nginx.url("slow/model.bin")
+    fault_proxy.set_rate_limit(400_000)
+    uri = fault_proxy.url("slow/model.bin")
     key, root = storage_key(uri), tmp_path / "root"
     create_node(kube, "node-a", [entry("m", uri)])
     agent = start_agent(kubeapi.kubeconfig, "node-a", root, tmp_path)
     try:
-        wait_until(lambda: (node_status(kube, "node-a").get("modelDetails", {}).get("m", {}).get("bytesDone")
-                            or 0) > 0, timeout=30, what="download under way")
+        def under_way() -> bool:
+            d = node_status(kube, "node-a").get("modelDetails", {}).get("m", {})
+            return d.get("state") == "ModelDownloading" and (d.get("bytesDone") or 0) > 0
+
+        wait_until(under_way, timeout=60, what="download under way")
+        fault_proxy.pause()  # the download cannot end on its own from here on
+        assert (root / ".modelcache" / "staging" / key).is_dir()
         set_entries(kube, "node-a", [])
-        wait_until(lambda: not (root / ".modelcache" / "staging" / key).exists(), timeout=20, what="staging gone")
+        wait_until(lambda: "download stopped: model left the spec" in agent.log(), timeout=30, what="cancelled")
+        wait_until(lambda: not (root / ".modelcache" / "staging" / key).exists(), timeout=30, what="staging gone")
         assert not (root / "models" / key).exists()
-        assert node_status(kube, "node-a")["modelStatus"] == {}
-        assert "download stopped: model left the spec" in agent.log()
+        wait_until(lambda: node_status(kube, "node-a").get("modelStatus") == {}
+                   and not node_status(kube, "node-a").get("modelDetails"), timeout=30, what="status cleared")
+        assert "model deleted" in agent.log()
     finally:
+        fault_proxy.resume()
         agent.stop()
 
 
