@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -24,6 +25,7 @@ from agent.credentials import Credentials
 from agent.inuse import MountChecker
 from agent.logs import fields
 from agent.metrics import AgentMetrics
+from agent.repair import needs_repair, repair, repair_dir
 from agent.state import ModelRecord
 from modelcache.errors import ModelcacheError
 from modelcache.kube.types import (
@@ -227,8 +229,17 @@ class Agent:
         assert rec.progress is not None and rec.cancel is not None
         try:
             with self.credentials.settings_for(rec.primary) as settings:
-                result = pull(rec.uri, root=self.cfg.root, settings=settings, options=self._options(),
-                              progress=rec.progress, admit=lambda plan: self._admit(rec, plan), cancel=rec.cancel)
+                def pull_into(dest: Any = None) -> Any:
+                    where: dict[str, Any] = {"dest": dest} if dest is not None else {"root": self.cfg.root}
+                    return pull(rec.uri, settings=settings, options=self._options(), progress=rec.progress,
+                                admit=lambda plan: self._admit(rec, plan), cancel=rec.cancel, **where)
+
+                if needs_repair(self.store, rec.key):
+                    # Damaged, or left half-repaired by a crash: fix the files inside the folder that
+                    # serving pods mount; a publish would swap the folder out from under them.
+                    result = repair(self.store, rec.key, pull_into, rec.old_files).result
+                else:
+                    result = pull_into()
         except BaseException as exc:
             error = exc
         finally:
@@ -250,7 +261,7 @@ class Agent:
                 # A repair stays visible in the status until the next change, not only in the logs.
                 rec.to(MODEL_DOWNLOADED, f"repaired {now_iso()}: {rec.damage}"
                        if rec.damage else "")
-                rec.damage = ""
+                rec.damage, rec.old_files = "", []
                 rec.last_size_check = rec.last_verify = time.monotonic()
                 self.metrics.duration.labels(scheme=scheme, outcome="ok").observe(elapsed)
                 log.info("download finished", extra=fields(
@@ -292,6 +303,10 @@ class Agent:
                 return
             try:
                 with self.store.lock(rec.key, blocking=False):
+                    # Not present any more (for every reader of the store) until the repair installs
+                    # a new manifest; its file list tells the repair which files were ours.
+                    manifest = self.store.manifest(rec.key)
+                    rec.old_files = [f.path for f in manifest.files] if manifest else []
                     self.store.layout.manifest_path(rec.key).unlink(missing_ok=True)
             except ModelcacheError:
                 return  # someone else holds the model right now: check again later
@@ -335,6 +350,7 @@ class Agent:
             except ModelcacheError as exc:
                 log.info("removal deferred", extra=fields(storage_key=rec.key, error=_one_line(exc)))
                 continue
+            shutil.rmtree(repair_dir(self.store.layout, rec.key), ignore_errors=True)  # an unfinished repair
             with self.lock:
                 if rec.removing and self.records.get(rec.key) is rec:
                     del self.records[rec.key]

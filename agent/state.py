@@ -66,6 +66,8 @@ class ModelRecord:
     mounted_by: list[str] = field(default_factory=list)
     #: What a check found, until the repair has finished.
     damage: str = ""
+    #: Files the damaged model's manifest listed (a repair deletes those the source no longer has).
+    old_files: list[str] = field(default_factory=list)
     last_size_check: float = field(default_factory=time.monotonic)
     last_verify: float = field(default_factory=time.monotonic)
     last_progress_log: float = 0.0

@@ -132,10 +132,12 @@ def test_size_check_finds_a_truncated_file_and_watch_picks_up_spec_changes(nginx
     try:
         target = root / "models" / storage_key(uri) / "model.bin"
         wait_until(lambda: status_of(spec)["modelStatus"] == {"m": D}, timeout=30, what="downloaded")
+        folder_ino = target.parent.stat().st_ino
         os.truncate(target, 1000)
         wait_until(lambda: target.stat().st_size == 1 << 20 and status_of(spec)["modelStatus"] == {"m": D}
                    and status_of(spec)["modelDetails"]["m"]["attempts"] == 2, timeout=30, what="repaired")
         assert target.read_bytes() == data
+        assert target.parent.stat().st_ino == folder_ino  # repaired inside the folder pods mount
         write_node(spec, [{"modelName": "m2", "sourceModelUri": uri2}])
         wait_until(lambda: status_of(spec)["modelStatus"] == {"m2": D} and not target.parent.exists(),
                    timeout=30, what="spec change applied")
@@ -219,3 +221,56 @@ def test_full_disk_is_a_clear_error_and_other_models_stay(nginx, tmp_path):
         assert st["capacity"]["totalBytes"] == 100 << 20 and st["capacity"]["reservedBytes"] == 0
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_repair_replaces_only_the_damaged_file_inside_the_same_folder(tmp_path):
+    """A serving pod's subPath mount holds the model folder's inode: a repair must fix files inside
+    that folder (the good ones untouched), never swap the folder for a new one."""
+    from modelcache.store import NodeStore
+
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    good_data, bad_data = os.urandom(200_000), os.urandom(300_000)
+    (src / "good.bin").write_bytes(good_data)
+    (src / "sub" / "w.bin").write_bytes(bad_data)
+    uri = f"file://{src}"
+    key = storage_key(uri)
+    root = tmp_path / "root"
+    spec = write_node(tmp_path / "node.yaml", [{"modelName": "m", "sourceModelUri": uri}])
+    assert run_agent(spec, root).returncode == 0
+    folder = root / "models" / key
+    good, bad = folder / "good.bin", folder / "sub" / "w.bin"
+    inodes = (folder.stat().st_ino, (folder / "sub").stat().st_ino, good.stat().st_ino)
+    bad_ino = bad.stat().st_ino
+    pod_view = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)  # what a running pod's mount holds
+    try:
+        with open(bad, "r+b") as f:  # same size, one byte off: only the full verify sees it
+            f.seek(1000)
+            f.write(bytes([bad_data[1000] ^ 0xFF]))
+        agent = subprocess.Popen(agent_cmd(spec, root, "--watch", "--verify-interval", "1"), cwd=REPO,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_until(lambda: (status_of(spec)["modelDetails"]["m"].get("message") or "").startswith("repaired ")
+                       and status_of(spec)["modelStatus"] == {"m": D}, timeout=40, what="repaired")
+        finally:
+            agent.send_signal(signal.SIGTERM)
+            _, err = agent.communicate(timeout=20)
+        assert bad.read_bytes() == bad_data and good.read_bytes() == good_data
+        assert (folder.stat().st_ino, (folder / "sub").stat().st_ino, good.stat().st_ino) == inodes
+        assert bad.stat().st_ino != bad_ino  # renamed into place, not rewritten under a reader
+        assert os.fstat(pod_view).st_nlink > 0 and os.listdir(pod_view) == os.listdir(folder)
+        assert 'msg="repaired in place"' in err and "replaced=sub/w.bin" in err and "replaced_count=1" in err
+        assert NodeStore.at(root).verify(key) == []
+        assert not (root / ".modelcache" / "repair" / key).exists()
+
+        # A crash mid-repair leaves the folder without its manifest: the next start repairs it in
+        # place as well (a truncated file this time), not by publishing a new folder.
+        (root / ".modelcache" / "manifests" / f"{key}.json").unlink()
+        os.truncate(good, 10)
+        proc = run_agent(spec, root)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert good.read_bytes() == good_data and folder.stat().st_ino == inodes[0]
+        assert os.fstat(pod_view).st_nlink > 0
+        assert "replaced=good.bin" in proc.stderr and NodeStore.at(root).is_present(key)
+    finally:
+        os.close(pod_view)

@@ -128,3 +128,36 @@ def test_log_lines_are_structured() -> None:
     assert 'uri="http://h/a b"' in line
     doc = json.loads(StructuredFormatter("json").format(record))
     assert doc["msg"] == "download finished" and doc["bytes"] == 5 and doc["level"] == "info" and doc["ts"]
+
+
+def test_install_in_place_renames_only_differing_files_and_drops_stale_ones(tmp_path: Path) -> None:
+    from agent.repair import install_in_place
+    from modelcache.integrity import hash_file
+    from modelcache.store import Manifest, ManifestFile, NodeStore
+
+    def mf(base: Path, rel: str) -> ManifestFile:
+        p = base / rel
+        return ManifestFile(rel, p.stat().st_size, hash_file(p).local_hexdigest())
+
+    store = NodeStore.at(tmp_path / "root")
+    key = "0123456789abcdef"
+    folder = store.layout.model_dir(key)
+    (folder / "d").mkdir(parents=True)
+    (folder / "a.bin").write_bytes(b"same")
+    (folder / "d" / "b.bin").write_bytes(b"old-b")
+    (folder / "c.bin").write_bytes(b"stale")
+    (folder / "foreign.txt").write_bytes(b"not ours")  # never listed in a manifest: left alone
+    staged = tmp_path / "staged"
+    (staged / "d").mkdir(parents=True)
+    (staged / "a.bin").write_bytes(b"same")
+    (staged / "d" / "b.bin").write_bytes(b"new-b")
+    (staged / "e.bin").write_bytes(b"added")
+    manifest = Manifest(key, "file:///m", "file:///m", None, [mf(staged, p) for p in ("a.bin", "d/b.bin", "e.bin")],
+                        "2026-01-01T00:00:00Z")
+    inodes = (folder.stat().st_ino, (folder / "d").stat().st_ino, (folder / "a.bin").stat().st_ino)
+    replaced, removed = install_in_place(store, key, staged, manifest, ["a.bin", "d/b.bin", "c.bin"])
+    assert replaced == ["d/b.bin", "e.bin"] and removed == ["c.bin"]
+    assert (folder.stat().st_ino, (folder / "d").stat().st_ino, (folder / "a.bin").stat().st_ino) == inodes
+    assert (folder / "d" / "b.bin").read_bytes() == b"new-b" and (folder / "e.bin").read_bytes() == b"added"
+    assert not (folder / "c.bin").exists() and (folder / "foreign.txt").exists()
+    assert store.manifest(key) == manifest and store.is_present(key) and store.verify(key) == []
