@@ -144,11 +144,36 @@ def test_error_messages(hub: HubServer, tmp_path: Path) -> None:
     _error_line(_pull(hub, tmp_path, "hf://org/gated", HF_TOKEN=TOKEN), "org/gated", "not been granted")
     _error_line(_pull(hub, tmp_path, "hf://org/tiny", HF_TOKEN="hf_bad"), "HF_TOKEN was rejected")
     _error_line(_pull(hub, tmp_path, "hf://org/tiny:v9"), "org/tiny", "revision 'v9' not found")
-    _error_line(_pull(hub, tmp_path, "hf://org/tiny/nope"), "org/tiny", "folder 'nope' not found")
+    _error_line(_pull(hub, tmp_path, "hf://org/tiny/nope"), "hf://org/tiny/nope", "no folder or file 'nope'")
     hub.fail(404, error_code="EntryNotFound", count=100, when=lambda r: r.method == "GET" and "vocab" in r.path)
     _error_line(_pull(hub, tmp_path, "hf://org/tiny"), "org/tiny", "tokenizer/vocab.txt", "not found")
     hub.fail(429, retry_after=0, count=1000, when=lambda r: "/revision/" in r.path)
     _error_line(_pull(hub, tmp_path, "hf://org/tiny", "--max-attempts", "2"), "org/tiny", "rate-limited")
+    hub.clear_injections()
+
+
+def test_pull_single_file_subpath(hub: HubServer, tmp_path: Path) -> None:
+    """hf://owner/model/<file>: just that file, under its own name, verified, pinned."""
+    uri = "hf://org/tiny/model.safetensors"
+    proc = _pull(hub, tmp_path, uri)
+    assert proc.returncode == 0, proc.stderr
+    assert _model(tmp_path, uri) == {"model.safetensors": BIG}
+    man = _manifest(tmp_path, uri)
+    commit = hub.repos["org/tiny"].branches["main"]
+    assert man["resolved_uri"] == f"hf://org/tiny:{commit}/model.safetensors"
+    assert [set(f["checksums"]) for f in man["files"]] == [{"sha256"}]  # type: ignore[union-attr]
+
+
+def test_rate_limited_listing_is_waited_out(hub: HubServer, tmp_path: Path) -> None:
+    """429 with Retry-After on the revision lookup: the pull waits that long, then succeeds."""
+    times: list[float] = []
+    hub.on_request(lambda r: times.append(time.monotonic()), when=lambda r: "/revision/" in r.path, count=10)
+    hub.fail(429, retry_after=1, count=2, when=lambda r: "/revision/" in r.path)
+    uri = "hf://org/tiny"
+    proc = _pull(hub, tmp_path, uri)
+    assert proc.returncode == 0, proc.stderr
+    assert _model(tmp_path, uri) == FILES
+    assert len(times) == 3 and times[1] - times[0] >= 0.95 and times[2] - times[1] >= 0.95, times
 
 
 def test_rate_limited_chunks_are_retried_after_retry_after(hub: HubServer, tmp_path: Path) -> None:

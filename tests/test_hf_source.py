@@ -184,7 +184,10 @@ def test_errors_repo_revision_folder(hub: HubServer) -> None:
     _one_line(e, "org/tiny", "revision 'v9' not found")
     with pytest.raises(NotFoundError) as e:
         _source(hub, "hf://org/tiny/nope").list_files()
-    _one_line(e, "org/tiny", "folder 'nope' not found")
+    _one_line(e, "org/tiny", "no folder or file 'nope'")
+    with pytest.raises(NotFoundError) as e:
+        _source(hub, "hf://org/tiny/tokenizer/nope.txt").list_files()
+    _one_line(e, "org/tiny", "no folder or file 'tokenizer/nope.txt'")
     with pytest.raises(AuthError) as e:
         _source(hub, "hf://org/tiny", HF_TOKEN="hf_wrong").list_files()
     _one_line(e, "HF_TOKEN was rejected")
@@ -230,11 +233,14 @@ def test_errors_missing_file_rate_limit_and_5xx(hub: HubServer) -> None:
     assert rl.value.retry_after == 7 and rl.value.retryable
     _one_line(rl, "org/tiny", "429")
 
-    hub.fail(429, retry_after=3, when=lambda r: "/revision/" in r.path)
+    # A listing rate-limited for good gives up after a bounded number of tries, naming the repo.
+    before = hub.count(contains="/revision/")
+    hub.fail(429, retry_after=0, count=100, when=lambda r: "/revision/" in r.path)
     with pytest.raises(RateLimitedError) as rl:
         _source(hub, "hf://org/tiny").list_files()
-    assert rl.value.retry_after == 3
+    assert rl.value.retry_after == 0 and hub.count(contains="/revision/") - before == 5
     _one_line(rl, "org/tiny", "rate-limited")
+    hub.clear_injections()
 
     hub.fail(503, when=lambda r: r.origin == "cdn")
     with pytest.raises(TransientError):
@@ -248,3 +254,56 @@ def test_unreachable_hub_is_transient(hub: HubServer) -> None:
     with pytest.raises(TransientError) as e:
         open_source("hf://org/tiny", Settings.from_env({"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"})).list_files()
     assert "cannot reach" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "sub, name",
+    [
+        ("config.json", "config.json"),
+        ("model.safetensors", "model.safetensors"),
+        ("tokenizer/deep/merges.txt", "merges.txt"),
+    ],
+)
+def test_subpath_naming_one_file(hub: HubServer, sub: str, name: str) -> None:
+    """hf://owner/model/<file> (our extension; KServe has no sub-paths): that one file, under
+    its own name, with its checksum, read at the pinned commit."""
+    src = _source(hub, f"hf://org/tiny/{sub}")
+    (f,) = src.list_files()
+    data = FILES[sub]
+    assert (f.path, f.size) == (name, len(data))
+    algo = "sha256" if sub.endswith(".safetensors") else "git-blob-sha1"
+    want = hashlib.sha256(data).hexdigest() if algo == "sha256" else _git_hash(data)
+    assert [(c.algo, c.value) for c in f.checksums] == [(algo, want)]
+    assert _read(src, f) == data
+    assert src.resolved_uri == f"hf://org/tiny:{hub.repos['org/tiny'].branches['main']}/{sub}"
+
+
+def _times(hub: HubServer, needle: str) -> list[float]:
+    import time
+
+    times: list[float] = []
+    hub.on_request(lambda r: times.append(time.monotonic()), when=lambda r: needle in r.path, count=100)
+    return times
+
+
+def test_rate_limited_listing_waits_retry_after(hub: HubServer) -> None:
+    """429 on the revision lookup, the tree listing and the access check: each is asked again
+    no sooner than Retry-After says, and the listing then succeeds."""
+    for needle, method in (("/revision/", "GET"), ("/tree/", "GET"), ("/resolve/", "HEAD")):
+        times = _times(hub, needle)
+        hub.fail(429, retry_after=1, count=1, when=lambda r, n=needle, m=method: n in r.path and r.method == m)
+        src = _source(hub, "hf://org/tiny")
+        assert {f.path for f in src.list_files()} == set(FILES), needle
+        assert len(times) >= 2 and times[1] - times[0] >= 0.95, (needle, times)
+        hub.clear_injections()
+
+
+def test_retry_after_http_date() -> None:
+    from email.utils import formatdate
+
+    from modelcache.sources.hf import _retry_after
+
+    assert _retry_after({"Retry-After": "12"}) == 12.0
+    got = _retry_after({"Retry-After": formatdate(__import__("time").time() + 30, usegmt=True)})
+    assert got is not None and 25 <= got <= 31
+    assert _retry_after({"Retry-After": "soon"}) is None and _retry_after({}) is None

@@ -105,6 +105,19 @@ def test_tree_listing_matches_git_and_lfs(hub: HubServer) -> None:
     assert sub == ["tokenizer/deep", "tokenizer/vocab.txt"]
     with pytest.raises(RemoteEntryNotFoundError):
         list(api.list_repo_tree("org/tiny", path_in_repo="nope"))
+    # A file's path: its tree is empty, and paths-info describes it (what hf://o/m/<file> uses).
+    assert list(api.list_repo_tree("org/tiny", path_in_repo="tokenizer/vocab.txt")) == []
+    from huggingface_hub.hf_api import RepoFile, RepoFolder
+
+    infos = api.get_paths_info("org/tiny", ["model.safetensors", "tokenizer", "missing.bin"], revision="main")
+    by_path = {i.path: i for i in infos}
+    assert set(by_path) == {"model.safetensors", "tokenizer"}
+    got = by_path["model.safetensors"]
+    assert isinstance(got, RepoFile) and got.size == len(BIG) and got.lfs is not None
+    assert got.lfs.sha256 == hashlib.sha256(BIG).hexdigest()
+    assert isinstance(by_path["tokenizer"], RepoFolder)
+    with pytest.raises(RevisionNotFoundError):
+        api.get_paths_info("org/tiny", ["config.json"], revision="v9")
 
 
 def test_ranges_on_hub_and_cdn(hub: HubServer) -> None:

@@ -13,10 +13,14 @@ Checksums: LFS files carry their sha256 (``lfs.oid``); small files their git blo
 
 from __future__ import annotations
 
+import logging
+import posixpath
 import re
 import threading
-from collections.abc import Mapping
-from typing import Any
+import time
+from collections.abc import Callable, Mapping
+from email.utils import parsedate_to_datetime
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx2
@@ -50,6 +54,14 @@ from modelcache.uri import HFLocation, Location
 
 _USER_AGENT = "modelcache/0.1 (hf source)"
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+#: Listing calls (revision info, the access check) answered 429 are retried after Retry-After,
+#: at most this many times and within this many seconds of waiting in all; past that the
+#: RateLimitedError (with its retry_after) goes up to the caller. The tree listing is already
+#: retried the same way by huggingface_hub's own backoff (5 times, honouring Retry-After).
+_LIST_ATTEMPTS = 5
+_LIST_WAIT_BUDGET = 300.0
+_T = TypeVar("_T")
+log = logging.getLogger(__name__)
 
 
 @register_source("hf")
@@ -74,7 +86,7 @@ class HFSource(Source):
 
     # ---- listing ---------------------------------------------------------------------
     def list_files(self) -> list[RemoteFile]:
-        commit = self._resolve_commit()
+        commit = self._rate_limited(self._resolve_commit)
         files = [self._remote_file(entry, commit) for entry in self._tree(commit)]
         files = list(
             filter_repo_objects(
@@ -92,7 +104,7 @@ class HFSource(Source):
                 f"'{self.loc.repo_id}' at commit {commit}"
             )
         # One HEAD before any bytes move: a gated repo lists fine but refuses downloads.
-        self._check_access(files[0])
+        self._rate_limited(lambda: self._check_access(files[0]))
         self._resolved = commit
         return files
 
@@ -116,24 +128,65 @@ class HFSource(Source):
         self._commit = sha
         return sha
 
+    def _rate_limited(self, call: Callable[[], _T]) -> _T:
+        """Run a listing call, waiting as the Hub's Retry-After says on 429 (bounded)."""
+        waited = 0.0
+        for attempt in range(1, _LIST_ATTEMPTS + 1):
+            try:
+                return call()
+            except RateLimitedError as exc:
+                wait = exc.retry_after if exc.retry_after is not None else float(min(8, 2 ** (attempt - 1)))
+                if attempt == _LIST_ATTEMPTS or waited + wait > _LIST_WAIT_BUDGET:
+                    raise
+                log.warning("%s: rate-limited by the Hub; retrying in %.0f s", self.loc.display, wait)
+                time.sleep(wait)
+                waited += wait
+        raise AssertionError("unreachable")
+
     def _tree(self, commit: str) -> list[RepoFile]:
         sub = self.loc.subfolder.strip("/")
         try:
             entries = list(
                 self._api.list_repo_tree(self.loc.repo_id, path_in_repo=sub or None, recursive=True, revision=commit)
             )
-        except RemoteEntryNotFoundError as exc:
-            raise NotFoundError(
-                f"{self.loc.display}: folder '{sub}' not found in Hugging Face repository "
-                f"'{self.loc.repo_id}' at commit {commit}"
-            ) from exc
+        except RemoteEntryNotFoundError:
+            entries = []
         except Exception as exc:
             raise self._api_error(exc, commit) from exc
-        return [e for e in entries if isinstance(e, RepoFile)]
+        files = [e for e in entries if isinstance(e, RepoFile)]
+        if sub and not files:
+            # git has no empty folders: the tree of a file's path is empty (or a 404), so
+            # hf://owner/model/config.json names one file, saved under its own name as KServe
+            # does for a single-file HDFS or S3 path.
+            files = self._single_file(sub, commit)
+            if not files:
+                raise NotFoundError(
+                    f"{self.loc.display}: no folder or file '{sub}' in Hugging Face repository "
+                    f"'{self.loc.repo_id}' at commit {commit}"
+                )
+        return files
+
+    def _single_file(self, sub: str, commit: str) -> list[RepoFile]:
+        try:
+            infos = self._rate_limited(lambda: self._paths_info(sub, commit))
+        except RemoteEntryNotFoundError:
+            return []
+        return [i for i in infos if isinstance(i, RepoFile) and i.path == sub]
+
+    def _paths_info(self, sub: str, commit: str) -> list[Any]:
+        try:
+            return list(self._api.get_paths_info(self.loc.repo_id, [sub], revision=commit))
+        except RemoteEntryNotFoundError:
+            raise
+        except Exception as exc:
+            raise self._api_error(exc, commit) from exc
 
     def _remote_file(self, entry: RepoFile, commit: str) -> RemoteFile:
         sub = self.loc.subfolder.strip("/")
-        rel = entry.path[len(sub) + 1 :] if sub and entry.path.startswith(sub + "/") else entry.path
+        if sub and entry.path == sub:
+            rel = posixpath.basename(sub)  # the sub-path names this one file
+        else:
+            rel = entry.path[len(sub) + 1 :] if sub and entry.path.startswith(sub + "/") else entry.path
         path = safe_relpath(rel, self.loc.display)
         if entry.lfs is not None:
             checksum = Checksum("sha256", entry.lfs.sha256.lower())
@@ -362,8 +415,15 @@ def _origin(url: str) -> tuple[str, str, int | None]:
 
 
 def _retry_after(headers: Mapping[str, str]) -> float | None:
+    """Seconds from a Retry-After header: delay-seconds or an HTTP date (RFC 9110 10.2.3)."""
     value = (headers.get("Retry-After") or "").strip()
+    if not value:
+        return None
     try:
-        return max(0.0, float(value)) if value else None
+        return max(0.0, float(value))
     except ValueError:
-        return None  # an HTTP date: let the engine's backoff decide
+        pass
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None  # unreadable: let the caller's backoff decide

@@ -2,7 +2,8 @@
 
 Endpoints (see shared/TESTING.md §4): ``GET /api/models/{repo}[/revision/{rev}]``,
 ``GET /api/models/{repo}/tree/{rev}[/{path}]`` (recursive, expand, ``Link: rel="next"``
-pagination), ``GET /api/models/{repo}/refs``, ``HEAD|GET /{repo}/resolve/{rev}/{path}``. LFS
+pagination), ``GET /api/models/{repo}/refs``, ``POST /api/models/{repo}/paths-info/{rev}``,
+``HEAD|GET /{repo}/resolve/{rev}/{path}``. LFS
 files answer with a 302 to a second listener (the "CDN", another origin, so clients must
 drop the Authorization header) carrying ``X-Repo-Commit``, ``X-Linked-Etag`` and
 ``X-Linked-Size`` as the real Hub does. Both listeners serve single ``Range`` requests
@@ -34,6 +35,7 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ("GET", re.compile(rf"^/api/models/{_REPO}/revision/(?P<rev>.+)$"), "revision_info"),
     ("GET", re.compile(rf"^/api/models/{_REPO}/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?$"), "tree"),
     ("GET", re.compile(rf"^/api/models/{_REPO}/refs$"), "refs"),
+    ("POST", re.compile(rf"^/api/models/{_REPO}/paths-info/(?P<rev>[^/]+)$"), "paths_info"),
     ("GET", re.compile(rf"^/api/models/{_REPO}$"), "model_info"),
     ("HEAD", re.compile(rf"^/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)$"), "resolve"),
     ("GET", re.compile(rf"^/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)$"), "resolve"),
@@ -147,6 +149,12 @@ class HubServer:
         with self._lock:
             self._hooks.append(_Hook(when, action, count))
 
+    def clear_injections(self) -> None:
+        """Drop pending injected failures and request hooks."""
+        with self._lock:
+            self._failures.clear()
+            self._hooks.clear()
+
     def count(self, *, origin: str | None = None, method: str | None = None, contains: str = "") -> int:
         with self._lock:
             return sum(
@@ -241,6 +249,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     hub: HubServer
     origin: str
+    post_body: bytes = b""
 
     def log_message(self, format: str, *args: object) -> None:  # quiet test output
         pass
@@ -249,6 +258,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._dispatch()
 
     def do_HEAD(self) -> None:
+        self._dispatch()
+
+    def do_POST(self) -> None:
+        # Read the body first: an injected failure or an error must not leave it on a kept-alive connection.
+        length = int(self.headers.get("Content-Length") or 0)
+        self.post_body = self.rfile.read(length) if length else b""
         self._dispatch()
 
     def _token(self) -> str | None:
@@ -383,6 +398,16 @@ class _Handler(BaseHTTPRequestHandler):
             nxt = f"http://{self.headers['Host']}{path}?recursive={recursive}&expand={expand}&cursor={cursor}"
             headers["Link"] = f'<{nxt}>; rel="next"'
         self._send_json(200, page, headers)
+
+    def _paths_info(self, m: re.Match[str], q: dict[str, list[str]]) -> None:
+        """``get_paths_info``: a form body ``paths=...&expand=...``; the entries that exist, as
+        in a tree listing (missing paths are left out, not an error)."""
+        form = parse_qs(self.post_body.decode())
+        repo = self.hub._repo_for(m["repo"], self._token(), files=False)
+        commit = self.hub._commit(repo, unquote(m["rev"]))
+        wanted = {p.strip("/") for p in form.get("paths", [])}
+        entries = self._tree_entries(commit, "", True, _truthy(form.get("expand")))
+        self._send_json(200, [e for e in entries if e["path"] in wanted])
 
     @staticmethod
     def _tree_entries(commit: Commit, base: str, recursive: bool, expand: bool) -> list[dict[str, object]]:
