@@ -252,10 +252,20 @@ class TransferEngine:
             for i in range(opts.workers)
         ]
         try:
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
+            try:
+                for w in workers:
+                    w.start()
+                for w in workers:
+                    w.join()
+            except BaseException:
+                # Ctrl-C in the calling thread: stop the workers before their files are closed
+                # below, or they go on fetching and write into descriptors closed under them
+                # (and reused by the files they open next).
+                self.cancel()
+                for w in workers:
+                    if w.ident is not None:
+                        w.join()
+                raise
         finally:
             syncer_stop.set()
             syncer.join()

@@ -770,3 +770,37 @@ def test_resume_inside_a_partly_journaled_chunk_hashes_in_order_and_fetches_only
     assert res.verified == ("sha256",)
     assert_store_correct(root, {uri: {"w.bin": data}}, must_have={uri})
     assert NodeStore.at(root).verify(storage_key(uri)) == []
+
+
+# ---- Ctrl-C --------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_stops_the_workers_before_their_files_are_closed(
+    nginx: NginxServer, fault_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """KeyboardInterrupt in the calling thread closed every file while the workers went on: they
+    kept fetching, opened new files (which can reuse a closed descriptor number) and wrote into
+    them. The engine now cancels and joins its workers first."""
+    import signal
+
+    files = {f"f{i}.bin": nginx.write(f"m/d/f{i}.bin", MiB, seed=90 + i).read_bytes() for i in range(6)}
+    fault_proxy.set_rate_limit(2 * MiB)
+    uris = [fault_proxy.url(f"m/d/{name}") for name in files]
+    opts = TransferOptions(workers=3, chunk_size=256 * 1024, stall_timeout=30, **QUICK)
+    main = threading.get_ident()
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + 10
+        while fault_proxy.total_bytes_sent < MiB and time.monotonic() < deadline:
+            time.sleep(0.01)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        pull_many(uris, root=tmp_path / "root", settings=settings(), options=opts)
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("modelcache-worker")]
+    time.sleep(0.3)  # the proxy may still count a piece per connection it had handed to the kernel
+    sent = fault_proxy.total_bytes_sent
+    time.sleep(0.5)
+    assert alive == [], f"workers still running after the interrupt: {alive}"
+    assert fault_proxy.total_bytes_sent == sent, "bytes still flowing after the interrupt"
