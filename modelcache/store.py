@@ -252,6 +252,9 @@ class NodeStore:
                 os.fsync(f.fileno())
             if isinstance(self.layout, DestLayout):
                 self._merge_into(data, target)
+                # Only emptied folders are left; gone, they tell ``recover`` that the files are in
+                # place if we die before the manifest is (else the model is fetched again).
+                shutil.rmtree(data)
             else:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 if target.exists():  # an unlisted or damaged copy: replace it whole

@@ -804,3 +804,35 @@ def test_ctrl_c_stops_the_workers_before_their_files_are_closed(
     time.sleep(0.5)
     assert alive == [], f"workers still running after the interrupt: {alive}"
     assert fault_proxy.total_bytes_sent == sent, "bytes still flowing after the interrupt"
+
+
+# ---- publish into a destination folder, interrupted ----------------------------------------------
+
+
+def test_dest_publish_interrupted_before_the_manifest_is_recovered_not_downloaded_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The initializer's layout merges the staged files into the destination, then installs the
+    manifest. The emptied staging ``data`` folder stayed, so after a crash between the two steps
+    ``recover`` did not see a finished publish and the whole model was fetched again."""
+    from modelcache.store import NodeStore as Store
+
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "w.bin").write_bytes(random_bytes(2 * MiB, seed=95))
+    (src / "sub" / "c.json").write_bytes(b"{}")
+    dest = tmp_path / "dest"
+    opts = TransferOptions(workers=2, chunk_size=MiB, **QUICK)
+    real = Store._install_manifest
+
+    def crash(self: Store, key: str, pending: Path) -> None:
+        raise KeyboardInterrupt  # the process dies here (nothing else runs)
+
+    monkeypatch.setattr(Store, "_install_manifest", crash)
+    with pytest.raises(KeyboardInterrupt):
+        pull(str(src), dest=dest, settings=settings(), options=opts)
+    monkeypatch.setattr(Store, "_install_manifest", real)
+    res = pull(str(src), dest=dest, settings=settings(), options=opts)
+    assert res.cached, "the model was downloaded again"
+    assert (dest / "w.bin").read_bytes() == (src / "w.bin").read_bytes()
+    assert (dest / "sub" / "c.json").read_bytes() == b"{}"
