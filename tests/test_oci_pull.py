@@ -199,6 +199,9 @@ def test_archive_escape_is_refused(
     uri = f"oci://{oci_registry.host}/{oci_repo}:evil"
     _error_line(_pull(tmp_path, uri), uri, needle, "refused")
     assert not (tmp_path / "root/models" / storage_key(uri)).exists()
+    # What was unpacked before the bad entry is not left in staging (it cannot be resumed).
+    staging = tmp_path / "root/.modelcache/staging" / storage_key(uri)
+    assert not [p for p in staging.rglob("*") if p.is_file()], sorted(staging.rglob("*"))
 
 
 def test_error_messages(
@@ -210,8 +213,9 @@ def test_error_messages(
     _error_line(
         _pull(tmp_path, f"oci://{host}/{oci_repo}:nope"), f"oci://{host}/{oci_repo}:nope", "tag 'nope' not found"
     )
-    _error_line(_pull(tmp_path, f"oci://{host}/{oci_repo}:nomodels"), "has no /models/ directory")
-    _error_line(_pull(tmp_path, f"oci://{host}/{oci_repo}:odd"), "media type 'application/vnd.example.weights'")
+    nomodels, odd = f"oci://{host}/{oci_repo}:nomodels", f"oci://{host}/{oci_repo}:odd"
+    _error_line(_pull(tmp_path, nomodels), nomodels, "has no /models/ directory")
+    _error_line(_pull(tmp_path, odd), odd, "media type 'application/vnd.example.weights'")
     auth = oci_auth_registry
     assert auth.auth is not None
     auth.push_image(oci_repo, "v1", [(make_tar([("models/a.txt", b"a")]), LAYER_TAR)])
@@ -221,3 +225,39 @@ def test_error_messages(
     ok = _pull(tmp_path, uri, config=docker_config(tmp_path / "cfg.json", auth.host, *auth.auth))
     assert ok.returncode == 0, ok.stderr
     assert auth.auth[1] not in ok.stderr
+
+
+def test_modelcar_kill_9_then_pull_again(
+    oci_registry: OCIRegistry, oci_repo: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Modelcar layers are unpacked as they stream, so a pull killed mid-layer does not resume:
+    the next pull unpacks again. Safe: nothing is published half, the stale extraction is
+    discarded, and the staging area is gone once the model is published."""
+    files = {"a/w.bin": os.urandom(3 << 20), "config.json": b"{}"}
+    layer = make_tar([(f"models/{k}", v) for k, v in files.items()])
+    oci_registry.push_image(oci_repo, "car", [(layer, LAYER_TAR)])
+    uri = f"oci://127.0.0.1:{proxy.port}/{oci_repo}:car"
+    key = storage_key(uri)
+    root = tmp_path / "root"
+    staging = root / ".modelcache/staging" / key
+    proxy.set_rate_limit(1_000_000)
+    proc = subprocess.Popen(
+        _cmd(uri, root), env=_env(tmp_path), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+    def unpacked() -> int:
+        return sum(p.stat().st_size for p in staging.rglob("*") if p.is_file() and "extract" in p.parts)
+
+    try:
+        wait_until(lambda: unpacked() > (512 << 10), timeout=60, what="half a MiB unpacked")
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    assert not (root / "models" / key).exists()
+    assert not (root / ".modelcache/manifests" / f"{key}.json").exists()
+    proxy.set_rate_limit(None)
+    done = _pull(tmp_path, uri)
+    assert done.returncode == 0, done.stderr
+    assert _model(tmp_path, uri) == files
+    assert not staging.exists(), sorted(str(p) for p in staging.rglob("*"))
+

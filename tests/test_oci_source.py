@@ -165,6 +165,14 @@ def test_index_resolves_to_node_platform(oci_registry: OCIRegistry, oci_repo: st
         assert src.resolved_uri.endswith("@" + digest)
     assert files == ["m.txt"]
     assert (tmp_path / "s/m.txt").read_bytes() == b"mine"
+    # An index without this node's platform: one line naming the URI, the platform and what it has.
+    index["manifests"] = index["manifests"][:1]
+    oci_registry.push_manifest(oci_repo, "foreign", index, OCI_INDEX)
+    uri = f"oci://{oci_registry.host}/{oci_repo}:foreign"
+    with open_source(uri, settings(tmp_path)) as src, pytest.raises(NotFoundError) as err:
+        src.list_files()
+    msg = str(err.value)
+    assert uri in msg and f"no linux/{node_arch()} image" in msg and f"linux/{other_arch}" in msg, msg
 
 
 @pytest.mark.parametrize(
@@ -219,7 +227,7 @@ def test_error_messages(oci_registry: OCIRegistry, oci_repo: str, tmp_path: Path
             src.extract_into(str(tmp_path / "s"), lambda n: None)
         msg = str(err.value)
         assert needle in msg and "\n" not in msg, msg
-        assert uri.split("://", 1)[1].split(":")[0] in msg
+        assert uri in msg, msg  # the whole URI, not just the host
 
     fail(f"oci://{host}/{oci_repo}:nope", NotFoundError, "tag 'nope' not found")
     # distribution answers MANIFEST_UNKNOWN (not NAME_UNKNOWN) for a repository never pushed
@@ -294,3 +302,13 @@ def test_docker_hub_names(tmp_path: Path) -> None:
     cfg = docker_config(tmp_path / "c.json", "https://index.docker.io/v1/", "hubuser", "hubpass")
     assert docker_config_credentials(str(cfg), "docker.io") == ("hubuser", "hubpass")
     assert docker_config_credentials(str(cfg), "ghcr.io") is None
+
+
+def test_oci_settings_as_kserve_reads_them() -> None:
+    """KServe's defaults and spellings: the docker config at /mnt/oci-fetch-auth/config.json,
+    KSERVE_OCI_INSECURE_REGISTRY true for 1/true/yes only."""
+    default = Settings.from_env({})
+    assert default.oci.docker_config == "/mnt/oci-fetch-auth/config.json" and default.oci.insecure is False
+    assert Settings.from_env({"KSERVE_OCI_DOCKER_CONFIG": "/x/c.json"}).oci.docker_config == "/x/c.json"
+    for value, want in (("1", True), ("true", True), ("YES", True), ("false", False), ("0", False), ("", False)):
+        assert Settings.from_env({"KSERVE_OCI_INSECURE_REGISTRY": value}).oci.insecure is want, value

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -183,6 +184,15 @@ class OCISource(Source):
         plan = self.plan()
         if plan.layout == "artifact":
             return None
+        try:
+            return self._extract(plan, staging_dir, on_bytes)
+        except BaseException:
+            # Unpacked layers cannot be resumed (the next pull streams them again), so a failed
+            # extraction leaves nothing behind: its partial tree would only hold disk space.
+            shutil.rmtree(staging_dir, ignore_errors=True)
+            raise
+
+    def _extract(self, plan: Plan, staging_dir: str, on_bytes: Callable[[int], None]) -> list[str]:
         os.makedirs(staging_dir, exist_ok=True)
         modelcar = LayerExtractor(staging_dir, self.where, prefix="models")
         for layer in plan.layers:
