@@ -836,3 +836,27 @@ def test_dest_publish_interrupted_before_the_manifest_is_recovered_not_downloade
     assert res.cached, "the model was downloaded again"
     assert (dest / "w.bin").read_bytes() == (src / "w.bin").read_bytes()
     assert (dest / "sub" / "c.json").read_bytes() == b"{}"
+
+
+# ---- one pull_many, the same relative paths in several models, a URI twice -------------------------
+
+
+def test_same_paths_in_several_models_and_a_repeated_uri_in_one_pull_many(tmp_path: Path) -> None:
+    srcs, expected = [], {}
+    for i in range(3):
+        src = tmp_path / f"src{i}"
+        (src / "sub").mkdir(parents=True)
+        files = {"config.json": b"{}" * i, "w.bin": random_bytes(MiB + i * 4096, seed=100 + i),
+                 "sub/empty": b"", "sub/chunk.bin": random_bytes(256 * 1024, seed=200 + i)}
+        for rel, data in files.items():
+            (src / rel).write_bytes(data)
+        srcs.append(str(src))
+        expected[str(src)] = files
+    uris = [srcs[0], srcs[1], srcs[0], srcs[2]]
+    opts = TransferOptions(workers=4, chunk_size=256 * 1024, **QUICK)
+    out = within(30, lambda: pull_many(uris, root=tmp_path / "root", settings=settings(), options=opts), "pull_many")
+    assert all(not isinstance(r, BaseException) for r in out), out
+    assert out[0] == out[2]
+    assert_store_correct(tmp_path / "root", expected, must_have=set(srcs))
+    store = NodeStore.at(tmp_path / "root")
+    assert all(store.verify(storage_key(u)) == [] for u in srcs)
