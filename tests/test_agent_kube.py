@@ -234,3 +234,38 @@ def test_restarted_agent_keeps_downloaded_models_without_fetching(kubeapi, kube,
     finally:
         again.stop()
     assert nginx.access_log() == [] and "download started" not in again.log()
+
+
+def test_status_written_on_change_and_progress_at_most_once_per_interval(kubeapi, kube, nginx, fault_proxy,
+                                                                         tmp_path):
+    from modelcache.kube.informer import Informer
+
+    nginx.write("p/model.bin", 3 << 20)
+    fault_proxy.set_rate_limit(350_000)  # ~9 s of download
+    uri = fault_proxy.url("p/model.bin")
+    create_node(kube, "node-a", [entry("m", uri)])
+    writes: list[tuple[float, str, int]] = []
+
+    def seen(event: str, obj: dict, _old: dict | None) -> None:
+        st = obj.get("status") or {}
+        if event == "MODIFIED" and st.get("modelStatus"):
+            writes.append((time.monotonic(), st["modelStatus"].get("m", ""),
+                           (st.get("modelDetails", {}).get("m") or {}).get("bytesDone") or 0))
+
+    watcher = Informer(kube, LOCAL_MODEL_NODES, field_selector="metadata.name=node-a")
+    watcher.add_handler(seen)
+    watcher.start()
+    agent = start_agent(kubeapi.kubeconfig, "node-a", tmp_path / "root", tmp_path, "--status-interval", "2")
+    try:
+        wait_states(kube, "node-a", {"m": D}, agent=agent, timeout=90)
+        time.sleep(1)
+    finally:
+        agent.stop()
+        watcher.stop()
+    downloading = [w for w in writes if w[1] == "ModelDownloading"]
+    progress = sorted({w[2] for w in downloading})
+    assert len(progress) >= 3, writes  # progress is reported while the download runs...
+    span = downloading[-1][0] - downloading[0][0]
+    # ...but at most once per --status-interval (plus the start and the admission, which are changes).
+    assert len(downloading) <= span / 2 + 3, (len(downloading), span, writes)
+    assert [w[1] for w in writes].count(D) == 1, writes  # Downloaded written once, then nothing

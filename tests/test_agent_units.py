@@ -161,3 +161,36 @@ def test_install_in_place_renames_only_differing_files_and_drops_stale_ones(tmp_
     assert (folder / "d" / "b.bin").read_bytes() == b"new-b" and (folder / "e.bin").read_bytes() == b"added"
     assert not (folder / "c.bin").exists() and (folder / "foreign.txt").exists()
     assert store.manifest(key) == manifest and store.is_present(key) and store.verify(key) == []
+
+
+def test_retry_backoff_doubles_up_to_the_cap_and_counts_errors_by_reason(tmp_path: Path) -> None:
+    import re
+    import time
+
+    from agent.config import AgentConfig
+    from agent.core import Agent
+    from agent.inuse import NoMounts
+    from agent.state import ModelRecord
+    from modelcache.errors import TransientError
+    from modelcache.kube.types import MODEL_DOWNLOAD_ERROR
+
+    cfg = AgentConfig(node="n", root=tmp_path / "root", backoff_initial=1.0, backoff_max=4.0, port=-1)
+    agent = Agent(cfg, Credentials(None, {}), NoMounts())
+    try:
+        rec = ModelRecord(key="0123456789abcdef", uri="http://h/m.bin",
+                          entries=[LocalModelInfo(model_name="m", source_model_uri="http://h/m.bin")])
+        delays = []
+        for _ in range(5):
+            before = time.monotonic()
+            agent._failed(rec, TransientError("http://h/m.bin: HTTP 503"), 0.1, "http")
+            m = re.search(r"\(retry (\d+) in (\d+)s\)$", rec.message)
+            assert m, rec.message
+            delays.append(int(m.group(2)))
+            assert before + delays[-1] - 0.5 <= rec.next_attempt <= time.monotonic() + delays[-1] + 0.5
+        assert delays == [1, 2, 4, 4, 4]  # exponential, capped at --backoff-max
+        assert rec.state == MODEL_DOWNLOAD_ERROR and rec.reason == "Transient"
+        text = agent.metrics.render().decode()
+        assert 'modelcache_agent_errors_total{reason="Transient"} 5.0' in text
+        assert 'modelcache_agent_download_duration_seconds_count{outcome="error",scheme="http"} 5.0' in text
+    finally:
+        agent.stop()
