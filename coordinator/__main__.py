@@ -34,17 +34,20 @@ from coordinator.app import Config, Coordinator
 @click.option("--pod-failure-policy", type=click.Choice(["Ignore", "Fail"]), default="Ignore",
               help="when the pod webhook cannot look up caches: admit unchanged, or deny")
 @click.option("--workers", type=int, default=2, help="workers per controller")
+@click.option("--discovery-interval", type=float, default=30.0,
+              help="seconds between checks for InferenceService/LLMInferenceService CRDs installed later (0: off)")
 @click.option("--log-level", default="INFO")
 def main(kubeconfig: str | None, webhook_cert_dir: Path | None, webhook_port: int, self_signed: bool, host: str,
          port: int, leader_election: bool, lease_name: str, lease_namespace: str, identity: str, mutate_isvc: bool,
-         pod_rewrite: str, pod_failure_policy: str, workers: int, log_level: str) -> None:
+         pod_rewrite: str, pod_failure_policy: str, workers: int, discovery_interval: float,
+         log_level: str) -> None:
     """Run the modelcache coordinator."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = Config(
         kubeconfig=kubeconfig, webhook_cert_dir=webhook_cert_dir, webhook_host=host, webhook_port=webhook_port,
         self_signed=self_signed, host=host, port=port, leader_election=leader_election, lease_name=lease_name,
         lease_namespace=lease_namespace, identity=identity, mutate_isvc=mutate_isvc, pod_rewrite=pod_rewrite == "on",
-        pod_fail_closed=pod_failure_policy == "Fail", workers=workers,
+        pod_fail_closed=pod_failure_policy == "Fail", workers=workers, discovery_interval=discovery_interval,
     )
     coordinator = Coordinator(cfg)
 

@@ -45,6 +45,8 @@ class Config:
     lease_duration: float = 15.0
     renew_deadline: float = 10.0
     retry_period: float = 2.0
+    #: Seconds between checks for InferenceService/LLMInferenceService CRDs installed after start (0: off).
+    discovery_interval: float = 30.0
 
 
 class Coordinator:
@@ -53,6 +55,7 @@ class Coordinator:
         self.kube = kube or Kube(load_api_client(cfg.kubeconfig))
         self.view: ClusterView | None = None
         self.manager: Manager | None = None
+        self.wiring: controllers.Wiring | None = None
         self.webhooks: WebhookServer | None = None
         self.tls: ReloadingContext | None = None
         self.health: HealthServer | None = None
@@ -69,11 +72,14 @@ class Coordinator:
         if self.cfg.webhook_cert_dir is not None:
             self._start_webhooks(self.cfg.webhook_cert_dir)
         self.view = ClusterView.build(self.kube, watch_timeout=self.cfg.watch_timeout)
-        self.manager = controllers.build(
+        self.wiring = controllers.build_wiring(
             self.view, EventRecorder(self.kube, "modelcache-coordinator", self.cfg.identity),
             controllers.Options(mutate_services=self.cfg.mutate_isvc, workers=self.cfg.workers))
+        self.manager = self.wiring.manager
         self.view.start()
         self.manager.start_informers()
+        if self.cfg.discovery_interval > 0:
+            threading.Thread(target=self._discovery_loop, name="discovery", daemon=True).start()
         if self.cfg.leader_election:
             self.elector = LeaderElector(
                 self.kube, self.cfg.lease_namespace, self.cfg.lease_name, self.cfg.identity,
@@ -85,12 +91,41 @@ class Coordinator:
             self._started_leading()
         return self
 
+    def _discovery_loop(self) -> None:
+        """Notice service CRDs installed after start (KServe installed later, or upgraded to a
+        version serving LLMInferenceService) and track them without a restart. One cheap
+        ``list?limit=1`` per missing kind per interval; nothing once both are tracked."""
+        while not self.done.wait(self.cfg.discovery_interval):
+            view = self.view
+            if view is None or (view.isvcs is not None and view.llmisvcs is not None):
+                return
+            try:
+                self.track_new_services()
+            except Exception as exc:
+                log.warning("service CRD discovery failed (retrying): %s: %s", type(exc).__name__, exc)
+
+    def track_new_services(self) -> list[str]:
+        """Start tracking service kinds the API now serves; returns their kinds."""
+        with self._lock:
+            if self.done.is_set() or self.view is None or self.wiring is None:
+                return []
+            found = self.view.discover_services()
+            new_controllers = []
+            for inf, res in found:
+                new_controllers += controllers.wire_services(self.wiring, inf, res)
+                inf.start()
+                log.info("%s (%s) is served now: tracking it", res.kind, res.api_version)
+            if self.controllers_running.is_set():  # else they start with the others on leadership
+                for ctl in new_controllers:
+                    ctl.start()
+            return [res.kind for _inf, res in found]
+
     def _start_webhooks(self, cert_dir: Path) -> None:
         if self.cfg.self_signed and not (cert_dir / CERT_FILE).exists():
             generate_self_signed(cert_dir, [socket.gethostname(), "localhost", "127.0.0.1"])
             log.warning("generated a self-signed webhook certificate in %s (development only)", cert_dir)
         self.tls = ReloadingContext(cert_dir).start()
-        lookup = ApiLookup(self.kube)
+        lookup = ApiLookup(self.kube, recheck=self.cfg.discovery_interval or 30.0)
         routes = {
             "/mutate-pods": PodMutator(lookup, self.cfg.pod_rewrite, self.cfg.pod_fail_closed),
             "/validate-localmodelcaches": CacheValidator(lookup, namespaced=False),

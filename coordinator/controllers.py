@@ -7,7 +7,7 @@ LocalModelNamespaceCache controller.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator import metrics
@@ -25,10 +25,10 @@ from coordinator.view import (
     user_labels,
     volume_cache_keys,
 )
-from modelcache.kube.client import INFERENCE_SERVICES
+from modelcache.kube.client import INFERENCE_SERVICES, Resource
 from modelcache.kube.controller import Controller, Manager, Result, generation_or_meta_changed, own_key
 from modelcache.kube.events import EventRecorder
-from modelcache.kube.informer import ADDED, DELETED
+from modelcache.kube.informer import ADDED, DELETED, Informer
 
 Obj = dict[str, Any]
 
@@ -85,9 +85,25 @@ def _meta_changed(event: str, obj: Obj, old: Obj | None) -> bool:
     return any(_meta(obj, k) != _meta(old, k) for k in ("labels", "annotations", "deletionTimestamp"))
 
 
+@dataclass
+class Wiring:
+    """What wiring a service kind discovered after start needs (see :func:`wire_services`)."""
+
+    view: ClusterView
+    manager: Manager
+    options: Options
+    #: (cache controller, its service -> cache keys mapper)
+    cache_watchers: list[tuple[Controller, Callable[[str, Obj, Obj | None], list[str]]]] = field(default_factory=list)
+
+
 def build(view: ClusterView, recorder: EventRecorder, options: Options | None = None) -> Manager:
+    return build_wiring(view, recorder, options).manager
+
+
+def build_wiring(view: ClusterView, recorder: EventRecorder, options: Options | None = None) -> Wiring:
     options = options or Options()
     manager = Manager()
+    wiring = Wiring(view, manager, options)
     cache_controllers: list[tuple[Controller, bool]] = []
     for namespaced in (False, True):
         rec = CacheReconciler(view, recorder, namespaced)
@@ -118,8 +134,7 @@ def build(view: ClusterView, recorder: EventRecorder, options: Options | None = 
         ctl.watch(view.groups, by_group)
         ctl.watch(view.nodes, all_caches, node_membership_changed)
         ctl.watch(view.lmns, by_entries, entries_or_states_changed)
-        for inf in view.service_informers():
-            ctl.watch(inf, by_service, _meta_changed)
+        wiring.cache_watchers.append((ctl, by_service))
         ctl.watch(view.pvs, by_volume, lambda e, _o, _old: e in (ADDED, DELETED))
         ctl.watch(view.pvcs, by_volume, lambda e, _o, _old: e in (ADDED, DELETED))
         manager.add(ctl)
@@ -153,22 +168,36 @@ def build(view: ClusterView, recorder: EventRecorder, options: Options | None = 
     node_ctl.watch(view.groups, all_nodes)
     manager.add(node_ctl)
 
-    if options.mutate_services:
-        for inf, res, uri_of in ((view.isvcs, INFERENCE_SERVICES, isvc_storage_uri),
-                                 (view.llmisvcs, view.llm_resource, llmisvc_model_uri)):
-            if inf is None or res is None:
-                continue
-            svc = ServiceReconciler(view, inf, res, uri_of)
-            svc_ctl = Controller(res.kind, counted(res.kind, svc), workers=options.workers)
-            svc_ctl.watch(inf, own_key, generation_or_meta_changed)
+    for inf in view.service_informers():
+        res = INFERENCE_SERVICES if inf is view.isvcs else view.llm_resource
+        assert res is not None
+        wire_services(wiring, inf, res)
+    return wiring
 
-            def every_service(event: str, obj: Obj, old: Obj | None, inf: Any = inf) -> list[str]:
-                if event == "MODIFIED" and old is not None and obj.get("spec") == old.get("spec") and \
-                        _meta(obj, "deletionTimestamp") == _meta(old, "deletionTimestamp"):
-                    return []
-                return inf.store.keys()
 
-            svc_ctl.watch(view.caches, every_service)
-            svc_ctl.watch(view.ns_caches, every_service)
-            manager.add(svc_ctl)
-    return manager
+def wire_services(wiring: Wiring, inf: Informer, res: Resource) -> list[Controller]:
+    """Connect one service kind's informer: caches list its services, and (unless KServe's
+    webhook does it) a controller keeps the services' local-model label and annotations.
+    Returns the new controllers (already added to the manager, not started)."""
+    view = wiring.view
+    if inf not in wiring.manager.informers:
+        wiring.manager.informers.append(inf)
+    for ctl, by_service in wiring.cache_watchers:
+        ctl.watch(inf, by_service, _meta_changed)
+    if not wiring.options.mutate_services:
+        return []
+    uri_of = isvc_storage_uri if res.plural == INFERENCE_SERVICES.plural else llmisvc_model_uri
+    svc = ServiceReconciler(view, inf, res, uri_of)
+    svc_ctl = Controller(res.kind, counted(res.kind, svc), workers=wiring.options.workers)
+    svc_ctl.watch(inf, own_key, generation_or_meta_changed)
+
+    def every_service(event: str, obj: Obj, old: Obj | None) -> list[str]:
+        if event == "MODIFIED" and old is not None and obj.get("spec") == old.get("spec") and \
+                _meta(obj, "deletionTimestamp") == _meta(old, "deletionTimestamp"):
+            return []
+        return inf.store.keys()
+
+    svc_ctl.watch(view.caches, every_service)
+    svc_ctl.watch(view.ns_caches, every_service)
+    wiring.manager.add(svc_ctl)
+    return [svc_ctl]

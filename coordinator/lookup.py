@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from coordinator.urimatch import CacheRef
@@ -17,9 +18,11 @@ from modelcache.kube.client import (
 
 
 class ApiLookup:
-    def __init__(self, kube: Kube) -> None:
+    def __init__(self, kube: Kube, recheck: float = 30.0) -> None:
         self.kube = kube
+        self.recheck = recheck
         self._services: list[Resource] | None = None
+        self._checked_at = 0.0
 
     def cache(self, namespace: str | None, name: str) -> dict[str, Any] | None:
         if namespace:
@@ -41,8 +44,11 @@ class ApiLookup:
         return self.kube.get_or_none(LOCAL_MODEL_NODE_GROUPS, name) is not None
 
     def service_resources(self) -> list[Resource]:
-        """InferenceService and the served LLMInferenceService version (checked once)."""
-        if self._services is None:
+        """InferenceService and the served LLMInferenceService version: checked once when both are
+        served, else again after ``recheck`` seconds (a CRD installed later counts without a restart)."""
+        now = time.monotonic()
+        if self._services is None or (len(self._services) < 2 and now - self._checked_at >= self.recheck):
+            self._checked_at = now
             found = [INFERENCE_SERVICES] if served(self.kube, INFERENCE_SERVICES) else []
             for version in LLMISVC_VERSIONS:
                 if served(self.kube, llm_resource(version)):

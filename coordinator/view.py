@@ -111,6 +111,7 @@ class ClusterView:
     llmisvcs: Informer | None = None
     llm_resource: Resource | None = None
     extra: list[Informer] = field(default_factory=list)
+    _watch_timeout: int = 300
     #: Bumped after any node or group change that can alter membership (see members()).
     _epoch: int = 0
     _members: dict[tuple[str, ...], tuple[int, dict[str, Member]]] = field(default_factory=dict)
@@ -121,7 +122,6 @@ class ClusterView:
         def inf(res: Resource, **kw: Any) -> Informer:
             return Informer(kube, res, watch_timeout=watch_timeout, retry_delay=1.0, **kw)
 
-        by_service = {BY_CACHE: service_cache_keys}
         view = cls(
             kube=kube,
             caches=inf(LOCAL_MODEL_CACHES),
@@ -135,19 +135,38 @@ class ClusterView:
         )
         view.nodes.add_handler(view._bump_if_membership)
         view.groups.add_handler(view._bump)
+        view._watch_timeout = watch_timeout
         if with_services:
-            if served(kube, INFERENCE_SERVICES):
-                view.isvcs = inf(INFERENCE_SERVICES, indexers=by_service)
-            else:
-                log.info("InferenceService (serving.kserve.io/v1beta1) is not served: services are not tracked")
+            view.discover_services()
+            if view.isvcs is None:
+                log.info("InferenceService (serving.kserve.io/v1beta1) is not served: services are not tracked "
+                         "until its CRD is installed")
+            if view.llmisvcs is None:
+                log.info("LLMInferenceService is not served: LLM services are not tracked until its CRD is installed")
+        return view
+
+    def discover_services(self) -> list[tuple[Informer, Resource]]:
+        """Create informers (not started) for service kinds the API serves and we do not track yet.
+
+        Called at start and then periodically: KServe may be installed after the coordinator, and a
+        CRD added later must not need a restart. Returns the newly tracked (informer, resource)s.
+        """
+        def inf(res: Resource) -> Informer:
+            return Informer(self.kube, res, watch_timeout=self._watch_timeout, retry_delay=1.0,
+                            indexers={BY_CACHE: service_cache_keys})
+
+        found: list[tuple[Informer, Resource]] = []
+        if self.isvcs is None and served(self.kube, INFERENCE_SERVICES):
+            self.isvcs = inf(INFERENCE_SERVICES)
+            found.append((self.isvcs, INFERENCE_SERVICES))
+        if self.llmisvcs is None:
             for version in LLMISVC_VERSIONS:
                 res = llm_resource(version)
-                if served(kube, res):
-                    view.llmisvcs, view.llm_resource = inf(res, indexers=by_service), res
+                if served(self.kube, res):
+                    self.llmisvcs, self.llm_resource = inf(res), res
+                    found.append((self.llmisvcs, res))
                     break
-            else:
-                log.info("LLMInferenceService is not served: LLM services are not tracked")
-        return view
+        return found
 
     # -- membership, memoized: 50 caches x 500 nodes must not re-match every node per reconcile --
     def _bump(self, _event: str, _obj: dict[str, Any], _old: dict[str, Any] | None) -> None:
