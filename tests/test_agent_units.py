@@ -194,3 +194,30 @@ def test_retry_backoff_doubles_up_to_the_cap_and_counts_errors_by_reason(tmp_pat
         assert 'modelcache_agent_download_duration_seconds_count{outcome="error",scheme="http"} 5.0' in text
     finally:
         agent.stop()
+
+
+def test_every_setting_has_a_flag_and_an_environment_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    import agent.__main__ as main
+    from agent.config import AgentConfig
+
+    seen: list[AgentConfig] = []
+    monkeypatch.setattr(main, "run", lambda cfg, _paths=(): seen.append(cfg) or 0)
+    env = {"NODE_NAME": "gpu-7", "MODELCACHE_ROOT": str(tmp_path / "r"), "MODELCACHE_MAX_CONCURRENT_MODELS": "3",
+           "MODELCACHE_WORKERS": "5", "MODELCACHE_RESYNC_PERIOD": "42", "MODELCACHE_AGENT_PORT": "9099",
+           "POD_NAMESPACE": "models", "KUBECONFIG": str(tmp_path / "kc"), "MODELCACHE_BACKOFF_MAX": "60"}
+    result = CliRunner().invoke(main.cli, [], env=env)
+    assert result.exit_code == 0, result.output
+    cfg = seen[-1]
+    assert (cfg.node, cfg.root, cfg.max_concurrent_models, cfg.workers, cfg.resync_period, cfg.port,
+            cfg.credentials_namespace, cfg.kubeconfig, cfg.backoff_max) == (
+        "gpu-7", tmp_path / "r", 3, 5, 42.0, 9099, "models", str(tmp_path / "kc"), 60.0)
+    # Flags win over the environment; the documented defaults hold without either.
+    result = CliRunner().invoke(main.cli, ["--node", "n2", "--workers", "2"], env={**env, "MODELCACHE_ROOT": ""})
+    assert result.exit_code == 0 and seen[-1].node == "n2" and seen[-1].workers == 2
+    result = CliRunner().invoke(main.cli, ["--node", "n3"], env={"KUBECONFIG": ""})
+    assert result.exit_code == 0, result.output
+    assert seen[-1].root == Path("/mnt/models") and seen[-1].credentials_namespace == "kserve"
+    no_node = CliRunner().invoke(main.cli, [], env={"NODE_NAME": ""})
+    assert no_node.exit_code == 2 and "--node (or NODE_NAME) is required" in no_node.output
