@@ -20,13 +20,9 @@ import pytest
 
 from tests.faultproxy import Fault, FaultProxy
 from tests.fixtures.objectstores import AzureServer, GCSServer, S3Server
+from tests.objectstore_cli import CAPTURED, CHUNK, SECRETS, clean_env, errors_only, fails_with, pull, record
 from tests.objectstore_data import model_tree
 from tests.pull_helpers import MiB, assert_store_correct, cli_cmd, journaled_bytes, model_dir, one_error_line
-
-CHUNK = 256 * 1024
-#: Every CLI run's output, for the final grep for secrets.
-CAPTURED: list[str] = []
-SECRETS: set[str] = set()
 
 
 @dataclass
@@ -116,40 +112,6 @@ def proxy_for() -> Iterator[Callable[[Backend], FaultProxy]]:
         p.close()
 
 
-def clean_env(extra: dict[str, str]) -> dict[str, str]:
-    """The test process's env minus every credential variable, plus ``extra``."""
-    drop = ("AWS_", "S3_", "AZURE_", "AZ_", "GOOGLE_", "STORAGE_", "MODELCACHE_AZURE", "awsAnonymous")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    return env | extra
-
-
-def pull(root: Path, uri: str, env: dict[str, str], *more: str) -> subprocess.CompletedProcess[str]:
-    args = [
-        "pull",
-        uri,
-        "--root",
-        str(root),
-        "--chunk-size",
-        str(CHUNK),
-        "--workers",
-        "4",
-        "--progress",
-        "plain",
-        "--progress-interval",
-        "0.2",
-        *more,
-    ]
-    r = subprocess.run([*cli_cmd(), *args], capture_output=True, text=True, env=clean_env(env), timeout=120)
-    record(r.stdout + r.stderr)
-    return r
-
-
-def record(output: str) -> None:
-    CAPTURED.append(output)
-    for s in SECRETS:
-        assert s not in output, "a secret value appeared in modelcache's output"
-
-
 def upload_model(b: Backend) -> dict[str, bytes]:
     tree = model_tree()
     for name, data in tree.items():
@@ -217,38 +179,24 @@ def test_corrupted_object_fails_verification(backend: Backend, proxy_for, tmp_pa
     uri = backend.uri("model")
     r = pull(tmp_path, uri, backend.proxied_env(proxy.base_url))
     assert r.returncode != 0
-    line = one_error_line(_errors_only(r.stderr))
+    line = one_error_line(errors_only(r.stderr))
     assert uri in line and "weights/model-00001.safetensors: " in line and "mismatch" in line
     assert proxy.faults["flip"] >= 1
     assert not model_dir(tmp_path, uri).exists()
     assert tree  # the others were fine
 
 
-def _errors_only(stderr: str) -> str:
-    """The CLI's error report (progress lines are interleaved on stderr with --progress plain)."""
-    return "\n".join(ln for ln in stderr.splitlines() if ln.startswith("error:") or "Error" in ln.split(":")[0])
-
-
 # --- errors ------------------------------------------------------------------------------------
-
-
-def _fails_with(root: Path, uri: str, env: dict[str, str], *needles: str) -> str:
-    r = pull(root, uri, env)
-    assert r.returncode != 0
-    line = one_error_line(_errors_only(r.stderr))
-    for n in needles:
-        assert n in line, f"{n!r} not in {line!r}"
-    return line
 
 
 def test_clear_errors_empty_prefix_and_missing_bucket(backend: Backend, tmp_path: Path) -> None:
     upload_model(backend)
     uri = backend.uri("mode")  # a string prefix of model/ but not a folder
-    _fails_with(tmp_path, uri, backend.env, "no model found at", uri)
+    fails_with(tmp_path, uri, backend.env, "no model found at", uri)
     missing = {"s3": "s3://no-such-bucket/model", "gcs": "gs://no-such-bucket/model"}.get(
         backend.name, backend.uri("model").replace(str(backend.extra.get("container")), "no-such-container")
     )
-    _fails_with(tmp_path, missing, backend.env, "does not exist", "no-such-")
+    fails_with(tmp_path, missing, backend.env, "does not exist", "no-such-")
 
 
 def test_clear_errors_bad_credentials(backend: Backend, tmp_path: Path) -> None:
@@ -257,7 +205,7 @@ def test_clear_errors_bad_credentials(backend: Backend, tmp_path: Path) -> None:
     if backend.name == "s3":
         wrong = "wrong-secret-" + os.urandom(6).hex()
         SECRETS.add(wrong)
-        _fails_with(
+        fails_with(
             tmp_path,
             uri,
             backend.env | {"AWS_SECRET_ACCESS_KEY": wrong},
@@ -268,18 +216,18 @@ def test_clear_errors_bad_credentials(backend: Backend, tmp_path: Path) -> None:
         key, secret = backend.extra["server"].add_user(["s3:ListBucket"])  # type: ignore[attr-defined]
         SECRETS.add(secret)
         env = backend.env | {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
-        _fails_with(tmp_path, uri, env, "access denied to s3://", "s3:GetObject")
+        fails_with(tmp_path, uri, env, "access denied to s3://", "s3:GetObject")
     elif backend.name == "azure":
         wrong = "V3JvbmdLZXk" + os.urandom(8).hex() + "=="
         SECRETS.add(wrong)
-        _fails_with(tmp_path, uri, backend.env | {"AZURE_STORAGE_ACCESS_KEY": wrong}, "rejected the credentials", uri)
+        fails_with(tmp_path, uri, backend.env | {"AZURE_STORAGE_ACCESS_KEY": wrong}, "rejected the credentials", uri)
     else:
         bad = tmp_path / "sa.json"
         secret = "PRIVATEKEY" + os.urandom(6).hex()
         SECRETS.add(secret)
         bad.write_text(json.dumps({"type": "service_account", "private_key": secret}))
         env = {"GOOGLE_APPLICATION_CREDENTIALS": str(bad)}  # no emulator: real credentials path
-        _fails_with(tmp_path, uri, env, "cannot load Google credentials", "GOOGLE_APPLICATION_CREDENTIALS")
+        fails_with(tmp_path, uri, env, "cannot load Google credentials", "GOOGLE_APPLICATION_CREDENTIALS")
 
 
 def test_clear_error_endpoint_unreachable(backend: Backend, tmp_path: Path) -> None:
@@ -291,7 +239,7 @@ def test_clear_error_endpoint_unreachable(backend: Backend, tmp_path: Path) -> N
         "MODELCACHE_GCS_RETRY_DEADLINE": "1",
         "MODELCACHE_AZURE_RETRY_TOTAL": "0",
     }
-    _fails_with(tmp_path, backend.uri("model"), env, "cannot connect to", f"127.0.0.1:{port}")
+    fails_with(tmp_path, backend.uri("model"), env, "cannot connect to", f"127.0.0.1:{port}")
 
 
 def test_clear_error_tls_failure(backend: Backend, tmp_path: Path) -> None:
@@ -302,7 +250,7 @@ def test_clear_error_tls_failure(backend: Backend, tmp_path: Path) -> None:
         "MODELCACHE_GCS_RETRY_DEADLINE": "1",
         "MODELCACHE_AZURE_RETRY_TOTAL": "0",
     }
-    _fails_with(tmp_path, backend.uri("model"), env, "TLS", f"https://{host}:{port}", backend.uri("model"))
+    fails_with(tmp_path, backend.uri("model"), env, "TLS", f"https://{host}:{port}", backend.uri("model"))
 
 
 # --- resume ------------------------------------------------------------------------------------
@@ -367,7 +315,7 @@ def test_s3_credentials_from_storage_config_and_override(moto_s3: S3Server, tmp_
     # STORAGE_OVERRIDE_CONFIG overrides the spec's keys: a wrong secret there fails, a right one fixes a bad spec.
     bad_spec = spec | {"secret_access_key": wrong}
     env = {"STORAGE_CONFIG": json.dumps(spec), "STORAGE_OVERRIDE_CONFIG": json.dumps({"secret_access_key": wrong})}
-    _fails_with(tmp_path / "c", uri, env, "rejected the credentials")
+    fails_with(tmp_path / "c", uri, env, "rejected the credentials")
     env = {
         "STORAGE_CONFIG": json.dumps(bad_spec),
         "STORAGE_OVERRIDE_CONFIG": json.dumps({"secret_access_key": moto_s3.secret_key}),
@@ -388,7 +336,7 @@ def test_azure_credentials_from_storage_config(azurite: AzureServer, tmp_path: P
     wrong = "T3ZlcnJpZGU" + os.urandom(8).hex() + "=="
     SECRETS.add(wrong)
     env = endpoint | {"STORAGE_CONFIG": json.dumps(spec), "STORAGE_OVERRIDE_CONFIG": json.dumps({"account_key": wrong})}
-    _fails_with(tmp_path / "b", uri, env, "rejected the credentials")
+    fails_with(tmp_path / "b", uri, env, "rejected the credentials")
 
 
 def test_azure_sas_uri_pull_keeps_the_sas_out_of_output_and_store(

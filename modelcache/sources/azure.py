@@ -47,11 +47,14 @@ from modelcache.sources.objectstore import (
     b64_to_hex,
     check_unique,
     nothing_found,
+    quiet_sdk_logs,
     relpath_in,
     scope_of,
     single_object_path,
 )
 from modelcache.uri import AzureBlobLocation, Location
+
+quiet_sdk_logs()
 
 # The SDK's HTTP logging prints request URLs and headers; keep it quiet whatever the root level.
 logging.getLogger("azure.core.pipeline.policies.http_logging_policy").setLevel(logging.WARNING)
@@ -103,11 +106,26 @@ def _pooled_transport(cfg: AzureSettings) -> RequestsTransport:
     )
 
 
+def _well_known_authority(authority: str) -> bool:
+    from urllib.parse import urlsplit
+
+    from msal.authority import WELL_KNOWN_AUTHORITY_HOSTS
+
+    host = urlsplit(authority if "://" in authority else f"https://{authority}").hostname or ""
+    return host in WELL_KNOWN_AUTHORITY_HOSTS
+
+
 def make_credential(cfg: AzureSettings, account: str) -> Any:
     if cfg.use_default_credential:
         from azure import identity
 
-        extra = {"authority": cfg.authority_host} if cfg.authority_host else {}
+        extra: dict[str, Any] = {}
+        if cfg.authority_host:
+            extra["authority"] = cfg.authority_host
+            # MSAL validates an authority it does not know (Azure Stack, a private or test token
+            # endpoint) through login.microsoftonline.com, which such a network cannot reach.
+            if not _well_known_authority(cfg.authority_host):
+                extra["disable_instance_discovery"] = True
         if cfg.client_secret and cfg.tenant_id:
             return identity.ClientSecretCredential(cfg.tenant_id, str(cfg.client_id), cfg.client_secret, **extra)
         if cfg.federated_token_file and cfg.tenant_id:
@@ -275,6 +293,17 @@ class AzureBlobSource(Source):
             return AuthError(
                 f"anonymous access to {where} was refused ({code or status}): the container is not public; set "
                 "AZURE_STORAGE_ACCESS_KEY, AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET, or add a SAS to the URI"
+            )
+        if (
+            self.cfg.use_default_credential
+            and not code
+            and (isinstance(exc, ClientAuthenticationError) or type(exc).__module__.startswith("azure.identity"))
+        ):
+            # The token request itself failed (raised by azure.identity, no storage error code).
+            return AuthError(
+                f"Azure AD refused or could not issue a token for {where} (client id {self.cfg.client_id}): check "
+                "AZURE_CLIENT_ID, AZURE_TENANT_ID and AZURE_CLIENT_SECRET (or AZURE_FEDERATED_TOKEN_FILE), and "
+                "AZURE_AUTHORITY_HOST"
             )
         # Azurite (and Azure behind a firewall) answer a wrong account key with AuthorizationFailure.
         key_refused = (

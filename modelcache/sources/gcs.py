@@ -43,11 +43,14 @@ from modelcache.sources.objectstore import (
     b64_to_hex,
     check_unique,
     nothing_found,
+    quiet_sdk_logs,
     relpath_in,
     scope_of,
     single_object_path,
 )
 from modelcache.uri import GCSLocation, Location, redact_uri
+
+quiet_sdk_logs()
 
 _SCOPES = ["https://www.googleapis.com/auth/devstorage.read_only"]
 _PUBLIC_ENDPOINT = "https://storage.googleapis.com"

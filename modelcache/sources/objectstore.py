@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import posixpath
+import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,6 +24,32 @@ from modelcache.sources.base import safe_relpath
 #: HTTP connections each source keeps pooled. Above the engine's usual worker counts: a pool
 #: smaller than the number of concurrent reads makes urllib3 discard connections (and warn).
 CONNECTION_POOL = 64
+
+_QUERY = re.compile(r"\?[^\s\"']*")
+
+
+class _RedactQueries(logging.Filter):
+    """urllib3 logs each request line at DEBUG with its query string, where a SAS signature or
+    a presigned URL's signature lives; keep the line, drop the query."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and any(isinstance(a, str) and "?" in a for a in record.args):
+            record.args = tuple(_QUERY.sub("?<redacted>", a) if isinstance(a, str) else a for a in record.args)
+        return True
+
+
+def quiet_sdk_logs() -> None:
+    """No secret in any log, whatever the root level: botocore's DEBUG records print request
+    headers (the session token, X-Amz-Security-Token) and canonical requests, so botocore and
+    boto3 log from INFO up; urllib3's request lines lose their query strings."""
+    for name in ("botocore", "boto3", "s3transfer"):
+        logger = logging.getLogger(name)
+        if logger.level < logging.INFO:
+            logger.setLevel(logging.INFO)
+    pool_logger = logging.getLogger("urllib3.connectionpool")
+    if not any(isinstance(f, _RedactQueries) for f in pool_logger.filters):
+        pool_logger.addFilter(_RedactQueries())
+
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -50,11 +50,14 @@ from modelcache.sources.objectstore import (
     check_unique,
     nothing_found,
     parallel_map,
+    quiet_sdk_logs,
     relpath_in,
     scope_of,
     single_object_path,
 )
 from modelcache.uri import Location, S3Location, redact_uri
+
+quiet_sdk_logs()
 
 _MD5_ETAG = re.compile(r"[0-9a-f]{32}")
 _MULTIPART_ETAG = re.compile(r"([0-9a-f]{32})-(\d+)")
