@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.logs import fields
 from modelcache.diskio import fsync_dir
 from modelcache.errors import StoreError
 from modelcache.integrity import hash_file
@@ -119,7 +120,7 @@ def repair(store: NodeStore, key: str, pull_into: Pull, old_files: Iterable[str]
     with store.lock(key):  # the node store's lock: no removal or other pull of the model meanwhile
         replaced, removed = install_in_place(store, key, staged, manifest, old_files)
     shutil.rmtree(staged, ignore_errors=True)
-    log.info("repaired in place", extra={"fields": {"storage_key": key, "replaced": ",".join(replaced[:20]),
-                                                     "replaced_count": len(replaced), "removed": len(removed)}})
+    log.info("repaired in place", extra=fields(storage_key=key, replaced=",".join(replaced[:20]),
+                                               replaced_count=len(replaced), removed=len(removed)))
     out = dataclasses.replace(result, path=layout.model_dir(key), cached=result.cached and not replaced)
     return RepairOutcome(out, replaced, removed)
