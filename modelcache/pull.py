@@ -131,6 +131,14 @@ def _prepare_staging(m: _Model, chunk_size: int) -> None:
         os.replace(tmp, plan_path)
     m.journal = Journal(str(staging / "journal"))
     m.resume = JournalState() if fresh else m.journal.load()
+    # A file without a version (an HTTP server with neither ETag nor Last-Modified) may have been
+    # replaced by one of the same size since it was staged: nothing can tell, so its staged bytes
+    # are not reused (as KServe, which never resumes) rather than mixed into a silently wrong file.
+    for i, f in enumerate(m.files):
+        if f.version is None:
+            m.resume.files.pop(i, None)
+            for key in [k for k in m.resume.chunks if k[0] == i]:
+                del m.resume.chunks[key]
     m.journal.open(fresh=fresh)
 
 
