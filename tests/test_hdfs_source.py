@@ -141,3 +141,83 @@ def test_hdfs_checksum_matches_the_datanodes(webhdfs: WebHDFSServer, tmp_path: P
     h2 = new_hasher(checksum, size)
     h2.update(bytes(bad))
     assert h2.hexdigest() != checksum.value
+
+
+def _client_cert(folder: Path) -> tuple[Path, Path, Path]:
+    """A client CA and a client certificate (EKU clientAuth) signed by it: (ca, cert, key)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    window = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1))
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "webhdfs client CA")])
+    ca = (
+        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(window[0]).not_valid_after(window[1])
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert = (
+        x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "svc")]))
+        .issuer_name(ca_name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(window[0]).not_valid_after(window[1])
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    paths = (folder / "client-ca.pem", folder / "client.pem", folder / "client.key")
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return paths
+
+
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+def test_tls_settings_from_the_secret_dir(tmp_path: Path) -> None:
+    """TLS_CA, TLS_SKIP_VERIFY and TLS_CERT/TLS_KEY (files of the secret dir, as KServe passes
+    them to requests) against a WebHDFS server on HTTPS that demands a client certificate;
+    the datanode redirect is HTTPS too."""
+    from tests.fixtures.http import make_tls
+
+    tls = make_tls(tmp_path / "server-tls")
+    client_ca, client_cert, client_key = _client_cert(tmp_path / "client-tls")
+    server = WebHDFSServer(
+        root=tmp_path / "ns", tls_cert=tls.cert_path, tls_key=tls.key_path, client_ca=client_ca
+    ).start()
+    try:
+        data = os.urandom(300_000)
+        server.put("/models/m/w.bin", data)
+        assert server.url.startswith("https://") and server.datanode_url.startswith("https://")
+        pem = {"TLS_CERT": client_cert.read_text(), "TLS_KEY": client_key.read_text()}
+        for name, files in (
+            ("ca", {"TLS_CA": tls.ca_path.read_text(), **pem}),
+            ("skip", {"TLS_SKIP_VERIFY": "true", **pem}),
+        ):
+            settings = hdfs_settings(tmp_path / name, HDFS_NAMENODE=server.url, **files)
+            with open_source("hdfs://models/m", settings) as src:
+                (f,) = src.list_files()
+                assert read_range(src, f, 100, 250_000) == data[100:250_000]
+        assert any(r.op == "OPEN" for r in server.ops("datanode"))
+
+        def refused(name: str, **files: str) -> str:
+            with pytest.raises(SourceError) as err, open_source(
+                "hdfs://models/m", hdfs_settings(tmp_path / name, HDFS_NAMENODE=server.url, **files)
+            ) as src:
+                src.list_files()
+            msg = str(err.value)
+            assert "hdfs://models/m" in msg and "TLS" in msg and "\n" not in msg, msg
+            assert not isinstance(err.value, TransientError), msg
+            return msg
+
+        refused("no-ca", **pem)  # the server's CA is not trusted
+        refused("no-client-cert", TLS_CA=tls.ca_path.read_text())  # the server wants a client certificate
+    finally:
+        server.stop()

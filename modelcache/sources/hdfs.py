@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 import requests
 from hdfs import Client, HdfsError
-from requests.adapters import HTTPAdapter
 
 from modelcache.errors import (
     AccessDeniedError,
@@ -33,6 +32,7 @@ from modelcache.errors import (
 )
 from modelcache.sources.base import Checksum, IterStream, RangeStream, RemoteFile, Source, register_source, safe_relpath
 from modelcache.sources.hdfs_checksum import checksum_from_webhdfs
+from modelcache.sources.pinned_tls import adapter as tls_adapter
 from modelcache.sources.response_stream import ResponseStream
 from modelcache.uri import HDFSLocation
 
@@ -67,15 +67,14 @@ class HDFSSource(Source):
         # As KServe: without HDFS_ROOTPATH the path is absolute; with it, relative to that root.
         self.path = raw if hs.root_path else "/" + raw.lstrip("/")
         session = requests.Session()
-        adapter = HTTPAdapter(pool_connections=4, pool_maxsize=32)
-        session.mount("http://", adapter)
-        session.mount("https://", adapter)
+        # As KServe: TLS_CA is the CA file, TLS_SKIP_VERIFY=true turns verification off; pinned
+        # on the adapter so REQUESTS_CA_BUNDLE in the environment cannot override them.
+        verify: bool | str | None = False if hs.tls_skip_verify else hs.tls_ca
+        pool = tls_adapter(verify, pool_connections=4, pool_maxsize=32)
+        session.mount("http://", pool)
+        session.mount("https://", pool)
         if hs.tls_cert:
             session.cert = (hs.tls_cert, hs.tls_key) if hs.tls_key else hs.tls_cert
-        if hs.tls_ca:
-            session.verify = hs.tls_ca
-        if hs.tls_skip_verify:
-            session.verify = False
         session.headers.update(dict(hs.headers))
         self.client = Client(
             hs.namenode,
@@ -89,6 +88,12 @@ class HDFSSource(Source):
     # -- errors -----------------------------------------------------------------------------
 
     def _error(self, exc: Exception, what: str) -> ModelcacheError:
+        if isinstance(exc, requests.exceptions.SSLError):
+            # Not transient: retrying the same certificates cannot succeed.
+            return SourceError(
+                f"{self.where}: TLS handshake with WebHDFS failed for {what}; check TLS_CA, TLS_CERT/TLS_KEY "
+                f"or TLS_SKIP_VERIFY in {self.settings.hdfs.secret_dir}"
+            )
         if isinstance(exc, requests.RequestException):
             return TransientError(f"{self.where}: cannot reach WebHDFS for {what}: {type(exc).__name__}")
         if not isinstance(exc, HdfsError):

@@ -37,7 +37,6 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import filter_repo_objects
-from requests.adapters import HTTPAdapter
 
 from modelcache.credentials import Settings
 from modelcache.errors import (
@@ -50,6 +49,7 @@ from modelcache.errors import (
     TransientError,
 )
 from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source, safe_relpath
+from modelcache.sources.pinned_tls import adapter as tls_adapter
 from modelcache.uri import HFLocation, Location
 
 _USER_AGENT = "modelcache/0.1 (hf source)"
@@ -225,11 +225,18 @@ class HFSource(Source):
         with self._session_lock:
             if self._session is None:
                 s = requests.Session()
-                adapter = HTTPAdapter(pool_connections=4, pool_maxsize=self.max_streams + 4, max_retries=0)
-                s.mount("http://", adapter)
-                s.mount("https://", adapter)
-                http = self.settings.http
-                s.verify = http.requests_verify
+                # A custom CA or verify=False is pinned on the adapter: REQUESTS_CA_BUNDLE in the
+                # environment would otherwise replace Session.verify (see pinned_tls).
+                verify = self.settings.http.requests_verify
+                pool = tls_adapter(
+                    None if verify is True else verify,
+                    pool_connections=4,
+                    pool_maxsize=self.max_streams + 4,
+                    max_retries=0,
+                )
+                s.mount("http://", pool)
+                s.mount("https://", pool)
+                s.verify = verify
                 self._session = s
             return self._session
 

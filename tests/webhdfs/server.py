@@ -10,7 +10,8 @@ computes the real MD5-of-MD5-of-CRC32C, serves ``offset``/``length`` (WebHDFS ha
 Range) or stores the PUT body. Identity is ``doas`` if given, else
 ``user.name``; ``required_headers`` missing -> 401; a user outside ``allowed_users`` or a path
 in ``denied_paths`` -> 403 AccessControlException; missing paths -> 404 FileNotFoundException,
-all as ``{"RemoteException": {...}}`` JSON. Tests can slow the datanode (``datanode_delay``,
+all as ``{"RemoteException": {...}}`` JSON. With ``tls_cert`` both nodes speak HTTPS (and
+with ``client_ca`` demand a client certificate). Tests can slow the datanode (``datanode_delay``,
 ``throttle_bps``),
 flip a byte of what OPEN sends (``corrupt_reads``), and read the request log and byte count.
 """
@@ -21,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+import ssl
 import struct
 import threading
 import time
@@ -73,12 +75,25 @@ class WebHDFSServer:
     corrupt_reads: dict[str, int] = field(default_factory=dict)
     bytes_sent: int = 0
     requests: list[Request] = field(default_factory=list)
+    #: HTTPS on both nodes with this certificate chain and key (PEM paths); None: plain HTTP.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    #: With TLS: require a client certificate signed by this CA (mutual TLS, as gateways do).
+    client_ca: Path | None = None
 
     def start(self) -> WebHDFSServer:
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._namenode = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self, "namenode"))
         self._datanode = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self, "datanode"))
+        if self.tls_cert is not None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+            if self.client_ca is not None:
+                ctx.verify_mode = ssl.CERT_REQUIRED
+                ctx.load_verify_locations(self.client_ca)
+            for srv in (self._namenode, self._datanode):
+                srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
         for srv in (self._namenode, self._datanode):
             srv.daemon_threads = True
             threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
@@ -90,12 +105,16 @@ class WebHDFSServer:
             srv.server_close()
 
     @property
+    def scheme(self) -> str:
+        return "http" if self.tls_cert is None else "https"
+
+    @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._namenode.server_address[1]}"
+        return f"{self.scheme}://127.0.0.1:{self._namenode.server_address[1]}"
 
     @property
     def datanode_url(self) -> str:
-        return f"http://127.0.0.1:{self._datanode.server_address[1]}"
+        return f"{self.scheme}://127.0.0.1:{self._datanode.server_address[1]}"
 
     def put(self, hdfs_path: str, data: bytes) -> None:
         """Test setup: create a file directly in the namespace."""
