@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -245,19 +246,36 @@ def test_status_written_on_change_and_progress_at_most_once_per_interval(kubeapi
     uri = fault_proxy.url("p/model.bin")
     create_node(kube, "node-a", [entry("m", uri)])
     writes: list[tuple[float, str, int]] = []
+    reserved: list[int | None] = []
 
     def seen(event: str, obj: dict, _old: dict | None) -> None:
         st = obj.get("status") or {}
         if event == "MODIFIED" and st.get("modelStatus"):
             writes.append((time.monotonic(), st["modelStatus"].get("m", ""),
                            (st.get("modelDetails", {}).get("m") or {}).get("bytesDone") or 0))
+            reserved.append((st.get("capacity") or {}).get("reservedBytes"))
 
     watcher = Informer(kube, LOCAL_MODEL_NODES, field_selector="metadata.name=node-a")
     watcher.add_handler(seen)
     watcher.start()
     agent = start_agent(kubeapi.kubeconfig, "node-a", tmp_path / "root", tmp_path, "--status-interval", "2")
     try:
+        def metric(name: str) -> float:
+            m = re.search(rf"^{name} (\S+)$", agent.get("/metrics")[1], re.M)
+            return float(m.group(1)) if m else -1.0
+
+        # Held still mid-download: the model's size is reserved (metrics and status), then released.
+        wait_until(lambda: any(w[1] == "ModelDownloading" and w[2] > 0 for w in writes), timeout=60,
+                   what="download under way")
+        fault_proxy.pause()
+        try:
+            wait_until(lambda: metric("modelcache_agent_reserved_bytes") > 0, timeout=20, what="reserved gauge")
+            assert metric("modelcache_agent_reserved_bytes") <= 3 << 20
+            assert metric("modelcache_agent_free_bytes") > 0
+        finally:
+            fault_proxy.resume()
         wait_states(kube, "node-a", {"m": D}, agent=agent, timeout=90)
+        wait_until(lambda: metric("modelcache_agent_reserved_bytes") == 0, timeout=20, what="reservation released")
         time.sleep(1)
     finally:
         agent.stop()
@@ -269,3 +287,4 @@ def test_status_written_on_change_and_progress_at_most_once_per_interval(kubeapi
     # ...but at most once per --status-interval (plus the start and the admission, which are changes).
     assert len(downloading) <= span / 2 + 3, (len(downloading), span, writes)
     assert [w[1] for w in writes].count(D) == 1, writes  # Downloaded written once, then nothing
+    assert any(r and 0 < r <= 3 << 20 for r in reserved) and reserved[-1] == 0, reserved
