@@ -463,6 +463,9 @@ class GCSSettings:
     service_account_info: Mapping[str, object] | None = field(default=None, repr=False)
     #: STORAGE_EMULATOR_HOST: talk to an emulator, anonymously.
     emulator_host: str | None = None
+    #: MODELCACHE_GCS_ENDPOINT: another endpoint with real credentials (Private Service Connect,
+    #: a proxy); None means storage.googleapis.com.
+    endpoint: str | None = None
     project: str | None = None
     #: How long the SDK may retry a listing call on connection errors (seconds).
     retry_deadline: float = 60.0
@@ -504,6 +507,7 @@ def _gcs_settings(env: Mapping[str, str], spec: Mapping[str, object]) -> GCSSett
         credentials_file=env.get("GOOGLE_APPLICATION_CREDENTIALS") or None,
         service_account_info=info,
         emulator_host=emulator,
+        endpoint=(env.get("MODELCACHE_GCS_ENDPOINT") or "").strip().rstrip("/") or None,
         project=env.get("GOOGLE_CLOUD_PROJECT") or env.get("GCLOUD_PROJECT") or None,
         retry_deadline=float(env.get("MODELCACHE_GCS_RETRY_DEADLINE") or 60),
         connect_timeout=float(env.get("MODELCACHE_CONNECT_TIMEOUT") or 15),
