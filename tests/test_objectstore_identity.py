@@ -1,6 +1,8 @@
 """Object-store credentials that need more than a key, end to end through ``modelcache pull``:
 AWS temporary credentials (AWS_SESSION_TOKEN, checked by moto's IAM), S3 over TLS (S3_VERIFY_SSL,
-AWS_CA_BUNDLE, a certificate that fails verification), and Azure AD service principals and
+AWS_CA_BUNDLE, a certificate that fails verification), Google service-account keys exchanged for
+tokens at a local token endpoint (GOOGLE_APPLICATION_CREDENTIALS and the storage spec; bad key,
+access denied), and Azure AD service principals and
 workload identity (legacy AZ_* names, AZURE_AUTHORITY_HOST at a local Entra-shaped token
 service, bearer tokens checked by Azurite's ``--oauth basic``). The runs log at DEBUG, and every
 output goes into the secret grep of test_objectstore_pull.
@@ -15,7 +17,15 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures.objectstores import AzureServer, EntraTokenServer, S3Server, TLSPair, unique
+from tests.fixtures.objectstores import (
+    AzureServer,
+    EntraTokenServer,
+    GCSAuthFront,
+    GCSServer,
+    S3Server,
+    TLSPair,
+    unique,
+)
 from tests.objectstore_cli import SECRETS, fails_with, pull
 from tests.objectstore_data import model_tree
 from tests.pull_helpers import assert_store_correct
@@ -251,3 +261,64 @@ def test_azure_tls_failure_names_the_fix(
     }
     SECRETS.add(azurite_oauth.key)
     fails_with(tmp_path, uri, env, "TLS handshake/verification failed", base, uri)
+
+
+# --- GCS: service-account keys, tokens, access denied ----------------------------------------------
+
+
+def test_gcs_service_account_key_file_and_storage_spec(
+    gcs_emulator: GCSServer, gcs_auth_front: GCSAuthFront, tmp_path: Path
+) -> None:
+    import base64
+
+    front = gcs_auth_front
+    bucket = gcs_emulator.new_bucket()
+    tree = model_tree()
+    for name, data in tree.items():
+        gcs_emulator.client().bucket(bucket).blob(f"model/{name}").upload_from_string(data)
+    uri = f"gs://{bucket}/model"
+    sa = front.service_account()
+    SECRETS.add(sa["private_key"].splitlines()[1])
+    key_file = tmp_path / "gcloud-application-credentials.json"
+    key_file.write_text(json.dumps(sa))
+    endpoint = {"MODELCACHE_GCS_ENDPOINT": front.url}
+    # No credentials at all: the anonymous fallback reaches the front, which refuses it.
+    fails_with(tmp_path / "anon", uri, endpoint, "anonymous access to", uri, "GOOGLE_APPLICATION_CREDENTIALS")
+    assert not front.issued
+    r = pull(tmp_path / "a", uri, endpoint | {"GOOGLE_APPLICATION_CREDENTIALS": str(key_file)} | DEBUG)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert_store_correct(tmp_path / "a", {uri: tree}, must_have={uri})
+    assert front.issued and front.authorized_requests >= len(tree)
+    for token in front.issued:
+        SECRETS.add(token)
+    # The storage-spec secret's base64 service account (KServe's gs spec), no file involved.
+    spec = {"type": "gs", "base64_service_account": base64.b64encode(json.dumps(sa).encode()).decode()}
+    r = pull(tmp_path / "b", uri, endpoint | {"STORAGE_CONFIG": json.dumps(spec)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert_store_correct(tmp_path / "b", {uri: tree}, must_have={uri})
+    # A well-formed key Google does not know (deleted, or another project's): the exchange fails.
+    unknown = front.service_account(trusted=False)
+    SECRETS.add(unknown["private_key"].splitlines()[1])
+    key_file.write_text(json.dumps(unknown))
+    fails_with(
+        tmp_path / "c",
+        uri,
+        endpoint | {"GOOGLE_APPLICATION_CREDENTIALS": str(key_file)},
+        "Google authentication failed",
+        uri,
+        "GOOGLE_APPLICATION_CREDENTIALS",
+    )
+
+
+def test_gcs_access_denied(gcs_emulator: GCSServer, gcs_auth_front: GCSAuthFront, tmp_path: Path) -> None:
+    front = gcs_auth_front
+    bucket = gcs_emulator.new_bucket()
+    gcs_emulator.client().bucket(bucket).blob("model/config.json").upload_from_string(b"{}")
+    front.denied.add(bucket)
+    key_file = tmp_path / "sa.json"
+    sa = front.service_account()
+    SECRETS.add(sa["private_key"].splitlines()[1])
+    key_file.write_text(json.dumps(sa))
+    uri = f"gs://{bucket}/model"
+    env = {"MODELCACHE_GCS_ENDPOINT": front.url, "GOOGLE_APPLICATION_CREDENTIALS": str(key_file)}
+    fails_with(tmp_path, uri, env, "access denied to", uri, "storage.objects.list", bucket)

@@ -112,7 +112,7 @@ class GCSSource(Source):
         assert isinstance(location, GCSLocation)
         self.loc = location
         self.cfg = settings.gcs
-        self.endpoint = (self.cfg.emulator_host or _PUBLIC_ENDPOINT).rstrip("/")
+        self.endpoint = (self.cfg.emulator_host or self.cfg.endpoint or _PUBLIC_ENDPOINT).rstrip("/")
         self._creds: Any = None
         self._project: str | None = None
         self._client: storage.Client | None = None
@@ -268,6 +268,15 @@ class GCSSource(Source):
         if isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, TransportError)):
             return TransientError(
                 f"cannot connect to GCS endpoint {endpoint} for {where}: check the network or STORAGE_EMULATOR_HOST"
+            )
+        anonymous = isinstance(self._creds, AnonymousCredentials) and not self.cfg.emulator_host
+        refused = isinstance(exc, GoogleAuthError) or (
+            isinstance(exc, gexc.GoogleAPICallError) and exc.code in (401, 403)
+        )
+        if anonymous and refused:  # on a 401 the SDK tries to refresh anonymous credentials, and cannot
+            return AuthError(
+                f"anonymous access to {where} was refused: no Google credentials were found and the bucket is not "
+                "public; set GOOGLE_APPLICATION_CREDENTIALS (or the storage-spec secret's service account)"
             )
         if isinstance(exc, GoogleAuthError):  # token refresh failed: bad or revoked key
             return AuthError(
