@@ -213,3 +213,59 @@ def test_anonymous_public_and_private(moto_s3_open: str, tmp_path) -> None:
         open_source("s3://private-models/m", settings(env)) as src,
     ):
         src.list_files()
+
+
+class _Stop(Exception):
+    pass
+
+
+def _first_request(env: dict[str, str], uri: str = "s3://models-bucket/model") -> tuple[str, dict[str, str]]:
+    """URL and headers of the first request the source sends, caught by botocore's public
+    ``before-send`` event (after signing) -- for addressing modes no local server can resolve."""
+    seen: list[tuple[str, dict[str, str]]] = []
+
+    def grab(request, **kwargs) -> None:
+        seen.append((request.url, {k: v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}))
+        raise _Stop
+
+    keys = {"AWS_ACCESS_KEY_ID": "AKIDEXAMPLE", "AWS_SECRET_ACCESS_KEY": "example-secret"}
+    with open_source(uri, settings(keys | env)) as src:
+        src.client.meta.events.register("before-send.s3", grab)
+        with pytest.raises(_Stop):
+            src.list_files()
+    return seen[0]
+
+
+@pytest.mark.parametrize(
+    ("env", "url_start"),
+    [
+        ({"AWS_ENDPOINT_URL": "https://minio.example:9000"}, "https://minio.example:9000/models-bucket?"),
+        (
+            {"AWS_ENDPOINT_URL": "https://minio.example:9000", "S3_USER_VIRTUAL_BUCKET": "true"},
+            "https://models-bucket.minio.example:9000/?",
+        ),
+        (
+            {"AWS_DEFAULT_REGION": "us-west-2", "S3_USE_ACCELERATE": "true"},
+            "https://models-bucket.s3-accelerate.amazonaws.com/?",
+        ),
+        ({"AWS_DEFAULT_REGION": "us-west-2"}, "https://models-bucket.s3.us-west-2.amazonaws.com/?"),
+        # KServe: the legacy global endpoint outside us-east-1 forces virtual hosting
+        (
+            {"AWS_ENDPOINT_URL": "https://s3.amazonaws.com", "AWS_DEFAULT_REGION": "eu-west-1"},
+            "https://models-bucket.s3.amazonaws.com/?",
+        ),
+        ({"S3_ENDPOINT": "minio.example:9000", "S3_USE_HTTPS": "0"}, "http://minio.example:9000/models-bucket?"),
+    ],
+)
+def test_addressing_from_kserve_env(env: dict[str, str], url_start: str) -> None:
+    url, headers = _first_request(env)
+    assert url.startswith(url_start), url
+    assert "list-type=2" in url and "prefix=model%2F" in url
+    assert "AKIDEXAMPLE" in headers["Authorization"]
+
+
+def test_signing_follows_anonymous_and_session_token() -> None:
+    _, headers = _first_request({"AWS_ENDPOINT_URL": "https://minio.example:9000", "awsAnonymousCredential": "true"})
+    assert "Authorization" not in headers
+    _, headers = _first_request({"AWS_ENDPOINT_URL": "https://minio.example:9000", "AWS_SESSION_TOKEN": "tok-123"})
+    assert headers["X-Amz-Security-Token"] == "tok-123"
