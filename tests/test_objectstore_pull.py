@@ -186,6 +186,42 @@ def test_corrupted_object_fails_verification(backend: Backend, proxy_for, tmp_pa
     assert tree  # the others were fine
 
 
+@pytest.mark.parametrize("kind", ["md5-etag", "multipart-etag"])
+def test_s3_corruption_caught_by_etag(kind: str, moto_s3: S3Server, proxy_for, tmp_path: Path) -> None:
+    """Objects without a full-object CRC (older SDKs, other tools): the ETag is the checksum --
+    an MD5, or for a multipart object the MD5 of the parts' MD5s. A flipped byte must fail both."""
+    from boto3.s3.transfer import TransferConfig
+
+    b = _s3(moto_s3)
+    client = b.extra["client"]
+    client.meta.config.request_checksum_calculation = "when_required"  # type: ignore[attr-defined]
+    data = os.urandom(11 * MiB + 333)
+    if kind == "md5-etag":
+        client.put_object(Bucket=b.extra["bucket"], Key="mp/weights.bin", Body=data)  # type: ignore[attr-defined]
+    else:
+        src = tmp_path / "src.bin"
+        src.write_bytes(data)
+        cfg = TransferConfig(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB)
+        client.upload_file(str(src), b.extra["bucket"], "mp/weights.bin", Config=cfg)  # type: ignore[attr-defined]
+    head = client.head_object(Bucket=b.extra["bucket"], Key="mp/weights.bin", ChecksumMode="ENABLED")  # type: ignore[attr-defined]
+    assert not any(k.startswith("Checksum") and k != "ChecksumType" for k in head), head  # the ETag is all there is
+    assert ("-" in head["ETag"]) == (kind == "multipart-etag")
+    proxy = proxy_for(b)
+    proxy.add(Fault("flip", path=b.wire_path("mp/weights.bin"), file_offset=7 * MiB + 1, times=None))
+    uri = b.uri("mp")
+    r = pull(tmp_path / "root", uri, b.proxied_env(proxy.base_url), "--chunk-size", "1M")
+    assert r.returncode != 0
+    line = one_error_line(errors_only(r.stderr))
+    assert uri in line and "weights.bin" in line and "mismatch" in line, line
+    assert proxy.faults["flip"] >= 1
+    assert not model_dir(tmp_path / "root", uri).exists()
+    # and untouched, the same object verifies
+    proxy.clear()
+    r = pull(tmp_path / "root", uri, b.proxied_env(proxy.base_url), "--chunk-size", "1M")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert_store_correct(tmp_path / "root", {uri: {"weights.bin": data}}, must_have={uri})
+
+
 # --- errors ------------------------------------------------------------------------------------
 
 
