@@ -329,6 +329,10 @@ def test_gcs_service_account_key_file_and_storage_spec(
     # A well-formed key Google does not know (deleted, or another project's): the exchange fails.
     unknown = front.service_account(trusted=False)
     SECRETS.add(unknown["private_key"].splitlines()[1])
+    # ... also when STORAGE_OVERRIDE_CONFIG lays it over a good spec: the override wins.
+    override = {"base64_service_account": base64.b64encode(json.dumps(unknown).encode()).decode()}
+    env = endpoint | {"STORAGE_CONFIG": json.dumps(spec), "STORAGE_OVERRIDE_CONFIG": json.dumps(override)}
+    fails_with(tmp_path / "d", uri, env, "Google authentication failed", uri)
     key_file.write_text(json.dumps(unknown))
     fails_with(
         tmp_path / "c",
