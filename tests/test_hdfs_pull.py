@@ -147,3 +147,15 @@ def test_resume_after_kill_9(hdfs: WebHDFSServer, tmp_path: Path) -> None:
     assert _model(tmp_path, uri)["model.bin"] == big
     resent = hdfs.bytes_sent - before
     assert resent < len(big) - (768 << 10), f"resumed pull re-fetched {resent} of {len(big)} bytes"
+
+
+def test_rate_limited_reads_and_listing_are_retried(hdfs: WebHDFSServer, tmp_path: Path) -> None:
+    """429s with Retry-After from a gateway, on the listing and on chunk reads: the pull waits and completes."""
+    hdfs.fail(429, retry_after=1, count=1, when=lambda r: r.op == "LISTSTATUS")
+    hdfs.fail(429, retry_after=1, count=3, when=lambda r: r.op == "OPEN" and r.node == "datanode")
+    uri = "hdfs://models/bert"
+    proc = _pull(hdfs, tmp_path, uri)
+    assert proc.returncode == 0, proc.stderr
+    assert _model(tmp_path, uri) == FILES
+    opens = [r for r in hdfs.ops("datanode") if r.op == "OPEN"]
+    assert len(opens) >= 3 + 3  # every file read, plus the three refused attempts

@@ -221,3 +221,36 @@ def test_tls_settings_from_the_secret_dir(tmp_path: Path) -> None:
         refused("no-client-cert", TLS_CA=tls.ca_path.read_text())  # the server wants a client certificate
     finally:
         server.stop()
+
+
+def test_rate_limited_gateway(webhdfs: WebHDFSServer, tmp_path: Path) -> None:
+    """429 with Retry-After (a gateway in front of WebHDFS): the listing waits and lists
+    again, a persistent one fails naming the URI, reads raise a retryable error carrying
+    Retry-After for the engine; 503 is transient."""
+    import time
+
+    from modelcache.errors import RateLimitedError
+
+    webhdfs.put("/models/m/a.bin", b"abc")
+    settings = hdfs_settings(tmp_path, HDFS_NAMENODE=webhdfs.url)
+    webhdfs.fail(429, retry_after=1, when=lambda r: r.op == "LISTSTATUS")
+    started = time.monotonic()
+    with open_source("hdfs://models/m", settings) as src:
+        (f,) = src.list_files()
+        assert time.monotonic() - started >= 0.95
+        assert len([r for r in webhdfs.ops() if r.op == "LISTSTATUS"]) == 2
+        webhdfs.fail(429, retry_after=7, when=lambda r: r.op == "OPEN" and r.node == "datanode")
+        with pytest.raises(RateLimitedError) as err:
+            read_range(src, f, 0, 3)
+        assert err.value.retry_after == 7 and err.value.retryable and "hdfs://models/m" in str(err.value)
+        webhdfs.fail(503, when=lambda r: r.op == "OPEN")
+        with pytest.raises(TransientError, match="503"):
+            read_range(src, f, 0, 3)
+        assert read_range(src, f, 1, 3) == b"bc"
+    before = len([r for r in webhdfs.ops() if r.op == "GETFILESTATUS"])
+    webhdfs.fail(429, retry_after=0, count=100, when=lambda r: r.op == "GETFILESTATUS")
+    with pytest.raises(RateLimitedError) as err, open_source("hdfs://models/m", settings) as src:
+        src.list_files()
+    msg = str(err.value)
+    assert "hdfs://models/m" in msg and "429" in msg and "\n" not in msg, msg
+    assert len([r for r in webhdfs.ops() if r.op == "GETFILESTATUS"]) - before == 5

@@ -301,7 +301,7 @@ def test_rate_limited_listing_waits_retry_after(hub: HubServer) -> None:
 def test_retry_after_http_date() -> None:
     from email.utils import formatdate
 
-    from modelcache.sources.hf import _retry_after
+    from modelcache.sources.ratelimit import retry_after as _retry_after
 
     assert _retry_after({"Retry-After": "12"}) == 12.0
     got = _retry_after({"Retry-After": formatdate(__import__("time").time() + 30, usegmt=True)})

@@ -40,6 +40,17 @@ def test_client_round_trip(webhdfs: WebHDFSServer, tmp_path: Path) -> None:
     opens = [r for r in webhdfs.ops("datanode") if r.op == "OPEN"]
     assert any(r.params.get("offset") == "1000000" and r.params.get("length") == "250000" for r in opens)
     assert all("range" not in r.headers for r in opens)
+    # an injected 429 reaches the client as an error, with Retry-After on the response
+    webhdfs.fail(429, retry_after=3, when=lambda r: r.op == "GETFILESTATUS")
+    with pytest.raises(HdfsError):
+        client.status("/models/m1")
+    assert client.status("/models/m1")["type"] == "DIRECTORY"
+    import requests
+
+    url = f"{webhdfs.url}/webhdfs/v1/models/m1?op=GETFILESTATUS"
+    webhdfs.fail(429, retry_after=3)
+    resp = requests.get(url, timeout=10)
+    assert resp.status_code == 429 and resp.headers["Retry-After"] == "3"
     assert client.delete("/models/m1", recursive=True)
     assert client.status("/models/m1", strict=False) is None
 

@@ -26,6 +26,7 @@ from modelcache.errors import (
     AuthError,
     ModelcacheError,
     NotFoundError,
+    RateLimitedError,
     SourceError,
     TransientError,
     UnsupportedError,
@@ -33,6 +34,7 @@ from modelcache.errors import (
 from modelcache.sources.base import Checksum, IterStream, RangeStream, RemoteFile, Source, register_source, safe_relpath
 from modelcache.sources.hdfs_checksum import checksum_from_webhdfs
 from modelcache.sources.pinned_tls import adapter as tls_adapter
+from modelcache.sources.ratelimit import retry_after, wait_out
 from modelcache.sources.response_stream import ResponseStream
 from modelcache.uri import HDFSLocation
 
@@ -76,6 +78,10 @@ class HDFSSource(Source):
         if hs.tls_cert:
             session.cert = (hs.tls_cert, hs.tls_key) if hs.tls_key else hs.tls_cert
         session.headers.update(dict(hs.headers))
+        # The hdfs client turns every non-2xx into an HdfsError without its status or headers;
+        # a rate-limiting or overloaded gateway in front of WebHDFS must stay retryable, with its
+        # Retry-After, so those answers are mapped here, before the client sees them.
+        session.hooks["response"].append(self._gateway_status)
         self.client = Client(
             hs.namenode,
             root=hs.root_path,
@@ -86,6 +92,19 @@ class HDFSSource(Source):
         self._session = session
 
     # -- errors -----------------------------------------------------------------------------
+
+    def _gateway_status(self, resp: requests.Response, *args: object, **kwargs: object) -> requests.Response:
+        code = resp.status_code
+        if code in (429, 502, 503, 504):
+            _ = resp.content  # a short error body: read it so the connection can be reused
+            resp.close()
+        if code == 429:
+            raise RateLimitedError(
+                f"{self.where}: WebHDFS answered HTTP 429 (rate-limited)", retry_after=retry_after(resp.headers)
+            )
+        if code in (502, 503, 504):
+            raise TransientError(f"{self.where}: WebHDFS answered HTTP {code}")
+        return resp
 
     def _error(self, exc: Exception, what: str) -> ModelcacheError:
         if isinstance(exc, requests.exceptions.SSLError):
@@ -114,6 +133,10 @@ class HDFSSource(Source):
     # -- Source API -------------------------------------------------------------------------
 
     def list_files(self) -> list[RemoteFile]:
+        # A 429 anywhere in the listing (status, LISTSTATUS, checksums) lists again after Retry-After.
+        return wait_out(self._list_files, self.where)
+
+    def _list_files(self) -> list[RemoteFile]:
         try:
             root = self.client.resolve(self.path)
             status = self.client.status(root)

@@ -13,13 +13,10 @@ Checksums: LFS files carry their sha256 (``lfs.oid``); small files their git blo
 
 from __future__ import annotations
 
-import logging
 import posixpath
 import re
 import threading
-import time
 from collections.abc import Callable, Mapping
-from email.utils import parsedate_to_datetime
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -50,18 +47,14 @@ from modelcache.errors import (
 )
 from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source, safe_relpath
 from modelcache.sources.pinned_tls import adapter as tls_adapter
+from modelcache.sources.ratelimit import retry_after, wait_out
 from modelcache.uri import HFLocation, Location
 
 _USER_AGENT = "modelcache/0.1 (hf source)"
 _COMMIT = re.compile(r"[0-9a-f]{40}")
-#: Listing calls (revision info, the access check) answered 429 are retried after Retry-After,
-#: at most this many times and within this many seconds of waiting in all; past that the
-#: RateLimitedError (with its retry_after) goes up to the caller. The tree listing is already
-#: retried the same way by huggingface_hub's own backoff (5 times, honouring Retry-After).
-_LIST_ATTEMPTS = 5
-_LIST_WAIT_BUDGET = 300.0
+# Listing calls (revision info, the access check) answered 429 wait Retry-After (ratelimit.wait_out);
+# the tree listing is retried the same way by huggingface_hub's own backoff.
 _T = TypeVar("_T")
-log = logging.getLogger(__name__)
 
 
 @register_source("hf")
@@ -130,18 +123,7 @@ class HFSource(Source):
 
     def _rate_limited(self, call: Callable[[], _T]) -> _T:
         """Run a listing call, waiting as the Hub's Retry-After says on 429 (bounded)."""
-        waited = 0.0
-        for attempt in range(1, _LIST_ATTEMPTS + 1):
-            try:
-                return call()
-            except RateLimitedError as exc:
-                wait = exc.retry_after if exc.retry_after is not None else float(min(8, 2 ** (attempt - 1)))
-                if attempt == _LIST_ATTEMPTS or waited + wait > _LIST_WAIT_BUDGET:
-                    raise
-                log.warning("%s: rate-limited by the Hub; retrying in %.0f s", self.loc.display, wait)
-                time.sleep(wait)
-                waited += wait
-        raise AssertionError("unreachable")
+        return wait_out(call, self.loc.display)
 
     def _tree(self, commit: str) -> list[RepoFile]:
         sub = self.loc.subfolder.strip("/")
@@ -328,7 +310,7 @@ class HFSource(Source):
             return RateLimitedError(
                 f"{d}: rate-limited by the Hub at {self.endpoint} (HTTP 429) while reading {what}; "
                 "retry later or set HF_TOKEN",
-                retry_after=_retry_after(headers),
+                retry_after=retry_after(headers),
             )
         if status == 401:
             return AuthError(f"{d}: HF_TOKEN was rejected by the Hub at {self.endpoint}; set a valid token")
@@ -419,18 +401,3 @@ class _HTTPRangeStream:
 def _origin(url: str) -> tuple[str, str, int | None]:
     parts = urlsplit(url)
     return (parts.scheme, (parts.hostname or "").lower(), parts.port)
-
-
-def _retry_after(headers: Mapping[str, str]) -> float | None:
-    """Seconds from a Retry-After header: delay-seconds or an HTTP date (RFC 9110 10.2.3)."""
-    value = (headers.get("Retry-After") or "").strip()
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
-    except (TypeError, ValueError, IndexError, OverflowError):
-        return None  # unreadable: let the caller's backoff decide

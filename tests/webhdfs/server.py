@@ -13,7 +13,8 @@ in ``denied_paths`` -> 403 AccessControlException; missing paths -> 404 FileNotF
 all as ``{"RemoteException": {...}}`` JSON. With ``tls_cert`` both nodes speak HTTPS (and
 with ``client_ca`` demand a client certificate). Tests can slow the datanode (``datanode_delay``,
 ``throttle_bps``),
-flip a byte of what OPEN sends (``corrupt_reads``), and read the request log and byte count.
+flip a byte of what OPEN sends (``corrupt_reads``), inject 429/5xx answers with Retry-After
+(``fail``), and read the request log and byte count.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import ssl
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -51,6 +53,14 @@ class Request:
     op: str
     params: dict[str, str]
     headers: dict[str, str]
+
+
+@dataclass
+class _Failure:
+    when: Callable[[Request], bool]
+    status: int
+    retry_after: float | None
+    remaining: int
 
 
 class _Error(Exception):
@@ -84,6 +94,7 @@ class WebHDFSServer:
     def start(self) -> WebHDFSServer:
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self._failures: list[_Failure] = []
         self._namenode = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self, "namenode"))
         self._datanode = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self, "datanode"))
         if self.tls_cert is not None:
@@ -131,6 +142,27 @@ class WebHDFSServer:
     def log(self, req: Request) -> None:
         with self._lock:
             self.requests.append(req)
+
+    def fail(
+        self,
+        status: int = 429,
+        *,
+        count: int = 1,
+        retry_after: float | None = None,
+        when: Callable[[Request], bool] = lambda r: True,
+    ) -> None:
+        """Answer the next ``count`` matching requests with ``status`` (as a rate-limiting or
+        overloaded gateway in front of WebHDFS does), with ``Retry-After`` if given."""
+        with self._lock:
+            self._failures.append(_Failure(when, status, retry_after, count))
+
+    def _injected(self, req: Request) -> _Failure | None:
+        with self._lock:
+            for f in self._failures:
+                if f.remaining > 0 and f.when(req):
+                    f.remaining -= 1
+                    return f
+        return None
 
     def ops(self, node: str | None = None) -> list[Request]:
         with self._lock:
@@ -203,6 +235,19 @@ def _handler(server: WebHDFSServer, node: str) -> type[BaseHTTPRequestHandler]:
             path = unquote(parts.path)
             req = Request(node, self.command, path, op, params, {k.lower(): v for k, v in self.headers.items()})
             server.log(req)
+            injected = server._injected(req)
+            if injected is not None:
+                self._drain()
+                # A gateway's own answer: plain text, not a RemoteException.
+                data = b"injected failure\n"
+                self.send_response(injected.status)
+                if injected.retry_after is not None:
+                    self.send_header("Retry-After", f"{injected.retry_after:g}")
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
             try:
                 if not path.startswith(PREFIX):
                     raise _Error(404, "FileNotFoundException", f"Path {path} is not under {PREFIX}")
