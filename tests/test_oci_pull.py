@@ -261,3 +261,25 @@ def test_modelcar_kill_9_then_pull_again(
     assert _model(tmp_path, uri) == files
     assert not staging.exists(), sorted(str(p) for p in staging.rglob("*"))
 
+
+
+def test_rate_limited_manifest_is_waited_out(
+    oci_registry: OCIRegistry, oci_repo: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """429 + Retry-After on the manifest (Docker Hub's pull limit): the pull waits, then succeeds;
+    a persistent one fails with one line naming the URI."""
+    import time
+
+    from tests.faultproxy import Fault
+
+    oci_registry.push_image(oci_repo, "v1", [(make_tar([("models/a.txt", b"a")]), LAYER_TAR)])
+    uri = f"oci://127.0.0.1:{proxy.port}/{oci_repo}:v1"
+    path = f"/v2/{oci_repo}/manifests/v1"
+    proxy.add(Fault("status", path=path, status=429, retry_after=1, times=2))
+    started = time.monotonic()
+    proc = _pull(tmp_path, uri)
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - started >= 2 and _model(tmp_path, uri) == {"a.txt": b"a"}
+    proxy.add(Fault("status", path=f"/v2/{oci_repo}/manifests/v2", status=429, retry_after=0, times=None))
+    bad = f"oci://127.0.0.1:{proxy.port}/{oci_repo}:v2"
+    _error_line(_pull(tmp_path, bad), bad, "HTTP 429", "tag 'v2'")

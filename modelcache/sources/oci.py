@@ -29,6 +29,7 @@ from modelcache.errors import IntegrityError, NotFoundError, TransientError, Uns
 from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source, safe_relpath
 from modelcache.sources.oci_layers import DigestReader, LayerExtractor, corrupt_stream_errors, open_layer_tar
 from modelcache.sources.oci_registry import INDEX_TYPES, MANIFEST_TYPES, RegistryClient
+from modelcache.sources.ratelimit import wait_out
 from modelcache.sources.response_stream import ResponseStream
 from modelcache.uri import OCILocation
 
@@ -93,7 +94,8 @@ class OCISource(Source):
 
     def plan(self) -> Plan:
         if self._plan is None:
-            self._plan = self._resolve()
+            # The listing is not retried by the engine: a 429 on the manifests waits Retry-After here.
+            self._plan = wait_out(self._resolve, self.where)
             self._resolved = f"oci://{self.loc.registry}/{self.loc.repository}@{self._plan.digest}"
         return self._plan
 

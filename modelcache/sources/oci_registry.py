@@ -28,6 +28,7 @@ from modelcache.errors import (
     SourceError,
     TransientError,
 )
+from modelcache.sources.ratelimit import retry_after
 
 if TYPE_CHECKING:
     from modelcache.credentials import Settings
@@ -174,10 +175,9 @@ class RegistryClient:
                 raise NotFoundError(f"{self.where}: repository '{self.repository}' not found in {self.registry}")
             raise NotFoundError(f"{self.where}: {what} not found in {self.registry}/{self.repository}")
         if code == 429:
-            retry = resp.headers.get("Retry-After")
             raise RateLimitedError(
-                f"{self.where}: registry rate limit (429)",
-                retry_after=float(retry) if retry and retry.isdigit() else None,
+                f"{self.where}: rate-limited by registry {self.registry} (HTTP 429) fetching {what}",
+                retry_after=retry_after(resp.headers),
             )
         if code >= 500:
             raise TransientError(f"{self.where}: registry error {code} fetching {what}")
