@@ -356,3 +356,26 @@ def test_gcs_access_denied(gcs_emulator: GCSServer, gcs_auth_front: GCSAuthFront
     uri = f"gs://{bucket}/model"
     env = {"MODELCACHE_GCS_ENDPOINT": front.url, "GOOGLE_APPLICATION_CREDENTIALS": str(key_file)}
     fails_with(tmp_path, uri, env, "access denied to", uri, "storage.objects.list", bucket)
+
+
+def test_gcs_md5_verifies_objects_without_crc32c(
+    gcs_emulator: GCSServer, gcs_auth_front: GCSAuthFront, tmp_path: Path
+) -> None:
+    """md5 is the fallback when an object's metadata has no crc32c: a flipped byte still fails."""
+    front = gcs_auth_front
+    front.drop_crc32c = True
+    bucket = gcs_emulator.new_bucket()
+    data = os.urandom(600 * 1024)
+    gcs_emulator.client().bucket(bucket).blob("model/w.bin").upload_from_string(data)
+    key_file = tmp_path / "sa.json"
+    sa = front.service_account()
+    SECRETS.add(sa["private_key"].splitlines()[1])
+    key_file.write_text(json.dumps(sa))
+    uri = f"gs://{bucket}/model"
+    env = {"MODELCACHE_GCS_ENDPOINT": front.url, "GOOGLE_APPLICATION_CREDENTIALS": str(key_file)}
+    front.corrupt_media = True
+    fails_with(tmp_path / "a", uri, env, uri, "w.bin", "mismatch", "md5")
+    front.corrupt_media = False
+    r = pull(tmp_path / "b", uri, env, "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert_store_correct(tmp_path / "b", {uri: {"w.bin": data}}, must_have={uri})
