@@ -269,3 +269,18 @@ def test_signing_follows_anonymous_and_session_token() -> None:
     assert "Authorization" not in headers
     _, headers = _first_request({"AWS_ENDPOINT_URL": "https://minio.example:9000", "AWS_SESSION_TOKEN": "tok-123"})
     assert headers["X-Amz-Security-Token"] == "tok-123"
+
+
+def test_full_object_crc32c_is_reported(moto_s3: S3Server) -> None:
+    """CRC32C (what newer SDKs and S3 Express use), given by the uploader: preferred over the ETag."""
+    from tests.objectstore_data import b64, crc32c_hex
+
+    bucket = moto_s3.new_bucket()
+    data = os.urandom(1000)
+    c = moto_s3.client()
+    c.put_object(
+        Bucket=bucket, Key="m/w.bin", Body=data, ChecksumAlgorithm="CRC32C", ChecksumCRC32C=b64(crc32c_hex(data))
+    )
+    with open_source(f"s3://{bucket}/m", settings(moto_s3.env())) as src:
+        (f,) = src.list_files()
+    assert {c.algo: c.value for c in f.checksums} == {"crc32c": crc32c_hex(data)}
