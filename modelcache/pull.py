@@ -245,7 +245,11 @@ def _extract(m: _Model, progress: ProgressTracker) -> list[FetchedFile] | None:
             progress.add_total(sum(f.size or 0 for f in m.files), len(m.files))
         progress.advance("", n)
 
-    paths = m.source.extract_into(str(fresh), on_bytes)
+    try:
+        paths = m.source.extract_into(str(fresh), on_bytes)
+    except BaseException:
+        shutil.rmtree(fresh, ignore_errors=True)  # no resume for extracted layouts: no leftovers
+        raise
     if paths is None:
         shutil.rmtree(fresh)
         return None
@@ -317,12 +321,20 @@ def pull_many(
                         m.result = _finish(m, [], cached=True)
                         continue
                     _list(m, settings)
+                    if admit is not None and type(m.source).extract_into is not Source.extract_into:
+                        # Extracted layouts write before the engine path would ask: admit their
+                        # whole size first (they do not resume, so all of it is needed).
+                        total = sum(f.size or 0 for f in m.files)
+                        admit(PullPlan(m.location, m.key, total, total, len(m.files), m.source.resolved_revision))
+                        admitted = True
+                    else:
+                        admitted = False
                     extracted = _extract(m, progress)
                     if extracted is not None:
                         m.result = _finish(m, extracted, cached=False)
                         continue
                     _prepare_staging(m, options.chunk_size)
-                    if admit is not None:
+                    if admit is not None and not admitted:
                         admit(PullPlan(m.location, m.key, sum(f.size or 0 for f in m.files), bytes_needed(m),
                                        len(m.files), m.source.resolved_revision))
                     _check_space(m)

@@ -327,12 +327,19 @@ class NodeStore:
                 for p in folder.glob(".trash-*"):
                     shutil.rmtree(p, ignore_errors=True)
 
-    def gc(self, target_free: int, dry_run: bool = False, keep: frozenset[str] = frozenset()) -> list[StoreEntry]:
-        """Evict least recently used models until ``target_free`` bytes are free."""
+    def gc(self, target_free: int, dry_run: bool = False, keep: frozenset[str] = frozenset(),
+           stale_staging_after: float = 24 * 3600) -> list[StoreEntry]:
+        """Evict least recently used models until ``target_free`` bytes are free.
+
+        Staged downloads nobody has touched for ``stale_staging_after`` seconds (abandoned: the
+        URI was never pulled again) are deleted first; a running pull holds its model's lock
+        and is never touched.
+        """
         if not isinstance(self.layout, NodeLayout):
             raise StoreError("gc needs a node store root")
         if not dry_run:
             self._clear_trash()
+            self._clear_stale_staging(stale_staging_after)
         free = self.free_bytes()
         evicted: list[StoreEntry] = []
         for entry in sorted(self.entries(), key=lambda e: e.last_used):
@@ -348,6 +355,27 @@ class NodeStore:
             evicted.append(entry)
             free += entry.size
         return evicted
+
+    def _clear_stale_staging(self, max_age: float) -> None:
+        assert isinstance(self.layout, NodeLayout)
+        base = self.layout.meta / "staging"
+        if not base.is_dir():
+            return
+        now = time.time()
+        for folder in base.iterdir():
+            if folder.name.startswith(".") or not folder.is_dir():
+                continue
+            try:
+                newest = max((p.stat().st_mtime for p in folder.rglob("*")), default=folder.stat().st_mtime)
+            except OSError:
+                continue
+            if now - newest < max_age:
+                continue
+            try:
+                with self.lock(folder.name, blocking=False):
+                    shutil.rmtree(folder, ignore_errors=True)
+            except StoreError:
+                continue  # a pull is working on it right now
 
     def free_bytes(self) -> int:
         assert isinstance(self.layout, NodeLayout)

@@ -389,6 +389,20 @@ class TransferEngine:
             st.error = exc
             self._failed_groups.setdefault(st.job.group, exc)
             self._cond.notify_all()
+        # Spare buffers parked for the failed model's in-order hashing go back to the pool, or
+        # the models still running would lose them. Lock order as in _chunk_done: file, engine.
+        for other in self._states:
+            if other.job.group != st.job.group:
+                continue
+            with other.lock:
+                held = [(start, c, b) for start, (c, b) in other.waiting.items() if b is not None]
+                for start, c, _ in held:
+                    other.waiting[start] = (c, None)
+            if held:
+                with self._cond:
+                    self._pool.parked -= len(held)
+                for _, _, b in held:
+                    self._pool.release(b)
 
     # ---- fetching -----------------------------------------------------------------------
 
@@ -589,7 +603,8 @@ class TransferEngine:
         with st.lock:
             if chunk.start != st.cursor:
                 with self._cond:
-                    if self._pool.parked < (self.options.spare_buffers or 0):
+                    spare = self._pool.parked < (self.options.spare_buffers or 0)
+                    if spare and st.job.group not in self._failed_groups:
                         self._pool.parked += 1
                         parked = True
                 st.waiting[chunk.start] = (chunk, buf if parked else None)

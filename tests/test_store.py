@@ -198,3 +198,19 @@ def test_cancel_keeps_staging_and_never_publishes(tmp_path):
     assert not (tmp_path / "root" / "models" / storage_key(str(src))).exists()
     res = pull(str(src), root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}))
     assert (res.path / "a.bin").read_bytes() == (src / "a.bin").read_bytes()
+
+
+def test_gc_clears_abandoned_staging_but_not_a_locked_or_fresh_one(tmp_path):
+    root = tmp_path / "root"
+    store = NodeStore.at(root)
+    old, busy, fresh = (store.layout.staging_dir(k) for k in ("a" * 16, "b" * 16, "c" * 16))
+    for folder in (old, busy, fresh):
+        (folder / "data").mkdir(parents=True)
+        (folder / "data" / "w.bin").write_bytes(b"x" * 1000)
+    week_ago = time.time() - 7 * 24 * 3600
+    for folder in (old, busy):
+        for p in [folder, *folder.rglob("*")]:
+            os.utime(p, (week_ago, week_ago))
+    with store.lock("b" * 16):  # a pull resuming it right now
+        store.gc(0)
+    assert not old.exists() and busy.exists() and fresh.exists()

@@ -57,8 +57,11 @@ class LocalSource(Source):
         try:
             st = self.root.stat()
         except FileNotFoundError as exc:
-            hint = f" (PVCs are mounted under {self.settings.local.pvc_root})" if isinstance(
-                self.location, PVCLocation) else ""
+            hint = (
+                f" (PVCs are mounted under {self.settings.local.pvc_root})"
+                if isinstance(self.location, PVCLocation)
+                else ""
+            )
             raise NotFoundError(f"{where}: no such file or directory '{self.root}'{hint}") from exc
         except PermissionError as exc:
             raise AccessDeniedError(f"{where}: permission denied reading '{self.root}'") from exc
