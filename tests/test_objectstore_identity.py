@@ -379,3 +379,47 @@ def test_gcs_md5_verifies_objects_without_crc32c(
     r = pull(tmp_path / "b", uri, env, "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     assert_store_correct(tmp_path / "b", {uri: {"w.bin": data}}, must_have={uri})
+
+
+def test_gcs_anonymous_fallback_reads_a_public_bucket(
+    gcs_emulator: GCSServer, gcs_auth_front: GCSAuthFront, tmp_path: Path
+) -> None:
+    """No credentials anywhere (KServe: DefaultCredentialsError -> anonymous client): a public
+    bucket is read unauthenticated."""
+    front = gcs_auth_front
+    bucket = gcs_emulator.new_bucket()
+    gcs_emulator.client().bucket(bucket).blob("model/w.bin").upload_from_string(b"public" * 100)
+    front.public.add(bucket)
+    uri = f"gs://{bucket}/model"
+    r = pull(tmp_path, uri, {"MODELCACHE_GCS_ENDPOINT": front.url, "GCE_METADATA_HOST": "127.0.0.1:9"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert_store_correct(tmp_path, {uri: {"w.bin": b"public" * 100}}, must_have={uri})
+    assert not front.issued and front.authorized_requests >= 2
+
+
+def test_azure_managed_identity_with_client_id(
+    azurite_oauth: AzureServer,
+    tls_pair: TLSPair,
+    entra_token_server: EntraTokenServer,
+    az_oauth_model: Any,
+    tmp_path: Path,
+) -> None:
+    """AZURE_CLIENT_ID alone: a user-assigned managed identity (here App Service's endpoint,
+    IDENTITY_ENDPOINT + IDENTITY_HEADER; AKS's IMDS address cannot be served locally)."""
+    container, tree = az_oauth_model
+    tokens = entra_token_server
+    SECRETS.add(tokens.identity_header)
+    uri = azurite_oauth.uri(container, "model")
+    env = _azure_env(azurite_oauth, tls_pair, tokens) | {
+        "AZURE_CLIENT_ID": tokens.client_id,
+        "IDENTITY_ENDPOINT": f"{tokens.url}/msi/token",
+        "IDENTITY_HEADER": tokens.identity_header,
+    }
+    r = pull(tmp_path / "a", uri, env | DEBUG)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert_store_correct(tmp_path / "a", {uri: tree}, must_have={uri})
+    assert tokens.grants and {(g["proof"], g["client_id"]) for g in tokens.grants} == {
+        ("identity-header", tokens.client_id)
+    }
+    # Another identity's client id: the endpoint refuses, one line names the variables.
+    fails_with(tmp_path / "b", uri, env | {"AZURE_CLIENT_ID": "00000000-0000-4000-8000-000000000000"}, "Azure AD", uri)
