@@ -148,8 +148,16 @@ def test_s3_tls_verify_ssl_and_ca_bundle(moto_s3_tls: str, tls_pair: TLSPair, tm
     }
     # A certificate nobody vouches for: verification fails, one line naming the fix.
     fails_with(tmp_path / "a", uri, env, "TLS handshake/verification failed", moto_s3_tls, uri, "AWS_CA_BUNDLE")
-    # AWS_CA_BUNDLE trusts it; S3_VERIFY_SSL=0 turns verification off; both as KServe reads them.
-    for name, extra in (("b", {"AWS_CA_BUNDLE": str(tls_pair.cert)}), ("c", {"S3_VERIFY_SSL": "0"})):
+    # AWS_CA_BUNDLE trusts it, as does the CA bundle ConfigMap; S3_VERIFY_SSL=0 turns verification off.
+    mount = tmp_path / "custom-certs"
+    mount.mkdir()
+    (mount / "cabundle.crt").write_bytes(tls_pair.cert.read_bytes())
+    configmap = {"CA_BUNDLE_CONFIGMAP_NAME": "global-ca-bundle", "CA_BUNDLE_VOLUME_MOUNT_POINT": str(mount)}
+    for name, extra in (
+        ("b", {"AWS_CA_BUNDLE": str(tls_pair.cert)}),
+        ("c", {"S3_VERIFY_SSL": "0"}),
+        ("g", configmap),  # KServe's CA bundle ConfigMap, when AWS_CA_BUNDLE is not set
+    ):
         r = pull(tmp_path / name, uri, env | extra)
         assert r.returncode == 0, (extra, r.stderr[-2000:])
         assert_store_correct(tmp_path / name, {uri: {"w.bin": b"over tls" * 1000}}, must_have={uri})
