@@ -95,7 +95,10 @@ class ProgressTracker:
                 self._samples.popleft()
             t0, b0 = self._samples[0]
             rate = (self._done - b0) / (now - t0) if now - t0 > 0.2 else 0.0
-            active = tuple(FileProgress(p, int(v[0] or 0), v[1]) for p, v in self._files.items())
+            # Keys may carry a model prefix ("<group>\0<path>") to stay unique; show the path.
+            active = tuple(
+                FileProgress(p.rsplit("\x00", 1)[-1], int(v[0] or 0), v[1]) for p, v in self._files.items()
+            )
             return ProgressSnapshot(
                 bytes_done=self._done,
                 bytes_total=self._total,

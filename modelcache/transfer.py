@@ -78,6 +78,11 @@ class FileJob:
     resume: JournalState = field(default_factory=JournalState)
 
 
+def _pkey(job: FileJob) -> str:
+    """Progress key: unique across the models of one pull (two can both have config.json)."""
+    return f"{job.group}\x00{job.remote.path}"
+
+
 @dataclass(frozen=True)
 class FetchedFile:
     path: str  # relative, as listed
@@ -294,7 +299,7 @@ class TransferEngine:
             st.result = FetchedFile(job.remote.path, size, done[0], done[1])
             self.progress.add_total(size, 1)
             self.progress.skip(size)
-            self.progress.file_finished(job.remote.path)
+            self.progress.file_finished(_pkey(job))
             return
         already = 0
         if not st.streamed:
@@ -325,7 +330,7 @@ class TransferEngine:
                 self._direct[d] = direct_io_supported(d) if want is None else want
             st.writer = FileWriter(st.job.dest, st.size, self._direct[d])
             st.hasher = MultiHasher(st.job.remote.checksums, st.size)
-            self.progress.file_started(st.job.remote.path, st.size, sum(c.done for c in st.chunks))
+            self.progress.file_started(_pkey(st.job), st.size, sum(c.done for c in st.chunks))
         return st.writer
 
     # ---- scheduling ---------------------------------------------------------------------
@@ -521,7 +526,7 @@ class TransferEngine:
                                     first_byte = time.monotonic()
                                 got += n
                                 pos += n
-                                self.progress.advance(path, n)
+                                self.progress.advance(_pkey(st.job), n)
                                 if pos - written >= PIECE and pos < c.length:
                                     upto = pos - (pos % ALIGN)
                                     writer.write(c.start + written, view[written:upto])
@@ -561,7 +566,7 @@ class TransferEngine:
             total = 0
             for attempt in self._retrying(path):
                 with attempt:
-                    self.progress.rewind(path, total)
+                    self.progress.rewind(_pkey(st.job), total)
                     total = 0
                     st.hasher = MultiHasher(st.job.remote.checksums, st.size)
                     self._check_cancelled(st)
@@ -575,7 +580,7 @@ class TransferEngine:
                                 if n == 0:
                                     break
                                 fill += n
-                                self.progress.advance(path, n)
+                                self.progress.advance(_pkey(st.job), n)
                             if fill:
                                 st.hasher.update(view[:fill])
                                 writer.write(total, view[:fill])
@@ -593,7 +598,7 @@ class TransferEngine:
                 self.progress.add_total(total)
             if self._finish_file(st):
                 return
-            self.progress.rewind(path, total)
+            self.progress.rewind(_pkey(st.job), total)
 
     # ---- in-order hashing and completion ------------------------------------------------
 
@@ -666,7 +671,7 @@ class TransferEngine:
                         path, expected.algo, expected.value, actual)
             job.journal.file_reset(job.index)
             if not st.streamed:
-                self.progress.rewind(path, st.size or 0)
+                self.progress.rewind(_pkey(job), st.size or 0)
                 st.hasher = MultiHasher(job.remote.checksums, st.size)
                 st.cursor = 0
                 st.waiting.clear()
@@ -682,7 +687,7 @@ class TransferEngine:
         job.journal.file_done(job.index, result.xxh3, verified)
         st.writer.close()
         st.writer = None
-        self.progress.file_finished(path)
+        self.progress.file_finished(_pkey(job))
         with self._cond:
             st.result = result
             self._cond.notify_all()

@@ -214,3 +214,27 @@ def test_gc_clears_abandoned_staging_but_not_a_locked_or_fresh_one(tmp_path):
     with store.lock("b" * 16):  # a pull resuming it right now
         store.gc(0)
     assert not old.exists() and busy.exists() and fresh.exists()
+
+
+def test_progress_keeps_same_named_files_of_two_models_apart(tmp_path):
+    from modelcache.progress import ProgressTracker
+    from modelcache.pull import pull_many
+
+    a = make_model(tmp_path / "a", {"config.json": 10, "w.bin": 300_000})
+    b = make_model(tmp_path / "b", {"config.json": 20, "w.bin": 200_000})
+    tracker = ProgressTracker()
+    seen: list[tuple[str, ...]] = []
+    orig = tracker.file_started
+
+    def spy(key: str, total: int | None, already: int = 0) -> None:
+        orig(key, total, already)
+        seen.append(tuple(f.path for f in tracker.snapshot().active))
+
+    tracker.file_started = spy  # type: ignore[method-assign]
+    results = pull_many([str(a), str(b)], root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}),
+                        progress=tracker)
+    assert all(not isinstance(r, BaseException) for r in results)
+    snap = tracker.snapshot()
+    assert (snap.files_done, snap.files_total, snap.bytes_done) == (4, 4, 500_030)
+    assert all("\x00" not in p for labels in seen for p in labels)  # shown as plain paths
+    assert max(len(labels) for labels in seen) >= 1
