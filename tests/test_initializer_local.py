@@ -14,7 +14,7 @@ import pytest
 
 from initializer.redact import Scrubber, secret_values
 from initializer.run import Pair, group_by_dest
-from tests.helpers import REPO
+from tests.helpers import REPO, require
 from tests.initializer_util import initializer_env, run_initializer
 
 USAGE = "Usage: initializer-entrypoint src_uri_0 dest_path_0 ... src_uri_n dest_path_n"
@@ -48,8 +48,7 @@ def test_usage_errors(args: list[str]) -> None:
 
 def test_console_script_usage() -> None:
     script = REPO / ".venv" / "bin" / "storage-initializer"
-    if not script.exists():
-        pytest.skip("console script not installed in .venv (pip install -e .)")
+    require(script.exists(), "the storage-initializer console script (pip install -e .)")
     proc = subprocess.run([str(script)], env=initializer_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stderr.strip() == USAGE
 

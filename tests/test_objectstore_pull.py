@@ -20,6 +20,7 @@ import pytest
 
 from tests.faultproxy import Fault, FaultProxy
 from tests.fixtures.objectstores import AzureServer, GCSServer, S3Server
+from tests.helpers import require
 from tests.objectstore_cli import CAPTURED, CHUNK, SECRETS, clean_env, errors_only, fails_with, pull, record
 from tests.objectstore_data import model_tree
 from tests.pull_helpers import MiB, assert_store_correct, cli_cmd, journaled_bytes, model_dir, one_error_line
@@ -431,8 +432,7 @@ def test_azure_sas_uri_pull_keeps_the_sas_out_of_output_and_store(
 
 
 def test_zz_no_secret_in_any_output() -> None:
-    if not CAPTURED:
-        pytest.skip("run with the rest of this module")
+    require(bool(CAPTURED), "output captured by this module's earlier tests (run the whole module)")
     assert SECRETS
     for out in CAPTURED:
         for s in SECRETS:
