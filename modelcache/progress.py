@@ -46,6 +46,7 @@ class ProgressTracker:
         self._lock = threading.Lock()
         self._start = time.monotonic()
         self._done = 0
+        self._skipped = 0  # bytes found already present: done, but not transferred
         self._total = 0
         self._files_done = 0
         self._files_total = 0
@@ -72,6 +73,7 @@ class ProgressTracker:
         """Bytes already present (resume, cache): counted as done but not in the rate."""
         with self._lock:
             self._done += nbytes
+            self._skipped += nbytes
             self._samples.clear()
 
     def rewind(self, path: str, nbytes: int) -> None:
@@ -94,7 +96,11 @@ class ProgressTracker:
             while len(self._samples) > 2 and now - self._samples[0][0] > self.WINDOW:
                 self._samples.popleft()
             t0, b0 = self._samples[0]
-            rate = (self._done - b0) / (now - t0) if now - t0 > 0.2 else 0.0
+            if now - t0 > 0.2:
+                rate = (self._done - b0) / (now - t0)
+            else:  # first look (or just after a skip): the average since the start
+                elapsed = now - self._start
+                rate = (self._done - self._skipped) / elapsed if elapsed > 0.05 else 0.0
             # Keys may carry a model prefix ("<group>\0<path>") to stay unique; show the path.
             active = tuple(
                 FileProgress(p.rsplit("\x00", 1)[-1], int(v[0] or 0), v[1]) for p, v in self._files.items()
