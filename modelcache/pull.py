@@ -310,10 +310,18 @@ def pull_many(
     if destp is not None and len(models) > 1:
         raise ModelcacheError("a destination folder holds one model: pull several URIs into a store root")
 
+    # Present models are answered without the lock: publish installs the manifest last, so a
+    # present model is complete, and a read-only store (a pod's mount) can still be asked.
+    for m in models.values():
+        if m.store.is_present(m.key):
+            m.store.touch(m.key)
+            m.result = _finish(m, [], cached=True)
     try:
-        with _locked(list(models.values())):
+        with _locked([m for m in models.values() if m.result is None]):
             jobs: list[FileJob] = []
             for m in models.values():
+                if m.result is not None:
+                    continue
                 try:
                     m.store.recover(m.key)
                     if m.store.is_present(m.key):

@@ -159,7 +159,10 @@ class NodeStore:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise store_error(exc, str(path), "locking") from exc
+            try:  # a read-only store still locks through an existing lock file (flock needs no write)
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                raise store_error(exc, str(path), "locking") from exc
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))

@@ -286,6 +286,8 @@ def test_read_only_store_is_a_clear_error_and_other_models_stay(
     assert_store_correct(small_fs, {first: {"w.bin": weights}}, must_have={first})
     r = run_cli("verify", "--root", str(small_fs))
     assert r.returncode == 0, r.stdout + r.stderr
+    hit = run_cli("pull", first, "--root", str(small_fs))  # a cache hit needs no write
+    assert hit.returncode == 0 and "cached" in hit.stderr, hit.stderr
 
 
 def test_enospc_while_writing_fails_clearly_then_resumes(
