@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from pull_http import ensure_kserve_venv, fsync_tree, make_model, parse_size  # noqa: E402
+from rss import RssSampler  # noqa: E402
 
 from tests.helpers import free_port, port_open, wait_until  # noqa: E402
 
@@ -122,49 +122,6 @@ def upload(endpoint: str, data: Path, names: list[str]) -> None:
             pass
         print(f"uploading {n} ...", flush=True)
         c.upload_file(str(data / n), BUCKET, f"{PREFIX}/{n}", Config=cfg)
-
-
-class RssSampler:
-    """Peak RSS of a process tree, sampled from /proc every 20 ms.
-
-    ``wait4``'s ru_maxrss would count the benchmark's own image, which the child carries
-    between fork and exec (every peer would show ~100 MiB).
-    """
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.peak_kib = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _tree(self, pid: int) -> list[int]:
-        out = [pid]
-        for task in Path(f"/proc/{pid}/task").glob("*/children"):
-            try:
-                out += [c for k in task.read_text().split() for c in self._tree(int(k))]
-            except OSError:
-                pass
-        return out
-
-    def _rss_kib(self, pid: int) -> int:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-        except OSError:
-            pass
-        return 0
-
-    def _run(self) -> None:
-        time.sleep(0.005)  # past exec
-        while not self._stop.is_set():
-            self.peak_kib = max(self.peak_kib, sum(self._rss_kib(p) for p in self._tree(self.pid)))
-            self._stop.wait(0.02)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 # ---- tools --------------------------------------------------------------------------------
