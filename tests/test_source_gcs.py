@@ -9,7 +9,7 @@ import pytest
 from modelcache.errors import AuthError, NotFoundError, TransientError
 from modelcache.sources.base import open_source
 from tests.fixtures.objectstores import GCSServer
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_until
 from tests.objectstore_data import crc32c_hex, model_tree, read_range, settings
 
 
@@ -98,8 +98,13 @@ def test_reads_are_pinned_to_the_listed_generation(gcs_emulator: GCSServer, gcs_
     with open_source(f"gs://{bucket}/model", settings(gcs_emulator.env(proxy.url))) as src:
         f = next(f for f in src.list_files() if f.path == "config.json")
         assert read_range(src, f) == tree["config.json"]
-    gets = [p for m, p, _ in proxy.log.requests if m == "GET" and "alt=media" in p]
-    assert gets and all(f"generation={f.version}" in p for p in gets)
+
+    def media_gets() -> list[str]:
+        with proxy.log.lock:  # the relay logs a request once its body is sent: wait for it
+            return [p for m, p, _ in proxy.log.requests if m == "GET" and "alt=media" in p]
+
+    wait_until(lambda: bool(media_gets()), timeout=10, what="the relay's log of the media GET")
+    assert all(f"generation={f.version}" in p for p in media_gets())
 
 
 def test_rejected_service_account_key(tmp_path) -> None:
