@@ -20,14 +20,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tenacity import RetryCallState, Retrying, retry_if_exception
+from tenacity import Retrying
 
 from modelcache.diskio import ALIGN, BufferPool, FileWriter, direct_io_supported
-from modelcache.errors import IntegrityError, ModelcacheError, RateLimitedError, TransientError
+from modelcache.errors import IntegrityError, ModelcacheError, TransientError
 from modelcache.integrity import MultiHasher
 from modelcache.journal import Journal, JournalState
 from modelcache.progress import ProgressTracker
 from modelcache.sources.base import RangeStream, RemoteFile, Source
+from modelcache.transfer_control import SourceStats, Watchdog, retry_policy
 
 log = logging.getLogger(__name__)
 
@@ -131,84 +132,6 @@ class _FileState:
         return self.result is not None or self.error is not None
 
 
-class _SourceStats:
-    """How a backend answers, to size requests: a server that takes long to start each response
-    (moto reads the whole object per ranged GET; some proxies pay per request) gets longer runs
-    of chunks per request, a fast one single chunks, for the most parallelism."""
-
-    def __init__(self, chunk_size: int) -> None:
-        self.chunk_size = chunk_size
-        self.run_length = 1
-        self._lock = threading.Lock()
-        self._ttfb: float | None = None
-        self._rate: float | None = None
-
-    def observe(self, ttfb: float, nbytes: int, seconds: float) -> None:
-        with self._lock:
-            rate = nbytes / max(seconds, 1e-6)
-            self._ttfb = ttfb if self._ttfb is None else 0.7 * self._ttfb + 0.3 * ttfb
-            self._rate = rate if self._rate is None else 0.7 * self._rate + 0.3 * rate
-            chunk_time = self.chunk_size / max(self._rate, 1.0)
-            if self._ttfb > 0.25 * chunk_time:
-                self.run_length = min(self.run_length * 2, 1024)
-            elif self._ttfb < 0.05 * chunk_time and self.run_length > 1:
-                self.run_length //= 2
-
-
-class _Watchdog:
-    """Aborts streams that delivered no bytes for ``timeout`` seconds (the stall timeout)."""
-
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
-        self._lock = threading.Lock()
-        self._streams: dict[int, list[Any]] = {}  # id -> [stream, last_progress, stalled]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="modelcache-watchdog", daemon=True)
-        self._thread.start()
-
-    def watch(self, stream: RangeStream) -> list[Any]:
-        entry = [stream, time.monotonic(), False]
-        with self._lock:
-            self._streams[id(entry)] = entry
-        return entry
-
-    def unwatch(self, entry: list[Any]) -> None:
-        with self._lock:
-            self._streams.pop(id(entry), None)
-
-    def _run(self) -> None:
-        while not self._stop.wait(min(1.0, self.timeout / 4)):
-            now = time.monotonic()
-            with self._lock:
-                stalled = [e for e in self._streams.values() if not e[2] and now - e[1] > self.timeout]
-                for e in stalled:
-                    e[2] = True
-            for e in stalled:
-                self._abort(e)
-
-    @staticmethod
-    def _abort(entry: list[Any]) -> None:
-        abort = getattr(entry[0], "abort", None) or entry[0].close
-        try:
-            abort()
-        except Exception:  # the stream is being torn down either way
-            pass
-
-    def abort_all(self) -> None:
-        """Wake every reader blocked in a stream (cancel): they must not wait for the stall timeout."""
-        with self._lock:
-            entries = list(self._streams.values())
-        for e in entries:
-            self._abort(e)
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-def _retryable(exc: BaseException) -> bool:
-    return isinstance(exc, ModelcacheError) and exc.retryable and not isinstance(exc, IntegrityError)
-
-
 class TransferEngine:
     def __init__(self, options: TransferOptions | None = None, progress: ProgressTracker | None = None) -> None:
         self.options = (options or TransferOptions()).normalized()
@@ -218,7 +141,7 @@ class TransferEngine:
         self._failed_groups: dict[str, BaseException] = {}
         self._direct: dict[str, bool] = {}
         self._cancel = threading.Event()
-        self._source_stats: dict[int, _SourceStats] = {}
+        self._source_stats: dict[int, SourceStats] = {}
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -248,7 +171,7 @@ class TransferEngine:
             self._prepare(st)
         pool = BufferPool(opts.workers + (opts.spare_buffers or 0), opts.chunk_size)
         self._pool = pool
-        self._watchdog = _Watchdog(opts.stall_timeout)
+        self._watchdog = Watchdog(opts.stall_timeout)
         syncer_stop = threading.Event()
         syncer = threading.Thread(target=self._sync_loop, args=(syncer_stop,), name="modelcache-sync", daemon=True)
         syncer.start()
@@ -359,10 +282,10 @@ class TransferEngine:
                     return None
                 self._cond.wait(0.5)
 
-    def _stats(self, source: Source) -> _SourceStats:
+    def _stats(self, source: Source) -> SourceStats:
         stats = self._source_stats.get(id(source))
         if stats is None:
-            stats = self._source_stats[id(source)] = _SourceStats(self.options.chunk_size)
+            stats = self._source_stats[id(source)] = SourceStats(self.options.chunk_size)
         return stats
 
     def _worker(self) -> None:
@@ -412,38 +335,10 @@ class TransferEngine:
     # ---- fetching -----------------------------------------------------------------------
 
     def _retrying(self, what: str, position: Callable[[], int] | None = None) -> Retrying:
-        """Retry policy for one request: ``max_attempts`` failures in a row *without progress*.
-
-        ``position`` tells how far the request got; an attempt that moved it forward resets
-        the count and the backoff, so a long run of chunks on a flaky link still completes
-        while a dead server fails after a bounded time.
-        """
         opts = self.options
-        streak = {"n": 0, "at": position() if position else 0}
-
-        def note_failure(state: RetryCallState) -> int:
-            now = position() if position else 0
-            if now > streak["at"]:
-                streak["n"], streak["at"] = 0, now
-            streak["n"] += 1
-            return streak["n"]
-
-        def stop(state: RetryCallState) -> bool:
-            return note_failure(state) >= opts.max_attempts
-
-        def wait(state: RetryCallState) -> float:
-            exc = state.outcome.exception() if state.outcome else None
-            if isinstance(exc, RateLimitedError) and exc.retry_after:
-                return min(exc.retry_after, 300.0)
-            return min(opts.backoff_max, opts.backoff_initial * (2 ** (streak["n"] - 1)))
-
-        def before_sleep(state: RetryCallState) -> None:
-            exc = state.outcome.exception() if state.outcome else None
-            log.warning("%s: attempt %d failed (%s); retrying", what, state.attempt_number, exc)
-
         # Backoff sleeps end early on cancel (the next attempt then stops at its first check).
-        return Retrying(stop=stop, wait=wait, retry=retry_if_exception(_retryable),
-                        before_sleep=before_sleep, reraise=True, sleep=self._cancel.wait)
+        return retry_policy(what, opts.max_attempts, opts.backoff_initial, opts.backoff_max,
+                            position=position, sleep=self._cancel.wait)
 
     def _read_into(self, st: _FileState, stream: RangeStream, view: memoryview, entry: list[Any]) -> int:
         path = st.job.remote.path

@@ -1,0 +1,139 @@
+"""How the engine treats a backend's requests: how big, how often retried, when aborted.
+
+Kept apart from the engine's scheduling and disk work: ``SourceStats`` sizes requests from
+what a server's responses cost to start, ``retry_policy`` retries a request while it makes
+progress, and ``Watchdog`` aborts a stream that stopped delivering bytes (the stall timeout).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tenacity import RetryCallState, Retrying, retry_if_exception
+
+from modelcache.errors import IntegrityError, ModelcacheError, RateLimitedError
+from modelcache.sources.base import RangeStream
+
+log = logging.getLogger("modelcache.transfer")
+
+
+class SourceStats:
+    """How a backend answers, to size requests: a server that takes long to start each response
+    (moto reads the whole object per ranged GET; some proxies pay per request) gets longer runs
+    of chunks per request, a fast one single chunks, for the most parallelism."""
+
+    def __init__(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        self.run_length = 1
+        self._lock = threading.Lock()
+        self._ttfb: float | None = None
+        self._rate: float | None = None
+
+    def observe(self, ttfb: float, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            rate = nbytes / max(seconds, 1e-6)
+            self._ttfb = ttfb if self._ttfb is None else 0.7 * self._ttfb + 0.3 * ttfb
+            self._rate = rate if self._rate is None else 0.7 * self._rate + 0.3 * rate
+            chunk_time = self.chunk_size / max(self._rate, 1.0)
+            if self._ttfb > 0.25 * chunk_time:
+                self.run_length = min(self.run_length * 2, 1024)
+            elif self._ttfb < 0.05 * chunk_time and self.run_length > 1:
+                self.run_length //= 2
+
+
+class Watchdog:
+    """Aborts streams that delivered no bytes for ``timeout`` seconds (the stall timeout)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._streams: dict[int, list[Any]] = {}  # id -> [stream, last_progress, stalled]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="modelcache-watchdog", daemon=True)
+        self._thread.start()
+
+    def watch(self, stream: RangeStream) -> list[Any]:
+        entry = [stream, time.monotonic(), False]
+        with self._lock:
+            self._streams[id(entry)] = entry
+        return entry
+
+    def unwatch(self, entry: list[Any]) -> None:
+        with self._lock:
+            self._streams.pop(id(entry), None)
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            now = time.monotonic()
+            with self._lock:
+                stalled = [e for e in self._streams.values() if not e[2] and now - e[1] > self.timeout]
+                for e in stalled:
+                    e[2] = True
+            for e in stalled:
+                self._abort(e)
+
+    @staticmethod
+    def _abort(entry: list[Any]) -> None:
+        abort = getattr(entry[0], "abort", None) or entry[0].close
+        try:
+            abort()
+        except Exception:  # the stream is being torn down either way
+            pass
+
+    def abort_all(self) -> None:
+        """Wake every reader blocked in a stream (cancel): they must not wait for the stall timeout."""
+        with self._lock:
+            entries = list(self._streams.values())
+        for e in entries:
+            self._abort(e)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def retryable(exc: BaseException) -> bool:
+    return isinstance(exc, ModelcacheError) and exc.retryable and not isinstance(exc, IntegrityError)
+
+
+def retry_policy(
+    what: str,
+    max_attempts: int,
+    backoff_initial: float,
+    backoff_max: float,
+    position: Callable[[], int] | None = None,
+    sleep: Callable[[float], Any] = time.sleep,
+) -> Retrying:
+    """Retry policy for one request: ``max_attempts`` failures in a row *without progress*.
+
+    ``position`` tells how far the request got; an attempt that moved it forward resets
+    the count and the backoff, so a long run of chunks on a flaky link still completes
+    while a dead server fails after a bounded time. 429s wait their Retry-After.
+    """
+    streak = {"n": 0, "at": position() if position else 0}
+
+    def note_failure(state: RetryCallState) -> int:
+        now = position() if position else 0
+        if now > streak["at"]:
+            streak["n"], streak["at"] = 0, now
+        streak["n"] += 1
+        return streak["n"]
+
+    def stop(state: RetryCallState) -> bool:
+        return note_failure(state) >= max_attempts
+
+    def wait(state: RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome else None
+        if isinstance(exc, RateLimitedError) and exc.retry_after:
+            return min(exc.retry_after, 300.0)
+        return min(backoff_max, backoff_initial * (2 ** (streak["n"] - 1)))
+
+    def before_sleep(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        log.warning("%s: attempt %d failed (%s); retrying", what, state.attempt_number, exc)
+
+    return Retrying(stop=stop, wait=wait, retry=retry_if_exception(retryable),
+                    before_sleep=before_sleep, reraise=True, sleep=sleep)
