@@ -64,7 +64,9 @@ def _key(arg: str) -> str:
 
 
 @click.group()
-@click.option("--log-level", default="WARNING", envvar="MODELCACHE_LOG_LEVEL", show_default=True)
+@click.option("--log-level", default="WARNING", envvar="MODELCACHE_LOG_LEVEL", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.version_option(package_name="modelcache")
 def cli(log_level: str) -> None:
     """Put model weights onto serving machines: fast, verified, crash-safe."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -76,14 +78,19 @@ def cli(log_level: str) -> None:
 @_root_option
 @click.option("--dest", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write one model straight into this folder instead of the store.")
-@click.option("--workers", type=click.IntRange(1, 256), default=8, show_default=True)
-@click.option("--chunk-size", type=SizeType(), default="16M", show_default=True)
+@click.option("--workers", type=click.IntRange(1, 256), default=8, show_default=True,
+              help="Parallel streams (memory: (workers + workers/2) x chunk size).")
+@click.option("--chunk-size", type=SizeType(), default="16M", show_default=True,
+              help="Bytes per ranged read and per resume unit (e.g. 8M, 64MiB).")
 @click.option("--stall-timeout", type=float, default=30.0, show_default=True,
               help="Seconds without bytes before a read is aborted and retried.")
-@click.option("--max-attempts", type=click.IntRange(1, 100), default=6, show_default=True)
+@click.option("--max-attempts", type=click.IntRange(1, 100), default=6, show_default=True,
+              help="Failures in a row without progress before a read gives up.")
 @click.option("--direct-io/--no-direct-io", default=None, help="Force O_DIRECT writes on or off (default: auto).")
-@click.option("--progress", "progress_mode", type=click.Choice(["auto", "bar", "plain", "none"]), default="auto")
-@click.option("--progress-interval", type=float, default=5.0, envvar="MODELCACHE_PROGRESS_INTERVAL")
+@click.option("--progress", "progress_mode", type=click.Choice(["auto", "bar", "plain", "none"]), default="auto",
+              show_default=True, help="Bars on a terminal, a log line every few seconds otherwise.")
+@click.option("--progress-interval", type=float, default=5.0, envvar="MODELCACHE_PROGRESS_INTERVAL",
+              show_default=True, help="Seconds between plain progress lines.")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON on stdout.")
 def pull(uris: tuple[str, ...], root: Path, dest: Path | None, workers: int, chunk_size: int, stall_timeout: float,
          max_attempts: int, direct_io: bool | None, progress_mode: str, progress_interval: float,
