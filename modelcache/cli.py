@@ -80,6 +80,9 @@ def cli(log_level: str) -> None:
               help="Write one model straight into this folder instead of the store.")
 @click.option("--workers", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Parallel streams (memory: (workers + workers/2) x chunk size).")
+@click.option("--max-workers", type=click.IntRange(1, 256), default=None,
+              help="Grow up to this many streams while throughput grows (servers that cap each "
+              "connection, e.g. S3); default: a fixed --workers.")
 @click.option("--chunk-size", type=SizeType(), default="16M", show_default=True,
               help="Bytes per ranged read and per resume unit (e.g. 8M, 64MiB).")
 @click.option("--stall-timeout", type=float, default=30.0, show_default=True,
@@ -92,15 +95,16 @@ def cli(log_level: str) -> None:
 @click.option("--progress-interval", type=float, default=5.0, envvar="MODELCACHE_PROGRESS_INTERVAL",
               show_default=True, help="Seconds between plain progress lines.")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON on stdout.")
-def pull(uris: tuple[str, ...], root: Path, dest: Path | None, workers: int, chunk_size: int, stall_timeout: float,
+def pull(uris: tuple[str, ...], root: Path, dest: Path | None, workers: int, max_workers: int | None,
+         chunk_size: int, stall_timeout: float,
          max_attempts: int, direct_io: bool | None, progress_mode: str, progress_interval: float,
          as_json: bool) -> None:
     """Download models (one per URI) into the store, verified and resumable."""
     from modelcache.display import show_progress
     from modelcache.pull import PullResult, pull_many
 
-    options = TransferOptions(workers=workers, chunk_size=chunk_size, stall_timeout=stall_timeout,
-                              max_attempts=max_attempts, direct_io=direct_io)
+    options = TransferOptions(workers=workers, max_workers=max_workers, chunk_size=chunk_size,
+                              stall_timeout=stall_timeout, max_attempts=max_attempts, direct_io=direct_io)
     tracker = ProgressTracker()
     try:
         with show_progress(tracker, progress_mode, progress_interval):

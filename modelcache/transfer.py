@@ -23,12 +23,12 @@ from typing import Any
 from tenacity import Retrying
 
 from modelcache.diskio import ALIGN, BufferPool, FileWriter, direct_io_supported
-from modelcache.errors import IntegrityError, ModelcacheError, TransientError
+from modelcache.errors import IntegrityError, ModelcacheError, RateLimitedError, TransientError
 from modelcache.integrity import MultiHasher
 from modelcache.journal import Journal, JournalState
 from modelcache.progress import ProgressTracker
 from modelcache.sources.base import RangeStream, RemoteFile, Source
-from modelcache.transfer_control import SourceStats, Watchdog, retry_policy
+from modelcache.transfer_control import SourceStats, StreamLimit, Watchdog, retry_policy
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ READ_SIZE = 1 * MiB
 
 @dataclass(frozen=True)
 class TransferOptions:
-    workers: int = 8
+    workers: int = 8  # streams at the start (and at most, unless max_workers is higher)
     chunk_size: int = 16 * MiB
     spare_buffers: int | None = None  # default: workers // 2
     max_attempts: int = 6
@@ -49,6 +49,9 @@ class TransferOptions:
     direct_io: bool | None = None  # None: use O_DIRECT where the file system accepts it
     integrity_retries: int = 2  # re-fetches of a file whose bytes did not match its checksum
     sync_interval: float = 2.0  # seconds between fdatasyncs of the files in flight (journal marks)
+    #: Grow up to this many streams while throughput grows (StreamLimit); None: fixed ``workers``.
+    max_workers: int | None = None
+    adapt_interval: float = 1.0
 
     def normalized(self) -> TransferOptions:
         chunk = max(ALIGN, self.chunk_size - self.chunk_size % ALIGN)
@@ -63,6 +66,8 @@ class TransferOptions:
             direct_io=self.direct_io,
             integrity_retries=self.integrity_retries,
             sync_interval=max(0.01, self.sync_interval),
+            max_workers=max(max(1, self.workers), self.max_workers or 0),
+            adapt_interval=max(0.05, self.adapt_interval),
         )
 
 
@@ -142,6 +147,9 @@ class TransferEngine:
         self._direct: dict[str, bool] = {}
         self._cancel = threading.Event()
         self._source_stats: dict[int, SourceStats] = {}
+        self._busy = 0  # workers holding a request
+        self._limit = StreamLimit(self.options.workers, self.options.max_workers or self.options.workers)
+        self.peak_streams = self.options.workers
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -169,7 +177,9 @@ class TransferEngine:
         self._states = [_FileState(j, opts.chunk_size) for j in jobs]
         for st in self._states:
             self._prepare(st)
-        pool = BufferPool(opts.workers + (opts.spare_buffers or 0), opts.chunk_size)
+        streams = opts.max_workers or opts.workers
+        # Buffers are mmapped lazily: ones for streams never started cost address space only.
+        pool = BufferPool(streams + (opts.spare_buffers or 0), opts.chunk_size)
         self._pool = pool
         self._watchdog = Watchdog(opts.stall_timeout)
         syncer_stop = threading.Event()
@@ -177,8 +187,12 @@ class TransferEngine:
         syncer.start()
         workers = [
             threading.Thread(target=self._worker, name=f"modelcache-worker-{i}", daemon=True)
-            for i in range(opts.workers)
+            for i in range(streams)
         ]
+        adapter_stop = threading.Event()
+        if streams > opts.workers:
+            threading.Thread(target=self._adapt_loop, args=(adapter_stop,), name="modelcache-adapt",
+                             daemon=True).start()
         try:
             try:
                 for w in workers:
@@ -195,6 +209,7 @@ class TransferEngine:
                         w.join()
                 raise
         finally:
+            adapter_stop.set()
             syncer_stop.set()
             syncer.join()
             self._watchdog.stop()
@@ -264,6 +279,11 @@ class TransferEngine:
             while True:
                 if self._cancel.is_set():
                     return None
+                if self._busy >= self._limit.limit:  # more threads than allowed streams: wait
+                    if all(st.finished or st.job.group in self._failed_groups for st in self._states):
+                        return None
+                    self._cond.wait(0.5)
+                    continue
                 best: _FileState | None = None
                 for st in self._states:
                     runnable = st.pending and not st.finished and st.job.group not in self._failed_groups
@@ -271,6 +291,7 @@ class TransferEngine:
                         best = st
                 if best is not None:
                     best.active += 1
+                    self._busy += 1
                     run = [best.pending.pop(0)]
                     if not best.streamed and run[0].done == 0:
                         limit = self._stats(best.job.source).run_length
@@ -281,6 +302,24 @@ class TransferEngine:
                 if all(st.finished or st.job.group in self._failed_groups for st in self._states):
                     return None
                 self._cond.wait(0.5)
+
+    def _adapt_loop(self, stop: threading.Event) -> None:
+        """Every ``adapt_interval``: feed the throughput to the stream limit (hill climb)."""
+        last_bytes = self.progress.snapshot().bytes_done
+        last_t = time.monotonic()
+        while not stop.wait(self.options.adapt_interval):
+            now = time.monotonic()
+            done = self.progress.snapshot().bytes_done
+            rate = (done - last_bytes) / max(now - last_t, 1e-3)
+            last_bytes, last_t = done, now
+            with self._cond:
+                saturated = self._busy >= self._limit.limit
+                before = self._limit.limit
+                limit = self._limit.observe(rate, saturated)
+                self.peak_streams = max(self.peak_streams, limit)
+                if limit != before:
+                    log.debug("streams %d -> %d at %.0f MB/s", before, limit, rate / 1e6)
+                    self._cond.notify_all()
 
     def _stats(self, source: Source) -> SourceStats:
         stats = self._source_stats.get(id(source))
@@ -310,6 +349,7 @@ class TransferEngine:
             finally:
                 with self._cond:
                     st.active -= 1
+                    self._busy -= 1
                     self._cond.notify_all()
 
     def _fail(self, st: _FileState, exc: BaseException) -> None:
@@ -338,7 +378,14 @@ class TransferEngine:
         opts = self.options
         # Backoff sleeps end early on cancel (the next attempt then stops at its first check).
         return retry_policy(what, opts.max_attempts, opts.backoff_initial, opts.backoff_max,
-                            position=position, sleep=self._cancel.wait)
+                            position=position, sleep=self._cancel.wait, on_retry=self._on_retry)
+
+    def _on_retry(self, exc: BaseException | None) -> None:
+        # A server that says "too many requests" gets fewer streams (only when adapting: a
+        # fixed --workers is what the user asked for).
+        if isinstance(exc, RateLimitedError) and (self.options.max_workers or 0) > self.options.workers:
+            with self._cond:
+                self._limit.backoff()
 
     def _read_into(self, st: _FileState, stream: RangeStream, view: memoryview, entry: list[Any]) -> int:
         path = st.job.remote.path

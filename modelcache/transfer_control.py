@@ -106,6 +106,7 @@ def retry_policy(
     backoff_max: float,
     position: Callable[[], int] | None = None,
     sleep: Callable[[float], Any] = time.sleep,
+    on_retry: Callable[[BaseException | None], None] | None = None,
 ) -> Retrying:
     """Retry policy for one request: ``max_attempts`` failures in a row *without progress*.
 
@@ -134,6 +135,55 @@ def retry_policy(
     def before_sleep(state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
         log.warning("%s: attempt %d failed (%s); retrying", what, state.attempt_number, exc)
+        if on_retry is not None:
+            on_retry(exc)
 
     return Retrying(stop=stop, wait=wait, retry=retry_if_exception(retryable),
                     before_sleep=before_sleep, reraise=True, sleep=sleep)
+
+
+class StreamLimit:
+    """How many requests run at once: grows while throughput grows, steps back when it stops.
+
+    Servers that cap each connection (real S3, CDNs) need many streams; a local or CPU-bound
+    one gains nothing past a few. A hill climb on measured throughput finds the knee: while all
+    allowed streams are busy, add ``step`` and keep the step if the rate rose by ``gain``;
+    otherwise undo it and hold for ``hold`` rounds before probing again. Errors from the server
+    (429, 5xx) shrink the limit at once.
+    """
+
+    def __init__(self, start: int, maximum: int, step: int = 2, gain: float = 0.10, hold: int = 5) -> None:
+        self.limit = max(1, min(start, maximum))
+        self.minimum = max(1, min(start, maximum) // 2)
+        self.maximum = max(maximum, self.limit)
+        self.step = step
+        self.gain = gain
+        self.hold = hold
+        self._best: float | None = None
+        self._probing = 0  # streams added by the step under test
+        self._cooldown = 0
+
+    def observe(self, rate: float, saturated: bool) -> int:
+        """Feed the last interval's bytes/s; returns the new limit."""
+        if self._probing:
+            if self._best is not None and rate > self._best * (1 + self.gain):
+                self._best, self._probing = rate, 0  # the step paid: keep it
+            else:
+                self.limit -= self._probing  # no gain: undo and rest
+                self._probing, self._cooldown = 0, self.hold
+            return self.limit
+        if self._best is None or rate > self._best:
+            self._best = rate
+        if self._cooldown:
+            self._cooldown -= 1
+            return self.limit
+        if saturated and self.limit < self.maximum:
+            self._probing = min(self.step, self.maximum - self.limit)
+            self.limit += self._probing
+        return self.limit
+
+    def backoff(self) -> int:
+        """The server pushed back (429/503): fewer streams, and no probing for a while."""
+        self.limit = max(self.minimum, self.limit - self.step)
+        self._probing, self._cooldown, self._best = 0, self.hold, None
+        return self.limit
