@@ -146,7 +146,13 @@ def b64_to_hex(value: str) -> str:
     return base64.b64decode(value.strip(), validate=True).hex()
 
 
-def safe_b64_to_hex(value: str) -> str | None:
+def safe_b64_to_hex(value: str | bytes | bytearray | None) -> str | None:
+    """A base64 digest (HTTP headers, object-store metadata) as hex; None if absent or malformed.
+    Raw digest bytes (some SDKs decode for us) are taken as they are."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).hex()
     try:
         return b64_to_hex(value)
     except (binascii.Error, ValueError):

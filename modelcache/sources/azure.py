@@ -40,11 +40,11 @@ from modelcache.errors import (
     SourceError,
     TransientError,
 )
+from modelcache.integrity import safe_b64_to_hex
 from modelcache.sources.base import Checksum, IterStream, RangeStream, RemoteFile, Source, register_source
 from modelcache.sources.objectstore import (
     CONNECTION_POOL,
     EmptyStream,
-    b64_to_hex,
     check_unique,
     nothing_found,
     quiet_sdk_logs,
@@ -220,7 +220,7 @@ class AzureBlobSource(Source):
     def _describe(rel: str, blob: Any) -> RemoteFile:
         checksums = []
         settings = getattr(blob, "content_settings", None)
-        if settings is not None and (md5 := b64_to_hex(settings.content_md5)):
+        if settings is not None and (md5 := safe_b64_to_hex(settings.content_md5)):
             checksums.append(Checksum("md5", md5))
         etag = str(blob.etag or "").strip('"') or None
         meta = [("name", blob.name)]

@@ -35,12 +35,12 @@ from modelcache.errors import (
     SourceError,
     TransientError,
 )
+from modelcache.integrity import safe_b64_to_hex
 from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source
 from modelcache.sources.objectstore import (
     CONNECTION_POOL,
     EmptyStream,
     RawRangeStream,
-    b64_to_hex,
     check_unique,
     nothing_found,
     quiet_sdk_logs,
@@ -175,11 +175,11 @@ class GCSSource(Source):
     @staticmethod
     def _describe(rel: str, blob: Any) -> RemoteFile:
         checksums = []
-        if crc := b64_to_hex(blob.crc32c):
+        if crc := safe_b64_to_hex(blob.crc32c):
             checksums.append(Checksum("crc32c", crc))
         # crc32c is on every GCS object and proves the bytes at ~0.1 CPU-s/GiB; md5 (absent on
         # composite objects) would add ~1.2, so it is only the fallback.
-        if not checksums and (md5 := b64_to_hex(blob.md5_hash)):
+        if not checksums and (md5 := safe_b64_to_hex(blob.md5_hash)):
             checksums.append(Checksum("md5", md5))
         generation = str(blob.generation) if blob.generation is not None else None
         meta = [("name", blob.name)]

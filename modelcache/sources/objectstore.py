@@ -8,8 +8,6 @@ the keys under ``model/`` -- never ``model_v2/...`` (KServe's raw-prefix bug). K
 
 from __future__ import annotations
 
-import base64
-import binascii
 import logging
 import posixpath
 import re
@@ -93,17 +91,6 @@ def check_unique(paths: Iterable[str], where: str) -> None:
         if p in seen:
             raise InvalidURIError(f"{where}: two objects map to the same file path {p!r}; rename one of them")
         seen.add(p)
-
-
-def b64_to_hex(value: str | bytes | bytearray | None) -> str | None:
-    """Object stores send digests base64-encoded; modelcache carries lower-case hex."""
-    if value is None or value == "":
-        return None
-    try:
-        raw = base64.b64decode(value, validate=True) if isinstance(value, str) else bytes(value)
-    except (binascii.Error, ValueError):
-        return None
-    return raw.hex()
 
 
 def nothing_found(display: str, backend: str) -> NotFoundError:

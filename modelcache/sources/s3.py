@@ -41,12 +41,12 @@ from modelcache.errors import (
     SourceError,
     TransientError,
 )
+from modelcache.integrity import safe_b64_to_hex
 from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source
 from modelcache.sources.objectstore import (
     CONNECTION_POOL,
     EmptyStream,
     RawRangeStream,
-    b64_to_hex,
     check_unique,
     nothing_found,
     parallel_map,
@@ -188,7 +188,7 @@ class S3Source(Source):
         if head.get("ChecksumType") != "COMPOSITE" and whole_ok:
             for algo, name in _FULL_OBJECT_CHECKSUMS:
                 value = head.get(name)
-                if value and "-" not in value and (hexval := b64_to_hex(value)):
+                if value and "-" not in value and (hexval := safe_b64_to_hex(value)):
                     out.append(Checksum(algo, hexval))
         # A full-object CRC/SHA already proves the bytes; MD5 would add ~1.2 CPU-s per GiB for nothing.
         if out:
