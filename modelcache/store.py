@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -87,20 +88,20 @@ class VerifyProblem:
     problem: str
 
 
-class Layout:
+class Layout(ABC):
     """Where one model's folder, manifest, staging area and lock live."""
 
-    def model_dir(self, key: str) -> Path:
-        raise NotImplementedError
+    @abstractmethod
+    def model_dir(self, key: str) -> Path: ...
 
-    def manifest_path(self, key: str) -> Path:
-        raise NotImplementedError
+    @abstractmethod
+    def manifest_path(self, key: str) -> Path: ...
 
-    def staging_dir(self, key: str) -> Path:
-        raise NotImplementedError
+    @abstractmethod
+    def staging_dir(self, key: str) -> Path: ...
 
-    def lock_path(self, key: str) -> Path:
-        raise NotImplementedError
+    @abstractmethod
+    def lock_path(self, key: str) -> Path: ...
 
 
 class NodeLayout(Layout):
