@@ -125,6 +125,53 @@ class RunResult:
         return self.cpu_seconds / (self.bytes / 2**30)
 
 
+def run_timed(tool: str, cmd: list[str], out: Path, total_bytes: int, env: dict[str, str] | None = None) -> RunResult:
+    """Run ``cmd``, then fsync what it wrote; time both (shared by the benchmarks).
+
+    Peak RSS is sampled from /proc; CPU comes from wait4 (it includes waited-for children, e.g.
+    kserve's process pool).
+    """
+    # stderr goes to a file, not a pipe: a chatty tool must never block on a full pipe mid-run.
+    with tempfile.TemporaryFile() as errfile:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errfile, env=env)
+        sampler = RssSampler(proc.pid)
+        _pid, status, usage = os.wait4(proc.pid, 0)
+        peak = sampler.stop()
+        rc = os.waitstatus_to_exitcode(status)
+        errfile.seek(0)
+        err = errfile.read().decode(errors="replace")
+    if rc != 0:
+        raise RuntimeError(f"{tool} failed (exit {rc}): {err.strip()[-1500:]}")
+    found = fsync_tree(out)
+    seconds = time.perf_counter() - t0
+    if found < total_bytes:
+        raise RuntimeError(f"{tool} wrote {found} bytes, expected at least {total_bytes}")
+    return RunResult(tool, seconds, total_bytes, peak, usage.ru_utime + usage.ru_stime)
+
+
+def results_table(results: list[RunResult], title: str) -> tuple[list[str], dict[str, float]]:
+    """The markdown table every benchmark prints, and the median MB/s per tool."""
+    by_tool: dict[str, list[RunResult]] = {}
+    for r in results:
+        by_tool.setdefault(r.tool, []).append(r)
+    med = {t: statistics.median(x.mbps for x in rs) for t, rs in by_tool.items()}
+    mc = med.get("modelcache")
+    lines = [
+        title,
+        "",
+        "| tool | median MB/s | runs (MB/s) | modelcache / tool | CPU s/GiB | peak RSS MiB |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for tool, rs in by_tool.items():
+        ratio = f"{mc / med[tool]:.2f}x" if mc and tool != "modelcache" else "-"
+        runs = ", ".join(f"{x.mbps:.0f}" for x in rs)
+        cpu = statistics.median(x.cpu_per_gib for x in rs)
+        rss = max(x.peak_rss_kib for x in rs) / 1024
+        lines.append(f"| {tool} | {med[tool]:.0f} | {runs} | {ratio} | {cpu:.2f} | {rss:.0f} |")
+    return lines, med
+
+
 @dataclass
 class Bench:
     urls: list[str]
@@ -135,24 +182,7 @@ class Bench:
     results: list[RunResult] = field(default_factory=list)
 
     def _timed(self, tool: str, cmd: list[str], out: Path, env: dict[str, str] | None = None) -> RunResult:
-        """Run ``cmd``, then fsync what it wrote; time both. Peak RSS is sampled from /proc, CPU from wait4."""
-        # stderr goes to a file, not a pipe: a chatty tool must never block on a full pipe mid-run.
-        with tempfile.TemporaryFile() as errfile:
-            t0 = time.perf_counter()
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errfile, env=env)
-            sampler = RssSampler(proc.pid)
-            _pid, status, usage = os.wait4(proc.pid, 0)
-            peak = sampler.stop()
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            errfile.seek(0)
-            err = errfile.read().decode(errors="replace")
-        if proc.returncode != 0:
-            raise RuntimeError(f"{tool} failed (exit {proc.returncode}): {err.strip()[-1500:]}")
-        found = fsync_tree(out)
-        seconds = time.perf_counter() - t0
-        if found < self.total_bytes:
-            raise RuntimeError(f"{tool} wrote {found} bytes, expected at least {self.total_bytes}")
-        return RunResult(tool, seconds, self.total_bytes, peak, usage.ru_utime + usage.ru_stime)
+        return run_timed(tool, cmd, out, self.total_bytes, env)
 
     def modelcache(self, out: Path) -> RunResult:
         exe = REPO / ".venv" / "bin" / "modelcache"
@@ -217,26 +247,15 @@ def ensure_kserve_venv() -> bool:
 
 
 def report(results: list[RunResult], args: argparse.Namespace) -> str:
-    by_tool: dict[str, list[RunResult]] = {}
-    for r in results:
-        by_tool.setdefault(r.tool, []).append(r)
-    med = {t: statistics.median(x.mbps for x in rs) for t, rs in by_tool.items()}
-    mc = med.get("modelcache")
-    lines = [
+    lines, med = results_table(
+        results,
         f"HTTP pull benchmark: {args.shards} x {args.size // args.shards / 2**20:.0f} MiB + json "
         f"({args.size / 2**30:.2f} GiB), {args.rounds} round(s), durable (fsync) MB/s, 1 MB = 10^6 B",
-        "",
-        "| tool | median MB/s | runs (MB/s) | modelcache / tool | CPU s/GiB | peak RSS MiB |",
-        "|---|---:|---|---:|---:|---:|",
-    ]
-    for tool, rs in by_tool.items():
-        ratio = f"{mc / med[tool]:.2f}x" if mc and tool != "modelcache" else "-"
-        runs = ", ".join(f"{x.mbps:.0f}" for x in rs)
-        cpu = statistics.median(x.cpu_per_gib for x in rs)
-        rss = max(x.peak_rss_kib for x in rs) / 1024
-        lines.append(f"| {tool} | {med[tool]:.0f} | {runs} | {ratio} | {cpu:.2f} | {rss:.0f} |")
-    if "modelcache" in by_tool:
-        rss = max(x.peak_rss_kib for x in by_tool["modelcache"]) / 1024
+    )
+    mc = med.get("modelcache")
+    mine = [x for x in results if x.tool == "modelcache"]
+    if mine:
+        rss = max(x.peak_rss_kib for x in mine) / 1024
         lines += ["", f"modelcache peak RSS: {rss:.0f} MiB (target <= 256 MiB: {'OK' if rss <= 256 else 'MISSED'})"]
     targets = {"kserve-storage": 1.5, "aria2c": 1.3, "dd oflag=direct": 0.85}
     if mc:

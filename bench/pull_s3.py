@@ -26,8 +26,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,8 +34,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from pull_http import ensure_kserve_venv, fsync_tree, make_model, parse_size  # noqa: E402
-from rss import RssSampler  # noqa: E402
+from pull_http import (  # noqa: E402
+    RunResult,
+    ensure_kserve_venv,
+    make_model,
+    parse_size,
+    results_table,
+    run_timed,
+)
 
 from tests.helpers import free_port, port_open, wait_until  # noqa: E402
 
@@ -47,23 +51,6 @@ S3RVER_VERSION = "3.7.1"
 BUCKET = "models"
 PREFIX = "bench-model"
 KEY, SECRET = "S3RVER", "S3RVER"  # s3rver's fixed development credentials
-
-
-@dataclass
-class RunResult:
-    tool: str
-    seconds: float
-    bytes: int
-    peak_rss_kib: int
-    cpu_seconds: float
-
-    @property
-    def mbps(self) -> float:
-        return self.bytes / self.seconds / 1e6
-
-    @property
-    def cpu_per_gib(self) -> float:
-        return self.cpu_seconds / (self.bytes / 2**30)
 
 
 # ---- servers ------------------------------------------------------------------------------
@@ -143,24 +130,7 @@ class Bench:
                              "AWS_REGION": "us-east-1"}
 
     def _timed(self, tool: str, cmd: list[str], out: Path) -> RunResult:
-        with tempfile.TemporaryFile() as errfile:
-            t0 = time.perf_counter()
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errfile, env=self.env)
-            sampler = RssSampler(proc.pid)
-            _pid, status, usage = os.wait4(proc.pid, 0)
-            sampler.stop()
-            rc = os.waitstatus_to_exitcode(status)
-            errfile.seek(0)
-            err = errfile.read().decode(errors="replace")
-        if rc != 0:
-            raise RuntimeError(f"{tool} failed (exit {rc}): {err.strip()[-1500:]}")
-        found = fsync_tree(out)
-        seconds = time.perf_counter() - t0
-        if found < self.total_bytes:
-            raise RuntimeError(f"{tool} wrote {found} bytes, expected at least {self.total_bytes}")
-        # ru_utime/ru_stime include waited-for children (kserve's process pool, s5cmd is one process).
-        cpu = usage.ru_utime + usage.ru_stime
-        return RunResult(tool, seconds, self.total_bytes, sampler.peak_kib, cpu)
+        return run_timed(tool, cmd, out, self.total_bytes, self.env)
 
     def presigned(self) -> list[str]:
         c = s3_client(self.endpoint)
@@ -224,24 +194,12 @@ class Bench:
 
 
 def report(results: list[RunResult], args: argparse.Namespace) -> str:
-    by_tool: dict[str, list[RunResult]] = {}
-    for r in results:
-        by_tool.setdefault(r.tool, []).append(r)
-    med = {t: statistics.median(x.mbps for x in rs) for t, rs in by_tool.items()}
-    mc = med.get("modelcache")
-    lines = [
+    lines, med = results_table(
+        results,
         f"S3 pull benchmark ({args.server}): {args.shards} x {args.size // args.shards / 2**20:.0f} MiB + json "
         f"({args.size / 2**30:.2f} GiB), {args.rounds} round(s), durable MB/s, 1 MB = 10^6 B",
-        "",
-        "| tool | median MB/s | runs (MB/s) | modelcache / tool | CPU s/GiB | peak RSS MiB |",
-        "|---|---:|---|---:|---:|---:|",
-    ]
-    for tool, rs in by_tool.items():
-        ratio = f"{mc / med[tool]:.2f}x" if mc and tool != "modelcache" else "-"
-        runs = ", ".join(f"{x.mbps:.0f}" for x in rs)
-        cpu = statistics.median(x.cpu_per_gib for x in rs)
-        rss = max(x.peak_rss_kib for x in rs) / 1024
-        lines.append(f"| {tool} | {med[tool]:.0f} | {runs} | {ratio} | {cpu:.2f} | {rss:.0f} |")
+    )
+    mc = med.get("modelcache")
     if mc:
         peers = {t: v for t, v in med.items() if t not in ("modelcache", "kserve-storage")}
         if peers:
@@ -251,7 +209,7 @@ def report(results: list[RunResult], args: argparse.Namespace) -> str:
         if "kserve-storage" in med and args.server == "s3rver":
             got = mc / med["kserve-storage"]
             lines.append(f"target >= 2.0x kserve-storage: {got:.2f}x {'OK' if got >= 2.0 else 'MISSED'}")
-        mrs = by_tool["modelcache"]
+        mrs = [x for x in results if x.tool == "modelcache"]
         cpu = statistics.median(x.cpu_per_gib for x in mrs)
         rss = max(x.peak_rss_kib for x in mrs) / 1024
         lines.append(f"target client CPU <= 1.0 s/GiB: {cpu:.2f} {'OK' if cpu <= 1.0 else 'MISSED'}")
