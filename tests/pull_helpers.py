@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -166,3 +167,31 @@ def journaled_bytes(root: Path, uri: str) -> int:
                 key = (parts[1], parts[2])
                 done[key] = max(done.get(key, 0), int(parts[3]))
     return sum(done.values())
+
+
+def pull_cmd(uri: str, root: Path, *args: str) -> list[str]:
+    """``modelcache pull URI --root ROOT`` without progress output, for subprocess tests."""
+    return [sys.executable, "-m", "modelcache", "pull", uri, "--root", str(root), "--progress", "none", *args]
+
+
+def model_files(root: Path, uri: str) -> dict[str, bytes]:
+    """Every file of the published model, by model-relative path."""
+    base = model_dir(root, uri)
+    return {p.relative_to(base).as_posix(): p.read_bytes() for p in base.rglob("*") if p.is_file()}
+
+
+def manifest_of(root: Path, uri: str) -> dict[str, object]:
+    return json.loads((root / ".modelcache" / "manifests" / f"{storage_key(uri)}.json").read_text())
+
+
+def error_line(proc: subprocess.CompletedProcess[str], *needles: str, secrets: tuple[str, ...] = ()) -> str:
+    """A failed pull reports exactly one ``error:`` line, with every needle, no traceback, no secret."""
+    assert proc.returncode != 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for s in secrets:
+        assert s not in proc.stderr, "a secret reached stderr"
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]

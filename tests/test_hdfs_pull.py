@@ -7,14 +7,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from modelcache.uri import storage_key
 from tests.helpers import REPO, wait_until
-from tests.pull_helpers import journaled_bytes
+from tests.pull_helpers import error_line, journaled_bytes, model_files, pull_cmd
 from tests.webhdfs import WebHDFSServer
 
 BIG = os.urandom(1_300_000)  # two HDFS blocks (1 MiB in the test server), ~20 chunks at 64K
@@ -44,13 +43,11 @@ def _env(server: WebHDFSServer, tmp_path: Path, **secret: str) -> dict[str, str]
     return env
 
 
-def _cmd(uri: str, root: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "modelcache", "pull", uri, "--root", str(root), "--progress", "none", *args]
 
 
 def _pull(server: WebHDFSServer, tmp_path: Path, uri: str, *args: str, **secret: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        _cmd(uri, tmp_path / "root", "--chunk-size", "64K", *args),
+        pull_cmd(uri, tmp_path / "root", "--chunk-size", "64K", *args),
         env=_env(server, tmp_path, **secret),
         cwd=REPO,
         capture_output=True,
@@ -60,18 +57,11 @@ def _pull(server: WebHDFSServer, tmp_path: Path, uri: str, *args: str, **secret:
 
 
 def _model(tmp_path: Path, uri: str) -> dict[str, bytes]:
-    root = tmp_path / "root" / "models" / storage_key(uri)
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    return model_files(tmp_path / "root", uri)
 
 
-def _error_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    assert proc.returncode != 0, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
+def _error_line(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    return error_line(proc, *needles, secrets=())
 
 
 def test_pull_nested_multichunk_verified(hdfs: WebHDFSServer, tmp_path: Path) -> None:
@@ -125,7 +115,7 @@ def test_resume_after_kill_9(hdfs: WebHDFSServer, tmp_path: Path) -> None:
     hdfs.throttle_bps = 600_000  # per stream; two workers
     uri = "hdfs://models/big"
     proc = subprocess.Popen(
-        _cmd(uri, tmp_path / "root", "--chunk-size", "128K", "--workers", "2"),
+        pull_cmd(uri, tmp_path / "root", "--chunk-size", "128K", "--workers", "2"),
         env=_env(hdfs, tmp_path),
         cwd=REPO,
         stdout=subprocess.DEVNULL,

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +13,7 @@ import pytest
 from modelcache.uri import storage_key
 from tests.helpers import REPO, wait_until
 from tests.hfhub import HubServer, Request
-from tests.pull_helpers import journaled_bytes
+from tests.pull_helpers import error_line, journaled_bytes, manifest_of, model_files, pull_cmd
 
 TOKEN = "hf_alice_token"
 BIG = os.urandom(600 * 1024 + 17)  # LFS; ~10 chunks at --chunk-size 64K
@@ -40,13 +38,11 @@ def _env(hub: HubServer, tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _cmd(uri: str, root: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "modelcache", "pull", uri, "--root", str(root), "--progress", "none", *args]
 
 
 def _pull(hub: HubServer, tmp_path: Path, uri: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        _cmd(uri, tmp_path / "root", "--chunk-size", "64K", *args),
+        pull_cmd(uri, tmp_path / "root", "--chunk-size", "64K", *args),
         env=_env(hub, tmp_path, **env),
         cwd=REPO,
         capture_output=True,
@@ -56,22 +52,15 @@ def _pull(hub: HubServer, tmp_path: Path, uri: str, *args: str, **env: str) -> s
 
 
 def _model(tmp_path: Path, uri: str) -> dict[str, bytes]:
-    root = tmp_path / "root" / "models" / storage_key(uri)
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    return model_files(tmp_path / "root", uri)
 
 
 def _manifest(tmp_path: Path, uri: str) -> dict[str, object]:
-    return json.loads((tmp_path / "root" / ".modelcache" / "manifests" / f"{storage_key(uri)}.json").read_text())
+    return manifest_of(tmp_path / "root", uri)
 
 
 def _error_line(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
-    assert proc.returncode != 0, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr and TOKEN not in proc.stderr, proc.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
+    return error_line(proc, *needles, secrets=(TOKEN,))
 
 
 def test_pull_nested_multichunk_and_manifest(hub: HubServer, tmp_path: Path) -> None:
@@ -198,7 +187,7 @@ def test_resume_after_kill_9(hub: HubServer, tmp_path: Path) -> None:
     hub.throttle_bps = 1.5 * (1 << 20)
     uri = "hf://org/tiny"
     proc = subprocess.Popen(
-        _cmd(uri, tmp_path / "root", "--chunk-size", "256K", "--workers", "2"),
+        pull_cmd(uri, tmp_path / "root", "--chunk-size", "256K", "--workers", "2"),
         env=_env(hub, tmp_path),
         cwd=REPO,
         stdout=subprocess.DEVNULL,

@@ -4,11 +4,9 @@ distribution registry (through the fault proxy where a test needs to slow or cou
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +16,7 @@ from modelcache.uri import storage_key
 from tests.faultproxy import FaultProxy
 from tests.fixtures.oci import LAYER_TAR, LAYER_TGZ, OCIRegistry, docker_config, make_tar
 from tests.helpers import REPO, wait_until
-from tests.pull_helpers import journaled_bytes, sha256
+from tests.pull_helpers import error_line, journaled_bytes, manifest_of, model_files, pull_cmd, sha256
 from tests.test_oci_source import push_artifact
 
 BIG = os.urandom(900_000)  # ~14 chunks at 64K
@@ -46,15 +44,13 @@ def _env(tmp_path: Path, config: Path | None = None, **extra: str) -> dict[str, 
     return env
 
 
-def _cmd(uri: str, root: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "modelcache", "pull", uri, "--root", str(root), "--progress", "none", *args]
 
 
 def _pull(
     tmp_path: Path, uri: str, *args: str, config: Path | None = None, **extra: str
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        _cmd(uri, tmp_path / "root", "--chunk-size", "64K", *args),
+        pull_cmd(uri, tmp_path / "root", "--chunk-size", "64K", *args),
         env=_env(tmp_path, config, **extra),
         cwd=REPO,
         capture_output=True,
@@ -64,22 +60,15 @@ def _pull(
 
 
 def _model(tmp_path: Path, uri: str) -> dict[str, bytes]:
-    root = tmp_path / "root" / "models" / storage_key(uri)
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    return model_files(tmp_path / "root", uri)
 
 
 def _manifest(tmp_path: Path, uri: str) -> dict:
-    return json.loads((tmp_path / "root/.modelcache/manifests" / f"{storage_key(uri)}.json").read_text())
+    return manifest_of(tmp_path / "root", uri)
 
 
-def _error_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    assert proc.returncode != 0, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
+def _error_line(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    return error_line(proc, *needles, secrets=())
 
 
 def test_pull_artifact_nested_multichunk(oci_registry: OCIRegistry, oci_repo: str, tmp_path: Path) -> None:
@@ -131,7 +120,7 @@ def test_tag_moved_during_pull_yields_one_digest(
     uri = f"oci://127.0.0.1:{proxy.port}/{oci_repo}:main"
     proxy.set_rate_limit(600_000)
     proc = subprocess.Popen(
-        _cmd(uri, tmp_path / "root", "--chunk-size", "64K", "--workers", "2"),
+        pull_cmd(uri, tmp_path / "root", "--chunk-size", "64K", "--workers", "2"),
         env=_env(tmp_path),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
@@ -162,7 +151,7 @@ def test_resume_after_kill_9(oci_registry: OCIRegistry, oci_repo: str, proxy: Fa
     uri = f"oci://127.0.0.1:{proxy.port}/{oci_repo}:v1"
     proxy.set_rate_limit(1_200_000)
     proc = subprocess.Popen(
-        _cmd(uri, tmp_path / "root", "--chunk-size", "128K", "--workers", "2"),
+        pull_cmd(uri, tmp_path / "root", "--chunk-size", "128K", "--workers", "2"),
         env=_env(tmp_path),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
@@ -242,7 +231,7 @@ def test_modelcar_kill_9_then_pull_again(
     staging = root / ".modelcache/staging" / key
     proxy.set_rate_limit(1_000_000)
     proc = subprocess.Popen(
-        _cmd(uri, root), env=_env(tmp_path), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        pull_cmd(uri, root), env=_env(tmp_path), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
 
     def unpacked() -> int:
