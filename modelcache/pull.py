@@ -201,8 +201,8 @@ def _list(m: _Model, settings: Settings) -> None:
 
 def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
     path = m.store.layout.model_dir(m.key)
-    if not cached and m.files and {f.path for f in fetched} != {f.path for f in m.files} and \
-            type(m.source).extract_into is Source.extract_into:
+    complete = {f.path for f in fetched} == {f.path for f in m.files}
+    if not cached and m.files and not complete and m.source is not None and not m.source.extracts_itself:
         missing = sorted({f.path for f in m.files} - {f.path for f in fetched})
         raise ModelcacheError(f"{m.location.display}: incomplete download, missing {missing[:3]}; pull again")
     if not cached:
@@ -225,7 +225,7 @@ def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
 def _extract(m: _Model, progress: ProgressTracker) -> list[FetchedFile] | None:
     """Sources whose layout is not file-per-object (OCI modelcar) write the tree themselves."""
     assert m.source is not None
-    if type(m.source).extract_into is Source.extract_into:
+    if not m.source.extracts_itself:
         return None
     from modelcache.integrity import hash_file
 
@@ -329,7 +329,7 @@ def pull_many(
                         m.result = _finish(m, [], cached=True)
                         continue
                     _list(m, settings)
-                    if admit is not None and type(m.source).extract_into is not Source.extract_into:
+                    if admit is not None and m.source.extracts_itself:
                         # Extracted layouts write before the engine path would ask: admit their
                         # whole size first (they do not resume, so all of it is needed).
                         total = sum(f.size or 0 for f in m.files)

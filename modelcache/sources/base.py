@@ -124,6 +124,11 @@ class Source(ABC):
         return None
 
     @property
+    def extracts_itself(self) -> bool:
+        """Whether this source overrides ``extract_into`` (it may still decline per model)."""
+        return type(self).extract_into is not Source.extract_into
+
+    @property
     def resolved_uri(self) -> str:
         """The URI pinned to what was listed (commit, digest, version); else the URI as safe to
         print and store (never a SAS token or signature: it lands in plan files and manifests)."""
