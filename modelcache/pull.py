@@ -190,11 +190,12 @@ def _list(m: _Model, settings: Settings) -> None:
     if m.location.kind not in ("http", "oci"):  # KServe applies the patterns to listings, not to HTTP or OCI
         files = apply_patterns(files, settings)
     if not files:
-        raise NotFoundError(f"{m.location.display}: no files to download (empty, or all filtered out)")
+        raise NotFoundError(f"{m.location.display}: no files to download (empty, or all filtered out by "
+                            "STORAGE_ALLOW_PATTERNS / STORAGE_IGNORE_PATTERNS)")
     seen: set[str] = set()
     for f in files:
         if f.path in seen:
-            raise ModelcacheError(f"{m.location.display}: the listing names '{f.path}' twice")
+            raise ModelcacheError(f"{m.location.display}: the listing names '{f.path}' twice; rename one at the source")
         seen.add(f.path)
     m.files = files
 

@@ -168,7 +168,9 @@ class NodeStore:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
             except BlockingIOError as exc:
-                raise StoreError(f"model {key} is in use by another modelcache process") from exc
+                raise StoreError(
+                    f"model {key} is in use by another modelcache process (a pull or rm); retry when it is done"
+                ) from exc
             yield
         finally:
             os.close(fd)

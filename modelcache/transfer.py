@@ -387,6 +387,10 @@ class TransferEngine:
             with self._cond:
                 self._limit.backoff()
 
+    def _stalled(self, path: str) -> TransientError:
+        return TransientError(f"{path}: no data for {self.options.stall_timeout:.0f}s (stalled; a slow link may "
+                              "need a larger --stall-timeout)")
+
     def _read_into(self, st: _FileState, stream: RangeStream, view: memoryview, entry: list[Any]) -> int:
         path = st.job.remote.path
         self._check_cancelled(st)
@@ -397,13 +401,13 @@ class TransferEngine:
             if isinstance(exc, ModelcacheError):
                 raise
             if entry[2]:
-                raise TransientError(f"{path}: no data for {self.options.stall_timeout:.0f}s (stalled)") from exc
+                raise self._stalled(path) from exc
             if isinstance(exc, OSError):
                 raise TransientError(f"{path}: connection error: {exc}") from exc
             raise
         self._check_cancelled(st)  # an aborted stream may also just end early
         if entry[2]:
-            raise TransientError(f"{path}: no data for {self.options.stall_timeout:.0f}s (stalled)")
+            raise self._stalled(path)
         entry[1] = time.monotonic()
         return n
 
