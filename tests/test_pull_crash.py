@@ -17,7 +17,7 @@ import pytest
 from modelcache.uri import storage_key
 from tests.faultproxy import FaultProxy
 from tests.fixtures.http import NginxServer
-from tests.pull_helpers import MiB, StoreWatcher, assert_store_correct, popen_cli, run_cli
+from tests.pull_helpers import MiB, StoreWatcher, assert_store_correct, journaled_bytes, popen_cli, run_cli
 
 FILES = 3
 FILE_SIZE = 4 * MiB + 4096 * 3  # eight full chunks and a short one
@@ -56,14 +56,24 @@ def kill9(proc: subprocess.Popen[str]) -> None:
     assert proc.returncode in (-signal.SIGKILL, 0), proc.returncode
 
 
-def kill9_held(proxy: FaultProxy, proc: subprocess.Popen[str]) -> None:
+def kill9_held(proxy: FaultProxy, proc: subprocess.Popen[str], root: Path, uris: list[str]) -> None:
     """Hold every body still, let the client drain its socket buffers, then kill -9 it.
 
     Bytes the proxy sent are then bytes the client read: what the rerun fetches again is only
-    what the killed pull had read but not yet made durable, however loaded the machine is.
+    what the killed pull had read but not yet made durable. The kill waits until the client's
+    journal has stopped growing (at least 0.4 s, at most 5 s), not for a fixed time: on a
+    loaded machine a client may need longer to write and journal what it already read.
     """
     proxy.pause()
-    time.sleep(0.4)
+    deadline = time.monotonic() + 5
+    last, quiet_since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now_total = sum(journaled_bytes(root, u) for u in uris)
+        if now_total != last:
+            last, quiet_since = now_total, time.monotonic()
+        elif time.monotonic() - quiet_since >= 0.4:
+            break
+        time.sleep(0.05)
     kill9(proc)
     proxy.resume()
 
@@ -85,7 +95,7 @@ def test_kill9_then_rerun_resumes(
     with StoreWatcher(root, shards) as watcher:
         proc = popen_cli(*pull_args(root, uris))
         run_until(fault_proxy, proc, int(TOTAL * kill_at))
-        kill9_held(fault_proxy, proc)
+        kill9_held(fault_proxy, proc, root, uris)
         killed_after = fault_proxy.total_bytes_sent
         fault_proxy.set_rate_limit(None)
         r = run_cli(*pull_args(root, uris))
@@ -130,7 +140,7 @@ def test_killed_twice_then_completes(fault_proxy: FaultProxy, shards: dict[str, 
         for fraction in (0.25, 0.6):
             proc = popen_cli(*pull_args(root, uris))
             run_until(fault_proxy, proc, int(TOTAL * fraction))
-            kill9_held(fault_proxy, proc)
+            kill9_held(fault_proxy, proc, root, uris)
         assert fault_proxy.total_bytes_sent < TOTAL + 2 * FILES * CHUNK
         fault_proxy.set_rate_limit(None)
         r = run_cli(*pull_args(root, uris))
