@@ -1,0 +1,148 @@
+"""What every test starts from on a shared control plane, and how to get back to it.
+
+The baseline is what an operator installs before modelcache runs: our CRDs, our namespace and
+RBAC (deploy/), and KServe's InferenceService / LLMInferenceService CRDs (minimal schemas, in
+tests/cluster/crds/). `snapshot()` records every object then; `reset()` deletes everything a test
+added (finalizers released, pods force-deleted since no kubelet confirms their deletion, webhook
+configurations first so a stopped coordinator's fail-closed webhook cannot block the rest) and
+puts changed or missing baseline objects back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.cluster.controlplane import ControlPlane
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+BASELINE_MANIFESTS = (DEPLOY / "namespace.yaml", DEPLOY / "crds", DEPLOY / "rbac", REPO / "tests" / "cluster" / "crds")
+#: Namespaces a fresh cluster has, plus ours.
+SYSTEM_NAMESPACES = frozenset({"default", "kube-system", "kube-public", "kube-node-lease", "modelcache-system"})
+#: Kinds whose baseline objects are put back by re-applying the manifests when they change.
+RESTORED_KINDS = frozenset({"customresourcedefinitions", "clusterroles", "clusterrolebindings", "roles",
+                            "rolebindings", "serviceaccounts", "namespaces"})
+#: Objects controllers create by themselves in every namespace; they go with their namespace.
+_AUTOMATIC = {("configmaps", "kube-root-ca.crt"), ("serviceaccounts", "default")}
+_NOT_RESET = frozenset({"events", "apiservices", "flowschemas", "prioritylevelconfigurations",
+                        "componentstatuses", "bindings", "servicecidrs", "ipaddresses"})
+
+
+@dataclass(frozen=True)
+class Kind:
+    plural: str
+    path: str  # /api/v1 or /apis/<group>/<version>
+    namespaced: bool
+
+
+@dataclass
+class Baseline:
+    kinds: list[Kind]
+    objects: dict[str, tuple[str, str]] = field(default_factory=dict)  # uid -> (plural, resourceVersion)
+
+
+def apply_manifests(cp: ControlPlane, paths: tuple[Path, ...] = BASELINE_MANIFESTS, exact: bool = False) -> None:
+    """Apply the manifests; ``exact`` then replaces each object by its manifest, which also drops
+    what other field managers added (a label a test set, say), as server-side apply does not."""
+    files: list[str] = []
+    for p in paths:
+        files += ["-f", str(p)]
+    cp.kubectl("apply", "--server-side", "--force-conflicts", *files)
+    if exact:
+        cp.kubectl("replace", *files)
+    cp.kubectl("wait", "--for", "condition=Established", "--timeout", "60s", "crd", "--all")
+
+
+def _get(cp: ControlPlane, path: str) -> dict[str, Any]:
+    status, body = cp.raw(path, timeout=30)
+    if status != 200:
+        raise RuntimeError(f"GET {path} answered {status}: {body[:300]}")
+    return dict(json.loads(body))
+
+
+def discover(cp: ControlPlane) -> list[Kind]:
+    """Every kind that can be listed and deleted, in its preferred version."""
+    paths = ["/api/v1"]
+    for group in _get(cp, "/apis")["groups"]:
+        paths.append(f"/apis/{group['preferredVersion']['groupVersion']}")
+    kinds = []
+    for path in paths:
+        for r in _get(cp, path)["resources"]:
+            verbs = set(r.get("verbs") or ())
+            if "/" in r["name"] or not {"list", "delete"} <= verbs or r["name"] in _NOT_RESET:
+                continue
+            kinds.append(Kind(r["name"], path, bool(r["namespaced"])))
+    return kinds
+
+
+def _items(cp: ControlPlane, kind: Kind) -> list[dict[str, Any]]:
+    status, body = cp.raw(f"{kind.path}/{kind.plural}", timeout=30)
+    if status == 404:  # a CRD that a test removed
+        return []
+    if status != 200:
+        raise RuntimeError(f"listing {kind.plural} answered {status}: {body[:300]}")
+    return list(json.loads(body).get("items") or [])
+
+
+def snapshot(cp: ControlPlane) -> Baseline:
+    base = Baseline(discover(cp))
+    for kind in base.kinds:
+        for item in _items(cp, kind):
+            meta = item["metadata"]
+            base.objects[meta["uid"]] = (kind.plural, meta.get("resourceVersion", ""))
+    return base
+
+
+def _object_path(kind: Kind, meta: dict[str, Any]) -> str:
+    ns = f"/namespaces/{meta['namespace']}" if kind.namespaced else ""
+    return f"{kind.path}{ns}/{kind.plural}/{urllib.parse.quote(meta['name'])}"
+
+
+def _delete(cp: ControlPlane, kind: Kind, meta: dict[str, Any]) -> None:
+    path = _object_path(kind, meta)
+    if meta.get("finalizers"):
+        cp.raw(path, "PATCH", {"metadata": {"finalizers": None, "resourceVersion": None}})
+    cp.raw(path, "DELETE", {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0,
+                            "propagationPolicy": "Background"})
+
+
+def reset(cp: ControlPlane, base: Baseline, timeout: float = 90) -> None:
+    """Delete what tests added; re-apply the baseline manifests if any of their objects changed."""
+    order = sorted(base.kinds, key=lambda k: (k.plural not in ("mutatingwebhookconfigurations",
+                                                                "validatingwebhookconfigurations"),
+                                              k.plural in ("namespaces", "customresourcedefinitions")))
+    leftovers: list[tuple[Kind, dict[str, Any]]] = []
+    changed = False
+    seen: set[str] = set()
+    for kind in order:
+        for item in _items(cp, kind):
+            meta = item["metadata"]
+            seen.add(meta["uid"])
+            known = base.objects.get(meta["uid"])
+            if known is not None:
+                if kind.plural in RESTORED_KINDS and known[1] != meta.get("resourceVersion"):
+                    changed = True
+                continue
+            if (kind.plural, meta["name"]) in _AUTOMATIC or meta.get("namespace") == "kube-node-lease":
+                continue
+            if kind.plural == "namespaces" and meta["name"] in SYSTEM_NAMESPACES:
+                continue
+            _delete(cp, kind, meta)
+            leftovers.append((kind, meta))
+    missing = any(uid not in seen and plural in RESTORED_KINDS for uid, (plural, _) in base.objects.items())
+    deadline = time.monotonic() + timeout
+    for kind, meta in leftovers:
+        while cp.raw(_object_path(kind, meta), timeout=10)[0] != 404:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{kind.plural} {meta.get('namespace', '')}/{meta['name']} was not deleted "
+                                   f"within {timeout:.0f} s of the reset")
+            time.sleep(0.1)
+    if changed or missing:
+        apply_manifests(cp, exact=True)
+        fresh = snapshot(cp)
+        base.objects = fresh.objects
