@@ -41,7 +41,7 @@ def test_service_crds_installed_later_are_tracked_without_restart(kubeapi_factor
     assert review(c, "/validate-localmodelcaches", delete)["allowed"]  # no service kinds: nothing uses it
 
     ext = client.ApiextensionsV1Api(api.api_client())
-    isvc_crd = yaml.safe_load((REPO / "tests" / "kubeapi" / "extra-crds" /
+    isvc_crd = yaml.safe_load((REPO / "tests" / "cluster" / "crds" /
                                "serving.kserve.io_inferenceservices.yaml").read_text())
     ext.create_custom_resource_definition(isvc_crd)
     ext.create_custom_resource_definition(llm_crd("v1alpha2"))
