@@ -1,4 +1,4 @@
-"""Coordinator at scale on the kube test server: convergence time and API traffic at rest.
+"""Coordinator at scale on the real control plane (tests/cluster): convergence time and API traffic at rest.
 
 500 nodes in 3 node groups, 50 caches; the agents are simulated by one loop that marks every
 entry ModelDownloaded. Measures (1) seconds from creating all caches until every cache shows
@@ -28,9 +28,10 @@ sys.path.insert(0, str(REPO))
 
 from coordinator.app import Config, Coordinator  # noqa: E402
 from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NODES, Kube, load_api_client  # noqa: E402
+from tests.cluster.baseline import apply_manifests  # noqa: E402
+from tests.cluster.controlplane import ControlPlane  # noqa: E402
 from tests.coordinator_util import make_cache, make_group, make_node  # noqa: E402
-from tests.fixtures.kubeapi import start_kubeapi  # noqa: E402
-from tests.helpers import free_port, stop_process  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 
 
 class RequestCounter:
@@ -85,8 +86,9 @@ def main() -> None:
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="coordinator-scale-") as tmp:
-        api = start_kubeapi(Path(tmp) / "kubeapi", history=100_000)
+        api = ControlPlane(Path(tmp) / "cluster").start()
         try:
+            apply_manifests(api)
             kube = Kube(load_api_client(str(api.kubeconfig)))
             for g in range(args.groups):
                 make_group(kube, f"g{g}", label_value=f"pool{g}")
@@ -151,7 +153,7 @@ def main() -> None:
                 "resync_writes": sum(v for k, v in delta.items() if k in ("POST", "PUT", "PATCH", "DELETE")),
             }))
         finally:
-            stop_process(api.process)
+            api.stop()
 
 
 if __name__ == "__main__":

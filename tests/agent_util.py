@@ -1,5 +1,5 @@
-"""Helpers for the agent tests: run ``modelcache-agent`` as a subprocess against the kube test
-server, and create/read the Kubernetes objects it works from."""
+"""Helpers for the agent tests: run ``modelcache-agent`` as a subprocess against the real API
+server (as its ServiceAccount), and create/read the Kubernetes objects it works from."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ from modelcache.kube.client import (
 )
 from tests.helpers import REPO, stop_process, wait_until
 
-CRED_NS = "kserve"
+#: deploy/'s credential namespace: the only one whose Secrets the agent's RBAC lets it read.
+CRED_NS = "modelcache-system"
 #: Short timings so failures, retries and checks happen within a test's few seconds.
 FAST_FLAGS = ("--backoff-initial", "0.5", "--backoff-max", "2", "--status-interval", "0.5",
               "--removal-recheck", "0.3", "--resync-period", "5", "--space-margin", "1Mi",
@@ -159,23 +160,32 @@ def create_group(kube: Kube, name: str, storage_limit: str, path: str) -> None:
 
 def create_serving_pod(kube: Kube, node: str, namespace: str, name: str, pv_path: str, key: str) -> None:
     """A running predictor pod as KServe rewrites it: PVC <cache>-<group> bound to the group PV,
-    mounted with subPath models/<storageKey>."""
+    mounted with subPath models/<storageKey>. The PV controller binds the claim; the pod is bound
+    to the node as the scheduler would, and marked Running as its kubelet would."""
     ensure_namespace(kube, namespace)
     pv, pvc = f"cache-group-{namespace}", "cache-group"
     kube.create(PERSISTENT_VOLUMES, {"metadata": {"name": pv}, "spec": {
         "capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "local": {"path": pv_path},
         "storageClassName": "standard", "persistentVolumeReclaimPolicy": "Retain",
+        "claimRef": {"namespace": namespace, "name": pvc},
         "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
             {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]}}}})
     kube.create(PERSISTENT_VOLUME_CLAIMS, {"metadata": {"name": pvc}, "spec": {
         "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}},
         "storageClassName": "standard", "volumeName": pv}}, namespace)
-    kube.create(PODS, {"metadata": {"name": name}, "spec": {
+    wait_until(lambda: kube.get(PERSISTENT_VOLUME_CLAIMS, pvc, namespace).get("status", {}).get("phase") == "Bound",
+               timeout=30, what=f"PVC {namespace}/{pvc} bound by the PV controller")
+    pod = {"metadata": {"name": name}, "spec": {
         "nodeName": node,
         "containers": [{"name": "kserve-container", "image": "runtime",
                         "volumeMounts": [{"name": "kserve-pvc-source", "mountPath": "/mnt/models",
                                           "subPath": f"models/{key}", "readOnly": True}]}],
-        "volumes": [{"name": "kserve-pvc-source", "persistentVolumeClaim": {"claimName": pvc}}]}}, namespace)
+        "volumes": [{"name": "kserve-pvc-source", "persistentVolumeClaim": {"claimName": pvc}}]}}
+    # The ServiceAccount admission plugin needs the namespace's default ServiceAccount, which the
+    # service-account controller creates a moment after the namespace.
+    wait_until(lambda: kube.get_or_none(SERVICE_ACCOUNTS, "default", namespace) is not None, timeout=30,
+               what=f"ServiceAccount {namespace}/default")
+    kube.create(PODS, pod, namespace)
     kube.patch_status(PODS, name, {"status": {"phase": "Running"}}, namespace)
 
 

@@ -23,9 +23,12 @@ def ready_condition(ready: bool) -> dict[str, Any]:
 
 
 def make_node(kube: Kube, name: str, ready: bool = True, **labels: str) -> dict[str, Any]:
+    """A Node as its kubelet registers it. The TaintNodesByCondition admission plugin taints it
+    not-ready; the node lifecycle controller (off in the test cluster: no kubelets) would lift it."""
     body = {"metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **labels}},
             "status": {"conditions": [ready_condition(ready)]}}
-    return kube.create(NODES, body)
+    kube.create(NODES, body)
+    return kube.patch(NODES, name, {"spec": {"taints": None}})
 
 
 def set_ready(kube: Kube, name: str, ready: bool) -> None:
@@ -85,3 +88,8 @@ def report(kube: Kube, node: str, states: dict[str, str]) -> None:
 def entries_of(kube: Kube, node: str) -> list[dict[str, Any]] | None:
     lmn = kube.get_or_none(LOCAL_MODEL_NODES, node)
     return None if lmn is None else list((lmn.get("spec") or {}).get("localModels") or [])
+
+
+def without_service_crds(cluster: Any) -> None:
+    """Remove KServe's InferenceService CRD (the shared cluster's reset puts it back)."""
+    cluster.kubectl("delete", "crd", "inferenceservices.serving.kserve.io", "--ignore-not-found", "--wait=true")

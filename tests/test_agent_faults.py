@@ -11,10 +11,8 @@ import pytest
 from modelcache.kube.client import EVENTS, LOCAL_MODEL_NODE_GROUPS
 from modelcache.uri import storage_key
 from tests.agent_util import (
-    CRED_NS,
     create_group,
     create_node,
-    ensure_namespace,
     entry,
     kube_for,
     model_files,
@@ -31,14 +29,14 @@ D, E = "ModelDownloaded", "ModelDownloadError"
 
 
 @pytest.fixture
-def kube(kubeapi):
-    k = kube_for(kubeapi)
-    ensure_namespace(k, CRED_NS)
-    return k
+def kube(cluster):
+    for node in ("node-a", "node-b"):
+        cluster.register_node(node)
+    return kube_for(cluster)
 
 
 @pytest.mark.parametrize("fault", ["status", "reset"])
-def test_storage_fault_is_an_error_then_heals(kubeapi, kube, nginx, fault_proxy, tmp_path, fault):
+def test_storage_fault_is_an_error_then_heals(cluster, kube, nginx, fault_proxy, tmp_path, fault):
     data = nginx.write("f/model.bin", 3 << 20).read_bytes()
     if fault == "status":  # every request answered 503, listing included
         fault_proxy.add(Fault("status", path="/f/model.bin", method=None, times=None, status=503))
@@ -46,7 +44,7 @@ def test_storage_fault_is_an_error_then_heals(kubeapi, kube, nginx, fault_proxy,
         fault_proxy.add(Fault("reset", path="/f/model.bin", method="GET", times=None, at=100 << 10))
     uri = fault_proxy.url("f/model.bin")
     create_node(kube, "node-a", [entry("m", uri)])
-    agent = start_agent(kubeapi.kubeconfig, "node-a", tmp_path / "root", tmp_path)
+    agent = start_agent(cluster.agent_kubeconfig, "node-a", tmp_path / "root", tmp_path)
     try:
         status = wait_states(kube, "node-a", {"m": E}, agent=agent)
         msg = status["modelDetails"]["m"]["message"]
@@ -78,7 +76,7 @@ def test_storage_fault_is_an_error_then_heals(kubeapi, kube, nginx, fault_proxy,
         agent.stop()
 
 
-def test_insufficient_space_is_a_clear_error_and_other_models_are_untouched(kubeapi, kube, nginx, tmp_path):
+def test_insufficient_space_is_a_clear_error_and_other_models_are_untouched(cluster, kube, nginx, tmp_path):
     root = tmp_path / "root"
     create_group(kube, "small", "3Mi", str(root))
     nginx.write("a/model.bin", 1 << 20)
@@ -87,7 +85,7 @@ def test_insufficient_space_is_a_clear_error_and_other_models_are_untouched(kube
     ua, ubig, uc = nginx.url("a/model.bin"), nginx.url("big/model.bin"), nginx.url("c/model.bin")
     create_node(kube, "node-a", [entry("a", ua, nodeGroup="small"), entry("big", ubig, nodeGroup="small"),
                                  entry("c", uc)])
-    agent = start_agent(kubeapi.kubeconfig, "node-a", root, tmp_path)
+    agent = start_agent(cluster.agent_kubeconfig, "node-a", root, tmp_path)
     try:
         status = wait_states(kube, "node-a", {"a": D, "big": E, "c": D}, agent=agent)
         msg = status["modelDetails"]["big"]["message"]
@@ -110,7 +108,7 @@ def test_insufficient_space_is_a_clear_error_and_other_models_are_untouched(kube
         agent.stop()
 
 
-def test_kill9_mid_download_resumes_and_never_shows_a_half_model(kubeapi, kube, nginx, fault_proxy, tmp_path):
+def test_kill9_mid_download_resumes_and_never_shows_a_half_model(cluster, kube, nginx, fault_proxy, tmp_path):
     size = 4 << 20
     data = nginx.write("slow/model.bin", size).read_bytes()
     fault_proxy.set_rate_limit(600_000)
@@ -125,7 +123,7 @@ def test_kill9_mid_download_resumes_and_never_shows_a_half_model(kubeapi, kube, 
             files = model_files(root, key)
             assert files in ({}, {"model.bin": size}), files
 
-    agent = start_agent(kubeapi.kubeconfig, "node-a", root, tmp_path)
+    agent = start_agent(cluster.agent_kubeconfig, "node-a", root, tmp_path)
     try:
         def some_done() -> bool:
             no_half_model()
@@ -143,7 +141,7 @@ def test_kill9_mid_download_resumes_and_never_shows_a_half_model(kubeapi, kube, 
     assert not folder.exists()
     time.sleep(0.5)  # the killed agent's connections, resumed, fail and close
     fault_proxy.reset_counters()
-    agent2 = start_agent(kubeapi.kubeconfig, "node-a", root, tmp_path, name="restarted")
+    agent2 = start_agent(cluster.agent_kubeconfig, "node-a", root, tmp_path, name="restarted")
     try:
         deadline = time.monotonic() + 60
         while node_status(kube, "node-a")["modelStatus"].get("m") != D or agent2.proc.poll() is not None:

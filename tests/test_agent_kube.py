@@ -11,12 +11,10 @@ import pytest
 from modelcache.kube.client import LOCAL_MODEL_NODES, PODS
 from modelcache.uri import storage_key
 from tests.agent_util import (
-    CRED_NS,
     create_node,
     create_secret,
     create_service_account,
     create_serving_pod,
-    ensure_namespace,
     entry,
     kube_for,
     model_files,
@@ -34,13 +32,13 @@ D = "ModelDownloaded"
 
 
 @pytest.fixture
-def kube(kubeapi):
-    k = kube_for(kubeapi)
-    ensure_namespace(k, CRED_NS)
-    return k
+def kube(cluster):
+    for node in ("node-a", "node-b"):
+        cluster.register_node(node)
+    return kube_for(cluster)
 
 
-def test_two_backends_with_credentials_status_metrics_and_no_secret_in_logs(kubeapi, kube, nginx, moto_s3, tmp_path):
+def test_two_backends_with_credentials_status_metrics_and_no_secret_in_logs(cluster, kube, nginx, moto_s3, tmp_path):
     # HTTP (nginx): one file. S3 (moto, IAM auth on): the same prefix reached twice, once with the
     # storage-config secret (storage.key) and once through a service account's secret.
     nginx.write("m/model.bin", 3 << 20)
@@ -67,7 +65,7 @@ def test_two_backends_with_credentials_status_metrics_and_no_secret_in_logs(kube
         entry("llm", s3_uri, namespace="team", storage={"key": "localS3"}),  # same URI: one folder
         entry("viasa", sa_uri, serviceAccountName="models-sa"),
     ])
-    agent = start_agent(kubeapi.kubeconfig, "node-a", tmp_path / "root", tmp_path)
+    agent = start_agent(cluster.agent_kubeconfig, "node-a", tmp_path / "root", tmp_path)
     try:
         status = wait_states(kube, "node-a", {"web": D, "llm": D, "team/llm": D, "viasa": D}, agent=agent)
         root = tmp_path / "root"
@@ -104,7 +102,7 @@ def test_two_backends_with_credentials_status_metrics_and_no_secret_in_logs(kube
         assert secret not in json.dumps(node_status(kube, "node-a"))
 
 
-def test_wrong_storage_key_is_an_error_without_the_secret(kubeapi, kube, moto_s3, tmp_path):
+def test_wrong_storage_key_is_an_error_without_the_secret(cluster, kube, moto_s3, tmp_path):
     bucket = moto_s3.new_bucket()
     moto_s3.client().put_object(Bucket=bucket, Key="p/f.bin", Body=b"x" * 1000)
     bad = {"type": "s3", "access_key_id": "AKIAWRONGWRONGWRONG", "secret_access_key": "wrong-secret-value-123",
@@ -112,7 +110,7 @@ def test_wrong_storage_key_is_an_error_without_the_secret(kubeapi, kube, moto_s3
     create_secret(kube, "storage-config", {"bad": json.dumps(bad)})
     create_node(kube, "node-a", [entry("m", f"s3://{bucket}/p", storage={"key": "bad"}),
                                  entry("nokey", f"s3://{bucket}/p/", storage={"key": "missing"})])
-    agent = start_agent(kubeapi.kubeconfig, "node-a", tmp_path / "root", tmp_path)
+    agent = start_agent(cluster.agent_kubeconfig, "node-a", tmp_path / "root", tmp_path)
     try:
         status = wait_states(kube, "node-a", {"m": "ModelDownloadError", "nokey": "ModelDownloadError"}, agent=agent)
         assert "no key 'missing'" in status["modelDetails"]["nokey"]["message"]
@@ -123,14 +121,14 @@ def test_wrong_storage_key_is_an_error_without_the_secret(kubeapi, kube, moto_s3
     assert "wrong-secret-value-123" not in json.dumps(node_status(kube, "node-a"))
 
 
-def test_removal_waits_for_the_mounting_pod(kubeapi, kube, nginx, tmp_path):
+def test_removal_waits_for_the_mounting_pod(cluster, kube, nginx, tmp_path):
     nginx.write("a/model.bin", 1 << 20)
     nginx.write("b/model.bin", 1 << 20)
     ua, ub = nginx.url("a/model.bin"), nginx.url("b/model.bin")
     ka, kb = storage_key(ua), storage_key(ub)
     root = tmp_path / "root"
     create_node(kube, "node-a", [entry("a", ua), entry("b", ub)])
-    agent = start_agent(kubeapi.kubeconfig, "node-a", root, tmp_path, "--host-path", str(root))
+    agent = start_agent(cluster.agent_kubeconfig, "node-a", root, tmp_path, "--host-path", str(root))
     try:
         wait_states(kube, "node-a", {"a": D, "b": D}, agent=agent)
         # b is served by a running pod on this node; a is not.
@@ -149,7 +147,7 @@ def test_removal_waits_for_the_mounting_pod(kubeapi, kube, nginx, tmp_path):
         _, metrics = agent.get("/metrics")
         assert "modelcache_agent_removals_waiting 1.0" in metrics
         # The pod finishes: now b goes.
-        kube.delete(PODS, "isvc-predictor-0", "team")
+        kube.delete(PODS, "isvc-predictor-0", "team", grace_period=0)  # its kubelet confirms at once
         wait_until(lambda: not (root / "models" / kb).exists(), timeout=20, what="b deleted after the pod")
         wait_until(lambda: node_status(kube, "node-a").get("modelDetails") in ({}, None), timeout=10,
                    what="details cleared")
@@ -157,15 +155,15 @@ def test_removal_waits_for_the_mounting_pod(kubeapi, kube, nginx, tmp_path):
         agent.stop()
 
 
-def test_two_agents_two_nodes_two_roots(kubeapi, kube, nginx, tmp_path):
+def test_two_agents_two_nodes_two_roots(cluster, kube, nginx, tmp_path):
     nginx.write("x/model.bin", 1 << 20)
     nginx.write("y/model.bin", 1 << 20)
     ux, uy = nginx.url("x/model.bin"), nginx.url("y/model.bin")
     create_node(kube, "node-a", [entry("x", ux)])
     create_node(kube, "node-b", [entry("y", uy)])
     ra, rb = tmp_path / "ra", tmp_path / "rb"
-    a = start_agent(kubeapi.kubeconfig, "node-a", ra, tmp_path)
-    b = start_agent(kubeapi.kubeconfig, "node-b", rb, tmp_path)
+    a = start_agent(cluster.agent_kubeconfig, "node-a", ra, tmp_path)
+    b = start_agent(cluster.agent_kubeconfig, "node-b", rb, tmp_path)
     try:
         wait_states(kube, "node-a", {"x": D}, agent=a)
         wait_states(kube, "node-b", {"y": D}, agent=b)
@@ -187,7 +185,7 @@ def test_two_agents_two_nodes_two_roots(kubeapi, kube, nginx, tmp_path):
         b.stop()
 
 
-def test_entry_removed_mid_download_cancels_and_cleans_up(kubeapi, kube, nginx, fault_proxy, tmp_path):
+def test_entry_removed_mid_download_cancels_and_cleans_up(cluster, kube, nginx, fault_proxy, tmp_path):
     # Through the fault proxy, held still once under way: on a loaded machine a merely slow download
     # could finish before the entry is removed (the test then saw a published model and flaked).
     nginx.write("slow/model.bin", 4 << 20)
@@ -195,7 +193,7 @@ def test_entry_removed_mid_download_cancels_and_cleans_up(kubeapi, kube, nginx, 
     uri = fault_proxy.url("slow/model.bin")
     key, root = storage_key(uri), tmp_path / "root"
     create_node(kube, "node-a", [entry("m", uri)])
-    agent = start_agent(kubeapi.kubeconfig, "node-a", root, tmp_path)
+    agent = start_agent(cluster.agent_kubeconfig, "node-a", root, tmp_path)
     try:
         def under_way() -> bool:
             d = node_status(kube, "node-a").get("modelDetails", {}).get("m", {})
@@ -216,17 +214,17 @@ def test_entry_removed_mid_download_cancels_and_cleans_up(kubeapi, kube, nginx, 
         agent.stop()
 
 
-def test_restarted_agent_keeps_downloaded_models_without_fetching(kubeapi, kube, nginx, tmp_path):
+def test_restarted_agent_keeps_downloaded_models_without_fetching(cluster, kube, nginx, tmp_path):
     nginx.write("k/model.bin", 1 << 20)
     uri = nginx.url("k/model.bin")
     create_node(kube, "node-a", [entry("m", uri)])
-    agent = start_agent(kubeapi.kubeconfig, "node-a", tmp_path / "root", tmp_path)
+    agent = start_agent(cluster.agent_kubeconfig, "node-a", tmp_path / "root", tmp_path)
     try:
         wait_states(kube, "node-a", {"m": D}, agent=agent)
     finally:
         agent.stop()
     nginx.clear_access_log()
-    again = start_agent(kubeapi.kubeconfig, "node-a", tmp_path / "root", tmp_path, name="again")
+    again = start_agent(cluster.agent_kubeconfig, "node-a", tmp_path / "root", tmp_path, name="again")
     try:
         wait_until(lambda: "model present" in again.log(), timeout=20, what="restart")
         assert again.get("/readyz")[0] == 200
@@ -237,7 +235,7 @@ def test_restarted_agent_keeps_downloaded_models_without_fetching(kubeapi, kube,
     assert nginx.access_log() == [] and "download started" not in again.log()
 
 
-def test_status_written_on_change_and_progress_at_most_once_per_interval(kubeapi, kube, nginx, fault_proxy,
+def test_status_written_on_change_and_progress_at_most_once_per_interval(cluster, kube, nginx, fault_proxy,
                                                                          tmp_path):
     from modelcache.kube.informer import Informer
 
@@ -258,7 +256,7 @@ def test_status_written_on_change_and_progress_at_most_once_per_interval(kubeapi
     watcher = Informer(kube, LOCAL_MODEL_NODES, field_selector="metadata.name=node-a")
     watcher.add_handler(seen)
     watcher.start()
-    agent = start_agent(kubeapi.kubeconfig, "node-a", tmp_path / "root", tmp_path, "--status-interval", "2")
+    agent = start_agent(cluster.agent_kubeconfig, "node-a", tmp_path / "root", tmp_path, "--status-interval", "2")
     try:
         def metric(name: str) -> float:
             m = re.search(rf"^{name} (\S+)$", agent.get("/metrics")[1], re.M)

@@ -16,7 +16,8 @@ from modelcache.kube.client import (
     Kube,
     load_api_client,
 )
-from tests.coordinator_util import make_cache, make_group, make_isvc, make_namespace, make_node
+from tests.coordinator_util import make_cache, make_group, make_isvc, make_namespace, make_node, without_service_crds
+from tests.fixtures.cluster import Cluster
 from tests.helpers import REPO, wait_until
 from tests.test_coordinator_llmisvc import llm_crd
 from tests.test_coordinator_webhooks import review
@@ -24,15 +25,15 @@ from tests.test_coordinator_webhooks import review
 LABEL = "internal.serving.kserve.io/localmodel"
 
 
-def test_service_crds_installed_later_are_tracked_without_restart(kubeapi_factory: Any, coordinator_factory: Any,
+def test_service_crds_installed_later_are_tracked_without_restart(cluster: Cluster, coordinator_factory: Any,
                                                                   tmp_path: Path) -> None:
-    api = kubeapi_factory(crd_dirs=(REPO / "deploy" / "crds",))  # KServe's service CRDs not installed yet
-    kube = Kube(load_api_client(str(api.kubeconfig)))
+    without_service_crds(cluster)  # KServe's service CRDs not installed yet
+    kube = Kube(load_api_client(str(cluster.kubeconfig)))
     make_namespace(kube, "team")
     make_node(kube, "n1", **{"kserve/localmodel": "worker"})
     make_group(kube, "workers")
     make_cache(kube, "llm", "s3://models/llm", ["workers"])
-    c = coordinator_factory(api, discovery_interval=0.5)
+    c = coordinator_factory(cluster, discovery_interval=0.5)
     assert c.view.isvcs is None and c.view.llmisvcs is None
     wait_until(lambda: (kube.get(LOCAL_MODEL_CACHES, "llm").get("status") or {}).get("copies") is not None,
                timeout=30, what="cache reconciled before the CRDs exist")
@@ -40,7 +41,7 @@ def test_service_crds_installed_later_are_tracked_without_restart(kubeapi_factor
     delete = {"operation": "DELETE", "name": "llm", "oldObject": old}
     assert review(c, "/validate-localmodelcaches", delete)["allowed"]  # no service kinds: nothing uses it
 
-    ext = client.ApiextensionsV1Api(api.api_client())
+    ext = client.ApiextensionsV1Api(cluster.api_client())
     isvc_crd = yaml.safe_load((REPO / "tests" / "cluster" / "crds" /
                                "serving.kserve.io_inferenceservices.yaml").read_text())
     ext.create_custom_resource_definition(isvc_crd)

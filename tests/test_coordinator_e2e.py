@@ -26,15 +26,15 @@ from modelcache.kube.client import (
 from modelcache.uri import storage_key
 from tests.agent_util import model_files, start_agent
 from tests.coordinator_util import make_cache, make_group, make_isvc, make_namespace, make_node
-from tests.fixtures.kubeapi import KubeAPI
+from tests.fixtures.cluster import Cluster
 from tests.helpers import wait_until
 
 WORKERS = ("node-1", "node-2", "node-3")
 SIZE = 3 << 20
 
 
-def test_model_cache_e2e(kubeapi: KubeAPI, nginx: Any, coordinator_factory: Any, tmp_path: Any) -> None:
-    kube = Kube(load_api_client(str(kubeapi.kubeconfig)))
+def test_model_cache_e2e(cluster: Cluster, nginx: Any, coordinator_factory: Any, tmp_path: Any) -> None:
+    kube = Kube(load_api_client(str(cluster.kubeconfig)))
     nginx.write("qwen/model.bin", SIZE)
     uri = nginx.url("qwen/model.bin")
     key = storage_key(uri)
@@ -45,8 +45,8 @@ def test_model_cache_e2e(kubeapi: KubeAPI, nginx: Any, coordinator_factory: Any,
     make_node(kube, "control-plane", **{"node-role.kubernetes.io/control-plane": ""})
     make_group(kube, "workers", path="/models")
     roots = {n: tmp_path / f"root-{n}" for n in WORKERS}
-    agents = {n: start_agent(kubeapi.kubeconfig, n, roots[n], tmp_path / "agents", name=n) for n in WORKERS}
-    coord = coordinator_factory(kubeapi, wait=False, leader_election=True, pod_rewrite=True,
+    agents = {n: start_agent(cluster.agent_kubeconfig, n, roots[n], tmp_path / "agents", name=n) for n in WORKERS}
+    coord = coordinator_factory(cluster, wait=False, leader_election=True, pod_rewrite=True,
                                 lease_duration=4.0, renew_deadline=3.0, retry_period=0.5)
     try:
         wait_until(coord.controllers_running.is_set, timeout=30, what="leader's controllers")

@@ -13,7 +13,7 @@ import requests
 
 from modelcache.kube.client import LEASES, LOCAL_MODEL_CACHES, Kube, load_api_client
 from tests.coordinator_util import entries_of, make_cache, make_group, make_namespace, make_node
-from tests.fixtures.kubeapi import KubeAPI
+from tests.fixtures.cluster import Cluster
 from tests.helpers import REPO, free_port, stop_process, wait_until
 
 URI = "http://models.example/m.bin"
@@ -24,15 +24,15 @@ def holder(kube: Kube) -> str | None:
     return None if lease is None else (lease.get("spec") or {}).get("holderIdentity")
 
 
-def test_only_the_leader_reconciles_and_a_successor_takes_over(kubeapi: KubeAPI, coordinator_factory: Any) -> None:
-    kube = Kube(load_api_client(str(kubeapi.kubeconfig)))
+def test_only_the_leader_reconciles_and_a_successor_takes_over(cluster: Cluster, coordinator_factory: Any) -> None:
+    kube = Kube(load_api_client(str(cluster.kubeconfig)))
     make_namespace(kube, "modelcache-system")
     make_node(kube, "n1", **{"kserve/localmodel": "worker"})
     make_group(kube, "workers")
     timing = {"leader_election": True, "lease_duration": 3.0, "renew_deadline": 2.0, "retry_period": 0.3}
-    a = coordinator_factory(kubeapi, wait=False, **timing)
+    a = coordinator_factory(cluster, wait=False, **timing)
     wait_until(a.controllers_running.is_set, timeout=30, what="first replica leads")
-    b = coordinator_factory(kubeapi, wait=False, **timing)
+    b = coordinator_factory(cluster, wait=False, **timing)
     wait_until(lambda: b.view is not None and b.view.synced(), timeout=30, what="standby caches warm")
     assert holder(kube) == a.cfg.identity and not b.leading.is_set() and not b.controllers_running.is_set()
     # The standby is ready too (it serves webhooks) and answers admission requests.
@@ -55,13 +55,13 @@ def test_only_the_leader_reconciles_and_a_successor_takes_over(kubeapi: KubeAPI,
     wait_until(lambda: len(entries_of(kube, "n1") or []) == 2, timeout=30, what="successor reconciles c2")
 
 
-def test_cli_process(kubeapi: KubeAPI, tmp_path: Any) -> None:
-    kube = Kube(load_api_client(str(kubeapi.kubeconfig)))
+def test_cli_process(cluster: Cluster, tmp_path: Any) -> None:
+    kube = Kube(load_api_client(str(cluster.kubeconfig)))
     make_namespace(kube, "modelcache-system")
     make_node(kube, "n1", **{"kserve/localmodel": "worker"})
     make_group(kube, "workers")
     port, hook_port = free_port(), free_port()
-    env = {**os.environ, "KUBECONFIG": str(kubeapi.kubeconfig), "POD_NAME": "coord-0",
+    env = {**os.environ, "KUBECONFIG": str(cluster.coordinator_kubeconfig), "POD_NAME": "coord-0",
            "POD_NAMESPACE": "modelcache-system"}
     cmd = [sys.executable, "-m", "coordinator", "--bind", "127.0.0.1", "--port", str(port),
            "--webhook-port", str(hook_port), "--webhook-cert-dir", str(tmp_path / "certs"), "--self-signed"]
@@ -85,10 +85,10 @@ def test_cli_process(kubeapi: KubeAPI, tmp_path: Any) -> None:
         stop_process(proc)
 
 
-def test_a_leader_that_loses_the_lease_stops(kubeapi: KubeAPI, coordinator_factory: Any) -> None:
-    kube = Kube(load_api_client(str(kubeapi.kubeconfig)))
+def test_a_leader_that_loses_the_lease_stops(cluster: Cluster, coordinator_factory: Any) -> None:
+    kube = Kube(load_api_client(str(cluster.kubeconfig)))
     make_namespace(kube, "modelcache-system")
-    c = coordinator_factory(kubeapi, wait=False, leader_election=True, lease_duration=3.0, renew_deadline=2.0,
+    c = coordinator_factory(cluster, wait=False, leader_election=True, lease_duration=3.0, renew_deadline=2.0,
                             retry_period=0.3)
     wait_until(c.controllers_running.is_set, timeout=30, what="leading")
     # Another replica took the lease over (as after a partition): ours can no longer renew.

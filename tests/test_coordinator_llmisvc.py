@@ -10,7 +10,7 @@ import yaml
 from coordinator.view import llm_resource
 from modelcache.kube.client import LOCAL_MODEL_CACHES, PERSISTENT_VOLUME_CLAIMS, Kube, load_api_client
 from tests.coordinator_util import make_cache, make_group, make_namespace, make_node
-from tests.fixtures.kubeapi import DEFAULT_CRD_DIRS
+from tests.fixtures.cluster import Cluster
 from tests.helpers import wait_until
 
 
@@ -25,16 +25,16 @@ def llm_crd(version: str) -> dict[str, Any]:
                                                                   "x-kubernetes-preserve-unknown-fields": True}}}]}}
 
 
-def test_llm_services_listed_and_given_volumes(kubeapi_factory: Any, coordinator_factory: Any, tmp_path: Path) -> None:
-    crds = tmp_path / "llm-crds"
-    crds.mkdir()
-    (crds / "llmisvc.yaml").write_text(yaml.safe_dump(llm_crd("v1alpha1")))
-    api = kubeapi_factory(crd_dirs=(*DEFAULT_CRD_DIRS, crds))
-    kube = Kube(load_api_client(str(api.kubeconfig)))
+def test_llm_services_listed_and_given_volumes(cluster: Cluster, coordinator_factory: Any, tmp_path: Path) -> None:
+    crd = tmp_path / "llmisvc.yaml"
+    crd.write_text(yaml.safe_dump(llm_crd("v1alpha1")))
+    cluster.kubectl("apply", "-f", str(crd))
+    cluster.kubectl("wait", "--for", "condition=Established", "crd/llminferenceservices.serving.kserve.io")
+    kube = Kube(load_api_client(str(cluster.kubeconfig)))
     make_namespace(kube, "llm")
     make_node(kube, "n1", **{"kserve/localmodel": "worker"})
     make_group(kube, "workers")
-    c = coordinator_factory(api)
+    c = coordinator_factory(cluster)
     assert c.view.llm_resource is not None and c.view.llm_resource.version == "v1alpha1"
     res = llm_resource("v1alpha1")
     make_cache(kube, "qwen", "hf://Qwen/Qwen2-0.5B", ["workers"])

@@ -30,16 +30,17 @@ from tests.coordinator_util import (
     make_node,
     report,
     set_ready,
+    without_service_crds,
 )
-from tests.fixtures.kubeapi import REPO, KubeAPI
+from tests.fixtures.cluster import Cluster
 from tests.helpers import wait_until
 
 URI = "http://models.example/m/model.bin"
 
 
 @pytest.fixture
-def kube(kubeapi: KubeAPI) -> Kube:
-    return Kube(load_api_client(str(kubeapi.kubeconfig)))
+def kube(cluster: Cluster) -> Kube:
+    return Kube(load_api_client(str(cluster.kubeconfig)))
 
 
 def status(kube: Kube, name: str, ns: str | None = None) -> dict[str, Any]:
@@ -51,13 +52,13 @@ def eventually(check: Any, what: str, timeout: float = 30) -> None:
     wait_until(check, timeout=timeout, what=what)
 
 
-def test_cache_to_nodes_status_and_node_lifecycle(kubeapi: KubeAPI, kube: Kube, coordinator_factory: Any) -> None:
+def test_cache_to_nodes_status_and_node_lifecycle(cluster: Cluster, kube: Kube, coordinator_factory: Any) -> None:
     for n in ("n1", "n2"):
         make_node(kube, n, **{"kserve/localmodel": "worker"})
     make_node(kube, "outside")
     make_node(kube, "sick", ready=False, **{"kserve/localmodel": "worker"})
     make_group(kube, "workers")
-    coordinator_factory(kubeapi)
+    coordinator_factory(cluster)
     make_cache(kube, "llm", URI, ["workers"])
 
     entry = {"modelName": "llm", "sourceModelUri": URI, "nodeGroup": "workers"}
@@ -111,11 +112,11 @@ def test_cache_to_nodes_status_and_node_lifecycle(kubeapi: KubeAPI, kube: Kube, 
     assert entries_of(kube, "n2") == []
 
 
-def test_delete_cache_whose_group_is_gone(kubeapi: KubeAPI, kube: Kube, coordinator_factory: Any) -> None:
+def test_delete_cache_whose_group_is_gone(cluster: Cluster, kube: Kube, coordinator_factory: Any) -> None:
     """kserve#6154: KServe's cache stays Terminating when its node group was deleted first."""
     make_node(kube, "n1", **{"kserve/localmodel": "worker"})
     make_group(kube, "workers")
-    coordinator_factory(kubeapi)
+    coordinator_factory(cluster)
     make_cache(kube, "c", URI, ["workers"])
     eventually(lambda: entries_of(kube, "n1") == [{"modelName": "c", "sourceModelUri": URI, "nodeGroup": "workers"}],
                "entry")
@@ -132,11 +133,11 @@ def test_delete_cache_whose_group_is_gone(kubeapi: KubeAPI, kube: Kube, coordina
     assert entries_of(kube, "n1") == []
 
 
-def test_namespace_cache_entries_and_status_key(kubeapi: KubeAPI, kube: Kube, coordinator_factory: Any) -> None:
+def test_namespace_cache_entries_and_status_key(cluster: Cluster, kube: Kube, coordinator_factory: Any) -> None:
     make_namespace(kube, "team")
     make_node(kube, "n1", **{"kserve/localmodel": "worker"})
     make_group(kube, "workers")
-    coordinator_factory(kubeapi)
+    coordinator_factory(cluster)
     make_cache(kube, "same", URI, ["workers"])
     make_cache(kube, "same", URI, ["workers"], namespace="team")
     eventually(lambda: len(entries_of(kube, "n1") or []) == 2, "two entries, one per cache")
@@ -150,12 +151,12 @@ def test_namespace_cache_entries_and_status_key(kubeapi: KubeAPI, kube: Kube, co
     assert entries_of(kube, "n1") == [{"modelName": "same", "sourceModelUri": URI, "nodeGroup": "workers"}]
 
 
-def test_services_labels_status_and_volumes(kubeapi: KubeAPI, kube: Kube, coordinator_factory: Any) -> None:
+def test_services_labels_status_and_volumes(cluster: Cluster, kube: Kube, coordinator_factory: Any) -> None:
     for ns in ("a", "b"):
         make_namespace(kube, ns)
     make_node(kube, "n1", **{"kserve/localmodel": "worker"})
     make_group(kube, "workers")
-    coordinator_factory(kubeapi)
+    coordinator_factory(cluster)
     make_cache(kube, "llm", "s3://models/llm/", ["workers"])
     make_isvc(kube, "svc", "a", "s3://models/llm/sub")
     make_isvc(kube, "other", "a", "s3://models/other")
@@ -199,13 +200,13 @@ def test_services_labels_status_and_volumes(kubeapi: KubeAPI, kube: Kube, coordi
     eventually(lambda: kube.get_or_none(PERSISTENT_VOLUMES, "late-workers-b") is None, "late PV removed")
 
 
-def test_no_writes_once_converged(kubeapi: KubeAPI, kube: Kube, coordinator_factory: Any) -> None:
+def test_no_writes_once_converged(cluster: Cluster, kube: Kube, coordinator_factory: Any) -> None:
     from coordinator import metrics
 
     make_node(kube, "n1", **{"kserve/localmodel": "worker"})
     make_group(kube, "workers")
     make_cache(kube, "c", URI, ["workers"])
-    c = coordinator_factory(kubeapi)
+    c = coordinator_factory(cluster)
     eventually(lambda: status(kube, "c").get("copies", {}).get("total") == 1, "converged")
 
     def writes() -> float:
@@ -235,26 +236,26 @@ def test_no_writes_once_converged(kubeapi: KubeAPI, kube: Kube, coordinator_fact
     assert kube.get(LOCAL_MODEL_CACHES, "c")["metadata"]["resourceVersion"] == rv
 
 
-def test_runs_without_kserve_service_crds(kubeapi_factory: Any, coordinator_factory: Any) -> None:
-    api = kubeapi_factory(crd_dirs=(REPO / "deploy" / "crds",))
-    kube = Kube(load_api_client(str(api.kubeconfig)))
+def test_runs_without_kserve_service_crds(cluster: Cluster, coordinator_factory: Any) -> None:
+    without_service_crds(cluster)
+    kube = Kube(load_api_client(str(cluster.kubeconfig)))
     make_node(kube, "n1", **{"kserve/localmodel": "worker"})
     make_group(kube, "workers")
-    c = coordinator_factory(api)
+    c = coordinator_factory(cluster)
     assert c.view.isvcs is None and c.view.llmisvcs is None
     make_cache(kube, "c", URI, ["workers"])
     wait_until(lambda: (kube.get(LOCAL_MODEL_CACHES, "c").get("status") or {}).get("copies", {}).get("total") == 1,
                timeout=30, what="status without ISVC CRD")
 
 
-def test_kserve_labels_services_when_mutation_is_off(kubeapi: KubeAPI, kube: Kube, coordinator_factory: Any) -> None:
+def test_kserve_labels_services_when_mutation_is_off(cluster: Cluster, kube: Kube, coordinator_factory: Any) -> None:
     """With --no-mutate-isvc (KServe's webhook labels services), services are left alone but still
     listed and given volumes, in the group their nodegroup annotation names."""
     make_namespace(kube, "a")
     make_node(kube, "n1", **{"kserve/localmodel": "worker"})
     make_group(kube, "workers")
     make_group(kube, "spare", label_value="spare")
-    coordinator_factory(kubeapi, mutate_isvc=False)
+    coordinator_factory(cluster, mutate_isvc=False)
     make_cache(kube, "llm", "s3://models/llm", ["workers", "spare"])
     make_isvc(kube, "plain", "a", "s3://models/llm")  # not labelled: not ours to touch
     make_isvc(kube, "svc", "a", "s3://models/llm", annotations={"serving.kserve.io/nodegroup": "spare"},

@@ -16,23 +16,23 @@ from coordinator.nodelabels import model_label
 from modelcache.kube.client import INFERENCE_SERVICES, LOCAL_MODEL_CACHES, Kube, load_api_client
 from modelcache.uri import storage_key
 from tests.coordinator_util import make_cache, make_group, make_isvc, make_namespace, make_node
-from tests.fixtures.kubeapi import KubeAPI
+from tests.fixtures.cluster import Cluster
 from tests.helpers import wait_until
 
 URI = "s3://models/llm"
 
 
 @pytest.fixture
-def kube(kubeapi: KubeAPI) -> Kube:
-    return Kube(load_api_client(str(kubeapi.kubeconfig)))
+def kube(cluster: Cluster) -> Kube:
+    return Kube(load_api_client(str(cluster.kubeconfig)))
 
 
 @pytest.fixture
-def hooks(kubeapi: KubeAPI, kube: Kube, coordinator_factory: Any) -> Any:
+def hooks(cluster: Cluster, kube: Kube, coordinator_factory: Any) -> Any:
     make_node(kube, "n1", **{"kserve/localmodel": "worker"})
     make_group(kube, "workers")
     make_namespace(kube, "team")
-    return coordinator_factory(kubeapi, pod_rewrite=True)
+    return coordinator_factory(cluster, pod_rewrite=True)
 
 
 def review(c: Any, path: str, request: dict[str, Any]) -> dict[str, Any]:

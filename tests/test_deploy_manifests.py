@@ -1,46 +1,31 @@
-"""deploy/: every manifest is accepted by the API test server, and the workloads and RBAC keep
-the contracts the agent and coordinator rely on (least privilege, downward API, probes, ports)."""
+"""deploy/: every manifest is accepted by a real API server (tests/cluster), and the workloads and
+RBAC keep the contracts the agent and coordinator rely on (least privilege, downward API, probes, ports)."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import tomllib
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from kubernetes import client, utils
+from kubernetes import client
 
-from tests.fixtures.kubeapi import KubeAPI
-from tests.helpers import IN_CI, REPO, require_tool
+from tests.cluster.build import BIN
+from tests.fixtures.cluster import Cluster, require_binaries
+from tests.helpers import REPO
 
 DEPLOY = REPO / "deploy"
 Obj = dict[str, Any]
 
 
-def _read_kustomization(directory: Path) -> list[Obj]:
-    """Fallback without kubectl: the listed resources as written (no transformers applied)."""
-    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    docs: list[Obj] = []
-    for entry in kustomization.get("resources") or []:
-        path = directory / entry
-        if path.is_dir():
-            docs += _read_kustomization(path)
-        else:
-            docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
-    return docs
-
-
 def render() -> list[Obj]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        assert not IN_CI, "kubectl is required in CI (tests/setup.d/20-kubectl.sh)"
-        return _read_kustomization(DEPLOY)
-    out = subprocess.run([kubectl, "kustomize", str(DEPLOY)], capture_output=True, text=True, check=True).stdout
+    """`kubectl kustomize deploy/` with the kubectl built beside the test control plane."""
+    require_binaries()
+    out = subprocess.run([str(BIN / "kubectl"), "kustomize", str(DEPLOY)], capture_output=True, text=True,
+                         check=True).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 
@@ -72,48 +57,34 @@ def test_every_object_of_ours_is_labelled_part_of_modelcache(rendered: list[Obj]
     assert unlabelled == []
 
 
-def test_every_manifest_is_accepted_by_the_api_server(
-    rendered: list[Obj], kubeapi_factory: Callable[..., KubeAPI]
+def test_server_side_apply_of_deploy_is_accepted_on_an_empty_cluster_and_idempotent(
+    rendered: list[Obj], cluster_factory: Callable[..., Cluster]
 ) -> None:
-    # No CRDs preloaded: the CRDs must come from deploy/ itself, as on a real cluster.
-    api = kubeapi_factory(crd_dirs=())
-    api_client = api.api_client()
-    for doc in rendered:
-        # The official client validates the body against its models first (a misspelt field is
-        # an error there), then the server validates it against its schema.
-        utils.create_from_dict(api_client, doc)
-    dyn = client.ApiextensionsV1Api(api_client)
-    crds = {c.metadata.name for c in dyn.list_custom_resource_definition().items}
-    assert {d["metadata"]["name"] for d in rendered if d["kind"] == "CustomResourceDefinition"} <= crds
-    # The kinds the CRDs define are now served: a LocalModelNode as KServe writes it is accepted.
-    custom = client.CustomObjectsApi(api_client)
-    custom.create_cluster_custom_object("serving.kserve.io", "v1alpha1", "localmodelnodes", {
-        "apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelNode", "metadata": {"name": "n1"},
-        "spec": {"localModels": [{"modelName": "m", "sourceModelUri": "s3://b/m"}]},
-    })
-    apps = client.AppsV1Api(api_client)
-    ds = apps.read_namespaced_daemon_set("modelcache-agent", "modelcache-system")
-    assert ds.spec.template.spec.containers[0].volume_mounts[0].mount_path == "/mnt/models"
-
-
-def test_kubectl_apply_is_idempotent(kubeapi_factory: Callable[..., KubeAPI]) -> None:
-    require_tool("kubectl")
-    api = kubeapi_factory(crd_dirs=())
-    first = api.kubectl("apply", "-k", str(DEPLOY)).stdout.splitlines()
-    assert first and all(line.endswith(" created") for line in first), first
-
+    cluster = cluster_factory(baseline=False)  # nothing of ours installed: CRDs must come from deploy/
+    first = cluster.kubectl("apply", "--server-side", "-k", str(DEPLOY)).stdout.splitlines()
+    assert len(first) == len(rendered) and all(line.endswith(" serverside-applied") for line in first), first
 
     def versions() -> dict[str, str]:
-        items = json.loads(api.kubectl("get", "-k", str(DEPLOY), "-o", "json").stdout)["items"]
+        items = json.loads(cluster.kubectl("get", "-k", str(DEPLOY), "-o", "json").stdout)["items"]
         return {f"{i['kind']}/{i['metadata']['name']}": i["metadata"]["resourceVersion"] for i in items}
 
     before = versions()
-    assert len(before) == len(first)
-    second = api.kubectl("apply", "-k", str(DEPLOY)).stdout.splitlines()
-    # kubectl always re-sends a PodDisruptionBudget's selector (its patch strategy is "replace"),
-    # so it says "configured"; what matters is that the server changed nothing.
-    assert all(line.endswith((" unchanged", " configured")) for line in second), second
-    assert versions() == before
+    assert len(before) == len(rendered)
+    cluster.kubectl("apply", "--server-side", "-k", str(DEPLOY))
+    assert versions() == before, "a second apply must change nothing"
+
+    # The kinds the CRDs define are served: a LocalModelNode as KServe writes it is accepted, through
+    # the official client (which validates the body against its models first).
+    api_client = cluster.api_client()
+    crds = {c.metadata.name for c in client.ApiextensionsV1Api(api_client).list_custom_resource_definition().items}
+    assert {d["metadata"]["name"] for d in rendered if d["kind"] == "CustomResourceDefinition"} <= crds
+    client.CustomObjectsApi(api_client).create_cluster_custom_object("serving.kserve.io", "v1alpha1",
+                                                                     "localmodelnodes", {
+        "apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelNode", "metadata": {"name": "n1"},
+        "spec": {"localModels": [{"modelName": "m", "sourceModelUri": "s3://b/m"}]},
+    })
+    ds = client.AppsV1Api(api_client).read_namespaced_daemon_set("modelcache-agent", "modelcache-system")
+    assert ds.spec.template.spec.containers[0].volume_mounts[0].mount_path == "/mnt/models"
 
 
 # --- RBAC -----------------------------------------------------------------------------------

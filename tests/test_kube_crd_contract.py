@@ -14,7 +14,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from tests.helpers import REPO
-from tests.kubeapi_helpers import GROUP, PLURALS, VERSION, api_error, examples
+from tests.kube_examples import GROUP, PLURALS, VERSION, api_error, examples
 
 CRDS = REPO / "deploy" / "crds"
 
@@ -118,8 +118,8 @@ def test_node_group_and_storage_container() -> None:
 
 
 @pytest.fixture
-def crd_api(kubeapi):
-    with kubeapi.api_client() as api_client:
+def crd_api(cluster):
+    with cluster.api_client() as api_client:
         yield client.CustomObjectsApi(api_client)
 
 

@@ -25,13 +25,13 @@ from modelcache.kube.events import WARNING, EventRecorder
 from modelcache.kube.informer import Informer
 from modelcache.kube.leader import LeaderElector, micro_time
 from modelcache.kube.types import LocalModelNamespaceCache
-from tests.fixtures.kubeapi import KubeAPI
+from tests.fixtures.cluster import Cluster
 from tests.helpers import REPO, wait_until
 
 
 @pytest.fixture
-def kube(kubeapi: KubeAPI) -> Kube:
-    return Kube(load_api_client(str(kubeapi.kubeconfig)))
+def kube(cluster: Cluster) -> Kube:
+    return Kube(load_api_client(str(cluster.kubeconfig)))
 
 
 def ns(kube: Kube, *names: str) -> None:
@@ -134,7 +134,7 @@ def test_core_kind_informer_with_a_field_selector(kube: Kube) -> None:
         assert inf.wait_for_sync(10)
         kube.create(PODS, pod("p3", "node-a"), "w")
         wait_until(lambda: sorted(inf.store.keys()) == ["w/p1", "w/p3"], timeout=10, what="pods on node-a")
-        kube.delete(PODS, "p1", "w")
+        kube.delete(PODS, "p1", "w", grace_period=0)  # no kubelet here to confirm a graceful deletion
         wait_until(lambda: inf.store.keys() == ["w/p3"], timeout=10, what="p1 deleted")
         assert inf.store.get("w/p3")["kind"] == "Pod"
     finally:
@@ -157,12 +157,12 @@ def test_events_are_recorded_and_repeats_counted(kube: Kube) -> None:
     assert kube.list(EVENTS, "default")["items"][0]["count"] == 4
 
 
-def test_a_process_finds_the_api_server_through_kubeconfig(kubeapi: KubeAPI, kube: Kube) -> None:
+def test_a_process_finds_the_api_server_through_kubeconfig(cluster: Cluster, kube: Kube) -> None:
     """No flag: a fresh process outside a cluster uses $KUBECONFIG, as kubectl does."""
     kube.create(NAMESPACES, {"metadata": {"name": "found-me"}})
     code = ("from modelcache.kube.client import NAMESPACES, Kube, load_api_client\n"
             "print(sorted(n['metadata']['name'] for n in Kube(load_api_client()).list(NAMESPACES)['items']))")
-    env = {k: v for k, v in kubeapi.env().items() if not k.startswith("KUBERNETES_SERVICE")}
+    env = {k: v for k, v in cluster.env().items() if not k.startswith("KUBERNETES_SERVICE")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
                          cwd=REPO, check=True).stdout
     assert "'found-me'" in out

@@ -1,4 +1,4 @@
-"""The controller runtime against the Kubernetes API test server (official client, real HTTP)."""
+"""The controller runtime against the real API server (tests/cluster), through the official client."""
 
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ from modelcache.kube.informer import Informer
 from modelcache.kube.leader import LeaderElector
 from modelcache.kube.status import patch_status_if_changed, update_if_changed
 from modelcache.kube.workqueue import ExponentialBackoff
-from tests.fixtures.kubeapi import KubeAPI
+from tests.fixtures.cluster import Cluster
 from tests.helpers import wait_until
 
 Event = tuple[str, str, str]  # (type, name, resourceVersion)
 
 
 @pytest.fixture
-def kube(kubeapi: KubeAPI) -> Kube:
-    return Kube(load_api_client(str(kubeapi.kubeconfig)))
+def kube(cluster: Cluster) -> Kube:
+    return Kube(load_api_client(str(cluster.kubeconfig)))
 
 
 def node(name: str, *uris: str) -> dict[str, Any]:
@@ -70,7 +70,7 @@ class Gate:
     def __call__(self, kind: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
         if obj["metadata"]["name"] == self.name and not self.release.is_set():
             self.entered.set()
-            self.release.wait(10)
+            self.release.wait(90)
 
 
 def wait_for_version(inf: Informer, name: str, rv: str) -> None:
@@ -102,10 +102,18 @@ def test_events_arrive_in_order(kube: Kube, informer: tuple[Informer, Recorder])
     assert inf.store.get("pre")["spec"] == before["spec"]
 
 
-def test_dropped_watch_resumes_without_missing_or_duplicating(
-    kubeapi: KubeAPI, kube: Kube, informer: tuple[Informer, Recorder]
-) -> None:
-    inf, rec = informer
+def test_dropped_watch_resumes_without_missing_or_duplicating(kube: Kube) -> None:
+    # The API server ends each watch after its timeoutSeconds (2 s here), or the client's socket dies.
+    inf = Informer(kube, LOCAL_MODEL_NODES, watch_timeout=2, retry_delay=0.3)
+    rec = Recorder()
+    inf.add_handler(rec)
+    try:
+        _resume_rounds(kube, inf, rec)
+    finally:
+        inf.stop()
+
+
+def _resume_rounds(kube: Kube, inf: Informer, rec: Recorder) -> None:
     inf.start()
     assert inf.wait_for_sync(10)
     written: list[dict[str, Any]] = [kube.create(LOCAL_MODEL_NODES, node(f"a{i}", f"s3://b/{i}")) for i in range(3)]
@@ -115,9 +123,10 @@ def test_dropped_watch_resumes_without_missing_or_duplicating(
         inf.add_handler(gate)
         written.append(kube.create(LOCAL_MODEL_NODES, node(f"t{round_}", "s3://b/t")))
         assert gate.entered.wait(10)
-        # Server side (the API server ends every watch stream), or client side (the socket dies).
+        # Server side (the watch's timeoutSeconds passes while the handler holds the informer), or
+        # client side (the socket dies).
         if round_ % 2 == 0:
-            kubeapi.drop_watches()
+            time.sleep(2.5)
         else:
             inf.drop_connection()
         # Written while no watch is open: must come from the resumed watch, exactly once.
@@ -135,7 +144,7 @@ def test_dropped_watch_resumes_without_missing_or_duplicating(
 
 
 def test_410_gone_triggers_a_relist_that_reports_only_real_changes(
-    kubeapi: KubeAPI, kube: Kube, informer: tuple[Informer, Recorder]
+    cluster: Cluster, kube: Kube, informer: tuple[Informer, Recorder]
 ) -> None:
     inf, rec = informer
     gate = Gate("trigger")
@@ -145,18 +154,19 @@ def test_410_gone_triggers_a_relist_that_reports_only_real_changes(
     inf.start()
     assert inf.wait_for_sync(10)
     wait_until(lambda: len(inf.store) == 3, timeout=10, what="3 objects cached")
-    # Hold the informer inside a handler, end its watch, change things, and compact the history:
-    # the watch it resumes from its last resourceVersion must get 410, and only a relist catches up.
+    # Hold the informer inside a handler, change things, compact etcd and restart the API server
+    # (its watch cache starts again from now): the watch the informer resumes from its last
+    # resourceVersion must get 410, and only a relist catches up.
     kube.create(LOCAL_MODEL_NODES, node("trigger", "s3://b/t"))
     assert gate.entered.wait(10)
-    kubeapi.drop_watches()
+    inf.drop_connection()  # what the server sends from here on never reaches the informer
     changed = kube.patch(LOCAL_MODEL_NODES, "change", {"metadata": {"labels": {"x": "y"}}})
     kube.delete(LOCAL_MODEL_NODES, "remove")
     added = kube.create(LOCAL_MODEL_NODES, node("new", "oci://r/m:1"))
-    kubeapi.compact()
+    cluster.cp.restart_apiserver(between=cluster.cp.compact_etcd)
     mark = len(rec.snapshot())
     gate.release.set()
-    wait_until(lambda: inf.stats["gone"] >= 1 and inf.stats["lists"] >= 2, timeout=15, what="410 and relist")
+    wait_until(lambda: inf.stats["gone"] >= 1 and inf.stats["lists"] >= 2, timeout=60, what="410 and relist")
     wait_for_version(inf, "new", added["metadata"]["resourceVersion"])
     wait_until(lambda: inf.store.get_raw("remove") is None, timeout=5, what="deleted object dropped")
     after = rec.snapshot()[mark:]
@@ -353,29 +363,3 @@ def test_failing_reconcile_backs_off_and_recovers(kube: Kube) -> None:
     assert len(attempts) == 4
     assert gaps[0] >= 0.09 and gaps[1] >= 0.19 and gaps[2] >= 0.39  # 0.1, 0.2, 0.4: exponential
     assert ctl.queue.retries("r1") == 0
-
-
-def test_bookmarks_keep_a_quiet_watch_resumable(kubeapi_factory) -> None:
-    """A selective watch sees no events while others write; the server's BOOKMARKs still move its
-    resourceVersion forward, so resuming after a drop needs no relist even once the history the
-    informer listed at has been trimmed away."""
-    api = kubeapi_factory(history=5, bookmark_interval=0.3)
-    kube = Kube(load_api_client(str(api.kubeconfig)))
-    inf = Informer(kube, LOCAL_MODEL_NODES, label_selector="team=red").start()
-    try:
-        assert inf.wait_for_sync(10)
-        listed_at = inf.last_resource_version
-        for i in range(12):  # more writes than the server keeps: listed_at is now too old to watch from
-            kube.create(LOCAL_MODEL_NODES, {"metadata": {"name": f"blue{i}", "labels": {"team": "blue"}},
-                                            "spec": {"localModels": []}})
-            time.sleep(0.05)  # let the server's watch keep pace with its 5-event history
-        wait_until(lambda: int(inf.last_resource_version or 0) >= int(listed_at or 0) + 12, timeout=10,
-                   what="a bookmark past the writes")
-        api.drop_watches()
-        red = kube.create(LOCAL_MODEL_NODES, {"metadata": {"name": "red", "labels": {"team": "red"}},
-                                              "spec": {"localModels": []}})
-        wait_for_version(inf, "red", red["metadata"]["resourceVersion"])
-        assert inf.stats["gone"] == 0 and inf.stats["lists"] == 1
-        assert inf.store.keys() == ["red"]
-    finally:
-        inf.stop()

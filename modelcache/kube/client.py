@@ -215,11 +215,15 @@ class Kube:
         name = body["metadata"]["name"]
         return _decode(self._call(res, "replace", namespace, "_status", name=name, body=body))
 
-    def delete(self, res: Resource, name: str, namespace: str | None = None, propagation: str | None = None) -> bool:
-        """Delete; False if it was already gone."""
+    def delete(self, res: Resource, name: str, namespace: str | None = None, propagation: str | None = None,
+               grace_period: int | None = None) -> bool:
+        """Delete; False if it was already gone. ``grace_period=0`` removes a pod at once (what its
+        kubelet does once the containers stopped)."""
         kw: dict[str, Any] = {"name": name}
         if propagation:
             kw["propagation_policy"] = propagation
+        if grace_period is not None:
+            kw["grace_period_seconds"] = grace_period
         try:
             _decode(self._call(res, "delete", namespace, **kw))
         except ApiException as exc:

@@ -29,7 +29,7 @@ RESTORED_KINDS = frozenset({"customresourcedefinitions", "clusterroles", "cluste
                             "rolebindings", "serviceaccounts", "namespaces"})
 #: Objects controllers create by themselves in every namespace; they go with their namespace.
 _AUTOMATIC = {("configmaps", "kube-root-ca.crt"), ("serviceaccounts", "default")}
-_NOT_RESET = frozenset({"events", "apiservices", "flowschemas", "prioritylevelconfigurations",
+_NOT_RESET = frozenset({"apiservices", "flowschemas", "prioritylevelconfigurations",
                         "componentstatuses", "bindings", "servicecidrs", "ipaddresses"})
 
 
@@ -66,17 +66,24 @@ def _get(cp: ControlPlane, path: str) -> dict[str, Any]:
 
 
 def discover(cp: ControlPlane) -> list[Kind]:
-    """Every kind that can be listed and deleted, in its preferred version."""
+    """Every kind that can be listed and deleted, once each (a group's kinds may live in different
+    versions: serving.kserve.io has v1alpha1 caches and v1beta1 InferenceServices)."""
     paths = ["/api/v1"]
     for group in _get(cp, "/apis")["groups"]:
-        paths.append(f"/apis/{group['preferredVersion']['groupVersion']}")
-    kinds = []
+        preferred = group["preferredVersion"]["groupVersion"]
+        others = [v["groupVersion"] for v in group["versions"] if v["groupVersion"] != preferred]
+        paths += [f"/apis/{gv}" for gv in (preferred, *others)]
+    kinds: list[Kind] = []
+    seen: set[tuple[str, str]] = set()
     for path in paths:
+        group = path.split("/")[2] if path.startswith("/apis/") else ""
         for r in _get(cp, path)["resources"]:
             verbs = set(r.get("verbs") or ())
             if "/" in r["name"] or not {"list", "delete"} <= verbs or r["name"] in _NOT_RESET:
                 continue
-            kinds.append(Kind(r["name"], path, bool(r["namespaced"])))
+            if (group, r["name"]) not in seen:
+                seen.add((group, r["name"]))
+                kinds.append(Kind(r["name"], path, bool(r["namespaced"])))
     return kinds
 
 
@@ -106,9 +113,19 @@ def _object_path(kind: Kind, meta: dict[str, Any]) -> str:
 def _delete(cp: ControlPlane, kind: Kind, meta: dict[str, Any]) -> None:
     path = _object_path(kind, meta)
     if meta.get("finalizers"):
-        cp.raw(path, "PATCH", {"metadata": {"finalizers": None, "resourceVersion": None}})
-    cp.raw(path, "DELETE", {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0,
-                            "propagationPolicy": "Background"})
+        status, body = cp.raw(path, "PATCH", {"metadata": {"finalizers": None}})
+        if status not in (200, 404):
+            raise RuntimeError(f"releasing the finalizers of {path} answered {status}: {body[:300]}")
+    status, body = cp.raw(path, "DELETE", {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0,
+                                           "propagationPolicy": "Background"})
+    if status not in (200, 202, 404):
+        raise RuntimeError(f"deleting {path} answered {status}: {body[:300]}")
+
+
+def _still_there(cp: ControlPlane, kind: Kind, meta: dict[str, Any]) -> bool:
+    """True while the object exists with the same uid (a controller may re-create one by name)."""
+    status, body = cp.raw(_object_path(kind, meta), timeout=10)
+    return status == 200 and json.loads(body)["metadata"]["uid"] == meta["uid"]
 
 
 def reset(cp: ControlPlane, base: Baseline, timeout: float = 90) -> None:
@@ -137,7 +154,7 @@ def reset(cp: ControlPlane, base: Baseline, timeout: float = 90) -> None:
     missing = any(uid not in seen and plural in RESTORED_KINDS for uid, (plural, _) in base.objects.items())
     deadline = time.monotonic() + timeout
     for kind, meta in leftovers:
-        while cp.raw(_object_path(kind, meta), timeout=10)[0] != 404:
+        while _still_there(cp, kind, meta):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{kind.plural} {meta.get('namespace', '')}/{meta['name']} was not deleted "
                                    f"within {timeout:.0f} s of the reset")

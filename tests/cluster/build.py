@@ -30,7 +30,7 @@ COMMANDS = {
     "kube-scheduler": "k8s.io/kubernetes/cmd/kube-scheduler",
     "kubectl": "k8s.io/kubernetes/cmd/kubectl",
 }
-_PIN_FILES = ("go.mod", "go.sum", "tools.go", "cmd/etcd/main.go", "build.py")
+_PIN_FILES = ("go.mod", "go.sum", "tools.go", "cmd/etcd/main.go")
 
 
 def pinned_version(module: str) -> str:
@@ -50,7 +50,7 @@ def etcd_version() -> str:
 
 
 def _stamp() -> str:
-    h = hashlib.sha256()
+    h = hashlib.sha256(_ldflags().encode() + b"\0")
     for name in _PIN_FILES:
         h.update(name.encode() + b"\0" + (MODULE / name).read_bytes() + b"\0")
     return h.hexdigest()

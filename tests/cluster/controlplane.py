@@ -150,13 +150,20 @@ class ControlPlane:
         """One request as the admin, for readiness and for what the client library hides."""
         data = None if body is None else json.dumps(body).encode()
         kind = "application/merge-patch+json" if method == "PATCH" else "application/json"
-        req = urllib.request.Request(self.server + path, data=data, method=method,
-                                     headers={"Content-Type": kind} if data else {})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout, context=self.ssl_context()) as resp:
-                return resp.status, resp.read().decode()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode(errors="replace")
+        deadline = time.monotonic() + 60
+        while True:
+            req = urllib.request.Request(self.server + path, data=data, method=method,
+                                         headers={"Content-Type": kind} if data else {})
+            try:
+                with urllib.request.urlopen(req, timeout=timeout, context=self.ssl_context()) as resp:
+                    return resp.status, resp.read().decode()
+            except urllib.error.HTTPError as exc:
+                text = exc.read().decode(errors="replace")
+                # Right after a (re)start each kind's watch cache answers 429 "storage is
+                # (re)initializing" with a Retry-After until it has listed etcd.
+                if exc.code != 429 or time.monotonic() > deadline:
+                    return exc.code, text
+                time.sleep(float(exc.headers.get("Retry-After") or 1))
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Small helpers shared by the kubeapi test modules."""
+"""KServe's LocalModel* example objects and small helpers for the CRD contract tests."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import yaml
 
 from tests.helpers import REPO
 
-EXAMPLES = REPO / "tests" / "kubeapi" / "examples" / "kserve-localmodel.yaml"
+EXAMPLES = REPO / "tests" / "cluster" / "kserve-localmodel-examples.yaml"
 GROUP, VERSION = "serving.kserve.io", "v1alpha1"
 PLURALS = {
     "LocalModelCache": "localmodelcaches", "LocalModelNamespaceCache": "localmodelnamespacecaches",
