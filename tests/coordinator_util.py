@@ -25,8 +25,9 @@ def ready_condition(ready: bool) -> dict[str, Any]:
 def make_node(kube: Kube, name: str, ready: bool = True, **labels: str) -> dict[str, Any]:
     """A Node as its kubelet registers it. The TaintNodesByCondition admission plugin taints it
     not-ready; the node lifecycle controller (off in the test cluster: no kubelets) would lift it."""
+    resources = {"cpu": "8", "memory": "32Gi", "pods": "110"}
     body = {"metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **labels}},
-            "status": {"conditions": [ready_condition(ready)]}}
+            "status": {"conditions": [ready_condition(ready)], "capacity": resources, "allocatable": resources}}
     kube.create(NODES, body)
     return kube.patch(NODES, name, {"spec": {"taints": None}})
 

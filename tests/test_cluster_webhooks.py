@@ -1,0 +1,155 @@
+"""deploy/'s webhooks called by the real API server, and placement honoured by the real scheduler.
+
+The coordinator runs as its ServiceAccount with its webhook server on 127.0.0.1; deploy/'s
+webhook configurations are registered as shipped except for `clientConfig`, which points at that
+port by `url` with the coordinator's certificate as `caBundle` (there is no kube-proxy to route the
+Service). Pods are created with kubectl, as a user or KServe's controller would.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from typing import Any
+
+import pytest
+import yaml
+
+from coordinator.nodelabels import model_label
+from modelcache.kube.client import EVENTS, NODES, PERSISTENT_VOLUME_CLAIMS, PERSISTENT_VOLUMES, PODS, Kube
+from tests.coordinator_util import make_cache, make_group, make_isvc, make_namespace, make_node, report
+from tests.fixtures.cluster import Cluster
+from tests.helpers import REPO, wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+URI = "s3://models/llm"
+GROUP_LABEL = {"kserve/localmodel": "worker"}
+
+
+def register_webhooks(cluster: Cluster, coordinator: Any) -> None:
+    """deploy/webhooks/*.yaml as shipped, but reached by url on the coordinator's port."""
+    ca = base64.b64encode((coordinator.cfg.webhook_cert_dir / "tls.crt").read_bytes()).decode()
+    docs = []
+    for path in sorted((REPO / "deploy" / "webhooks").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc:
+                continue
+            doc = copy.deepcopy(doc)
+            for hook in doc["webhooks"]:
+                svc = hook["clientConfig"].pop("service")
+                hook["clientConfig"] = {"url": f"https://127.0.0.1:{coordinator.cfg.webhook_port}{svc['path']}",
+                                        "caBundle": ca}
+            docs.append(doc)
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+
+
+def predictor_pod(name: str) -> dict[str, Any]:
+    """A predictor pod as KServe's controller creates it for an InferenceService of a cached model."""
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "team", "labels": {
+                "serving.kserve.io/inferenceservice": "svc", "internal.serving.kserve.io/localmodel": "llm"},
+                "annotations": {"internal.serving.kserve.io/storage-initializer-sourceuri": URI + "/v1"}},
+            "spec": {"containers": [{"name": "kserve-container", "image": "kserve/sklearnserver:latest",
+                                     "env": [{"name": "STORAGE_URI", "value": URI + "/v1"}]}]}}
+
+
+def create_pod(cluster: Cluster, body: dict[str, Any]) -> None:
+    cluster.kubectl("create", "-f", "-", input=json.dumps(body))
+
+
+def get_pod(kube: Kube, name: str) -> dict[str, Any]:
+    return kube.get(PODS, name, "team")
+
+
+def unschedulable_reason(kube: Kube, name: str) -> str:
+    """The scheduler's FailedScheduling event for the pod (what `kubectl describe pod` shows)."""
+    events = [e for e in kube.list(EVENTS, "team")["items"]
+              if e["involvedObject"].get("name") == name and e.get("reason") == "FailedScheduling"]
+    return events[-1]["message"] if events else ""
+
+
+def test_api_server_calls_the_webhooks_and_the_scheduler_places_on_a_downloaded_copy(
+    cluster: Cluster, coordinator_factory: Any
+) -> None:
+    kube = cluster.kube()
+    for name in ("n1", "n2"):
+        make_node(kube, name, **GROUP_LABEL)
+    make_node(kube, "outside")
+    make_group(kube, "workers")
+    make_namespace(kube, "team")
+    coord = coordinator_factory(cluster, pod_rewrite=True)
+    register_webhooks(cluster, coord)
+
+    # The cache validator is called by the API server: a cache is accepted, a second one with the
+    # same URI refused with KServe's message.
+    make_cache(kube, "llm", URI, ["workers"])
+    dup = cluster.kubectl("apply", "-f", "-", check=False, input=json.dumps({
+        "apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelCache", "metadata": {"name": "llm2"},
+        "spec": {"sourceModelUri": URI, "modelSize": "1Mi", "nodeGroups": ["workers"]}}))
+    assert dup.returncode != 0
+    assert "admission webhook" in dup.stderr and f"LocalModelCache llm has the same StorageURI {URI}" in dup.stderr
+
+    # The service that uses the cache: the coordinator creates its serving PV and PVC, and the real
+    # PV controller binds them.
+    make_isvc(kube, "svc", "team", URI + "/v1")
+    wait_until(lambda: (kube.get_or_none(PERSISTENT_VOLUME_CLAIMS, "llm-workers", "team") or {}).get(
+        "status", {}).get("phase") == "Bound", timeout=60, what="serving PVC bound by the PV controller")
+    pvc = kube.get(PERSISTENT_VOLUME_CLAIMS, "llm-workers", "team")
+    pv = kube.get(PERSISTENT_VOLUMES, pvc["spec"]["volumeName"])
+    assert pv["status"]["phase"] == "Bound" and pv["spec"]["claimRef"]["name"] == "llm-workers"
+
+    # No node has the model yet: the pod mutator (called by the API server) pins the pod to nodes
+    # with a downloaded copy, so the real scheduler leaves it Pending and says why.
+    create_pod(cluster, predictor_pod("svc-predictor-1"))
+    pod = get_pod(kube, "svc-predictor-1")
+    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    label = model_label(URI)
+    assert {"key": label, "operator": "Exists"} in terms[0]["matchExpressions"]
+    assert any(v.get("persistentVolumeClaim", {}).get("claimName") == "llm-workers" for v in pod["spec"]["volumes"])
+    wait_until(lambda: "node affinity" in unschedulable_reason(kube, "svc-predictor-1"), timeout=60,
+               what="FailedScheduling event naming the node affinity")
+
+    def unschedulable() -> bool:  # the condition is written apart from the event
+        cond = [c for c in get_pod(kube, "svc-predictor-1")["status"].get("conditions", [])
+                if c["type"] == "PodScheduled"]
+        return bool(cond) and cond[0]["status"] == "False" and cond[0]["reason"] == "Unschedulable"
+
+    wait_until(unschedulable, timeout=30, what="PodScheduled=False Unschedulable")
+    assert not get_pod(kube, "svc-predictor-1")["spec"].get("nodeName")
+
+    # n2's agent reports the model: the coordinator labels n2, and the scheduler binds the waiting
+    # pod there, never to n1 (still downloading) or outside the group.
+    report(kube, "n1", {"llm": "ModelDownloading"})
+    report(kube, "n2", {"llm": "ModelDownloaded"})
+    wait_until(lambda: kube.get(NODES, "n2")["metadata"]["labels"].get(label) == "true", timeout=60,
+               what="n2 labelled downloaded")
+    try:
+        wait_until(lambda: get_pod(kube, "svc-predictor-1")["spec"].get("nodeName") == "n2", timeout=120,
+                   what="pending pod bound to n2 once its copy is downloaded")
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; scheduler says: {unschedulable_reason(kube, 'svc-predictor-1')}; "
+                             f"n2 labels: {kube.get(NODES, 'n2')['metadata']['labels']}") from None
+    for i in range(2, 5):
+        create_pod(cluster, predictor_pod(f"svc-predictor-{i}"))
+    for i in range(2, 5):
+        wait_until(lambda i=i: get_pod(kube, f"svc-predictor-{i}")["spec"].get("nodeName") is not None, timeout=60,
+                   what=f"pod {i} bound")
+        assert get_pod(kube, f"svc-predictor-{i}")["spec"]["nodeName"] == "n2"
+    assert label not in kube.get(NODES, "n1")["metadata"]["labels"]
+
+
+def test_pods_of_other_workloads_are_not_sent_to_the_webhook(cluster: Cluster, coordinator_factory: Any) -> None:
+    """The objectSelector keeps ordinary pods away from the coordinator (and it being down)."""
+    kube = cluster.kube()
+    make_node(kube, "n1", **GROUP_LABEL)
+    make_namespace(kube, "team")
+    coord = coordinator_factory(cluster)
+    register_webhooks(cluster, coord)
+    coord.stop()  # even with the coordinator down, a plain pod is created and scheduled
+    create_pod(cluster, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "plain", "namespace": "team"},
+                         "spec": {"containers": [{"name": "c", "image": "busybox"}]}})
+    wait_until(lambda: get_pod(kube, "plain")["spec"].get("nodeName") == "n1", timeout=60, what="plain pod bound")
+    assert not get_pod(kube, "plain")["spec"].get("affinity")
