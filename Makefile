@@ -22,7 +22,11 @@ test: test-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
+# The main job on a local Kubernetes control plane (built from Go modules on the first run, ~10 min),
+# then the same without a cluster (CLI and standalone agent).
 demo: install
+	bash tests/setup.d/50-cluster.sh
+	$(BIN)/python -m tests.cluster.demo
 	$(BIN)/python -m modelcache.demo
 
 lint: install

@@ -8,19 +8,17 @@ Service). Pods are created with kubectl, as a user or KServe's controller would.
 
 from __future__ import annotations
 
-import base64
-import copy
 import json
 from typing import Any
 
 import pytest
-import yaml
 
 from coordinator.nodelabels import model_label
 from modelcache.kube.client import EVENTS, NODES, PERSISTENT_VOLUME_CLAIMS, PERSISTENT_VOLUMES, PODS, Kube
+from tests.cluster.webhooks import register_webhooks as cluster_webhooks
 from tests.coordinator_util import make_cache, make_group, make_isvc, make_namespace, make_node, report
 from tests.fixtures.cluster import Cluster
-from tests.helpers import REPO, wait_until
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -29,20 +27,7 @@ GROUP_LABEL = {"kserve/localmodel": "worker"}
 
 
 def register_webhooks(cluster: Cluster, coordinator: Any) -> None:
-    """deploy/webhooks/*.yaml as shipped, but reached by url on the coordinator's port."""
-    ca = base64.b64encode((coordinator.cfg.webhook_cert_dir / "tls.crt").read_bytes()).decode()
-    docs = []
-    for path in sorted((REPO / "deploy" / "webhooks").glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if not doc:
-                continue
-            doc = copy.deepcopy(doc)
-            for hook in doc["webhooks"]:
-                svc = hook["clientConfig"].pop("service")
-                hook["clientConfig"] = {"url": f"https://127.0.0.1:{coordinator.cfg.webhook_port}{svc['path']}",
-                                        "caBundle": ca}
-            docs.append(doc)
-    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+    cluster_webhooks(cluster.cp, coordinator.cfg.webhook_port, coordinator.cfg.webhook_cert_dir / "tls.crt")
 
 
 def predictor_pod(name: str) -> dict[str, Any]:
