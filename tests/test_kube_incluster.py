@@ -43,7 +43,7 @@ def apiserver(tmp_path: Path) -> Iterator[FakeAPIServer]:
         def log_message(self, *args: object) -> None:
             pass
 
-        def do_GET(self) -> None:  # noqa: N802 - the http.server API
+        def do_GET(self) -> None:
             auth = self.headers.get("Authorization", "")
             state.seen.append(auth)
             ok = auth == f"Bearer {state.token}" and self.path.startswith("/api/v1/namespaces")
