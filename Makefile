@@ -17,7 +17,7 @@ BASE_IMAGE ?=
 # Extra `build` flags, e.g. --network host (see README, "Image").
 IMAGE_BUILD_FLAGS ?=
 
-.PHONY: install test test-deps demo lint bench clean image push lock print-image
+.PHONY: install test test-deps demo lint bench clean image image-size push lock print-image
 
 # The tests run on the versions the image ships: the lock is the venv's constraints (without its
 # hashes, which pip would otherwise demand of the test-only packages too).
@@ -52,6 +52,11 @@ clean:
 
 image: $(LOCK) $(BUILD_LOCK)
 	$(CONTAINER_TOOL) build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) $(IMAGE_BUILD_FLAGS) -t $(IMAGE) .
+
+# Size over the base and the five biggest contributors (podman; README.md, "Image").
+image-size:
+	CONTAINER_TOOL=$(CONTAINER_TOOL) $(PY) image/size.py $(IMAGE) \
+	  $(or $(BASE_IMAGE),$(shell sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile))
 
 push:
 	$(CONTAINER_TOOL) push $(IMAGE)
