@@ -7,9 +7,11 @@ STAMP := $(VENV)/.installed
 # The image's Python packages, pinned with hashes (`make lock` renews them from pyproject.toml).
 LOCK := requirements/image.txt
 BUILD_LOCK := requirements/image-build.txt
-# The image reference: deploy/kustomization.yaml's `images:` entry is the one place it is set.
-IMAGE_NAME := $(shell sed -n 's/^ *newName: *//p' deploy/kustomization.yaml)
-IMAGE_TAG := $(shell sed -n 's/^ *newTag: *//p' deploy/kustomization.yaml)
+# The image reference: the `images:` entry (newName, newTag) of deploy/kustomization.yaml is the one
+# place it is set; `make image push` and `kubectl apply -k deploy/` both use it (deploy/README.md).
+KUSTOMIZATION ?= deploy/kustomization.yaml
+IMAGE_NAME := $(shell sed -n 's/^ *newName: *//p' $(KUSTOMIZATION))
+IMAGE_TAG := $(shell sed -n 's/^ *newTag: *//p' $(KUSTOMIZATION))
 IMAGE ?= $(IMAGE_NAME):$(IMAGE_TAG)
 CONTAINER_TOOL ?= $(shell command -v podman >/dev/null && echo podman || echo docker)
 # Empty: the Dockerfile's default (the public python:3.11-slim).
