@@ -14,58 +14,37 @@ import json
 import os
 import re
 import subprocess
-import urllib.parse
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
-import yaml
 
 from modelcache.uri import storage_key
 from tests.agent_util import create_node, entry, model_files, wait_states
 from tests.fixtures.cluster import AGENT_SA, Cluster
 from tests.fixtures.http import NginxServer
-from tests.fixtures.image import Container, Image, Mount, secret_volume
+from tests.fixtures.image import Container, Image, Mount
 from tests.fixtures.objectstores import S3Server
-from tests.helpers import REPO, free_port, wait_until
+from tests.helpers import free_port, wait_until
+from tests.image_pods import (
+    SA_PATH,
+    expand,
+    in_cluster_env,
+    manifest_pod,
+    resolve_env,
+    service_account_volume,
+    user_of,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
-SA_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
 NODE = "node-a"
 D = "ModelDownloaded"
 
 
 def daemonset_pod() -> dict[str, Any]:
-    docs = yaml.safe_load_all((REPO / "deploy" / "agent" / "daemonset.yaml").read_text())
-    ds = next(d for d in docs if d and d["kind"] == "DaemonSet")
-    return dict(ds["spec"]["template"]["spec"])
-
-
-def resolve_env(container: dict[str, Any], namespace: str) -> dict[str, str]:
-    """The container's env as the kubelet gives it: values, and the two fieldRefs it uses."""
-    fields = {"spec.nodeName": NODE, "metadata.namespace": namespace}
-    out = {}
-    for e in container.get("env", []):
-        out[e["name"]] = e["value"] if "value" in e else fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
-    return out
-
-
-def expand(arg: str, env: dict[str, str]) -> str:
-    """Kubernetes' $(VAR) expansion in command and args."""
-    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
-
-
-def user_of(ctx: dict[str, Any], pod_ctx: dict[str, Any]) -> str:
-    return f"{ctx.get('runAsUser', pod_ctx['runAsUser'])}:{ctx.get('runAsGroup', pod_ctx['runAsGroup'])}"
-
-
-def service_account_volume(path: Path, cluster: Cluster) -> Path:
-    """What the kubelet projects for the pod's ServiceAccount (bound token, CA, namespace)."""
-    namespace, name = AGENT_SA
-    return secret_volume(path, {"token": cluster.cp.token(namespace, name).encode(),
-                                "ca.crt": cluster.ca_file.read_bytes(), "namespace": namespace.encode()})
+    return manifest_pod("agent/daemonset.yaml", "DaemonSet")
 
 
 def prepare_root(image: Image, host_root: Path) -> subprocess.CompletedProcess[str]:
@@ -114,18 +93,16 @@ def run_pod(image: Image, cluster: Cluster, host_root: Path, tmp_path: Path, hea
     assert r.returncode == 0, r.stderr
     root_mount: Mount = (host_root, mount_path, "rw")
 
-    env = resolve_env(agent, namespace)
+    env = resolve_env(agent, {"spec.nodeName": NODE, "metadata.namespace": namespace})
     env.update({
-        # The kubelet's, for every pod: where the API server is (here the control plane's port).
-        "KUBERNETES_SERVICE_HOST": "127.0.0.1",
-        "KUBERNETES_SERVICE_PORT": str(urllib.parse.urlsplit(cluster.server).port),
+        **in_cluster_env(cluster),
         # Host network here: a free port instead of the manifest's 8080, which others may hold.
         "MODELCACHE_AGENT_PORT": str(health_port),
         "MODELCACHE_AGENT_HOST": "127.0.0.1",
         # Test pacing: status written at once (the manifest keeps the 3 s default).
         "MODELCACHE_STATUS_INTERVAL": "0.2", "MODELCACHE_BACKOFF_INITIAL": "0.5",
     })
-    sa = service_account_volume(tmp_path / "serviceaccount", cluster)
+    sa = service_account_volume(tmp_path / "serviceaccount", cluster, *AGENT_SA)
     return image.start(
         "agent", *(expand(a, env) for a in agent["args"]), entrypoint=agent["command"][0], env=env,
         user=user_of(agent["securityContext"], pod_ctx), mounts=[root_mount, (sa, SA_PATH, "ro")],
