@@ -37,7 +37,8 @@ from tests.image_pods import (
     user_of,
 )
 
-pytestmark = pytest.mark.timeout(300)
+# The first test to use `image` also builds it (minutes when the layer cache is cold).
+pytestmark = pytest.mark.timeout(900)
 
 NODE = "node-a"
 D = "ModelDownloaded"

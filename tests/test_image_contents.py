@@ -29,6 +29,9 @@ SECRET_DIRS = ("root/", "home/", "etc/ssl/", "usr/local/share/ca-certificates/",
 SECRET_NAMES = {"token", "kubeconfig", ".netrc", ".git-credentials", ".pypirc", "pip.conf", "credentials",
                 "config.json", "id_rsa", "id_ed25519", "ca-certificates.crt"}
 
+# The first test to use `image` also builds it (minutes when the layer cache is cold).
+pytestmark = pytest.mark.timeout(900)
+
 
 def size_tool() -> ModuleType:
     spec = importlib.util.spec_from_file_location("image_size", REPO / "image" / "size.py")

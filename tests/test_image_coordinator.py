@@ -23,7 +23,8 @@ from tests.fixtures.image import Image, secret_volume
 from tests.helpers import REPO, free_port, wait_until
 from tests.image_pods import SA_PATH, in_cluster_env, manifest_pod, resolve_env, service_account_volume, user_of
 
-pytestmark = pytest.mark.timeout(300)
+# The first test to use `image` also builds it (minutes when the layer cache is cold).
+pytestmark = pytest.mark.timeout(900)
 
 SERVICE_DNS = "modelcache-coordinator-webhook.modelcache-system.svc"
 URI = "http://models.example/m.bin"

@@ -35,6 +35,9 @@ for d, _, files in os.walk("/mnt/models"):
 print(json.dumps(out))
 """
 
+# The first test to use `image` also builds it (minutes when the layer cache is cold).
+pytestmark = pytest.mark.timeout(900)
+
 
 def served(image: Image, volume: Path) -> dict[str, str]:
     """What the serving container reads from the volume (read-only, as KServe mounts it)."""
