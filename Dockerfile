@@ -3,21 +3,42 @@
 #   modelcache-agent                     (DaemonSet; command set in deploy/agent/daemonset.yaml)
 #   modelcache-coordinator               (Deployment; command set in deploy/coordinator/deployment.yaml)
 #   modelcache pull URI --root DIR       (CLI)
-# Build: docker build -t ghcr.io/modelcache/modelcache:0.1.0 .
+# Build: `make image` (tags the reference in deploy/kustomization.yaml). Python packages come only
+# from requirements/image.txt and image-build.txt, pinned with hashes (`make lock` renews them).
 
-FROM python:3.11-slim AS build
+ARG BASE_IMAGE=docker.io/library/python:3.11-slim
+
+FROM ${BASE_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-RUN python -m venv /opt/venv && /opt/venv/bin/pip install -q -U pip
-# README.m[d]: the wildcard keeps the build working before README.md exists.
-COPY pyproject.toml README.m[d] ./
+# strip (binutils) for image/prune-venv.sh; this stage only.
+RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends binutils >/dev/null
+# Build tools (pinned pip, setuptools, wheel) in a venv of their own, so none of them reaches the
+# runtime venv, which is made without pip: nothing in the image installs packages at run time.
+COPY requirements/image-build.txt requirements/image.txt ./requirements/
+COPY image/prune-venv.sh ./image/
+RUN python3 -m venv /opt/build \
+ && /opt/build/bin/pip install -q --require-hashes --no-deps -r requirements/image-build.txt \
+ && python3 -m venv --without-pip /opt/venv \
+ && /opt/build/bin/pip --python /opt/venv/bin/python install -q --no-compile --require-hashes --no-deps \
+      -r requirements/image.txt \
+ && sh image/prune-venv.sh /opt/venv
+# The project last, so a source change rebuilds only this layer; the imports check that pruning
+# left every role able to start (and S3 plus its credential services able to make a client).
+COPY pyproject.toml README.md ./
 COPY modelcache ./modelcache
 COPY initializer ./initializer
 COPY agent ./agent
 COPY coordinator ./coordinator
-RUN /opt/venv/bin/pip install -q . && /opt/venv/bin/pip check
+RUN /opt/build/bin/pip wheel -q --no-deps --no-build-isolation -w /tmp/dist . \
+ && /opt/build/bin/pip --python /opt/venv/bin/python install -q --no-compile --no-deps /tmp/dist/*.whl \
+ && /opt/build/bin/pip --python /opt/venv/bin/python check \
+ && /opt/venv/bin/python -B -c 'import boto3, initializer.__main__, agent.__main__, coordinator.__main__, modelcache.cli; [boto3.client(s, region_name="us-east-1") for s in ("s3", "sts", "sso", "sso-oidc", "signin")]' \
+ && sp=$(/opt/venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') \
+ && /opt/venv/bin/python -m compileall -q --invalidation-mode unchecked-hash \
+      "$sp/modelcache" "$sp/initializer" "$sp/agent" "$sp/coordinator"
 
-FROM python:3.11-slim
+FROM ${BASE_IMAGE}
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1

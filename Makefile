@@ -4,12 +4,30 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-deps demo lint bench clean
+# The image's Python packages, pinned with hashes (`make lock` renews them from pyproject.toml).
+LOCK := requirements/image.txt
+BUILD_LOCK := requirements/image-build.txt
+# The image reference: the `images:` entry (newName, newTag) of deploy/kustomization.yaml is the one
+# place it is set; `make image push` and `kubectl apply -k deploy/` both use it (deploy/README.md).
+KUSTOMIZATION ?= deploy/kustomization.yaml
+IMAGE_NAME := $(shell sed -n 's/^ *newName: *//p' $(KUSTOMIZATION))
+IMAGE_TAG := $(shell sed -n 's/^ *newTag: *//p' $(KUSTOMIZATION))
+IMAGE ?= $(IMAGE_NAME):$(IMAGE_TAG)
+CONTAINER_TOOL ?= $(shell command -v podman >/dev/null && echo podman || echo docker)
+# Empty: the Dockerfile's default (the public python:3.11-slim).
+BASE_IMAGE ?=
+# Extra `build` flags, e.g. --network host (see README, "Image").
+IMAGE_BUILD_FLAGS ?=
 
-$(STAMP): pyproject.toml
+.PHONY: install test test-deps demo lint bench clean image image-size push lock print-image
+
+# The tests run on the versions the image ships: the lock is the venv's constraints (without its
+# hashes, which pip would otherwise demand of the test-only packages too).
+$(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
-	$(BIN)/pip install -q -e '.[test]'
+	sed -e 's/ *\\$$//' -e '/^ *--hash=/d' -e '/^ *#/d' $(LOCK) > $(VENV)/constraints.txt
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -37,3 +55,25 @@ bench: test-deps
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+image: $(LOCK) $(BUILD_LOCK)
+	$(CONTAINER_TOOL) build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) $(IMAGE_BUILD_FLAGS) -t $(IMAGE) .
+
+# Size over the base and the five biggest contributors (podman; README.md, "Image").
+image-size:
+	CONTAINER_TOOL=$(CONTAINER_TOOL) $(PY) image/size.py $(IMAGE) \
+	  $(or $(BASE_IMAGE),$(shell sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile))
+
+push:
+	$(CONTAINER_TOOL) push $(IMAGE)
+
+print-image:
+	@echo $(IMAGE)
+
+# Re-resolve the pins (for every platform, Python 3.11 as in the image); review the diff, run the
+# tests (`make install` picks the new pins up), commit both files.
+lock:
+	test -x .work/uv/bin/uv || { $(PY) -m venv .work/uv && .work/uv/bin/pip install -q uv; }
+	.work/uv/bin/uv pip compile pyproject.toml --universal --python-version 3.11 --generate-hashes -q -o $(LOCK)
+	printf 'pip\nsetuptools>=77\nwheel\n' | .work/uv/bin/uv pip compile - --universal --python-version 3.11 \
+	  --generate-hashes -q -o $(BUILD_LOCK)

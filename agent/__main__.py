@@ -24,6 +24,12 @@ def _size(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
     return n
 
 
+def _pod_namespace(fallback: str) -> str:
+    from modelcache.kube.client import in_cluster_namespace  # lazily: --standalone needs no kubernetes
+
+    return in_cluster_namespace() or fallback
+
+
 def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in values:
@@ -53,7 +59,7 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               help="Port for /healthz, /readyz and /metrics (0: any free port; -1: none).")
 @click.option("--host", envvar="MODELCACHE_AGENT_HOST", default="0.0.0.0", show_default=True)
 @click.option("--credentials-namespace", envvar=["MODELCACHE_CREDENTIALS_NAMESPACE", "POD_NAMESPACE"],
-              default="kserve", show_default=True,
+              default=lambda: _pod_namespace("kserve"), show_default="the pod's namespace, else kserve",
               help="Namespace of the storage-config secret and the service accounts. [env POD_NAMESPACE]")
 @click.option("--kubeconfig", envvar="KUBECONFIG", default=None,
               help="Kubeconfig file (default: in-cluster, else ~/.kube/config). [env KUBECONFIG]")
@@ -116,9 +122,12 @@ def run(cfg: AgentConfig, host_paths: tuple[str, ...] = ()) -> int:
                 server.stop()
 
     from agent.kubemode import KubeRunner
-    from modelcache.kube.client import Kube, load_api_client
+    from modelcache.kube.client import Kube, KubeConfigError, load_api_client
 
-    kube = Kube(load_api_client(cfg.kubeconfig))
+    try:
+        kube = Kube(load_api_client(cfg.kubeconfig))
+    except KubeConfigError as exc:
+        raise click.ClickException(str(exc)) from None
     creds = Credentials(KubeSecretReader(kube, cfg.credentials_namespace), cfg.download_env)
     agent = Agent(cfg, creds, KubeMountChecker(kube, cfg.node, host_paths), metrics)
     krunner = KubeRunner(agent, kube)

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from coordinator.app import Config, Coordinator
+from modelcache.kube.client import KubeConfigError, in_cluster_namespace
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -25,7 +26,9 @@ from coordinator.app import Config, Coordinator
 @click.option("--port", type=int, default=8080, help="port of /healthz, /readyz and /metrics")
 @click.option("--leader-election/--no-leader-election", default=True)
 @click.option("--lease-name", default="modelcache-coordinator")
-@click.option("--lease-namespace", envvar="POD_NAMESPACE", default="modelcache-system")
+@click.option("--lease-namespace", envvar="POD_NAMESPACE",
+              default=lambda: in_cluster_namespace() or "modelcache-system",
+              show_default="the pod's namespace, else modelcache-system")
 @click.option("--identity", envvar="POD_NAME", default=socket.gethostname(), help="lease holder identity")
 @click.option("--mutate-isvc/--no-mutate-isvc", default=True,
               help="set KServe's local-model label/annotations on services (off where KServe's webhook does it)")
@@ -49,7 +52,10 @@ def main(kubeconfig: str | None, webhook_cert_dir: Path | None, webhook_port: in
         lease_namespace=lease_namespace, identity=identity, mutate_isvc=mutate_isvc, pod_rewrite=pod_rewrite == "on",
         pod_fail_closed=pod_failure_policy == "Fail", workers=workers, discovery_interval=discovery_interval,
     )
-    coordinator = Coordinator(cfg)
+    try:
+        coordinator = Coordinator(cfg)
+    except KubeConfigError as exc:
+        raise click.ClickException(str(exc)) from None
 
     def on_signal(_sig: int, _frame: object) -> None:
         coordinator.done.set()

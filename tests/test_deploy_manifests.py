@@ -275,7 +275,7 @@ def test_one_image_runs_every_role(rendered: list[Obj]) -> None:
                     assert c["command"][0] in scripts, f"{c['command'][0]} is not a console script of the package"
     assert len(images) == 1
     dockerfile = (REPO / "Dockerfile").read_text()
-    assert "FROM python:3.11-slim" in dockerfile
+    assert "ARG BASE_IMAGE=docker.io/library/python:3.11-slim" in dockerfile
     assert "USER 1000:1000" in dockerfile
     assert 'ENTRYPOINT ["storage-initializer"]' in dockerfile and "storage-initializer" in scripts
     for package in ("modelcache", "initializer", "agent", "coordinator"):

@@ -1,22 +1,31 @@
 """Finding the API server and thin, dict-in dict-out helpers over the official client.
 
-Config is found the standard way: an explicit kubeconfig path (``--kubeconfig``), else the
-in-cluster service account, else ``KUBECONFIG`` / ``~/.kube/config`` (the client library reads
-those variables itself). Every call passes ``_preload_content=False`` and decodes the JSON
-body: objects stay plain dicts with their exact wire keys (no lossy model round-trip), and
-kubernetes>=37's ``CustomObjectsApi.create_*``, which deserializes only a 201, cannot turn a
-200 into ``None``.
+Config is found the standard way: an explicit kubeconfig path (``--kubeconfig``), else, in a pod
+(``KUBERNETES_SERVICE_HOST``/``_PORT`` set by the kubelet), the mounted service account, else
+``KUBECONFIG`` / ``~/.kube/config`` (the client library reads those variables itself). Every
+call passes ``_preload_content=False`` and decodes the JSON body: objects stay plain dicts with
+their exact wire keys (no lossy model round-trip), and kubernetes>=37's
+``CustomObjectsApi.create_*``, which deserializes only a 201, cannot turn a 200 into ``None``.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from kubernetes.config.incluster_config import InClusterConfigLoader
+
+#: Where the kubelet mounts a pod's service account: token, ca.crt, namespace.
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+#: How often the (projected, rotating) token file is read again; client-go re-reads every minute too.
+TOKEN_REFRESH = datetime.timedelta(minutes=1)
 
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
@@ -76,21 +85,82 @@ _TYPED_APIS: dict[str, Callable[[client.ApiClient], Any]] = {
 }
 
 
+class KubeConfigError(Exception):
+    """No usable cluster configuration; the message is one line naming the file and the fix."""
+
+
+class _ServiceAccountLoader(InClusterConfigLoader):
+    """The client library's in-cluster loader, reading the token as client-go does: surrounding
+    whitespace stripped (a token file written by hand often ends in a newline, which would
+    otherwise go into the Authorization header and fail every request), re-read every
+    ``refresh`` so a rotated projected token is picked up."""
+
+    def __init__(self, sa_dir: Path, environ: Mapping[str, str], refresh: datetime.timedelta) -> None:
+        super().__init__(str(sa_dir / "token"), str(sa_dir / "ca.crt"), environ=environ)
+        self._token_refresh_period = refresh
+
+    def _read_token_file(self) -> None:
+        with open(self._token_filename) as f:
+            token = f.read().strip()
+        if not token:
+            raise config.ConfigException(f"the service account token {self._token_filename} is empty")
+        self.token = "Bearer " + token
+        self.token_expires_at = datetime.datetime.now() + self._token_refresh_period
+
+
+def in_pod(environ: Mapping[str, str] | None = None) -> bool:
+    """True where the kubelet set the API server's address, as it does in every pod."""
+    env = os.environ if environ is None else environ
+    return bool(env.get("KUBERNETES_SERVICE_HOST") and env.get("KUBERNETES_SERVICE_PORT"))
+
+
+def in_cluster_api_client(sa_dir: Path | None = None, environ: Mapping[str, str] | None = None,
+                          refresh: datetime.timedelta = TOKEN_REFRESH) -> client.ApiClient:
+    """An ApiClient from the pod's service account (https://KUBERNETES_SERVICE_HOST:PORT)."""
+    env = os.environ if environ is None else environ
+    sa_dir = SERVICE_ACCOUNT_DIR if sa_dir is None else sa_dir
+    for name in ("token", "ca.crt"):
+        path = sa_dir / name
+        if not path.is_file() or path.stat().st_size == 0:
+            raise KubeConfigError(
+                f"in-cluster config: {path} is missing or empty: run with the pod's service account token "
+                "mounted (automountServiceAccountToken: true) or pass --kubeconfig")
+    cfg = client.Configuration()
+    try:
+        _ServiceAccountLoader(sa_dir, env, refresh).load_and_set(cfg)
+    except config.ConfigException as exc:
+        raise KubeConfigError(f"in-cluster config: {exc}") from None
+    return client.ApiClient(cfg)
+
+
+def in_cluster_namespace(sa_dir: Path | None = None) -> str | None:
+    """The pod's namespace as mounted with its service account; None outside a pod."""
+    try:
+        return ((SERVICE_ACCOUNT_DIR if sa_dir is None else sa_dir) / "namespace").read_text().strip() or None
+    except OSError:
+        return None
+
+
 def load_api_client(kubeconfig: str | None = None, context: str | None = None) -> client.ApiClient:
     """An ApiClient for the cluster, found the way kubectl and controller-runtime find it.
 
-    Processes pass their ``--kubeconfig`` flag (which defaults to ``$KUBECONFIG``) here.
+    Processes pass their ``--kubeconfig`` flag (which defaults to ``$KUBECONFIG``) here. In a pod
+    a broken service account mount is an error, not a silent fall-back to ``~/.kube/config``.
     """
-    if kubeconfig:
-        return config.new_client_from_config(config_file=kubeconfig, context=context)
     try:
-        cfg = client.Configuration()
-        config.load_incluster_config(client_configuration=cfg)
-        return client.ApiClient(cfg)
-    except config.ConfigException:
-        pass
-    # The library itself falls back to KUBECONFIG, then ~/.kube/config (read when it is imported).
-    return config.new_client_from_config(context=context)
+        if kubeconfig:
+            return config.new_client_from_config(config_file=kubeconfig, context=context)
+        if in_pod():
+            return in_cluster_api_client()
+        # The library itself falls back to KUBECONFIG, then ~/.kube/config (read when it is imported).
+        return config.new_client_from_config(context=context)
+    except config.ConfigException as exc:
+        if kubeconfig:
+            raise KubeConfigError(f"kubeconfig {kubeconfig}: {exc}; fix it or pass another --kubeconfig") from None
+        where = os.environ.get("KUBECONFIG") or "~/.kube/config"
+        why = str(exc).rstrip(".")
+        raise KubeConfigError(f"no Kubernetes configuration: not in a pod (KUBERNETES_SERVICE_HOST unset) and "
+                              f"{where}: {why}; pass --kubeconfig or set KUBECONFIG") from None
 
 
 def is_status(exc: BaseException, *codes: int) -> bool:
