@@ -15,7 +15,11 @@ safe against hostile or broken archives:
 * everything is unpacked into a hidden staging folder inside the destination and moved into
   place only when the whole archive succeeded: a failure leaves the destination as it was.
 
-Tar archives are read in stream mode (``r|*``): memory stays bounded whatever the size.
+Tar archives are read in stream mode: memory stays bounded whatever the size. Every check the
+container format carries is verified before anything is moved into place: the compressed
+stream is read to its end (gzip CRC-32 and ISIZE, xz/zstd checksums, bzip2 block CRCs; see
+``modelcache.compression``), and each zip entry is read to its end, where ``zipfile`` compares
+its CRC-32.
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from modelcache.compression import verified_tar
 from modelcache.errors import ModelcacheError
 
-TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
+TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst", ".tzst")
 ZIP_SUFFIXES = (".zip",)
 
 #: KServe's wording for a broken archive, kept so existing alerts and runbooks still match.
@@ -253,6 +258,10 @@ class _StagingWriter:
         if self.on_bytes is not None:
             self.on_bytes(n)
 
+    def add_trailing(self, n: int) -> None:
+        """Bytes decompressed after the tar's end: not written, but a bomb all the same."""
+        self._add_bytes(n)
+
     def check_declared_size(self, size: int) -> None:
         """Fail before writing when a header already says the entry is over the byte cap."""
         if self.result.bytes + size > self.limits.max_bytes:
@@ -368,8 +377,10 @@ def _write_all(fd: int, data: memoryview) -> None:
 
 
 def _unpack_tar(archive: Path, w: _StagingWriter) -> None:
-    # Stream mode: one pass, no seeking, bounded memory even for a 100 GiB .tar.gz.
-    with tarfile.open(archive, mode="r|*") as tf:
+    # Stream mode: one pass, no seeking, bounded memory even for a 100 GiB .tar.gz. The stream
+    # is read to its end after the last entry, so the gzip CRC/ISIZE (or xz/zstd/bzip2 check)
+    # is verified before anything is moved into place; bytes after the tar count against the caps.
+    with open(archive, "rb") as raw, verified_tar(raw, on_trailing=w.add_trailing) as tf:
         for member in _iter_tar(tf):
             w.count_entry()
             rel = w.entry_path(member.name)
