@@ -6,40 +6,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
 from modelcache.uri import storage_key
-from tests.agent_util import FAST_FLAGS, model_files
+from tests.agent_util import agent_cmd, model_files, run_agent, status_of, write_node
 from tests.helpers import REPO, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
 D, E = "ModelDownloaded", "ModelDownloadError"
-
-
-def write_node(path: Path, entries: list[dict[str, Any]]) -> Path:
-    path.write_text(yaml.safe_dump({"apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelNode",
-                                    "metadata": {"name": "box"}, "spec": {"localModels": entries}}))
-    return path
-
-
-def agent_cmd(spec: Path, root: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "agent", "--standalone", str(spec), "--root", str(root), "--port", "-1",
-            *FAST_FLAGS, *extra]
-
-
-def run_agent(spec: Path, root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(agent_cmd(spec, root, *extra), cwd=REPO, capture_output=True, text=True, timeout=60)
-
-
-def status_of(spec: Path) -> dict[str, Any]:
-    return yaml.safe_load(spec.with_name(spec.name + ".status.yaml").read_text())["status"]
 
 
 def test_standalone_fills_the_root_and_writes_status_beside_the_file(nginx, tmp_path):

@@ -18,6 +18,8 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
+from modelcache.startup import StartupError
+
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
@@ -79,10 +81,21 @@ _TYPED_APIS: dict[str, Callable[[client.ApiClient], Any]] = {
 def load_api_client(kubeconfig: str | None = None, context: str | None = None) -> client.ApiClient:
     """An ApiClient for the cluster, found the way kubectl and controller-runtime find it.
 
-    Processes pass their ``--kubeconfig`` flag (which defaults to ``$KUBECONFIG``) here.
+    Processes pass their ``--kubeconfig`` flag (which defaults to ``$KUBECONFIG``) here. A file
+    that cannot be read or is not a kubeconfig is a one-line ``StartupError`` naming the flag.
     """
     if kubeconfig:
-        return config.new_client_from_config(config_file=kubeconfig, context=context)
+        try:
+            with open(kubeconfig, "rb"):
+                pass
+        except OSError as exc:
+            raise StartupError(f"--kubeconfig {kubeconfig}: cannot read it ({exc.strerror or exc}); point "
+                               "--kubeconfig (or KUBECONFIG) at a readable kubeconfig file") from None
+        try:
+            return config.new_client_from_config(config_file=kubeconfig, context=context)
+        except Exception as exc:  # yaml errors, ConfigException, a missing cert file it names, ...
+            raise StartupError(f"--kubeconfig {kubeconfig}: not a usable kubeconfig ({_first_line(exc)}); "
+                               "fix the file or point --kubeconfig (or KUBECONFIG) at another") from None
     try:
         cfg = client.Configuration()
         config.load_incluster_config(client_configuration=cfg)
@@ -90,7 +103,16 @@ def load_api_client(kubeconfig: str | None = None, context: str | None = None) -
     except config.ConfigException:
         pass
     # The library itself falls back to KUBECONFIG, then ~/.kube/config (read when it is imported).
-    return config.new_client_from_config(context=context)
+    try:
+        return config.new_client_from_config(context=context)
+    except Exception as exc:
+        raise StartupError(f"no cluster to talk to: not in a pod and no usable ~/.kube/config ({_first_line(exc)}); "
+                           "pass --kubeconfig (or set KUBECONFIG)") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:200]
 
 
 def is_status(exc: BaseException, *codes: int) -> bool:
