@@ -19,7 +19,7 @@ import pytest
 
 from modelcache.credentials import Settings
 from modelcache.errors import IntegrityError, ModelcacheError, StoreError
-from modelcache.journal import Journal
+from modelcache.journal import Journal, seal
 from modelcache.pull import pull, pull_many
 from modelcache.sources.base import Checksum
 from modelcache.sources.local import LocalSource
@@ -411,11 +411,12 @@ def test_sync_mark_never_covers_a_line_written_while_the_files_synced(
     pull(uri, root=tmp_path / "root", settings=settings(), options=opts)
     text = state.get("text")
     assert isinstance(text, str), "no sync round ran during the pull"
-    lines = text.splitlines()
+    lines = [journal.unseal(ln) or "" for ln in text.splitlines()]
     injected = lines.index("c 0 999 4096")
     assert any(ln.startswith("S") for ln in lines[injected:]), "no mark after the injected line"
     rebooted = tmp_path / "journal-after-reboot"
-    rebooted.write_text("\n".join("boot another-boot" if ln.startswith("boot ") else ln for ln in lines) + "\n")
+    rebooted.write_text(journal.seal("\n".join("boot another-boot" if ln.startswith("boot ") else ln
+                                               for ln in lines) + "\n"))
     trusted = Journal(str(rebooted)).load()
     assert (0, 999) not in trusted.chunks, "a line journaled after the fdatasync was covered by the mark"
 
@@ -423,7 +424,7 @@ def test_sync_mark_never_covers_a_line_written_while_the_files_synced(
 def test_journal_marks_cover_counted_lines_and_a_torn_tail_cannot_swallow_the_next_boot(tmp_path: Path) -> None:
     p = tmp_path / "journal"
     # An earlier boot: its mark covers one line; then a line after the mark, then one torn by the crash.
-    p.write_text("boot earlier-boot\nc 0 0 4096\nc 0 1 4096\nS 1\nc 0 2 4096\nc 0 3 40")
+    p.write_text(seal("boot earlier-boot\nc 0 0 4096\nc 0 1 4096\nS 1\nc 0 2 4096\n") + "c 0 3 40")
     j = Journal(str(p))
     assert j.load().chunks == {(0, 0): 4096}
     j.open(fresh=False)  # this boot: every line of its own segment is trusted
