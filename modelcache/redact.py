@@ -17,15 +17,19 @@ REDACTED = "<redacted>"
 #: ``#sha256=<hex>`` and friends pin a digest: not a secret, and worth showing.
 DIGEST_PIN = re.compile(r"^(sha256|sha512|sha1|md5)=([0-9a-fA-F]+)$")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(.*)$", re.S)
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-#: URLs inside free text: a scheme, "://", then up to whitespace or a quote.
-_URL_IN_TEXT = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://[^\s'\"<>`]*")
+#: C0 and C1 controls, DEL and the Unicode line/paragraph separators: anything that could end
+#: a log line early or drive a terminal.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+#: URLs inside free text: a scheme, "://", then up to whitespace or a character no URL holds
+#: raw. A single quote may be part of a password (RFC 3986 allows it), so it does not end one.
+_URL_IN_TEXT = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://[^\s\"<>`]*")
 _DIGEST_AFTER_AT = re.compile(r"^(sha256|sha512):")
 
 
 def printable(text: str) -> str:
     """One line, whatever the text: control characters and lone surrogates become escapes."""
-    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
+                        text)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -38,9 +42,9 @@ def split_userinfo(after_slashes: str) -> tuple[str | None, str]:
 
     RFC 3986 puts userinfo before an ``@`` inside the authority (up to the first ``/?#``). A
     secret with a raw ``/`` in it (AWS secret keys have them) ends the authority early, so an
-    ``@`` further on still counts as ending credentials when what precedes it looks like
-    ``name:secret`` (a ``:`` not followed by a port number) and what follows it is not an OCI
-    digest (``repo@sha256:...``). Over-redacting such a rare URL is harmless; leaking is not.
+    ``@`` further on still counts as ending credentials when the authority looks like
+    ``name:secret`` (a ``:`` not followed by a port number) and what follows the ``@`` is not an
+    OCI digest (``repo@sha256:...``). Over-redacting such a rare URL is harmless; leaking is not.
     """
     head = re.split(r"[?#]", after_slashes, maxsplit=1)[0]
     authority = head.split("/", 1)[0]
@@ -49,20 +53,22 @@ def split_userinfo(after_slashes: str) -> tuple[str | None, str]:
         return after_slashes[:at], after_slashes[at + 1 :]
     if "@" not in head:
         return None, after_slashes
+    _host, colon, port = authority.partition(":")
     at = head.index("@")
-    candidate, following = head[:at], head[at + 1 :]
-    _name, colon, secret = candidate.partition(":")
-    if not colon or _DIGEST_AFTER_AT.match(following):
-        return None, after_slashes
-    if secret.split("/", 1)[0].isdigit():  # host:port/path@... is a path with an "@"
-        return None, after_slashes
-    return candidate, after_slashes[at + 1 :]
+    if not colon or port.isdigit() or _DIGEST_AFTER_AT.match(head[at + 1 :]):
+        return None, after_slashes  # host:port/path@..., or no ':' before the first '/'
+    return head[:at], after_slashes[at + 1 :]
+
+
+def _drive_path(m: re.Match[str]) -> bool:
+    """``C:\\models``: a one-letter "scheme" without ``//`` is a Windows drive, not a URL."""
+    return len(m.group(1)) == 1 and not m.group(2).startswith("//")
 
 
 def secret_parts(uri: str) -> list[str]:
     """The substrings of ``uri`` that must never be printed (userinfo, query, non-pin fragment)."""
     m = _SCHEME.match(uri)
-    if not m or len(m.group(1)) == 1:
+    if not m or _drive_path(m):
         return []
     rest = m.group(2)
     rest, hash_, fragment = rest.partition("#")
@@ -83,7 +89,7 @@ def redact_uri(uri: str) -> str:
     """``uri`` safe to print: userinfo, query and a non-pin fragment become ``<redacted>``."""
     uri = uri if isinstance(uri, str) else str(uri)
     m = _SCHEME.match(uri)
-    if not m or len(m.group(1)) == 1:  # a plain path (or a Windows drive letter)
+    if not m or _drive_path(m):  # a plain path
         return printable(uri)
     scheme, rest = m.groups()
     rest, hash_, fragment = rest.partition("#")

@@ -16,7 +16,7 @@ from typing import ClassVar
 from urllib.parse import SplitResult, unquote, urlsplit
 
 from modelcache.errors import InvalidURIError, UnsupportedError
-from modelcache.redact import DIGEST_PIN, printable, redact_uri, scrub_parts, split_userinfo
+from modelcache.redact import DIGEST_PIN, printable, redact_uri, scrub_parts, secret_parts, split_userinfo
 
 __all__ = ["Location", "parse_uri", "redact_uri", "register_location", "storage_key"]
 
@@ -338,7 +338,7 @@ class HTTPLocation(Location):
         return cls(uri=uri, url=url, host=parts.hostname, filename=filename, pinned=pinned)
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def _check_generic(uri: str) -> None:
@@ -382,7 +382,18 @@ def parse_uri(uri: str) -> Location:
     _check_generic(uri)
     for matches, parse in _LOCATION_PARSERS:
         if matches(uri):
-            return parse(uri)
+            try:
+                return parse(uri)
+            except InvalidURIError:
+                if not secret_parts(uri):
+                    raise
+            # The reason was worded from the raw text, which has a query or fragment (a
+            # signature, a token) that may be quoted in part: word it again from the redacted URI.
+            try:
+                parse(redact_uri(uri))
+            except InvalidURIError as exc:
+                raise InvalidURIError(str(exc)) from None
+            raise _invalid(uri, "its query or fragment part is not valid here")
     scheme = uri.split("://", 1)[0] if "://" in uri else None
     if scheme:
         raise _invalid(uri, f"unknown scheme '{scheme}://'")
