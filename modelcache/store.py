@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import posixpath
@@ -34,7 +35,8 @@ from modelcache.diskio import fsync_dir, store_error
 from modelcache.errors import StoreError
 from modelcache.integrity import hash_file
 
-MANIFEST_VERSION = 1
+#: 2: the manifest carries ``seal``, a digest of all its other fields (1, unsealed, is still read).
+MANIFEST_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,9 @@ class Manifest:
         return sum(f.size for f in self.files)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
+        doc = asdict(self)
+        doc["seal"] = _seal_of(doc)
+        return json.dumps(doc, indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
@@ -70,20 +74,30 @@ class Manifest:
         data = json.loads(text)
         if not isinstance(data, dict) or not isinstance(data.get("files"), list):
             raise ValueError("not a manifest")
+        # Any damage to a sealed manifest (a flipped digit of a size or digest) is caught here;
+        # a manifest of version 1 predates the seal and is only checked field by field.
+        seal = data.pop("seal", None)
+        if (seal is not None or data.get("version") != 1) and seal != _seal_of(data):
+            raise ValueError("manifest seal does not match its contents")
         files = [_manifest_file(f) for f in data.pop("files")]
         for name in ("storage_key", "uri", "resolved_uri", "created_at"):
             if not isinstance(data.get(name), str):
                 raise ValueError(f"manifest field {name!r} is not a string")
         if not (data.get("revision") is None or isinstance(data["revision"], str)):
             raise ValueError("manifest field 'revision' is not a string")
-        if data.get("version", MANIFEST_VERSION) != MANIFEST_VERSION:
-            raise ValueError(f"manifest version {data.get('version')!r} is not {MANIFEST_VERSION}")
+        if data.get("version") not in (1, MANIFEST_VERSION):
+            raise ValueError(f"manifest version {data.get('version')!r} is not 1 or {MANIFEST_VERSION}")
         if len({f.path for f in files}) != len(files):
             raise ValueError("manifest lists a path twice")
         return cls(files=files, **data)
 
 
 _XXH3_HEX = re.compile(r"[0-9a-f]{32}")
+
+
+def _seal_of(doc: dict[str, object]) -> str:
+    canonical = json.dumps({k: v for k, v in doc.items() if k != "seal"}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
 
 def _manifest_file(doc: object) -> ManifestFile:
