@@ -155,7 +155,10 @@ def unpack_archive(
                 _unpack_tar(archive, writer)
         except ModelcacheError:
             raise
-        except (tarfile.TarError, zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError) as exc:
+        # NotImplementedError: zipfile on a compression method, version or flag it lacks (also
+        # what a damaged header announces).
+        except (tarfile.TarError, zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError,
+                NotImplementedError) as exc:
             if isinstance(exc, OSError) and not _is_format_oserror(exc):
                 raise ArchiveError(f"failed to unpack {archive.name} into {dest}: {exc.strerror or exc}") from exc
             raise ArchiveError(f"{INVALID_FORMAT} ({archive.name}: {_short(exc)})") from exc
@@ -427,6 +430,8 @@ def _unpack_zip(archive: Path, w: _StagingWriter) -> None:
         for info in infos:
             w.count_entry()
             rel = w.entry_path(info.filename)
+            if info.flag_bits & 0x1:
+                raise ArchiveError(f"{INVALID_FORMAT} ({w.name}: entry {info.filename!r} is encrypted)")
             unix_mode = info.external_attr >> 16
             kind = stat.S_IFMT(unix_mode) if unix_mode else 0
             if kind in (stat.S_IFCHR, stat.S_IFBLK):

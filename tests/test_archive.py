@@ -442,3 +442,20 @@ def test_oci_layer_with_a_bad_gzip_crc_is_refused_even_if_its_digest_matches() -
         with pytest.raises(CorruptStreamError, match="CRC check failed"), \
                 open_layer_tar(reader, "application/vnd.oci.image.layer.v1.tar+gzip", "oci://r/m") as tar:
             LayerExtractor(root, "oci://r/m").apply(tar, digest)
+
+
+@pytest.mark.parametrize(("offset", "value", "needle"), [
+    (6, 0x01, "encrypted"),  # general purpose flag bit 0 in the local header...
+    (8, 0x63, "compression method"),  # ...compression method 99 (AES), which zipfile lacks
+])
+def test_zip_features_zipfile_lacks_are_a_clean_refusal(box: Path, offset: int, value: int, needle: str) -> None:
+    """Found by the archive fuzzer: these were a NotImplementedError / RuntimeError traceback."""
+    dest = box / "dest"
+    make_zip(dest / "m.zip", [("w.bin", b"x" * 100)])
+    data = bytearray((dest / "m.zip").read_bytes())
+    cd = data.rindex(b"PK\x01\x02")  # the central directory entry: the same field 2 bytes later
+    data[offset] = data[cd + offset + 2] = value
+    (dest / "m.zip").write_bytes(bytes(data))
+    with pytest.raises(ArchiveError) as err:
+        unpack_archive(dest / "m.zip", dest)
+    assert str(err.value).startswith(INVALID_FORMAT) and needle in str(err.value), str(err.value)

@@ -26,42 +26,13 @@ from modelcache.pull import _list, _Model, _prepare_staging, pull
 from modelcache.store import NodeLayout, NodeStore
 from modelcache.transfer import TransferOptions
 from modelcache.uri import parse_uri
-from tests.fuzzing import examples
+from tests.fuzzing import examples, mutate, mutation
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(600)]
 
 CHUNK = 16 << 10
 SIZES = {"a.bin": 5 * CHUNK + 100, "sub/b.bin": 3 * CHUNK, "c.json": 50}
 OPTIONS = TransferOptions(workers=2, chunk_size=CHUNK, direct_io=False, max_attempts=1, sync_interval=60)
-
-# -- byte-level damage ------------------------------------------------------------------------
-
-_pos = st.integers(0, 1 << 20)
-mutation = st.one_of(
-    st.tuples(st.just("flip"), _pos, st.integers(0, 7)),
-    st.tuples(st.just("truncate"), _pos),
-    st.tuples(st.just("insert"), _pos, st.binary(min_size=1, max_size=8)),
-    st.tuples(st.just("delete"), _pos, st.integers(1, 24)),
-    st.tuples(st.just("duplicate"), _pos, st.integers(1, 64)),
-)
-
-
-def mutate(data: bytes, ops: list[tuple]) -> bytes:
-    out = bytearray(data)
-    for op in ops:
-        at = op[1] % (len(out) + 1)
-        if op[0] == "flip" and at < len(out):
-            out[at] ^= 1 << op[2]
-        elif op[0] == "truncate":
-            del out[at:]
-        elif op[0] == "insert":
-            out[at:at] = op[2]
-        elif op[0] == "delete":
-            del out[at : at + op[2]]
-        elif op[0] == "duplicate":
-            out[at:at] = out[at : at + op[2]]
-    return bytes(out)
-
 
 # -- the journal ------------------------------------------------------------------------------
 
