@@ -12,7 +12,7 @@ import pytest
 
 from modelcache.uri import storage_key
 from tests.agent_util import agent_cmd, model_files, run_agent, status_of, write_node
-from tests.helpers import REPO, wait_until
+from tests.helpers import REPO, mounted_tmpfs, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -172,14 +172,7 @@ def test_max_concurrent_models_is_honoured(nginx, tmp_path):
 
 
 def test_full_disk_is_a_clear_error_and_other_models_stay(nginx, tmp_path):
-    from tests.helpers import require
-
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    ok = os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=100m,mode=0755", "tmpfs", str(mnt)], capture_output=True).returncode == 0
-    require(ok, "mounting a small tmpfs (needs root)")
-    try:
+    with mounted_tmpfs(tmp_path / "fs", "size=100m") as mnt:
         small = nginx.write("d/small.bin", 2 << 20).read_bytes()
         nginx.write("d/big.bin", 60 << 20)
         us, ub = nginx.url("d/small.bin"), nginx.url("d/big.bin")
@@ -196,8 +189,6 @@ def test_full_disk_is_a_clear_error_and_other_models_stay(nginx, tmp_path):
         assert not (mnt / "models" / storage_key(ub)).exists()
         assert nginx.bytes_served("d/big.bin") <= 1  # refused before downloading
         assert st["capacity"]["totalBytes"] == 100 << 20 and st["capacity"]["reservedBytes"] == 0
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_repair_replaces_only_the_damaged_file_inside_the_same_folder(tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.agent_util import write_node
-from tests.helpers import REPO, require
+from tests.helpers import REPO, mounted_tmpfs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -159,14 +159,7 @@ def test_coordinator_webhook_certificate_problems(kubeconfig: Path, tmp_path: Pa
 
 
 def test_agent_read_only_root_is_reported_at_start(spec: Path, tmp_path: Path) -> None:
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    ok = os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m,ro", "tmpfs", str(mnt)], capture_output=True).returncode == 0
-    require(ok, "mounting a read-only tmpfs (needs root)")
-    try:
+    with mounted_tmpfs(tmp_path / "ro", "size=4m,ro") as mnt:
         proc = run("agent", "--standalone", str(spec), "--root", str(mnt), "--port", "-1")
         the_error(proc, f"--root {mnt}", "read-only", "point --root at a writable directory")
         assert not (spec.with_name(spec.name + ".status.yaml")).exists()
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
