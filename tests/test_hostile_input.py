@@ -130,3 +130,78 @@ def test_initializer_refuses_a_fifo_source_instead_of_linking_it(tmp_path: Path)
     assert proc.returncode != 0
     assert "a FIFO" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (dest / "model.bin").exists() and not os.path.islink(dest / "model.bin")
+
+
+# -- secrets in URIs: nowhere a URI is written ----------------------------------------------------
+
+
+def _everything_under(root: Path) -> str:
+    """Every file name and every small file's text under ``root`` (manifests, journals, plans)."""
+    out = []
+    for p in root.rglob("*"):
+        out.append(str(p))
+        if p.is_file() and p.stat().st_size < 1 << 20:
+            out.append(p.read_bytes().decode("latin-1"))
+    return "\n".join(out)
+
+
+SECRET = "Secr3tZ9"
+
+
+def _secret_uris(nginx: object) -> list[str]:
+    signed = nginx.url("s/m.bin") + f"?X-Amz-Signature={SECRET}sig&X-Amz-Credential=AKIA"  # type: ignore[attr-defined]
+    return [signed, f"s3://AKIAX:{SECRET}key@models/m", nginx.url("s/m.bin") + f"#token={SECRET}tok"]  # type: ignore[attr-defined]
+
+
+def test_no_secret_in_cli_output_manifests_or_file_names(nginx, tmp_path: Path) -> None:
+    import json
+
+    nginx.write("s/m.bin", 300_000)
+    root = tmp_path / "root"
+    proc = run_cli("pull", *_secret_uris(nginx), "--root", str(root), "--progress", "plain",
+                   "--progress-interval", "0.1", "--json")
+    assert proc.returncode == 1  # the two invalid URIs fail, the signed one is pulled
+    results = json.loads(proc.stdout)
+    assert [r["ok"] for r in results] == [True, False, False]
+    ls = run_cli("ls", "--root", str(root), "--json")
+    for text in (proc.stdout, proc.stderr, ls.stdout, ls.stderr, _everything_under(root)):
+        assert SECRET not in text, text[:2000]
+    assert "?<redacted>" in proc.stdout and "s3://<redacted>@models/m" in proc.stderr
+
+
+def test_no_secret_in_agent_status_logs_metrics_or_files(nginx, tmp_path: Path) -> None:
+    import signal
+    import urllib.request
+
+    import yaml
+
+    from tests.agent_util import agent_cmd, write_node
+    from tests.helpers import REPO, free_port, wait_until
+
+    nginx.write("s/m.bin", 300_000)
+    root = tmp_path / "root"
+    names = ["signed", "creds", "token"]
+    spec = write_node(tmp_path / "node.yaml", [{"modelName": n, "sourceModelUri": u}
+                                               for n, u in zip(names, _secret_uris(nginx), strict=True)])
+    status = spec.with_name(spec.name + ".status.yaml")
+    port = free_port()
+    agent = subprocess.Popen(agent_cmd(spec, root, "--watch", "--port", str(port), "--host", "127.0.0.1"),
+                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        def settled() -> bool:
+            st = yaml.safe_load(status.read_text())["status"]["modelStatus"]
+            return st == {"signed": "ModelDownloaded", "creds": "ModelDownloadError", "token": "ModelDownloadError"}
+
+        wait_until(settled, timeout=60, what="all three models settled")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        _, logs = agent.communicate(timeout=30)
+    # The file repeats the input spec (the user's own URIs) beside the status we write.
+    ours = yaml.safe_load(status.read_text())["status"]
+    text = yaml.safe_dump(ours, width=1 << 20)
+    for where, body in (("status", text), ("logs", logs), ("metrics", metrics), ("files", _everything_under(root))):
+        assert SECRET not in body, f"{where}: {body[:3000]}"
+    assert ours["modelDetails"]["creds"]["message"].startswith("InvalidURI: invalid storage URI 's3://<redacted>@models/m'")
+    assert "modelcache_agent" in metrics
