@@ -28,6 +28,7 @@ from modelcache.transfer import FileJob, TransferEngine, TransferOptions
 from modelcache.uri import parse_uri, storage_key
 from tests.faultproxy import Fault, FaultProxy
 from tests.fixtures.http import NginxServer, random_bytes
+from tests.helpers import fill_up
 from tests.pull_helpers import MiB, assert_store_correct, model_dir, sha256
 
 T = TypeVar("T")
@@ -281,42 +282,10 @@ def test_peak_rss_of_one_large_file_with_8_workers_stays_within_the_buffer_pool(
 @pytest.fixture
 def tiny_fs(tmp_path: Path) -> Iterator[Path]:
     """A 96 MiB tmpfs (root only); elsewhere skipped locally, failed in CI."""
-    import os
-    import subprocess
+    from tests.helpers import mounted_tmpfs
 
-    from tests.helpers import require
-
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    ok = os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=96m,mode=0755", "tmpfs", str(mnt)], capture_output=True
-    ).returncode == 0
-    require(ok, "mounting a small tmpfs (needs root)")
-    try:
+    with mounted_tmpfs(tmp_path / "fs", "size=96m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
-def _fill(folder: Path) -> Path:
-    """Take every free byte of ``folder``'s file system (another writer filling the disk)."""
-    import errno
-
-    filler = folder / "filler"
-    block = b"\0" * MiB
-    with open(filler, "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(block)
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-        small = b"\0" * 4096
-        try:
-            while True:
-                f.write(small)
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-    return filler
 
 
 @pytest.mark.parametrize("mib", [24, 8], ids=["journal-full", "publish-full"])
@@ -353,7 +322,7 @@ def test_disk_filled_by_someone_else_mid_download_is_a_clear_space_error_then_re
     while not (staged.exists() and staged.stat().st_blocks * 512 >= len(data)) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert staged.exists(), "the download did not start"
-    filler = _fill(tiny_fs)
+    filler = fill_up(tiny_fs / "filler")
     t.join(30)
     assert not t.is_alive(), "the pull hung on a full disk"
     err = box["err"]
