@@ -15,7 +15,7 @@ import string
 import unicodedata
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
@@ -141,10 +141,10 @@ path = st.text(alphabet=string.ascii_lowercase + string.digits + "/._-@", max_si
 
 
 @st.composite
-def secret_uris(draw: st.DrawFn) -> str:
+def secret_uris(draw: st.DrawFn, places: tuple[str, ...] = ("userinfo", "query", "fragment", "all")) -> str:
     scheme = draw(st.sampled_from(["s3", "gs", "hf", "oci", "hdfs", "webhdfs", "http", "https", "pvc", "file", "x"]))
     user = draw(st.text(alphabet=string.ascii_lowercase + string.digits, max_size=8))
-    where = draw(st.sampled_from(["userinfo", "query", "fragment", "all"]))
+    where = draw(st.sampled_from(places))
     userinfo = f"{user}:{draw(secret_text)}@" if where in ("userinfo", "all") else ""
     query = f"?X-Amz-Signature={draw(secret_text)}" if where in ("query", "all") else ""
     frag = f"#token={draw(secret_text)}" if where in ("fragment", "all") else ""
@@ -165,9 +165,7 @@ def test_no_secret_survives_redaction_anywhere(uri: str, around: str) -> None:
 
 
 @hsettings(max_examples=examples(300))
-@given(secret_uris())
+@given(secret_uris(places=("userinfo", "all")))
 def test_credentials_in_the_authority_are_always_refused(uri: str) -> None:
-    after = uri.split("://", 1)[1].split("?")[0].split("#")[0]
-    assume(MARK in after)  # the userinfo forms
     with pytest.raises(InvalidURIError):
         parse_uri(uri)
