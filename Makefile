@@ -19,7 +19,7 @@ BASE_IMAGE ?=
 # Extra `build` flags, e.g. --network host (see README, "Image").
 IMAGE_BUILD_FLAGS ?=
 
-.PHONY: install test test-deps demo lint bench clean image image-size push lock print-image
+.PHONY: install test test-deps demo lint bench fuzz clean image image-size push lock print-image
 
 # The tests run on the versions the image ships: the lock is the venv's constraints (without its
 # hashes, which pip would otherwise demand of the test-only packages too).
@@ -39,6 +39,12 @@ test-deps: install
 test: test-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The property-based fuzzers (tests marked fuzz), randomized and MODELCACHE_FUZZ_SCALE (25) times
+# longer than their bounded run in `make test`; failures are kept in .work/hypothesis and replayed first.
+fuzz: install
+	MODELCACHE_FUZZ=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m fuzz --timeout 3600 \
+		--hypothesis-show-statistics $(PYTEST_ARGS) tests
 
 # The main job on a local Kubernetes control plane (built from Go modules on the first run, ~10 min),
 # then the same without a cluster (CLI and standalone agent).

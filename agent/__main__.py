@@ -13,8 +13,14 @@ import click
 from agent.capacity import parse_quantity
 from agent.config import DEFAULT_ROOT, AgentConfig
 from agent.logs import fields, setup_logging
+from modelcache.errors import ModelcacheError
+from modelcache.startup import StartupError, check_writable_dir, listen_error, run_command
 
 log = logging.getLogger("agent")
+
+
+_POSITIVE = click.FloatRange(min=0, min_open=True)
+_NON_NEGATIVE = click.FloatRange(min=0)
 
 
 def _size(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
@@ -53,9 +59,9 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               help="Ranged-read chunk size.")
 @click.option("--transfer-attempts", envvar="MODELCACHE_TRANSFER_ATTEMPTS", default=6, show_default=True,
               type=click.IntRange(1), help="Attempts per chunk within one download.")
-@click.option("--resync-period", envvar="MODELCACHE_RESYNC_PERIOD", default=60.0, show_default=True, type=float,
+@click.option("--resync-period", envvar="MODELCACHE_RESYNC_PERIOD", default=60.0, show_default=True, type=_POSITIVE,
               help="Seconds between full re-applications of the spec.")
-@click.option("--port", envvar="MODELCACHE_AGENT_PORT", default=8080, show_default=True, type=int,
+@click.option("--port", envvar="MODELCACHE_AGENT_PORT", default=8080, show_default=True, type=click.IntRange(-1, 65535),
               help="Port for /healthz, /readyz and /metrics (0: any free port; -1: none).")
 @click.option("--host", envvar="MODELCACHE_AGENT_HOST", default="0.0.0.0", show_default=True)
 @click.option("--credentials-namespace", envvar=["MODELCACHE_CREDENTIALS_NAMESPACE", "POD_NAMESPACE"],
@@ -66,18 +72,18 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
 @click.option("--standalone", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
               help="No cluster: read a LocalModelNode from this YAML file, write FILE.status.yaml beside it.")
 @click.option("--watch", is_flag=True, help="Standalone: keep running (re-read FILE on change, retry errors).")
-@click.option("--backoff-initial", envvar="MODELCACHE_BACKOFF_INITIAL", default=5.0, show_default=True, type=float,
+@click.option("--backoff-initial", envvar="MODELCACHE_BACKOFF_INITIAL", default=5.0, show_default=True, type=_POSITIVE,
               help="First retry delay of a failed model (doubles per failure).")
-@click.option("--backoff-max", envvar="MODELCACHE_BACKOFF_MAX", default=300.0, show_default=True, type=float,
+@click.option("--backoff-max", envvar="MODELCACHE_BACKOFF_MAX", default=300.0, show_default=True, type=_POSITIVE,
               help="Longest retry delay.")
-@click.option("--status-interval", envvar="MODELCACHE_STATUS_INTERVAL", default=3.0, show_default=True, type=float,
+@click.option("--status-interval", envvar="MODELCACHE_STATUS_INTERVAL", default=3.0, show_default=True, type=_POSITIVE,
               help="Progress is written to status at most this often (state changes at once).")
 @click.option("--size-check-interval", envvar="MODELCACHE_SIZE_CHECK_INTERVAL", default=300.0, show_default=True,
-              type=float, help="Seconds between size checks of downloaded models (0: off).")
+              type=_NON_NEGATIVE, help="Seconds between size checks of downloaded models (0: off).")
 @click.option("--verify-interval", envvar="MODELCACHE_VERIFY_INTERVAL", default=86400.0, show_default=True,
-              type=float, help="Seconds between full re-hashes of downloaded models (0: off).")
+              type=_NON_NEGATIVE, help="Seconds between full re-hashes of downloaded models (0: off).")
 @click.option("--removal-recheck", envvar="MODELCACHE_REMOVAL_RECHECK", default=10.0, show_default=True,
-              type=float, help="Seconds between checks of a removal that waits for a mounting pod.")
+              type=_POSITIVE, help="Seconds between checks of a removal that waits for a mounting pod.")
 @click.option("--space-margin", envvar="MODELCACHE_SPACE_MARGIN", default="256Mi", show_default=True,
               callback=_size, help="Kept free on the root's file system.")
 @click.option("--host-path", "host_paths", envvar="MODELCACHE_HOST_PATH", multiple=True,
@@ -86,7 +92,8 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               help="Non-secret KEY=VALUE settings for every download (endpoints, CA bundle); repeatable.")
 @click.option("--log-format", envvar="MODELCACHE_LOG_FORMAT", type=click.Choice(["logfmt", "json"]),
               default="logfmt", show_default=True)
-@click.option("--log-level", envvar="MODELCACHE_LOG_LEVEL", default="info", show_default=True)
+@click.option("--log-level", envvar="MODELCACHE_LOG_LEVEL", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
 def cli(**kw: object) -> None:
     """Node agent: fills the node's model root from its LocalModelNode and reports status."""
     setup_logging(str(kw["log_format"]), str(kw["log_level"]))
@@ -106,6 +113,8 @@ def run(cfg: AgentConfig, host_paths: tuple[str, ...] = ()) -> int:
     from agent.inuse import KubeMountChecker, NoMounts
     from agent.metrics import AgentMetrics
 
+    # Checked first: a read-only or unwritable root would otherwise fail every download later.
+    check_writable_dir(cfg.root, "--root")
     metrics = AgentMetrics()
     log.info("agent starting", extra=fields(node=cfg.node, root=str(cfg.root), standalone=bool(cfg.standalone),
                                             max_concurrent_models=cfg.max_concurrent_models, workers=cfg.workers))
@@ -113,7 +122,10 @@ def run(cfg: AgentConfig, host_paths: tuple[str, ...] = ()) -> int:
         from agent.standalone import StandaloneRunner
 
         agent = Agent(cfg, Credentials(None, cfg.download_env), NoMounts(), metrics)
-        runner = StandaloneRunner(agent, cfg.standalone, cfg.watch)
+        try:
+            runner = StandaloneRunner(agent, cfg.standalone, cfg.watch)
+        except ModelcacheError as exc:
+            raise StartupError(f"--standalone: {exc}") from None
         server = _serve(cfg, HealthServer, agent.alive, agent.spec_seen.is_set, metrics.render)
         try:
             return runner.run()
@@ -122,12 +134,9 @@ def run(cfg: AgentConfig, host_paths: tuple[str, ...] = ()) -> int:
                 server.stop()
 
     from agent.kubemode import KubeRunner
-    from modelcache.kube.client import Kube, KubeConfigError, load_api_client
+    from modelcache.kube.client import Kube, load_api_client
 
-    try:
-        kube = Kube(load_api_client(cfg.kubeconfig))
-    except KubeConfigError as exc:
-        raise click.ClickException(str(exc)) from None
+    kube = Kube(load_api_client(cfg.kubeconfig))  # a KubeConfigError is a StartupError: one line, exit 2
     creds = Credentials(KubeSecretReader(kube, cfg.credentials_namespace), cfg.download_env)
     agent = Agent(cfg, creds, KubeMountChecker(kube, cfg.node, host_paths), metrics)
     krunner = KubeRunner(agent, kube)
@@ -148,13 +157,16 @@ def run(cfg: AgentConfig, host_paths: tuple[str, ...] = ()) -> int:
 def _serve(cfg: AgentConfig, cls: type, healthy: object, ready: object, metrics: object) -> object | None:
     if cfg.port < 0:
         return None
-    server = cls(cfg.host, cfg.port, healthy, ready, metrics).start()
+    try:
+        server = cls(cfg.host, cfg.port, healthy, ready, metrics).start()
+    except OSError as exc:
+        raise listen_error(exc, cfg.host, cfg.port, "--port", "--host") from None
     log.info("serving health and metrics", extra=fields(port=server.port))
     return server
 
 
 def main() -> None:
-    cli()
+    run_command(cli, "modelcache-agent")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from modelcache.kube.types import (
 )
 from modelcache.progress import ProgressTracker, format_line
 from modelcache.pull import PullPlan, pull
+from modelcache.redact import scrub_urls
 from modelcache.store import NodeLayout, NodeStore, now_iso
 from modelcache.transfer import TransferOptions
 from modelcache.uri import parse_uri, redact_uri, storage_key
@@ -454,8 +455,10 @@ def _scheme(uri: str) -> str:
 
 
 def _one_line(exc: BaseException | None) -> str:
+    """What status, events and logs say about an error: one line, every URL in it redacted (an
+    SDK's own exception may quote a signed URL)."""
     text = str(exc) if exc is not None else "failed"
-    return " ".join(text.split())[:500] or type(exc).__name__
+    return scrub_urls(" ".join(text.split()))[:500] or type(exc).__name__
 
 
 def _quantity(n: int) -> str:

@@ -11,7 +11,8 @@ from pathlib import Path
 import click
 
 from coordinator.app import Config, Coordinator
-from modelcache.kube.client import KubeConfigError, in_cluster_namespace
+from modelcache.kube.client import in_cluster_namespace
+from modelcache.startup import run_command
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -19,11 +20,11 @@ from modelcache.kube.client import KubeConfigError, in_cluster_namespace
               help="kubeconfig file; default: in-cluster, else $KUBECONFIG / ~/.kube/config")
 @click.option("--webhook-cert-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="directory with tls.crt and tls.key; the webhook server starts only when given")
-@click.option("--webhook-port", type=int, default=9443)
+@click.option("--webhook-port", type=click.IntRange(0, 65535), default=9443)
 @click.option("--self-signed/--no-self-signed", default=False,
               help="generate a self-signed pair into --webhook-cert-dir if none is there (development)")
 @click.option("--bind", "host", default="0.0.0.0", help="address of the health/metrics and webhook servers")
-@click.option("--port", type=int, default=8080, help="port of /healthz, /readyz and /metrics")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, help="port of /healthz, /readyz and /metrics")
 @click.option("--leader-election/--no-leader-election", default=True)
 @click.option("--lease-name", default="modelcache-coordinator")
 @click.option("--lease-namespace", envvar="POD_NAMESPACE",
@@ -36,11 +37,12 @@ from modelcache.kube.client import KubeConfigError, in_cluster_namespace
               help="also do KServe's local-model pod rewrite (where KServe's pod mutator is not installed)")
 @click.option("--pod-failure-policy", type=click.Choice(["Ignore", "Fail"]), default="Ignore",
               help="when the pod webhook cannot look up caches: admit unchanged, or deny")
-@click.option("--workers", type=int, default=2, help="workers per controller")
-@click.option("--discovery-interval", type=float, default=30.0,
+@click.option("--workers", type=click.IntRange(1, 64), default=2, help="workers per controller")
+@click.option("--discovery-interval", type=click.FloatRange(min=0), default=30.0,
               help="seconds between checks for InferenceService/LLMInferenceService CRDs installed later (0: off)")
-@click.option("--log-level", default="INFO")
-def main(kubeconfig: str | None, webhook_cert_dir: Path | None, webhook_port: int, self_signed: bool, host: str,
+@click.option("--log-level", default="INFO",
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+def cli(kubeconfig: str | None, webhook_cert_dir: Path | None, webhook_port: int, self_signed: bool, host: str,
          port: int, leader_election: bool, lease_name: str, lease_namespace: str, identity: str, mutate_isvc: bool,
          pod_rewrite: str, pod_failure_policy: str, workers: int, discovery_interval: float,
          log_level: str) -> None:
@@ -52,20 +54,25 @@ def main(kubeconfig: str | None, webhook_cert_dir: Path | None, webhook_port: in
         lease_namespace=lease_namespace, identity=identity, mutate_isvc=mutate_isvc, pod_rewrite=pod_rewrite == "on",
         pod_fail_closed=pod_failure_policy == "Fail", workers=workers, discovery_interval=discovery_interval,
     )
-    try:
-        coordinator = Coordinator(cfg)
-    except KubeConfigError as exc:
-        raise click.ClickException(str(exc)) from None
+    coordinator = Coordinator(cfg)  # a KubeConfigError is a StartupError: one line, exit 2
 
     def on_signal(_sig: int, _frame: object) -> None:
         coordinator.done.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    coordinator.start()
+    try:
+        coordinator.start()
+    except BaseException:
+        coordinator.stop()  # a server already started must not keep the process alive
+        raise
     code = coordinator.wait()
     coordinator.stop()
     sys.exit(code)
+
+
+def main() -> None:
+    run_command(cli, "modelcache-coordinator")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from coordinator import podmutate
 from coordinator.lookup import ApiLookup
 from coordinator.urimatch import match_storage_uri, select_cache, serving_pvc_name, sub_path
 from modelcache.kube.types import LOCALMODEL_LABEL, LOCALMODEL_NAMESPACE_LABEL, LOCALMODEL_PVC_ANNOTATION
+from modelcache.redact import redact_uri
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class CacheValidator:
                 om = other.get("metadata") or {}
                 if om.get("name") != meta.get("name") and not om.get("deletionTimestamp") and \
                         (other.get("spec") or {}).get("sourceModelUri") == uri:
-                    return f"LocalModelCache {om.get('name')} has the same StorageURI {uri}"
+                    return f"LocalModelCache {om.get('name')} has the same StorageURI {redact_uri(uri)}"
         for group in spec.get("nodeGroups") or []:
             if not self.lookup.group_exists(group):
                 return f"NodeGroup {group} not found: create the LocalModelNodeGroup first"

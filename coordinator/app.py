@@ -12,7 +12,7 @@ from pathlib import Path
 
 from coordinator import controllers, metrics
 from coordinator.admission import CacheValidator, PodMutator
-from coordinator.certs import CERT_FILE, ReloadingContext, generate_self_signed
+from coordinator.certs import CERT_FILE, ReloadingContext, generate_self_signed, load_tls
 from coordinator.httpserve import HealthServer, WebhookServer
 from coordinator.lookup import ApiLookup
 from coordinator.view import ClusterView
@@ -20,6 +20,7 @@ from modelcache.kube.client import Kube, load_api_client
 from modelcache.kube.controller import Manager
 from modelcache.kube.events import EventRecorder
 from modelcache.kube.leader import LeaderElector
+from modelcache.startup import StartupError, listen_error
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,10 @@ class Coordinator:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> Coordinator:
-        self.health = HealthServer(self.cfg.host, self.cfg.port, self.ready).start()
+        try:
+            self.health = HealthServer(self.cfg.host, self.cfg.port, self.ready).start()
+        except OSError as exc:
+            raise listen_error(exc, self.cfg.host, self.cfg.port, "--port", "--bind") from None
         if self.cfg.webhook_cert_dir is not None:
             self._start_webhooks(self.cfg.webhook_cert_dir)
         self.view = ClusterView.build(self.kube, watch_timeout=self.cfg.watch_timeout)
@@ -122,16 +126,25 @@ class Coordinator:
 
     def _start_webhooks(self, cert_dir: Path) -> None:
         if self.cfg.self_signed and not (cert_dir / CERT_FILE).exists():
-            generate_self_signed(cert_dir, [socket.gethostname(), "localhost", "127.0.0.1"])
+            try:
+                generate_self_signed(cert_dir, [socket.gethostname(), "localhost", "127.0.0.1"])
+            except OSError as exc:
+                raise StartupError(
+                    f"--webhook-cert-dir {cert_dir}: cannot write a self-signed pair there ({exc.strerror or exc}); "
+                    "point --webhook-cert-dir at a writable directory") from None
             log.warning("generated a self-signed webhook certificate in %s (development only)", cert_dir)
-        self.tls = ReloadingContext(cert_dir).start()
+        self.tls = load_tls(cert_dir).start()
         lookup = ApiLookup(self.kube, recheck=self.cfg.discovery_interval or 30.0)
         routes = {
             "/mutate-pods": PodMutator(lookup, self.cfg.pod_rewrite, self.cfg.pod_fail_closed),
             "/validate-localmodelcaches": CacheValidator(lookup, namespaced=False),
             "/validate-localmodelnamespacecaches": CacheValidator(lookup, namespaced=True),
         }
-        self.webhooks = WebhookServer(self.cfg.webhook_host, self.cfg.webhook_port, routes, self.tls.context).start()
+        try:
+            self.webhooks = WebhookServer(self.cfg.webhook_host, self.cfg.webhook_port, routes,
+                                          self.tls.context).start()
+        except OSError as exc:
+            raise listen_error(exc, self.cfg.webhook_host, self.cfg.webhook_port, "--webhook-port", "--bind") from None
         log.info("webhooks serving on :%d", self.webhooks.port)
 
     def _started_leading(self) -> None:

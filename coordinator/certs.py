@@ -93,6 +93,23 @@ class ReloadingContext:
                 log.warning("webhook certificate reload failed: %s", exc)
 
 
+def load_tls(directory: Path) -> ReloadingContext:
+    """The webhook's TLS context from ``directory``; a missing or bad pair is one line naming
+    the file and the flag."""
+    from modelcache.startup import StartupError
+
+    flag = f"--webhook-cert-dir {directory}"
+    for name in (CERT_FILE, KEY_FILE):
+        if not (directory / name).is_file():
+            raise StartupError(f"{flag}: {name} not found; mount the webhook certificate secret there "
+                               "(tls.crt and tls.key), or pass --self-signed for development")
+    try:
+        return ReloadingContext(directory)
+    except (OSError, ssl.SSLError) as exc:
+        raise StartupError(f"{flag}: cannot load {CERT_FILE} and {KEY_FILE} ({exc.strerror or exc}); they must be "
+                           "a PEM certificate and its private key") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args:

@@ -21,7 +21,9 @@ from modelcache.archive import ArchiveLimits, UnpackResult, archive_kind, remove
 from modelcache.credentials import Settings
 from modelcache.errors import ModelcacheError, NotFoundError, UnsupportedError
 from modelcache.progress import ProgressTracker, human_bytes
+from modelcache.sources.local import check_file_type
 from modelcache.transfer import TransferOptions
+from modelcache.uri import redact_uri
 
 PVC_MOUNT_PREFIX = "/mnt/pvc"
 MODEL_MOUNT_DIR = "/mnt/models"
@@ -117,8 +119,6 @@ _GIT_REPO = re.compile(r"^https?://[^?#]+\.git/?(?:[?#].*)?$")
 
 @handler("git", lambda uri: bool(_GIT_REPO.match(uri)))
 def _git(uri: str, dest: Path, ctx: Context) -> PairOutcome:
-    from modelcache.uri import redact_uri
-
     raise UnsupportedError(
         f"{redact_uri(uri)}: cloning git repositories is not supported; point the storage URI at the "
         "model files (e.g. an hf:// repository or an archive URL)"
@@ -167,6 +167,9 @@ def link_local(uri: str, src: Path, dest: Path, ctx: Context) -> PairOutcome:
     entries = sorted(p for p in src.iterdir() if not p.name.startswith(".")) if src.is_dir() else [src]
     if not entries:
         raise NotFoundError(f"Failed to fetch model. No model found in {uri}.")
+    for entry in entries:
+        with contextlib.suppress(FileNotFoundError):  # a dangling link is linked as KServe does
+            check_file_type(entry, entry.stat().st_mode, redact_uri(uri))
     for entry in entries:
         target = dest / entry.name
         if not os.path.lexists(target):

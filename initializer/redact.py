@@ -2,8 +2,9 @@
 
 Messages of ``ModelcacheError`` are written to be safe, but an unexpected exception from an
 SDK may quote a signed URL or echo a header. Every line we print goes through ``Scrubber``:
-it removes URL query strings and userinfo, and any value of a secret-looking environment
-variable (keys, tokens, passwords, ``<host>-headers`` values, secrets in ``STORAGE_CONFIG``).
+it redacts every URL in it (``modelcache.redact``: userinfo, query strings, fragments), and
+any value of a secret-looking environment variable (keys, tokens, passwords,
+``<host>-headers`` values, secrets in ``STORAGE_CONFIG``).
 """
 
 from __future__ import annotations
@@ -13,12 +14,10 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 
-REDACTED = "<redacted>"
+from modelcache.redact import REDACTED, scrub_urls
 
 _SECRET_NAME = re.compile(r"(?i)(secret|token|passw|key|credential|sas|signature|auth|cookie|session|header)")
 _SECRET_NAME_EXCLUDE = re.compile(r"(?i)(_FILE$|_PATH$|_DIR$|KEY_ID$|KEYTAB$|_NAME$)")
-_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@'\"]+@")
-_URL_QUERY = re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^\s?'\"]*)\?[^\s'\"#]*")
 #: Values shorter than this are not treated as secrets (they would blank out ordinary words).
 _MIN_SECRET = 6
 
@@ -83,12 +82,10 @@ class Scrubber:
         return cls(secret_values(env))
 
     def __call__(self, text: str) -> str:
-        text = _URL_USERINFO.sub(rf"\1{REDACTED}@", text)
-        text = _URL_QUERY.sub(rf"\1?{REDACTED}", text)
         for secret in self._secrets:
             if secret in text:
                 text = text.replace(secret, REDACTED)
-        return " ".join(text.split("\n")).strip()
+        return scrub_urls(" ".join(text.split("\n")).strip())
 
 
 class ScrubbingFormatter(logging.Formatter):

@@ -15,7 +15,11 @@ safe against hostile or broken archives:
 * everything is unpacked into a hidden staging folder inside the destination and moved into
   place only when the whole archive succeeded: a failure leaves the destination as it was.
 
-Tar archives are read in stream mode (``r|*``): memory stays bounded whatever the size.
+Tar archives are read in stream mode: memory stays bounded whatever the size. Every check the
+container format carries is verified before anything is moved into place: the compressed
+stream is read to its end (gzip CRC-32 and ISIZE, xz/zstd checksums, bzip2 block CRCs; see
+``modelcache.compression``), and each zip entry is read to its end, where ``zipfile`` compares
+its CRC-32.
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from modelcache.compression import verified_tar
 from modelcache.errors import ModelcacheError
 
-TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
+TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst", ".tzst")
 ZIP_SUFFIXES = (".zip",)
 
 #: KServe's wording for a broken archive, kept so existing alerts and runbooks still match.
@@ -150,7 +155,10 @@ def unpack_archive(
                 _unpack_tar(archive, writer)
         except ModelcacheError:
             raise
-        except (tarfile.TarError, zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError) as exc:
+        # NotImplementedError: zipfile on a compression method, version or flag it lacks (also
+        # what a damaged header announces).
+        except (tarfile.TarError, zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError,
+                NotImplementedError) as exc:
             if isinstance(exc, OSError) and not _is_format_oserror(exc):
                 raise ArchiveError(f"failed to unpack {archive.name} into {dest}: {exc.strerror or exc}") from exc
             raise ArchiveError(f"{INVALID_FORMAT} ({archive.name}: {_short(exc)})") from exc
@@ -252,6 +260,10 @@ class _StagingWriter:
         self.result.bytes = total
         if self.on_bytes is not None:
             self.on_bytes(n)
+
+    def add_trailing(self, n: int) -> None:
+        """Bytes decompressed after the tar's end: not written, but a bomb all the same."""
+        self._add_bytes(n)
 
     def check_declared_size(self, size: int) -> None:
         """Fail before writing when a header already says the entry is over the byte cap."""
@@ -368,8 +380,10 @@ def _write_all(fd: int, data: memoryview) -> None:
 
 
 def _unpack_tar(archive: Path, w: _StagingWriter) -> None:
-    # Stream mode: one pass, no seeking, bounded memory even for a 100 GiB .tar.gz.
-    with tarfile.open(archive, mode="r|*") as tf:
+    # Stream mode: one pass, no seeking, bounded memory even for a 100 GiB .tar.gz. The stream
+    # is read to its end after the last entry, so the gzip CRC/ISIZE (or xz/zstd/bzip2 check)
+    # is verified before anything is moved into place; bytes after the tar count against the caps.
+    with open(archive, "rb") as raw, verified_tar(raw, on_trailing=w.add_trailing) as tf:
         for member in _iter_tar(tf):
             w.count_entry()
             rel = w.entry_path(member.name)
@@ -416,6 +430,8 @@ def _unpack_zip(archive: Path, w: _StagingWriter) -> None:
         for info in infos:
             w.count_entry()
             rel = w.entry_path(info.filename)
+            if info.flag_bits & 0x1:
+                raise ArchiveError(f"{INVALID_FORMAT} ({w.name}: entry {info.filename!r} is encrypted)")
             unix_mode = info.external_attr >> 16
             kind = stat.S_IFMT(unix_mode) if unix_mode else 0
             if kind in (stat.S_IFCHR, stat.S_IFBLK):

@@ -20,6 +20,7 @@ import click
 
 from modelcache.errors import ModelcacheError
 from modelcache.progress import ProgressTracker, human_bytes
+from modelcache.redact import redact_uri, scrub_urls
 from modelcache.store import NodeStore
 from modelcache.transfer import TransferOptions
 from modelcache.uri import storage_key
@@ -43,7 +44,7 @@ class SizeType(click.ParamType):
 
 
 def _fail(message: str, code: int = 1) -> None:
-    click.echo(f"error: {message}", err=True)
+    click.echo(f"error: {scrub_urls(message)}", err=True)
     sys.exit(code)
 
 
@@ -125,8 +126,10 @@ def pull(uris: tuple[str, ...], root: Path, dest: Path | None, workers: int, max
                            err=True)
         else:
             failed = True
-            out.append({"uri": uri, "ok": False, "error": str(res), "reason": getattr(res, "reason", "Error")})
-            click.echo(f"error: {res}" if isinstance(res, ModelcacheError) else f"error: {uri}: {res!r}", err=True)
+            shown = str(res) if isinstance(res, ModelcacheError) else f"{redact_uri(uri)}: {res!r}"
+            shown = scrub_urls(shown)  # an SDK's own error may quote a signed URL
+            out.append({"uri": redact_uri(uri), "ok": False, "error": shown, "reason": getattr(res, "reason", "Error")})
+            click.echo(f"error: {shown}", err=True)
     if as_json:
         _emit(out)
     sys.exit(1 if failed else 0)

@@ -8,7 +8,12 @@ that never reached the disk. Each line is one small ``write`` on an O_APPEND des
 crash leaves at worst one torn last line, which is ignored.
 
 Lines:  ``boot <id>``, ``c <file> <chunk> <done>``, ``F <file> <xxh3> <algo,algo>``, ``R <file>``,
-``S <n>``. A sync mark covers the first ``n`` lines of its segment (those written before the
+``S <n>``, each sealed with `` *<crc32>`` of the rest of the line. A line whose seal does not
+match (a flipped bit, a torn or garbled write, a journal of an older version) is dropped as a
+torn line is: its piece is fetched again, never trusted. Without the seal a single damaged digit
+could mark an unfetched chunk done, or give one file another's finished state.
+
+A sync mark covers the first ``n`` lines of its segment (those written before the
 fdatasync began: lines appended while it ran may describe data it missed); a bare ``S`` (older
 journals) covers every line before it.
 """
@@ -18,9 +23,30 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import zlib
 from dataclasses import dataclass, field
 
 from modelcache.diskio import store_error
+
+
+def seal(text: str) -> str:
+    """Append `` *<crc32>`` to every line of ``text`` (lines end in newlines; blank ones stay)."""
+    out = []
+    for line in text.split("\n")[:-1]:
+        out.append(f"{line} *{zlib.crc32(line.encode()):08x}" if line else "")
+    return "\n".join(out) + "\n"
+
+
+def unseal(line: str) -> str | None:
+    """The line without its seal, or None when the seal is missing or does not match."""
+    body, sep, crc = line.rpartition(" *")
+    if not sep or len(crc) != 8:
+        return None
+    try:
+        ok = int(crc, 16) == zlib.crc32(body.encode("utf-8", "surrogateescape"))
+    except ValueError:
+        return None
+    return body if ok else None
 
 
 def boot_id() -> str:
@@ -79,12 +105,13 @@ class Journal:
         """Read what earlier runs recorded; trust unsynced lines only within the same boot."""
         state = JournalState()
         try:
-            with open(self.path, encoding="utf-8", errors="replace") as f:
+            with open(self.path, encoding="utf-8", errors="surrogateescape") as f:
                 lines = f.read().split("\n")
         except FileNotFoundError:
             return state
         if lines and lines[-1] != "":
             lines = lines[:-1]  # torn last line
+        lines = [ln for ln in map(unseal, lines) if ln is not None]
         for line in _trusted(lines, boot_id()):
             parts = line.split(" ")
             try:
@@ -115,7 +142,7 @@ class Journal:
     def _write(self, line: str) -> None:
         with self._lock:
             if self._fd >= 0:
-                data = line.encode()
+                data = seal(line).encode()
                 try:
                     if os.write(self._fd, data) != len(data):  # a torn line would shift the marks' count
                         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

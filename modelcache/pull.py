@@ -292,13 +292,14 @@ def pull_many(
     reservations against a node group's storage limit) to refuse that model. Setting
     ``cancel`` stops the transfer; staged data is kept for a later resume.
     """
-    settings = settings if settings is not None else Settings.from_env()
     options = (options or TransferOptions()).normalized()
     progress = progress or ProgressTracker()
     rootp = Path(root) if root is not None else None
     destp = Path(dest) if dest is not None else None
     models: dict[str, _Model] = {}
     order: list[str | BaseException] = []
+    # Every URI is parsed before the environment's credentials are read or a connection made:
+    # an invalid one is refused at once, never after a wait on an endpoint.
     for uri in uris:
         try:
             loc = parse_uri(uri)
@@ -310,6 +311,9 @@ def pull_many(
         order.append(loc.storage_key)
     if destp is not None and len(models) > 1:
         raise ModelcacheError("a destination folder holds one model: pull several URIs into a store root")
+    if not models:
+        return [item for item in order if isinstance(item, BaseException)]
+    settings = settings if settings is not None else Settings.from_env()
 
     # Present models are answered without the lock: publish installs the manifest last, so a
     # present model is complete, and a read-only store (a pod's mount) can still be asked.

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
+import posixpath
+import re
 import shutil
 import time
 from abc import ABC, abstractmethod
@@ -32,7 +35,8 @@ from modelcache.diskio import fsync_dir, store_error
 from modelcache.errors import StoreError
 from modelcache.integrity import hash_file
 
-MANIFEST_VERSION = 1
+#: 2: the manifest carries ``seal``, a digest of all its other fields (1, unsealed, is still read).
+MANIFEST_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -58,13 +62,61 @@ class Manifest:
         return sum(f.size for f in self.files)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
+        doc = asdict(self)
+        doc["seal"] = _seal_of(doc)
+        return json.dumps(doc, indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
+        """Parse and check a manifest; anything malformed is a ValueError (the model then counts
+        as absent and is fetched again): a damaged manifest is never trusted, and its paths never
+        name anything outside the model folder."""
         data = json.loads(text)
-        files = [ManifestFile(**f) for f in data.pop("files")]
+        if not isinstance(data, dict) or not isinstance(data.get("files"), list):
+            raise ValueError("not a manifest")
+        # Any damage to a sealed manifest (a flipped digit of a size or digest) is caught here;
+        # a manifest of version 1 predates the seal and is only checked field by field.
+        seal = data.pop("seal", None)
+        if (seal is not None or data.get("version") != 1) and seal != _seal_of(data):
+            raise ValueError("manifest seal does not match its contents")
+        files = [_manifest_file(f) for f in data.pop("files")]
+        for name in ("storage_key", "uri", "resolved_uri", "created_at"):
+            if not isinstance(data.get(name), str):
+                raise ValueError(f"manifest field {name!r} is not a string")
+        if not (data.get("revision") is None or isinstance(data["revision"], str)):
+            raise ValueError("manifest field 'revision' is not a string")
+        if data.get("version") not in (1, MANIFEST_VERSION):
+            raise ValueError(f"manifest version {data.get('version')!r} is not 1 or {MANIFEST_VERSION}")
+        if len({f.path for f in files}) != len(files):
+            raise ValueError("manifest lists a path twice")
         return cls(files=files, **data)
+
+
+_XXH3_HEX = re.compile(r"[0-9a-f]{32}")
+
+
+def _seal_of(doc: dict[str, object]) -> str:
+    canonical = json.dumps({k: v for k, v in doc.items() if k != "seal"}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def _manifest_file(doc: object) -> ManifestFile:
+    if not isinstance(doc, dict) or set(doc) - {"path", "size", "xxh3", "checksums"}:
+        raise ValueError("manifest file entry is not an object of path, size, xxh3, checksums")
+    path, size, xxh3 = doc.get("path"), doc.get("size"), doc.get("xxh3")
+    checksums = doc.get("checksums", {})
+    if not isinstance(path, str) or not path or "\x00" in path or "\\" in path:
+        raise ValueError(f"manifest path {path!r} is not a file name")
+    if path.startswith("/") or posixpath.normpath(path) != path or path == ".." or path.startswith("../"):
+        raise ValueError(f"manifest path {path!r} is not a relative path inside the model")
+    if type(size) is not int or size < 0:
+        raise ValueError(f"manifest size {size!r} of {path!r} is not a byte count")
+    if not isinstance(xxh3, str) or not _XXH3_HEX.fullmatch(xxh3):
+        raise ValueError(f"manifest xxh3 of {path!r} is not a 128-bit hex digest")
+    if not isinstance(checksums, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in checksums.items()):
+        raise ValueError(f"manifest checksums of {path!r} are not names and values")
+    return ManifestFile(path=path, size=size, xxh3=xxh3, checksums=checksums)
 
 
 def now_iso() -> str:

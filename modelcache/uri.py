@@ -13,9 +13,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 from modelcache.errors import InvalidURIError, UnsupportedError
+from modelcache.redact import DIGEST_PIN, printable, redact_uri, scrub_parts, secret_parts, split_userinfo
+
+__all__ = ["Location", "parse_uri", "redact_uri", "register_location", "storage_key"]
 
 ACCEPTED_FORMS = (
     "s3://bucket/prefix",
@@ -36,12 +39,32 @@ def storage_key(uri: str) -> str:
     Deliberately not normalised: ``s3://b/m`` and ``s3://b/m/`` are different keys in KServe,
     and pods rewritten by KServe's webhook look for exactly this folder.
     """
-    return hashlib.sha256(uri.encode("utf-8")).hexdigest()[:16]
+    # surrogatepass: an argument that is not UTF-8 (never a valid URI) still gets a key, no traceback.
+    return hashlib.sha256(uri.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def _invalid(uri: str, why: str) -> InvalidURIError:
+    """The one invalid-URI error: the URI redacted, and no secret part of it in ``why`` either."""
     forms = "; ".join(ACCEPTED_FORMS)
-    return InvalidURIError(f"invalid storage URI '{uri}': {why}. Accepted forms: {forms}")
+    why = printable(scrub_parts(why, uri))
+    return InvalidURIError(f"invalid storage URI '{redact_uri(uri)}': {why}. Accepted forms: {forms}")
+
+
+def _no_dot_segments(uri: str, path: str, what: str) -> None:
+    """A key or path with '..' segments is refused before any request: it names something else
+    than it seems on the server, and a local path built from it could leave its folder."""
+    if ".." in path.split("/"):
+        raise _invalid(uri, f"{what} must not contain '..' segments")
+
+
+def _authority(uri: str) -> SplitResult:
+    """urlsplit, with a malformed host or port as our one-line error instead of a ValueError."""
+    try:
+        parts = urlsplit(uri)
+        parts.port  # noqa: B018 -- parsing the port is what raises on a bad one
+    except ValueError as exc:
+        raise _invalid(uri, f"malformed host or port ({exc})") from None
+    return parts
 
 
 @dataclass(frozen=True)
@@ -76,27 +99,16 @@ def register_location(
     return deco
 
 
-def redact_uri(uri: str) -> str:
-    """Drop query strings and userinfo, which may carry signatures, SAS tokens or passwords."""
-    parts = urlsplit(uri)
-    if not parts.scheme or len(parts.scheme) == 1:  # plain path (or a Windows drive letter)
-        return uri
-    netloc = parts.netloc.rsplit("@", 1)[-1]
-    redacted = f"{parts.scheme}://{netloc}{parts.path}"
-    if parts.query:
-        redacted += "?<redacted>"
-    if parts.fragment:
-        redacted += f"#{parts.fragment}"
-    return redacted
-
-
 def _split_bucket(uri: str, scheme: str) -> tuple[str, str]:
     rest = uri[len(scheme) + 3 :]
     bucket, _, prefix = rest.partition("/")
     if not bucket:
         raise _invalid(uri, "missing bucket name")
-    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{1,221}[a-z0-9]", bucket):
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{1,221}[a-z0-9]", bucket) or ".." in bucket:
         raise _invalid(uri, f"'{bucket}' is not a valid bucket name")
+    if re.fullmatch(r"[0-9]+(\.[0-9]+){3}", bucket):
+        raise _invalid(uri, f"'{bucket}' is not a valid bucket name (an IP address)")
+    _no_dot_segments(uri, prefix, "the object key prefix")
     return bucket, prefix
 
 
@@ -155,11 +167,12 @@ class AzureBlobLocation(Location):
 
     @classmethod
     def parse(cls, uri: str) -> AzureBlobLocation:
-        parts = urlsplit(uri)
+        parts = _authority(uri)
         account = parts.netloc.split(".", 1)[0]
         container, _, prefix = parts.path.lstrip("/").partition("/")
         if not container:
             raise _invalid(uri, "missing container name after the account host")
+        _no_dot_segments(uri, unquote(prefix), "the blob prefix")
         account_url = f"https://{parts.netloc}" + (f"?{parts.query}" if parts.query else "")
         return cls(
             uri=uri,
@@ -227,6 +240,9 @@ class OCILocation(Location):
         registry, _, name = rest.partition("/")
         if not registry or not name:
             raise _invalid(uri, "expected oci://registry/repository[:tag|@sha256:digest]")
+        host = _authority(f"//{registry}")
+        if not host.hostname or not re.fullmatch(r"[A-Za-z0-9.:\[\]-]+", registry):
+            raise _invalid(uri, f"'{registry}' is not a valid registry host[:port]")
         digest = tag = None
         if "@" in name:
             name, digest = name.split("@", 1)
@@ -251,10 +267,11 @@ class HDFSLocation(Location):
 
     @classmethod
     def parse(cls, uri: str) -> HDFSLocation:
-        parts = urlsplit(uri)
+        parts = _authority(uri)
         # KServe reads everything after the scheme as the path (hdfs://models is /models).
         if not (parts.netloc + parts.path).strip("/"):
             raise _invalid(uri, "missing path")
+        _no_dot_segments(uri, unquote(parts.path), "the path")
         return cls(uri=uri, scheme=parts.scheme, namenode=parts.netloc, path=unquote(parts.path))
 
 
@@ -286,10 +303,11 @@ class LocalLocation(Location):
         path = unquote(uri[len("file://") :]) if uri.startswith("file://") else uri
         if not path.startswith("/"):
             raise _invalid(uri, "file:// URIs need an absolute path (file:///models/m)")
+        if "\x00" in path:
+            raise _invalid(uri, "the path has a NUL byte")
         return cls(uri=uri, path=os.path.normpath(path))
 
 
-_DIGEST_PIN = re.compile(r"^(sha256|sha512|sha1|md5)=([0-9a-fA-F]+)$")
 _DIGEST_HEX_LEN = {"sha256": 64, "sha512": 128, "sha1": 40, "md5": 32}
 
 
@@ -304,7 +322,7 @@ class HTTPLocation(Location):
 
     @classmethod
     def parse(cls, uri: str) -> HTTPLocation:
-        parts = urlsplit(uri)
+        parts = _authority(uri)
         if not parts.hostname:
             raise _invalid(uri, "missing host")
         filename = unquote(parts.path.rsplit("/", 1)[-1])
@@ -312,7 +330,7 @@ class HTTPLocation(Location):
             raise _invalid(uri, "no filename in the URL path (HTTP URIs name one file)")
         pinned = None
         if parts.fragment:
-            m = _DIGEST_PIN.match(parts.fragment)
+            m = DIGEST_PIN.match(parts.fragment)
             if not m or len(m.group(2)) != _DIGEST_HEX_LEN[m.group(1)]:
                 raise _invalid(uri, "the fragment must pin a digest as #sha256=<64 hex chars>")
             pinned = (m.group(1), m.group(2).lower())
@@ -320,15 +338,62 @@ class HTTPLocation(Location):
         return cls(uri=uri, url=url, host=parts.hostname, filename=filename, pinned=pinned)
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _check_generic(uri: str) -> None:
+    """What no scheme accepts, checked before any scheme's own rules (and before credentials
+    are looked up or a connection is made): control characters, text that is not UTF-8, and
+    credentials written into the URI (other tools would print them; ours would not use them)."""
+    bad = _CONTROL.search(uri)
+    if bad:
+        raise _invalid(uri, f"control character {bad.group()!r} at position {bad.start()}")
+    try:
+        uri.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _invalid(uri, "not valid UTF-8 text") from None
+    scheme, sep, rest = uri.partition("://")
+    if sep and split_userinfo(rest)[0] is not None:
+        raise _invalid(uri, f"credentials must not be written into the URI; {_credentials_hint(scheme)}")
+
+
+def _credentials_hint(scheme: str) -> str:
+    return {
+        "s3": "use AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the service account's secret",
+        "gs": "use GOOGLE_APPLICATION_CREDENTIALS or the service account's secret",
+        "hf": "use HF_TOKEN",
+        "http": "put an Authorization header in the '<host>-headers' environment variable",
+        "https": "put an Authorization header in the '<host>-headers' environment variable (Azure: a SAS "
+                 "query or AZURE_* variables)",
+        "hdfs": "use the HDFS secret (HDFS_SECRET_DIR)",
+        "webhdfs": "use the HDFS secret (HDFS_SECRET_DIR)",
+    }.get(scheme.lower(), "use the credentials of the storage secret or environment")
+
+
 def parse_uri(uri: str) -> Location:
-    """Parse ``uri`` into its typed location, or raise an error quoting it."""
+    """Parse ``uri`` into its typed location, or raise ``InvalidURIError`` (one line, redacted).
+
+    Any string either parses or raises InvalidURIError / UnsupportedError: never another error.
+    """
     if not isinstance(uri, str) or not uri.strip():
         raise _invalid(str(uri), "empty URI")
     if uri != uri.strip():
         raise _invalid(uri, "leading or trailing whitespace")
+    _check_generic(uri)
     for matches, parse in _LOCATION_PARSERS:
         if matches(uri):
-            return parse(uri)
+            try:
+                return parse(uri)
+            except InvalidURIError:
+                if not secret_parts(uri):
+                    raise
+            # The reason was worded from the raw text, which has a query or fragment (a
+            # signature, a token) that may be quoted in part: word it again from the redacted URI.
+            try:
+                parse(redact_uri(uri))
+            except InvalidURIError as exc:
+                raise InvalidURIError(str(exc)) from None
+            raise _invalid(uri, "its query or fragment part is not valid here")
     scheme = uri.split("://", 1)[0] if "://" in uri else None
     if scheme:
         raise _invalid(uri, f"unknown scheme '{scheme}://'")

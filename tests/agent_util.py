@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from kubernetes.client.exceptions import ApiException
 
 from modelcache.kube.client import (
@@ -215,3 +216,25 @@ def poll_while(cond: Callable[[], bool], check: Callable[[], None], timeout: flo
             return
         time.sleep(0.02)
     raise AssertionError("condition not reached in time")
+
+
+# -- standalone mode: a LocalModelNode file in, FILE.status.yaml out ------------------------------
+
+
+def write_node(path: Path, entries: list[dict[str, Any]]) -> Path:
+    path.write_text(yaml.safe_dump({"apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelNode",
+                                    "metadata": {"name": "box"}, "spec": {"localModels": entries}}))
+    return path
+
+
+def agent_cmd(spec: Path, root: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "agent", "--standalone", str(spec), "--root", str(root), "--port", "-1",
+            *FAST_FLAGS, *extra]
+
+
+def run_agent(spec: Path, root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(agent_cmd(spec, root, *extra), cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def status_of(spec: Path) -> dict[str, Any]:
+    return yaml.safe_load(spec.with_name(spec.name + ".status.yaml").read_text())["status"]

@@ -54,3 +54,31 @@ def zip_special(name: str, mode: int) -> zipfile.ZipInfo:
     return info
 
 
+
+
+def tar_bytes(entries: dict[str, bytes]) -> bytes:
+    """An uncompressed tar of regular files, in memory."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as tf:
+        for name, data in entries.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return raw.getvalue()
+
+
+def flip_in_payload(blob: bytes, payload: bytes) -> bytes:
+    """Flip one bit of ``blob`` where it holds ``payload`` verbatim (a stored, uncompressed
+    region): the container stays well-formed and only its own checksum can tell."""
+    at = blob.index(payload[1000:1064]) + 10
+    damaged = bytearray(blob)
+    damaged[at] ^= 0x04
+    return bytes(damaged)
+
+
+def crc_damaged_targz(path: Path, payload: bytes) -> Path:
+    """A .tar.gz (gzip level 0) whose only damage is one flipped bit inside ``payload``."""
+    import gzip
+
+    path.write_bytes(flip_in_payload(gzip.compress(tar_bytes({"w.bin": payload}), compresslevel=0), payload))
+    return path

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,32 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=timeout)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path: Path, options: str) -> Iterator[Path]:
+    """A small file system of our own at ``path`` (``size=64m``, ``ro``, ...), unmounted after.
+    Needs root; without it the test is skipped (a failure in CI)."""
+    path.mkdir(parents=True, exist_ok=True)
+    ok = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"mode=0755,{options}", "tmpfs", str(path)], capture_output=True
+    ).returncode == 0
+    require(ok, f"mounting a tmpfs with {options} (needs root)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fill_up(path: Path) -> Path:
+    """Write ``path`` until its file system has not one byte left; returns it (delete to free)."""
+    with open(path, "wb", buffering=0) as f:
+        for size in (1 << 20, 4096, 1):
+            block = b"\0" * size
+            try:
+                while True:
+                    f.write(block)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+    return path

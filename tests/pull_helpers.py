@@ -158,15 +158,10 @@ def journaled_bytes(root: Path, uri: str) -> int:
     Crash tests wait on this rather than on what a server sent: on a loaded machine loopback
     socket buffers can hold megabytes that never reached the client's disk.
     """
+    from modelcache.journal import Journal
+
     journal = Path(root) / ".modelcache" / "staging" / storage_key(uri) / "journal"
-    done: dict[tuple[str, str], int] = {}
-    if journal.exists():
-        for line in journal.read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 4 and parts[0] == "c":
-                key = (parts[1], parts[2])
-                done[key] = max(done.get(key, 0), int(parts[3]))
-    return sum(done.values())
+    return sum(Journal(str(journal)).load().chunks.values())
 
 
 def pull_cmd(uri: str, root: Path, *args: str) -> list[str]:

@@ -6,40 +6,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
 from modelcache.uri import storage_key
-from tests.agent_util import FAST_FLAGS, model_files
-from tests.helpers import REPO, wait_until
+from tests.agent_util import agent_cmd, model_files, run_agent, status_of, write_node
+from tests.helpers import REPO, mounted_tmpfs, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
 D, E = "ModelDownloaded", "ModelDownloadError"
-
-
-def write_node(path: Path, entries: list[dict[str, Any]]) -> Path:
-    path.write_text(yaml.safe_dump({"apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelNode",
-                                    "metadata": {"name": "box"}, "spec": {"localModels": entries}}))
-    return path
-
-
-def agent_cmd(spec: Path, root: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "agent", "--standalone", str(spec), "--root", str(root), "--port", "-1",
-            *FAST_FLAGS, *extra]
-
-
-def run_agent(spec: Path, root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(agent_cmd(spec, root, *extra), cwd=REPO, capture_output=True, text=True, timeout=60)
-
-
-def status_of(spec: Path) -> dict[str, Any]:
-    return yaml.safe_load(spec.with_name(spec.name + ".status.yaml").read_text())["status"]
 
 
 def test_standalone_fills_the_root_and_writes_status_beside_the_file(nginx, tmp_path):
@@ -195,14 +172,7 @@ def test_max_concurrent_models_is_honoured(nginx, tmp_path):
 
 
 def test_full_disk_is_a_clear_error_and_other_models_stay(nginx, tmp_path):
-    from tests.helpers import require
-
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    ok = os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=100m,mode=0755", "tmpfs", str(mnt)], capture_output=True).returncode == 0
-    require(ok, "mounting a small tmpfs (needs root)")
-    try:
+    with mounted_tmpfs(tmp_path / "fs", "size=100m") as mnt:
         small = nginx.write("d/small.bin", 2 << 20).read_bytes()
         nginx.write("d/big.bin", 60 << 20)
         us, ub = nginx.url("d/small.bin"), nginx.url("d/big.bin")
@@ -219,8 +189,6 @@ def test_full_disk_is_a_clear_error_and_other_models_stay(nginx, tmp_path):
         assert not (mnt / "models" / storage_key(ub)).exists()
         assert nginx.bytes_served("d/big.bin") <= 1  # refused before downloading
         assert st["capacity"]["totalBytes"] == 100 << 20 and st["capacity"]["reservedBytes"] == 0
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_repair_replaces_only_the_damaged_file_inside_the_same_folder(tmp_path):

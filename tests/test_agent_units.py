@@ -18,7 +18,7 @@ from modelcache.kube.types import LocalModelInfo, StorageSpec
 
 @pytest.mark.parametrize(("text", "value"), [
     ("3Mi", 3 << 20), ("1Gi", 1 << 30), ("1.5G", 1_500_000_000), ("5e3", 5000), (1024, 1024), ("", None),
-    ("bogus", None), ("100", 100), ("2Ti", 2 << 40),
+    ("bogus", None), ("100", 100), ("2Ti", 2 << 40), ("64Ki", 64 << 10), ("2k", 2000), ("1ki", None),
 ])
 def test_parse_quantity(text: Any, value: int | None) -> None:
     assert parse_quantity(text) == value

@@ -23,7 +23,7 @@ from modelcache.archive import (
     unpack_archive,
 )
 from modelcache.errors import ModelcacheError
-from tests.archive_util import make_tar, make_zip, tar_entry, tar_file, zip_special
+from tests.archive_util import flip_in_payload, make_tar, make_zip, tar_bytes, tar_entry, tar_file, zip_special
 
 
 def _tree(root: Path) -> dict[str, str]:
@@ -349,3 +349,113 @@ def test_on_bytes_reports_every_unpacked_byte(box: Path) -> None:
     seen: list[int] = []
     res = unpack_archive(dest / "m.tar", dest, on_bytes=seen.append)
     assert sum(seen) == res.bytes == (3 << 20) + 3 and len(seen) >= 3
+
+
+# -- damage only the format's own check can see ---------------------------------------------------
+#
+# The payload is random and stored without real compression (gzip level 0, xz/zstd of random
+# data), so a flipped byte leaves a well-formed stream that decompresses to wrong bytes: only the
+# gzip CRC-32, the xz CRC64 or the zstd content checksum tells, and only at the end of the stream.
+
+
+def _compress(kind: str, data: bytes) -> bytes:
+    import lzma
+
+    import zstandard
+
+    if kind == "tar.gz":
+        return gzip.compress(data, compresslevel=0)
+    if kind == "tar.xz":
+        return lzma.compress(data, check=lzma.CHECK_CRC64)
+    return zstandard.ZstdCompressor(write_checksum=True).compress(data)
+
+
+@pytest.mark.parametrize("kind", ["tar.gz", "tar.xz", "tar.zst"])
+def test_damage_only_the_stream_check_sees_is_refused(box: Path, kind: str) -> None:
+    dest = box / "dest"
+    payload = os.urandom(300_000)
+    blob = _compress(kind, tar_bytes({"w.bin": payload, "config.json": b"{}"}))
+    (dest / f"m.{kind}").write_bytes(flip_in_payload(blob, payload))
+    before = _tree(dest)
+    with pytest.raises(ArchiveError) as err:
+        unpack_archive(dest / f"m.{kind}", dest)
+    msg = str(err.value)
+    assert msg.startswith(INVALID_FORMAT) and "corrupt" in msg and "\n" not in msg, msg
+    _assert_untouched(box, before)
+
+
+def test_good_tar_zst_unpacks(box: Path) -> None:
+    dest = box / "dest"
+    payload = os.urandom(100_000)
+    (dest / "m.tar.zst").write_bytes(_compress("tar.zst", tar_bytes({"w.bin": payload})))
+    unpack_archive(dest / "m.tar.zst", dest)
+    assert (dest / "w.bin").read_bytes() == payload
+
+
+def test_gzip_trailer_length_mismatch_is_refused(box: Path) -> None:
+    dest = box / "dest"
+    blob = bytearray(gzip.compress(tar_bytes({"w.bin": os.urandom(50_000)}), compresslevel=0))
+    blob[-1] ^= 0x01  # ISIZE, the uncompressed length mod 2^32
+    (dest / "m.tgz").write_bytes(bytes(blob))
+    with pytest.raises(ArchiveError, match="corrupt"):
+        unpack_archive(dest / "m.tgz", dest)
+    assert _tree(dest) == {"m.tgz": bytes(blob).decode("latin-1")}
+
+
+def test_bomb_hidden_after_the_tar_end_is_capped(box: Path) -> None:
+    dest = box / "dest"
+    # A valid tar, then 8 MiB of zeros inside the same gzip stream: never written, still capped.
+    data = tar_bytes({"a.txt": b"a"}) + bytes(8 << 20)
+    (dest / "m.tar.gz").write_bytes(gzip.compress(data))
+    with pytest.raises(ArchiveLimitError, match="compression ratio"):
+        unpack_archive(dest / "m.tar.gz", dest)
+
+
+def test_zip_stored_entry_with_a_flipped_byte_fails_its_crc(box: Path) -> None:
+    dest = box / "dest"
+    payload = os.urandom(20_000)
+    with zipfile.ZipFile(dest / "m.zip", "w", compression=zipfile.ZIP_STORED) as zf:
+        zf.writestr("ok.txt", b"fine")
+        zf.writestr("w.bin", payload)
+    (dest / "m.zip").write_bytes(flip_in_payload((dest / "m.zip").read_bytes(), payload))
+    before = _tree(dest)
+    with pytest.raises(ArchiveError, match="Bad CRC-32"):
+        unpack_archive(dest / "m.zip", dest)
+    _assert_untouched(box, before)
+
+
+def test_oci_layer_with_a_bad_gzip_crc_is_refused_even_if_its_digest_matches() -> None:
+    """A registry verifies the digest it was given; a layer pushed already damaged has a matching
+    digest, and only the gzip CRC tells."""
+    import hashlib
+
+    from modelcache.compression import CorruptStreamError
+    from modelcache.sources.oci_layers import DigestReader, LayerExtractor, open_layer_tar
+
+    payload = os.urandom(200_000)
+    blob = flip_in_payload(gzip.compress(tar_bytes({"models/w.bin": payload}), compresslevel=0), payload)
+    digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        reader = DigestReader(io.BytesIO(blob), lambda _n: None)
+        with pytest.raises(CorruptStreamError, match="CRC check failed"), \
+                open_layer_tar(reader, "application/vnd.oci.image.layer.v1.tar+gzip", "oci://r/m") as tar:
+            LayerExtractor(root, "oci://r/m").apply(tar, digest)
+
+
+@pytest.mark.parametrize(("offset", "value", "needle"), [
+    (6, 0x01, "encrypted"),  # general purpose flag bit 0 in the local header...
+    (8, 0x63, "compression method"),  # ...compression method 99 (AES), which zipfile lacks
+])
+def test_zip_features_zipfile_lacks_are_a_clean_refusal(box: Path, offset: int, value: int, needle: str) -> None:
+    """Found by the archive fuzzer: these were a NotImplementedError / RuntimeError traceback."""
+    dest = box / "dest"
+    make_zip(dest / "m.zip", [("w.bin", b"x" * 100)])
+    data = bytearray((dest / "m.zip").read_bytes())
+    cd = data.rindex(b"PK\x01\x02")  # the central directory entry: the same field 2 bytes later
+    data[offset] = data[cd + offset + 2] = value
+    (dest / "m.zip").write_bytes(bytes(data))
+    with pytest.raises(ArchiveError) as err:
+        unpack_archive(dest / "m.zip", dest)
+    assert str(err.value).startswith(INVALID_FORMAT) and needle in str(err.value), str(err.value)

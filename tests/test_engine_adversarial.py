@@ -19,7 +19,7 @@ import pytest
 
 from modelcache.credentials import Settings
 from modelcache.errors import IntegrityError, ModelcacheError, StoreError
-from modelcache.journal import Journal
+from modelcache.journal import Journal, seal
 from modelcache.pull import pull, pull_many
 from modelcache.sources.base import Checksum
 from modelcache.sources.local import LocalSource
@@ -28,6 +28,7 @@ from modelcache.transfer import FileJob, TransferEngine, TransferOptions
 from modelcache.uri import parse_uri, storage_key
 from tests.faultproxy import Fault, FaultProxy
 from tests.fixtures.http import NginxServer, random_bytes
+from tests.helpers import fill_up
 from tests.pull_helpers import MiB, assert_store_correct, model_dir, sha256
 
 T = TypeVar("T")
@@ -281,42 +282,10 @@ def test_peak_rss_of_one_large_file_with_8_workers_stays_within_the_buffer_pool(
 @pytest.fixture
 def tiny_fs(tmp_path: Path) -> Iterator[Path]:
     """A 96 MiB tmpfs (root only); elsewhere skipped locally, failed in CI."""
-    import os
-    import subprocess
+    from tests.helpers import mounted_tmpfs
 
-    from tests.helpers import require
-
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    ok = os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=96m,mode=0755", "tmpfs", str(mnt)], capture_output=True
-    ).returncode == 0
-    require(ok, "mounting a small tmpfs (needs root)")
-    try:
+    with mounted_tmpfs(tmp_path / "fs", "size=96m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
-def _fill(folder: Path) -> Path:
-    """Take every free byte of ``folder``'s file system (another writer filling the disk)."""
-    import errno
-
-    filler = folder / "filler"
-    block = b"\0" * MiB
-    with open(filler, "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(block)
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-        small = b"\0" * 4096
-        try:
-            while True:
-                f.write(small)
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-    return filler
 
 
 @pytest.mark.parametrize("mib", [24, 8], ids=["journal-full", "publish-full"])
@@ -353,7 +322,7 @@ def test_disk_filled_by_someone_else_mid_download_is_a_clear_space_error_then_re
     while not (staged.exists() and staged.stat().st_blocks * 512 >= len(data)) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert staged.exists(), "the download did not start"
-    filler = _fill(tiny_fs)
+    filler = fill_up(tiny_fs / "filler")
     t.join(30)
     assert not t.is_alive(), "the pull hung on a full disk"
     err = box["err"]
@@ -411,11 +380,12 @@ def test_sync_mark_never_covers_a_line_written_while_the_files_synced(
     pull(uri, root=tmp_path / "root", settings=settings(), options=opts)
     text = state.get("text")
     assert isinstance(text, str), "no sync round ran during the pull"
-    lines = text.splitlines()
+    lines = [journal.unseal(ln) or "" for ln in text.splitlines()]
     injected = lines.index("c 0 999 4096")
     assert any(ln.startswith("S") for ln in lines[injected:]), "no mark after the injected line"
     rebooted = tmp_path / "journal-after-reboot"
-    rebooted.write_text("\n".join("boot another-boot" if ln.startswith("boot ") else ln for ln in lines) + "\n")
+    rebooted.write_text(journal.seal("\n".join("boot another-boot" if ln.startswith("boot ") else ln
+                                               for ln in lines) + "\n"))
     trusted = Journal(str(rebooted)).load()
     assert (0, 999) not in trusted.chunks, "a line journaled after the fdatasync was covered by the mark"
 
@@ -423,7 +393,7 @@ def test_sync_mark_never_covers_a_line_written_while_the_files_synced(
 def test_journal_marks_cover_counted_lines_and_a_torn_tail_cannot_swallow_the_next_boot(tmp_path: Path) -> None:
     p = tmp_path / "journal"
     # An earlier boot: its mark covers one line; then a line after the mark, then one torn by the crash.
-    p.write_text("boot earlier-boot\nc 0 0 4096\nc 0 1 4096\nS 1\nc 0 2 4096\nc 0 3 40")
+    p.write_text(seal("boot earlier-boot\nc 0 0 4096\nc 0 1 4096\nS 1\nc 0 2 4096\n") + "c 0 3 40")
     j = Journal(str(p))
     assert j.load().chunks == {(0, 0): 4096}
     j.open(fresh=False)  # this boot: every line of its own segment is trusted

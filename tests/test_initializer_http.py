@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.archive_util import make_tar, make_zip, tar_entry, tar_file, zip_special
+from tests.archive_util import crc_damaged_targz, make_tar, make_zip, tar_entry, tar_file, zip_special
 from tests.fixtures.http import NginxServer, random_bytes
 from tests.helpers import REPO
 from tests.initializer_util import initializer_cmd, initializer_env, run_initializer
@@ -182,6 +182,8 @@ HOSTILE = {
         lambda p: p.write_bytes(b"PK\x03\x04" + random_bytes(5000)),
         "Failed to unpack archive file. The file format is not valid.",
     ),
+    # Well-formed but one bit off inside the data: only the gzip CRC can tell (was unpacked, exit 0).
+    "crc-damaged.tar.gz": (lambda p: crc_damaged_targz(p, random_bytes(300_000)), "CRC check failed"),
 }
 
 

@@ -160,10 +160,10 @@ def test_processes_started_in_a_pod_without_a_token_exit_with_one_line(module: s
     env.update(pod_env(6443), PYTHONPATH=str(REPO), NODE_NAME="node-a")
     proc = subprocess.run([sys.executable, "-m", module, "--port", "-1" if module == "agent" else "0"],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert proc.returncode == 2  # a start-up error (modelcache/startup.py)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
-        f"Error: in-cluster config: {kube_client.SERVICE_ACCOUNT_DIR / 'token'} is missing or empty: run with the "
+        f"error: in-cluster config: {kube_client.SERVICE_ACCOUNT_DIR / 'token'} is missing or empty: run with the "
         "pod's service account token mounted (automountServiceAccountToken: true) or pass --kubeconfig"
     ], proc.stderr
     assert "Traceback" not in proc.stderr
@@ -174,7 +174,8 @@ def test_no_configuration_outside_a_pod_is_one_line(tmp_path: Path) -> None:
     env.update(PYTHONPATH=str(REPO), HOME=str(tmp_path), KUBECONFIG=str(tmp_path / "missing"), NODE_NAME="n")
     proc = subprocess.run([sys.executable, "-m", "agent", "--port", "-1"], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"Error: kubeconfig {tmp_path / 'missing'}: "), proc.stderr
-    assert "pass another --kubeconfig" in last and "Traceback" not in proc.stderr
+    assert last.startswith(f"error: --kubeconfig {tmp_path / 'missing'}: cannot read it"), proc.stderr
+    assert "point --kubeconfig (or KUBECONFIG) at a readable kubeconfig file" in last
+    assert "Traceback" not in proc.stderr

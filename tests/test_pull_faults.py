@@ -26,7 +26,7 @@ from modelcache.transfer import TransferOptions
 from modelcache.uri import storage_key
 from tests.faultproxy import Fault, FaultProxy
 from tests.fixtures.http import NginxServer
-from tests.helpers import free_port, require, wait_until
+from tests.helpers import free_port, mounted_tmpfs, wait_until
 from tests.pull_helpers import (
     MiB,
     assert_store_correct,
@@ -244,16 +244,8 @@ def test_cli_host_headers_and_custom_ca(nginx: NginxServer, weights: bytes, tmp_
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A 160 MiB tmpfs (root only); elsewhere the test is skipped locally, failed in CI."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    ok = os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=160m,mode=0755", "tmpfs", str(mnt)], capture_output=True
-    ).returncode == 0
-    require(ok, "mounting a small tmpfs (needs root)")
-    try:
+    with mounted_tmpfs(tmp_path / "fs", "size=160m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_out_of_space_is_a_clear_error_and_other_models_stay(

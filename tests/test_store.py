@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from modelcache.credentials import Settings
-from modelcache.journal import Journal
+from modelcache.journal import Journal, seal
 from modelcache.pull import pull
 from modelcache.store import NodeStore
 from modelcache.transfer import TransferOptions
@@ -118,7 +118,7 @@ def test_rm_and_gc(tmp_path):
 
 def test_journal_trusts_unsynced_lines_only_in_the_same_boot(tmp_path):
     p = tmp_path / "journal"
-    p.write_text("boot other-boot\nc 0 0 4096\nS\nc 0 1 8192\nF 1 abc sha256\n")
+    p.write_text(seal("boot other-boot\nc 0 0 4096\nS\nc 0 1 8192\nF 1 abc sha256\n"))
     j = Journal(str(p))
     st = j.load()
     assert st.chunks == {(0, 0): 4096} and st.files == {}  # after the last sync: not trusted
@@ -132,6 +132,9 @@ def test_journal_trusts_unsynced_lines_only_in_the_same_boot(tmp_path):
     with open(p, "a") as f:
         f.write("c 1 1 77")  # torn last line
     assert (1, 1) not in j.load().chunks
+    with open(p, "a") as f:  # a whole line with a damaged digit: its seal no longer matches
+        f.write("\n" + seal("c 1 2 4096\n").replace("c 1 2", "c 1 3"))
+    assert (1, 3) not in j.load().chunks and (1, 2) not in j.load().chunks
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -102,6 +102,86 @@ def test_azure_file_share_is_not_supported_and_says_so():
 
 
 def test_redact_uri_drops_secrets():
-    assert redact_uri("https://u:pw@h/x?sig=1") == "https://h/x?<redacted>"
+    assert redact_uri("https://u:pw@h/x?sig=1") == "https://<redacted>@h/x?<redacted>"
     assert redact_uri("/plain/path") == "/plain/path"
     assert parse_uri("https://h/m.bin?X-Amz-Signature=s").display == "https://h/m.bin?<redacted>"
+
+
+# -- hostile URIs: one line, nothing leaked, never a traceback ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "s3://AKIAEXAMPLE:Pw0rdXYZ@bucket/models",
+        "s3://AKIAEXAMPLE:Pw0rd/abc+def@bucket/models",  # an AWS secret key has raw '/' in it
+        "gs://svc:Pw0rdXYZ@bkt/m",
+        "hf://user:Pw0rdXYZ@org/model",
+        "oci://robot:Pw0rdXYZ@reg.io/repo:tag",
+        "hdfs://hdfs:Pw0rdXYZ@nn:9870/models/m",
+        "webhdfs://hdfs:Pw0rdXYZ@nn/models/m",
+        "pvc://user:Pw0rdXYZ@claim/m",
+        "https://user:Pw0rdXYZ@acct.blob.core.windows.net/c/m",
+        "http://user:Pw0rdXYZ@host/m.bin",
+        "file://user:Pw0rdXYZ@/srv/m",
+    ],
+)
+def test_credentials_in_any_scheme_are_refused_and_never_echoed(uri):
+    with pytest.raises(InvalidURIError) as err:
+        parse_uri(uri)
+    msg = str(err.value)
+    assert "Pw0rd" not in msg and "abc+def" not in msg, msg
+    assert "credentials must not be written into the URI" in msg and "<redacted>@" in msg
+    assert "Pw0rd" not in redact_uri(uri) and "abc+def" not in redact_uri(uri)
+
+
+@pytest.mark.parametrize(
+    ("uri", "why"),
+    [
+        ("http://[::1/m.bin", "malformed host or port"),
+        ("https://[not-ipv6]/m.bin", "malformed host or port"),
+        ("https://h:99999/m.bin", "malformed host or port"),
+        ("https://h:port/m.bin", "malformed host or port"),
+        ("hdfs://[::1/models", "malformed host or port"),
+        ("oci://[::1/repo", "malformed host or port"),
+        ("oci://reg io/repo", "not a valid registry"),
+        ("s3://bucket/a/../b", "must not contain '..' segments"),
+        ("gs://bucket/../b", "must not contain '..' segments"),
+        ("https://acct.blob.core.windows.net/c/a/%2e%2e/b", "must not contain '..' segments"),
+        ("hdfs://nn/models/../etc", "must not contain '..' segments"),
+        ("s3://a..b/m", "not a valid bucket name"),
+        ("s3://192.168.1.10/m", "an IP address"),
+        ("s3://bucket/m\nerror: forged line", "control character"),
+        ("file:///srv/m%00x", "NUL byte"),
+        ("s3://bucket/\udcff", "not valid UTF-8"),
+    ],
+)
+def test_malformed_uris_are_one_invalid_uri_line(uri, why):
+    with pytest.raises(InvalidURIError) as err:
+        parse_uri(uri)
+    msg = str(err.value)
+    assert why in msg and "\n" not in msg, msg
+
+
+def test_query_and_fragment_secrets_never_reach_an_error_message():
+    # The bucket name quoted in the reason would carry the query part: it is cut there too.
+    with pytest.raises(InvalidURIError) as err:
+        parse_uri("s3://Bad?X-Amz-Signature=SECRETsig")
+    assert "SECRET" not in str(err.value)
+    assert redact_uri("https://h/m.bin#token=SECRETtok") == "https://h/m.bin#<redacted>"
+    assert redact_uri("https://h/m.bin#sha256=" + "a" * 64).endswith("#sha256=" + "a" * 64)
+    assert redact_uri("/plain/with\nnewline") == "/plain/with\\x0anewline"
+
+
+def test_scrub_urls_redacts_every_url_in_free_text():
+    from modelcache.redact import scrub_urls
+
+    text = ("boto: GET https://b.s3.amazonaws.com/k?X-Amz-Signature=SECRET1 failed; "
+            "retrying s3://AK:SECRET2/x@bucket/m and 'hdfs://u:SECRET3@nn/p'\nnext")
+    out = scrub_urls(text)
+    assert "SECRET" not in out and "\n" not in out
+    assert "https://b.s3.amazonaws.com/k?<redacted>" in out and "s3://<redacted>@bucket/m" in out
+
+
+def test_storage_key_never_raises_on_text_that_is_not_utf8():
+    assert len(storage_key("s3://b/\udcff")) == 16

@@ -22,6 +22,8 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.incluster_config import InClusterConfigLoader
 
+from modelcache.startup import StartupError
+
 #: Where the kubelet mounts a pod's service account: token, ca.crt, namespace.
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 #: How often the (projected, rotating) token file is read again; client-go re-reads every minute too.
@@ -85,7 +87,7 @@ _TYPED_APIS: dict[str, Callable[[client.ApiClient], Any]] = {
 }
 
 
-class KubeConfigError(Exception):
+class KubeConfigError(StartupError):
     """No usable cluster configuration; the message is one line naming the file and the fix."""
 
 
@@ -144,23 +146,37 @@ def in_cluster_namespace(sa_dir: Path | None = None) -> str | None:
 def load_api_client(kubeconfig: str | None = None, context: str | None = None) -> client.ApiClient:
     """An ApiClient for the cluster, found the way kubectl and controller-runtime find it.
 
-    Processes pass their ``--kubeconfig`` flag (which defaults to ``$KUBECONFIG``) here. In a pod
-    a broken service account mount is an error, not a silent fall-back to ``~/.kube/config``.
+    Processes pass their ``--kubeconfig`` flag (which defaults to ``$KUBECONFIG``) here. A file that
+    cannot be read or is not a kubeconfig, or (in a pod) a broken service account mount, is a one-line
+    ``KubeConfigError`` naming the flag or file that fixes it, never a silent fall-back to
+    ``~/.kube/config``.
     """
-    try:
-        if kubeconfig:
+    if kubeconfig:
+        try:
+            with open(kubeconfig, "rb"):
+                pass
+        except OSError as exc:
+            raise KubeConfigError(f"--kubeconfig {kubeconfig}: cannot read it ({exc.strerror or exc}); point "
+                                  "--kubeconfig (or KUBECONFIG) at a readable kubeconfig file") from None
+        try:
             return config.new_client_from_config(config_file=kubeconfig, context=context)
-        if in_pod():
-            return in_cluster_api_client()
-        # The library itself falls back to KUBECONFIG, then ~/.kube/config (read when it is imported).
+        except Exception as exc:  # yaml errors, ConfigException, a missing cert file it names, ...
+            raise KubeConfigError(f"--kubeconfig {kubeconfig}: not a usable kubeconfig ({_first_line(exc)}); "
+                                  "fix the file or point --kubeconfig (or KUBECONFIG) at another") from None
+    if in_pod():
+        return in_cluster_api_client()
+    # The library itself falls back to KUBECONFIG, then ~/.kube/config (read when it is imported).
+    try:
         return config.new_client_from_config(context=context)
-    except config.ConfigException as exc:
-        if kubeconfig:
-            raise KubeConfigError(f"kubeconfig {kubeconfig}: {exc}; fix it or pass another --kubeconfig") from None
+    except Exception as exc:
         where = os.environ.get("KUBECONFIG") or "~/.kube/config"
-        why = str(exc).rstrip(".")
-        raise KubeConfigError(f"no Kubernetes configuration: not in a pod (KUBERNETES_SERVICE_HOST unset) and "
-                              f"{where}: {why}; pass --kubeconfig or set KUBECONFIG") from None
+        raise KubeConfigError(f"no cluster to talk to: not in a pod (KUBERNETES_SERVICE_HOST unset) and {where} is "
+                              f"not usable ({_first_line(exc)}); pass --kubeconfig (or set KUBECONFIG)") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:200]
 
 
 def is_status(exc: BaseException, *codes: int) -> bool:

@@ -7,17 +7,46 @@ entry never depends on a path that may go away. The initializer links instead, a
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
-from modelcache.errors import AccessDeniedError, NotFoundError, SourceError
+from modelcache.errors import AccessDeniedError, NotFoundError, SourceError, UnsupportedError
 from modelcache.sources.base import RemoteFile, Source, register_source, safe_relpath
 from modelcache.uri import LocalLocation, Location, PVCLocation
 
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device"}
+
+
+class NotAFileError(UnsupportedError):
+    reason = "NotARegularFile"
+
+
+def check_file_type(path: str | os.PathLike[str], mode: int, where: str) -> None:
+    """The one check of what a local source may be: a regular file or a directory.
+
+    A FIFO or a character device would block for ever or stream endless bytes, and a socket
+    cannot be read at all; each is refused by name instead of being copied.
+    """
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return
+    kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    raise NotAFileError(
+        f"{where}: '{path}' is {kind}; only regular files and directories can be model sources"
+    )
+
 
 class _FileStream:
-    def __init__(self, path: str, start: int, end: int | None) -> None:
-        self._fd = os.open(path, os.O_RDONLY)
+    def __init__(self, path: str, start: int, end: int | None, where: str = "") -> None:
+        # O_NONBLOCK: if the path was swapped for a FIFO since the listing, open must not hang
+        # waiting for a writer; the type is checked on what was opened (no race with a stat).
+        self._fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            check_file_type(path, os.fstat(self._fd).st_mode, where or path)
+        except BaseException:
+            os.close(self._fd)
+            raise
         self._pos = start
         self._end = end
 
@@ -65,6 +94,7 @@ class LocalSource(Source):
             raise NotFoundError(f"{where}: no such file or directory '{self.root}'{hint}") from exc
         except PermissionError as exc:
             raise AccessDeniedError(f"{where}: permission denied reading '{self.root}'") from exc
+        check_file_type(self.root, st.st_mode, where)
         if not self.root.is_dir():
             return [self._file(self.root, self.root.name, st)]
         files = []
@@ -77,6 +107,7 @@ class LocalSource(Source):
                     fst = full.stat()
                 except OSError:
                     continue  # a dangling symlink: nothing to copy
+                check_file_type(full, fst.st_mode, where)
                 files.append(self._file(full, rel, fst))
         if not files:
             raise NotFoundError(f"{where}: '{self.root}' holds no files")
@@ -96,6 +127,6 @@ class LocalSource(Source):
 
     def open_range(self, file: RemoteFile, start: int, end: int | None) -> _FileStream:
         try:
-            return _FileStream(file.meta_get("local_path"), start, end)
+            return _FileStream(file.meta_get("local_path"), start, end, self.location.display)
         except FileNotFoundError as exc:
             raise NotFoundError(f"{self.location.display}: '{file.path}' disappeared during the copy") from exc

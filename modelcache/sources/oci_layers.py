@@ -10,6 +10,7 @@ devices and FIFOs. Each layer's sha256 is checked over the compressed bytes as t
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
@@ -19,10 +20,11 @@ import shutil
 import stat
 import tarfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO
 
+from modelcache.compression import CorruptStreamError, verified_tar
 from modelcache.errors import IntegrityError, SourceError, UnsupportedError
 
 _COPY_CHUNK = 1 << 20
@@ -48,7 +50,8 @@ TAR_MEDIA_TYPES: dict[str, str] = {
 
 def corrupt_stream_errors() -> tuple[type[BaseException], ...]:
     """What decompressors and tar raise on bytes that are not a valid layer."""
-    errors: tuple[type[BaseException], ...] = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile)
+    errors: tuple[type[BaseException], ...] = (
+        tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, CorruptStreamError)
     try:
         import zstandard
     except ModuleNotFoundError:
@@ -99,23 +102,24 @@ class DigestReader(io.RawIOBase):
             )
 
 
-def open_layer_tar(stream: IO[bytes], media_type: str, where: str) -> tarfile.TarFile:
-    """Open a layer blob as a streaming tar reader, decompressing by media type."""
+@contextlib.contextmanager
+def open_layer_tar(stream: IO[bytes], media_type: str, where: str) -> Iterator[tarfile.TarFile]:
+    """A streaming tar reader over a layer blob. The decompressor is chosen by magic bytes (a
+    mislabelled plain/gzip layer still opens) and read to its end on exit, so the gzip CRC or
+    zstd checksum of the layer is checked as well as its digest."""
     compression = TAR_MEDIA_TYPES.get(media_type)
     if compression is None:
         raise UnsupportedError(f"{where}: layer media type '{media_type}' is not a tar layer; cannot unpack it")
     if compression == "zstd":
         try:
-            import zstandard
+            import zstandard  # noqa: F401
         except ModuleNotFoundError as exc:
             raise UnsupportedError(
                 f"{where}: zstd-compressed layers are not supported (install 'zstandard'); "
                 "rebuild the image with gzip layers"
             ) from exc
-        reader = zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True)
-        return tarfile.open(fileobj=reader, mode="r|")
-    # "r|*" detects gzip by its magic bytes, so a mislabelled plain/gzip layer still opens.
-    return tarfile.open(fileobj=stream, mode="r|*")
+    with verified_tar(stream) as tar:
+        yield tar
 
 
 @dataclass

@@ -1,0 +1,165 @@
+"""Start-up failures of modelcache-agent and modelcache-coordinator: one line naming the problem
+and the flag that fixes it, exit code 2, never a traceback. Each process runs for real."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.agent_util import write_node
+from tests.helpers import REPO, mounted_tmpfs
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+    full["HOME"] = "/nonexistent-home"  # no ~/.kube/config of the machine's user
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env=full)
+
+
+def the_error(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    assert not [ln for ln in proc.stderr.splitlines() if ln.startswith((" ", "\t"))], proc.stderr  # no frames
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+@contextlib.contextmanager
+def taken_port() -> Iterator[int]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
+@pytest.fixture()
+def spec(tmp_path: Path) -> Path:
+    return write_node(tmp_path / "node.yaml", [])
+
+
+@pytest.fixture()
+def kubeconfig(tmp_path: Path) -> Path:
+    """Well-formed, pointing at a port nothing listens on (start-up fails before any request)."""
+    path = tmp_path / "kubeconfig"
+    path.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: k, cluster: {server: 'http://127.0.0.1:9'}}]\n"
+        "contexts: [{name: c, context: {cluster: k, user: u}}]\nusers: [{name: u, user: {}}]\n")
+    return path
+
+
+def test_agent_port_taken(spec: Path, tmp_path: Path) -> None:
+    with taken_port() as port:
+        proc = run("agent", "--standalone", str(spec), "--root", str(tmp_path / "root"),
+                   "--host", "127.0.0.1", "--port", str(port))
+    the_error(proc, f"127.0.0.1:{port}", "already in use", "--port")
+
+
+def test_coordinator_port_taken(kubeconfig: Path) -> None:
+    with taken_port() as port:
+        proc = run("coordinator", "--kubeconfig", str(kubeconfig), "--bind", "127.0.0.1", "--port", str(port))
+    the_error(proc, f"127.0.0.1:{port}", "already in use", "--port")
+
+
+def test_coordinator_webhook_port_taken(kubeconfig: Path, tmp_path: Path) -> None:
+    with taken_port() as port, taken_port() as _:
+        proc = run("coordinator", "--kubeconfig", str(kubeconfig), "--bind", "127.0.0.1", "--port", "0",
+                   "--webhook-cert-dir", str(tmp_path / "certs"), "--self-signed", "--webhook-port", str(port))
+    the_error(proc, f"127.0.0.1:{port}", "already in use", "--webhook-port")
+
+
+@pytest.mark.parametrize(("module", "case"), [("agent", "missing"), ("agent", "garbage"), ("agent", "directory"),
+                                             ("coordinator", "missing"), ("coordinator", "not-a-config")])
+def test_unreadable_kubeconfig(tmp_path: Path, module: str, case: str) -> None:
+    path = tmp_path / "kc"
+    if case == "directory":
+        path.mkdir()
+    elif case == "garbage":
+        path.write_text("clusters: [\n")
+    elif case == "not-a-config":
+        path.write_text("just: text\n")
+    args = ["--node", "n1", "--port", "-1", "--root", str(tmp_path / "root")] if module == "agent" else ["--port", "0"]
+    proc = run(module, "--kubeconfig", str(path), *args)
+    the_error(proc, f"--kubeconfig {path}", "--kubeconfig (or KUBECONFIG)")
+
+
+@pytest.mark.parametrize("module", ["agent", "coordinator"])
+def test_no_kubeconfig_at_all_names_the_flag(tmp_path: Path, module: str) -> None:
+    args = ["--node", "n1", "--port", "-1", "--root", str(tmp_path / "root")] if module == "agent" else ["--port", "0"]
+    proc = run(module, *args)
+    the_error(proc, "no cluster to talk to", "--kubeconfig")
+
+
+@pytest.mark.parametrize(
+    ("module", "flag", "value", "needle"),
+    [
+        ("agent", "--port", "99999", "'--port'"),
+        ("agent", "--port", "http", "'--port'"),
+        ("agent", "--workers", "0", "'--workers'"),
+        ("agent", "--chunk-size", "lots", "'--chunk-size'"),
+        ("agent", "--log-level", "loud", "'--log-level'"),
+        ("agent", "--resync-period", "-1", "'--resync-period'"),
+        ("agent", "--download-env", "NOEQUALS", "'--download-env'"),
+        ("coordinator", "--port", "70000", "'--port'"),
+        ("coordinator", "--webhook-port", "-5", "'--webhook-port'"),
+        ("coordinator", "--workers", "0", "'--workers'"),
+        ("coordinator", "--log-level", "loud", "'--log-level'"),
+        ("coordinator", "--discovery-interval", "soon", "'--discovery-interval'"),
+        ("coordinator", "--pod-rewrite", "maybe", "'--pod-rewrite'"),
+    ],
+)
+def test_bad_flag_values(spec: Path, tmp_path: Path, module: str, flag: str, value: str, needle: str) -> None:
+    base = ["--standalone", str(spec), "--root", str(tmp_path / "root")] if module == "agent" else []
+    proc = run(module, *base, flag, value)
+    the_error(proc, needle, "--help")
+    assert "Usage:" not in proc.stderr, proc.stderr
+
+
+def test_agent_needs_a_node_name_outside_standalone(tmp_path: Path) -> None:
+    the_error(run("agent", "--root", str(tmp_path / "root")), "--node")
+
+
+def test_agent_spec_file_that_is_not_a_local_model_node(tmp_path: Path) -> None:
+    bad = tmp_path / "node.yaml"
+    bad.write_text("kind: Pod\n")
+    proc = run("agent", "--standalone", str(bad), "--root", str(tmp_path / "root"), "--port", "-1")
+    the_error(proc, "--standalone", str(bad), "LocalModelNode")
+
+
+@pytest.mark.parametrize("case", ["missing", "key-missing", "garbage"])
+def test_coordinator_webhook_certificate_problems(kubeconfig: Path, tmp_path: Path, case: str) -> None:
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    if case == "key-missing":
+        (certs / "tls.crt").write_text("x")
+    elif case == "garbage":
+        (certs / "tls.crt").write_text("-----BEGIN CERTIFICATE-----\nnope\n-----END CERTIFICATE-----\n")
+        (certs / "tls.key").write_text("nope")
+    proc = run("coordinator", "--kubeconfig", str(kubeconfig), "--bind", "127.0.0.1", "--port", "0",
+               "--webhook-port", "0", "--webhook-cert-dir", str(certs))
+    want = {"missing": "tls.crt not found", "key-missing": "tls.key not found", "garbage": "cannot load"}[case]
+    the_error(proc, f"--webhook-cert-dir {certs}", want)
+
+
+def test_agent_read_only_root_is_reported_at_start(spec: Path, tmp_path: Path) -> None:
+    with mounted_tmpfs(tmp_path / "ro", "size=4m,ro") as mnt:
+        proc = run("agent", "--standalone", str(spec), "--root", str(mnt), "--port", "-1")
+        the_error(proc, f"--root {mnt}", "read-only", "point --root at a writable directory")
+        assert not (spec.with_name(spec.name + ".status.yaml")).exists()
