@@ -29,7 +29,7 @@ RESTORED_KINDS = frozenset({"customresourcedefinitions", "clusterroles", "cluste
                             "rolebindings", "serviceaccounts", "namespaces"})
 #: Objects controllers create by themselves in every namespace; they go with their namespace.
 _AUTOMATIC = {("configmaps", "kube-root-ca.crt"), ("serviceaccounts", "default")}
-_NOT_RESET = frozenset({"apiservices", "flowschemas", "prioritylevelconfigurations",
+_NOT_RESET = frozenset({"apiservices", "flowschemas", "prioritylevelconfigurations", "clustertrustbundles",
                         "componentstatuses", "bindings", "servicecidrs", "ipaddresses"})
 
 
@@ -128,7 +128,7 @@ def _still_there(cp: ControlPlane, kind: Kind, meta: dict[str, Any]) -> bool:
     return status == 200 and json.loads(body)["metadata"]["uid"] == meta["uid"]
 
 
-def reset(cp: ControlPlane, base: Baseline, timeout: float = 90) -> None:
+def reset(cp: ControlPlane, base: Baseline, timeout: float = 180) -> None:
     """Delete what tests added; re-apply the baseline manifests if any of their objects changed."""
     order = sorted(base.kinds, key=lambda k: (k.plural not in ("mutatingwebhookconfigurations",
                                                                 "validatingwebhookconfigurations"),

@@ -150,7 +150,7 @@ class ControlPlane:
         """One request as the admin, for readiness and for what the client library hides."""
         data = None if body is None else json.dumps(body).encode()
         kind = "application/merge-patch+json" if method == "PATCH" else "application/json"
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # a loaded 2-core machine can take a minute to fill a watch cache
         while True:
             req = urllib.request.Request(self.server + path, data=data, method=method,
                                          headers={"Content-Type": kind} if data else {})
