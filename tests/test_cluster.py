@@ -98,6 +98,13 @@ def test_service_account_tokens_and_rbac_of_deploy(cluster: Cluster) -> None:
     can = cluster.kubectl("auth", "can-i", "patch", "localmodelnodes", "--subresource", "status", kubeconfig=agent,
                           check=False)
     assert can.stdout.strip() == "yes"
+    # The coordinator (deploy/rbac/coordinator.yaml) writes caches' status but may not delete Nodes
+    # or read Secrets anywhere.
+    coordinator = cluster.coordinator_kubeconfig
+    assert cluster.kubectl("get", "localmodelcaches", kubeconfig=coordinator).returncode == 0
+    for args in (("delete", "node", "nothing-here"), ("get", "secrets", "-n", "kube-system")):
+        denied = cluster.kubectl(*args, kubeconfig=coordinator, check=False)
+        assert denied.returncode != 0 and "forbidden" in denied.stderr, (args, denied.stderr)
 
 
 def test_reset_removes_what_a_test_added_and_restores_the_baseline(cluster: Cluster) -> None:
