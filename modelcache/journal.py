@@ -28,6 +28,12 @@ from dataclasses import dataclass, field
 
 from modelcache.diskio import store_error
 
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+#: Written as the boot id when none can be read. It never counts as "this boot" (below): a
+#: fallback shared by every boot would make each later boot trust the unsynced lines of the
+#: last, and resume zeros that never reached the disk as data.
+UNKNOWN_BOOT = "unknown"
+
 
 def seal(text: str) -> str:
     """Append `` *<crc32>`` to every line of ``text`` (lines end in newlines; blank ones stay)."""
@@ -49,12 +55,14 @@ def unseal(line: str) -> str | None:
     return body if ok else None
 
 
-def boot_id() -> str:
+def boot_id() -> str | None:
+    """This boot's id, or None where it cannot be read (a restricted /proc, some sandboxes)."""
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
+        with open(BOOT_ID_PATH) as f:
+            value = f.read().strip()
     except OSError:
-        return "unknown"
+        return None
+    return value or None
 
 
 @dataclass
@@ -63,14 +71,18 @@ class JournalState:
     files: dict[int, tuple[str, tuple[str, ...]]] = field(default_factory=dict)  # file -> (xxh3, verified)
 
 
-def _trusted(lines: list[str], current_boot: str) -> list[str]:
-    """Each run starts a ``boot`` segment; a segment from another boot counts up to its last sync."""
+def _trusted(lines: list[str], current_boot: str | None) -> list[str]:
+    """Each run starts a ``boot`` segment; a segment from another boot counts up to its last sync.
+
+    Without a readable boot id (``current_boot`` None, or a segment written as ``unknown``) no
+    segment is known to be from this boot: only its sync marks count.
+    """
     out: list[str] = []
     segment: list[str] = []
     seg_boot = ""
 
     def flush() -> None:
-        if seg_boot == current_boot:
+        if current_boot is not None and seg_boot == current_boot and seg_boot != UNKNOWN_BOOT:
             out.extend(segment)
             return
         covered = 0
@@ -136,7 +148,7 @@ class Journal:
         # A new boot line starts every run: lines after it are judged by this boot's id. The
         # leading newline ends a line torn by a crash, which would otherwise swallow the boot
         # line and let this run's marks cover the unsynced tail of the last boot's segment.
-        self._write(f"\nboot {boot_id()}\n")
+        self._write(f"\nboot {boot_id() or UNKNOWN_BOOT}\n")
         self._lines = 0
 
     def _write(self, line: str) -> None:

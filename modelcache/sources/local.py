@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ class _FileStream:
             raise
         self._pos = start
         self._end = end
+        self._lock = threading.Lock()
 
     def readinto(self, buf: memoryview) -> int:
         want = len(buf) if self._end is None else min(len(buf), self._end - self._pos)
@@ -59,9 +61,13 @@ class _FileStream:
         return n
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        # The watchdog or a cancel closes from another thread while the worker may close too:
+        # the number is taken out under a lock before it is closed, so it is closed once. (Two
+        # closes could hit a number the kernel had meanwhile given to a file being written.)
+        with self._lock:
+            fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def resolve_local_path(location: Location, settings: Any) -> Path:
