@@ -14,6 +14,7 @@ import errno
 import mmap
 import os
 import threading
+from collections.abc import Callable
 
 from modelcache.errors import InsufficientSpaceError, StoreError
 
@@ -30,6 +31,24 @@ def store_error(exc: OSError, path: str, action: str) -> StoreError:
     if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         return StoreError(f"cannot write '{path}' ({os.strerror(exc.errno)}): check the store path and its permissions")
     return StoreError(f"{action} '{path}' failed: {exc.strerror or exc}")
+
+
+def writeback_error(exc: OSError, path: str) -> StoreError:
+    """A failed fsync/fdatasync: bytes written earlier never reached the disk.
+
+    Linux reports a write-back error once per open file: a later fsync on the same descriptor
+    returns 0 although the data is lost (zeros on disk). So the first report is final for the
+    file, never retried on the same descriptor.
+    """
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return InsufficientSpaceError(
+            f"no space left on device while flushing '{path}' to disk (data written earlier was lost): "
+            "free space or run `modelcache gc`, then pull again"
+        )
+    return StoreError(
+        f"flushing '{path}' to disk failed ({exc.strerror or exc}): data written earlier was lost; "
+        "check the disk (dmesg), then pull again"
+    )
 
 
 def direct_io_supported(directory: str) -> bool:
@@ -59,12 +78,20 @@ def direct_io_supported(directory: str) -> bool:
 
 
 class FileWriter:
-    """Positional writes into one preallocated file, through O_DIRECT when enabled."""
+    """Positional writes into one preallocated file, through O_DIRECT when enabled.
+
+    A failed flush is sticky: once ``sync`` or ``datasync`` reported a write-back error, every
+    later write and flush raises it too, so no caller can take a later, clean fsync as proof
+    that the file is on disk. Flushes and ``close`` run one at a time (the engine's sync thread
+    flushes files that workers finish and close).
+    """
 
     def __init__(self, path: str, size: int | None, direct: bool) -> None:
         self.path = path
         self.size = size
         self.direct = direct and bool(_O_DIRECT)
+        self._lock = threading.Lock()
+        self.error: OSError | None = None  # the write-back error that lost this file's data
         try:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
@@ -93,6 +120,8 @@ class FileWriter:
 
     def write(self, offset: int, data: memoryview) -> None:
         """Write ``data`` at ``offset``; the aligned part goes through O_DIRECT."""
+        if self.error is not None:
+            raise writeback_error(self.error, self.path)
         try:
             if self.dfd >= 0 and offset % ALIGN == 0:
                 aligned = len(data) - len(data) % ALIGN
@@ -126,22 +155,32 @@ class FileWriter:
         os.ftruncate(self.fd, size)
 
     def sync(self) -> None:
-        try:
-            os.fsync(self.fd)
-        except OSError as exc:
-            raise store_error(exc, self.path, "syncing") from exc
+        """Make the file durable (data and size); raises if any flush of it ever failed."""
+        self._flush(os.fsync)
 
     def datasync(self) -> None:
-        os.fdatasync(self.fd)
+        """Flush the data written so far (the sync thread); a closed file was synced by its closer."""
+        self._flush(os.fdatasync)
+
+    def _flush(self, call: Callable[[int], None]) -> None:
+        with self._lock:
+            if self.error is None and self.fd >= 0:
+                try:
+                    call(self.fd)
+                except OSError as exc:
+                    self.error = exc
+            if self.error is not None:
+                raise writeback_error(self.error, self.path)
 
     def close(self) -> None:
-        for fd in (self.dfd, self.fd):
+        with self._lock:
+            fds, self.fd, self.dfd = (self.dfd, self.fd), -1, -1
+        for fd in fds:
             if fd >= 0:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self.fd = self.dfd = -1
 
 
 class BufferPool:

@@ -11,7 +11,8 @@ Lines:  ``boot <id>``, ``c <file> <chunk> <done>``, ``F <file> <xxh3> <algo,algo
 ``S <n>``, each sealed with `` *<crc32>`` of the rest of the line. A line whose seal does not
 match (a flipped bit, a torn or garbled write, a journal of an older version) is dropped as a
 torn line is: its piece is fetched again, never trusted. Without the seal a single damaged digit
-could mark an unfetched chunk done, or give one file another's finished state.
+could mark an unfetched chunk done, or give one file another's finished state. ``R`` (a file
+fetched again, or whose write-back failed) drops every earlier line of the file.
 
 A sync mark covers the first ``n`` lines of its segment (those written before the
 fdatasync began: lines appended while it ran may describe data it missed); a bare ``S`` (older
@@ -21,12 +22,16 @@ journals) covers every line before it.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import threading
 import zlib
 from dataclasses import dataclass, field
 
 from modelcache.diskio import store_error
+from modelcache.errors import ModelcacheError
+
+log = logging.getLogger(__name__)
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 #: Written as the boot id when none can be read. It never counts as "this boot" (below): a
@@ -112,6 +117,7 @@ class Journal:
         self._lock = threading.Lock()
         self._fd = -1
         self._lines = 0  # lines written in this run's segment (after its boot line)
+        self._lost: set[int] = set()  # files whose write-back failed in this run
 
     def load(self) -> JournalState:
         """Read what earlier runs recorded; trust unsynced lines only within the same boot."""
@@ -151,30 +157,64 @@ class Journal:
         self._write(f"\nboot {boot_id() or UNKNOWN_BOOT}\n")
         self._lines = 0
 
-    def _write(self, line: str) -> None:
+    def _write(self, line: str, file_idx: int | None = None) -> None:
         with self._lock:
-            if self._fd >= 0:
-                data = seal(line).encode()
-                try:
-                    if os.write(self._fd, data) != len(data):  # a torn line would shift the marks' count
-                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                except OSError as exc:
-                    # Data files are preallocated, so on a disk that another writer fills up
-                    # mid-download the journal is what fails to grow: the store's one-line
-                    # space error, not a bare "[Errno 28]".
-                    os.close(self._fd)  # nothing more may be appended after a torn line
-                    self._fd = -1
-                    raise store_error(exc, self.path, "writing the resume journal") from exc
-                self._lines += 1
+            if file_idx is not None and file_idx in self._lost:
+                return  # the file's data was lost at write-back: nothing of it counts any more
+            self._append(line)
+
+    def _append(self, line: str) -> None:
+        """Append one line; the caller holds ``_lock``."""
+        if self._fd < 0:
+            return
+        data = seal(line).encode()
+        try:
+            if os.write(self._fd, data) != len(data):  # a torn line would shift the marks' count
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as exc:
+            # Data files are preallocated, so on a disk that another writer fills up
+            # mid-download the journal is what fails to grow: the store's one-line
+            # space error, not a bare "[Errno 28]".
+            os.close(self._fd)  # nothing more may be appended after a torn line
+            self._fd = -1
+            raise store_error(exc, self.path, "writing the resume journal") from exc
+        self._lines += 1
 
     def chunk(self, file_idx: int, chunk_idx: int, done: int) -> None:
-        self._write(f"c {file_idx} {chunk_idx} {done}\n")
+        self._write(f"c {file_idx} {chunk_idx} {done}\n", file_idx)
 
     def file_done(self, file_idx: int, xxh3: str, verified: tuple[str, ...]) -> None:
-        self._write(f"F {file_idx} {xxh3} {','.join(verified) or '-'}\n")
+        self._write(f"F {file_idx} {xxh3} {','.join(verified) or '-'}\n", file_idx)
 
     def file_reset(self, file_idx: int) -> None:
+        """The file is fetched again from its first byte (a checksum mismatch)."""
         self._write(f"R {file_idx}\n")
+
+    def file_lost(self, file_idx: int) -> None:
+        """The file's write-back failed: none of its journaled pieces may be resumed.
+
+        Within one boot unsynced lines are trusted (the page cache holds their data), so without
+        this a resume would read back the zeros the failed write-back left and hash them as the
+        file. Lines for the file that this run still writes are dropped too: a worker may journal
+        a piece written before the error was seen. If even this line cannot be written (the
+        disk is full), the whole journal is emptied and closed for this run: the next download
+        starts over, which is safe.
+        """
+        with self._lock:
+            if file_idx in self._lost:
+                return
+            self._lost.add(file_idx)
+            if self._fd >= 0:
+                try:
+                    self._append(f"R {file_idx}\n")
+                    return
+                except ModelcacheError:
+                    pass  # _append closed the journal: nothing more is written this run
+            try:
+                os.truncate(self.path, 0)
+            except OSError as exc:
+                log.error("cannot reset the resume journal %s after a lost write (%s): delete it before "
+                          "pulling again", self.path, exc.strerror)
 
     def mark(self) -> int:
         """Take before fdatasyncing the data files; pass to ``synced`` once they are durable."""
