@@ -31,6 +31,12 @@ class SourceError(ModelcacheError):
     reason = "SourceError"
 
 
+class SourceChangedError(SourceError):
+    """The object changed while it was read: its bytes would mix two versions (pull again)."""
+
+    reason = "SourceChanged"
+
+
 class NotFoundError(SourceError):
     reason = "NotFound"
 

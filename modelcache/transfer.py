@@ -607,6 +607,9 @@ class TransferEngine:
         if st.writer is None:
             self._open_writer(st)
         assert st.writer is not None and st.hasher is not None
+        # Before the checksums: a file that changed under the download is not fetched again
+        # within this run (its listing, size and version are pinned); the next pull lists it anew.
+        job.source.check_unchanged(job.remote)
         bad = st.hasher.mismatches()
         if bad:
             expected, actual = bad[0]

@@ -115,6 +115,14 @@ class Source(ABC):
         Errors map to ``modelcache.errors``: TransientError for what a retry may fix.
         """
 
+    def check_unchanged(self, file: RemoteFile) -> None:  # noqa: B027 - optional hook
+        """Called once every byte of ``file`` was read, before it counts as fetched: raise
+        ``SourceChangedError`` if it may have changed since it was listed in a way its reads
+        could not show. Sources pinned to an immutable revision, or whose every response is
+        checked against the listed version, need nothing; one with no validator (a local file,
+        an HTTP server without ETag or Last-Modified) looks at the file again here.
+        """
+
     def extract_into(self, staging_dir: str, on_bytes: Callable[[int], None]) -> list[str] | None:
         """Hook for layouts that are not one remote object per file (an OCI modelcar image's
         tar layers): write the model tree into ``staging_dir`` directly, call ``on_bytes(n)``

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from modelcache.errors import AccessDeniedError, NotFoundError, SourceError, UnsupportedError
+from modelcache.errors import AccessDeniedError, NotFoundError, SourceChangedError, SourceError, UnsupportedError
 from modelcache.sources.base import RemoteFile, Source, register_source, safe_relpath
 from modelcache.uri import LocalLocation, Location, PVCLocation
 
@@ -124,15 +124,29 @@ class LocalSource(Source):
 
     def _file(self, full: Path, rel: str, st: os.stat_result) -> RemoteFile:
         path = safe_relpath(rel, self.location.display)
-        return RemoteFile(
-            path=path,
-            size=st.st_size,
-            version=f"{st.st_mtime_ns}-{st.st_size}",
-            meta=(("local_path", str(full)),),
-        )
+        return RemoteFile(path=path, size=st.st_size, version=_identity(st), meta=(("local_path", str(full)),))
 
     def open_range(self, file: RemoteFile, start: int, end: int | None) -> _FileStream:
         try:
             return _FileStream(file.meta_get("local_path"), start, end, self.location.display)
         except FileNotFoundError as exc:
             raise NotFoundError(f"{self.location.display}: '{file.path}' disappeared during the copy") from exc
+
+    def check_unchanged(self, file: RemoteFile) -> None:
+        """A file has no revision here: it is stat'ed again once copied. A write in place (same
+        size, even with its mtime put back) changes its ctime; a replacement, its inode."""
+        try:
+            now = _identity(os.stat(file.meta_get("local_path")))
+        except FileNotFoundError:
+            now = "gone"
+        if now != file.version:
+            raise SourceChangedError(
+                f"{self.location.display}: '{file.path}' changed during the copy (its size, times or inode "
+                "differ from the listing); pull again once nothing writes it"
+            )
+
+
+def _identity(st: os.stat_result) -> str:
+    """The listed version of a local file: what any write to it, or a replacement, changes. Also
+    the resume key (plan.json): a same-size copy with its mtime kept (``cp -p``) is a new inode."""
+    return f"{st.st_mtime_ns}-{st.st_size}-{st.st_ino}-{st.st_ctime_ns}"
