@@ -17,6 +17,12 @@ offset in the file, located through Content-Range; the rule then only fires on r
 cover it). Counters record requests, body bytes delivered per path and faults applied, and an
 optional global rate limit slows everything down and ``pause`` holds every body still (to kill a
 client mid-transfer at a known point, for instance).
+
+Servers that behave differently from nginx are made by rewriting headers: ``drop_request_headers``
+(a server or cache that ignores ``If-Match``), ``drop_response_headers`` (one without validators,
+or without ``Content-Length``: the body then ends when the proxy closes the connection). A test
+changes the upstream file between two requests with ``on_request``, called before each request
+is forwarded.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -129,6 +136,12 @@ class FaultProxy:
         self._flowing = threading.Event()
         self._flowing.set()
         self.records: list[ProxyRecord] = []
+        #: Lower-case header names removed from requests before they are forwarded.
+        self.drop_request_headers: set[str] = set()
+        #: Lower-case header names removed from responses (``content-length``: close-delimited body).
+        self.drop_response_headers: set[str] = set()
+        #: Called with (method, path, headers) before a request is forwarded (e.g. to change the file).
+        self.on_request: Callable[[str, str, dict[str, str]], None] | None = None
         self.requests: Counter[str] = Counter()
         self.bytes_sent: Counter[str] = Counter()
         self.faults: Counter[str] = Counter()
@@ -257,6 +270,9 @@ class FaultProxy:
         req_body = rfile.read(int(hmap.get("content-length", "0") or 0)) if "content-length" in hmap else b""
         rng = hmap.get("range")
         pending = self._choose(method, path)
+        if self.on_request is not None:
+            self.on_request(method, path, hmap)
+        headers = [(k, v) for k, v in headers if k.lower() not in self.drop_request_headers]
 
         if pending is not None and pending.rule.kind == "status":
             rule = pending.rule
@@ -289,8 +305,10 @@ class FaultProxy:
                 length = int(rmap["content-length"])
             else:
                 length = None  # relay until upstream closes, then close the client too
-            keep = client_keep and length is not None
-            out = [status_line] + [f"{k}: {v}" for k, v in rheaders if k.lower() not in _HOP_BY_HOP]
+            framed = length is not None and "content-length" not in self.drop_response_headers
+            keep = client_keep and framed
+            dropped = _HOP_BY_HOP | self.drop_response_headers
+            out = [status_line] + [f"{k}: {v}" for k, v in rheaders if k.lower() not in dropped]
             out.append(f"Connection: {'keep-alive' if keep else 'close'}")
             conn.sendall(("\r\n".join(out) + "\r\n\r\n").encode("latin-1"))
 

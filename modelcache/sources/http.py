@@ -5,6 +5,13 @@ the server honours ``Range``; a server that ignores it is read as one stream. Ra
 send ``If-Match`` with a strong ETag so a file replaced on the server mid-download fails
 loudly instead of mixing two versions. Digest headers (RFC 9530 ``Repr-Digest``, RFC 3230
 ``Digest``, ``Content-MD5``) and a ``#sha256=<hex>`` pin in the URI become checksums.
+
+Servers and caches do not all honour ``If-Match``, and some send no validator at all, so every
+response is also checked against the listing: its ``ETag`` and ``Last-Modified`` (when it has
+them), the start and total of ``Content-Range``, and the ``Content-Length`` of a whole-file
+answer. A file whose server gives no validator is probed again once read. A body with neither
+``Content-Length`` nor chunked framing ends when the connection closes, so a cut looks like
+the end: such a file is accepted only with a checksum to catch it.
 """
 
 from __future__ import annotations
@@ -13,7 +20,9 @@ import http.client
 import re
 import socket
 import ssl
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 from urllib.parse import urljoin, urlsplit
 
 import urllib3
@@ -33,6 +42,7 @@ from modelcache.errors import (
     AuthError,
     NotFoundError,
     RateLimitedError,
+    SourceChangedError,
     SourceError,
     TransientError,
 )
@@ -82,9 +92,12 @@ _MAX_READ = 256 << 10
 
 
 class _HTTPStream:
-    def __init__(self, resp: urllib3.BaseHTTPResponse, where: str) -> None:
+    def __init__(self, resp: urllib3.BaseHTTPResponse, where: str, expect: int | None = None) -> None:
+        """``expect``: the bytes a body without Content-Length must hold (the listed size); one
+        that goes on past them is another file, not a longer read."""
         self._resp = resp
         self._where = where
+        self._left = expect
         # urllib3's readinto reads into a new bytes object and copies it; with no content coding
         # the underlying http.client response reads from the socket straight into our buffer,
         # which measured ~20% more throughput on 2 cores.
@@ -94,6 +107,18 @@ class _HTTPStream:
 
     def readinto(self, buf: memoryview) -> int:
         buf = buf[:_MAX_READ]
+        if self._left is None:
+            return self._read(buf)
+        if self._left == 0:
+            return 0
+        n = self._read(buf[: self._left])
+        self._left -= n
+        if n and self._left == 0 and self._read(memoryview(bytearray(1))):
+            raise SourceChangedError(f"{self._where}: the body goes on past the listed size: the file changed "
+                                     "on the server during the download; pull again")
+        return n
+
+    def _read(self, buf: memoryview) -> int:
         try:
             if self._raw is not None:
                 return self._raw.readinto(buf)
@@ -156,6 +181,7 @@ class HTTPSource(Source):
         self.pool = urllib3.PoolManager(**kwargs)
         self._etag: str | None = None
         self._modified: str | None = None
+        self._listed: _Listing | None = None
 
     def _request(self, method: str, headers: dict[str, str] | None = None) -> urllib3.BaseHTTPResponse:
         """Send one request, following redirects on every request (a presigned target may expire)."""
@@ -205,7 +231,7 @@ class HTTPSource(Source):
         if code == 404 or code == 410:
             raise NotFoundError(f"{self.where}: HTTP {code} Not Found: check the URL")
         if code == 412:
-            raise SourceError(f"{self.where}: the file changed on the server during the download; pull again")
+            raise SourceChangedError(f"{self.where}: the file changed on the server during the download; pull again")
         if code == 429:
             raise RateLimitedError(f"{self.where}: HTTP 429 Too Many Requests", _retry_after(resp))
         if code >= 500 or code == 408:
@@ -213,19 +239,10 @@ class HTTPSource(Source):
         raise SourceError(f"{self.where}: unexpected HTTP {code}")
 
     def list_files(self) -> list[RemoteFile]:
-        from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+        return [_retrying(self._probe)]
 
-        for attempt in Retrying(
-            stop=stop_after_attempt(3),
-            wait=wait_exponential(multiplier=0.3, max=3),
-            retry=retry_if_exception_type(TransientError),
-            reraise=True,
-        ):
-            with attempt:
-                return [self._probe()]
-        raise AssertionError("unreachable")
-
-    def _probe(self) -> RemoteFile:
+    def _look(self) -> _Listing:
+        """What the server says about the file now: HEAD, then a one-byte ranged GET."""
         head = self._request("HEAD")
         checksums: list[Checksum] = []
         size: int | None = None
@@ -267,19 +284,33 @@ class HTTPSource(Source):
                 probe.close()  # don't read a whole body just to learn it ignores Range
             etag = etag or probe.headers.get("ETag")
             modified = modified or probe.headers.get("Last-Modified")
+        return _Listing(size, etag, modified, ranged, checksums)
+
+    def _probe(self) -> RemoteFile:
+        seen = self._look()
+        checksums = seen.checksums
         if self.loc.pinned:
             pin = Checksum(*self.loc.pinned)
             checksums = [c for c in checksums if c.algo != pin.algo] + [pin]
+        etag, modified = seen.etag, seen.modified
         if etag and not etag.startswith("W/"):
             self._etag = etag
         elif modified:
             # No strong ETag: Last-Modified is the version. Without it a file replaced by one of
             # the same size matched a staged download of the old one and the resume mixed both.
             self._modified = modified
-        version = etag or (f"last-modified {modified}" if modified else None)
+        self._listed = seen
+        # The resume key: equal versions must mean equal bytes. A weak ETag does not promise
+        # that (only "equivalent" content), so alone it is no version: no resume.
+        if etag and not etag.startswith("W/"):
+            version: str | None = etag
+        elif modified:
+            version = f"last-modified {modified}" + (f" {etag}" if etag else "")
+        else:
+            version = None
         path = safe_relpath(self.loc.filename, self.where)
-        return RemoteFile(path=path, size=size, version=version, checksums=tuple(checksums),
-                          ranged=ranged and bool(size))
+        return RemoteFile(path=path, size=seen.size, version=version, checksums=tuple(checksums),
+                          ranged=seen.ranged and bool(seen.size))
 
     def open_range(self, file: RemoteFile, start: int, end: int | None) -> _HTTPStream:
         headers: dict[str, str] = {}
@@ -302,10 +333,94 @@ class HTTPSource(Source):
                     f"Content-Range {resp.headers.get('Content-Range', 'missing')!r}"
                 raise TransientError(f"{self.where}: asked for bytes from {start}, got {got}")
         self._check_status(resp, (200,) if whole else (206,))
-        return _HTTPStream(resp, self.where)
+        try:
+            expect = self._check_response(file, resp, whole)
+        except BaseException:
+            resp.close()
+            raise
+        return _HTTPStream(resp, self.where, expect)
+
+    def _check_response(self, file: RemoteFile, resp: urllib3.BaseHTTPResponse, whole: bool) -> int | None:
+        """Hold a response against the listing (``If-Match`` alone trusts the server to honour
+        it). Returns how many bytes a body without ``Content-Length`` must end at, if known."""
+        listed = self._listed
+        etag, modified = resp.headers.get("ETag"), resp.headers.get("Last-Modified")
+        if listed is not None and listed.etag and etag and _opaque(etag) != _opaque(listed.etag):
+            raise self._changed(f"its ETag is now {etag}, listed {listed.etag}")
+        if listed is not None and listed.modified and modified and modified != listed.modified:
+            raise self._changed(f"its Last-Modified is now {modified}, listed {listed.modified}")
+        length = _int(resp.headers.get("Content-Length"))
+        if not whole:
+            m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", resp.headers.get("Content-Range", "").strip())
+            total = m.group(3) if m else "*"
+            if file.size is not None and total != "*" and int(total) != file.size:
+                raise self._changed(f"its size is now {total} bytes, listed {file.size}")
+            if m and length is not None and length != int(m.group(2)) - int(m.group(1)) + 1:
+                raise TransientError(f"{self.where}: Content-Length {length} does not match "
+                                     f"Content-Range {resp.headers.get('Content-Range')!r}")
+            return None
+        if file.size is not None and length is not None and length != file.size:
+            raise self._changed(f"its size is now {length} bytes, listed {file.size}")
+        chunked = "chunked" in resp.headers.get("Transfer-Encoding", "").lower()
+        if file.size is None and length is None and not chunked and not file.checksums:
+            raise SourceError(
+                f"{self.where}: the server sends neither Content-Length nor chunked framing, so a cut "
+                "connection cannot be told from the end of the file; pin its digest in the URI "
+                "(#sha256=<hex>) to download it verified"
+            )
+        return file.size if length is None else None
+
+    def check_unchanged(self, file: RemoteFile) -> None:
+        """A server without ETag or Last-Modified gives nothing to hold each response against
+        but sizes: once the file is read, it is probed again and its size compared."""
+        listed = self._listed
+        if listed is None or listed.etag or listed.modified:
+            return
+        seen = _retrying(self._look)
+        if seen.size != file.size:
+            raise self._changed(f"its size is now {seen.size} bytes, listed {file.size}")
+
+    def _changed(self, what: str) -> SourceChangedError:
+        return SourceChangedError(f"{self.where}: the file changed on the server during the download ({what}); "
+                                  "pull again")
 
     def close(self) -> None:
         self.pool.clear()
+
+
+T = TypeVar("T")
+
+
+def _retrying(call: Callable[[], T]) -> T:
+    """A listing request: three attempts on transient errors (the engine retries reads itself)."""
+    from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+    for attempt in Retrying(
+        stop=stop_after_attempt(3),
+        wait=wait_exponential(multiplier=0.3, max=3),
+        retry=retry_if_exception_type(TransientError),
+        reraise=True,
+    ):
+        with attempt:
+            return call()
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class _Listing:
+    """What the server said about the file when it was listed (or probed again)."""
+
+    size: int | None
+    etag: str | None
+    modified: str | None
+    ranged: bool
+    checksums: list[Checksum]
+
+
+def _opaque(etag: str) -> str:
+    """The tag without its weak marker: RFC 9110's weak comparison (a changed file gets a new tag
+    either way; a cache may mark a strong one weak)."""
+    return etag[2:] if etag.startswith("W/") else etag
 
 
 def _int(value: str | None) -> int | None:
