@@ -32,6 +32,7 @@ from modelcache.errors import (
     ModelcacheError,
     NotFoundError,
     RateLimitedError,
+    SourceChangedError,
     SourceError,
     TransientError,
 )
@@ -48,6 +49,7 @@ from modelcache.sources.objectstore import (
     scope_of,
     single_object_path,
 )
+from modelcache.sources.ranges import check_length, check_total
 from modelcache.uri import GCSLocation, Location, redact_uri
 
 quiet_sdk_logs()
@@ -220,6 +222,14 @@ class GCSSource(Source):
         if headers and resp.status_code != 206 and start:
             resp.close()
             raise SourceError(f"{where}: the GCS endpoint ignored the byte range")
+        try:  # the generation pins the object; the sizes are checked all the same (cheap)
+            if resp.status_code == 206:
+                check_total(where, resp.headers.get("Content-Range"), file.size)
+            elif resp.headers.get("Content-Length") is not None:
+                check_length(where, int(resp.headers["Content-Length"]), file.size)
+        except SourceChangedError:
+            resp.close()
+            raise
         length = resp.headers.get("Content-Length")
         expected = int(length) if length is not None else (None if stop is None else stop - start)
         stream = RawRangeStream(resp.raw, expected, lambda e: self._error(e, where), where)

@@ -42,11 +42,13 @@ from modelcache.errors import (
     ModelcacheError,
     NotFoundError,
     RateLimitedError,
+    SourceChangedError,
     SourceError,
     TransientError,
 )
 from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source, safe_relpath
 from modelcache.sources.pinned_tls import adapter as tls_adapter
+from modelcache.sources.ranges import check_total
 from modelcache.sources.ratelimit import retry_after, wait_out
 from modelcache.uri import HFLocation, Location
 
@@ -256,6 +258,11 @@ class HFSource(Source):
             if m is None or int(m.group(1)) != start:
                 stream.close()
                 raise TransientError(f"{self.loc.display}: {file.path}: asked for {rng}, got Content-Range '{got}'")
+            try:  # pinned to a commit, but a CDN or proxy in between may be stale or broken
+                check_total(f"{self.loc.display}: {file.path}", got, file.size)
+            except SourceChangedError:
+                stream.close()
+                raise
         return stream
 
     def _get(self, file: RemoteFile, rng: str) -> requests.Response:

@@ -48,6 +48,7 @@ from modelcache.errors import (
 )
 from modelcache.integrity import safe_b64_to_hex
 from modelcache.sources.base import Checksum, RemoteFile, Source, register_source, safe_relpath
+from modelcache.sources.ranges import changed, check_length, check_total, parse_content_range
 from modelcache.uri import HTTPLocation, redact_uri
 
 _REDIRECT_CODES = (301, 302, 303, 307, 308)
@@ -326,8 +327,8 @@ class HTTPSource(Source):
             # A cache may answer a range with the whole object (200, e.g. on a miss) or, broken,
             # with another range: never read gigabytes we did not ask for, nor write bytes at the
             # wrong offset. Drop the connection and let the engine retry.
-            m = re.match(r"bytes (\d+)-\d+/", resp.headers.get("Content-Range", ""))
-            if resp.status == 200 or m is None or int(m.group(1)) != start:
+            parsed = parse_content_range(resp.headers.get("Content-Range"))
+            if resp.status == 200 or parsed is None or parsed[0] != start:
                 resp.close()
                 got = "HTTP 200 with the whole file" if resp.status == 200 else \
                     f"Content-Range {resp.headers.get('Content-Range', 'missing')!r}"
@@ -346,21 +347,18 @@ class HTTPSource(Source):
         listed = self._listed
         etag, modified = resp.headers.get("ETag"), resp.headers.get("Last-Modified")
         if listed is not None and listed.etag and etag and _opaque(etag) != _opaque(listed.etag):
-            raise self._changed(f"its ETag is now {etag}, listed {listed.etag}")
+            raise changed(self.where, f"its ETag is now {etag}, listed {listed.etag}")
         if listed is not None and listed.modified and modified and modified != listed.modified:
-            raise self._changed(f"its Last-Modified is now {modified}, listed {listed.modified}")
+            raise changed(self.where, f"its Last-Modified is now {modified}, listed {listed.modified}")
         length = _int(resp.headers.get("Content-Length"))
         if not whole:
-            m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", resp.headers.get("Content-Range", "").strip())
-            total = m.group(3) if m else "*"
-            if file.size is not None and total != "*" and int(total) != file.size:
-                raise self._changed(f"its size is now {total} bytes, listed {file.size}")
-            if m and length is not None and length != int(m.group(2)) - int(m.group(1)) + 1:
+            check_total(self.where, resp.headers.get("Content-Range"), file.size)
+            parsed = parse_content_range(resp.headers.get("Content-Range"))
+            if parsed and length is not None and length != parsed[1] - parsed[0] + 1:
                 raise TransientError(f"{self.where}: Content-Length {length} does not match "
                                      f"Content-Range {resp.headers.get('Content-Range')!r}")
             return None
-        if file.size is not None and length is not None and length != file.size:
-            raise self._changed(f"its size is now {length} bytes, listed {file.size}")
+        check_length(self.where, length, file.size)
         chunked = "chunked" in resp.headers.get("Transfer-Encoding", "").lower()
         if file.size is None and length is None and not chunked and not file.checksums:
             raise SourceError(
@@ -378,11 +376,7 @@ class HTTPSource(Source):
             return
         seen = _retrying(self._look)
         if seen.size != file.size:
-            raise self._changed(f"its size is now {seen.size} bytes, listed {file.size}")
-
-    def _changed(self, what: str) -> SourceChangedError:
-        return SourceChangedError(f"{self.where}: the file changed on the server during the download ({what}); "
-                                  "pull again")
+            raise changed(self.where, f"its size is now {seen.size} bytes, listed {file.size}")
 
     def close(self) -> None:
         self.pool.clear()

@@ -38,6 +38,7 @@ from modelcache.errors import (
     ModelcacheError,
     NotFoundError,
     RateLimitedError,
+    SourceChangedError,
     SourceError,
     TransientError,
 )
@@ -55,6 +56,7 @@ from modelcache.sources.objectstore import (
     scope_of,
     single_object_path,
 )
+from modelcache.sources.ranges import changed, check_length, check_total
 from modelcache.uri import Location, S3Location, redact_uri
 
 quiet_sdk_logs()
@@ -238,6 +240,17 @@ class S3Source(Source):
         if "Range" in kwargs and not str(resp.get("ContentRange", "")).startswith(f"bytes {start}-"):
             resp["Body"].close()
             raise SourceError(f"{where}: the S3 endpoint ignored the byte range; it does not support ranged GETs")
+        try:  # S3-compatible stores do not all honour IfMatch: hold the answer against the listing
+            etag = str(resp.get("ETag", "")).strip('"').lower()
+            if file.meta_get("etag") and etag and etag != file.meta_get("etag"):
+                raise changed(where, f"its ETag is now {etag}, listed {file.meta_get('etag')}")
+            if "Range" in kwargs:
+                check_total(where, resp.get("ContentRange"), file.size)
+            else:
+                check_length(where, int(resp["ContentLength"]), file.size)
+        except SourceChangedError:
+            resp["Body"].close()
+            raise
         return RawRangeStream(resp["Body"], int(resp["ContentLength"]), lambda e: self._error(e, where, True), where)
 
     def close(self) -> None:
