@@ -101,6 +101,9 @@ def install_in_place(store: NodeStore, key: str, staged: Path, manifest: Manifes
         os.fsync(out.fileno())
     os.replace(tmp, final)
     fsync_dir(str(final.parent))
+    # A publish that crashed before its manifest left one pending in staging: it describes the
+    # folder as it was then, not as repaired, and ``recover`` must never find it later.
+    shutil.rmtree(store.layout.staging_dir(key), ignore_errors=True)
     return replaced, removed
 
 

@@ -291,11 +291,22 @@ class NodeStore:
     # ---- writing ----------------------------------------------------------------------
 
     def recover(self, key: str) -> None:
-        """Finish a publish that a crash interrupted between its two renames."""
+        """Finish a publish that a crash interrupted between its two renames.
+
+        The pending manifest is installed only if the folder holds exactly what it lists (every
+        file hashed: this runs only after such a crash). A stale one, say from a crash before an
+        in-place repair moved the folder to another revision, would otherwise vouch for files
+        it does not describe; it is dropped, and the model is fetched again.
+        """
         staging = self.layout.staging_dir(key)
         pending = staging / "manifest.json"
         if pending.exists() and not (staging / "data").exists() and self.layout.model_dir(key).exists():
-            self._install_manifest(key, pending)
+            try:
+                manifest: Manifest | None = Manifest.from_json(pending.read_text())
+            except (OSError, ValueError, TypeError, KeyError):
+                manifest = None
+            if manifest is not None and manifest.storage_key == key and not self._problems(key, manifest):
+                self._install_manifest(key, pending)
             shutil.rmtree(staging, ignore_errors=True)
 
     def publish(self, key: str, manifest: Manifest) -> Path:
@@ -444,6 +455,9 @@ class NodeStore:
         m = self.manifest(key)
         if m is None:
             return [VerifyProblem("", "no manifest: the model is not (completely) in the store")]
+        return self._problems(key, m)
+
+    def _problems(self, key: str, m: Manifest) -> list[VerifyProblem]:
         base = self.layout.model_dir(key)
         problems = []
         for f in m.files:
