@@ -25,7 +25,7 @@ from agent.credentials import Credentials
 from agent.inuse import MountChecker
 from agent.logs import fields
 from agent.metrics import AgentMetrics
-from agent.repair import needs_repair, repair, repair_dir
+from agent.repair import needs_repair, pin_damaged, pin_path, repair, repair_dir
 from agent.state import ModelRecord
 from modelcache.errors import ModelcacheError
 from modelcache.kube.types import (
@@ -230,10 +230,16 @@ class Agent:
         assert rec.progress is not None and rec.cancel is not None
         try:
             with self.credentials.settings_for(rec.primary) as settings:
-                def pull_into(dest: Any = None) -> Any:
+                def pull_into(dest: Any = None, uri: str | None = None, check: Any = None) -> Any:
                     where: dict[str, Any] = {"dest": dest} if dest is not None else {"root": self.cfg.root}
-                    return pull(rec.uri, settings=settings, options=self._options(), progress=rec.progress,
-                                admit=lambda plan: self._admit(rec, plan), cancel=rec.cancel, **where)
+
+                    def admit(plan: PullPlan) -> None:
+                        if check is not None:
+                            check(plan)  # a repair refuses a listing that is not its pinned revision
+                        self._admit(rec, plan)
+
+                    return pull(uri or rec.uri, settings=settings, options=self._options(), progress=rec.progress,
+                                admit=admit, cancel=rec.cancel, **where)
 
                 if needs_repair(self.store, rec.key):
                     # Damaged, or left half-repaired by a crash: fix the files inside the folder that
@@ -305,10 +311,10 @@ class Agent:
             try:
                 with self.store.lock(rec.key, blocking=False):
                     # Not present any more (for every reader of the store) until the repair installs
-                    # a new manifest; its file list tells the repair which files were ours.
-                    manifest = self.store.manifest(rec.key)
+                    # a new manifest; kept as the repair's pin, it says which revision to restore
+                    # and which files were ours.
+                    manifest = pin_damaged(self.store, rec.key)
                     rec.old_files = [f.path for f in manifest.files] if manifest else []
-                    self.store.layout.manifest_path(rec.key).unlink(missing_ok=True)
             except ModelcacheError:
                 return  # someone else holds the model right now: check again later
             rec.to(MODEL_DOWNLOAD_ERROR, f"damaged: {problem}; repairing", "Damaged")
@@ -352,6 +358,7 @@ class Agent:
                 log.info("removal deferred", extra=fields(storage_key=rec.key, error=_one_line(exc)))
                 continue
             shutil.rmtree(repair_dir(self.store.layout, rec.key), ignore_errors=True)  # an unfinished repair
+            pin_path(self.store.layout, rec.key).unlink(missing_ok=True)
             with self.lock:
                 if rec.removing and self.records.get(rec.key) is rec:
                     del self.records[rec.key]

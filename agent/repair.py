@@ -9,6 +9,13 @@ each file that differs into place inside the existing folder (an atomic ``rename
 a reader sees the old or the new file, never a partial one; open handles keep the old bytes),
 removes files the new listing no longer has, and installs the new manifest last, so the model
 counts as present only once every file matches it.
+
+A repair restores the revision that was damaged, never a newer one: files renamed one by one
+into a folder that running pods read would otherwise mix two revisions (a pod that restarts or
+opens a file lazily meanwhile loads half of each). The damaged manifest is kept as the repair's
+pin (``.modelcache/repair/<storageKey>.pinned.json``). Where the source has revisions (an HF
+commit, an OCI digest) the repair pulls that pinned revision; otherwise (S3, GCS, HTTP, local)
+it pulls the URI and installs nothing unless every file equals the pinned one, size and digest.
 """
 
 from __future__ import annotations
@@ -24,14 +31,16 @@ from pathlib import Path
 
 from agent.logs import fields
 from modelcache.diskio import fsync_dir
-from modelcache.errors import StoreError
+from modelcache.errors import SourceChangedError, StoreError
 from modelcache.integrity import hash_file
-from modelcache.pull import PullResult
+from modelcache.pull import PullPlan, PullResult
 from modelcache.store import Manifest, ManifestFile, NodeLayout, NodeStore
 
 log = logging.getLogger("agent.repair")
 
-Pull = Callable[[Path], PullResult]
+#: ``pull_into(dest, uri, check)``: pull ``uri`` (None: the model's own URI) into the folder
+#: ``dest``; ``check`` sees the listing before a byte is written and may refuse it (raise).
+Pull = Callable[[Path, str | None, Callable[[PullPlan], None] | None], PullResult]
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,42 @@ class RepairOutcome:
 
 def repair_dir(layout: NodeLayout, key: str) -> Path:
     return layout.meta / "repair" / key
+
+
+def pin_path(layout: NodeLayout, key: str) -> Path:
+    """The damaged model's manifest, kept until the repair is installed: what it must restore."""
+    return layout.meta / "repair" / f"{key}.pinned.json"
+
+
+def pin_damaged(store: NodeStore, key: str) -> Manifest | None:
+    """Take a damaged model's manifest away (it stops being present for every reader of the
+    store) and keep it as the repair's pin. The caller holds the model's store lock."""
+    layout = store.layout
+    assert isinstance(layout, NodeLayout)
+    manifest = store.manifest(key)
+    final = layout.manifest_path(key)
+    if manifest is None:
+        final.unlink(missing_ok=True)
+        return None
+    pin = pin_path(layout, key)
+    pin.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(final, pin)
+    fsync_dir(str(pin.parent))
+    return manifest
+
+
+def _pinned(layout: NodeLayout, key: str) -> Manifest | None:
+    try:
+        m = Manifest.from_json(pin_path(layout, key).read_text())
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return m if m.storage_key == key else None
+
+
+def _differences(pinned: Manifest, got: Manifest) -> list[str]:
+    want = {f.path: (f.size, f.xxh3) for f in pinned.files}
+    have = {f.path: (f.size, f.xxh3) for f in got.files}
+    return sorted(p for p in want.keys() | have.keys() if want.get(p) != have.get(p))
 
 
 def needs_repair(store: NodeStore, key: str) -> bool:
@@ -108,22 +153,55 @@ def install_in_place(store: NodeStore, key: str, staged: Path, manifest: Manifes
 
 
 def repair(store: NodeStore, key: str, pull_into: Pull, old_files: Iterable[str] = ()) -> RepairOutcome:
-    """Pull the model into its repair folder (``pull_into(dest)``), then fix the model in place."""
+    """Pull the model's pinned revision into its repair folder, then fix the model in place."""
     layout = store.layout
     assert isinstance(layout, NodeLayout)
     staged = repair_dir(layout, key)
     staged.mkdir(parents=True, exist_ok=True)
-    result = pull_into(staged)
+    pinned = _pinned(layout, key)
+    # Sources with revisions listed the one they read in the manifest: pull exactly that.
+    at_revision = pinned.resolved_uri if pinned and pinned.revision and pinned.resolved_uri != pinned.uri else None
+
+    def same_listing(plan: PullPlan) -> None:
+        """Without a revision, a listing whose files or sizes differ is refused before any download."""
+        if pinned is None or at_revision is not None:
+            return
+        want = {f.path: f.size for f in pinned.files}
+        have = dict(plan.listing)
+        differ = sorted(p for p in want.keys() | have.keys()
+                        if p not in want or p not in have or have[p] not in (None, want[p]))
+        if differ:
+            raise _moved(pinned, differ)
+
+    result = pull_into(staged, at_revision, same_listing)
     manifest_file = staged / ".modelcache" / "manifest.json"
     try:
         manifest = Manifest.from_json(manifest_file.read_text())
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise StoreError(f"{result.uri}: repair download left no manifest in {staged} ({exc})") from None
     manifest = dataclasses.replace(manifest, storage_key=key)
+    if pinned is not None:
+        differ = _differences(pinned, manifest)
+        if differ:  # same names and sizes, other bytes: the download is of no use
+            shutil.rmtree(staged, ignore_errors=True)
+            raise _moved(pinned, differ)
+        manifest = dataclasses.replace(manifest, uri=pinned.uri, resolved_uri=pinned.resolved_uri,
+                                       revision=pinned.revision)
+        old_files = {*old_files, *(f.path for f in pinned.files)}
     with store.lock(key):  # the node store's lock: no removal or other pull of the model meanwhile
         replaced, removed = install_in_place(store, key, staged, manifest, old_files)
+        pin_path(layout, key).unlink(missing_ok=True)
     shutil.rmtree(staged, ignore_errors=True)
     log.info("repaired in place", extra=fields(storage_key=key, replaced=",".join(replaced[:20]),
                                                replaced_count=len(replaced), removed=len(removed)))
     out = dataclasses.replace(result, path=layout.model_dir(key), cached=result.cached and not replaced)
     return RepairOutcome(out, replaced, removed)
+
+
+def _moved(pinned: Manifest, differ: list[str]) -> SourceChangedError:
+    return SourceChangedError(
+        f"{pinned.uri}: the source changed since the model was downloaded ({len(differ)} file(s) differ, "
+        f"e.g. '{differ[0]}'), so its damaged copy is not repaired in place: that would mix two revisions "
+        "under the pods using it. Restore the source, or remove the model from the node (once no pod "
+        "uses it) and add it again to take the new revision"
+    )

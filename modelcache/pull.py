@@ -59,6 +59,8 @@ class PullPlan:
     bytes_needed: int
     files: int
     revision: str | None
+    #: (path, size) of every listed file: what an in-place repair compares with the damaged copy.
+    listing: tuple[tuple[str, int | None], ...] = ()
 
 
 @dataclass
@@ -153,6 +155,10 @@ def bytes_needed(m: _Model) -> int:
             have = 0
         need += max(0, (f.size or 0) - have)
     return need
+
+
+def _listing(m: _Model) -> tuple[tuple[str, int | None], ...]:
+    return tuple((f.path, f.size) for f in m.files)
 
 
 def _check_space(m: _Model) -> None:
@@ -338,7 +344,8 @@ def pull_many(
                         # Extracted layouts write before the engine path would ask: admit their
                         # whole size first (they do not resume, so all of it is needed).
                         total = sum(f.size or 0 for f in m.files)
-                        admit(PullPlan(m.location, m.key, total, total, len(m.files), m.source.resolved_revision))
+                        admit(PullPlan(m.location, m.key, total, total, len(m.files), m.source.resolved_revision,
+                                       _listing(m)))
                         admitted = True
                     else:
                         admitted = False
@@ -349,7 +356,7 @@ def pull_many(
                     _prepare_staging(m, options.chunk_size)
                     if admit is not None and not admitted:
                         admit(PullPlan(m.location, m.key, sum(f.size or 0 for f in m.files), bytes_needed(m),
-                                       len(m.files), m.source.resolved_revision))
+                                       len(m.files), m.source.resolved_revision, _listing(m)))
                     _check_space(m)
                     data = m.store.layout.staging_dir(m.key) / "data"
                     assert m.journal is not None
