@@ -34,6 +34,7 @@ from pathlib import Path
 from modelcache.diskio import fsync_dir, store_error
 from modelcache.errors import StoreError
 from modelcache.integrity import hash_file
+from modelcache.lockscope import check_exclusive
 
 #: 2: the manifest carries ``seal``, a digest of all its other fields (1, unsealed, is still read).
 MANIFEST_VERSION = 2
@@ -155,11 +156,20 @@ class Layout(ABC):
     @abstractmethod
     def lock_path(self, key: str) -> Path: ...
 
+    @property
+    @abstractmethod
+    def base(self) -> Path:
+        """The folder the store lives in (named in errors about the store as a whole)."""
+
 
 class NodeLayout(Layout):
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.meta = self.root / ".modelcache"
+
+    @property
+    def base(self) -> Path:
+        return self.root
 
     def model_dir(self, key: str) -> Path:
         return self.root / "models" / key
@@ -180,6 +190,10 @@ class DestLayout(Layout):
     def __init__(self, dest: Path) -> None:
         self.dest = Path(dest)
         self.meta = self.dest / ".modelcache"
+
+    @property
+    def base(self) -> Path:
+        return self.dest
 
     def model_dir(self, key: str) -> Path:
         return self.dest
@@ -208,6 +222,7 @@ class NodeStore:
     def lock(self, key: str, blocking: bool = True) -> Iterator[None]:
         """Exclusive per-model lock across processes: two pulls of one model download once."""
         path = self.layout.lock_path(key)
+        check_exclusive(self.layout.base)  # flock that other hosts ignore would exclude nothing
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import builtins
 import errno
 import os
+import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,8 @@ from modelcache.pull import pull
 from modelcache.store import NodeStore
 from modelcache.transfer import TransferOptions
 from tests.fixtures.http import random_bytes
+from tests.helpers import require, require_tool
+from tests.pull_helpers import run_cli
 
 OPTS = TransferOptions(workers=2, chunk_size=64 * 1024)
 
@@ -119,3 +123,90 @@ def test_in_place_repair_drops_a_pending_manifest_left_in_staging(tmp_path: Path
     install_in_place(store, key, staged, manifest, [f.path for f in manifest.files])
     assert store.is_present(key)
     assert not staging.exists()
+
+
+# ---- locks that other hosts ignore (point 7) -------------------------------------------------
+
+# mountinfo lines as the kernel writes them (NFS cannot be mounted on these machines: the kernel
+# has no nfs client, see /proc/filesystems; FUSE can, see the bindfs test below).
+_NFS = "101 27 0:51 / {mp} rw,relatime shared:60 - nfs server:/export rw,vers=3,{opt},proto=tcp,addr=10.0.0.2"
+_NFS4 = "102 27 0:52 / {mp} rw,relatime shared:61 - nfs4 server:/export rw,vers=4.2,{opt},clientaddr=10.0.0.3"
+_CIFS = "103 27 0:53 / {mp} rw,relatime - cifs //srv/share rw,vers=3.1.1,{opt},uid=0"
+_FUSE = "104 27 0:54 / {mp} rw,nosuid,nodev,relatime - fuse.sshfs host:/models rw,user_id=0,group_id=0"
+_EXT4 = "105 27 253:1 / {mp} rw,relatime - ext4 /dev/vdb rw"
+
+
+@pytest.mark.parametrize(("line", "opt", "refused"), [
+    (_NFS, "nolock", "NFS mounted with 'nolock'"),
+    (_NFS, "local_lock=all", "local_lock=all"),
+    (_NFS4, "local_lock=flock", "local_lock=flock"),
+    (_NFS, "local_lock=none", None),
+    (_NFS4, "local_lock=posix", None),
+    (_CIFS, "nobrl", "cifs mounted with 'nobrl'"),
+    (_CIFS, "cache=strict", None),
+    (_FUSE, "", "FUSE file system (fuse.sshfs)"),
+    (_EXT4, "", None),
+])
+def test_store_refuses_to_lock_a_root_whose_locks_other_hosts_ignore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, line: str, opt: str, refused: str | None
+) -> None:
+    """All mutual exclusion is flock: on a shared root whose flock stays on each host, a second
+    host rmtree'd the first one's staging and the first published the second one's half-written
+    files under its own manifest."""
+    from modelcache import lockscope
+    from modelcache.errors import StoreError
+
+    root = tmp_path / "shared" / "root"
+    root.mkdir(parents=True)
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text("27 1 253:0 / / rw,relatime - ext4 /dev/vda rw\n"
+                         + line.format(mp=str(tmp_path / "shared").replace(" ", "\\040"), opt=opt) + "\n")
+    monkeypatch.setattr(lockscope, "MOUNTINFO", str(mountinfo))
+    store = NodeStore.at(root)
+    if refused is None:
+        with store.lock("0123456789abcdef"):
+            pass
+        return
+    expected = rf"refusing to write the store at '{re.escape(str(root))}': .*{re.escape(refused)}.*SINGLE_HOST_ROOT=1"
+    with pytest.raises(StoreError, match=expected), store.lock("0123456789abcdef"):
+        pass
+    monkeypatch.setenv("MODELCACHE_SINGLE_HOST_ROOT", "1")  # the operator says only this host writes it
+    with store.lock("0123456789abcdef"):
+        pass
+
+
+@pytest.fixture
+def fuse_root(tmp_path: Path) -> Iterator[Path]:
+    """A real FUSE mount (bindfs over a folder): the kernel's locks there are this host's only."""
+    import subprocess
+
+    require(os.geteuid() == 0 and os.path.exists("/dev/fuse"), "root and /dev/fuse (to mount FUSE)")
+    bindfs = require_tool("bindfs")
+    under, mnt = tmp_path / "under", tmp_path / "fuse"
+    under.mkdir()
+    mnt.mkdir()
+    subprocess.run([bindfs, str(under), str(mnt)], check=True, capture_output=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["fusermount", "-u", str(mnt)], capture_output=True)
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_cli_pull_into_a_fuse_root_is_refused_with_the_fix_then_allowed_when_single_host(
+    fuse_root: Path, tmp_path: Path
+) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(random_bytes(100_000, seed=3))
+    env = {k: v for k, v in os.environ.items() if k != "MODELCACHE_SINGLE_HOST_ROOT"}
+    proc = run_cli("pull", str(src), "--root", str(fuse_root / "root"), env=env)
+    assert proc.returncode == 1
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "FUSE file system (fuse" in lines[0] and "MODELCACHE_SINGLE_HOST_ROOT=1" in lines[0], \
+        proc.stderr
+    assert not (fuse_root / "root" / "models").exists()
+    proc = run_cli("pull", str(src), "--root", str(fuse_root / "root"), env={**env, "MODELCACHE_SINGLE_HOST_ROOT": "1"})
+    assert proc.returncode == 0, proc.stderr
+    ls = run_cli("ls", "--root", str(fuse_root / "root"), env=env)  # reading takes no lock: never refused
+    assert ls.returncode == 0 and "present" in ls.stdout
