@@ -153,7 +153,7 @@ def test_store_refuses_to_lock_a_root_whose_locks_other_hosts_ignore(
     """All mutual exclusion is flock: on a shared root whose flock stays on each host, a second
     host rmtree'd the first one's staging and the first published the second one's half-written
     files under its own manifest."""
-    from modelcache import lockscope
+    from modelcache import mountinfo as mountinfo_mod
     from modelcache.errors import StoreError
 
     root = tmp_path / "shared" / "root"
@@ -161,7 +161,7 @@ def test_store_refuses_to_lock_a_root_whose_locks_other_hosts_ignore(
     mountinfo = tmp_path / "mountinfo"
     mountinfo.write_text("27 1 253:0 / / rw,relatime - ext4 /dev/vda rw\n"
                          + line.format(mp=str(tmp_path / "shared").replace(" ", "\\040"), opt=opt) + "\n")
-    monkeypatch.setattr(lockscope, "MOUNTINFO", str(mountinfo))
+    monkeypatch.setattr(mountinfo_mod, "MOUNTINFO", str(mountinfo))
     store = NodeStore.at(root)
     if refused is None:
         with store.lock("0123456789abcdef"):
