@@ -59,6 +59,21 @@ def _root_option(f: Any) -> Any:
     )(f)
 
 
+def _assume_unused_option(f: Any) -> Any:
+    return click.option(
+        "--assume-unused", is_flag=True,
+        help="Where the CLI cannot see every mount on the node (not root, or a container without "
+        "hostPID), assume no pod mounts the models it replaces or deletes.",
+    )(f)
+
+
+def _guard(assume_unused: bool) -> Any:
+    """No model folder that a pod on this node mounts is replaced or deleted (modelcache.mountusers)."""
+    from modelcache.mountusers import mount_guard
+
+    return mount_guard(assume_unused)
+
+
 def _key(arg: str) -> str:
     """Commands take a storage key or the URI it was pulled from."""
     return arg if re.fullmatch(r"[0-9a-f]{16}", arg) else storage_key(arg)
@@ -96,10 +111,11 @@ def cli(log_level: str) -> None:
 @click.option("--progress-interval", type=float, default=5.0, envvar="MODELCACHE_PROGRESS_INTERVAL",
               show_default=True, help="Seconds between plain progress lines.")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON on stdout.")
+@_assume_unused_option
 def pull(uris: tuple[str, ...], root: Path, dest: Path | None, workers: int, max_workers: int | None,
          chunk_size: int, stall_timeout: float,
          max_attempts: int, direct_io: bool | None, progress_mode: str, progress_interval: float,
-         as_json: bool) -> None:
+         as_json: bool, assume_unused: bool) -> None:
     """Download models (one per URI) into the store, verified and resumable."""
     from modelcache.display import show_progress
     from modelcache.pull import PullResult, pull_many
@@ -110,7 +126,7 @@ def pull(uris: tuple[str, ...], root: Path, dest: Path | None, workers: int, max
     try:
         with show_progress(tracker, progress_mode, progress_interval):
             results = pull_many(list(uris), root=None if dest else root, dest=dest, options=options,
-                                progress=tracker)
+                                progress=tracker, guard=_guard(assume_unused))
     except ModelcacheError as exc:
         _fail(str(exc))
         return
@@ -184,9 +200,10 @@ def verify(models: tuple[str, ...], root: Path, as_json: bool) -> None:
 @click.argument("models", nargs=-1, required=True)
 @_root_option
 @click.option("--json", "as_json", is_flag=True)
-def rm(models: tuple[str, ...], root: Path, as_json: bool) -> None:
-    """Remove models (by storage key or URI) from the store."""
-    store = NodeStore.at(root)
+@_assume_unused_option
+def rm(models: tuple[str, ...], root: Path, as_json: bool, assume_unused: bool) -> None:
+    """Remove models (by storage key or URI) from the store; never one a pod on this node mounts."""
+    store = NodeStore.at(root, guard=_guard(assume_unused))
     out = {}
     for m in models:
         try:
@@ -205,10 +222,11 @@ def rm(models: tuple[str, ...], root: Path, as_json: bool) -> None:
 @click.option("--target-free", type=SizeType(), required=True, help="Evict until this much space is free.")
 @click.option("--dry-run", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
-def gc(root: Path, target_free: int, dry_run: bool, as_json: bool) -> None:
-    """Evict least recently used models until --target-free bytes are free."""
+@_assume_unused_option
+def gc(root: Path, target_free: int, dry_run: bool, as_json: bool, assume_unused: bool) -> None:
+    """Evict least recently used models until --target-free bytes are free (skipping mounted ones)."""
     try:
-        evicted = NodeStore.at(root).gc(target_free, dry_run=dry_run)
+        evicted = NodeStore.at(root, guard=_guard(assume_unused)).gc(target_free, dry_run=dry_run)
     except ModelcacheError as exc:
         _fail(str(exc))
         return

@@ -81,5 +81,11 @@ class StoreError(ModelcacheError):
     reason = "StoreError"
 
 
+class ModelInUseError(StoreError):
+    """Another process works on the model (a pull, a removal), or a pod on this node mounts it."""
+
+    reason = "InUse"
+
+
 class InsufficientSpaceError(StoreError):
     reason = "InsufficientSpace"

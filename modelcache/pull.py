@@ -25,7 +25,7 @@ from modelcache.errors import InsufficientSpaceError, ModelcacheError, NotFoundE
 from modelcache.journal import Journal, JournalState
 from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.sources.base import RemoteFile, Source, open_source
-from modelcache.store import DestLayout, Manifest, ManifestFile, NodeLayout, NodeStore, now_iso
+from modelcache.store import DestLayout, Guard, Manifest, ManifestFile, NodeLayout, NodeStore, now_iso
 from modelcache.transfer import FetchedFile, FileJob, TransferEngine, TransferOptions
 from modelcache.uri import Location, parse_uri
 
@@ -77,10 +77,10 @@ class _Model:
     started: float = field(default_factory=time.monotonic)
 
 
-def _store_for(location: Location, root: Path | None, dest: Path | None) -> NodeStore:
+def _store_for(location: Location, root: Path | None, dest: Path | None, guard: Guard | None) -> NodeStore:
     if (root is None) == (dest is None):
         raise ModelcacheError("pull needs exactly one of a store root or a destination folder")
-    return NodeStore(DestLayout(dest)) if dest is not None else NodeStore(NodeLayout(root))  # type: ignore[arg-type]
+    return NodeStore(DestLayout(dest)) if dest is not None else NodeStore(NodeLayout(root), guard)  # type: ignore[arg-type]
 
 
 def _matches(path: str, patterns: tuple[str, ...]) -> bool:
@@ -290,13 +290,15 @@ def pull_many(
     progress: ProgressTracker | None = None,
     admit: Callable[[PullPlan], None] | None = None,
     cancel: threading.Event | None = None,
+    guard: Guard | None = None,
 ) -> list[PullResult | ModelcacheError | BaseException]:
     """Pull several models with one worker pool; one result or error per URI, in order.
 
     ``admit`` is called once per model after its listing and before any byte is written, with
     what the download needs; it may raise (e.g. InsufficientSpaceError from the agent's
     reservations against a node group's storage limit) to refuse that model. Setting
-    ``cancel`` stops the transfer; staged data is kept for a later resume.
+    ``cancel`` stops the transfer; staged data is kept for a later resume. ``guard`` may refuse
+    to replace a model folder that is there but not complete (the CLI's mount check).
     """
     options = (options or TransferOptions()).normalized()
     progress = progress or ProgressTracker()
@@ -309,7 +311,7 @@ def pull_many(
     for uri in uris:
         try:
             loc = parse_uri(uri)
-            store = _store_for(loc, rootp, destp)
+            store = _store_for(loc, rootp, destp, guard)
         except ModelcacheError as exc:
             order.append(exc)
             continue
@@ -339,6 +341,7 @@ def pull_many(
                         m.store.touch(m.key)
                         m.result = _finish(m, [], cached=True)
                         continue
+                    m.store.check_replaceable(m.key)  # before the download, not after it
                     _list(m, settings)
                     if admit is not None and m.source.extracts_itself:
                         # Extracted layouts write before the engine path would ask: admit their
@@ -426,10 +429,11 @@ def pull(
     progress: ProgressTracker | None = None,
     admit: Callable[[PullPlan], None] | None = None,
     cancel: threading.Event | None = None,
+    guard: Guard | None = None,
 ) -> PullResult:
     """Pull one model; raises its error."""
     (result,) = pull_many([uri], root=root, dest=dest, settings=settings, options=options, progress=progress,
-                          admit=admit, cancel=cancel)
+                          admit=admit, cancel=cancel, guard=guard)
     if isinstance(result, BaseException):
         raise result
     return result

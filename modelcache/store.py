@@ -26,13 +26,13 @@ import re
 import shutil
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
 from modelcache.diskio import fsync_dir, store_error
-from modelcache.errors import StoreError
+from modelcache.errors import ModelInUseError, StoreError
 from modelcache.integrity import hash_file
 from modelcache.lockscope import check_exclusive
 
@@ -208,13 +208,25 @@ class DestLayout(Layout):
         return self.meta / "lock"
 
 
+#: ``guard(key, folder)``: raise to refuse replacing or deleting a model folder (the CLI's check
+#: that no pod on the node mounts it, modelcache.mountusers; the agent asks the API instead).
+Guard = Callable[[str, Path], None]
+
+
 class NodeStore:
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, guard: Guard | None = None) -> None:
         self.layout = layout
+        self.guard = guard
 
     @classmethod
-    def at(cls, root: str | os.PathLike[str]) -> NodeStore:
-        return cls(NodeLayout(Path(root)))
+    def at(cls, root: str | os.PathLike[str], guard: Guard | None = None) -> NodeStore:
+        return cls(NodeLayout(Path(root)), guard)
+
+    def check_replaceable(self, key: str) -> None:
+        """Before a model folder that exists is replaced or deleted: the guard may refuse."""
+        folder = self.layout.model_dir(key)
+        if self.guard is not None and folder.exists():
+            self.guard(key, folder)
 
     # ---- locking ----------------------------------------------------------------------
 
@@ -235,7 +247,7 @@ class NodeStore:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
             except BlockingIOError as exc:
-                raise StoreError(
+                raise ModelInUseError(
                     f"model {key} is in use by another modelcache process (a pull or rm); retry when it is done"
                 ) from exc
             yield
@@ -342,6 +354,7 @@ class NodeStore:
             else:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 if target.exists():  # an unlisted or damaged copy: replace it whole
+                    self.check_replaceable(key)  # (again: a pod may have mounted it meanwhile)
                     trash = staging.parent / f".trash-{key}-{time.time_ns()}"
                     os.rename(target, trash)
                     shutil.rmtree(trash, ignore_errors=True)
@@ -378,6 +391,7 @@ class NodeStore:
         """Delete a model: the manifest first (it stops being present), then its files."""
         removed = False
         with self.lock(key, blocking=False):
+            self.check_replaceable(key)  # before anything changes: refused, the model stays whole
             mpath = self.layout.manifest_path(key)
             if mpath.exists():
                 mpath.unlink()
@@ -431,11 +445,16 @@ class NodeStore:
                 break
             if entry.storage_key in keep:
                 continue
-            if not dry_run:
-                try:
+            try:
+                if dry_run:
+                    self.check_replaceable(entry.storage_key)
+                else:
                     self.remove(entry.storage_key)
-                except StoreError:
-                    continue  # in use by a running pull
+            except ModelInUseError:
+                continue  # a running pull, or a pod that mounts it
+            except StoreError:
+                if not dry_run:
+                    raise  # it cannot be told whether a pod mounts it: the guard's message says why
             evicted.append(entry)
             free += entry.size
         return evicted

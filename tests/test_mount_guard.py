@@ -1,0 +1,130 @@
+"""The CLI never replaces or deletes a model folder that a pod on this node mounts (issue 20, point 11).
+
+A pod reads its model through a bind mount of ``models/<storageKey>`` (the kubelet's subPath
+mount, and the container's own in its mount namespace). ``modelcache rm``, ``gc`` and a ``pull``
+that replaces an unlisted folder used to delete or swap the folder regardless, leaving the pod on
+a deleted, empty directory. These tests make the same mounts a kubelet makes (``mount --bind``),
+in this mount namespace and in another one (``unshare --mount``, as a container has), and run
+the CLI in a PID namespace of its own (``unshare --pid``, a container without hostPID) for the
+case where it cannot see the node's mounts. Root is needed to mount.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from modelcache.store import NodeStore
+from modelcache.uri import storage_key
+from tests.fixtures.http import random_bytes
+from tests.helpers import require, require_tool
+from tests.pull_helpers import cli_cmd, run_cli
+
+
+@pytest.fixture
+def pulled(tmp_path: Path) -> tuple[Path, str, Path]:
+    require(os.geteuid() == 0, "root (to bind-mount a model folder as a kubelet does)")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(random_bytes(200_000, seed=1))
+    root = tmp_path / "root"
+    proc = run_cli("pull", str(src), "--root", str(root))
+    assert proc.returncode == 0, proc.stderr
+    return root, storage_key(str(src)), src
+
+
+@pytest.fixture
+def bind(tmp_path: Path) -> Iterator[list[Path]]:
+    """Bind mounts made by the test (unmounted at the end, whatever happens)."""
+    made: list[Path] = []
+    yield made
+    for target in reversed(made):
+        subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+def _bind(src: Path, target: Path, made: list[Path]) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(src), str(target)], check=True, capture_output=True)
+    made.append(target)
+
+
+def _error(proc: subprocess.CompletedProcess[str]) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_rm_and_gc_leave_a_model_a_pod_mounts(pulled: tuple[Path, str, Path], bind: list[Path],
+                                               tmp_path: Path) -> None:
+    root, key, _ = pulled
+    pod = tmp_path / "kubelet" / "pods" / "uid-1" / "volume-subpaths" / "models" / "server" / "0"
+    _bind(root / "models" / key, pod, bind)
+    line = _error(run_cli("rm", key, "--root", str(root)))
+    assert f"model {key} is mounted at {pod}" in line and "stop it" in line
+    assert NodeStore.at(root).is_present(key)
+    proc = run_cli("gc", "--target-free", "1000T", "--root", str(root))
+    assert proc.returncode == 0 and "nothing to evict" in proc.stdout, proc.stdout + proc.stderr
+    assert NodeStore.at(root).is_present(key)
+    subprocess.run(["umount", str(pod)], check=True)
+    bind.remove(pod)
+    proc = run_cli("rm", key, "--root", str(root))
+    assert proc.returncode == 0 and "removed" in proc.stdout, proc.stderr
+    assert not (root / "models" / key).exists()
+
+
+def test_a_mount_in_another_mount_namespace_counts_too(pulled: tuple[Path, str, Path], tmp_path: Path) -> None:
+    """A container's view of the model is a mount in its own namespace: not in this process's
+    mount table, only in that process's /proc/<pid>/mountinfo."""
+    require_tool("unshare")
+    root, key, _ = pulled
+    target = tmp_path / "container-view"
+    target.mkdir()
+    holder = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+         f"mount --bind '{root / 'models' / key}' '{target}' && echo ready && exec sleep 600"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        line = _error(run_cli("rm", key, "--root", str(root)))
+        assert f"is mounted at {target} (pid {holder.pid})" in line
+        assert NodeStore.at(root).is_present(key)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run_cli("rm", key, "--root", str(root)).returncode == 0
+    assert not (root / "models" / key).exists()
+
+
+def test_pull_does_not_replace_an_unlisted_folder_a_pod_mounts(pulled: tuple[Path, str, Path], bind: list[Path],
+                                                               tmp_path: Path) -> None:
+    root, key, src = pulled
+    (root / ".modelcache" / "manifests" / f"{key}.json").unlink()  # unlisted: a pull would replace it whole
+    folder = root / "models" / key
+    ino = folder.stat().st_ino
+    _bind(folder, tmp_path / "pod", bind)
+    line = _error(run_cli("pull", str(src), "--root", str(root)))
+    assert f"model {key} is mounted at {tmp_path / 'pod'}" in line
+    assert folder.stat().st_ino == ino and not (root / ".modelcache" / "staging" / key / "data").exists()
+
+
+def test_cli_that_cannot_see_the_nodes_mounts_says_why_and_needs_assume_unused(
+    pulled: tuple[Path, str, Path]
+) -> None:
+    """In its own PID namespace (a container without hostPID) the CLI cannot see the kubelet's
+    mounts: it refused nothing before; now it refuses and names the flag."""
+    require_tool("unshare")
+    root, key, _ = pulled
+    in_own_pid_ns = ["unshare", "--pid", "--fork", "--mount-proc", "--", *cli_cmd()]
+    proc = subprocess.run([*in_own_pid_ns, "rm", key, "--root", str(root)], capture_output=True, text=True,
+                          timeout=60)
+    line = _error(proc)
+    assert "cannot tell whether a pod on this node mounts" in line and "own PID namespace" in line
+    assert "--assume-unused" in line and NodeStore.at(root).is_present(key)
+    proc = subprocess.run([*in_own_pid_ns, "rm", key, "--root", str(root), "--assume-unused"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert not (root / "models" / key).exists()
