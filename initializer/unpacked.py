@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelcache.archive import UnpackResult
+from modelcache.diskio import fsync_tree
 
 RECORD = Path(".modelcache") / "unpacked.json"
 
@@ -66,6 +67,10 @@ def build(dest: Path, key: str, archive: str, archive_size: int, result: UnpackR
 
 
 def write(dest: Path, record: UnpackedRecord) -> None:
+    # The unpacker streams files without fsync: they are made durable first, or after a power
+    # loss this record would vouch for files that are empty (sizes of 0 are caught, not every
+    # file system's zeros).
+    fsync_tree(dest, [rel for rel, _ in record.files] + record.links)
     path = dest / RECORD
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

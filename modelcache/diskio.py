@@ -13,8 +13,9 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from modelcache.errors import InsufficientSpaceError, StoreError
 
@@ -210,6 +211,33 @@ class BufferPool:
                 b.close()
             except BufferError:
                 pass  # a view is still alive somewhere; the GC frees it
+
+
+def fsync_tree(root: str | os.PathLike[str], paths: Iterable[str]) -> None:
+    """Make files written without fsync durable, with their directory entries, before a record
+    that vouches for them is written (a manifest, unpacked.json): extracted layouts (OCI layers,
+    archives) are written by streaming unpackers, not by the engine, which fsyncs every file.
+    Without this a power loss could leave a "present" model whose files are empty or zeros."""
+    base = os.fspath(root)
+    dirs: set[str] = set()
+    for rel in paths:
+        path = os.path.join(base, rel)
+        try:
+            regular = stat.S_ISREG(os.lstat(path).st_mode)
+        except FileNotFoundError:
+            continue
+        if regular:  # a symlink's entry is made durable with its directory
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        d = os.path.dirname(path)
+        while len(d) >= len(base) and d not in dirs:
+            dirs.add(d)
+            d = os.path.dirname(d)
+    for d in sorted(dirs, key=len, reverse=True):
+        fsync_dir(d)
 
 
 def fsync_dir(path: str) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from modelcache.credentials import Settings
+from modelcache.diskio import fsync_tree
 from modelcache.errors import InsufficientSpaceError, ModelcacheError, NotFoundError
 from modelcache.journal import Journal, JournalState
 from modelcache.progress import ProgressTracker, human_bytes
@@ -264,6 +265,7 @@ def _extract(m: _Model, progress: ProgressTracker) -> list[FetchedFile] | None:
     if data.exists():
         shutil.rmtree(data)
     os.replace(fresh, data)
+    fsync_tree(data, paths)  # durable before the manifest that says the model is present
     out = []
     for rel in paths:
         p = data / rel

@@ -210,3 +210,68 @@ def test_cli_pull_into_a_fuse_root_is_refused_with_the_fix_then_allowed_when_sin
     assert proc.returncode == 0, proc.stderr
     ls = run_cli("ls", "--root", str(fuse_root / "root"), env=env)  # reading takes no lock: never refused
     assert ls.returncode == 0 and "present" in ls.stdout
+
+
+# ---- extracted layouts are durable before their manifest (point 12) ------------------------------
+# A power loss cannot be made here (no dm-flakey or dm-log-writes: this kernel has no device
+# mapper), so the tests check the order of what the kernel is asked: every extracted file
+# fsynced before the manifest (or unpacked.json) that vouches for it.
+
+
+def _fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Paths of every fsync'ed descriptor, in order."""
+    events: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        try:
+            events.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            events.append("?")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return events
+
+
+def _first(events: list[str], suffix: str) -> int:
+    hits = [i for i, e in enumerate(events) if e.endswith(suffix)]
+    assert hits, f"never fsynced: ...{suffix}"
+    return hits[0]
+
+
+def test_oci_modelcar_files_are_fsynced_before_the_manifest(
+    oci_registry: Any, oci_repo: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.fixtures.oci import LAYER_TGZ, make_tar
+
+    files = {"config.json": b'{"v": 1}', "w/model.safetensors": random_bytes(300_000, seed=4)}
+    layer = make_tar([(f"models/{k}", v) for k, v in files.items()], gzip_it=True)
+    oci_registry.push_image(oci_repo, "v1", [(layer, LAYER_TGZ)])
+    uri = f"oci+fetch://{oci_registry.host}/{oci_repo}:v1"
+    env = {"KSERVE_OCI_INSECURE_REGISTRY": "true", "KSERVE_OCI_DOCKER_CONFIG": str(tmp_path / "none.json")}
+    events = _fsyncs(monkeypatch)
+    res = pull(uri, root=tmp_path / "root", settings=Settings.from_env(env), options=OPTS)
+    manifest_at = _first(events, f"/staging/{res.storage_key}/manifest.json")
+    for rel in files:
+        assert _first(events, f"/staging/{res.storage_key}/data/{rel}") < manifest_at, rel
+
+
+def test_unpacked_archive_files_are_fsynced_before_their_record(
+    nginx: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from initializer.dispatch import Context, run_pair
+    from modelcache.archive import ArchiveLimits
+    from modelcache.progress import ProgressTracker
+    from tests.archive_util import make_tar, tar_file
+
+    make_tar(nginx.docroot / "a/model.tar.gz", [tar_file("m/w.bin", random_bytes(200_000, seed=5)),
+                                                tar_file("m/cfg.json", b"{}")], "w:gz")
+    os.chmod(nginx.docroot / "a/model.tar.gz", 0o644)
+    events = _fsyncs(monkeypatch)
+    dest = tmp_path / "dest"
+    ctx = Context(Settings.from_env({}), ArchiveLimits.from_env({}), ProgressTracker())
+    run_pair(nginx.url("a/model.tar.gz"), dest, ctx)
+    record_at = _first(events, "/.modelcache/unpacked.tmp")
+    for rel in ("m/w.bin", "m/cfg.json"):
+        assert _first(events, f"/dest/{rel}") < record_at, rel
