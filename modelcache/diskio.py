@@ -153,7 +153,10 @@ class FileWriter:
         return got
 
     def truncate(self, size: int) -> None:
-        os.ftruncate(self.fd, size)
+        try:
+            os.ftruncate(self.fd, size)
+        except OSError as exc:
+            raise store_error(exc, self.path, "truncating") from exc
 
     def sync(self) -> None:
         """Make the file durable (data and size); raises if any flush of it ever failed."""
