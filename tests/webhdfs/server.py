@@ -193,7 +193,10 @@ class WebHDFSServer:
 
 def file_checksum(data: bytes, block_size: int, bytes_per_crc: int = 512) -> dict:
     """HDFS's MD5-of-MD5-of-CRC32C, written out plainly (whole file in memory) so it checks
-    the source's incremental version independently."""
+    the source's incremental version independently. As a real DataNode answers it (checked
+    against Hadoop 3.5's MiniDFSCluster): the file MD5 is taken over the block MD5s padded with
+    zeros to the capacity of the buffer Hadoop collected them in (32 bytes, doubling), and
+    ``bytes`` is that 32-byte-or-more buffer in hex with ``length`` 28."""
     block_md5s = []
     for b in range(0, len(data), block_size):
         block = data[b : b + block_size]
@@ -203,7 +206,12 @@ def file_checksum(data: bytes, block_size: int, bytes_per_crc: int = 512) -> dic
         )
         block_md5s.append(hashlib.md5(crcs).digest())
     crc_per_block = block_size // bytes_per_crc if len(block_md5s) > 1 else 0
-    raw = struct.pack(">iq", bytes_per_crc, crc_per_block) + hashlib.md5(b"".join(block_md5s)).digest()
+    joined = b"".join(block_md5s)
+    capacity = 32
+    while capacity < len(joined):
+        capacity *= 2
+    md5 = hashlib.md5(joined.ljust(capacity, b"\0")).digest()
+    raw = struct.pack(">iq", bytes_per_crc, crc_per_block) + md5 + bytes(4)
     return {"algorithm": f"MD5-of-{crc_per_block}MD5-of-{bytes_per_crc}CRC32C", "bytes": raw.hex(), "length": 28}
 
 
