@@ -16,7 +16,6 @@ from modelcache.errors import (
     NotFoundError,
     SourceError,
     TransientError,
-    UnsupportedError,
 )
 from modelcache.integrity import new_hasher
 from modelcache.sources.base import RemoteFile, open_source
@@ -108,8 +107,6 @@ def test_error_messages(webhdfs: WebHDFSServer, tmp_path: Path) -> None:
     webhdfs.denied_paths = {"/models/m"}
     fail("hdfs://models/m", with_header, AccessDeniedError, "access to '/models/m' denied")
     fail("hdfs://models/m", hdfs_settings(tmp_path / "e"), SourceError, "HDFS_NAMENODE")
-    kerberos = hdfs_settings(tmp_path / "k", HDFS_NAMENODE=webhdfs.url, KERBEROS_PRINCIPAL="me@REALM")
-    fail("hdfs://models/m", kerberos, UnsupportedError, "Kerberos")
     dead = hdfs_settings(tmp_path / "d", HDFS_NAMENODE=f"http://127.0.0.1:{free_port()}")
     fail("hdfs://models/m", dead, TransientError, "cannot reach WebHDFS")
 

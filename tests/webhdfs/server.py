@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import ssl
 import struct
@@ -132,6 +133,16 @@ class WebHDFSServer:
         local = self.local(hdfs_path)
         local.parent.mkdir(parents=True, exist_ok=True)
         local.write_bytes(data)
+
+    def resolve(self, hdfs_path: str) -> str:
+        """``/.reserved/.inodes/<fileId>`` (HDFS's name for one inode) -> the path holding it now."""
+        m = re.fullmatch(r"/\.reserved/\.inodes/(\d+)", hdfs_path)
+        if not m:
+            return hdfs_path
+        for p in self.root.rglob("*"):
+            if p.stat().st_ino == int(m.group(1)):
+                return "/" + p.relative_to(self.root).as_posix()
+        raise _Error(404, "FileNotFoundException", f"File does not exist: {hdfs_path}")
 
     def local(self, hdfs_path: str) -> Path:
         parts = [p for p in hdfs_path.split("/") if p]
@@ -259,7 +270,7 @@ def _handler(server: WebHDFSServer, node: str) -> type[BaseHTTPRequestHandler]:
             try:
                 if not path.startswith(PREFIX):
                     raise _Error(404, "FileNotFoundException", f"Path {path} is not under {PREFIX}")
-                hdfs_path = path[len(PREFIX) :] or "/"
+                hdfs_path = server.resolve(path[len(PREFIX) :] or "/")
                 self._authorize(req, hdfs_path)
                 if node == "datanode":
                     self._datanode(req, hdfs_path)
