@@ -102,6 +102,13 @@ class HDFSSource(Source):
         if code in (429, 502, 503, 504):
             _ = resp.content  # a short error body: read it so the connection can be reused
             resp.close()
+        if code == 401 and self._kerberos is None and "negotiate" in resp.headers.get("WWW-Authenticate", "").lower():
+            _ = resp.content
+            resp.close()
+            raise AuthError(
+                f"{self.where}: the WebHDFS namenode asks for Kerberos (SPNEGO); put KERBEROS_PRINCIPAL and "
+                f"KERBEROS_KEYTAB in {self.settings.hdfs.secret_dir} (or the storage spec)"
+            )
         if code == 429:
             raise RateLimitedError(
                 f"{self.where}: WebHDFS answered HTTP 429 (rate-limited)", retry_after=retry_after(resp.headers)
@@ -127,16 +134,12 @@ class HDFSSource(Source):
             return NotFoundError(f"{self.where}: HDFS path '{what}' not found")
         if kind in ("AccessControlException", "SecurityException") and "Authentication" not in text:
             return AccessDeniedError(f"{self.where}: access to '{what}' denied by HDFS: {text}")
-        if "Authentication failure" in text or "Authentication required" in text or "not authenticated" in text:
+        if "Authentication failure" in text:
             hs = self.settings.hdfs
             if self._kerberos:
                 hint = (
                     f"the NameNode refused the Kerberos login of '{hs.kerberos_principal}'; check that it runs "
-                    f"SPNEGO for HTTP/<its host> and that KERBEROS_PRINCIPAL in {hs.secret_dir} may use it"
-                )
-            elif "not authenticated" in text or "Authentication required" in text:
-                hint = (
-                    f"the cluster wants Kerberos: put KERBEROS_PRINCIPAL and KERBEROS_KEYTAB in {hs.secret_dir}"
+                    f"SPNEGO as HTTP/<its host> and that KERBEROS_PRINCIPAL in {hs.secret_dir} may use it"
                 )
             else:
                 hint = f"check USER_PROXY, HEADERS or TLS_* in {hs.secret_dir}"
