@@ -231,3 +231,10 @@ def test_kerberos_pull_errors(
     finally:
         cluster.chmod(path, "755")
     assert not (tmp_path / "root/models" / storage_key(uri)).exists()
+
+
+def test_principal_without_realm_uses_the_default_realm(krb_env: KDC, tmp_path: Path) -> None:
+    keytab = tmp_path / "svc.keytab"
+    name = _name()
+    krb_env.principal(name, keytab)
+    _login(name, keytab, tmp_path)  # krb5.conf's default_realm completes it, as kinit does

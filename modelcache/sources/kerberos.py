@@ -145,7 +145,7 @@ class Kerberos:
                     f"'{login.principal}'); export one (kadmin: ktadd -k FILE {login.principal}) and put it there "
                     "as a file (base64 in a storage spec)",
                 )
-            if login.principal not in held:
+            if not any(_same_principal(login.principal, h) for h in held):
                 # GSSAPI would only say "No credentials cache found".
                 raise login._fail(
                     AuthError,
@@ -258,3 +258,8 @@ def _gss_text(exc: Exception) -> str:
     gen = getattr(exc, "gen_message", None)
     text = gen() if callable(gen) else str(exc)
     return " ".join(str(text).split())[:300]
+
+
+def _same_principal(given: str, held: str) -> bool:
+    """``svc`` (no realm: the default realm applies) matches ``svc@REALM`` in a keytab."""
+    return given == held or ("@" not in given and held.rsplit("@", 1)[0] == given)
