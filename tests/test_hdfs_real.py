@@ -18,33 +18,18 @@ import requests
 from modelcache.credentials import Settings
 from modelcache.errors import AccessDeniedError, NotFoundError, SourceError
 from modelcache.integrity import new_hasher
-from modelcache.sources.base import RemoteFile, open_source
+from modelcache.sources.base import open_source
 from modelcache.uri import storage_key
-from tests.fixtures.hdfs import MiniHDFS
+from tests.fixtures.hdfs import MiniHDFS, hdfs_settings
 from tests.helpers import REPO
+from tests.objectstore_data import read_range
 from tests.pull_helpers import error_line, manifest_of, model_files, pull_cmd
 
 MiB = 1 << 20
 
 
 def settings_for(tmp_path: Path, cluster: MiniHDFS, **files: str) -> Settings:
-    secret = tmp_path / "hdfscreds"
-    secret.mkdir(parents=True, exist_ok=True)
-    for name, value in {"HDFS_NAMENODE": cluster.url, **files}.items():
-        (secret / name).write_text(value)
-    return Settings.from_env({"HDFS_SECRET_DIR": str(secret)})
-
-
-def read_range(src, f: RemoteFile, start: int, end: int | None) -> bytes:
-    stream = src.open_range(f, start, end)
-    out = bytearray()
-    buf = memoryview(bytearray(256 << 10))
-    try:
-        while n := stream.readinto(buf):
-            out += buf[:n]
-    finally:
-        stream.close()
-    return bytes(out)
+    return hdfs_settings(tmp_path, HDFS_NAMENODE=cluster.url, **files)
 
 
 def record_responses(src) -> list[requests.Response]:

@@ -18,29 +18,11 @@ from modelcache.errors import (
     TransientError,
 )
 from modelcache.integrity import new_hasher
-from modelcache.sources.base import RemoteFile, open_source
+from modelcache.sources.base import open_source
+from tests.fixtures.hdfs import hdfs_settings
 from tests.helpers import free_port
+from tests.objectstore_data import read_range
 from tests.webhdfs import WebHDFSServer
-
-
-def hdfs_settings(tmp_path: Path, **files: str) -> Settings:
-    secret = tmp_path / "hdfscreds"
-    secret.mkdir(parents=True, exist_ok=True)
-    for name, value in files.items():
-        (secret / name).write_text(value)
-    return Settings.from_env({"HDFS_SECRET_DIR": str(secret)})
-
-
-def read_range(src, f: RemoteFile, start: int, end: int | None) -> bytes:
-    stream = src.open_range(f, start, end)
-    out = bytearray()
-    buf = memoryview(bytearray(256 << 10))
-    try:
-        while n := stream.readinto(buf):
-            out += buf[:n]
-    finally:
-        stream.close()
-    return bytes(out)
 
 
 def test_nested_listing_and_ranged_reads(webhdfs: WebHDFSServer, tmp_path: Path) -> None:
