@@ -187,3 +187,29 @@ def test_pull_errors_end_to_end(mini_hdfs: MiniHDFS, tmp_path: Path) -> None:
     error_line(_pull(mini_hdfs, tmp_path, f"hdfs:/{top}/nothing"), f"hdfs:/{top}/nothing", "not found")
     error_line(_pull(mini_hdfs, tmp_path, f"hdfs:/{top}/locked"), f"hdfs:/{top}/locked", "denied")
     assert not (tmp_path / "root/models" / storage_key(f"hdfs:/{top}/locked")).exists()
+
+
+def test_gateway_429_and_503_in_front_of_the_real_namenode(mini_hdfs: MiniHDFS, tmp_path: Path) -> None:
+    """A gateway between us and the NameNode (tests/faultproxy.py) answers 429 with Retry-After to
+    the listing and 503 to reads' first hop: the listing waits, the engine retries, and the pull
+    completes against the real cluster. (Faults on the DataNode's hop stay on tests/webhdfs: the
+    NameNode redirects reads straight to the DataNode, past any proxy in front of it.)"""
+    from tests.faultproxy import Fault, FaultProxy
+
+    top = mini_hdfs.folder()
+    data = os.urandom(MiB + 99)
+    mini_hdfs.put(f"{top}/m/w.bin", data)
+    inode = mini_hdfs.client().status(f"{top}/m/w.bin")["fileId"]
+    host, port = urlsplit(mini_hdfs.url).hostname, urlsplit(mini_hdfs.url).port
+    proxy = FaultProxy((host, port))
+    try:
+        listing = proxy.add(Fault("status", path=f"/webhdfs/v1{top}/m", status=429, retry_after=1))
+        reads = proxy.add(Fault("status", path=f"/webhdfs/v1/.reserved/.inodes/{inode}", status=503, times=2))
+        gateway = MiniHDFS(proxy.base_url, mini_hdfs.datanode, mini_hdfs.superuser, mini_hdfs.log)
+        uri = f"hdfs:/{top}/m"
+        proc = _pull(gateway, tmp_path, uri, "--chunk-size", "256K")
+        assert proc.returncode == 0, proc.stderr
+        assert model_files(tmp_path / "root", uri) == {"w.bin": data}
+        assert listing.applied == 1 and reads.applied == 2
+    finally:
+        proxy.close()
