@@ -242,3 +242,27 @@ def test_principal_without_realm_uses_the_default_realm(krb_env: KDC, tmp_path: 
     name = _name()
     krb_env.principal(name, keytab)
     _login(name, keytab, tmp_path)  # krb5.conf's default_realm completes it, as kinit does
+
+
+def test_kerberos_with_user_proxy(
+    mini_hdfs_kerberos: SecureHDFS, secure_model: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
+    """USER_PROXY with Kerberos: the keytab's principal logs in and acts for another user (doas),
+    which the cluster allows it (hadoop.proxyuser.loader.*): a folder only its owner may read."""
+    cluster = mini_hdfs_kerberos
+    assert cluster.user_keytab is not None
+    path, files = secure_model
+    uri = f"webhdfs:/{path}"
+    cluster.chmod(path, "700")  # the superuser's (hdfs) folder
+    try:
+        keytab = cluster.user_keytab.read_bytes()
+        alone = _secret(tmp_path, cluster, KERBEROS_PRINCIPAL=cluster.user, KERBEROS_KEYTAB=keytab)
+        error_line(_pull(cluster, tmp_path, uri, {"HDFS_SECRET_DIR": str(alone)}), uri, "denied")
+        doas = _secret(
+            tmp_path, cluster, KERBEROS_PRINCIPAL=cluster.user, KERBEROS_KEYTAB=keytab, USER_PROXY=cluster.superuser
+        )
+        proc = _pull(cluster, tmp_path, uri, {"HDFS_SECRET_DIR": str(doas)})
+        assert proc.returncode == 0, proc.stderr
+        assert model_files(tmp_path / "root", uri) == files
+    finally:
+        cluster.chmod(path, "755")
