@@ -183,9 +183,13 @@ def test_kerberos_pull_from_the_secret_dir(
     secret = _secret(
         tmp_path, cluster, KERBEROS_PRINCIPAL=cluster.user, KERBEROS_KEYTAB=cluster.user_keytab.read_bytes()
     )
-    proc = _pull(cluster, tmp_path, uri, {"HDFS_SECRET_DIR": str(secret)})
+    proc = _pull(cluster, tmp_path, uri, {"HDFS_SECRET_DIR": str(secret), "MODELCACHE_LOG_LEVEL": "DEBUG"})
     assert proc.returncode == 0, proc.stderr
     assert model_files(tmp_path / "root", uri) == files
+    # Even at DEBUG no token reaches the log: not the SPNEGO header, not the delegation token the
+    # NameNode puts in the DataNode redirect.
+    assert "delegation=" not in proc.stderr and "Negotiate " not in proc.stderr, proc.stderr[-3000:]
+    assert "OPEN" in proc.stderr or "webhdfs" in proc.stderr  # the DEBUG request lines are there
     checks = {f["path"]: f.get("checksums", {}) for f in manifest_of(tmp_path / "root", uri)["files"]}  # type: ignore[union-attr]
     assert all("hdfs-md5md5crc" in checks[p] for p in files), checks
 

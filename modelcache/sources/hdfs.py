@@ -34,6 +34,7 @@ from modelcache.errors import (
 from modelcache.sources.base import Checksum, IterStream, RangeStream, RemoteFile, Source, register_source, safe_relpath
 from modelcache.sources.hdfs_checksum import checksum_from_webhdfs
 from modelcache.sources.kerberos import Kerberos, KerberosLogin
+from modelcache.sources.objectstore import quiet_sdk_logs
 from modelcache.sources.pinned_tls import adapter as tls_adapter
 from modelcache.sources.ratelimit import retry_after, wait_out
 from modelcache.sources.response_stream import ResponseStream
@@ -45,6 +46,9 @@ if TYPE_CHECKING:
 _MAX_DEPTH = 64
 # The hdfs client logs a 401's raw body at ERROR before raising; we raise one clear line instead.
 logging.getLogger("hdfs.client").setLevel(logging.CRITICAL)
+# urllib3's DEBUG request lines would carry the delegation token a Kerberized NameNode puts in
+# its redirect to the DataNode (``&delegation=...``): they lose their query strings.
+quiet_sdk_logs()
 
 
 @register_source("hdfs")
