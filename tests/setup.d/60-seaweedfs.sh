@@ -14,7 +14,7 @@ fi
 command -v go >/dev/null || { echo "seaweedfs: the go command is missing" >&2; exit 1; }
 mkdir -p $out
 start=$(date +%s)
-(cd tests/s3server && go build -mod=readonly -trimpath -ldflags "-s -w" -o ../../$out/weed.tmp github.com/seaweedfs/seaweedfs/weed)
+(cd tests/s3server && go build -mod=readonly -buildvcs=false -trimpath -ldflags "-s -w" -o ../../$out/weed.tmp github.com/seaweedfs/seaweedfs/weed)
 mv $out/weed.tmp $out/weed
 echo "$stamp" >$out/stamp
 echo "seaweedfs: built $($out/weed version 2>/dev/null | head -1) in $(($(date +%s) - start)) s"
