@@ -68,6 +68,19 @@ def test_file_shrunk_after_listing_is_a_short_read(webhdfs: WebHDFSServer, tmp_p
             read_range(src, f, 0, 10_000)
 
 
+def test_gateway_without_reserved_inode_paths_reads_by_path(webhdfs: WebHDFSServer, tmp_path: Path) -> None:
+    """Reads go through /.reserved/.inodes/<fileId>; a gateway that does not serve those paths
+    (404 for a file that is still there, unchanged) is read by path instead, not called changed."""
+    webhdfs.put("/m/w.bin", b"0123456789")
+    webhdfs.reserved_paths = False
+    with open_source("hdfs://m", hdfs_settings(tmp_path, HDFS_NAMENODE=webhdfs.url)) as src:
+        (f,) = src.list_files()
+        assert read_range(src, f, 2, 6) == b"2345"
+        assert read_range(src, f, 6, None) == b"6789"
+    opens = [r.path for r in webhdfs.ops("namenode") if r.op == "OPEN"]
+    assert opens[0].startswith("/webhdfs/v1/.reserved/.inodes/") and opens[1:] == ["/webhdfs/v1/m/w.bin"] * 2, opens
+
+
 def test_error_messages(webhdfs: WebHDFSServer, tmp_path: Path) -> None:
     webhdfs.put("/models/m/a.bin", b"a")
     (webhdfs.root / "models/emptydir").mkdir(parents=True)

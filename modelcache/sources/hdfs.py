@@ -98,6 +98,7 @@ class HDFSSource(Source):
             session=session,
         )
         self._session = session
+        self._inode_reads = True  # until a gateway shows it cannot serve /.reserved/.inodes paths
 
     # -- errors -----------------------------------------------------------------------------
 
@@ -226,13 +227,17 @@ class HDFSSource(Source):
         # HDFS has no versions, but a file has an inode id, and replacing the file (a rewrite,
         # a rename over it) makes a new inode: reading through the listed inode's reserved path
         # reads the listed file or fails, never a newer file under the same name.
-        inode = file.meta_get("hdfs.inode") or path
+        inode = (file.meta_get("hdfs.inode") if self._inode_reads else "") or path
         reader = self.client.read(inode, offset=start, length=length)
         try:
             raw = reader.__enter__()  # OPEN -> 307 -> datanode; errors raise here
         except (HdfsError, requests.RequestException) as exc:
             err = self._error(exc, path)
             if isinstance(err, NotFoundError) and inode != path:
+                if self._same_file(path, inode):
+                    # The file is there, unchanged: this gateway does not serve reserved paths.
+                    self._inode_reads = False
+                    return self.open_range(file, start, end)
                 raise SourceError(
                     f"{self.where}: '{path}' changed while it was being downloaded (replaced or deleted in HDFS); "
                     "run the pull again"
@@ -243,6 +248,13 @@ class HDFSSource(Source):
         return ResponseStream(
             raw, f"{self.where}: '{path}'", length, on_close=lambda: reader.__exit__(None, None, None)
         )
+
+    def _same_file(self, path: str, inode: str) -> bool:
+        try:
+            status = self.client.status(path, strict=False)
+        except (HdfsError, requests.RequestException):
+            return False
+        return status is not None and _inode_path(status) == inode
 
     def close(self) -> None:
         self._session.close()

@@ -80,6 +80,8 @@ class WebHDFSServer:
     datanode_delay: float = 0.0
     #: Cap on each OPEN stream's bytes per second (None: as fast as it goes).
     throttle_bps: float | None = None
+    #: Whether ``/.reserved/.inodes/<fileId>`` paths are served (a NameNode does; some gateways may not).
+    reserved_paths: bool = True
     #: Small blocks so test files span several (real clusters: 128 MiB).
     block_size: int = 1 << 20
     #: hdfs path -> file offset whose byte OPEN flips in transit (the stored file stays good).
@@ -139,6 +141,8 @@ class WebHDFSServer:
         m = re.fullmatch(r"/\.reserved/\.inodes/(\d+)", hdfs_path)
         if not m:
             return hdfs_path
+        if not self.reserved_paths:  # a gateway that passes only plain paths on
+            raise _Error(404, "FileNotFoundException", f"File does not exist: {hdfs_path}")
         for p in self.root.rglob("*"):
             if p.stat().st_ino == int(m.group(1)):
                 return "/" + p.relative_to(self.root).as_posix()
