@@ -257,14 +257,30 @@ def hdfs_spec_dir(env: Mapping[str, str]) -> str | None:
     folder = _HDFS_SPEC_DIRS.get(fingerprint)
     if folder and os.path.isdir(folder):
         return folder
-    folder = tempfile.mkdtemp(prefix="modelcache-hdfs-spec-")
+    import base64
+    import binascii
+
+    files: dict[str, bytes] = {}
     for key, value in spec.items():
         if key == "type" or "/" in key or key.startswith("."):
             continue
         text = value if isinstance(value, str) else json.dumps(value)
+        if key in _HDFS_FILE_SECRETS:
+            # As KServe: keys that are files (certificates, the keytab) are base64 in the JSON.
+            try:
+                files[key] = base64.b64decode(text, validate=True)
+            except binascii.Error as exc:
+                raise ModelcacheError(
+                    f"storage-spec secret (STORAGE_CONFIG, type {spec.get('type')}): {key} is not base64; "
+                    f"encode the file (base64 -w0 FILE) as KServe expects"
+                ) from exc
+        else:
+            files[key] = text.encode("utf-8")
+    folder = tempfile.mkdtemp(prefix="modelcache-hdfs-spec-")
+    for key, data in files.items():
         fd = os.open(os.path.join(folder, key), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
     _HDFS_SPEC_DIRS[fingerprint] = folder
     return folder
 

@@ -105,8 +105,6 @@ def test_error_messages(hdfs: WebHDFSServer, tmp_path: Path) -> None:
         "hdfs://models/other",
         "denied",
     )
-    kerberos = _pull(hdfs, tmp_path, "hdfs://models/bert/config.json", KERBEROS_PRINCIPAL="svc@EXAMPLE.COM")
-    _error_line(kerberos, "Kerberos", "not supported")
 
 
 def test_resume_after_kill_9(hdfs: WebHDFSServer, tmp_path: Path) -> None:

@@ -16,32 +16,13 @@ from modelcache.errors import (
     NotFoundError,
     SourceError,
     TransientError,
-    UnsupportedError,
 )
 from modelcache.integrity import new_hasher
-from modelcache.sources.base import RemoteFile, open_source
+from modelcache.sources.base import open_source
+from tests.fixtures.hdfs import hdfs_settings
 from tests.helpers import free_port
+from tests.objectstore_data import read_range
 from tests.webhdfs import WebHDFSServer
-
-
-def hdfs_settings(tmp_path: Path, **files: str) -> Settings:
-    secret = tmp_path / "hdfscreds"
-    secret.mkdir(parents=True, exist_ok=True)
-    for name, value in files.items():
-        (secret / name).write_text(value)
-    return Settings.from_env({"HDFS_SECRET_DIR": str(secret)})
-
-
-def read_range(src, f: RemoteFile, start: int, end: int | None) -> bytes:
-    stream = src.open_range(f, start, end)
-    out = bytearray()
-    buf = memoryview(bytearray(256 << 10))
-    try:
-        while n := stream.readinto(buf):
-            out += buf[:n]
-    finally:
-        stream.close()
-    return bytes(out)
 
 
 def test_nested_listing_and_ranged_reads(webhdfs: WebHDFSServer, tmp_path: Path) -> None:
@@ -87,6 +68,19 @@ def test_file_shrunk_after_listing_is_a_short_read(webhdfs: WebHDFSServer, tmp_p
             read_range(src, f, 0, 10_000)
 
 
+def test_gateway_without_reserved_inode_paths_reads_by_path(webhdfs: WebHDFSServer, tmp_path: Path) -> None:
+    """Reads go through /.reserved/.inodes/<fileId>; a gateway that does not serve those paths
+    (404 for a file that is still there, unchanged) is read by path instead, not called changed."""
+    webhdfs.put("/m/w.bin", b"0123456789")
+    webhdfs.reserved_paths = False
+    with open_source("hdfs://m", hdfs_settings(tmp_path, HDFS_NAMENODE=webhdfs.url)) as src:
+        (f,) = src.list_files()
+        assert read_range(src, f, 2, 6) == b"2345"
+        assert read_range(src, f, 6, None) == b"6789"
+    opens = [r.path for r in webhdfs.ops("namenode") if r.op == "OPEN"]
+    assert opens[0].startswith("/webhdfs/v1/.reserved/.inodes/") and opens[1:] == ["/webhdfs/v1/m/w.bin"] * 2, opens
+
+
 def test_error_messages(webhdfs: WebHDFSServer, tmp_path: Path) -> None:
     webhdfs.put("/models/m/a.bin", b"a")
     (webhdfs.root / "models/emptydir").mkdir(parents=True)
@@ -108,8 +102,6 @@ def test_error_messages(webhdfs: WebHDFSServer, tmp_path: Path) -> None:
     webhdfs.denied_paths = {"/models/m"}
     fail("hdfs://models/m", with_header, AccessDeniedError, "access to '/models/m' denied")
     fail("hdfs://models/m", hdfs_settings(tmp_path / "e"), SourceError, "HDFS_NAMENODE")
-    kerberos = hdfs_settings(tmp_path / "k", HDFS_NAMENODE=webhdfs.url, KERBEROS_PRINCIPAL="me@REALM")
-    fail("hdfs://models/m", kerberos, UnsupportedError, "Kerberos")
     dead = hdfs_settings(tmp_path / "d", HDFS_NAMENODE=f"http://127.0.0.1:{free_port()}")
     fail("hdfs://models/m", dead, TransientError, "cannot reach WebHDFS")
 

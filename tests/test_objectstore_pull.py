@@ -92,11 +92,22 @@ def _azure(server: AzureServer) -> Backend:
     )
 
 
-@pytest.fixture(params=["s3", "gcs", "azure"])
+@pytest.fixture(params=["s3", "seaweedfs", "gcs", "azure"])
 def backend(request: pytest.FixtureRequest) -> Backend:
-    make = {"s3": ("moto_s3", _s3), "gcs": ("gcs_emulator", _gcs), "azure": ("azurite", _azure)}
+    """Every object store; S3 twice: moto (IAM, ACLs) and SeaweedFS (a production server)."""
+    make = {
+        "s3": ("moto_s3", _s3),
+        "seaweedfs": ("seaweedfs_s3", _s3),
+        "gcs": ("gcs_emulator", _gcs),
+        "azure": ("azurite", _azure),
+    }
     fixture, build = make[request.param]
     return build(request.getfixturevalue(fixture))
+
+
+@pytest.fixture(params=["moto", "seaweedfs"])
+def s3_server(request: pytest.FixtureRequest) -> S3Server:
+    return request.getfixturevalue({"moto": "moto_s3", "seaweedfs": "seaweedfs_s3"}[request.param])
 
 
 @pytest.fixture
@@ -156,10 +167,10 @@ def test_pull_single_object_uri(backend: Backend, tmp_path: Path) -> None:
     assert_store_correct(tmp_path, {uri: {"model.onnx": data}}, must_have={uri})
 
 
-def test_pull_s3_multipart_object(moto_s3: S3Server, tmp_path: Path) -> None:
+def test_pull_s3_multipart_object(s3_server: S3Server, tmp_path: Path) -> None:
     from boto3.s3.transfer import TransferConfig
 
-    b = _s3(moto_s3)
+    b = _s3(s3_server)
     data = os.urandom(11 * MiB + 333)
     src = tmp_path / "src.bin"
     src.write_bytes(data)
@@ -188,12 +199,12 @@ def test_corrupted_object_fails_verification(backend: Backend, proxy_for, tmp_pa
 
 
 @pytest.mark.parametrize("kind", ["md5-etag", "multipart-etag"])
-def test_s3_corruption_caught_by_etag(kind: str, moto_s3: S3Server, proxy_for, tmp_path: Path) -> None:
+def test_s3_corruption_caught_by_etag(kind: str, s3_server: S3Server, proxy_for, tmp_path: Path) -> None:
     """Objects without a full-object CRC (older SDKs, other tools): the ETag is the checksum --
     an MD5, or for a multipart object the MD5 of the parts' MD5s. A flipped byte must fail both."""
     from boto3.s3.transfer import TransferConfig
 
-    b = _s3(moto_s3)
+    b = _s3(s3_server)
     client = b.extra["client"]
     client.meta.config.request_checksum_calculation = "when_required"  # type: ignore[attr-defined]
     data = os.urandom(11 * MiB + 333)

@@ -17,6 +17,7 @@ import posixpath
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 import requests
 from hdfs import Client, HdfsError
@@ -29,10 +30,11 @@ from modelcache.errors import (
     RateLimitedError,
     SourceError,
     TransientError,
-    UnsupportedError,
 )
 from modelcache.sources.base import Checksum, IterStream, RangeStream, RemoteFile, Source, register_source, safe_relpath
 from modelcache.sources.hdfs_checksum import checksum_from_webhdfs
+from modelcache.sources.kerberos import Kerberos, KerberosLogin
+from modelcache.sources.objectstore import quiet_sdk_logs
 from modelcache.sources.pinned_tls import adapter as tls_adapter
 from modelcache.sources.ratelimit import retry_after, wait_out
 from modelcache.sources.response_stream import ResponseStream
@@ -44,6 +46,9 @@ if TYPE_CHECKING:
 _MAX_DEPTH = 64
 # The hdfs client logs a 401's raw body at ERROR before raising; we raise one clear line instead.
 logging.getLogger("hdfs.client").setLevel(logging.CRITICAL)
+# urllib3's DEBUG request lines would carry the delegation token a Kerberized NameNode puts in
+# its redirect to the DataNode (``&delegation=...``): they lose their query strings.
+quiet_sdk_logs()
 
 
 @register_source("hdfs")
@@ -55,11 +60,6 @@ class HDFSSource(Source):
         super().__init__(location, settings)
         self.where = location.display
         hs = settings.hdfs
-        if hs.kerberos_principal or hs.kerberos_keytab:
-            raise UnsupportedError(
-                f"{self.where}: Kerberos authentication (KERBEROS_PRINCIPAL/KERBEROS_KEYTAB in {hs.secret_dir}) "
-                "is not supported here; use a WebHDFS gateway with USER_PROXY/HEADERS or TLS client certificates"
-            )
         if not hs.namenode:
             raise SourceError(
                 f"{self.where}: no WebHDFS namenode: put its URL (e.g. http://namenode:9870) in the file "
@@ -78,6 +78,14 @@ class HDFSSource(Source):
         if hs.tls_cert:
             session.cert = (hs.tls_cert, hs.tls_key) if hs.tls_key else hs.tls_cert
         session.headers.update(dict(hs.headers))
+        # Kerberos as KServe configures it (KERBEROS_PRINCIPAL + KERBEROS_KEYTAB): SPNEGO with the
+        # NameNode; the DataNode is then reached with the delegation token in its redirect.
+        self._kerberos: Kerberos | None = None
+        if hs.kerberos_principal or hs.kerberos_keytab:
+            self._kerberos = Kerberos(
+                KerberosLogin(hs.kerberos_principal, hs.kerberos_keytab, hs.secret_dir, self.where)
+            )
+            session.auth = self._kerberos.auth()
         # The hdfs client turns every non-2xx into an HdfsError without its status or headers;
         # a rate-limiting or overloaded gateway in front of WebHDFS must stay retryable, with its
         # Retry-After, so those answers are mapped here, before the client sees them.
@@ -90,6 +98,7 @@ class HDFSSource(Source):
             session=session,
         )
         self._session = session
+        self._inode_reads = True  # until a gateway shows it cannot serve /.reserved/.inodes paths
 
     # -- errors -----------------------------------------------------------------------------
 
@@ -98,6 +107,13 @@ class HDFSSource(Source):
         if code in (429, 502, 503, 504):
             _ = resp.content  # a short error body: read it so the connection can be reused
             resp.close()
+        if code == 401 and self._kerberos is None and "negotiate" in resp.headers.get("WWW-Authenticate", "").lower():
+            _ = resp.content
+            resp.close()
+            raise AuthError(
+                f"{self.where}: the WebHDFS namenode asks for Kerberos (SPNEGO); put KERBEROS_PRINCIPAL and "
+                f"KERBEROS_KEYTAB in {self.settings.hdfs.secret_dir} (or the storage spec)"
+            )
         if code == 429:
             raise RateLimitedError(
                 f"{self.where}: WebHDFS answered HTTP 429 (rate-limited)", retry_after=retry_after(resp.headers)
@@ -124,7 +140,14 @@ class HDFSSource(Source):
         if kind in ("AccessControlException", "SecurityException") and "Authentication" not in text:
             return AccessDeniedError(f"{self.where}: access to '{what}' denied by HDFS: {text}")
         if "Authentication failure" in text:
-            hint = f"check USER_PROXY, HEADERS or TLS_* in {self.settings.hdfs.secret_dir}"
+            hs = self.settings.hdfs
+            if self._kerberos:
+                hint = (
+                    f"the NameNode refused the Kerberos login of '{hs.kerberos_principal}'; check that it runs "
+                    f"SPNEGO as HTTP/<its host> and that KERBEROS_PRINCIPAL in {hs.secret_dir} may use it"
+                )
+            else:
+                hint = f"check USER_PROXY, HEADERS or TLS_* in {hs.secret_dir}"
             return AuthError(f"{self.where}: WebHDFS authentication failed for '{what}'; {hint}")
         if kind in ("RetriableException", "StandbyException"):
             return TransientError(f"{self.where}: HDFS busy for '{what}' ({kind})")
@@ -137,6 +160,9 @@ class HDFSSource(Source):
         return wait_out(self._list_files, self.where)
 
     def _list_files(self) -> list[RemoteFile]:
+        if self._kerberos:
+            # Log in now: a bad keytab or principal fails with its own line, not as a bare 401.
+            self._kerberos.check(urlsplit(self.settings.hdfs.namenode.split(";")[0].strip()).hostname or "")
         try:
             root = self.client.resolve(self.path)
             status = self.client.status(root)
@@ -179,7 +205,7 @@ class HDFSSource(Source):
             version=str(status.get("modificationTime", "")) or None,
             checksums=(checksum,) if checksum else (),
             ranged=True,
-            meta=(("hdfs.path", absolute),),
+            meta=(("hdfs.path", absolute), ("hdfs.inode", _inode_path(status))),
         )
 
     def _checksum(self, path: str, block_size: int) -> Checksum | None:
@@ -198,16 +224,44 @@ class HDFSSource(Source):
         length = max(0, stop - start)
         if length == 0:
             return IterStream(iter(()))
-        reader = self.client.read(path, offset=start, length=length)
+        # HDFS has no versions, but a file has an inode id, and replacing the file (a rewrite,
+        # a rename over it) makes a new inode: reading through the listed inode's reserved path
+        # reads the listed file or fails, never a newer file under the same name.
+        inode = (file.meta_get("hdfs.inode") if self._inode_reads else "") or path
+        reader = self.client.read(inode, offset=start, length=length)
         try:
             raw = reader.__enter__()  # OPEN -> 307 -> datanode; errors raise here
         except (HdfsError, requests.RequestException) as exc:
-            raise self._error(exc, path) from exc
+            err = self._error(exc, path)
+            if isinstance(err, NotFoundError) and inode != path:
+                if self._same_file(path, inode):
+                    # The file is there, unchanged: this gateway does not serve reserved paths.
+                    self._inode_reads = False
+                    return self.open_range(file, start, end)
+                raise SourceError(
+                    f"{self.where}: '{path}' changed while it was being downloaded (replaced or deleted in HDFS); "
+                    "run the pull again"
+                ) from exc
+            raise err from exc
         # Exactly ``length`` bytes: a short body means the datanode stream was cut or the file
         # shrank; WebHDFS honours ``length``, so we never read past it.
         return ResponseStream(
             raw, f"{self.where}: '{path}'", length, on_close=lambda: reader.__exit__(None, None, None)
         )
 
+    def _same_file(self, path: str, inode: str) -> bool:
+        try:
+            status = self.client.status(path, strict=False)
+        except (HdfsError, requests.RequestException):
+            return False
+        return status is not None and _inode_path(status) == inode
+
     def close(self) -> None:
         self._session.close()
+
+
+def _inode_path(status: dict) -> str:
+    """``/.reserved/.inodes/<fileId>``: the NameNode's name for exactly this file (empty when a
+    gateway gives no fileId)."""
+    file_id = status.get("fileId")
+    return f"/.reserved/.inodes/{int(file_id)}" if isinstance(file_id, int) and file_id > 0 else ""

@@ -1,11 +1,14 @@
 """HDFS's file checksum (WebHDFS GETFILECHECKSUM), computed incrementally while bytes arrive.
 
 HDFS keeps a CRC per ``bytesPerCRC`` (512) bytes; a block's digest is the MD5 of its CRCs
-(4 bytes big-endian each), the file's is the MD5 of the block MD5s. WebHDFS returns
+(4 bytes big-endian each), the file's is the MD5 of the block MD5s (zero-padded, see
+``hexdigest``). WebHDFS returns
 ``{"algorithm": "MD5-of-<crcPerBlock>MD5-of-<bytesPerCRC>CRC32C", "bytes": hex, "length": 28}``
 where ``bytes`` serialises ``int bytesPerCRC, long crcPerBlock, md5`` (``crcPerBlock`` is 0 for
-a one-block file). The block size comes from the file's FileStatus. Computing it costs one CRC
-per 512 bytes in C (a few GB/s), so every file fetched from HDFS is verified end to end.
+a one-block file). A real DataNode sends more hex than that (Hadoop hex-encodes the whole
+32-byte buffer it serialised into: 28 bytes and 4 of zero padding); ``length`` says how many
+count. The block size comes from the file's FileStatus. Computing it costs one CRC per 512
+bytes in C (a few GB/s), so every file fetched from HDFS is verified end to end.
 """
 
 from __future__ import annotations
@@ -27,8 +30,12 @@ def checksum_from_webhdfs(doc: dict, block_size: int) -> Checksum | None:
     """The Checksum for a GETFILECHECKSUM answer, or None for a kind we cannot recompute
     (COMPOSITE-CRC, another algorithm, a block size that does not split into CRC chunks)."""
     m = _ALGORITHM.match(str(doc.get("algorithm", "")))
-    value = str(doc.get("bytes", "")).lower()
-    if not m or len(value) != 56 or block_size <= 0:
+    try:
+        length = int(doc.get("length", 28))
+    except (TypeError, ValueError):
+        return None
+    value = str(doc.get("bytes", "")).lower()[: 2 * length]
+    if not m or length != 28 or len(value) != 56 or block_size <= 0:
         return None
     bytes_per_crc = int(m.group(2))
     if bytes_per_crc <= 0 or block_size % bytes_per_crc:
@@ -76,7 +83,15 @@ class HdfsFileChecksum:
         if crcs:
             md5s.append(hashlib.md5(struct.pack(f">{len(crcs)}I", *crcs)).digest())
         crc_per_block = self._block // self._bpc if len(md5s) > 1 else 0
-        return (struct.pack(">iq", self._bpc, crc_per_block) + hashlib.md5(b"".join(md5s)).digest()).hex()
+        # Hadoop takes the MD5 of the whole buffer it wrote the block MD5s into (a
+        # DataOutputBuffer's getData(): 32 bytes, doubled as it fills), zero padding included.
+        # Seen on a real DataNode: without the padding only 2, 4, 8, ... block files matched.
+        joined = b"".join(md5s)
+        capacity = 32
+        while capacity < len(joined):
+            capacity *= 2
+        md5 = hashlib.md5(joined.ljust(capacity, b"\0")).digest()
+        return (struct.pack(">iq", self._bpc, crc_per_block) + md5).hex()
 
 
 @register_hasher(ALGO)

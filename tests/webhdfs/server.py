@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import ssl
 import struct
@@ -79,6 +80,8 @@ class WebHDFSServer:
     datanode_delay: float = 0.0
     #: Cap on each OPEN stream's bytes per second (None: as fast as it goes).
     throttle_bps: float | None = None
+    #: Whether ``/.reserved/.inodes/<fileId>`` paths are served (a NameNode does; some gateways may not).
+    reserved_paths: bool = True
     #: Small blocks so test files span several (real clusters: 128 MiB).
     block_size: int = 1 << 20
     #: hdfs path -> file offset whose byte OPEN flips in transit (the stored file stays good).
@@ -132,6 +135,18 @@ class WebHDFSServer:
         local = self.local(hdfs_path)
         local.parent.mkdir(parents=True, exist_ok=True)
         local.write_bytes(data)
+
+    def resolve(self, hdfs_path: str) -> str:
+        """``/.reserved/.inodes/<fileId>`` (HDFS's name for one inode) -> the path holding it now."""
+        m = re.fullmatch(r"/\.reserved/\.inodes/(\d+)", hdfs_path)
+        if not m:
+            return hdfs_path
+        if not self.reserved_paths:  # a gateway that passes only plain paths on
+            raise _Error(404, "FileNotFoundException", f"File does not exist: {hdfs_path}")
+        for p in self.root.rglob("*"):
+            if p.stat().st_ino == int(m.group(1)):
+                return "/" + p.relative_to(self.root).as_posix()
+        raise _Error(404, "FileNotFoundException", f"File does not exist: {hdfs_path}")
 
     def local(self, hdfs_path: str) -> Path:
         parts = [p for p in hdfs_path.split("/") if p]
@@ -193,7 +208,10 @@ class WebHDFSServer:
 
 def file_checksum(data: bytes, block_size: int, bytes_per_crc: int = 512) -> dict:
     """HDFS's MD5-of-MD5-of-CRC32C, written out plainly (whole file in memory) so it checks
-    the source's incremental version independently."""
+    the source's incremental version independently. As a real DataNode answers it (checked
+    against Hadoop 3.5's MiniDFSCluster): the file MD5 is taken over the block MD5s padded with
+    zeros to the capacity of the buffer Hadoop collected them in (32 bytes, doubling), and
+    ``bytes`` is that 32-byte-or-more buffer in hex with ``length`` 28."""
     block_md5s = []
     for b in range(0, len(data), block_size):
         block = data[b : b + block_size]
@@ -203,7 +221,12 @@ def file_checksum(data: bytes, block_size: int, bytes_per_crc: int = 512) -> dic
         )
         block_md5s.append(hashlib.md5(crcs).digest())
     crc_per_block = block_size // bytes_per_crc if len(block_md5s) > 1 else 0
-    raw = struct.pack(">iq", bytes_per_crc, crc_per_block) + hashlib.md5(b"".join(block_md5s)).digest()
+    joined = b"".join(block_md5s)
+    capacity = 32
+    while capacity < len(joined):
+        capacity *= 2
+    md5 = hashlib.md5(joined.ljust(capacity, b"\0")).digest()
+    raw = struct.pack(">iq", bytes_per_crc, crc_per_block) + md5 + bytes(4)
     return {"algorithm": f"MD5-of-{crc_per_block}MD5-of-{bytes_per_crc}CRC32C", "bytes": raw.hex(), "length": 28}
 
 
@@ -251,7 +274,7 @@ def _handler(server: WebHDFSServer, node: str) -> type[BaseHTTPRequestHandler]:
             try:
                 if not path.startswith(PREFIX):
                     raise _Error(404, "FileNotFoundException", f"Path {path} is not under {PREFIX}")
-                hdfs_path = path[len(PREFIX) :] or "/"
+                hdfs_path = server.resolve(path[len(PREFIX) :] or "/")
                 self._authorize(req, hdfs_path)
                 if node == "datanode":
                     self._datanode(req, hdfs_path)
