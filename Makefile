@@ -34,7 +34,7 @@ install: $(STAMP)
 
 # System packages and servers the tests start (nginx, registry, azurite, ...): one script per backend.
 test-deps: install
-	@for s in tests/setup.d/*.sh; do echo "setup: $$s"; bash $$s || exit 1; done
+	@bash tests/setup.sh
 
 test: test-deps
 	$(BIN)/ruff check .

@@ -2,6 +2,7 @@
 # The real Kubernetes control plane (kube-apiserver, controller-manager, scheduler, kubectl, etcd)
 # built from its published Go modules into .work/cluster/bin (tests/cluster/go.mod pins the versions).
 # Rebuilt only when the pins change; the first build on a fresh machine takes ~10 minutes on 2 cores.
+# lane: build
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if ! command -v go >/dev/null; then

@@ -4,6 +4,7 @@
 # .work/seaweedfs/. Rebuilt only when go.mod/go.sum change. Go's module and build caches
 # (GOMODCACHE, GOCACHE) stay where the machine keeps them, so a fresh clone on the same machine
 # relinks in seconds; a cold machine downloads ~500 modules and compiles for several minutes.
+# lane: build
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=.work/seaweedfs
