@@ -14,6 +14,7 @@ from modelcache.kube.client import (
     NODES,
     Kube,
 )
+from tests.cluster.webhooks import register_webhooks as cluster_webhooks
 
 GROUP_LABEL = "kserve/localmodel"
 
@@ -94,3 +95,8 @@ def entries_of(kube: Kube, node: str) -> list[dict[str, Any]] | None:
 def without_service_crds(cluster: Any) -> None:
     """Remove KServe's InferenceService CRD (the shared cluster's reset puts it back)."""
     cluster.kubectl("delete", "crd", "inferenceservices.serving.kserve.io", "--ignore-not-found", "--wait=true")
+
+
+def register_webhooks(cluster: Any, coordinator: Any) -> None:
+    """deploy/webhooks/*.yaml as shipped, but called by the API server at the coordinator's port."""
+    cluster_webhooks(cluster.cp, coordinator.cfg.webhook_port, coordinator.cfg.webhook_cert_dir / "tls.crt")

@@ -15,8 +15,15 @@ import pytest
 
 from coordinator.nodelabels import model_label
 from modelcache.kube.client import EVENTS, NODES, PERSISTENT_VOLUME_CLAIMS, PERSISTENT_VOLUMES, PODS, Kube
-from tests.cluster.webhooks import register_webhooks as cluster_webhooks
-from tests.coordinator_util import make_cache, make_group, make_isvc, make_namespace, make_node, report
+from tests.coordinator_util import (
+    make_cache,
+    make_group,
+    make_isvc,
+    make_namespace,
+    make_node,
+    register_webhooks,
+    report,
+)
 from tests.fixtures.cluster import Cluster
 from tests.helpers import wait_until
 
@@ -24,10 +31,6 @@ pytestmark = pytest.mark.timeout(240)
 
 URI = "s3://models/llm"
 GROUP_LABEL = {"kserve/localmodel": "worker"}
-
-
-def register_webhooks(cluster: Cluster, coordinator: Any) -> None:
-    cluster_webhooks(cluster.cp, coordinator.cfg.webhook_port, coordinator.cfg.webhook_cert_dir / "tls.crt")
 
 
 def predictor_pod(name: str) -> dict[str, Any]:

@@ -60,12 +60,13 @@ class Proc:
     name: str
     cmd: list[str]
     log_path: Path
+    env: dict[str, str] | None = field(default=None, repr=False)  # None: this process's environment
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def start(self) -> Proc:
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          preexec_fn=_die_with_parent)
+                                          env=self.env, preexec_fn=_die_with_parent)
         return self
 
     def alive(self) -> bool:

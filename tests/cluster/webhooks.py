@@ -1,8 +1,9 @@
-"""deploy/'s webhook configurations pointed at a coordinator running as a process on this machine.
+"""Webhook configurations pointed at a webhook server running as a process on this machine:
+deploy/'s at a coordinator, or KServe's own (tests/kserve) at its controllers.
 
 There is no kube-proxy in the test control plane, so a webhook given as a Service cannot be
 reached; the configurations are applied as shipped except `clientConfig`, which becomes a `url`
-on the coordinator's port with its certificate as `caBundle`.
+on the process's 127.0.0.1 port with the CA of its serving certificate as `caBundle`.
 """
 
 from __future__ import annotations
@@ -19,19 +20,23 @@ from tests.cluster.controlplane import ControlPlane
 WEBHOOKS = Path(__file__).resolve().parents[2] / "deploy" / "webhooks"
 
 
-def webhook_configurations(port: int, ca_pem: bytes) -> list[dict[str, Any]]:
+def by_url(docs: list[dict[str, Any]], base_url: str, ca_pem: bytes) -> list[dict[str, Any]]:
+    """Copies of the webhook configurations in ``docs``, each webhook called at ``base_url`` + its
+    service path."""
     ca = base64.b64encode(ca_pem).decode()
-    docs = []
-    for path in sorted(WEBHOOKS.glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if not doc:
-                continue
-            doc = copy.deepcopy(doc)
-            for hook in doc["webhooks"]:
-                svc = hook["clientConfig"].pop("service")
-                hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{svc['path']}", "caBundle": ca}
-            docs.append(doc)
-    return docs
+    out = []
+    for doc in docs:
+        doc = copy.deepcopy(doc)
+        for hook in doc["webhooks"]:
+            svc = hook["clientConfig"].pop("service")
+            hook["clientConfig"] = {"url": base_url.rstrip("/") + svc.get("path", "/"), "caBundle": ca}
+        out.append(doc)
+    return out
+
+
+def webhook_configurations(port: int, ca_pem: bytes) -> list[dict[str, Any]]:
+    docs = [doc for path in sorted(WEBHOOKS.glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return by_url(docs, f"https://127.0.0.1:{port}", ca_pem)
 
 
 def register_webhooks(cp: ControlPlane, port: int, cert_file: Path) -> None:
