@@ -155,3 +155,35 @@ def test_kserve_rewrites_the_predictor_to_the_cache_and_the_scheduler_binds_it_w
     finally:
         agent2.stop()
     assert kserve_manager.alive(), kserve_manager.log()[-3000:]
+
+
+def test_a_storage_container_without_the_multi_download_flag_gets_kserves_error_not_a_panic(
+    cluster: Cluster, kserve_manager: Any
+) -> None:
+    """KServe's controller dereferences `supportsMultiModelDownload` for services with storageUris;
+    our ClusterStorageContainer CRD defaults it to false as KServe's does, so a container that does
+    not set it is refused with KServe's message (without the default: a nil-pointer panic in every
+    reconcile, and the service never gets a status)."""
+    cluster.register_node("n1")
+    make_namespace(cluster.kube(), NS)
+    cluster.kubectl("apply", "-f", "-", input=(
+        "apiVersion: serving.kserve.io/v1alpha1\nkind: ClusterStorageContainer\nmetadata: {name: custom}\n"
+        "spec: {container: {name: storage-initializer, image: example/init:1}, supportedUriFormats: [{prefix: 's3://'}]}\n"))
+    csc = json.loads(cluster.kubectl("get", "clusterstoragecontainer", "custom", "-o", "json").stdout)
+    assert csc["spec"]["supportsMultiModelDownload"] is False
+    cluster.kubectl("apply", "-f", "-", input=(
+        f"apiVersion: serving.kserve.io/v1beta1\nkind: InferenceService\nmetadata: {{name: multi, namespace: {NS}}}\n"
+        "spec: {predictor: {model: {modelFormat: {name: sklearn}}, storageUris: ["
+        "{uri: 's3://bucket/a', mountPath: /mnt/models/a}, {uri: 's3://bucket/b', mountPath: /mnt/models/b}]}}\n"))
+    kube = cluster.kube()
+
+    def ready_message() -> str:
+        conditions = (kube.get(INFERENCE_SERVICES, "multi", NS).get("status") or {}).get("conditions") or []
+        return next((c.get("message", "") for c in conditions if c["type"] == "PredictorReady"), "")
+
+    try:
+        wait_until(lambda: "does not support multi-model download" in ready_message(), timeout=60,
+                   what="KServe's refusal in the service's PredictorReady condition")
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\nKServe's manager log:\n{kserve_manager.log()[-4000:]}") from None
+    assert "Observed a panic" not in kserve_manager.log()

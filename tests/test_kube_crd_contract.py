@@ -112,6 +112,7 @@ def test_node_group_and_storage_container() -> None:
     assert sorted(_at(c, "spec.supportedUriFormats.[]")["properties"]) == ["prefix", "regex"]
     assert _at(c, "spec.workloadType")["default"] == "initContainer"
     assert _at(c, "spec.supportsMultiModelDownload")["type"] == "boolean"
+    assert _at(c, "spec.supportsMultiModelDownload")["default"] is False  # KServe dereferences it
 
 
 # -- through the API test server -------------------------------------------------------------
@@ -149,7 +150,9 @@ def test_storage_container_fields_default_and_required(crd_api: client.CustomObj
     assert got["disabled"] is True and got["spec"]["workloadType"] == "localModelDownloadJob"
     plain = copy.deepcopy(base)
     plain["spec"].pop("workloadType", None)
-    assert _create(crd_api, plain)["spec"]["workloadType"] == "initContainer"
+    plain["spec"].pop("supportsMultiModelDownload", None)
+    got = _create(crd_api, plain)
+    assert got["spec"]["workloadType"] == "initContainer" and got["spec"]["supportsMultiModelDownload"] is False
     for field in ("container", "supportedUriFormats"):
         bad = copy.deepcopy(base)
         bad["metadata"]["name"] = f"no-{field.lower()}"
