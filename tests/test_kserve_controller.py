@@ -43,9 +43,9 @@ NS = "team"
 
 @pytest.fixture
 def kserve_manager(cluster: Cluster, tmp_path: Path) -> Any:
-    kserve.require_manager()
+    kserve.require_binary()
     kserve.install(cluster)
-    mgr = kserve.start_manager(cluster, tmp_path / "kserve")
+    mgr = kserve.start(cluster, tmp_path / "kserve")
     yield mgr
     mgr.stop()
 

@@ -1,15 +1,18 @@
-"""KServe installed on a test control plane from its own manifests, and its controller manager run
-as a process with its own ServiceAccount.
+"""KServe installed on a test control plane from its own manifests, and its controllers (the
+controller manager; the local-model controller) run as processes with their own ServiceAccounts.
 
 Everything is read from KServe's module in the Go module cache (`kserve_source()`), the release
 that tests/kserve/go.mod pins and .work/kserve/bin/manager was built from:
 - CRDs: config/crd/full (InferenceService, ServingRuntime, ClusterServingRuntime, TrainedModel,
   InferenceGraph; the LocalModel* ones only where a test applies them over ours);
 - RBAC: config/rbac (ServiceAccount `kserve-controller-manager`, ClusterRole `kserve-manager-role`,
-  the leader-election Role) in the `kserve` namespace, as config/default puts them;
+  the leader-election Role) and config/rbac/localmodel, in the `kserve` namespace as
+  config/default puts them;
 - config/configmap/inferenceservice.yaml, with the deployment mode (Standard, KServe's raw
-  deployment mode: Deployments, no Knative) and `localModel.enabled` set as a user would;
-- config/webhook/manifests.yaml, reached by url (tests/cluster/webhooks.py);
+  deployment mode: Deployments, no Knative) and `localModel.enabled` set as a user would, and no
+  Istio;
+- config/webhook/manifests.yaml and config/webhook/localmodel, reached by url
+  (tests/cluster/webhooks.py);
 - config/runtimes, through kustomize as KServe's install does (images set, pods never run).
 """
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,18 +34,35 @@ from tests.helpers import free_port, require, wait_until
 from tests.kserve.build import KSERVE, kserve_source
 
 NAMESPACE = "kserve"
-SERVICE_ACCOUNT = "kserve-controller-manager"
+#: Where KServe's local-model controller puts its download PVCs (`localModel.jobNamespace`).
+JOB_NAMESPACE = "kserve-localmodel-jobs"
 FIELD_MANAGER = "kserve-install"
 SERVING_CRDS = tuple(f"config/crd/full/serving.kserve.io_{plural}.yaml" for plural in (
     "inferenceservices", "servingruntimes", "clusterservingruntimes", "trainedmodels", "inferencegraphs"))
 LOCALMODEL_CRDS = "config/crd/full/localmodel"
-RBAC = ("service_account.yaml", "role.yaml", "role_binding.yaml", "leader_election_role.yaml",
-        "leader_election_role_binding.yaml")
 
 
-def require_manager() -> Path:
-    require(KSERVE.up_to_date(), f"KServe's controller manager in {KSERVE.bin_dir} (tests/setup.d/55-kserve.sh)")
-    return KSERVE.bin_dir / "manager"
+@dataclass(frozen=True)
+class Component:
+    """One of KServe's controllers: its binary, ServiceAccount, RBAC files and webhook configurations."""
+
+    binary: str
+    service_account: str
+    rbac: tuple[str, ...]
+    webhooks: str
+    namespaces: tuple[str, ...] = field(default=())  # besides `kserve`, what it writes into
+
+
+MANAGER = Component("manager", "kserve-controller-manager", tuple(f"config/rbac/{name}" for name in (
+    "service_account.yaml", "role.yaml", "role_binding.yaml", "leader_election_role.yaml",
+    "leader_election_role_binding.yaml")), "config/webhook/manifests.yaml")
+LOCAL_MODEL = Component("localmodel", "kserve-localmodel-controller-manager", ("config/rbac/localmodel",),
+                        "config/webhook/localmodel/manifests.yaml", (JOB_NAMESPACE,))
+
+
+def require_binary(component: Component = MANAGER) -> Path:
+    require(KSERVE.up_to_date(), f"KServe's controllers in {KSERVE.bin_dir} (tests/setup.d/55-kserve.sh)")
+    return KSERVE.bin_dir / component.binary
 
 
 def docs_of(*relative: str) -> list[dict[str, Any]]:
@@ -73,17 +93,19 @@ def wait_established(cluster: Any, docs: list[dict[str, Any]]) -> None:
 
 
 def config_map(mode: str = "Standard", local_model: bool = True) -> dict[str, Any]:
-    """KServe's inferenceservice-config with the deployment mode and `localModel.enabled` set."""
+    """KServe's inferenceservice-config with the deployment mode and `localModel.enabled` set, and
+    Istio's VirtualService off as KServe's own event advises on a cluster without Istio."""
     (cm,) = docs_of("config/configmap/inferenceservice.yaml")
     cm["metadata"]["namespace"] = NAMESPACE
+    cm["data"]["ingress"] = json.dumps({**json.loads(cm["data"]["ingress"]), "disableIstioVirtualHost": True})
     cm["data"]["deploy"] = json.dumps({**json.loads(cm["data"]["deploy"]), "defaultDeploymentMode": mode})
     cm["data"]["localModel"] = json.dumps({**json.loads(cm["data"]["localModel"]), "enabled": local_model})
     return cm
 
 
-def rbac() -> list[dict[str, Any]]:
-    """KServe's ServiceAccount, roles and bindings, in its namespace as config/default's kustomize puts them."""
-    docs = docs_of(*(f"config/rbac/{name}" for name in RBAC))
+def rbac(component: Component) -> list[dict[str, Any]]:
+    """A component's ServiceAccount, roles and bindings, in KServe's namespace as config/default puts them."""
+    docs = docs_of(*component.rbac)
     for doc in docs:
         if doc["kind"] in ("ServiceAccount", "Role", "RoleBinding"):
             doc["metadata"]["namespace"] = NAMESPACE
@@ -100,18 +122,19 @@ def runtime(cluster: Any, name: str = "kserve-sklearnserver") -> dict[str, Any]:
     return dict(doc)
 
 
-def install(cluster: Any, local_model: bool = True) -> None:
-    """KServe's CRDs, namespace, RBAC, config map and sklearn runtime (no controller yet)."""
+def install(cluster: Any, local_model: bool = True, components: tuple[Component, ...] = (MANAGER,)) -> None:
+    """KServe's CRDs, namespaces, the components' RBAC, the config map and the sklearn runtime."""
     crds = docs_of(*SERVING_CRDS)
     apply(cluster, crds)
     wait_established(cluster, crds)
-    apply(cluster, [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}])
-    apply(cluster, [*rbac(), config_map(local_model=local_model)])
+    namespaces = [NAMESPACE, *(ns for c in components for ns in c.namespaces)]
+    apply(cluster, [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}} for ns in namespaces])
+    apply(cluster, [*(doc for c in components for doc in rbac(c)), config_map(local_model=local_model)])
     apply(cluster, [runtime(cluster)])
 
 
 @dataclass
-class KServeManager:
+class KServeProcess:
     proc: Proc
     webhook_port: int
     health_port: int
@@ -134,10 +157,10 @@ class KServeManager:
             return False
 
 
-def start_manager(cluster: Any, workdir: Path) -> KServeManager:
-    """KServe's controller manager as its ServiceAccount (KServe's own RBAC), its webhook server on a
+def start(cluster: Any, workdir: Path, component: Component = MANAGER) -> KServeProcess:
+    """One of KServe's controllers as its ServiceAccount (KServe's own RBAC), its webhook server on a
     free port with a certificate of a fresh CA, and its webhook configurations registered by url."""
-    binary = require_manager()
+    binary = require_binary(component)
     workdir.mkdir(parents=True, exist_ok=True)
     # controller-runtime reads its serving certificate from $TMPDIR/k8s-webhook-server/serving-certs.
     tmp = workdir / "tmp"
@@ -147,19 +170,19 @@ def start_manager(cluster: Any, workdir: Path) -> KServeManager:
     leaf = ca.issue_cert("127.0.0.1", "localhost")
     leaf.cert_chain_pems[0].write_to_path(str(certs / "tls.crt"))
     leaf.private_key_pem.write_to_path(str(certs / "tls.key"))
-    kubeconfig = cluster.kubeconfig_for(NAMESPACE, SERVICE_ACCOUNT)
+    kubeconfig = cluster.kubeconfig_for(NAMESPACE, component.service_account)
     webhook_port, health_port = free_port(), free_port()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("KUBECONFIG")},
            "KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": NAMESPACE, "TMPDIR": str(tmp)}
-    proc = Proc("kserve-manager", [str(binary), "--metrics-addr", "0", "--webhook-port", str(webhook_port),
-                                   "--health-probe-addr", f"127.0.0.1:{health_port}"],
-                workdir / "kserve-manager.log", env=env).start()
-    mgr = KServeManager(proc, webhook_port, health_port, ca.cert_pem.bytes())
+    name = f"kserve-{component.binary}"
+    proc = Proc(name, [str(binary), "--metrics-addr", "0", "--webhook-port", str(webhook_port),
+                       "--health-probe-addr", f"127.0.0.1:{health_port}"], workdir / f"{name}.log", env=env).start()
+    mgr = KServeProcess(proc, webhook_port, health_port, ca.cert_pem.bytes())
     try:
-        wait_until(lambda: mgr.ready() or not mgr.alive(), timeout=60, what="KServe's controller manager")
+        wait_until(lambda: mgr.ready() or not mgr.alive(), timeout=60, what=f"KServe's {component.binary}")
         if not mgr.alive():
-            raise RuntimeError(f"KServe's controller manager exited:\n{proc.log_tail(40)}")
-        hooks = by_url(docs_of("config/webhook/manifests.yaml"), f"https://127.0.0.1:{webhook_port}", mgr.ca_pem)
+            raise RuntimeError(f"KServe's {component.binary} exited:\n{proc.log_tail(40)}")
+        hooks = by_url(docs_of(component.webhooks), f"https://127.0.0.1:{webhook_port}", mgr.ca_pem)
         apply(cluster, hooks)
     except BaseException:
         mgr.stop()
