@@ -3,6 +3,7 @@
 # into .work/kserve/bin (tests/kserve/go.mod pins the release); the KServe tests run it against the
 # real control plane. Rebuilt only when the pin changes; also fetches the module whose manifests
 # (CRDs, webhooks, RBAC, config map) those tests read from the Go module cache.
+# lane: build
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if ! command -v go >/dev/null; then
