@@ -194,7 +194,7 @@ def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
 def _list(m: _Model, settings: Settings) -> None:
     m.source = open_source(m.location, settings)
     files = m.source.list_files()
-    if m.location.kind not in ("http", "oci"):  # KServe applies the patterns to listings, not to HTTP or OCI
+    if m.source.applies_patterns:
         files = apply_patterns(files, settings)
     if not files:
         raise NotFoundError(f"{m.location.display}: no files to download (empty, or all filtered out by "

@@ -16,7 +16,7 @@ from typing import Any
 from tenacity import RetryCallState, Retrying, retry_if_exception
 
 from modelcache.errors import IntegrityError, ModelcacheError, RateLimitedError
-from modelcache.sources.base import RangeStream
+from modelcache.remote import RangeStream
 
 log = logging.getLogger("modelcache.transfer")
 
@@ -78,9 +78,8 @@ class Watchdog:
 
     @staticmethod
     def _abort(entry: list[Any]) -> None:
-        abort = getattr(entry[0], "abort", None) or entry[0].close
         try:
-            abort()
+            entry[0].abort()
         except Exception:  # the stream is being torn down either way
             pass
 

@@ -12,7 +12,6 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
 from urllib.parse import SplitResult, unquote, urlsplit
 
 from modelcache.errors import InvalidURIError, UnsupportedError
@@ -45,7 +44,9 @@ def storage_key(uri: str) -> str:
 
 def _invalid(uri: str, why: str) -> InvalidURIError:
     """The one invalid-URI error: the URI redacted, and no secret part of it in ``why`` either."""
-    forms = "; ".join(ACCEPTED_FORMS)
+    from modelcache.backends import external
+
+    forms = "; ".join((*ACCEPTED_FORMS, *(b.form for b in external())))
     why = printable(scrub_parts(why, uri))
     return InvalidURIError(f"invalid storage URI '{redact_uri(uri)}': {why}. Accepted forms: {forms}")
 
@@ -69,10 +70,16 @@ def _authority(uri: str) -> SplitResult:
 
 @dataclass(frozen=True)
 class Location:
-    """A parsed storage URI. ``kind`` selects the source class in the source registry."""
+    """A parsed storage URI. ``kind`` names its line in ``modelcache.backends``."""
 
     uri: str
-    kind: ClassVar[str] = ""
+
+    @property
+    def kind(self) -> str:
+        """The backend's name in ``modelcache.backends`` (the one place it is spelled)."""
+        from modelcache.backends import kind_of
+
+        return kind_of(type(self))
 
     @property
     def storage_key(self) -> str:
@@ -117,7 +124,6 @@ def _split_bucket(uri: str, scheme: str) -> tuple[str, str]:
 class S3Location(Location):
     bucket: str = ""
     prefix: str = ""
-    kind: ClassVar[str] = "s3"
 
     @classmethod
     def parse(cls, uri: str) -> S3Location:
@@ -130,7 +136,6 @@ class S3Location(Location):
 class GCSLocation(Location):
     bucket: str = ""
     prefix: str = ""
-    kind: ClassVar[str] = "gcs"
 
     @classmethod
     def parse(cls, uri: str) -> GCSLocation:
@@ -145,7 +150,6 @@ _AZURE_FILE = re.compile(r"^https://([^./]+)\.file\.core\.windows\.net/|^https:/
 @register_location(lambda u: bool(_AZURE_FILE.match(u)))
 @dataclass(frozen=True)
 class AzureFileLocation(Location):
-    kind: ClassVar[str] = "azure-file"
 
     @classmethod
     def parse(cls, uri: str) -> AzureFileLocation:
@@ -163,7 +167,6 @@ class AzureBlobLocation(Location):
     container: str = ""
     prefix: str = ""
     sas: str = ""
-    kind: ClassVar[str] = "azure"
 
     @classmethod
     def parse(cls, uri: str) -> AzureBlobLocation:
@@ -193,7 +196,6 @@ class HFLocation(Location):
     repo_id: str = ""
     revision: str | None = None
     subfolder: str = ""
-    kind: ClassVar[str] = "hf"
 
     @classmethod
     def parse(cls, uri: str) -> HFLocation:
@@ -227,7 +229,6 @@ class OCILocation(Location):
     tag: str | None = None
     digest: str | None = None
     mode: str = ""  # "", "fetch", "modelcar" or "native" (from oci+<mode>://)
-    kind: ClassVar[str] = "oci"
 
     @property
     def reference(self) -> str:
@@ -263,7 +264,6 @@ class HDFSLocation(Location):
     scheme: str = "hdfs"
     namenode: str = ""  # host[:port] from the URI; empty means "from HDFS_NAMENODE"
     path: str = ""
-    kind: ClassVar[str] = "hdfs"
 
     @classmethod
     def parse(cls, uri: str) -> HDFSLocation:
@@ -280,7 +280,6 @@ class HDFSLocation(Location):
 class PVCLocation(Location):
     claim: str = ""
     path: str = ""
-    kind: ClassVar[str] = "pvc"
 
     @classmethod
     def parse(cls, uri: str) -> PVCLocation:
@@ -296,7 +295,6 @@ class PVCLocation(Location):
 @dataclass(frozen=True)
 class LocalLocation(Location):
     path: str = ""
-    kind: ClassVar[str] = "local"
 
     @classmethod
     def parse(cls, uri: str) -> LocalLocation:
@@ -318,7 +316,6 @@ class HTTPLocation(Location):
     host: str = ""
     filename: str = ""
     pinned: tuple[str, str] | None = None  # (algo, hex) from a #sha256=<hex> fragment
-    kind: ClassVar[str] = "http"
 
     @classmethod
     def parse(cls, uri: str) -> HTTPLocation:
@@ -370,6 +367,21 @@ def _credentials_hint(scheme: str) -> str:
     }.get(scheme.lower(), "use the credentials of the storage secret or environment")
 
 
+def _parse(parse: Callable[[str], Location], uri: str) -> Location:
+    try:
+        return parse(uri)
+    except InvalidURIError:
+        if not secret_parts(uri):
+            raise
+    # The reason was worded from the raw text, which has a query or fragment (a
+    # signature, a token) that may be quoted in part: word it again from the redacted URI.
+    try:
+        parse(redact_uri(uri))
+    except InvalidURIError as exc:
+        raise InvalidURIError(str(exc)) from None
+    raise _invalid(uri, "its query or fragment part is not valid here")
+
+
 def parse_uri(uri: str) -> Location:
     """Parse ``uri`` into its typed location, or raise ``InvalidURIError`` (one line, redacted).
 
@@ -382,18 +394,12 @@ def parse_uri(uri: str) -> Location:
     _check_generic(uri)
     for matches, parse in _LOCATION_PARSERS:
         if matches(uri):
-            try:
-                return parse(uri)
-            except InvalidURIError:
-                if not secret_parts(uri):
-                    raise
-            # The reason was worded from the raw text, which has a query or fragment (a
-            # signature, a token) that may be quoted in part: word it again from the redacted URI.
-            try:
-                parse(redact_uri(uri))
-            except InvalidURIError as exc:
-                raise InvalidURIError(str(exc)) from None
-            raise _invalid(uri, "its query or fragment part is not valid here")
+            return _parse(parse, uri)
+    from modelcache.backends import external, load
+
+    for backend in external():
+        if uri.startswith(backend.prefixes):
+            return _parse(load(backend.location).parse, uri)
     scheme = uri.split("://", 1)[0] if "://" in uri else None
     if scheme:
         raise _invalid(uri, f"unknown scheme '{scheme}://'")

@@ -41,10 +41,9 @@ from modelcache.errors import (
     TransientError,
 )
 from modelcache.integrity import safe_b64_to_hex
-from modelcache.sources.base import Checksum, IterStream, RangeStream, RemoteFile, Source, register_source
+from modelcache.sources.base import Checksum, EmptyStream, IterStream, RangeStream, RemoteFile, Source
 from modelcache.sources.objectstore import (
     CONNECTION_POOL,
-    EmptyStream,
     check_unique,
     nothing_found,
     quiet_sdk_logs,
@@ -140,10 +139,8 @@ def make_credential(cfg: AzureSettings, account: str) -> Any:
     return None  # a SAS in the URL, or a public container
 
 
-@register_source("azure")
 class AzureBlobSource(Source):
-    preferred_chunk_size = 16 << 20
-    max_streams = 16
+    max_streams = CONNECTION_POOL
 
     def __init__(self, location: Location, settings: Settings) -> None:
         super().__init__(location, settings)

@@ -37,10 +37,9 @@ from modelcache.errors import (
     TransientError,
 )
 from modelcache.integrity import safe_b64_to_hex
-from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source
+from modelcache.sources.base import Checksum, EmptyStream, RangeStream, RemoteFile, Source
 from modelcache.sources.objectstore import (
     CONNECTION_POOL,
-    EmptyStream,
     RawRangeStream,
     check_unique,
     nothing_found,
@@ -104,10 +103,8 @@ def _credentials_from_file(path: str) -> Any:
     return creds
 
 
-@register_source("gcs")
 class GCSSource(Source):
-    preferred_chunk_size = 16 << 20
-    max_streams = 16
+    max_streams = CONNECTION_POOL
 
     def __init__(self, location: Location, settings: Settings) -> None:
         super().__init__(location, settings)

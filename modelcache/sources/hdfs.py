@@ -31,7 +31,7 @@ from modelcache.errors import (
     SourceError,
     TransientError,
 )
-from modelcache.sources.base import Checksum, IterStream, RangeStream, RemoteFile, Source, register_source, safe_relpath
+from modelcache.sources.base import Checksum, IterStream, RangeStream, RemoteFile, Source, safe_relpath
 from modelcache.sources.hdfs_checksum import checksum_from_webhdfs
 from modelcache.sources.kerberos import Kerberos, KerberosLogin
 from modelcache.sources.objectstore import quiet_sdk_logs
@@ -51,9 +51,7 @@ logging.getLogger("hdfs.client").setLevel(logging.CRITICAL)
 quiet_sdk_logs()
 
 
-@register_source("hdfs")
 class HDFSSource(Source):
-    preferred_chunk_size = 32 << 20
     max_streams = 8
 
     def __init__(self, location: HDFSLocation, settings: Settings) -> None:  # type: ignore[override]

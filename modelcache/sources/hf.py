@@ -46,7 +46,7 @@ from modelcache.errors import (
     SourceError,
     TransientError,
 )
-from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source, safe_relpath
+from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, safe_relpath
 from modelcache.sources.pinned_tls import adapter as tls_adapter
 from modelcache.sources.ranges import check_total
 from modelcache.sources.ratelimit import retry_after, wait_out
@@ -59,9 +59,7 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 _T = TypeVar("_T")
 
 
-@register_source("hf")
 class HFSource(Source):
-    preferred_chunk_size = 32 << 20
     max_streams = 16
 
     def __init__(self, location: Location, settings: Settings) -> None:
@@ -397,6 +395,9 @@ class _HTTPRangeStream:
         if self._left is not None:
             self._left -= n
         return n
+
+    def abort(self) -> None:
+        self.close()
 
     def close(self) -> None:
         if self._resp is not None:

@@ -47,7 +47,7 @@ from modelcache.errors import (
     TransientError,
 )
 from modelcache.integrity import safe_b64_to_hex
-from modelcache.sources.base import Checksum, RemoteFile, Source, register_source, safe_relpath
+from modelcache.sources.base import Checksum, RemoteFile, Source, safe_relpath
 from modelcache.sources.ranges import changed, check_length, check_total, parse_content_range
 from modelcache.uri import HTTPLocation, redact_uri
 
@@ -151,10 +151,8 @@ class _HTTPStream:
             pass
 
 
-@register_source("http")
 class HTTPSource(Source):
-    preferred_chunk_size = 16 << 20
-    max_streams = 16
+    applies_patterns = False  # one file, named by the URI
 
     def __init__(self, location: HTTPLocation, settings: Any) -> None:  # type: ignore[override]
         super().__init__(location, settings)
@@ -168,7 +166,7 @@ class HTTPSource(Source):
         # off, so _request follows them itself. A custom CA also applies to an https URL that an
         # http one redirects to (PoolManager drops TLS settings for plain http pools); without
         # one, a context (~15 ms to build) only for https URLs.
-        kwargs: dict[str, Any] = {"timeout": timeout, "retries": False, "maxsize": 32, "block": False}
+        kwargs: dict[str, Any] = {"timeout": timeout, "retries": False, "maxsize": self.max_streams, "block": False}
         if http.verify and not (http.ca_bundle or location.url.startswith("https://")):
             pass  # urllib3's default verification for an https redirect target
         elif http.verify:

@@ -150,16 +150,11 @@ class RawRangeStream:
             self._left -= n
         return n
 
+    def abort(self) -> None:
+        self.close()
+
     def close(self) -> None:
         try:
             self._body.close()
         except Exception:
             pass
-
-
-class EmptyStream:
-    def readinto(self, buf: memoryview) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass

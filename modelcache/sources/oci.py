@@ -26,7 +26,7 @@ import requests
 import urllib3
 
 from modelcache.errors import IntegrityError, NotFoundError, TransientError, UnsupportedError
-from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source, safe_relpath
+from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, safe_relpath
 from modelcache.sources.oci_layers import DigestReader, LayerExtractor, corrupt_stream_errors, open_layer_tar
 from modelcache.sources.oci_registry import INDEX_TYPES, MANIFEST_TYPES, RegistryClient
 from modelcache.sources.ratelimit import wait_out
@@ -78,10 +78,9 @@ class Plan:
     layers: list[Layer] = field(default_factory=list)
 
 
-@register_source("oci")
 class OCISource(Source):
-    preferred_chunk_size = 16 << 20
     max_streams = 8
+    applies_patterns = False  # an image is pulled whole, as KServe does
 
     def __init__(self, location: OCILocation, settings: Settings) -> None:  # type: ignore[override]
         super().__init__(location, settings)

@@ -74,6 +74,9 @@ class ResponseStream:
             self._left -= n
         return n
 
+    def abort(self) -> None:
+        self.close()
+
     def close(self) -> None:
         if self._on_close is not None:
             on_close, self._on_close = self._on_close, None

@@ -43,10 +43,9 @@ from modelcache.errors import (
     TransientError,
 )
 from modelcache.integrity import safe_b64_to_hex
-from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source
+from modelcache.sources.base import Checksum, EmptyStream, RangeStream, RemoteFile, Source
 from modelcache.sources.objectstore import (
     CONNECTION_POOL,
-    EmptyStream,
     RawRangeStream,
     check_unique,
     nothing_found,
@@ -109,10 +108,8 @@ def make_client(cfg: S3Settings, pool: int) -> Any:
     return session.client("s3", endpoint_url=cfg.endpoint_url, verify=verify, config=config)
 
 
-@register_source("s3")
 class S3Source(Source):
-    preferred_chunk_size = 16 << 20
-    max_streams = 16
+    max_streams = CONNECTION_POOL
 
     def __init__(self, location: Location, settings: Settings) -> None:
         super().__init__(location, settings)
