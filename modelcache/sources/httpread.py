@@ -20,6 +20,7 @@ import http.client
 import os
 import socket
 import ssl
+import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -54,13 +55,42 @@ MAX_REDIRECTS = 10
 MAX_READ = 256 << 10
 
 
+class Pool:
+    """One source's connections: a urllib3 PoolManager, and a ProxyManager per proxy the
+    environment names for a host (HTTPS_PROXY / HTTP_PROXY / NO_PROXY, as the SDKs honour them)."""
+
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        self._kwargs = kwargs
+        self._direct = urllib3.PoolManager(**kwargs)
+        self._proxies: dict[str, urllib3.ProxyManager] = {}
+        self._env = urllib.request.getproxies()
+
+    def _for(self, url: str) -> urllib3.PoolManager:
+        parts = urlsplit(url)
+        proxy = self._env.get(parts.scheme)
+        if not proxy or urllib.request.proxy_bypass(parts.hostname or ""):
+            return self._direct
+        manager = self._proxies.get(proxy)
+        if manager is None:
+            manager = self._proxies[proxy] = urllib3.ProxyManager(proxy, **self._kwargs)
+        return manager
+
+    def request(self, method: str, url: str, **kwargs: Any) -> urllib3.BaseHTTPResponse:
+        return self._for(url).request(method, url, **kwargs)
+
+    def clear(self) -> None:
+        self._direct.clear()
+        for manager in self._proxies.values():
+            manager.clear()
+
+
 def make_pool(
     verify: bool | str | None,
     maxsize: int,
     connect_timeout: float,
     read_timeout: float,
     cert: str | tuple[str, str] | None = None,
-) -> urllib3.PoolManager:
+) -> Pool:
     """A pool for one source. ``verify``: False (no verification), a CA file, True (the system's
     CAs) or None (as ``requests`` would: REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE if set, for the
     backends whose SDK listing goes through requests and so trusts those)."""
@@ -77,14 +107,16 @@ def make_pool(
         urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
     elif isinstance(verify, str):
         # A context also applies to an https URL that an http one redirects to (PoolManager
-        # drops TLS keyword settings for plain http pools).
+        # drops TLS keyword settings for plain http pools). It trusts the CA besides the system's.
         ctx = ssl.create_default_context()
-        ctx.load_verify_locations(cafile=verify) if os.path.isfile(verify) else ctx.load_verify_locations(
-            capath=verify)
+        if os.path.isdir(verify):
+            ctx.load_verify_locations(capath=verify)
+        else:
+            ctx.load_verify_locations(cafile=verify)
         kwargs["ssl_context"] = ctx
     if cert is not None:
         kwargs["cert_file"], kwargs["key_file"] = cert if isinstance(cert, tuple) else (cert, None)
-    return urllib3.PoolManager(**kwargs)
+    return Pool(kwargs)
 
 
 def reason(exc: BaseException) -> str:
@@ -137,7 +169,7 @@ def _host(url: str) -> str:
 
 
 def send(
-    pool: urllib3.PoolManager,
+    pool: Pool,
     method: str,
     url: str,
     headers: Mapping[str, str],
@@ -268,7 +300,7 @@ def range_header(start: int, end: int | None) -> str:
 
 
 def open_range(
-    pool: urllib3.PoolManager,
+    pool: Pool,
     url: str,
     file: RemoteFile,
     start: int,
