@@ -68,7 +68,7 @@ def ensure_s3rver() -> Path:
     return script
 
 
-def start_server(kind: str, work: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(kind: str, work: Path, dataset: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     log = open(work / f"{kind}.log", "wb")  # noqa: SIM115 - lives as long as the server
     if kind == "seaweedfs":
@@ -77,8 +77,10 @@ def start_server(kind: str, work: Path) -> tuple[subprocess.Popen[bytes], str]:
         if not WEED.exists():
             sys.exit(f"{WEED} is missing: run bash tests/setup.d/60-seaweedfs.sh first")
         log.close()
-        # Its data folder is kept between runs, so a second run skips the upload.
-        server = start_seaweedfs(work / "seaweedfs", KEY, SECRET)
+        # Its data folder is kept between runs of one data set, so a second run skips the upload.
+        # One folder per data set: a restarted SeaweedFS rebuilds its master state and then
+        # refuses to grow volumes ("volume growth frozen"), so a new data set needs a new folder.
+        server = start_seaweedfs(work / f"seaweedfs-{dataset}", KEY, SECRET)
         return server.proc, server.endpoint
     if kind == "s3rver":
         data = work / "s3rver-data"
@@ -301,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"preparing {args.size / 2**30:.2f} GiB in {data} ...", flush=True)
     names = make_model(data, args.size, args.shards)
     total = sum((data / n).stat().st_size for n in names)
-    proc, endpoint = start_server(args.server, work)
+    proc, endpoint = start_server(args.server, work, data.name)
     try:
         upload(endpoint, data, names)
         checksum = checksum_cost(endpoint)

@@ -176,8 +176,10 @@ def send(
     where: str,
     private: Mapping[str, str] | None = None,
     hints: Hints = Hints(),
+    follow: bool = True,
 ) -> tuple[urllib3.BaseHTTPResponse, str]:
-    """One request, redirects followed; returns the response and the URL that answered.
+    """One request, redirects followed (unless not ``follow``); returns the response and the
+    URL that answered.
 
     ``private`` headers (a token, a signature) go to ``url``'s host only: a redirect to another
     host (a CDN, a DataNode, a presigned bucket URL) gets the others."""
@@ -193,7 +195,7 @@ def send(
         except (Urllib3Timeout, ProtocolError, HTTPError, OSError) as exc:
             raise TransientError(f"{where}: request failed: {reason(exc)}") from exc
         location = resp.headers.get("Location")
-        if resp.status not in REDIRECT_CODES or not location:
+        if not follow or resp.status not in REDIRECT_CODES or not location:
             return resp, url
         resp.drain_conn()
         resp.release_conn()
