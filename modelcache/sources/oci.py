@@ -27,10 +27,10 @@ import urllib3
 
 from modelcache.errors import IntegrityError, NotFoundError, TransientError, UnsupportedError
 from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, safe_relpath
+from modelcache.sources.httpread import make_pool
 from modelcache.sources.oci_layers import DigestReader, LayerExtractor, corrupt_stream_errors, open_layer_tar
 from modelcache.sources.oci_registry import INDEX_TYPES, MANIFEST_TYPES, RegistryClient
 from modelcache.sources.ratelimit import wait_out
-from modelcache.sources.response_stream import ResponseStream
 from modelcache.uri import OCILocation
 
 if TYPE_CHECKING:
@@ -87,6 +87,8 @@ class OCISource(Source):
         self.loc = location
         self.where = location.display
         self.client = RegistryClient(location.registry, location.repository, settings, self.where)
+        http = settings.http
+        self.pool = make_pool(http.ca_bundle or True, self.max_streams, http.connect_timeout, http.read_timeout)
         self._plan: Plan | None = None
 
     # -- resolution -------------------------------------------------------------------------
@@ -175,11 +177,7 @@ class OCISource(Source):
 
     def open_range(self, file: RemoteFile, start: int, end: int | None) -> RangeStream:
         digest = file.meta_get("oci.digest") or file.version or ""
-        resp = self.client.blob(digest, start, end)
-        skip = start if resp.status_code == 200 else 0  # a registry that ignored the Range
-        stop = end if end is not None else file.size
-        length = None if stop is None else stop - start
-        return ResponseStream(resp.raw, f"{self.where}: {file.path}", length, skip, on_close=resp.close)
+        return self.client.open_blob(self.pool, file, digest, start, end, f"{self.where}: {file.path}")
 
     def extract_into(self, staging_dir: str, on_bytes: Callable[[int], None]) -> list[str] | None:
         plan = self.plan()
@@ -241,3 +239,4 @@ class OCISource(Source):
 
     def close(self) -> None:
         self.client.close()
+        self.pool.clear()
