@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import posixpath
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from modelcache.backends import BACKENDS, load
@@ -21,36 +21,8 @@ if TYPE_CHECKING:
     from modelcache.credentials import Settings
 
 # The shared data types live in modelcache.remote; named here too for a source's one import.
-__all__ = ["Checksum", "EmptyStream", "IterStream", "RangeStream", "RemoteFile", "Source", "empty_range",
+__all__ = ["Checksum", "EmptyStream", "RangeStream", "RemoteFile", "Source", "empty_range",
            "open_source", "safe_relpath", "source_class"]
-
-
-class IterStream:
-    """Adapts an iterator of byte chunks (what most SDKs give) to ``readinto``."""
-
-    def __init__(self, chunks: Iterable[bytes], on_close: Callable[[], None] | None = None) -> None:
-        self._it: Iterator[bytes] = iter(chunks)
-        self._pending = memoryview(b"")
-        self._on_close = on_close
-
-    def readinto(self, buf: memoryview) -> int:
-        while not self._pending:
-            nxt = next(self._it, None)
-            if nxt is None:
-                return 0
-            self._pending = memoryview(nxt)
-        n = min(len(buf), len(self._pending))
-        buf[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
-        return n
-
-    def abort(self) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._on_close is not None:
-            on_close, self._on_close = self._on_close, None
-            on_close()
 
 
 class EmptyStream:
