@@ -36,8 +36,7 @@ install: $(STAMP)
 test-deps: install
 	@bash tests/setup.sh
 
-test: test-deps
-	$(BIN)/ruff check .
+test: test-deps lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # The property-based fuzzers (tests marked fuzz), randomized and MODELCACHE_FUZZ_SCALE (25) times
@@ -53,8 +52,12 @@ demo: install
 	$(BIN)/python -m tests.cluster.demo
 	$(BIN)/python -m modelcache.demo
 
+# ruff, the import rules (pyproject's [tool.importlinter]: the core never imports the roles or
+# Kubernetes code, sources never import the engine) and the type checker ([tool.mypy]).
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy
 
 bench: test-deps
 	$(BIN)/python bench/pull_http.py

@@ -10,7 +10,6 @@ backend: docs/backends.md.
 
 from __future__ import annotations
 
-import functools
 import importlib
 from dataclasses import dataclass
 from typing import Any
@@ -43,8 +42,7 @@ def load(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-@functools.cache
-def kind_of(location_class: type) -> str:
+def kind_of(location_class: type[Any]) -> str:
     """The kind whose line names this Location class ("" for none: a form that is refused)."""
     path = f"{location_class.__module__}:{location_class.__qualname__}"
     for kind, backend in BACKENDS.items():

@@ -38,6 +38,7 @@ def bar_progress(tracker: ProgressTracker, stream: TextIO) -> Iterator[None]:
         BarColumn,
         DownloadColumn,
         Progress,
+        TaskID,
         TextColumn,
         TimeRemainingColumn,
         TransferSpeedColumn,
@@ -54,7 +55,7 @@ def bar_progress(tracker: ProgressTracker, stream: TextIO) -> Iterator[None]:
     )
     stop = threading.Event()
     total_task = progress.add_task("total", total=None)
-    file_tasks: dict[str, int] = {}
+    file_tasks: dict[str, TaskID] = {}
 
     def refresh() -> None:
         snap = tracker.snapshot()

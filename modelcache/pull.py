@@ -345,6 +345,7 @@ def pull_many(
                         continue
                     m.store.check_replaceable(m.key)  # before the download, not after it
                     _list(m, settings)
+                    assert m.source is not None
                     if admit is not None and m.source.extracts_itself:
                         # Extracted layouts write before the engine path would ask: admit their
                         # whole size first (they do not resume, so all of it is needed).
@@ -366,7 +367,7 @@ def pull_many(
                     data = m.store.layout.staging_dir(m.key) / "data"
                     assert m.journal is not None
                     for i, f in enumerate(m.files):
-                        jobs.append(FileJob(m.source, f, str(data / f.path), m.journal, i, m.key, m.resume))  # type: ignore[arg-type]
+                        jobs.append(FileJob(m.source, f, str(data / f.path), m.journal, i, m.key, m.resume))
                 except BaseException as exc:
                     m.error = exc
             if jobs:
@@ -377,8 +378,8 @@ def pull_many(
                 finally:
                     if watcher is not None:
                         watcher.set()
-                for key, exc in errors.items():
-                    models[key].error = _name_uri(exc, models[key].location.display)
+                for key, failed in errors.items():
+                    models[key].error = _name_uri(failed, models[key].location.display)
                 for key, fetched in results.items():
                     m = models[key]
                     if m.error is None:

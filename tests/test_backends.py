@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from modelcache import backends
 from modelcache.backends import BACKENDS, Backend, load
 from modelcache.credentials import Settings
 from modelcache.errors import UnsupportedError
@@ -99,14 +98,10 @@ def test_a_backend_outside_uri_py_parses_its_own_scheme(tmp_path: Path, monkeypa
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(BACKENDS, "demo", Backend("mc_demo_backend:Nope", "mc_demo_backend:DemoLocation",
                                                   ("demo://",), "demo://name"))
-    backends.kind_of.cache_clear()
-    try:
-        loc = parse_uri("demo://thing")
-        assert loc.kind == "demo" and loc.name == "thing"  # type: ignore[attr-defined]
-        with pytest.raises(Exception, match=r"demo://name"):  # the form is listed in the error
-            parse_uri("nodemo://thing")
-    finally:
-        backends.kind_of.cache_clear()
+    loc = parse_uri("demo://thing")
+    assert loc.kind == "demo" and loc.name == "thing"  # type: ignore[attr-defined]
+    with pytest.raises(Exception, match=r"demo://name"):  # the form is listed in the error
+        parse_uri("nodemo://thing")
 
 
 class _Counting:

@@ -9,6 +9,7 @@ the cache so handlers see exactly the adds, updates and deletes that happened me
 
 from __future__ import annotations
 
+import builtins
 import copy
 import json
 import logging
@@ -111,7 +112,7 @@ class Store:
             objs = list(self._items.values())
         return [copy.deepcopy(o) for o in objs] if copy_objects else objs
 
-    def by_index(self, name: str, value: str, copy_objects: bool = True) -> list[dict[str, Any]]:
+    def by_index(self, name: str, value: str, copy_objects: bool = True) -> builtins.list[dict[str, Any]]:
         with self._lock:
             objs = [self._items[k] for k in sorted(self._indices[name].get(value, ()))]
         return [copy.deepcopy(o) for o in objs] if copy_objects else objs

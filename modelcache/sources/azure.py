@@ -216,7 +216,7 @@ class AzureBlobSource(Source):
                 try:
                     blob = container.get_blob_client(scope.single).get_blob_properties()
                 except ResourceNotFoundError as exc:
-                    if exc.error_code == "ContainerNotFound":
+                    if getattr(exc, "error_code", None) == "ContainerNotFound":
                         raise
                 else:
                     files.append(self._describe(single_object_path(scope.single, where), blob))

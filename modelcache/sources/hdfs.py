@@ -58,7 +58,7 @@ quiet_sdk_logs()
 class HDFSSource(Source):
     max_streams = 8
 
-    def __init__(self, location: HDFSLocation, settings: Settings) -> None:  # type: ignore[override]
+    def __init__(self, location: HDFSLocation, settings: Settings) -> None:
         super().__init__(location, settings)
         self.where = location.display
         hs = settings.hdfs
@@ -291,7 +291,7 @@ def _inode_path(status: dict) -> str:
     return f"/.reserved/.inodes/{int(file_id)}" if isinstance(file_id, int) and file_id > 0 else ""
 
 
-class _Client(Client):  # type: ignore[misc]
+class _Client(Client):
     """The ``hdfs`` client with an OPEN that stops at the NameNode's redirect. Its metaclass
     names each operation after the attribute with digits and underscores dropped, so
     ``_open_hop0`` would be OPENHOP: the name has to reduce to ``open``."""

@@ -67,7 +67,7 @@ def parse_digest_headers(headers: Any) -> list[Checksum]:
 class HTTPSource(Source):
     applies_patterns = False  # one file, named by the URI
 
-    def __init__(self, location: HTTPLocation, settings: Any) -> None:  # type: ignore[override]
+    def __init__(self, location: HTTPLocation, settings: Any) -> None:
         super().__init__(location, settings)
         self.loc = location
         http = settings.http

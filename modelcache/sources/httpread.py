@@ -263,7 +263,7 @@ class HTTPStream:
         try:
             if self._raw is not None:
                 return self._raw.readinto(buf)
-            return self._resp.readinto(buf)  # type: ignore[arg-type]
+            return self._resp.readinto(buf)
         except (ProtocolError, ReadTimeoutError, Urllib3Timeout, http.client.HTTPException) as exc:
             raise TransientError(f"{self._where}: connection broken while reading: {type(exc).__name__}") from exc
         except (OSError, HTTPError, ValueError) as exc:

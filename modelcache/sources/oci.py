@@ -20,7 +20,7 @@ import platform
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import requests
 import urllib3
@@ -82,7 +82,7 @@ class OCISource(Source):
     max_streams = 8
     applies_patterns = False  # an image is pulled whole, as KServe does
 
-    def __init__(self, location: OCILocation, settings: Settings) -> None:  # type: ignore[override]
+    def __init__(self, location: OCILocation, settings: Settings) -> None:
         super().__init__(location, settings)
         self.loc = location
         self.where = location.display
@@ -213,7 +213,7 @@ class OCISource(Source):
         resp = self.client.blob(layer.digest)
         try:
             reader = DigestReader(resp.raw, on_bytes)
-            with open_layer_tar(reader, layer.media_type, self.where) as tar:
+            with open_layer_tar(cast(IO[bytes], reader), layer.media_type, self.where) as tar:
                 extractor.apply(tar, layer.digest)
             reader.finish(layer.digest, layer.size, self.where)
         except (requests.RequestException, urllib3.exceptions.HTTPError) as exc:
