@@ -23,12 +23,13 @@ from typing import Any, TypeVar
 
 import urllib3
 
-from modelcache.errors import SourceError, TransientError
+from modelcache.errors import RateLimitedError, SourceError, TransientError
 from modelcache.integrity import safe_b64_to_hex
 from modelcache.remote import RangeStream
 from modelcache.sources.base import Checksum, RemoteFile, Source, safe_relpath
 from modelcache.sources.httpread import Hints, discard, int_header, make_pool, open_range, send, status_error
 from modelcache.sources.ranges import changed
+from modelcache.sources.ratelimit import wait_out
 from modelcache.uri import HTTPLocation, redact_uri
 
 _REDIRECT_CODES = (301, 302, 303, 307, 308)
@@ -100,7 +101,8 @@ class HTTPSource(Source):
             raise status_error(resp.status, resp.headers, self.where, self.hints)
 
     def list_files(self) -> list[RemoteFile]:
-        return [_retrying(self._probe)]
+        # A 429 waits the server's Retry-After (wait_out); other transient errors retry at once.
+        return [wait_out(lambda: _retrying(self._probe), self.where)]
 
     def _look(self) -> _Listing:
         """What the server says about the file now: HEAD, then a one-byte ranged GET."""
@@ -207,7 +209,7 @@ class HTTPSource(Source):
         listed = self._listed
         if listed is None or listed.etag or listed.modified:
             return
-        seen = _retrying(self._look)
+        seen = wait_out(lambda: _retrying(self._look), self.where)
         if seen.size != file.size:
             raise changed(self.where, f"its size is now {seen.size} bytes, listed {file.size}")
 
@@ -219,13 +221,14 @@ T = TypeVar("T")
 
 
 def _retrying(call: Callable[[], T]) -> T:
-    """A listing request: three attempts on transient errors (the engine retries reads itself)."""
-    from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+    """A listing request: three attempts on transient errors (the engine retries reads itself),
+    but for a 429, which ``wait_out`` waits out as the server asks."""
+    from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
     for attempt in Retrying(
         stop=stop_after_attempt(3),
         wait=wait_exponential(multiplier=0.3, max=3),
-        retry=retry_if_exception_type(TransientError),
+        retry=retry_if_exception(lambda e: isinstance(e, TransientError) and not isinstance(e, RateLimitedError)),
         reraise=True,
     ):
         with attempt:
