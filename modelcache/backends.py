@@ -18,9 +18,15 @@ from typing import Any
 @dataclass(frozen=True)
 class Backend:
     source: str  # "module:Class" of its Source
-    location: str  # "module:Class" of its Location
+    location: str  # "module:Class" of its Location (":Class": in the Source's module)
     prefixes: tuple[str, ...] = ()  # URI prefixes, for a Location outside uri.py
-    form: str = ""  # the accepted URI form, for a Location outside uri.py
+    form: str = ""  # the accepted URI form shown in errors (default: the first prefix)
+
+    def __post_init__(self) -> None:
+        if self.location.startswith(":"):
+            object.__setattr__(self, "location", self.source.partition(":")[0] + self.location)
+        if self.prefixes and not self.form:
+            object.__setattr__(self, "form", f"{self.prefixes[0]}...")
 
 
 BACKENDS: dict[str, Backend] = {
