@@ -39,6 +39,7 @@ BACKENDS: dict[str, Backend] = {
     "pvc": Backend("modelcache.sources.local:LocalSource", "modelcache.uri:PVCLocation"),
     "local": Backend("modelcache.sources.local:LocalSource", "modelcache.uri:LocalLocation"),
     "http": Backend("modelcache.sources.http:HTTPSource", "modelcache.uri:HTTPLocation"),
+    "modelscope": Backend("modelcache.sources.modelscope:ModelScopeSource", ":ModelScopeLocation", ("modelscope://",)),
 }
 
 
