@@ -24,6 +24,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from modelcache.credentials import Settings
 from modelcache.errors import ModelcacheError
@@ -52,6 +53,35 @@ def model_files_for(target: Target, seed: int = 0) -> dict[str, bytes]:
 
 def big_name(files: dict[str, bytes]) -> str:
     return max(files, key=lambda k: len(files[k]))
+
+
+R = TypeVar("R")
+
+
+def nth_match(match: Callable[[R], bool], nth: int) -> Callable[[R], bool]:
+    """A request predicate true for the ``nth`` request ``match`` accepts (a test server's hook)."""
+    seen = [0]
+
+    def when(req: R) -> bool:
+        if match(req):
+            seen[0] += 1
+            return seen[0] == nth
+        return False
+
+    return when
+
+
+def first_match(match: Callable[[R], bool]) -> tuple[Callable[[R], bool], Callable[[], int]]:
+    """A predicate true for the first request ``match`` accepts, and how many it was true for."""
+    hit = [0]
+
+    def when(req: R) -> bool:
+        if match(req) and not hit[0]:
+            hit[0] = 1
+            return True
+        return False
+
+    return when, lambda: hit[0]
 
 
 class Target(ABC):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from modelcache.uri import storage_key
-from tests.contract import NetworkContract, NetworkTarget
+from tests.contract import NetworkContract, NetworkTarget, first_match, nth_match
 from tests.helpers import REPO
 from tests.pull_helpers import error_line, model_files, pull_cmd
 from tests.webhdfs import WebHDFSServer
@@ -157,28 +157,19 @@ class _WebHDFSTarget(NetworkTarget):
         return lambda r: r.node == "datanode" and r.op == "OPEN" and r.path.endswith(self._path(uri, path))
 
     def on_read(self, uri: str, path: str, nth: int, action: Callable[[], None]) -> None:
-        reads, seen = self._reads(uri, path), [0]
+        seen = nth_match(self._reads(uri, path), nth)
 
         def when(r: Request) -> bool:  # never answers: only watches
-            if reads(r):
-                seen[0] += 1
-                if seen[0] == nth:
-                    action()
+            if seen(r):
+                action()
             return False
 
         self.server.fail(200, count=1, when=when)
 
     def fail_read(self, uri: str, path: str, status: int, retry_after: int) -> Callable[[], int]:
-        reads, hit = self._reads(uri, path), [0]
-
-        def when(r: Request) -> bool:
-            if reads(r):
-                hit[0] += 1
-                return True
-            return False
-
+        when, hits = first_match(self._reads(uri, path))
         self.server.fail(status, count=1, retry_after=retry_after, when=when)
-        return lambda: hit[0]
+        return hits
 
     def flip_read(self, uri: str, path: str) -> Callable[[], int]:
         self.server.corrupt_reads[self._path(uri, path)] = 0

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from modelcache.uri import storage_key
-from tests.contract import NetworkContract, NetworkTarget
+from tests.contract import NetworkContract, NetworkTarget, first_match, nth_match
 from tests.helpers import REPO
 from tests.hfhub import HubServer, Request
 from tests.pull_helpers import error_line, manifest_of, model_files, pull_cmd
@@ -232,29 +232,12 @@ class _HubTarget(NetworkTarget):
         return lambda r: r.method == "GET" and (r.path.endswith(f"/{path}") or r.path == f"/lfs/{sha}")
 
     def on_read(self, uri: str, path: str, nth: int, action: Callable[[], None]) -> None:
-        reads = self._reads(uri, path)
-        seen = [0]
-
-        def counted(r: Request) -> bool:
-            if reads(r):
-                seen[0] += 1
-                return seen[0] == nth
-            return False
-
-        self.hub.on_request(lambda r: action(), when=counted)
+        self.hub.on_request(lambda r: action(), when=nth_match(self._reads(uri, path), nth))
 
     def fail_read(self, uri: str, path: str, status: int, retry_after: int) -> Callable[[], int]:
-        reads = self._reads(uri, path)
-        hit = [0]
-
-        def when(r: Request) -> bool:
-            if reads(r) and not hit[0]:
-                hit[0] = 1
-                return True
-            return False
-
+        when, hits = first_match(self._reads(uri, path))
         self.hub.fail(status, retry_after=retry_after, when=when)
-        return lambda: hit[0]
+        return hits
 
     def flip_read(self, uri: str, path: str) -> Callable[[], int]:
         sha = self.hub.repos[uri.removeprefix("hf://")].file("main", path).sha256

@@ -17,7 +17,7 @@ from modelcache.errors import InvalidURIError, NotFoundError
 from modelcache.pull import pull
 from modelcache.sources.base import open_source
 from modelcache.uri import parse_uri
-from tests.contract import NetworkContract, NetworkTarget
+from tests.contract import NetworkContract, NetworkTarget, first_match, nth_match
 from tests.helpers import REPO, require
 from tests.modelscopehub import MSHub, MSRequest
 from tests.pull_helpers import error_line, model_files, pull_cmd
@@ -156,27 +156,12 @@ class _ModelScopeTarget(NetworkTarget):
         return lambda r: r.method == "GET" and (r.query.get("FilePath") == path or r.path == f"/objects/{sha}")
 
     def on_read(self, uri: str, path: str, nth: int, action: Callable[[], None]) -> None:
-        reads, seen = self._reads(uri, path), [0]
-
-        def when(r: MSRequest) -> bool:
-            if reads(r):
-                seen[0] += 1
-                return seen[0] == nth
-            return False
-
-        self.hub.on_request(lambda r: action(), when=when)
+        self.hub.on_request(lambda r: action(), when=nth_match(self._reads(uri, path), nth))
 
     def fail_read(self, uri: str, path: str, status: int, retry_after: int) -> Callable[[], int]:
-        reads, hit = self._reads(uri, path), [0]
-
-        def when(r: MSRequest) -> bool:
-            if reads(r) and not hit[0]:
-                hit[0] = 1
-                return True
-            return False
-
+        when, hits = first_match(self._reads(uri, path))
         self.hub.fail(status, retry_after=retry_after, when=when)
-        return lambda: hit[0]
+        return hits
 
     def flip_read(self, uri: str, path: str) -> Callable[[], int]:
         self.hub.flip_next[self.hub.models[uri.removeprefix("modelscope://")].revisions["master"][path].sha256] = 1
