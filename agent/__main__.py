@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -63,7 +64,8 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               help="Seconds between full re-applications of the spec.")
 @click.option("--port", envvar="MODELCACHE_AGENT_PORT", default=8080, show_default=True, type=click.IntRange(-1, 65535),
               help="Port for /healthz, /readyz and /metrics (0: any free port; -1: none).")
-@click.option("--host", envvar="MODELCACHE_AGENT_HOST", default="0.0.0.0", show_default=True)
+@click.option("--host", envvar="MODELCACHE_AGENT_HOST", default="::", show_default=True,
+              help="Address of the health server; :: is every IPv4 and IPv6 address (dual-stack).")
 @click.option("--credentials-namespace", envvar=["MODELCACHE_CREDENTIALS_NAMESPACE", "POD_NAMESPACE"],
               default=lambda: _pod_namespace("kserve"), show_default="the pod's namespace, else kserve",
               help="Namespace of the storage-config secret and the service accounts. [env POD_NAMESPACE]")
@@ -86,8 +88,9 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               type=_POSITIVE, help="Seconds between checks of a removal that waits for a mounting pod.")
 @click.option("--space-margin", envvar="MODELCACHE_SPACE_MARGIN", default="256Mi", show_default=True,
               callback=_size, help="Kept free on the root's file system.")
-@click.option("--host-path", "host_paths", envvar="MODELCACHE_HOST_PATH", multiple=True,
-              help="The root's path as the node group PVs name it (local.path); default: any PV counts.")
+@click.option("--host-path", envvar="MODELCACHE_HOST_PATH", default=None,
+              help="The root's path on the host, as node group PVs name it (local.path). Default: read from "
+                   "this agent's own Pod (POD_NAME, POD_NAMESPACE), else unknown (any PV counts).")
 @click.option("--download-env", envvar="MODELCACHE_DOWNLOAD_ENV", multiple=True, callback=_env_pairs,
               help="Non-secret KEY=VALUE settings for every download (endpoints, CA bundle); repeatable.")
 @click.option("--log-format", envvar="MODELCACHE_LOG_FORMAT", type=click.Choice(["logfmt", "json"]),
@@ -101,12 +104,12 @@ def cli(**kw: object) -> None:
     node = kw["node"] or ("standalone" if standalone else None)
     if not node:
         raise click.UsageError("--node (or NODE_NAME) is required outside --standalone")
-    host_paths = tuple(kw.pop("host_paths") or ())  # type: ignore[arg-type]
+    host_path = kw.pop("host_path")
     cfg = AgentConfig(node=str(node), **{k: v for k, v in kw.items() if k != "node"})  # type: ignore[arg-type]
-    sys.exit(run(cfg, host_paths))
+    sys.exit(run(cfg, str(host_path) if host_path else None))
 
 
-def run(cfg: AgentConfig, host_paths: tuple[str, ...] = ()) -> int:
+def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     from agent.core import Agent
     from agent.credentials import Credentials, KubeSecretReader
     from agent.health import HealthServer
@@ -133,13 +136,23 @@ def run(cfg: AgentConfig, host_paths: tuple[str, ...] = ()) -> int:
             if server is not None:
                 server.stop()
 
+    from agent import hostpath
     from agent.kubemode import KubeRunner
     from modelcache.kube.client import Kube, load_api_client
 
     kube = Kube(load_api_client(cfg.kubeconfig))  # a KubeConfigError is a StartupError: one line, exit 2
+    if host_path is None:
+        host_path = hostpath.discover(kube, cfg.node, os.environ.get("POD_NAMESPACE"), os.environ.get("POD_NAME"),
+                                      cfg.root)
+    if host_path is None:
+        log.warning("the model root's host path is unknown (no --host-path, not in a pod with a hostPath root): "
+                    "pods mounting any PV keep a model from removal", extra=fields(root=str(cfg.root)))
+    else:
+        log.info("model root found", extra=fields(root=str(cfg.root), host_path=host_path))
+    paths = hostpath.RootPaths(host_path)
     creds = Credentials(KubeSecretReader(kube, cfg.credentials_namespace), cfg.download_env)
-    agent = Agent(cfg, creds, KubeMountChecker(kube, cfg.node, host_paths), metrics)
-    krunner = KubeRunner(agent, kube)
+    agent = Agent(cfg, creds, KubeMountChecker(kube, cfg.node, paths), metrics)
+    krunner = KubeRunner(agent, kube, paths)
     server = _serve(cfg, HealthServer, krunner.healthy, krunner.ready, metrics.render)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -22,7 +22,7 @@ class AgentConfig:
     resync_period: float = 60.0
     #: Health and metrics port (0: pick a free one; -1: no server).
     port: int = 8080
-    host: str = "0.0.0.0"
+    host: str = "::"
     #: Namespace whose secrets and service accounts hold download credentials (KServe's jobNamespace).
     credentials_namespace: str = "kserve"
     kubeconfig: str | None = None

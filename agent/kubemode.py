@@ -15,6 +15,7 @@ from typing import Any
 
 from agent.capacity import parse_quantity
 from agent.core import Agent
+from agent.hostpath import Mismatch, RootPaths
 from agent.logs import fields
 from agent.publish import Publisher
 from modelcache.kube.client import LOCAL_MODEL_NODE_GROUPS, LOCAL_MODEL_NODES, Kube
@@ -34,8 +35,10 @@ def _now() -> str:
 
 
 class KubeRunner:
-    def __init__(self, agent: Agent, kube: Kube) -> None:
+    def __init__(self, agent: Agent, kube: Kube, paths: RootPaths | None = None) -> None:
         self.agent, self.kube = agent, kube
+        self.paths = paths
+        self._mismatches: list[Mismatch] = []
         self.node = agent.cfg.node
         self.nodes = Informer(kube, LOCAL_MODEL_NODES, field_selector=f"metadata.name={self.node}")
         self.groups = Informer(kube, LOCAL_MODEL_NODE_GROUPS)
@@ -56,6 +59,8 @@ class KubeRunner:
             # As KServe's agent: a missing LocalModelNode means nothing to do; files stay.
             log.info("LocalModelNode deleted; keeping the models", extra=fields(node=self.node))
             return
+        if self.synced.is_set():
+            self.check_paths()  # before the new spec can start a removal
         lmn = LocalModelNode.from_dict(obj)
         self.agent.set_spec(lmn.spec.local_models, lmn.generation or None)
 
@@ -71,6 +76,28 @@ class KubeRunner:
             self.agent.group_limits.pop(name, None)
         else:
             self.agent.group_limits[name] = limit
+        if self.synced.is_set():
+            self.check_paths()
+
+    def check_paths(self) -> list[Mismatch]:
+        """Do the node groups our entries name put their PV where our root is? Says so (log and a
+        Warning Event on the LocalModelNode) when the answer changes; removals wait meanwhile."""
+        if self.paths is None:
+            return []
+        obj = self.nodes.store.get_raw(self.node)
+        names = {str(m["nodeGroup"]) for m in ((obj or {}).get("spec") or {}).get("localModels") or []
+                 if m.get("nodeGroup")}
+        found = self.paths.update({n: self.groups.store.get_raw(n) for n in names})
+        if found != self._mismatches:
+            if found:
+                message = self.paths.message(found)
+                log.error(message, extra=fields(node=self.node, host_path=self.paths.host_path))
+                self._event("Warning", "HostPathMismatch", message)
+            else:
+                log.info("node group PVs name the model root's host path", extra=fields(
+                    node=self.node, host_path=self.paths.host_path))
+            self._mismatches = found
+        return found
 
     def _desired(self, ours: dict[str, Any]) -> Any:
         def desired(obj: dict[str, Any]) -> dict[str, Any]:
@@ -98,6 +125,7 @@ class KubeRunner:
         if self.nodes.store.get(self.node) is None:
             log.info("no LocalModelNode for this node yet; waiting", extra=fields(node=self.node))
         self.synced.set()
+        self.check_paths()
         self.agent.start()
         self.publisher.start()
         threading.Thread(target=self._resync, name="agent-resync", daemon=True).start()

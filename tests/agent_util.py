@@ -32,7 +32,7 @@ from modelcache.kube.client import (
 from tests.helpers import REPO, stop_process, wait_until
 
 #: deploy/'s credential namespace: the only one whose Secrets the agent's RBAC lets it read.
-CRED_NS = "modelcache-system"
+CRED_NS = "modelcache-credentials"
 #: Short timings so failures, retries and checks happen within a test's few seconds.
 FAST_FLAGS = ("--backoff-initial", "0.5", "--backoff-max", "2", "--status-interval", "0.5",
               "--removal-recheck", "0.3", "--resync-period", "5", "--space-margin", "1Mi",
