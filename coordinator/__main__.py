@@ -18,12 +18,21 @@ from modelcache.startup import run_command
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--kubeconfig", envvar="KUBECONFIG", default=None,
               help="kubeconfig file; default: in-cluster, else $KUBECONFIG / ~/.kube/config")
+@click.option("--webhook-cert-secret", default=None,
+              help="keep our own CA and serving pair in this Secret (in --lease-namespace), patch the CA into "
+                   "the webhook configurations, renew before expiry; the webhooks serve it")
+@click.option("--webhook-service", default="modelcache-coordinator-webhook",
+              help="the webhooks' Service: the serving certificate names <service>.<namespace>.svc")
+@click.option("--webhook-cert-host", "webhook_cert_hosts", multiple=True,
+              help="another DNS name or IP for the serving certificate (webhooks reached by URL); repeatable")
 @click.option("--webhook-cert-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="directory with tls.crt and tls.key; the webhook server starts only when given")
+              help="directory with tls.crt and tls.key (cert-manager's Secret volume); with --webhook-cert-secret: "
+                   "where the pair is written (default: a private temporary directory)")
 @click.option("--webhook-port", type=click.IntRange(0, 65535), default=9443)
 @click.option("--self-signed/--no-self-signed", default=False,
               help="generate a self-signed pair into --webhook-cert-dir if none is there (development)")
-@click.option("--bind", "host", default="0.0.0.0", help="address of the health/metrics and webhook servers")
+@click.option("--bind", "host", default="::",
+              help="address of the health/metrics and webhook servers (:: = every IPv4 and IPv6 address)")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, help="port of /healthz, /readyz and /metrics")
 @click.option("--leader-election/--no-leader-election", default=True)
 @click.option("--lease-name", default="modelcache-coordinator")
@@ -42,14 +51,17 @@ from modelcache.startup import run_command
               help="seconds between checks for InferenceService/LLMInferenceService CRDs installed later (0: off)")
 @click.option("--log-level", default="INFO",
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
-def cli(kubeconfig: str | None, webhook_cert_dir: Path | None, webhook_port: int, self_signed: bool, host: str,
-         port: int, leader_election: bool, lease_name: str, lease_namespace: str, identity: str, mutate_isvc: bool,
-         pod_rewrite: str, pod_failure_policy: str, workers: int, discovery_interval: float,
+def cli(kubeconfig: str | None, webhook_cert_secret: str | None, webhook_service: str,
+         webhook_cert_hosts: tuple[str, ...], webhook_cert_dir: Path | None, webhook_port: int, self_signed: bool,
+         host: str, port: int, leader_election: bool, lease_name: str, lease_namespace: str, identity: str,
+         mutate_isvc: bool, pod_rewrite: str, pod_failure_policy: str, workers: int, discovery_interval: float,
          log_level: str) -> None:
     """Run the modelcache coordinator."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = Config(
-        kubeconfig=kubeconfig, webhook_cert_dir=webhook_cert_dir, webhook_host=host, webhook_port=webhook_port,
+        kubeconfig=kubeconfig, webhook_cert_dir=webhook_cert_dir, webhook_cert_secret=webhook_cert_secret,
+        webhook_service=webhook_service, webhook_cert_hosts=webhook_cert_hosts, webhook_host=host,
+        webhook_port=webhook_port,
         self_signed=self_signed, host=host, port=port, leader_election=leader_election, lease_name=lease_name,
         lease_namespace=lease_namespace, identity=identity, mutate_isvc=mutate_isvc, pod_rewrite=pod_rewrite == "on",
         pod_fail_closed=pod_failure_policy == "Fail", workers=workers, discovery_interval=discovery_interval,

@@ -4,19 +4,25 @@ when it is lost, as controller-runtime does, so a deposed leader never writes be
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import socket
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kubernetes.client.exceptions import ApiException
 
 from coordinator import controllers, metrics
 from coordinator.admission import CacheValidator, PodMutator
 from coordinator.certs import CERT_FILE, ReloadingContext, generate_self_signed, load_tls
 from coordinator.httpserve import HealthServer, WebhookServer
 from coordinator.lookup import ApiLookup
+from coordinator.uninstall import UninstallHook
 from coordinator.view import ClusterView
-from modelcache.kube.client import Kube, load_api_client
+from coordinator.webhookcerts import YEAR, CertSettings, WebhookCerts
+from modelcache.kube.client import NAMESPACES, Kube, load_api_client
 from modelcache.kube.controller import Manager
 from modelcache.kube.events import EventRecorder
 from modelcache.kube.leader import LeaderElector
@@ -28,11 +34,22 @@ log = logging.getLogger(__name__)
 @dataclass
 class Config:
     kubeconfig: str | None = None
+    #: A directory with tls.crt/tls.key (cert-manager's Secret volume, or made by hand): served
+    #: as it is and reloaded when it changes. With ``webhook_cert_secret`` the pair is written here.
     webhook_cert_dir: Path | None = None
-    webhook_host: str = "0.0.0.0"
+    #: Self-provisioned certificate: the Secret (in ``lease_namespace``) holding our CA and serving
+    #: pair, kept current with the webhook configurations' caBundle (coordinator/webhookcerts.py).
+    webhook_cert_secret: str | None = None
+    webhook_service: str = "modelcache-coordinator-webhook"
+    #: More names/IPs in the serving certificate (webhooks reached by URL).
+    webhook_cert_hosts: tuple[str, ...] = ()
+    webhook_cert_validity: dt.timedelta = YEAR
+    webhook_ca_validity: dt.timedelta = 10 * YEAR
+    webhook_cert_check: float = 3600.0
+    webhook_host: str = "::"
     webhook_port: int = 9443
     self_signed: bool = False
-    host: str = "0.0.0.0"
+    host: str = "::"
     port: int = 8080
     leader_election: bool = True
     lease_name: str = "modelcache-coordinator"
@@ -59,6 +76,8 @@ class Coordinator:
         self.wiring: controllers.Wiring | None = None
         self.webhooks: WebhookServer | None = None
         self.tls: ReloadingContext | None = None
+        self.certs: WebhookCerts | None = None
+        self._tls_lock = threading.Lock()
         self.health: HealthServer | None = None
         self.elector: LeaderElector | None = None
         self.leading = threading.Event()
@@ -73,12 +92,15 @@ class Coordinator:
             self.health = HealthServer(self.cfg.host, self.cfg.port, self.ready).start()
         except OSError as exc:
             raise listen_error(exc, self.cfg.host, self.cfg.port, "--port", "--bind") from None
-        if self.cfg.webhook_cert_dir is not None:
+        if self.cfg.webhook_cert_secret:
+            self._start_cert_manager()
+        elif self.cfg.webhook_cert_dir is not None:
             self._start_webhooks(self.cfg.webhook_cert_dir)
         self.view = ClusterView.build(self.kube, watch_timeout=self.cfg.watch_timeout)
         self.wiring = controllers.build_wiring(
             self.view, EventRecorder(self.kube, "modelcache-coordinator", self.cfg.identity),
-            controllers.Options(mutate_services=self.cfg.mutate_isvc, workers=self.cfg.workers))
+            controllers.Options(mutate_services=self.cfg.mutate_isvc, workers=self.cfg.workers,
+                                install_uid=self._install_uid()))
         self.manager = self.wiring.manager
         self.view.start()
         self.manager.start_informers()
@@ -94,6 +116,16 @@ class Coordinator:
         else:
             self._started_leading()
         return self
+
+    def _install_uid(self) -> str | None:
+        """Our namespace's uid (what an uninstall marks released caches with), if we may read it."""
+        try:
+            ns = self.kube.get_or_none(NAMESPACES, self.cfg.lease_namespace)
+        except ApiException as exc:
+            log.info("cannot read namespace %s (%s): caches released by an uninstall stay released",
+                     self.cfg.lease_namespace, exc.status)
+            return None
+        return str(((ns or {}).get("metadata") or {}).get("uid") or "") or None
 
     def _discovery_loop(self) -> None:
         """Notice service CRDs installed after start (KServe installed later, or upgraded to a
@@ -139,6 +171,7 @@ class Coordinator:
             "/mutate-pods": PodMutator(lookup, self.cfg.pod_rewrite, self.cfg.pod_fail_closed),
             "/validate-localmodelcaches": CacheValidator(lookup, namespaced=False),
             "/validate-localmodelnamespacecaches": CacheValidator(lookup, namespaced=True),
+            "/uninstall": UninstallHook(self.kube, self.cfg.lease_namespace),
         }
         try:
             self.webhooks = WebhookServer(self.cfg.webhook_host, self.cfg.webhook_port, routes,
@@ -146,6 +179,33 @@ class Coordinator:
         except OSError as exc:
             raise listen_error(exc, self.cfg.webhook_host, self.cfg.webhook_port, "--webhook-port", "--bind") from None
         log.info("webhooks serving on :%d", self.webhooks.port)
+
+    def _start_cert_manager(self) -> None:
+        """Webhooks on our own certificate: they start once the first pair is written (retried in
+        the background while the API server cannot be reached), and reload on every rotation."""
+        cfg = self.cfg
+        assert cfg.webhook_cert_secret
+        cert_dir = cfg.webhook_cert_dir or Path(tempfile.mkdtemp(prefix="modelcache-webhook-"))
+        settings = CertSettings(namespace=cfg.lease_namespace, secret=cfg.webhook_cert_secret,
+                                service=cfg.webhook_service, extra_hosts=tuple(cfg.webhook_cert_hosts),
+                                cert_validity=cfg.webhook_cert_validity, ca_validity=cfg.webhook_ca_validity,
+                                check_interval=cfg.webhook_cert_check)
+
+        def rotated() -> None:
+            with self._tls_lock:
+                if self.done.is_set():
+                    return
+                if self.webhooks is None:
+                    try:
+                        self._start_webhooks(cert_dir)
+                    except Exception as exc:  # the port is taken: as fatal as at start
+                        log.error("webhooks cannot start: %s", exc)
+                        self.exit_code = 2
+                        self.done.set()
+                elif self.tls is not None:
+                    self.tls.reload()
+
+        self.certs = WebhookCerts(self.kube, settings, cert_dir, on_rotated=rotated).start(first_sync_timeout=0)
 
     def _started_leading(self) -> None:
         self.leading.set()
@@ -186,7 +246,7 @@ class Coordinator:
 
     def ready(self) -> bool:
         """Webhooks up (if configured), informers synced, and on the leader the workers running."""
-        if self.cfg.webhook_cert_dir is not None and self.webhooks is None:
+        if (self.cfg.webhook_cert_dir is not None or self.cfg.webhook_cert_secret) and self.webhooks is None:
             return False
         if self.view is None or not self.view.synced():
             return False
@@ -194,6 +254,8 @@ class Coordinator:
 
     def stop(self) -> None:
         self.done.set()
+        if self.certs is not None:
+            self.certs.stop()
         self._shutdown_controllers()
         for server in (self.webhooks, self.health):
             if server is not None:

@@ -20,6 +20,7 @@ from kubernetes.client.exceptions import ApiException
 
 from coordinator import aggregate, entries, metrics, volumes
 from coordinator.membership import Member
+from coordinator.uninstall import RELEASED_ANNOTATION, released_for
 from coordinator.view import BY_CACHE, ClusterView, cache_key
 from modelcache.kube.client import (
     LOCAL_MODEL_CACHES,
@@ -38,8 +39,11 @@ log = logging.getLogger(__name__)
 
 
 class CacheReconciler:
-    def __init__(self, view: ClusterView, recorder: EventRecorder, namespaced: bool) -> None:
+    def __init__(self, view: ClusterView, recorder: EventRecorder, namespaced: bool,
+                 install_uid: str | None = None) -> None:
         self.view = view
+        #: Our namespace's uid: a cache released for the uninstall of *this* install keeps no finalizer.
+        self.install_uid = install_uid
         self.kube = view.kube
         self.recorder = recorder
         self.namespaced = namespaced
@@ -66,8 +70,13 @@ class CacheReconciler:
     def ensure_finalizer(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         if self.finalizer in (obj["metadata"].get("finalizers") or []):
             return None
+        released = released_for(obj)
+        if released and (self.install_uid is None or released == self.install_uid):
+            return None  # our namespace is being deleted (coordinator/uninstall.py): stay released
 
         def add(o: dict[str, Any]) -> None:
+            if RELEASED_ANNOTATION in (o["metadata"].get("annotations") or {}):
+                del o["metadata"]["annotations"][RELEASED_ANNOTATION]  # released by an earlier install
             fins = o["metadata"].setdefault("finalizers", [])
             if self.finalizer not in fins:
                 fins.append(self.finalizer)

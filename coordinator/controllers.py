@@ -37,6 +37,8 @@ Obj = dict[str, Any]
 class Options:
     mutate_services: bool = True
     workers: int = 2
+    #: Our namespace's uid (see coordinator/uninstall.py); None: unknown.
+    install_uid: str | None = None
 
 
 def counted(name: str, reconcile: Callable[[str], Result]) -> Callable[[str], Result]:
@@ -106,7 +108,7 @@ def build_wiring(view: ClusterView, recorder: EventRecorder, options: Options | 
     wiring = Wiring(view, manager, options)
     cache_controllers: list[tuple[Controller, bool]] = []
     for namespaced in (False, True):
-        rec = CacheReconciler(view, recorder, namespaced)
+        rec = CacheReconciler(view, recorder, namespaced, options.install_uid)
         ctl = Controller(rec.name, counted(rec.name, rec), workers=options.workers)
         own = view.ns_caches if namespaced else view.caches
 
