@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import signal
 import socket
@@ -25,6 +26,11 @@ from modelcache.startup import run_command
               help="the webhooks' Service: the serving certificate names <service>.<namespace>.svc")
 @click.option("--webhook-cert-host", "webhook_cert_hosts", multiple=True,
               help="another DNS name or IP for the serving certificate (webhooks reached by URL); repeatable")
+@click.option("--webhook-cert-validity", type=float, default=365 * 86400.0,
+              help="seconds a serving certificate is valid (renewed when a third is left)")
+@click.option("--webhook-ca-validity", type=float, default=10 * 365 * 86400.0,
+              help="seconds the webhook CA is valid (renewed when a third is left)")
+@click.option("--webhook-cert-check", type=float, default=3600.0, help="seconds between expiry checks")
 @click.option("--webhook-cert-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="directory with tls.crt and tls.key (cert-manager's Secret volume); with --webhook-cert-secret: "
                    "where the pair is written (default: a private temporary directory)")
@@ -52,7 +58,8 @@ from modelcache.startup import run_command
 @click.option("--log-level", default="INFO",
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def cli(kubeconfig: str | None, webhook_cert_secret: str | None, webhook_service: str,
-         webhook_cert_hosts: tuple[str, ...], webhook_cert_dir: Path | None, webhook_port: int, self_signed: bool,
+         webhook_cert_hosts: tuple[str, ...], webhook_cert_validity: float, webhook_ca_validity: float,
+         webhook_cert_check: float, webhook_cert_dir: Path | None, webhook_port: int, self_signed: bool,
          host: str, port: int, leader_election: bool, lease_name: str, lease_namespace: str, identity: str,
          mutate_isvc: bool, pod_rewrite: str, pod_failure_policy: str, workers: int, discovery_interval: float,
          log_level: str) -> None:
@@ -61,6 +68,8 @@ def cli(kubeconfig: str | None, webhook_cert_secret: str | None, webhook_service
     cfg = Config(
         kubeconfig=kubeconfig, webhook_cert_dir=webhook_cert_dir, webhook_cert_secret=webhook_cert_secret,
         webhook_service=webhook_service, webhook_cert_hosts=webhook_cert_hosts, webhook_host=host,
+        webhook_cert_validity=dt.timedelta(seconds=webhook_cert_validity),
+        webhook_ca_validity=dt.timedelta(seconds=webhook_ca_validity), webhook_cert_check=webhook_cert_check,
         webhook_port=webhook_port,
         self_signed=self_signed, host=host, port=port, leader_election=leader_election, lease_name=lease_name,
         lease_namespace=lease_namespace, identity=identity, mutate_isvc=mutate_isvc, pod_rewrite=pod_rewrite == "on",

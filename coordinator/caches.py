@@ -57,6 +57,8 @@ class CacheReconciler:
             return Result()
         if (obj.get("metadata") or {}).get("deletionTimestamp"):
             return self.finalize(key, obj)
+        if self.uninstalling(obj):
+            return Result()  # released by coordinator/uninstall.py: create nothing more
         obj = self.ensure_finalizer(obj) or obj
         spec = obj.get("spec") or {}
         groups = self.view.group_map()
@@ -67,12 +69,15 @@ class CacheReconciler:
         return Result()
 
     # -- finalizer ----------------------------------------------------------------------------
+    def uninstalling(self, obj: dict[str, Any]) -> bool:
+        """Released for the uninstall of this install (not of an earlier one, whose namespace had
+        another uid: then the cache is ours again)."""
+        released = released_for(obj)
+        return bool(released) and (self.install_uid is None or released == self.install_uid)
+
     def ensure_finalizer(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         if self.finalizer in (obj["metadata"].get("finalizers") or []):
             return None
-        released = released_for(obj)
-        if released and (self.install_uid is None or released == self.install_uid):
-            return None  # our namespace is being deleted (coordinator/uninstall.py): stay released
 
         def add(o: dict[str, Any]) -> None:
             if RELEASED_ANNOTATION in (o["metadata"].get("annotations") or {}):

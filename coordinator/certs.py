@@ -23,6 +23,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 CERT_FILE, KEY_FILE = "tls.crt", "tls.key"
+#: Certificates are valid from a little before they are made (clocks of other machines lag).
+BACKDATE = dt.timedelta(minutes=5)
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ def new_ca(common_name: str, validity: dt.timedelta, now: dt.datetime | None = N
         x509.CertificateBuilder()
         .subject_name(name).issuer_name(name).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + validity)
+        .not_valid_before(now - BACKDATE).not_valid_after(now + validity)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
                                      data_encipherment=False, key_agreement=False, key_cert_sign=True,
@@ -94,7 +96,7 @@ def issue_serving(ca: Pair, hosts: list[str], validity: dt.timedelta, now: dt.da
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
         .issuer_name(ca_cert.subject).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(not_after)
+        .not_valid_before(now - BACKDATE).not_valid_after(not_after)
         .add_extension(_san(hosts), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
@@ -113,10 +115,14 @@ class CertInfo:
     issuer: bytes
     subject: bytes
 
+    @property
+    def issued(self) -> dt.datetime:
+        return self.not_before + BACKDATE
+
     def due(self, now: dt.datetime, renew_fraction: float) -> bool:
-        """True once less than ``renew_fraction`` of the lifetime is left (or it is not valid yet)."""
-        life = self.not_after - self.not_before
-        return now < self.not_before or self.not_after - now < life * renew_fraction
+        """True once less than ``renew_fraction`` of the lifetime (from issue to expiry) is left,
+        or when it is not valid yet."""
+        return now < self.not_before or self.not_after - now < (self.not_after - self.issued) * renew_fraction
 
 
 def parse_certs(pem: bytes) -> list[CertInfo]:
@@ -194,7 +200,7 @@ def generate_self_signed(directory: Path, hosts: list[str], days: int = 365) -> 
         x509.CertificateBuilder()
         .subject_name(subject).issuer_name(subject).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+        .not_valid_before(now - BACKDATE).not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import logging
+import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,7 +107,7 @@ def plan(current: Bundle | None, settings: CertSettings, now: dt.datetime) -> tu
     ca, trusted = (current.ca, current.trusted) if current else (None, b"")
     if ca is None or not _ca_ok(ca, settings, now):
         why.append("no CA yet" if ca is None else "the CA is due for renewal")
-        ca = certs.new_ca(f"modelcache-webhook-ca@{int(now.timestamp())}", settings.ca_validity, now)
+        ca = certs.new_ca(f"modelcache-webhook-ca-{secrets.token_hex(4)}", settings.ca_validity, now)
     # Trust the current CA and every older one still valid (certificates they signed may still be served).
     keep = [pem for pem in _split_pem(trusted) if pem != ca.cert and _valid(pem, now)]
     new_trusted = b"".join([ca.cert, *keep])
@@ -184,8 +185,13 @@ class WebhookCerts:
                 self._inject(bundle.trusted)
                 self._serve(bundle)
                 return bundle
+            if not fresh:  # decide a write on the stored Secret, not on a watch that may lag behind it
+                fresh = True
+                continue
             log.info("webhook certificate: %s; writing Secret %s/%s", "; ".join(why), s.namespace, s.secret)
-            self._inject(bundle.trusted)  # trust first, then serve (module docstring)
+            # Trust first, then serve (module docstring); what is trusted now stays trusted until the
+            # Secret is written, so a replica that wins a race keeps being called meanwhile.
+            self._inject(bundle.trusted, keep_trusted=True)
             try:
                 if secret is None:
                     self.kube.create(SECRETS, {"metadata": {"name": s.secret, "namespace": s.namespace, "labels": {
@@ -211,22 +217,37 @@ class WebhookCerts:
             return self.kube.get_or_none(SECRETS, self.settings.secret, self.settings.namespace)
         return self.secret_inf.store.get(f"{self.settings.namespace}/{self.settings.secret}")
 
-    def _inject(self, trusted: bytes) -> None:
-        want = base64.b64encode(trusted).decode()
+    def _inject(self, trusted: bytes, keep_trusted: bool = False) -> None:
+        """Set every webhook's caBundle to ``trusted``; ``keep_trusted`` adds the CAs already there
+        (still valid ones) instead of dropping them."""
         for (res, name), inf in zip(self.settings.configurations, self.config_infs, strict=True):
-            cached = inf.store.get(name) if inf.synced.is_set() else self.kube.get_or_none(res, name)
+            cached = inf.store.get(name) if inf.synced.is_set() and not keep_trusted else \
+                self.kube.get_or_none(res, name)
             if cached is None:
                 continue  # not installed (yet): its ADDED event brings us back
+            want = base64.b64encode(self._bundle_for(cached, trusted, keep_trusted)).decode()
             if all((h.get("clientConfig") or {}).get("caBundle") == want for h in cached.get("webhooks") or []):
                 continue
 
-            def set_ca(obj: dict[str, Any]) -> None:
+            def set_ca(obj: dict[str, Any], want: str = want) -> None:
                 for hook in obj.get("webhooks") or []:
                     hook.setdefault("clientConfig", {})["caBundle"] = want
 
             if update_if_changed(self.kube, res, name, set_ca, current=cached) is not None:
                 self.stats["injections"] += 1
                 log.info("webhook certificate: CA bundle set on %s %s", res.kind, name)
+
+    def _bundle_for(self, config: dict[str, Any], trusted: bytes, keep_trusted: bool) -> bytes:
+        if not keep_trusted:
+            return trusted
+        now, have = self.clock(), _split_pem(trusted)
+        for hook in config.get("webhooks") or []:
+            try:
+                current = base64.b64decode((hook.get("clientConfig") or {}).get("caBundle") or "")
+            except ValueError:
+                continue
+            have += [pem for pem in _split_pem(current) if pem not in have and _valid(pem, now)]
+        return b"".join(have)
 
     def _serve(self, bundle: Bundle) -> None:
         served = bundle.serving.cert + bundle.serving.key
