@@ -4,40 +4,23 @@ RBAC keep the contracts the agent and coordinator rely on (least privilege, down
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import tomllib
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
 
 import pytest
 import yaml
 from kubernetes import client
 
-from tests.cluster.build import BIN
-from tests.fixtures.cluster import Cluster, require_binaries
+from tests.deploy_util import DEPLOY, Obj, find, render
+from tests.fixtures.cluster import Cluster
 from tests.helpers import REPO
-
-DEPLOY = REPO / "deploy"
-Obj = dict[str, Any]
-
-
-def render() -> list[Obj]:
-    """`kubectl kustomize deploy/` with the kubectl built beside the test control plane."""
-    require_binaries()
-    out = subprocess.run([str(BIN / "kubectl"), "kustomize", str(DEPLOY)], capture_output=True, text=True,
-                         check=True).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
 
 
 @pytest.fixture(scope="module")
 def rendered() -> list[Obj]:
     return render()
-
-
-def find(docs: list[Obj], kind: str, name: str) -> Obj:
-    matches = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(matches) == 1, f"expected one {kind}/{name}, found {len(matches)}"
-    return matches[0]
 
 
 def test_every_yaml_under_deploy_is_part_of_the_kustomization(rendered: list[Obj]) -> None:
@@ -294,6 +277,32 @@ def test_coordinator_deployment_service_and_webhooks_line_up(rendered: list[Obj]
         ("/validate-localmodelnamespacecaches", "Ignore", [(["localmodelnamespacecaches"], ["DELETE"])], []),
         ("/uninstall", "Ignore", [(["namespaces"], ["DELETE"])], []),
     ])
+
+
+def test_the_cert_manager_component_swaps_the_certificate_source(tmp_path: Path) -> None:
+    overlay = tmp_path / "my-install"
+    overlay.mkdir()
+    base = os.path.relpath(DEPLOY, overlay)
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [base], "components": [f"{base}/components/cert-manager"]}))
+    docs = render(overlay)
+    cert = find(docs, "Certificate", "modelcache-webhook-cert")
+    dep = find(docs, "Deployment", "modelcache-coordinator")
+    pod = dep["spec"]["template"]["spec"]
+    (coord,) = pod["containers"]
+    # The coordinator serves the mounted pair (no Secret of its own) ...
+    (cert_dir,) = [a.split("=", 1)[1] for a in coord["args"] if a.startswith("--webhook-cert-dir=")]
+    assert not any(a.startswith("--webhook-cert-secret") for a in coord["args"])
+    (mount,) = [m for m in coord["volumeMounts"] if m["mountPath"] == cert_dir]
+    volume = {v["name"]: v for v in pod["volumes"]}[mount["name"]]
+    assert volume["secret"]["secretName"] == cert["spec"]["secretName"]
+    # ... named for the Service the webhooks call, and cert-manager injects its CA into both.
+    svc = find(docs, "Service", "modelcache-coordinator-webhook")
+    assert f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc" in cert["spec"]["dnsNames"]
+    for kind, name in (("MutatingWebhookConfiguration", "modelcache-pod-mutator"),
+                       ("ValidatingWebhookConfiguration", "modelcache-cache-validator")):
+        annotations = find(docs, kind, name)["metadata"]["annotations"]
+        assert annotations["cert-manager.io/inject-ca-from"] == f"modelcache-system/{cert['metadata']['name']}"
 
 
 def pod_labels(workload: Obj) -> dict[str, str]:
