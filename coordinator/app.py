@@ -22,13 +22,17 @@ from coordinator.lookup import ApiLookup
 from coordinator.uninstall import UninstallHook
 from coordinator.view import ClusterView
 from coordinator.webhookcerts import YEAR, CertSettings, WebhookCerts
-from modelcache.kube.client import NAMESPACES, Kube, load_api_client
+from modelcache.kube.client import CUSTOM_RESOURCE_DEFINITIONS, NAMESPACES, Kube, count_requests, load_api_client
 from modelcache.kube.controller import Manager
 from modelcache.kube.events import EventRecorder
+from modelcache.kube.informer import Informer
 from modelcache.kube.leader import LeaderElector
 from modelcache.startup import StartupError, listen_error
 
 log = logging.getLogger(__name__)
+
+#: KServe's service CRDs, watched by name until both are served.
+SERVICE_CRDS = ("inferenceservices.serving.kserve.io", "llminferenceservices.serving.kserve.io")
 
 
 @dataclass
@@ -71,6 +75,7 @@ class Coordinator:
     def __init__(self, cfg: Config, kube: Kube | None = None) -> None:
         self.cfg = cfg
         self.kube = kube or Kube(load_api_client(cfg.kubeconfig))
+        count_requests(self.kube.api_client, lambda verb: metrics.API_REQUESTS.labels(verb).inc())
         self.view: ClusterView | None = None
         self.manager: Manager | None = None
         self.wiring: controllers.Wiring | None = None
@@ -129,16 +134,32 @@ class Coordinator:
 
     def _discovery_loop(self) -> None:
         """Notice service CRDs installed after start (KServe installed later, or upgraded to a
-        version serving LLMInferenceService) and track them without a restart. One cheap
-        ``list?limit=1`` per missing kind per interval; nothing once both are tracked."""
-        while not self.done.wait(self.cfg.discovery_interval):
-            view = self.view
-            if view is None or (view.isvcs is not None and view.llmisvcs is not None):
-                return
-            try:
-                self.track_new_services()
-            except Exception as exc:
-                log.warning("service CRD discovery failed (retrying): %s: %s", type(exc).__name__, exc)
+        version serving LLMInferenceService) and track them without a restart. The two CRDs are
+        watched by name, so this costs no request at rest; where the watch is not allowed, one
+        cheap ``list?limit=1`` per missing kind per interval instead."""
+        wake = threading.Event()
+        crds = [Informer(self.kube, CUSTOM_RESOURCE_DEFINITIONS, field_selector=f"metadata.name={name}",
+                         watch_timeout=self.cfg.watch_timeout) for name in SERVICE_CRDS]
+        for inf in crds:
+            inf.add_handler(lambda *_: wake.set())
+            inf.start()
+        try:
+            while not self.done.is_set():
+                view = self.view
+                if view is None or (view.isvcs is not None and view.llmisvcs is not None):
+                    return
+                watched = all(inf.synced.is_set() and not inf.stats["errors"] for inf in crds)
+                if wake.is_set() or not watched:
+                    wake.clear()
+                    try:
+                        self.track_new_services()
+                    except Exception as exc:
+                        log.warning("service CRD discovery failed (retrying): %s: %s", type(exc).__name__, exc)
+                        wake.set()
+                wake.wait(self.cfg.discovery_interval)
+        finally:
+            for inf in crds:
+                inf.stop()
 
     def track_new_services(self) -> list[str]:
         """Start tracking service kinds the API now serves; returns their kinds."""

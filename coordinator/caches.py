@@ -97,13 +97,13 @@ class CacheReconciler:
         name, ns = meta["name"], meta.get("namespace") or None
         # The node reconcilers, woken by the deletion, remove the entry; wait until none holds it
         # (checked in a fresh list too: an entry written a moment ago must not be missed).
-        if self.view.lmns.store.by_index(BY_CACHE, key) or any(
+        if self.view.lmns.store.by_index(BY_CACHE, key, copy_objects=False) or any(
                 entries.has((lmn.get("spec") or {}).get("localModels") or [], name, ns)
                 for lmn in self.kube.list(LOCAL_MODEL_NODES).get("items") or []):
             return Result(requeue_after=0.5)
-        for pvc in self.view.pvcs.store.by_index(BY_CACHE, key):
+        for pvc in self.view.pvcs.store.by_index(BY_CACHE, key, copy_objects=False):
             self._delete(PERSISTENT_VOLUME_CLAIMS, pvc["metadata"]["name"], pvc["metadata"]["namespace"])
-        for pv in self.view.pvs.store.by_index(BY_CACHE, key):
+        for pv in self.view.pvs.store.by_index(BY_CACHE, key, copy_objects=False):
             self._delete(PERSISTENT_VOLUMES, pv["metadata"]["name"], None)
 
         def drop(o: dict[str, Any]) -> None:
@@ -120,9 +120,10 @@ class CacheReconciler:
         uses = [volumes.Use(s["metadata"]["namespace"], (s["metadata"].get("annotations") or {}))
                 for s in [*isvcs, *llms] if not s["metadata"].get("deletionTimestamp")]
         pairs = volumes.desired_pairs(obj, groups, uses)
-        have_pvs = {pv["metadata"]["name"]: pv for pv in self.view.pvs.store.by_index(BY_CACHE, key)}
+        have_pvs = {pv["metadata"]["name"]: pv for pv in self.view.pvs.store.by_index(BY_CACHE, key,
+                                                                                     copy_objects=False)}
         have_pvcs = {(c["metadata"]["namespace"], c["metadata"]["name"]): c
-                     for c in self.view.pvcs.store.by_index(BY_CACHE, key)}
+                     for c in self.view.pvcs.store.by_index(BY_CACHE, key, copy_objects=False)}
         for pair in pairs.values():
             group = groups[pair.group]
             if pair.pv_name not in have_pvs:

@@ -155,7 +155,7 @@ def build_wiring(view: ClusterView, recorder: EventRecorder, options: Options | 
                 continue
             out.update(view.members(list((o.get("spec") or {}).get("nodeGroups") or [])))
             out.update(lmn["metadata"]["name"] for lmn in view.lmns.store.by_index(BY_CACHE, cache_key(
-                _meta(o, "namespace") or None, _meta(o, "name"))))
+                _meta(o, "namespace") or None, _meta(o, "name")), copy_objects=False))
         return sorted(out)
 
     def cache_spec_changed(event: str, obj: Obj, old: Obj | None) -> bool:

@@ -97,7 +97,8 @@ class NodeReconciler:
     def sync_entries(self, key: str, lmn: dict[str, Any] | None) -> dict[str, Any] | None:
         current = list(((lmn or {}).get("spec") or {}).get("localModels") or [])
         caches = {cache_key((c["metadata"].get("namespace") or None), c["metadata"]["name"]): c
-                  for c in self.view.caches.store.list() + self.view.ns_caches.store.list()}
+                  for c in self.view.caches.store.list(copy_objects=False) +
+                  self.view.ns_caches.store.list(copy_objects=False)}  # read-only: entries copy what they take
         models = desired_models(key, current, caches, self.view.members)
         if models == current and lmn is not None:
             return lmn

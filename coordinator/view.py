@@ -86,6 +86,31 @@ def volume_cache_keys(obj: dict[str, Any] | None) -> list[str]:
     return [cache_key(*owner)] if owner else []
 
 
+#: What the coordinator reads of a Node: its name, labels (membership, our downloaded-model labels)
+#: and Ready condition. A real Node also carries its images (often 100+ of them), addresses,
+#: capacity, annotations and managedFields: tens of KB each, times thousands of nodes.
+NODE_METADATA = ("name", "uid", "resourceVersion", "labels", "deletionTimestamp")
+
+
+def node_essentials(node: dict[str, Any]) -> dict[str, Any]:
+    meta = node.get("metadata") or {}
+    ready = [c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"]
+    return {"apiVersion": node.get("apiVersion"), "kind": node.get("kind"),
+            "metadata": {k: meta[k] for k in NODE_METADATA if k in meta},
+            "status": {"conditions": [{"type": "Ready", "status": c.get("status")} for c in ready]}}
+
+
+def lmn_essentials(lmn: dict[str, Any]) -> dict[str, Any]:
+    """A LocalModelNode as the coordinator reads it: all but the agent's status details (progress,
+    capacity), of which only ``modelStatus`` counts here. Its spec and metadata stay whole: the node
+    reconciler writes the object back with a PUT (which ignores status)."""
+    (lmn.get("metadata") or {}).pop("managedFields", None)
+    status = lmn.get("status")
+    if status:
+        lmn["status"] = {"modelStatus": status["modelStatus"]} if "modelStatus" in status else {}
+    return lmn
+
+
 def served(kube: Kube, res: Resource) -> bool:
     """Whether the API serves ``res`` (a CRD may be absent: KServe not installed)."""
     try:
@@ -127,8 +152,8 @@ class ClusterView:
             caches=inf(LOCAL_MODEL_CACHES),
             ns_caches=inf(LOCAL_MODEL_NAMESPACE_CACHES),
             groups=inf(LOCAL_MODEL_NODE_GROUPS),
-            nodes=inf(NODES),
-            lmns=inf(LOCAL_MODEL_NODES, indexers={BY_CACHE: entry_cache_keys}),
+            nodes=inf(NODES, transform=node_essentials),
+            lmns=inf(LOCAL_MODEL_NODES, indexers={BY_CACHE: entry_cache_keys}, transform=lmn_essentials),
             pvs=inf(PERSISTENT_VOLUMES, label_selector=MANAGED_SELECTOR, indexers={BY_CACHE: volume_cache_keys}),
             pvcs=inf(PERSISTENT_VOLUME_CLAIMS, label_selector=MANAGED_SELECTOR,
                      indexers={BY_CACHE: volume_cache_keys}),
@@ -190,7 +215,7 @@ class ClusterView:
             epoch, hit = self._epoch, self._members.get(key)
         if hit is not None and hit[0] == epoch:
             return dict(hit[1])
-        result = place(cache_groups, self.group_map(), self.nodes.store.list())
+        result = place(cache_groups, self.group_map(), self.nodes.store.list(copy_objects=False))
         with self._lock:
             if self._epoch == epoch:
                 self._members[key] = (epoch, result)
@@ -222,16 +247,18 @@ class ClusterView:
     def cache_refs(self) -> tuple[list[CacheRef], list[CacheRef]]:
         """(namespace caches, cluster caches), skipping those being deleted."""
         def live(inf: Informer) -> list[CacheRef]:
-            return [CacheRef.of(o) for o in inf.store.list() if not (o.get("metadata") or {}).get("deletionTimestamp")]
+            return [CacheRef.of(o) for o in inf.store.list(copy_objects=False)
+                    if not (o.get("metadata") or {}).get("deletionTimestamp")]
         return live(self.ns_caches), live(self.caches)
 
     def group_map(self) -> dict[str, dict[str, Any]]:
-        return {o["metadata"]["name"]: o for o in self.groups.store.list()}
+        """Read-only: the cache's own objects (callers copy what they change)."""
+        return {o["metadata"]["name"]: o for o in self.groups.store.list(copy_objects=False)}
 
     def services_of(self, key: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """(InferenceServices, LLMInferenceServices) labelled with the cache."""
-        isvcs = self.isvcs.store.by_index(BY_CACHE, key) if self.isvcs else []
-        llms = self.llmisvcs.store.by_index(BY_CACHE, key) if self.llmisvcs else []
+        """(InferenceServices, LLMInferenceServices) labelled with the cache; read-only."""
+        isvcs = self.isvcs.store.by_index(BY_CACHE, key, copy_objects=False) if self.isvcs else []
+        llms = self.llmisvcs.store.by_index(BY_CACHE, key, copy_objects=False) if self.llmisvcs else []
         return isvcs, llms
 
     def service_informers(self) -> Iterable[Informer]:

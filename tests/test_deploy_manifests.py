@@ -154,7 +154,9 @@ def test_coordinator_rbac_covers_its_reconcilers_and_no_more(rendered: list[Obj]
     assert named == {("admissionregistration.k8s.io", "mutatingwebhookconfigurations"): ("modelcache-pod-mutator",),
                      ("admissionregistration.k8s.io", "validatingwebhookconfigurations"):
                          ("modelcache-cache-validator",),
-                     ("", "namespaces"): ("modelcache-system",)}
+                     ("", "namespaces"): ("modelcache-system",),
+                     ("apiextensions.k8s.io", "customresourcedefinitions"): (
+                         "inferenceservices.serving.kserve.io", "llminferenceservices.serving.kserve.io")}
     ns_rules = rules(rendered, "Role", "modelcache-coordinator")
     assert verbs_for(ns_rules, "coordination.k8s.io", "leases") == {"get", "create", "update"}
     # The webhook Secret: readable by name only; create cannot be limited to a name.

@@ -71,6 +71,8 @@ LOCAL_MODEL_NODE_GROUPS = Resource(KSERVE, "v1alpha1", "localmodelnodegroups", "
 CLUSTER_STORAGE_CONTAINERS = Resource(KSERVE, "v1alpha1", "clusterstoragecontainers", "ClusterStorageContainer", False)
 INFERENCE_SERVICES = Resource(KSERVE, "v1beta1", "inferenceservices", "InferenceService", True)
 LEASES = Resource("coordination.k8s.io", "v1", "leases", "Lease", True, "coordination", "lease", "V1Lease")
+CUSTOM_RESOURCE_DEFINITIONS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions",
+                                       "CustomResourceDefinition", False)
 NODES = _core("nodes", "Node", False, "node")
 PODS = _core("pods", "Pod", True, "pod")
 NAMESPACES = _core("namespaces", "Namespace", False, "namespace")
@@ -211,6 +213,19 @@ def _decode(resp: Any) -> Any:
     finally:
         resp.release_conn()
     return json.loads(data) if data else {}
+
+
+def count_requests(api_client: client.ApiClient, count: Callable[[str], None]) -> None:
+    """Call ``count(verb)`` for every HTTP request ``api_client`` sends (``WATCH`` for a watch's GET):
+    what a process costs the API server, for metrics and benchmarks."""
+    pool = api_client.rest_client.pool_manager
+    send = pool.request
+
+    def request(method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+        count("WATCH" if method == "GET" and "watch=" in url else method)
+        return send(method, url, *args, **kwargs)
+
+    pool.request = request
 
 
 class Kube:

@@ -29,6 +29,16 @@ ADDED, MODIFIED, DELETED = "ADDED", "MODIFIED", "DELETED"
 #: own: handlers read them and must not mutate them (copy first).
 Handler = Callable[[str, dict[str, Any], dict[str, Any] | None], None]
 IndexFunc = Callable[[dict[str, Any]], Iterable[str]]
+#: What is kept of each object before it is stored (client-go's TransformFunc): the fields a
+#: reader uses. It may change the object it gets and returns what to store.
+Transform = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def drop_managed_fields(obj: dict[str, Any]) -> dict[str, Any]:
+    """The default transform: ``metadata.managedFields`` (server-side apply's bookkeeping, often
+    the largest part of an object) is read by nobody here."""
+    (obj.get("metadata") or {}).pop("managedFields", None)
+    return obj
 
 
 def object_key(obj: dict[str, Any]) -> str:
@@ -137,6 +147,7 @@ class Informer:
         watch_timeout: int = 300,
         retry_delay: float = 1.0,
         page_size: int = 500,
+        transform: Transform = drop_managed_fields,
     ) -> None:
         self.kube = kube
         self.resource = resource
@@ -147,6 +158,7 @@ class Informer:
         self.watch_timeout = watch_timeout
         self.retry_delay = retry_delay
         self.page_size = page_size  # list in pages so 5000 nodes are not one giant response
+        self.transform = transform
         self.synced = threading.Event()
         self.last_resource_version: str | None = None
         #: Counters a test or a metrics endpoint can read: lists done, watches opened, 410s seen.
@@ -225,16 +237,22 @@ class Informer:
     def _list(self) -> None:
         items: list[dict[str, Any]] = []
         query: dict[str, Any] = dict(self.selectors, limit=self.page_size)
+        if not self.synced.is_set():
+            # The first list, as client-go's reflector: resourceVersion "0" is served from the API
+            # server's watch cache (any version it has), not read from etcd. A relist (after the
+            # watch could not go on) asks for the current state instead: "0" could go back in time.
+            query["resource_version"] = "0"
         while True:
             page = self.kube.list(self.resource, self.namespace, **query)
             for obj in page.get("items") or []:
                 # List items carry no apiVersion/kind; add them so handlers see whole objects.
                 obj.setdefault("apiVersion", self.resource.api_version)
                 obj.setdefault("kind", self.resource.kind)
-                items.append(obj)
+                items.append(self.transform(obj))
             token = (page.get("metadata") or {}).get("continue")
             if not token:
                 break
+            query.pop("resource_version", None)  # the continue token carries the list's version
             query["_continue"] = token
         self.stats["lists"] += 1
         self._replace(items)
@@ -296,6 +314,7 @@ class Informer:
             return
         obj.setdefault("apiVersion", self.resource.api_version)
         obj.setdefault("kind", self.resource.kind)
+        obj = self.transform(obj)
         if kind == DELETED:
             old = self.store.remove(object_key(obj))
             self._notify(DELETED, obj, old)
