@@ -7,7 +7,8 @@ caches (20 per group, so every node holds 20 entries). The coordinator runs as i
 as deploy/'s ServiceAccount; the agents are simulated by one watcher that marks every entry
 ModelDownloaded (one status patch per changed LocalModelNode). Measured:
 
-* seconds from creating the caches until every cache shows all its members available;
+* seconds from creating the caches until every cache shows all its members available, and until
+  the coordinator is done (its last request before 10 s without any: entries, node labels, events);
 * the coordinator's API requests (its /metrics: modelcache_coordinator_api_requests_total), to
   converge and then during a quiet window with nothing changing (target 0; watches that reach
   their timeout and are reopened are counted apart);
@@ -212,10 +213,19 @@ def main() -> None:
                 if time.monotonic() - start > args.timeout or coordinator.poll() is not None:
                     raise SystemExit("did not converge")
                 time.sleep(2)
-            converge_s = time.monotonic() - start
-            to_converge = metrics(port)
-
-            time.sleep(10)  # the last events drain
+            available_s = time.monotonic() - start
+            # Converged = the coordinator is done too (entries, node labels, events): its last
+            # request before 10 s without any.
+            last, last_change = metrics(port), time.monotonic()
+            while time.monotonic() - last_change < 10:
+                time.sleep(1)
+                now = metrics(port)
+                if {k: v for k, v in now.items() if k != "WATCH"} != {k: v for k, v in last.items() if k != "WATCH"}:
+                    last, last_change = now, time.monotonic()
+                if time.monotonic() - start > args.timeout:
+                    raise SystemExit("the coordinator never settled")
+            converge_s = last_change - start
+            to_converge = last
             before = metrics(port)
             time.sleep(args.quiet)
             after = metrics(port)
@@ -223,10 +233,12 @@ def main() -> None:
             mem = rss(coordinator.pid)
             result = {
                 "nodes": args.nodes, "groups": args.groups, "caches": args.caches, "workers": args.workers,
-                "setup_seconds": round(setup_s, 1), "converge_seconds": round(converge_s, 1),
+                "setup_seconds": round(setup_s, 1), "caches_available_seconds": round(available_s, 1),
+                "converge_seconds": round(converge_s, 1),
                 "requests_to_converge": {k: int(v) for k, v in sorted(to_converge.items())},
                 "quiet_seconds": args.quiet,
                 "quiet_requests": int(sum(v for k, v in quiet.items() if k != "WATCH")),
+                "quiet_requests_by_verb": {k: int(v) for k, v in quiet.items()},
                 "quiet_watches_reopened": int(quiet.get("WATCH", 0)),
                 "agent_status_patches": agents.patches,
                 "rss_idle_mib": idle["VmRSS"], "peak_rss_mib": mem["VmHWM"], "rss_end_mib": mem["VmRSS"],

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -29,6 +30,7 @@ from modelcache.kube.client import (
     PERSISTENT_VOLUME_CLAIMS,
     PERSISTENT_VOLUMES,
     Resource,
+    error_message,
 )
 from modelcache.kube.controller import Result
 from modelcache.kube.events import NORMAL, WARNING, EventRecorder
@@ -63,10 +65,11 @@ class CacheReconciler:
         spec = obj.get("spec") or {}
         groups = self.view.group_map()
         members = self.view.members(list(spec.get("nodeGroups") or []))
-        self.sync_volumes(key, obj, groups)
+        refused = self.sync_volumes(key, obj, groups)
         missing = [g for g in spec.get("nodeGroups") or [] if g not in groups]
-        self.sync_status(key, obj, members, missing)
-        return Result()
+        self.sync_status(key, obj, members, missing, refused)
+        # A quota raised or a LimitRange changed wakes nothing of ours: try again in a while.
+        return Result(requeue_after=REFUSED_RETRY) if refused else Result()
 
     # -- finalizer ----------------------------------------------------------------------------
     def uninstalling(self, obj: dict[str, Any]) -> bool:
@@ -115,7 +118,10 @@ class CacheReconciler:
         return Result()
 
     # -- serving volumes -------------------------------------------------------------------------
-    def sync_volumes(self, key: str, obj: dict[str, Any], groups: dict[str, dict[str, Any]]) -> None:
+    def sync_volumes(self, key: str, obj: dict[str, Any], groups: dict[str, dict[str, Any]]) -> list[str]:
+        """Create and delete serving PVs/PVCs; returns the creations the API refused (a namespace's
+        ResourceQuota or LimitRange, an invalid group spec), each as one line, also recorded as a
+        Warning Event on the cache."""
         isvcs, llms = self.view.services_of(key)
         uses = [volumes.Use(s["metadata"]["namespace"], (s["metadata"].get("annotations") or {}))
                 for s in [*isvcs, *llms] if not s["metadata"].get("deletionTimestamp")]
@@ -124,18 +130,28 @@ class CacheReconciler:
                                                                                      copy_objects=False)}
         have_pvcs = {(c["metadata"]["namespace"], c["metadata"]["name"]): c
                      for c in self.view.pvcs.store.by_index(BY_CACHE, key, copy_objects=False)}
+        refused: list[str] = []
         for pair in pairs.values():
             group = groups[pair.group]
-            if pair.pv_name not in have_pvs:
-                self._create(PERSISTENT_VOLUMES, volumes.pv_body(obj, group, pair), None)
-            if (pair.namespace, pair.pvc_name) not in have_pvcs:
-                self._create(PERSISTENT_VOLUME_CLAIMS, volumes.pvc_body(obj, group, pair), pair.namespace)
+            try:
+                if pair.pv_name not in have_pvs:
+                    self._create(PERSISTENT_VOLUMES, volumes.pv_body(obj, group, pair), None)
+                if (pair.namespace, pair.pvc_name) not in have_pvcs:
+                    self._create(PERSISTENT_VOLUME_CLAIMS, volumes.pvc_body(obj, group, pair), pair.namespace)
+            except ApiException as exc:
+                if exc.status not in (403, 422):
+                    raise  # not a refusal: retried with backoff
+                line = error_message(exc)
+                refused.append(line)
+                self.recorder.record(obj, WARNING, "VolumeRefused", f"serving volume for namespace "
+                                     f"{pair.namespace} (group {pair.group}) refused: {line}")
         want_pvcs = {(p.namespace, p.pvc_name) for p in pairs.values()}
         want_pvs = {p.pv_name for p in pairs.values()}
         for (ns, pvc_name) in have_pvcs.keys() - want_pvcs:
             self._delete(PERSISTENT_VOLUME_CLAIMS, pvc_name, ns)
         for pv_name in have_pvs.keys() - want_pvs:
             self._delete(PERSISTENT_VOLUMES, pv_name, None)
+        return refused
 
     def _create(self, res: Resource, body: dict[str, Any], ns: str | None) -> None:
         try:
@@ -150,7 +166,8 @@ class CacheReconciler:
         self.kube.delete(res, name, ns)
 
     # -- status ----------------------------------------------------------------------------------
-    def sync_status(self, key: str, obj: dict[str, Any], members: dict[str, Member], missing: list[str]) -> None:
+    def sync_status(self, key: str, obj: dict[str, Any], members: Mapping[str, Member], missing: list[str],
+                    refused: list[str] | None = None) -> None:
         meta = obj["metadata"]
         skey = status_key(meta["name"], meta.get("namespace") or None)
         model_states: dict[str, str | None] = {}
@@ -178,9 +195,15 @@ class CacheReconciler:
                 else:
                     status.pop(field, None)
             message = f"node group(s) not found: {', '.join(missing)}" if missing else "all node groups exist"
-            status["conditions"] = aggregate.set_condition(
+            conditions = aggregate.set_condition(
                 list(status.get("conditions") or []), GROUPS_CONDITION, not missing,
                 "NodeGroupNotFound" if missing else "NodeGroupsFound", message, _now())
+            # Shown once a volume was refused, and from then on (True again once all exist).
+            if refused or any(c.get("type") == VOLUMES_CONDITION for c in conditions):
+                conditions = aggregate.set_condition(
+                    conditions, VOLUMES_CONDITION, not refused, "VolumeRefused" if refused else "VolumesCreated",
+                    "; ".join(refused) if refused else "every serving PV and PVC exists", _now())
+            status["conditions"] = conditions
             return status
 
         written = patch_status_if_changed(self.kube, self.res, meta["name"], desired, meta.get("namespace"),
@@ -206,6 +229,9 @@ def _nodes(names: list[str], shown: int = 5) -> str:
 
 
 GROUPS_CONDITION = "NodeGroupsFound"
+VOLUMES_CONDITION = "ServingVolumesCreated"
+#: Seconds until volumes the API refused are tried again.
+REFUSED_RETRY = 60.0
 
 
 def _now() -> str:

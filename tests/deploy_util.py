@@ -78,22 +78,28 @@ class CoordinatorProc:
 
 
 def start_deployed_coordinator(cluster: Cluster, workdir: Path, *extra: str, pod_name: str = "coordinator-0",
-                               docs: list[Obj] | None = None) -> CoordinatorProc:
+                               docs: list[Obj] | None = None, code: Path = REPO,
+                               mounts: dict[str, Path] | None = None) -> CoordinatorProc:
     """``modelcache-coordinator`` with deploy/'s args and env, as its ServiceAccount; health and
-    webhook ports are free ones (the pod's 8080/9443 may be taken on this machine)."""
+    webhook ports are free ones (the pod's 8080/9443 may be taken on this machine). ``docs``,
+    ``code``: another release's manifests and source; ``mounts``: a directory standing for each
+    mount path in the args (there is no container here)."""
     docs = docs or render()
     dep = find(docs, "Deployment", "modelcache-coordinator")
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["modelcache-coordinator"]
     port, webhook_port = free_port(), free_port()
-    args = [*container["args"], "--port", str(port), "--webhook-port", str(webhook_port), *extra]
+    args = list(container["args"])
+    for mount_path, directory in (mounts or {}).items():
+        args = [a.replace(mount_path, str(directory)) for a in args]
+    args += ["--port", str(port), "--webhook-port", str(webhook_port), *extra]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBECONFIG")}
     env.update({"POD_NAMESPACE": dep["metadata"]["namespace"], "POD_NAME": pod_name,
                 "KUBECONFIG": str(cluster.kubeconfig_for(*COORDINATOR_SA))})
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"{pod_name}.log"
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "coordinator", *args], cwd=REPO, stdout=out,
+        proc = subprocess.Popen([sys.executable, "-m", "coordinator", *args], cwd=code, stdout=out,
                                 stderr=subprocess.STDOUT, env=env)
     c = CoordinatorProc(proc, log_path, port, webhook_port, args)
     try:

@@ -216,3 +216,35 @@ def test_certificate_rotation_keeps_the_webhooks_called(cluster_factory: Callabl
         assert "Traceback" not in coordinator.log()
     finally:
         coordinator.stop()
+
+
+def test_with_the_coordinator_down_only_cache_creation_and_spec_edits_wait(cluster: Cluster) -> None:
+    """deploy/'s validating webhooks with nothing serving them (no endpoint: the coordinator is
+    down): what fails closed and what does not (docs/operations.md, "Webhooks")."""
+    admin = cluster.kube()
+    make_group(admin, "workers")
+    make_namespace(admin, "team")
+    held = {"metadata": {"finalizers": [CACHE_FINALIZER]}}
+    cluster.kubectl("create", "-f", "-", input=cache_yaml("llm", URI, ["workers"]))
+    cluster.kubectl("create", "-f", "-", input=cache_yaml("nsllm", URI, ["workers"], "team"))
+    admin.patch(LOCAL_MODEL_CACHES, "llm", held)
+    admin.patch(LOCAL_MODEL_NAMESPACE_CACHES, "nsllm", {"metadata": {"finalizers": [NAMESPACE_CACHE_FINALIZER]}},
+                "team")
+    cluster.kubectl("apply", "-f", str(DEPLOY / "webhooks" / "validating.yaml"))
+
+    def refused(out: Any) -> bool:
+        return out.returncode != 0 and "failed calling webhook" in out.stderr
+
+    # Fail closed: a new cache, and an edit of a cache's spec.
+    wait_until(lambda: refused(cluster.kubectl("create", "-f", "-", input=cache_yaml("new", URI + "2", ["workers"]),
+                                               check=False)), timeout=20, what="creation refused")
+    assert refused(cluster.kubectl("patch", "localmodelcache", "llm", "--type=merge", "-p",
+                                   json.dumps({"spec": {"nodeGroups": ["workers", "more"]}}), check=False))
+    # Not waiting: metadata-only edits (a finalizer removed by hand), deletes, a namespace's deletion.
+    cluster.kubectl("label", "localmodelcache", "llm", "team=ml")
+    cluster.kubectl("patch", "localmodelcache", "llm", "--type=merge", "-p", '{"metadata":{"finalizers":null}}')
+    cluster.kubectl("delete", "localmodelcache", "llm", "--timeout=30s")
+    cluster.kubectl("-n", "team", "patch", "localmodelnamespacecache", "nsllm", "--type=merge", "-p",
+                    '{"metadata":{"finalizers":null}}')
+    cluster.kubectl("delete", "namespace", "team", "--timeout=60s")
+    assert admin.get_or_none(LOCAL_MODEL_CACHES, "llm") is None

@@ -333,6 +333,27 @@ class Kube:
             raise
         return True
 
+    def path(self, res: Resource, namespace: str | None = None) -> str:
+        """The collection's URL path (``namespace`` None: all namespaces)."""
+        base = f"/apis/{res.group}/{res.version}" if res.group else f"/api/{res.version}"
+        ns = f"/namespaces/{namespace}" if res.namespaced and namespace else ""
+        return f"{base}{ns}/{res.plural}"
+
+    def stream_response(self, res: Resource, namespace: str | None = None, query: Mapping[str, Any] | None = None,
+                        timeout: Any = None) -> Any:
+        """A raw streaming GET of the collection with the query parameters as the API names them
+        (the generated methods refuse parameters they do not know, such as ``sendInitialEvents`` on
+        custom objects); the caller reads and closes the urllib3 response. Non-2xx raises."""
+        params = [(k, str(v).lower() if isinstance(v, bool) else str(v)) for k, v in (query or {}).items()]
+        request = self.api_client.param_serialize("GET", self.path(res, namespace), query_params=params,
+                                                  header_params={"Accept": "application/json"},
+                                                  auth_settings=["BearerToken"])
+        resp = self.api_client.call_api(*request, _request_timeout=timeout)
+        if not 200 <= resp.status <= 299:
+            resp.read()
+            raise ApiException.from_response(http_resp=resp, body=None, data=None)
+        return resp.response
+
     def watch_response(self, res: Resource, namespace: str | None = None, **query: Any) -> Any:
         """A raw streaming watch response (one JSON event per line); the caller closes it."""
         return self._call(res, "list", namespace, watch=True, **query)

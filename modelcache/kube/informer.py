@@ -1,10 +1,15 @@
 """Informer: a local, always-current copy of one kind, and change notifications.
 
 Protocol (as client-go's reflector): LIST, then WATCH from the list's ``resourceVersion``
-with bookmarks. When the watch ends (server timeout, dropped connection) it is re-opened
-from the last resourceVersion seen, so nothing is missed and nothing is replayed; only a
-``410 Gone`` (the version was compacted away) forces a new LIST, which is diffed against
-the cache so handlers see exactly the adds, updates and deletes that happened meanwhile.
+with bookmarks. The LIST is streamed where the API server can (client-go's WatchList: a watch with
+``sendInitialEvents=true`` delivers every object as an event from the watch cache, then a bookmark
+marked ``k8s.io/initial-events-end``): one object in memory at a time, whatever the collection's
+size, and no etcd read. Elsewhere it is paged, the first time from the watch cache
+(``resourceVersion=0``, which the server answers whole). When the watch ends (server timeout,
+dropped connection) it is re-opened from the last resourceVersion seen, so nothing is missed and
+nothing is replayed; only a ``410 Gone`` (the version was compacted away) forces a new LIST, which
+is diffed against the cache so handlers see exactly the adds, updates and deletes that happened
+meanwhile.
 """
 
 from __future__ import annotations
@@ -135,6 +140,29 @@ class Gone(Exception):
     """The watch's resourceVersion is too old: relist."""
 
 
+class StreamingListUnsupported(Exception):
+    """The API server does not stream lists (no WatchList): list in pages instead."""
+
+
+#: The bookmark annotation that ends a streamed list's initial events.
+INITIAL_EVENTS_END = "k8s.io/initial-events-end"
+#: Seconds a streamed list may take before the server ends it (an old server that ignores
+#: sendInitialEvents sends a plain watch that never has the end bookmark: we fall back then).
+STREAM_LIST_TIMEOUT = 120
+_WIRE_NAMES = {"label_selector": "labelSelector", "field_selector": "fieldSelector"}
+
+
+def _lines(resp: Any) -> Iterable[bytes]:
+    """The newline-delimited JSON events of a watch response, one line at a time."""
+    buf = b""
+    for chunk in resp.stream(amt=65536, decode_content=True):
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            if line.strip():
+                yield line
+
+
 class Informer:
     def __init__(
         self,
@@ -159,6 +187,8 @@ class Informer:
         self.retry_delay = retry_delay
         self.page_size = page_size  # list in pages so 5000 nodes are not one giant response
         self.transform = transform
+        #: Whether the server streams lists: None until the first try, then True or False.
+        self.streaming: bool | None = None
         self.synced = threading.Event()
         self.last_resource_version: str | None = None
         #: Counters a test or a metrics endpoint can read: lists done, watches opened, 410s seen.
@@ -235,6 +265,64 @@ class Informer:
 
     # -- list and watch ---------------------------------------------------------------------
     def _list(self) -> None:
+        if self.streaming is not False:
+            try:
+                self._stream_list()
+                self.streaming = True
+                return
+            except StreamingListUnsupported as exc:
+                self.streaming = False
+                log.info("%s: %s; listing in pages", self.resource.plural, exc)
+        self._paged_list()
+
+    def _stream_list(self) -> None:
+        query: dict[str, Any] = {_WIRE_NAMES[k]: v for k, v in self.selectors.items()}
+        # No resourceVersion with NotOlderThan: at least as fresh as etcd now, served from the watch cache.
+        query.update(watch="true", sendInitialEvents="true", allowWatchBookmarks="true",
+                     resourceVersionMatch="NotOlderThan", timeoutSeconds=STREAM_LIST_TIMEOUT)
+        try:
+            resp = self.kube.stream_response(self.resource, self.namespace, query,
+                                             timeout=(10, STREAM_LIST_TIMEOUT + 30))
+        except ApiException as exc:
+            if exc.status in (400, 422):  # a server with the WatchList feature off says so
+                raise StreamingListUnsupported(f"streamed list refused ({exc.status})") from exc
+            raise
+        self._resp = resp
+        objects: dict[str, dict[str, Any]] = {}
+        version = None
+        try:
+            for line in _lines(resp):
+                if self._stop.is_set():
+                    return
+                event = json.loads(line)
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    raise ApiException(status=obj.get("code") or 500, reason=f"{obj.get('reason')}: "
+                                                                              f"{obj.get('message')}")
+                meta = obj.get("metadata") or {}
+                if kind == "BOOKMARK":
+                    if (meta.get("annotations") or {}).get(INITIAL_EVENTS_END) == "true":
+                        version = meta.get("resourceVersion")
+                        break
+                    continue
+                obj.setdefault("apiVersion", self.resource.api_version)
+                obj.setdefault("kind", self.resource.kind)
+                if kind == DELETED:
+                    objects.pop(object_key(obj), None)
+                else:
+                    objects[object_key(obj)] = self.transform(obj)
+        finally:
+            self._resp = None
+            resp.close()
+            resp.release_conn()
+        if version is None:
+            raise StreamingListUnsupported("the server ended the streamed list without its end bookmark")
+        self.stats["lists"] += 1
+        self._replace(list(objects.values()))
+        self.last_resource_version = version
+        self.synced.set()
+
+    def _paged_list(self) -> None:
         items: list[dict[str, Any]] = []
         query: dict[str, Any] = dict(self.selectors, limit=self.page_size)
         if not self.synced.is_set():
