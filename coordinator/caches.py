@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,6 +52,7 @@ class CacheReconciler:
         self.namespaced = namespaced
         self.res: Resource = LOCAL_MODEL_NAMESPACE_CACHES if namespaced else LOCAL_MODEL_CACHES
         self.finalizer = NAMESPACE_CACHE_FINALIZER if namespaced else CACHE_FINALIZER
+        self._status_written: dict[str, float] = {}  # cache key -> monotonic time of its last status write
         self.name = self.res.kind
 
     def __call__(self, key: str) -> Result:
@@ -67,9 +69,10 @@ class CacheReconciler:
         members = self.view.members(list(spec.get("nodeGroups") or []))
         refused = self.sync_volumes(key, obj, groups)
         missing = [g for g in spec.get("nodeGroups") or [] if g not in groups]
-        self.sync_status(key, obj, members, missing, refused)
+        wait = self.sync_status(key, obj, members, missing, refused)
         # A quota raised or a LimitRange changed wakes nothing of ours: try again in a while.
-        return Result(requeue_after=REFUSED_RETRY) if refused else Result()
+        waits = [w for w in (wait, REFUSED_RETRY if refused else None) if w is not None]
+        return Result(requeue_after=min(waits)) if waits else Result()
 
     # -- finalizer ----------------------------------------------------------------------------
     def uninstalling(self, obj: dict[str, Any]) -> bool:
@@ -114,6 +117,7 @@ class CacheReconciler:
 
         update_if_changed(self.kube, self.res, name, drop, ns, current=obj)
         _forget_gauges(key)
+        self._status_written.pop(key, None)
         log.info("%s %s: finalized", self.res.kind, key)
         return Result()
 
@@ -167,7 +171,13 @@ class CacheReconciler:
 
     # -- status ----------------------------------------------------------------------------------
     def sync_status(self, key: str, obj: dict[str, Any], members: Mapping[str, Member], missing: list[str],
-                    refused: list[str] | None = None) -> None:
+                    refused: list[str] | None = None) -> float | None:
+        """Write the status if it changed; returns the seconds to wait instead when the last write
+        was less than ``STATUS_INTERVAL`` ago (500 members reporting one by one make one write per
+        interval, not 500)."""
+        wait = STATUS_INTERVAL - (time.monotonic() - self._status_written.get(key, -STATUS_INTERVAL))
+        if wait > 0:
+            return wait
         meta = obj["metadata"]
         skey = status_key(meta["name"], meta.get("namespace") or None)
         model_states: dict[str, str | None] = {}
@@ -211,7 +221,8 @@ class CacheReconciler:
         for state, value in copies.to_dict().items():
             metrics.COPIES.labels(key, state).set(value)
         if written is None:
-            return
+            return None
+        self._status_written[key] = time.monotonic()
         metrics.WRITES.labels(self.res.kind, "status").inc()
         gained, lost = aggregate.copy_changes(old_status, node_status)
         summary = f"{copies.available}/{copies.total} copies available"
@@ -221,6 +232,7 @@ class CacheReconciler:
                                  f"model downloaded on {_nodes(gained)} ({summary})")
         if lost:
             self.recorder.record(obj, WARNING, "CopyLost", f"no usable copy any more on {_nodes(lost)} ({summary})")
+        return None
 
 
 def _nodes(names: list[str], shown: int = 5) -> str:
@@ -232,6 +244,8 @@ GROUPS_CONDITION = "NodeGroupsFound"
 VOLUMES_CONDITION = "ServingVolumesCreated"
 #: Seconds until volumes the API refused are tried again.
 REFUSED_RETRY = 60.0
+#: At most one status write per cache per this many seconds.
+STATUS_INTERVAL = 1.0
 
 
 def _now() -> str:
