@@ -54,7 +54,8 @@ from modelcache.startup import run_command
               help="when the pod webhook cannot look up caches: admit unchanged, or deny")
 @click.option("--workers", type=click.IntRange(1, 64), default=2, help="workers per controller")
 @click.option("--discovery-interval", type=click.FloatRange(min=0), default=30.0,
-              help="seconds between checks for InferenceService/LLMInferenceService CRDs installed later (0: off)")
+              help="InferenceService/LLMInferenceService CRDs installed later are watched by name; where that "
+                   "is not allowed, seconds between checks for them (0: no discovery after start)")
 @click.option("--log-level", default="INFO",
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def cli(kubeconfig: str | None, webhook_cert_secret: str | None, webhook_service: str,
