@@ -188,12 +188,6 @@ def generate_self_signed(directory: Path, hosts: list[str], days: int = 365) -> 
     from cryptography.x509.oid import NameOID
 
     key = ec.generate_private_key(ec.SECP256R1())
-    names: list[x509.GeneralName] = []
-    for host in hosts:
-        try:
-            names.append(x509.IPAddress(ipaddress.ip_address(host)))
-        except ValueError:
-            names.append(x509.DNSName(host))
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0] if hosts else "modelcache-webhook")])
     now = dt.datetime.now(dt.UTC)
     cert = (
@@ -201,19 +195,12 @@ def generate_self_signed(directory: Path, hosts: list[str], days: int = 365) -> 
         .subject_name(subject).issuer_name(subject).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - BACKDATE).not_valid_after(now + dt.timedelta(days=days))
-        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(_san(hosts), critical=False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )
-    directory.mkdir(parents=True, exist_ok=True)
-    cert_path, key_path = directory / CERT_FILE, directory / KEY_FILE
-    key_bytes = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption())
-    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key_bytes)
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return cert_path, key_path
+    write_pair(directory, Pair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)))
+    return directory / CERT_FILE, directory / KEY_FILE
 
 
 class ReloadingContext:
