@@ -84,6 +84,8 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               type=_NON_NEGATIVE, help="Seconds between full re-hashes of downloaded models (0: off).")
 @click.option("--removal-recheck", envvar="MODELCACHE_REMOVAL_RECHECK", default=10.0, show_default=True,
               type=_POSITIVE, help="Seconds between checks of a removal that waits for a mounting pod.")
+@click.option("--sweep-interval", envvar="MODELCACHE_SWEEP_INTERVAL", default=600.0, show_default=True,
+              type=_NON_NEGATIVE, help="Seconds between sweeps for files of models no entry wants (0: only at start).")
 @click.option("--space-margin", envvar="MODELCACHE_SPACE_MARGIN", default="256Mi", show_default=True,
               callback=_size, help="Kept free on the root's file system.")
 @click.option("--host-path", "host_paths", envvar="MODELCACHE_HOST_PATH", multiple=True,

@@ -417,7 +417,7 @@ class NodeStore:
             return d
         return target.parent
 
-    def _clear_trash(self) -> None:
+    def clear_trash(self) -> None:
         """Delete trash folders a crash left between a rename and its delete."""
         assert isinstance(self.layout, NodeLayout)
         for folder in (self.layout.meta / "staging", self.layout.root / "models"):
@@ -436,7 +436,7 @@ class NodeStore:
         if not isinstance(self.layout, NodeLayout):
             raise StoreError("gc needs a node store root")
         if not dry_run:
-            self._clear_trash()
+            self.clear_trash()
             self._clear_stale_staging(stale_staging_after)
         free = self.free_bytes()
         evicted: list[StoreEntry] = []
