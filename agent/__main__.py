@@ -114,12 +114,17 @@ def run(cfg: AgentConfig, host_paths: tuple[str, ...] = ()) -> int:
     from agent.health import HealthServer
     from agent.inuse import KubeMountChecker, NoMounts
     from agent.metrics import AgentMetrics
+    from agent.rootlock import RootLock
 
     # Checked first: a read-only or unwritable root would otherwise fail every download later.
     check_writable_dir(cfg.root, "--root")
     metrics = AgentMetrics()
     log.info("agent starting", extra=fields(node=cfg.node, root=str(cfg.root), standalone=bool(cfg.standalone),
                                             max_concurrent_models=cfg.max_concurrent_models, workers=cfg.workers))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    root_lock = RootLock(cfg.root)
     if cfg.standalone is not None:
         from agent.standalone import StandaloneRunner
 
@@ -130,8 +135,11 @@ def run(cfg: AgentConfig, host_paths: tuple[str, ...] = ()) -> int:
             raise StartupError(f"--standalone: {exc}") from None
         server = _serve(cfg, HealthServer, agent.alive, agent.spec_seen.is_set, metrics.render)
         try:
+            if not root_lock.acquire(stop):
+                return 0
             return runner.run()
         finally:
+            root_lock.release()
             if server is not None:
                 server.stop()
 
@@ -142,17 +150,21 @@ def run(cfg: AgentConfig, host_paths: tuple[str, ...] = ()) -> int:
     creds = Credentials(KubeSecretReader(kube, cfg.credentials_namespace), cfg.download_env)
     agent = Agent(cfg, creds, KubeMountChecker(kube, cfg.node, host_paths), metrics)
     krunner = KubeRunner(agent, kube)
+    # Live but not ready while another agent holds the root: it neither downloads nor writes status.
     server = _serve(cfg, HealthServer, krunner.healthy, krunner.ready, metrics.render)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    krunner.start()
-    log.info("agent running", extra=fields(node=cfg.node, port=server.port if server else -1))
-    stop.wait()
-    log.info("agent stopping", extra=fields(node=cfg.node))
-    krunner.stop()
-    if server is not None:
-        server.stop()
+    try:
+        if not root_lock.acquire(stop):
+            log.info("agent stopping before it started", extra=fields(node=cfg.node))
+            return 0
+        krunner.start()
+        log.info("agent running", extra=fields(node=cfg.node, port=server.port if server else -1))
+        stop.wait()
+        log.info("agent stopping", extra=fields(node=cfg.node))
+        krunner.stop()
+    finally:
+        root_lock.release()
+        if server is not None:
+            server.stop()
     return 0
 
 
