@@ -11,9 +11,10 @@ meanwhile. Only failures without an answer (connection refused or reset, a timeo
 resumed from the same version, and after a few of those in a row it relists too.
 
 A version in the server's future is not always answered with an error: the real API server's
-watch cache serves a plain watch from it by sending nothing at all, not even the bookmark it
-sends every healthy watch before its timeout (checked on v1.37). So a watch that runs to its
-end without a single event or bookmark counts as one the server cannot serve: relist.
+watch cache serves a plain watch from it by sending nothing at all (checked on v1.37). A quiet
+watch can be silent as well, so when one ends without a single event or bookmark the informer
+asks for the server's current version (a list of one item): if that is older than ours, the
+server's store went back in time (an etcd restore) and the informer relists.
 """
 
 from __future__ import annotations
@@ -335,9 +336,9 @@ class Informer:
                     if line.strip():
                         received += 1
                         self._event(json.loads(line))
-            if not received and not self._dropped and not self._stop.is_set():
-                raise WatchError(0, f"the watch from version {self.last_resource_version} ended without a single "
-                                    "event or bookmark: the server does not have that version (an etcd restore?)")
+            if not received and not self._dropped and not self._stop.is_set() and self._server_behind():
+                raise WatchError(0, f"the server's current version is older than {self.last_resource_version}, "
+                                    "where our watch stands (an etcd restore?)")
         except Exception:
             if self._stop.is_set():
                 return
@@ -345,6 +346,16 @@ class Informer:
         finally:
             self._resp = None
             resp.release_conn()
+
+    def _server_behind(self) -> bool:
+        """Whether the server's current resourceVersion is older than ours. Versions are opaque
+        to clients in principle; etcd's are integers, and only then is this checked."""
+        page = self.kube.list(self.resource, self.namespace, **dict(self.selectors, limit=1))
+        theirs = (page.get("metadata") or {}).get("resourceVersion")
+        try:
+            return int(str(theirs)) < int(str(self.last_resource_version))
+        except ValueError:
+            return False
 
     def _event(self, event: dict[str, Any]) -> None:
         kind, obj = event.get("type"), event.get("object") or {}
