@@ -40,12 +40,15 @@ from modelcache.startup import run_command
 @click.option("--workers", type=click.IntRange(1, 64), default=2, help="workers per controller")
 @click.option("--discovery-interval", type=click.FloatRange(min=0), default=30.0,
               help="seconds between checks for InferenceService/LLMInferenceService CRDs installed later (0: off)")
+@click.option("--missing-group-grace", type=click.FloatRange(min=0), default=None,
+              help="seconds a deleted node group's nodes keep its models (default: until the group "
+                   "returns or the cache stops listing it, as KServe)")
 @click.option("--log-level", default="INFO",
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def cli(kubeconfig: str | None, webhook_cert_dir: Path | None, webhook_port: int, self_signed: bool, host: str,
          port: int, leader_election: bool, lease_name: str, lease_namespace: str, identity: str, mutate_isvc: bool,
          pod_rewrite: str, pod_failure_policy: str, workers: int, discovery_interval: float,
-         log_level: str) -> None:
+         missing_group_grace: float | None, log_level: str) -> None:
     """Run the modelcache coordinator."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = Config(
@@ -53,6 +56,7 @@ def cli(kubeconfig: str | None, webhook_cert_dir: Path | None, webhook_port: int
         self_signed=self_signed, host=host, port=port, leader_election=leader_election, lease_name=lease_name,
         lease_namespace=lease_namespace, identity=identity, mutate_isvc=mutate_isvc, pod_rewrite=pod_rewrite == "on",
         pod_fail_closed=pod_failure_policy == "Fail", workers=workers, discovery_interval=discovery_interval,
+        missing_group_grace=missing_group_grace,
     )
     coordinator = Coordinator(cfg)  # a KubeConfigError is a StartupError: one line, exit 2
 

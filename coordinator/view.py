@@ -16,6 +16,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
+from coordinator.grace import MissingGroups
 from coordinator.membership import Member, place
 from coordinator.nodelabels import LABEL_PREFIX
 from coordinator.nodeselector import node_ready
@@ -111,6 +112,8 @@ class ClusterView:
     llmisvcs: Informer | None = None
     llm_resource: Resource | None = None
     extra: list[Informer] = field(default_factory=list)
+    #: When node groups went missing: their members' entries are kept meanwhile (coordinator.grace).
+    missing: MissingGroups = field(default_factory=MissingGroups)
     _watch_timeout: int = 300
     #: Bumped after any node or group change that can alter membership (see members()).
     _epoch: int = 0
@@ -118,7 +121,8 @@ class ClusterView:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def build(cls, kube: Kube, watch_timeout: int = 300, with_services: bool = True) -> ClusterView:
+    def build(cls, kube: Kube, watch_timeout: int = 300, with_services: bool = True,
+              missing_group_grace: float | None = None) -> ClusterView:
         def inf(res: Resource, **kw: Any) -> Informer:
             return Informer(kube, res, watch_timeout=watch_timeout, retry_delay=1.0, **kw)
 
@@ -133,7 +137,9 @@ class ClusterView:
             pvcs=inf(PERSISTENT_VOLUME_CLAIMS, label_selector=MANAGED_SELECTOR,
                      indexers={BY_CACHE: volume_cache_keys}),
         )
+        view.missing = MissingGroups(missing_group_grace)
         view.nodes.add_handler(view._bump_if_membership)
+        view.groups.add_handler(view.missing.observe)
         view.groups.add_handler(view._bump)
         view._watch_timeout = watch_timeout
         if with_services:
@@ -211,6 +217,11 @@ class ClusterView:
 
     def synced(self) -> bool:
         return all(inf.synced.is_set() for inf in self.informers())
+
+    def current(self) -> bool:
+        """Every informer synced and following the server now (none retrying a failed watch):
+        a leader acts only on such a view."""
+        return all(inf.current for inf in self.informers())
 
     # -- reads --------------------------------------------------------------------------------
     def cache(self, key: str) -> dict[str, Any] | None:

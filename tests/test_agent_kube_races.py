@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from modelcache.kube.client import EVENTS, LOCAL_MODEL_NODES
+from modelcache.kube.client import EVENTS, LOCAL_MODEL_NODES, NODES
 from modelcache.kube.informer import Informer
+from modelcache.uri import storage_key
 from tests.agent_util import create_node, entry, kube_for, node_status, start_agent, wait_states
 from tests.helpers import wait_until
 
@@ -99,3 +100,26 @@ def test_second_agent_waits_politely_exits_on_sigterm_and_takes_over(cluster, ku
             if agent is not None:
                 agent.stop()
         statuses.stop()
+
+
+def test_status_names_the_node_it_was_written_for(cluster, kube, nginx, tmp_path):
+    """F3: the agent writes the uid of the Node it read (status.nodeUID), and the new one after
+    the Node is replaced under the same name: the coordinator believes a status only for the Node
+    that exists now."""
+    nginx.write("f/model.bin", 1 << 20)
+    create_node(kube, "node-a", [entry("m", nginx.url("f/model.bin"))])
+    agent = start_agent(cluster.agent_kubeconfig, "node-a", tmp_path / "root", tmp_path)
+    try:
+        first = kube.get(NODES, "node-a")["metadata"]["uid"]
+        status = wait_states(kube, "node-a", {"m": D}, agent=agent)
+        assert status["nodeUID"] == first
+        assert status["modelDetails"]["m"]["storageKey"] == storage_key(nginx.url("f/model.bin"))
+        kube.delete(NODES, "node-a")
+        wait_until(lambda: kube.get_or_none(NODES, "node-a") is None, timeout=30, what="Node deleted")
+        second = cluster.register_node("node-a")["metadata"]["uid"]
+        assert second != first
+        wait_until(lambda: node_status(kube, "node-a").get("nodeUID") == second, timeout=60,
+                   what="status written for the new Node")
+        assert node_status(kube, "node-a")["modelStatus"] == {"m": D}
+    finally:
+        agent.stop()

@@ -208,7 +208,8 @@ def test_watch_from_a_version_in_the_servers_future_relists(cluster_factory: Any
                    timeout=30, what="the informer has followed every write")
         cluster.cp.restore_etcd(backup)
         after = kube.create(LOCAL_MODEL_NODES, node("after", "s3://b/after"))
-        wait_until(lambda: inf.store.get_raw("after") is not None, timeout=90, what="an object written after the restore")
+        wait_until(lambda: inf.store.get_raw("after") is not None, timeout=90,
+                   what="an object written after the restore")
         wait_for_version(inf, "after", after["metadata"]["resourceVersion"])
         wait_until(lambda: inf.store.get_raw("lost") is None, timeout=10, what="object lost in the restore dropped")
         assert sorted(inf.store.keys()) == ["after", "before"]
