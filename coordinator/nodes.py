@@ -97,7 +97,7 @@ class NodeReconciler:
                 metrics.wrote("LocalModelNode", "delete", self.kube.delete(LOCAL_MODEL_NODES, key) or None)
                 log.info("node %s is gone: deleted its LocalModelNode", key)
             return Result()
-        lmn = self.sync_entries(key, lmn)
+        lmn = self.sync_entries(key, lmn, node)
         patch = nodelabels.label_patch(node, nodelabels.downloaded_labels(lmn, reports.node_uid(node)))
         if patch:
             metrics.wrote("Node", "patch")
@@ -120,7 +120,22 @@ class NodeReconciler:
                          (have.get("nodeGroup") or "?"))
                 caches[key] = live
 
-    def sync_entries(self, key: str, lmn: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _withdraw_labels(self, node: dict[str, Any], lmn: dict[str, Any] | None, models: list[dict[str, Any]]) -> None:
+        """Before entries leave a LocalModelNode, take their labels off the Node: the agent deletes
+        a model as soon as it sees its entry go, and a label must never outlive its folder, even
+        if we crash between the two writes (the label is added back later if it still holds)."""
+        after = {**(lmn or {}), "spec": {"localModels": models}}
+        keep = nodelabels.downloaded_labels(after, reports.node_uid(node))
+        patch = nodelabels.label_patch(node, keep)
+        drop = {k: v for k, v in ((patch.get("metadata") or {}).get("labels") or {}).items() if v is None}
+        if drop:
+            metrics.wrote("Node", "patch")
+            self.kube.patch(NODES, node["metadata"]["name"], {"metadata": {"labels": drop}})
+            labels = node["metadata"].get("labels") or {}
+            node["metadata"]["labels"] = {k: v for k, v in labels.items() if k not in drop}
+
+    def sync_entries(self, key: str, lmn: dict[str, Any] | None,
+                     node: dict[str, Any] | None = None) -> dict[str, Any] | None:
         current = list(((lmn or {}).get("spec") or {}).get("localModels") or [])
         caches = {cache_key((c["metadata"].get("namespace") or None), c["metadata"]["name"]): c
                   for c in self.view.caches.store.list() + self.view.ns_caches.store.list()}
@@ -150,6 +165,8 @@ class NodeReconciler:
             have = list(spec.get("localModels") or [])
             self._confirmed_gone(have, caches)
             spec["localModels"] = desired_models(key, have, caches, self.view.members, keep)
+            if node is not None and spec["localModels"] != have:
+                self._withdraw_labels(node, o, spec["localModels"])
 
         written = update_if_changed(self.kube, LOCAL_MODEL_NODES, key, apply, current=lmn)
         metrics.wrote("LocalModelNode", "update", written)
