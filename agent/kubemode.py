@@ -19,7 +19,7 @@ from agent.logs import fields
 from agent.publish import Publisher
 from modelcache.kube.client import LOCAL_MODEL_NODE_GROUPS, LOCAL_MODEL_NODES, NODES, Kube
 from modelcache.kube.events import EventRecorder
-from modelcache.kube.informer import ADDED, DELETED, Informer
+from modelcache.kube.informer import DELETED, Informer
 from modelcache.kube.status import patch_status_if_changed
 from modelcache.kube.types import LocalModelNode
 
@@ -68,13 +68,14 @@ class KubeRunner:
     def _on_node(self, event: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
         if (obj.get("metadata") or {}).get("name") != self.node:
             return
-        if old is not None and event != DELETED and old.get("spec") == obj.get("spec"):
-            return  # our own status writes come back as updates: not a spec change
+        fresh = old is None or (old.get("metadata") or {}).get("uid") != (obj.get("metadata") or {}).get("uid")
+        if old is not None and not fresh and event != DELETED and old.get("spec") == obj.get("spec"):
+            return  # our own status writes come back as updates: not a spec change (a new object is)
         if event == DELETED:
             # As KServe's agent: a missing LocalModelNode means nothing to do; files stay.
             log.info("LocalModelNode deleted; keeping the models", extra=fields(node=self.node))
             return
-        if event == ADDED and self.synced.is_set():
+        if fresh and self.synced.is_set():
             self.refresh_node_uid()  # a new LocalModelNode: its Node may be new as well
         lmn = LocalModelNode.from_dict(obj)
         self.agent.set_spec(lmn.spec.local_models, lmn.generation or None)

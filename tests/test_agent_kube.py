@@ -228,7 +228,7 @@ def test_restarted_agent_keeps_downloaded_models_without_fetching(cluster, kube,
     again = start_agent(cluster.agent_kubeconfig, "node-a", tmp_path / "root", tmp_path, name="again")
     try:
         wait_until(lambda: "model present" in again.log(), timeout=20, what="restart")
-        assert again.get("/readyz")[0] == 200
+        wait_until(lambda: again.get("/readyz")[0] == 200, timeout=20, what="ready after the first sync")
         time.sleep(1)
         assert node_status(kube, "node-a")["modelStatus"] == {"m": D}
     finally:
