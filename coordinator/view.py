@@ -219,9 +219,12 @@ class ClusterView:
         return all(inf.synced.is_set() for inf in self.informers())
 
     def current(self) -> bool:
-        """Every informer synced and following the server now (none retrying a failed watch):
-        a leader acts only on such a view."""
-        return all(inf.current for inf in self.informers())
+        """The informers that decide what nodes hold (caches, groups, Nodes, LocalModelNodes,
+        our volumes) synced and following the server now, none retrying a failed watch: a
+        leader acts only on such a view. The service kinds are left out: KServe can be
+        uninstalled under us, and a kind no longer served must not stop every reconcile."""
+        core = [self.caches, self.ns_caches, self.groups, self.nodes, self.lmns, self.pvs, self.pvcs]
+        return all(inf.current for inf in core)
 
     # -- reads --------------------------------------------------------------------------------
     def cache(self, key: str) -> dict[str, Any] | None:

@@ -53,6 +53,12 @@ def make_group(kube: Kube, name: str, label_value: str = "worker", path: str = "
     }})
 
 
+def group_manifest(kube: Kube, name: str) -> dict[str, Any]:
+    """A node group as its manifest in git would have it (for a re-apply or `kubectl replace`)."""
+    obj = kube.get(LOCAL_MODEL_NODE_GROUPS, name)
+    return {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "metadata": {"name": name}, "spec": obj["spec"]}
+
+
 def make_cache(kube: Kube, name: str, uri: str, groups: list[str], namespace: str | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"metadata": {"name": name}, "spec": {"sourceModelUri": uri, "modelSize": "1Mi",
                                                                   "nodeGroups": groups}}

@@ -53,7 +53,7 @@ from modelcache.kube.types import status_key
 from modelcache.store import NodeStore
 from modelcache.uri import storage_key
 from tests.agent_util import AgentProc, start_agent
-from tests.coordinator_util import GROUP_LABEL, make_group
+from tests.coordinator_util import GROUP_LABEL, group_manifest, make_group
 from tests.fixtures.cluster import Cluster
 from tests.helpers import REPO, free_port, stop_process, wait_until
 
@@ -269,23 +269,18 @@ def step_group_selector(w: World) -> str:
 
 def step_group_replace(w: World) -> str:
     name = w.rng.choice(["stable", "gpu", "cpu"])
-    group = w.kube.get_or_none(LOCAL_MODEL_NODE_GROUPS, name)
-    if group is None:
+    if w.kube.get_or_none(LOCAL_MODEL_NODE_GROUPS, name) is None:
         return f"replace {name}: absent"
-    body = {"apiVersion": group["apiVersion"], "kind": group["kind"], "metadata": {"name": name},
-            "spec": group["spec"]}
-    w.cluster.kubectl("replace", "--force", "-f", "-", input=json.dumps(body))
+    w.cluster.kubectl("replace", "--force", "-f", "-", input=json.dumps(group_manifest(w.kube, name)))
     return f"replace --force group {name}"
 
 
 def step_group_prune(w: World) -> str:
     """A GitOps prune and re-apply: the group is gone for a few seconds, then back as it was."""
     name = w.rng.choice(["stable", "gpu", "cpu"])
-    group = w.kube.get_or_none(LOCAL_MODEL_NODE_GROUPS, name)
-    if group is None:
+    if w.kube.get_or_none(LOCAL_MODEL_NODE_GROUPS, name) is None:
         return f"prune {name}: absent"
-    body = {"apiVersion": group["apiVersion"], "kind": group["kind"], "metadata": {"name": name},
-            "spec": group["spec"]}
+    body = group_manifest(w.kube, name)
     w.kube.delete(LOCAL_MODEL_NODE_GROUPS, name)
 
     def back() -> None:

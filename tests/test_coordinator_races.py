@@ -6,7 +6,6 @@ Agents are simulated by status patches written as our agent writes them."""
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any
 
 import pytest
@@ -27,6 +26,7 @@ from tests.coordinator_util import (
     ReconcileProbe,
     agent_report,
     entries_of,
+    group_manifest,
     make_cache,
     make_group,
     make_namespace,
@@ -34,6 +34,7 @@ from tests.coordinator_util import (
 )
 from tests.fixtures.cluster import Cluster
 from tests.helpers import wait_until
+from tests.test_kube_runtime import Gate
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -148,11 +149,6 @@ class SpecLog:
         self.informer.stop()
 
 
-def group_manifest(kube: Kube, name: str) -> dict[str, Any]:
-    obj = kube.get(LOCAL_MODEL_NODE_GROUPS, name)
-    return {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "metadata": {"name": name}, "spec": obj["spec"]}
-
-
 def test_vanished_node_group_keeps_its_nodes_models(cluster: Cluster, kube: Kube, coordinator_factory: Any) -> None:
     """E11/E13: a node group deleted for a while, then re-created (and replaced with `kubectl
     replace --force`, as GitOps tools do) never takes the entries, so the files, off its nodes."""
@@ -209,21 +205,6 @@ def test_vanished_group_entries_go_after_the_grace_period(cluster: Cluster, kube
     wait_until(lambda: entries_of(kube, "n1") == [entry("c1", URI_A)], timeout=30, what="entry back with the group")
 
 
-class HoldEvents:
-    """An informer handler that holds the informer's thread on one object's event: the events
-    after it are not applied meanwhile (a view that lags behind the server)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def __call__(self, _event: str, obj: dict[str, Any], _old: dict[str, Any] | None) -> None:
-        if obj["metadata"]["name"] == self.name and not self.release.is_set():
-            self.entered.set()
-            self.release.wait(120)
-
-
 def test_entry_of_a_cache_our_view_has_not_seen_yet_is_kept(cluster: Cluster, kube: Kube,
                                                             coordinator_factory: Any) -> None:
     """F11: the cache informer lags the LocalModelNode informer (another leader, ahead of us, has
@@ -235,7 +216,7 @@ def test_entry_of_a_cache_our_view_has_not_seen_yet_is_kept(cluster: Cluster, ku
     probe = ReconcileProbe(c, "node", lambda key: c.view.lmns.store.get(key))
     make_cache(kube, "c1", URI_A, ["workers"])
     wait_until(lambda: entries_of(kube, "n1") == [entry("c1", URI_A)], timeout=30, what="entry")
-    hold = HoldEvents("hold")
+    hold = Gate("hold")  # holds the cache informer's thread: later cache events are not applied meanwhile
     c.view.caches.add_handler(hold)
     try:
         make_cache(kube, "hold", "http://models.example/hold.bin", ["workers"])
@@ -287,3 +268,20 @@ def test_paused_leader_does_not_act_after_its_lease_ran_out(cluster: Cluster, ku
     wait_until(lambda: probe.count() > 0 or getattr(probe.controller, "deferred", 0) > 0, timeout=30,
                what="the hung leader's node controller picked the change up")
     assert probe.count() == 0, probe.done
+
+
+def test_a_service_kind_no_longer_served_does_not_stop_reconciles(cluster: Cluster, kube: Kube,
+                                                                  coordinator_factory: Any) -> None:
+    """The leader waits for a current view of what decides node contents, not of the optional
+    service kinds: KServe uninstalled under a running coordinator (its CRD gone, that informer
+    failing for good) must not freeze every reconcile."""
+    from tests.coordinator_util import without_service_crds
+
+    make_node(kube, "n1", **WORKER)
+    make_group(kube, "workers")
+    c = coordinator_factory(cluster)
+    assert c.view.isvcs is not None
+    without_service_crds(cluster)
+    wait_until(lambda: not c.view.isvcs.current, timeout=60, what="the InferenceService informer failing")
+    make_cache(kube, "c1", URI_A, ["workers"])
+    wait_until(lambda: entries_of(kube, "n1") == [entry("c1", URI_A)], timeout=30, what="entry written")
