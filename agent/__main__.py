@@ -86,6 +86,8 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               type=_NON_NEGATIVE, help="Seconds between full re-hashes of downloaded models (0: off).")
 @click.option("--removal-recheck", envvar="MODELCACHE_REMOVAL_RECHECK", default=10.0, show_default=True,
               type=_POSITIVE, help="Seconds between checks of a removal that waits for a mounting pod.")
+@click.option("--sweep-interval", envvar="MODELCACHE_SWEEP_INTERVAL", default=600.0, show_default=True,
+              type=_NON_NEGATIVE, help="Seconds between sweeps for files of models no entry wants (0: only at start).")
 @click.option("--space-margin", envvar="MODELCACHE_SPACE_MARGIN", default="256Mi", show_default=True,
               callback=_size, help="Kept free on the root's file system.")
 @click.option("--host-path", envvar="MODELCACHE_HOST_PATH", default=None,
@@ -115,12 +117,17 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     from agent.health import HealthServer
     from agent.inuse import KubeMountChecker, NoMounts
     from agent.metrics import AgentMetrics
+    from agent.rootlock import RootLock
 
     # Checked first: a read-only or unwritable root would otherwise fail every download later.
     check_writable_dir(cfg.root, "--root")
     metrics = AgentMetrics()
     log.info("agent starting", extra=fields(node=cfg.node, root=str(cfg.root), standalone=bool(cfg.standalone),
                                             max_concurrent_models=cfg.max_concurrent_models, workers=cfg.workers))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    root_lock = RootLock(cfg.root)
     if cfg.standalone is not None:
         from agent.standalone import StandaloneRunner
 
@@ -131,8 +138,11 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
             raise StartupError(f"--standalone: {exc}") from None
         server = _serve(cfg, HealthServer, agent.alive, agent.spec_seen.is_set, metrics.render)
         try:
+            if not root_lock.acquire(stop):
+                return 0
             return runner.run()
         finally:
+            root_lock.release()
             if server is not None:
                 server.stop()
 
@@ -153,17 +163,21 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     creds = Credentials(KubeSecretReader(kube, cfg.credentials_namespace), cfg.download_env)
     agent = Agent(cfg, creds, KubeMountChecker(kube, cfg.node, paths), metrics)
     krunner = KubeRunner(agent, kube, paths)
+    # Live but not ready while another agent holds the root: it neither downloads nor writes status.
     server = _serve(cfg, HealthServer, krunner.healthy, krunner.ready, metrics.render)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    krunner.start()
-    log.info("agent running", extra=fields(node=cfg.node, port=server.port if server else -1))
-    stop.wait()
-    log.info("agent stopping", extra=fields(node=cfg.node))
-    krunner.stop()
-    if server is not None:
-        server.stop()
+    try:
+        if not root_lock.acquire(stop):
+            log.info("agent stopping before it started", extra=fields(node=cfg.node))
+            return 0
+        krunner.start()
+        log.info("agent running", extra=fields(node=cfg.node, port=server.port if server else -1))
+        stop.wait()
+        log.info("agent stopping", extra=fields(node=cfg.node))
+        krunner.stop()
+    finally:
+        root_lock.release()
+        if server is not None:
+            server.stop()
     return 0
 
 

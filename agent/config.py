@@ -38,6 +38,9 @@ class AgentConfig:
     verify_interval: float = 86400.0
     #: How often a removal that waits for a mounting pod is re-checked.
     removal_recheck: float = 10.0
+    #: How often files of models no entry wants (staged, repair and trash folders included) are
+    #: looked for; also once when the first spec arrives (0: only then).
+    sweep_interval: float = 600.0
     #: Kept free on the root's file system besides the models.
     space_margin: int = 256 << 20
     #: Non-secret settings for every download (endpoints, CA bundle, tunables): KEY=VALUE.

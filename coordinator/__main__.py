@@ -46,6 +46,12 @@ from modelcache.startup import run_command
               default=lambda: in_cluster_namespace() or "modelcache-system",
               show_default="the pod's namespace, else modelcache-system")
 @click.option("--identity", envvar="POD_NAME", default=socket.gethostname(), help="lease holder identity")
+@click.option("--lease-duration", type=click.FloatRange(min=0, min_open=True), default=15.0,
+              help="seconds a standby waits before taking over a lease that is not renewed")
+@click.option("--renew-deadline", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              help="seconds the leader keeps acting without a successful renewal (then it stops and exits)")
+@click.option("--retry-period", type=click.FloatRange(min=0, min_open=True), default=2.0,
+              help="seconds between lease renewals and attempts")
 @click.option("--mutate-isvc/--no-mutate-isvc", default=True,
               help="set KServe's local-model label/annotations on services (off where KServe's webhook does it)")
 @click.option("--pod-rewrite", type=click.Choice(["off", "on"]), default="off",
@@ -56,14 +62,18 @@ from modelcache.startup import run_command
 @click.option("--discovery-interval", type=click.FloatRange(min=0), default=30.0,
               help="InferenceService/LLMInferenceService CRDs installed later are watched by name; where that "
                    "is not allowed, seconds between checks for them (0: no discovery after start)")
+@click.option("--missing-group-grace", type=click.FloatRange(min=0), default=None,
+              help="seconds a deleted node group's nodes keep its models (default: until the group "
+                   "returns or the cache stops listing it, as KServe)")
 @click.option("--log-level", default="INFO",
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def cli(kubeconfig: str | None, webhook_cert_secret: str | None, webhook_service: str,
          webhook_cert_hosts: tuple[str, ...], webhook_cert_validity: float, webhook_ca_validity: float,
          webhook_cert_check: float, webhook_cert_dir: Path | None, webhook_port: int, self_signed: bool,
          host: str, port: int, leader_election: bool, lease_name: str, lease_namespace: str, identity: str,
-         mutate_isvc: bool, pod_rewrite: str, pod_failure_policy: str, workers: int, discovery_interval: float,
-         log_level: str) -> None:
+         lease_duration: float, renew_deadline: float, retry_period: float, mutate_isvc: bool,
+         pod_rewrite: str, pod_failure_policy: str, workers: int, discovery_interval: float,
+         missing_group_grace: float | None, log_level: str) -> None:
     """Run the modelcache coordinator."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = Config(
@@ -75,6 +85,8 @@ def cli(kubeconfig: str | None, webhook_cert_secret: str | None, webhook_service
         self_signed=self_signed, host=host, port=port, leader_election=leader_election, lease_name=lease_name,
         lease_namespace=lease_namespace, identity=identity, mutate_isvc=mutate_isvc, pod_rewrite=pod_rewrite == "on",
         pod_fail_closed=pod_failure_policy == "Fail", workers=workers, discovery_interval=discovery_interval,
+        missing_group_grace=missing_group_grace, lease_duration=lease_duration, renew_deadline=renew_deadline,
+        retry_period=retry_period,
     )
     coordinator = Coordinator(cfg)  # a KubeConfigError is a StartupError: one line, exit 2
 

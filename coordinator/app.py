@@ -69,6 +69,8 @@ class Config:
     retry_period: float = 2.0
     #: Seconds between checks for InferenceService/LLMInferenceService CRDs installed after start (0: off).
     discovery_interval: float = 30.0
+    #: Seconds a vanished node group's members keep their entries (None: until it returns, as KServe).
+    missing_group_grace: float | None = None
 
 
 class Coordinator:
@@ -101,7 +103,8 @@ class Coordinator:
             self._start_cert_manager()
         elif self.cfg.webhook_cert_dir is not None:
             self._start_webhooks(self.cfg.webhook_cert_dir)
-        self.view = ClusterView.build(self.kube, watch_timeout=self.cfg.watch_timeout)
+        self.view = ClusterView.build(self.kube, watch_timeout=self.cfg.watch_timeout,
+                                      missing_group_grace=self.cfg.missing_group_grace)
         self.wiring = controllers.build_wiring(
             self.view, EventRecorder(self.kube, "modelcache-coordinator", self.cfg.identity),
             controllers.Options(mutate_services=self.cfg.mutate_isvc, workers=self.cfg.workers,
@@ -239,13 +242,21 @@ class Coordinator:
             with self._lock:
                 if self.done.is_set() or self.manager is None:
                     return
-                self.manager.start_controllers()
+                self.manager.start_controllers(gate=self.may_act)
             self.controllers_running.set()
             log.info("controllers running")
         except Exception:
             log.exception("controllers failed to start")
             self.exit_code = 1
             self.done.set()
+
+    def may_act(self) -> bool:
+        """Checked before every reconcile: we hold the Lease now (renewed within the renew
+        deadline, by our own clock) and every informer follows the server (none is retrying a
+        failed watch). A paused or deposed leader, or one whose view fell behind, waits."""
+        if self.elector is not None and not self.elector.holds():
+            return False
+        return self.view is not None and self.view.current()
 
     def _stopped_leading(self) -> None:
         metrics.LEADER.set(0)

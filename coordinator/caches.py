@@ -20,7 +20,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from coordinator import aggregate, entries, metrics, volumes
+from coordinator import aggregate, entries, metrics, reports, volumes
 from coordinator.membership import Member
 from coordinator.uninstall import RELEASED_ANNOTATION, released_for
 from coordinator.view import BY_CACHE, ClusterView, cache_key
@@ -36,7 +36,7 @@ from modelcache.kube.client import (
 from modelcache.kube.controller import Result
 from modelcache.kube.events import NORMAL, WARNING, EventRecorder
 from modelcache.kube.status import patch_status_if_changed, update_if_changed
-from modelcache.kube.types import CACHE_FINALIZER, NAMESPACE_CACHE_FINALIZER, status_key
+from modelcache.kube.types import CACHE_FINALIZER, NAMESPACE_CACHE_FINALIZER, label_value, status_key
 
 log = logging.getLogger(__name__)
 
@@ -151,10 +151,19 @@ class CacheReconciler:
                                      f"{pair.namespace} (group {pair.group}) refused: {line}")
         want_pvcs = {(p.namespace, p.pvc_name) for p in pairs.values()}
         want_pvs = {p.pv_name for p in pairs.values()}
+        listed = list((obj.get("spec") or {}).get("nodeGroups") or [])
+
+        def kept(volume: dict[str, Any]) -> bool:  # a vanished group's volumes stay while its entries do
+            value = ((volume.get("metadata") or {}).get("labels") or {}).get(volumes.GROUP_LABEL, "")
+            group = next((g for g in listed if label_value(g) == value), None)  # long names are hashed
+            return group is not None and self.view.missing.keep(group, group in groups)
+
         for (ns, pvc_name) in have_pvcs.keys() - want_pvcs:
-            self._delete(PERSISTENT_VOLUME_CLAIMS, pvc_name, ns)
+            if not kept(have_pvcs[(ns, pvc_name)]):
+                self._delete(PERSISTENT_VOLUME_CLAIMS, pvc_name, ns)
         for pv_name in have_pvs.keys() - want_pvs:
-            self._delete(PERSISTENT_VOLUMES, pv_name, None)
+            if not kept(have_pvs[pv_name]):
+                self._delete(PERSISTENT_VOLUMES, pv_name, None)
         return refused
 
     def _create(self, res: Resource, body: dict[str, Any], ns: str | None) -> None:
@@ -180,11 +189,12 @@ class CacheReconciler:
             return wait
         meta = obj["metadata"]
         skey = status_key(meta["name"], meta.get("namespace") or None)
+        uri = (obj.get("spec") or {}).get("sourceModelUri") or ""
         model_states: dict[str, str | None] = {}
         for node in members:
             lmn = self.view.lmns.store.get_raw(node)
-            states = ((lmn or {}).get("status") or {}).get("modelStatus") or {}
-            model_states[node] = states.get(skey)
+            uid = reports.node_uid(self.view.nodes.store.get_raw(node))
+            model_states[node] = reports.reported_state(lmn, uid, skey, uri)
         node_status = aggregate.node_status(members, model_states)
         copies = aggregate.copies(node_status)
         isvcs, llms = self.view.services_of(key)

@@ -71,14 +71,19 @@ def node_membership_changed(event: str, obj: Obj, old: Obj | None) -> bool:
     return user_labels(obj) != user_labels(old) or node_ready(obj) != node_ready(old)
 
 
-def _model_status(obj: Obj | None) -> Any:
-    return ((obj or {}).get("status") or {}).get("modelStatus")
+def _reports(obj: Obj | None) -> Any:
+    """What the believed states depend on (coordinator.reports): ``modelStatus``, the storageKey
+    each detail names, and the Node the agent reported for; not the agent's progress."""
+    status = (obj or {}).get("status") or {}
+    keys = {k: (d or {}).get("storageKey") for k, d in (status.get("modelDetails") or {}).items()
+            if (d or {}).get("storageKey")}
+    return status.get("modelStatus"), keys, status.get("nodeUID")
 
 
 def entries_or_states_changed(event: str, obj: Obj, old: Obj | None) -> bool:
-    """LocalModelNode spec or ``modelStatus`` changes; not the agent's progress details."""
+    """LocalModelNode spec or reported-state changes; not the agent's progress details."""
     return event != "MODIFIED" or old is None or obj.get("spec") != old.get("spec") or \
-        _model_status(obj) != _model_status(old)
+        _reports(obj) != _reports(old)
 
 
 def _meta_changed(event: str, obj: Obj, old: Obj | None) -> bool:

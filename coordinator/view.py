@@ -17,6 +17,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
+from coordinator.grace import MissingGroups
 from coordinator.membership import Member, place
 from coordinator.nodelabels import LABEL_PREFIX
 from coordinator.nodeselector import node_ready
@@ -102,13 +103,20 @@ def node_essentials(node: dict[str, Any]) -> dict[str, Any]:
 
 
 def lmn_essentials(lmn: dict[str, Any]) -> dict[str, Any]:
-    """A LocalModelNode as the coordinator reads it: all but the agent's status details (progress,
-    capacity), of which only ``modelStatus`` counts here. Its spec and metadata stay whole: the node
-    reconciler writes the object back with a PUT (which ignores status)."""
+    """A LocalModelNode as the coordinator reads it: of the agent's status only ``modelStatus``,
+    the ``nodeUID`` it was written for and each model's ``storageKey`` (what a state is believed
+    against: coordinator/reports.py), not its progress or capacity. Its spec and metadata stay
+    whole: the node reconciler writes the object back with a PUT (which ignores status)."""
     (lmn.get("metadata") or {}).pop("managedFields", None)
     status = lmn.get("status")
     if status:
-        lmn["status"] = {"modelStatus": status["modelStatus"]} if "modelStatus" in status else {}
+        kept = {k: status[k] for k in ("modelStatus", "nodeUID") if k in status}
+        details = status.get("modelDetails") or {}
+        keys = {k: {"storageKey": d["storageKey"]} for k, d in details.items()
+                if isinstance(d, dict) and d.get("storageKey")}
+        if keys:
+            kept["modelDetails"] = keys
+        lmn["status"] = kept
     return lmn
 
 
@@ -137,6 +145,8 @@ class ClusterView:
     llmisvcs: Informer | None = None
     llm_resource: Resource | None = None
     extra: list[Informer] = field(default_factory=list)
+    #: When node groups went missing: their members' entries are kept meanwhile (coordinator.grace).
+    missing: MissingGroups = field(default_factory=MissingGroups)
     _watch_timeout: int = 300
     #: Bumped after any node or group change that can alter membership (see members()).
     _epoch: int = 0
@@ -144,7 +154,8 @@ class ClusterView:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def build(cls, kube: Kube, watch_timeout: int = 300, with_services: bool = True) -> ClusterView:
+    def build(cls, kube: Kube, watch_timeout: int = 300, with_services: bool = True,
+              missing_group_grace: float | None = None) -> ClusterView:
         def inf(res: Resource, **kw: Any) -> Informer:
             return Informer(kube, res, watch_timeout=watch_timeout, retry_delay=1.0, **kw)
 
@@ -159,7 +170,9 @@ class ClusterView:
             pvcs=inf(PERSISTENT_VOLUME_CLAIMS, label_selector=MANAGED_SELECTOR,
                      indexers={BY_CACHE: volume_cache_keys}),
         )
+        view.missing = MissingGroups(missing_group_grace)
         view.nodes.add_handler(view._bump_if_membership)
+        view.groups.add_handler(view.missing.observe)
         view.groups.add_handler(view._bump)
         view._watch_timeout = watch_timeout
         if with_services:
@@ -239,6 +252,14 @@ class ClusterView:
 
     def synced(self) -> bool:
         return all(inf.synced.is_set() for inf in self.informers())
+
+    def current(self) -> bool:
+        """The informers that decide what nodes hold (caches, groups, Nodes, LocalModelNodes,
+        our volumes) synced and following the server now, none retrying a failed watch: a
+        leader acts only on such a view. The service kinds are left out: KServe can be
+        uninstalled under us, and a kind no longer served must not stop every reconcile."""
+        core = [self.caches, self.ns_caches, self.groups, self.nodes, self.lmns, self.pvs, self.pvcs]
+        return all(inf.current for inf in core)
 
     # -- reads --------------------------------------------------------------------------------
     def cache(self, key: str) -> dict[str, Any] | None:

@@ -342,6 +342,12 @@ def test_event_predicates_ignore_noise() -> None:
     assert not entries_or_states_changed("MODIFIED", progress, lmn)
     assert entries_or_states_changed("MODIFIED", {**lmn, "status": {"modelStatus": {"m": "ModelDownloaded"}}}, lmn)
     assert entries_or_states_changed("MODIFIED", {**lmn, "spec": {"localModels": []}}, lmn)
+    # What decides whether a state is believed (coordinator.reports): the details' storageKey, the Node.
+    keyed = {**lmn, "status": {**lmn["status"], "modelDetails": {"m": {"storageKey": "k1", "bytesDone": 5}}}}
+    assert entries_or_states_changed("MODIFIED", keyed, progress)
+    assert not entries_or_states_changed("MODIFIED", {**keyed, "status": {**keyed["status"], "modelDetails": {
+        "m": {"storageKey": "k1", "bytesDone": 9}}}}, keyed)
+    assert entries_or_states_changed("MODIFIED", {**keyed, "status": {**keyed["status"], "nodeUID": "u2"}}, keyed)
 
 
 @pytest.mark.parametrize("fail_closed", [False, True])
