@@ -225,7 +225,8 @@ def count_requests(api_client: client.ApiClient, count: Callable[[str], None]) -
         count("WATCH" if method == "GET" and "watch=" in url else method)
         return send(method, url, *args, **kwargs)
 
-    pool.request = request
+    # Wrapping the pool's bound method is the one hook the kubernetes client leaves for counting.
+    pool.request = request  # type: ignore[method-assign]
 
 
 class Kube:
