@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -15,6 +16,7 @@ from agent.capacity import parse_quantity
 from agent.config import DEFAULT_ROOT, AgentConfig
 from agent.logs import fields, setup_logging
 from modelcache.errors import ModelcacheError
+from modelcache.health import HealthServer
 from modelcache.startup import StartupError, check_writable_dir, listen_error, run_command
 
 log = logging.getLogger("agent")
@@ -114,7 +116,6 @@ def cli(**kw: object) -> None:
 def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     from agent.core import Agent
     from agent.credentials import Credentials, KubeSecretReader
-    from agent.health import HealthServer
     from agent.inuse import KubeMountChecker, NoMounts
     from agent.metrics import AgentMetrics
     from agent.rootlock import RootLock
@@ -136,7 +137,7 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
             runner = StandaloneRunner(agent, cfg.standalone, cfg.watch)
         except ModelcacheError as exc:
             raise StartupError(f"--standalone: {exc}") from None
-        server = _serve(cfg, HealthServer, agent.alive, agent.spec_seen.is_set, metrics.render)
+        server = _serve(cfg, agent.alive, agent.spec_seen.is_set, metrics.render)
         try:
             if not root_lock.acquire(stop):
                 return 0
@@ -164,7 +165,7 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     agent = Agent(cfg, creds, KubeMountChecker(kube, cfg.node, paths), metrics)
     krunner = KubeRunner(agent, kube, paths)
     # Live but not ready while another agent holds the root: it neither downloads nor writes status.
-    server = _serve(cfg, HealthServer, krunner.healthy, krunner.ready, metrics.render)
+    server = _serve(cfg, krunner.healthy, krunner.ready, metrics.render)
     try:
         if not root_lock.acquire(stop):
             log.info("agent stopping before it started", extra=fields(node=cfg.node))
@@ -181,11 +182,12 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     return 0
 
 
-def _serve(cfg: AgentConfig, cls: type, healthy: object, ready: object, metrics: object) -> object | None:
+def _serve(cfg: AgentConfig, healthy: Callable[[], bool], ready: Callable[[], bool],
+           metrics: Callable[[], bytes]) -> HealthServer | None:
     if cfg.port < 0:
         return None
     try:
-        server = cls(cfg.host, cfg.port, healthy, ready, metrics).start()
+        server = HealthServer(cfg.host, cfg.port, healthy, ready, metrics, name="agent").start()
     except OSError as exc:
         raise listen_error(exc, cfg.host, cfg.port, "--port", "--host") from None
     log.info("serving health and metrics", extra=fields(port=server.port))

@@ -17,11 +17,12 @@ from kubernetes.client.exceptions import ApiException
 from coordinator import controllers, metrics
 from coordinator.admission import CacheValidator, PodMutator
 from coordinator.certs import CERT_FILE, ReloadingContext, generate_self_signed, load_tls
-from coordinator.httpserve import HealthServer, WebhookServer
+from coordinator.httpserve import WebhookServer
 from coordinator.lookup import ApiLookup
 from coordinator.uninstall import UninstallHook
 from coordinator.view import ClusterView
 from coordinator.webhookcerts import YEAR, CertSettings, WebhookCerts
+from modelcache.health import HealthServer
 from modelcache.kube.client import CUSTOM_RESOURCE_DEFINITIONS, NAMESPACES, Kube, count_requests, load_api_client
 from modelcache.kube.controller import Manager
 from modelcache.kube.events import EventRecorder
@@ -96,7 +97,8 @@ class Coordinator:
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> Coordinator:
         try:
-            self.health = HealthServer(self.cfg.host, self.cfg.port, self.ready).start()
+            self.health = HealthServer(self.cfg.host, self.cfg.port, lambda: True, self.ready, metrics.render,
+                                       name="coordinator").start()
         except OSError as exc:
             raise listen_error(exc, self.cfg.host, self.cfg.port, "--port", "--bind") from None
         if self.cfg.webhook_cert_secret:
