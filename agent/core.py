@@ -29,6 +29,7 @@ from agent.logs import fields
 from agent.metrics import AgentMetrics
 from agent.repair import needs_repair, pin_damaged, pin_path, repair, repair_dir
 from agent.state import INTERRUPTED, REMOVED, STOPPING, Failure, ModelRecord, Task
+from modelcache.clock import rfc3339
 from modelcache.errors import ModelcacheError
 from modelcache.kube.types import (
     MODEL_DOWNLOAD_ERROR,
@@ -40,7 +41,7 @@ from modelcache.kube.types import (
 from modelcache.progress import format_line
 from modelcache.pull import PullPlan, pull
 from modelcache.redact import scrub_urls
-from modelcache.store import NodeLayout, NodeStore, now_iso
+from modelcache.store import NodeLayout, NodeStore
 from modelcache.transfer import TransferOptions
 from modelcache.uri import parse_uri, redact_uri, storage_key
 
@@ -248,7 +249,7 @@ class Agent:
     def _start(self, rec: ModelRecord) -> None:
         task = rec.task = Task()
         rec.attempts += 1
-        rec.started_at, rec.finished_at, rec.note = now_iso(), None, ""
+        rec.started_at, rec.finished_at, rec.note = rfc3339(), None, ""
         log.info("download started", extra=fields(storage_key=rec.key, uri=redact_uri(rec.uri), attempt=rec.attempts))
         self.changed.set()
         self.pool.submit(self._download, rec, task, rec.primary)
@@ -314,9 +315,9 @@ class Agent:
                 rec.bytes_total, rec.files_total = result.bytes, result.files
                 rec.failure, rec.failures, rec.next_attempt = None, 0, 0.0
                 # A repair stays visible in the status until the next change, not only in the logs.
-                rec.note = f"repaired {now_iso()}: {rec.damage}" if rec.damage else ""
+                rec.note = f"repaired {rfc3339()}: {rec.damage}" if rec.damage else ""
                 rec.damage, rec.old_files = "", []
-                rec.finished_at = now_iso()
+                rec.finished_at = rfc3339()
                 rec.last_size_check = rec.last_verify = time.monotonic()
                 self.metrics.duration.labels(scheme=scheme, outcome="ok").observe(elapsed)
                 log.info("download finished", extra=fields(
@@ -354,7 +355,7 @@ class Agent:
         delay = min(self.cfg.backoff_max, self.cfg.backoff_initial * 2 ** (rec.failures - 1))
         rec.next_attempt = time.monotonic() + delay
         rec.failure = Failure(f"{reason}: {message} (retry {rec.failures} in {delay:.0f}s)", reason)
-        rec.finished_at = now_iso()
+        rec.finished_at = rfc3339()
         self.metrics.errors.labels(reason=reason).inc()
         self.metrics.duration.labels(scheme=scheme, outcome="error").observe(elapsed)
         log.warning("download failed", extra=fields(storage_key=rec.key, uri=redact_uri(rec.uri), reason=reason,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from datetime import UTC, datetime
 from typing import Any
 
 from agent.capacity import parse_quantity
@@ -18,6 +17,7 @@ from agent.core import Agent
 from agent.hostpath import Mismatch, RootPaths
 from agent.logs import fields
 from agent.publish import Publisher
+from modelcache.clock import rfc3339
 from modelcache.kube.client import LOCAL_MODEL_NODE_GROUPS, LOCAL_MODEL_NODES, NODES, Kube
 from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import DELETED, Informer
@@ -28,10 +28,6 @@ log = logging.getLogger("agent.kube")
 
 #: Status keys the agent owns (others, written by anyone else, are kept).
 OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration", "nodeUID")
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class KubeRunner:
@@ -127,7 +123,7 @@ class KubeRunner:
             new.update(ours)
             if {k: v for k, v in old.items() if k != "lastUpdated"} == new:
                 return old  # nothing changed: no write, not even a new timestamp
-            new["lastUpdated"] = _now()
+            new["lastUpdated"] = rfc3339()
             return new
 
         return desired

@@ -20,13 +20,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from modelcache.clock import rfc3339
 from modelcache.credentials import Settings
 from modelcache.diskio import fsync_tree
 from modelcache.errors import CancelledError, InsufficientSpaceError, ModelcacheError, NotFoundError
 from modelcache.journal import Journal, JournalState
 from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.sources.base import RemoteFile, Source, open_source
-from modelcache.store import DestLayout, Guard, Manifest, ManifestFile, NodeLayout, NodeStore, now_iso
+from modelcache.store import DestLayout, Guard, Manifest, ManifestFile, NodeLayout, NodeStore
 from modelcache.transfer import FetchedFile, FileJob, TransferEngine, TransferOptions
 from modelcache.uri import Location, parse_uri
 
@@ -187,7 +188,7 @@ def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
         resolved_uri=m.source.resolved_uri if m.source.resolved_revision else m.location.display,
         revision=m.source.resolved_revision,
         files=files,
-        created_at=now_iso(),
+        created_at=rfc3339(),
     )
 
 

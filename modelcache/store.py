@@ -29,7 +29,6 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 from modelcache.diskio import fsync_dir, store_error
@@ -119,10 +118,6 @@ def _manifest_file(doc: object) -> ManifestFile:
                                                   for k, v in checksums.items()):
         raise ValueError(f"manifest checksums of {path!r} are not names and values")
     return ManifestFile(path=path, size=size, xxh3=xxh3, checksums=checksums)
-
-
-def now_iso() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)
