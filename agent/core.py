@@ -38,6 +38,7 @@ from modelcache.kube.types import (
     ModelCounts,
     NodeCapacity,
 )
+from modelcache.loop import Loop
 from modelcache.progress import format_line
 from modelcache.pull import PullPlan, pull
 from modelcache.redact import scrub_urls
@@ -81,7 +82,7 @@ class Agent:
         self.pool = ThreadPoolExecutor(max_workers=max(1, cfg.max_concurrent_models), thread_name_prefix="download")
         self.checker = Checker(self)
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = Loop("agent-supervisor", self.tick, 0.5, wake=self.wake, logger=log)
         self._last_removal_check = 0.0
         self._last_sweep = 0.0
         self._last_free: int | None = None
@@ -187,12 +188,11 @@ class Agent:
     # ---- supervisor -----------------------------------------------------------------------
 
     def start(self) -> Agent:
-        self._thread = threading.Thread(target=self._run, name="agent-supervisor", daemon=True)
-        self._thread.start()
+        self._loop.start()
         return self
 
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._loop.alive()
 
     def stop(self) -> None:
         """Cancel the downloads and wait for them: they end "interrupted" (Pending, resumed by
@@ -203,8 +203,7 @@ class Agent:
             for rec in self.records.values():
                 if rec.task is not None:
                     rec.task.stop(STOPPING)
-        if self._thread is not None:
-            self._thread.join(10)
+        self._loop.stop(10)
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.checker.stop()
         with self.lock:
@@ -212,15 +211,6 @@ class Agent:
                 if rec.task is not None:  # submitted but never started before the pool shut down
                     rec.task, rec.note = None, INTERRUPTED
         self.changed.set()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception:
-                log.exception("supervisor tick failed")
-            self.wake.wait(0.5)
-            self.wake.clear()
 
     def tick(self) -> None:
         if not self.spec_seen.is_set() or self._stop.is_set():

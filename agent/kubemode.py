@@ -23,6 +23,7 @@ from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import DELETED, Informer
 from modelcache.kube.status import patch_status_if_changed
 from modelcache.kube.types import LocalModelNode
+from modelcache.loop import Loop
 
 log = logging.getLogger("agent.kube")
 
@@ -44,7 +45,7 @@ class KubeRunner:
         self.synced = threading.Event()
         self.recorder = EventRecorder(kube, "modelcache-agent", self.node)
         agent.on_event = self._event
-        self._stop = threading.Event()
+        self._resync_loop = Loop("agent-resync", self._resync, agent.cfg.resync_period, at_start=False, logger=log)
         #: The uid of the Node object this agent runs for, written as ``status.nodeUID``: the
         #: coordinator believes a status only for the Node that exists now (a machine replaced
         #: under the same name must not inherit the old one's labels).
@@ -148,17 +149,16 @@ class KubeRunner:
         self.check_paths()
         self.agent.start()
         self.publisher.start()
-        threading.Thread(target=self._resync, name="agent-resync", daemon=True).start()
+        self._resync_loop.start()
         return self
 
     def _resync(self) -> None:
         """Level-triggered safety net: re-apply the cached spec every resync period."""
-        while not self._stop.wait(self.agent.cfg.resync_period):
-            self.refresh_node_uid()
-            obj = self.nodes.store.get(self.node)
-            if obj is not None:
-                lmn = LocalModelNode.from_dict(obj)
-                self.agent.set_spec(lmn.spec.local_models, lmn.generation or None)
+        self.refresh_node_uid()
+        obj = self.nodes.store.get(self.node)
+        if obj is not None:
+            lmn = LocalModelNode.from_dict(obj)
+            self.agent.set_spec(lmn.spec.local_models, lmn.generation or None)
 
     def healthy(self) -> bool:
         if not self.synced.is_set():
@@ -169,7 +169,7 @@ class KubeRunner:
         return self.synced.is_set()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._resync_loop.stop()
         self.agent.stop()
         self.publisher.stop()
         self.nodes.stop()
