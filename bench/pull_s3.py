@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -38,11 +37,14 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from pull_http import (  # noqa: E402
     RunResult,
-    ensure_kserve_venv,
+    aria2c,
+    bench_args,
+    curl,
     make_model,
-    parse_size,
     results_table,
+    run_rounds,
     run_timed,
+    usable_tools,
 )
 
 from tests.helpers import free_port, port_open, wait_until  # noqa: E402
@@ -192,21 +194,10 @@ class Bench:
         return self._timed("boto3 tuned", cmd, out)
 
     def aria2c(self, out: Path) -> RunResult:
-        listing = out.parent / f"{out.name}.aria2-list.txt"
-        listing.write_text("".join(f"{u}\n  out={n}\n" for u, n in zip(self.presigned(), self.names, strict=True)))
-        cmd = ["aria2c", "-x16", "-s16", "-i", str(listing), "-d", str(out), "-q", "--allow-overwrite=true",
-               "--auto-file-renaming=false", "--console-log-level=error"]
-        try:
-            return self._timed("aria2c", cmd, out)
-        finally:
-            listing.unlink(missing_ok=True)
+        return aria2c(self._timed, list(zip(self.presigned(), self.names, strict=True)), out)
 
     def curl(self, out: Path) -> RunResult:
-        out.mkdir(parents=True, exist_ok=True)
-        cmd = ["curl", "-sS", "--fail", "--parallel", "--parallel-max", str(len(self.names))]
-        for u, n in zip(self.presigned(), self.names, strict=True):
-            cmd += ["-o", str(out / n), u]
-        return self._timed("curl", cmd, out)
+        return curl(self._timed, list(zip(self.presigned(), self.names, strict=True)), out)
 
     def kserve(self, out: Path) -> RunResult:
         out.mkdir(parents=True, exist_ok=True)
@@ -274,28 +265,12 @@ def report(results: list[RunResult], args: argparse.Namespace, checksum: tuple[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    tools_all = "modelcache,modelcache-http,s5cmd,boto3,aria2c,curl,kserve-storage"
+    ap = bench_args(__doc__ or "", tools_all, tools_all.replace("-http,", "-http (its HTTP path on presigned URLs),"),
+                    REPO / ".work" / "bench-s3")
     ap.add_argument("--server", choices=["seaweedfs", "s3rver", "moto"], default="seaweedfs")
-    ap.add_argument("--size", type=parse_size, default=parse_size("4GiB"), help="total shard bytes (default 4GiB)")
-    ap.add_argument("--shards", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tools", default="modelcache,modelcache-http,s5cmd,boto3,aria2c,curl,kserve-storage",
-                    help="comma-separated subset of modelcache,modelcache-http (its HTTP path on presigned "
-                         "URLs),s5cmd,boto3,aria2c,curl,kserve-storage")
-    ap.add_argument("--workdir", type=Path, default=REPO / ".work" / "bench-s3")
-    ap.add_argument("--workers", type=int, help="pass --workers to modelcache pull")
-    ap.add_argument("--chunk-size", help="pass --chunk-size to modelcache pull")
-    ap.add_argument("--json", type=Path, help="also write the raw results here")
     args = ap.parse_args(argv)
-
-    tools = [t.strip() for t in args.tools.split(",") if t.strip()]
-    if "kserve-storage" in tools and not ensure_kserve_venv():
-        print("kserve-storage could not be installed; skipping it", file=sys.stderr)
-        tools.remove("kserve-storage")
-    for exe, tool in (("aria2c", "aria2c"), ("curl", "curl")):
-        if tool in tools and shutil.which(exe) is None:
-            print(f"{exe} not found (make test-deps); skipping it", file=sys.stderr)
-            tools.remove(tool)
+    tools = usable_tools(args.tools)
 
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -313,19 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             "s5cmd": bench.s5cmd, "boto3": bench.boto3,
             "aria2c": bench.aria2c, "curl": bench.curl, "kserve-storage": bench.kserve,
         }
-        for rnd in range(args.rounds):
-            order = tools[rnd % len(tools):] + tools[: rnd % len(tools)]
-            for tool in order:
-                out = work / "out" / f"{tool}-{rnd}"
-                shutil.rmtree(out, ignore_errors=True)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    res = runners[tool](out)
-                finally:
-                    shutil.rmtree(out, ignore_errors=True)
-                bench.results.append(res)
-                print(f"round {rnd + 1}: {res.tool:16s} {res.mbps:8.0f} MB/s  ({res.seconds:.2f} s, "
-                      f"{res.cpu_per_gib:.2f} CPU-s/GiB, peak RSS {res.peak_rss_kib / 1024:.0f} MiB)", flush=True)
+        bench.results += run_rounds(tools, args.rounds, runners, work / "out")
     finally:
         proc.terminate()
         try:
