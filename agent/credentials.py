@@ -144,10 +144,10 @@ def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str
     if "AWS_SECRET_ACCESS_KEY" not in env:
         # IRSA-style: the S3 options may sit on the service account alone.
         for option, variables in S3_OPTIONS.items():
-            value = sa_annotations.get(ANNOTATION_PREFIX + option)
-            if value:
+            annotated = sa_annotations.get(ANNOTATION_PREFIX + option)
+            if annotated:
                 for var in variables:
-                    env[var] = value
+                    env[var] = annotated
     return env
 
 

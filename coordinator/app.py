@@ -17,7 +17,7 @@ from kubernetes.client.exceptions import ApiException
 from coordinator import controllers, metrics
 from coordinator.admission import CacheValidator, PodMutator
 from coordinator.certs import CERT_FILE, ReloadingContext, generate_self_signed, load_tls
-from coordinator.httpserve import WebhookServer
+from coordinator.httpserve import AdmissionHandler, WebhookServer
 from coordinator.lookup import ApiLookup
 from coordinator.uninstall import UninstallHook
 from coordinator.view import ClusterView
@@ -193,7 +193,7 @@ class Coordinator:
             log.warning("generated a self-signed webhook certificate in %s (development only)", cert_dir)
         self.tls = load_tls(cert_dir).start()
         lookup = ApiLookup(self.kube, recheck=self.cfg.discovery_interval or 30.0)
-        routes = {
+        routes: dict[str, AdmissionHandler] = {
             "/mutate-pods": PodMutator(lookup, self.cfg.pod_rewrite, self.cfg.pod_fail_closed),
             "/validate-localmodelcaches": CacheValidator(lookup, namespaced=False),
             "/validate-localmodelnamespacecaches": CacheValidator(lookup, namespaced=True),
