@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar, Self
 from urllib.parse import SplitResult, unquote, urlsplit
 
 from modelcache.errors import InvalidURIError, UnsupportedError
@@ -73,6 +74,9 @@ class Location:
     """A parsed storage URI. ``kind`` names its line in ``modelcache.backends``."""
 
     uri: str
+    #: Where credentials written into a URI of this form belong instead (the invalid-URI error
+    #: names it); a backend with its own module sets it there.
+    credentials_hint: ClassVar[str] = ""
 
     @property
     def kind(self) -> str:
@@ -119,28 +123,30 @@ def _split_bucket(uri: str, scheme: str) -> tuple[str, str]:
     return bucket, prefix
 
 
-@register_location(lambda u: u.startswith("s3://"))
 @dataclass(frozen=True)
-class S3Location(Location):
+class _BucketLocation(Location):
+    """``<scheme>://bucket[/prefix]``: a bucket and a key prefix, as S3 and GCS write them."""
+
+    scheme: ClassVar[str]
     bucket: str = ""
     prefix: str = ""
 
     @classmethod
-    def parse(cls, uri: str) -> S3Location:
-        bucket, prefix = _split_bucket(uri, "s3")
+    def parse(cls, uri: str) -> Self:
+        bucket, prefix = _split_bucket(uri, cls.scheme)
         return cls(uri=uri, bucket=bucket, prefix=prefix)
+
+
+@register_location(lambda u: u.startswith("s3://"))
+@dataclass(frozen=True)
+class S3Location(_BucketLocation):
+    scheme = "s3"
 
 
 @register_location(lambda u: u.startswith("gs://"))
 @dataclass(frozen=True)
-class GCSLocation(Location):
-    bucket: str = ""
-    prefix: str = ""
-
-    @classmethod
-    def parse(cls, uri: str) -> GCSLocation:
-        bucket, prefix = _split_bucket(uri, "gs")
-        return cls(uri=uri, bucket=bucket, prefix=prefix)
+class GCSLocation(_BucketLocation):
+    scheme = "gs"
 
 
 _AZURE_BLOB = re.compile(r"^https://([^./]+)\.blob\.core\.windows\.net/|^https://([^./]+)\.z[0-9]{1,2}\.blob\.storage\.azure\.net/")
@@ -364,7 +370,17 @@ def _credentials_hint(scheme: str) -> str:
                  "query or AZURE_* variables)",
         "hdfs": "use the HDFS secret (HDFS_SECRET_DIR)",
         "webhdfs": "use the HDFS secret (HDFS_SECRET_DIR)",
-    }.get(scheme.lower(), "use the credentials of the storage secret or environment")
+    }.get(scheme.lower()) or _external_hint(scheme) or "use the credentials of the storage secret or environment"
+
+
+def _external_hint(scheme: str) -> str:
+    """The hint of a backend whose Location lives in its own module (its ``credentials_hint``)."""
+    from modelcache.backends import external, load
+
+    for backend in external():
+        if f"{scheme.lower()}://" in backend.prefixes:
+            return str(load(backend.location).credentials_hint)
+    return ""
 
 
 def _parse(parse: Callable[[str], Location], uri: str) -> Location:

@@ -85,6 +85,15 @@ def test_invalid_uris_are_one_line_naming_the_form(uri: str) -> None:
     assert "modelscope://owner/model[:revision][/sub/dir]" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_token_in_the_uri_is_refused_naming_the_backends_own_variable() -> None:
+    """The hint comes from the backend's module (its Location), not from a table in uri.py."""
+    with pytest.raises(InvalidURIError) as err:
+        parse_uri("modelscope://me:ms-secret-token@org/tiny")
+    msg = str(err.value)
+    assert "credentials must not be written into the URI" in msg and "MODELSCOPE_API_TOKEN" in msg
+    assert "ms-secret-token" not in msg
+
+
 def test_pull_a_tag_and_a_sub_folder(ms_hub: MSHub, tmp_path: Path) -> None:
     model = ms_hub.create_model("org/tiny", FILES)
     model.tag("v1.0")

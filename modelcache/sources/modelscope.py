@@ -42,6 +42,7 @@ def _invalid(uri: str, why: str) -> InvalidURIError:
 
 @dataclass(frozen=True)
 class ModelScopeLocation(Location):
+    credentials_hint = "use MODELSCOPE_API_TOKEN"
     repo_id: str = ""
     revision: str = "master"
     subfolder: str = ""
