@@ -100,3 +100,18 @@ def fill_up(path: Path) -> Path:
                 if exc.errno != errno.ENOSPC:
                     raise
     return path
+
+
+def self_trusting_pair(folder: Path, *hosts: str) -> tuple[Path, Path]:
+    """A server certificate for ``hosts`` from a throwaway trustme CA: (chain, key). The chain
+    file holds the leaf and the CA, so a server serves it whole and a client may take the same
+    file as its CA bundle."""
+    import trustme
+
+    folder.mkdir(parents=True, exist_ok=True)
+    ca = trustme.CA(organization_name="modelcache test CA")
+    leaf = ca.issue_cert(*hosts)
+    chain, key = folder / "tls.crt", folder / "tls.key"
+    chain.write_bytes(b"".join(p.bytes() for p in leaf.cert_chain_pems) + ca.cert_pem.bytes())
+    leaf.private_key_pem.write_to_path(str(key))
+    return chain, key
