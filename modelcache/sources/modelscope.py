@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, quote_plus, urlencode
 
+from modelcache.credentials import Settings
 from modelcache.errors import AccessDeniedError, AuthError, InvalidURIError, ModelcacheError, NotFoundError, SourceError
 from modelcache.remote import Checksum, RangeStream, RemoteFile
 from modelcache.sources.base import Source, safe_relpath
@@ -67,7 +68,7 @@ class ModelScopeLocation(Location):
 class ModelScopeSource(Source):
     max_streams = 16
 
-    def __init__(self, location: Location, settings: Any) -> None:
+    def __init__(self, location: Location, settings: Settings) -> None:
         super().__init__(location, settings)
         assert isinstance(location, ModelScopeLocation)
         self.loc = location
