@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from modelcache.credentials import Settings
 from modelcache.diskio import fsync_tree
@@ -29,6 +30,9 @@ from modelcache.sources.base import RemoteFile, Source, open_source
 from modelcache.store import DestLayout, Guard, Manifest, ManifestFile, NodeLayout, NodeStore, now_iso
 from modelcache.transfer import FetchedFile, FileJob, TransferEngine, TransferOptions
 from modelcache.uri import Location, parse_uri
+
+if TYPE_CHECKING:
+    from modelcache.peers.network import PeerNetwork
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +218,8 @@ def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
         missing = sorted({f.path for f in m.files} - {f.path for f in fetched})
         raise ModelcacheError(f"{m.location.display}: incomplete download, missing {missing[:3]}; pull again")
     if not cached:
+        assert m.source is not None
+        m.source.before_publish(m.store.layout.staging_dir(m.key))
         path = m.store.publish(m.key, _manifest(m, fetched))
     manifest = m.store.manifest(m.key)
     total = manifest.total_size if manifest else sum(f.size for f in fetched)
@@ -293,6 +299,7 @@ def pull_many(
     admit: Callable[[PullPlan], None] | None = None,
     cancel: threading.Event | None = None,
     guard: Guard | None = None,
+    peers: PeerNetwork | None = None,
 ) -> list[PullResult | ModelcacheError | BaseException]:
     """Pull several models with one worker pool; one result or error per URI, in order.
 
@@ -301,6 +308,8 @@ def pull_many(
     reservations against a node group's storage limit) to refuse that model. Setting
     ``cancel`` stops the transfer; staged data is kept for a later resume. ``guard`` may refuse
     to replace a model folder that is there but not complete (the CLI's mount check).
+    ``peers`` (the agent's) lets other nodes' agents serve pieces of the models and this node
+    serve what it fetched (``modelcache.peers``); files are verified exactly as without.
     """
     options = (options or TransferOptions()).normalized()
     progress = progress or ProgressTracker()
@@ -365,6 +374,9 @@ def pull_many(
                     _check_space(m)
                     data = m.store.layout.staging_dir(m.key) / "data"
                     assert m.journal is not None
+                    if peers is not None:
+                        m.source = peers.attach(m.key, m.source, m.files, data.parent, m.journal, options.chunk_size,
+                                                m.resume)
                     for i, f in enumerate(m.files):
                         jobs.append(FileJob(m.source, f, str(data / f.path), m.journal, i, m.key, m.resume))  # type: ignore[arg-type]
                 except BaseException as exc:
@@ -432,10 +444,11 @@ def pull(
     admit: Callable[[PullPlan], None] | None = None,
     cancel: threading.Event | None = None,
     guard: Guard | None = None,
+    peers: PeerNetwork | None = None,
 ) -> PullResult:
     """Pull one model; raises its error."""
     (result,) = pull_many([uri], root=root, dest=dest, settings=settings, options=options, progress=progress,
-                          admit=admit, cancel=cancel, guard=guard)
+                          admit=admit, cancel=cancel, guard=guard, peers=peers)
     if isinstance(result, BaseException):
         raise result
     return result

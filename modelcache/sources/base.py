@@ -11,6 +11,7 @@ import posixpath
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from modelcache.errors import InvalidURIError, UnsupportedError
@@ -130,6 +131,11 @@ class Source(ABC):
         transfer engine fetches ``list_files()`` by ranges, which every other source uses.
         """
         return None
+
+    def before_publish(self, staging_dir: Path) -> None:  # noqa: B027 - optional hook
+        """Called once every file is fetched and verified, before the model is published: a
+        source may leave a record in ``staging_dir`` that publish installs next to the manifest
+        (peer transfer leaves its piece hashes)."""
 
     @property
     def extracts_itself(self) -> bool:
