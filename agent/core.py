@@ -86,6 +86,8 @@ class Agent:
         #: Optional sink for notable transitions (cluster mode: Kubernetes Events on the LocalModelNode):
         #: on_event(type "Normal"|"Warning", reason, message). Called without the lock held.
         self.on_event: Callable[[str, str, str], None] | None = None
+        #: Peer transfer (agent/peering.py), cluster mode only; None: every byte from the origin.
+        self.peering: Any = None
         (cfg.root / "models").mkdir(parents=True, exist_ok=True)
 
     # ---- desired state --------------------------------------------------------------------
@@ -238,8 +240,9 @@ class Agent:
                             check(plan)  # a repair refuses a listing that is not its pinned revision
                         self._admit(rec, plan)
 
+                    peers = self.peering.network if self.peering is not None and dest is None else None
                     return pull(uri or rec.uri, settings=settings, options=self._options(), progress=rec.progress,
-                                admit=admit, cancel=rec.cancel, **where)
+                                admit=admit, cancel=rec.cancel, peers=peers, **where)
 
                 if needs_repair(self.store, rec.key):
                     # Damaged, or left half-repaired by a crash: fix the files inside the folder that
@@ -255,6 +258,7 @@ class Agent:
         snap = rec.progress.snapshot()
         if result is None or not result.cached:
             self.metrics.bytes.labels(scheme=scheme).inc(max(0, snap.bytes_done))
+        origin_peers = self._count_sources(rec.key) if result is None or not result.cached else {}
         with self.lock:
             rec.running = False
             if rec.removing:
@@ -273,7 +277,7 @@ class Agent:
                 self.metrics.duration.labels(scheme=scheme, outcome="ok").observe(elapsed)
                 log.info("download finished", extra=fields(
                     storage_key=rec.key, uri=redact_uri(rec.uri), bytes=result.bytes, files=result.files,
-                    seconds=round(elapsed, 2), cached=result.cached, revision=rec.revision or ""))
+                    seconds=round(elapsed, 2), cached=result.cached, revision=rec.revision or "", **origin_peers))
             else:
                 self._failed(rec, error, elapsed, scheme)
             event = None if rec.removing else (
@@ -283,6 +287,16 @@ class Agent:
         self.changed.set()
         self.wake.set()
         self._emit(event)
+
+    def _count_sources(self, key: str) -> dict[str, int]:
+        """Where the attempt's bytes came from (peer transfer on): metrics, and the log line's fields."""
+        stats = self.peering.network.stats(key) if self.peering is not None else None
+        if stats is None:
+            return {}
+        self.metrics.model_bytes.labels(storage_key=key, source="origin").inc(stats.from_origin)
+        self.metrics.model_bytes.labels(storage_key=key, source="peer").inc(stats.from_peers)
+        self.metrics.peer_dropped.inc(len(stats.dropped))
+        return {"bytes_from_origin": stats.from_origin, "bytes_from_peers": stats.from_peers}
 
     def _emit(self, event: tuple[str, str, str] | None) -> None:
         if event is not None and self.on_event is not None:
@@ -412,6 +426,7 @@ class Agent:
         details: dict[str, Any] = {}
         removing: dict[str, Any] = {}
         with self.lock:
+            keys = sorted({r.key for r in self.records.values() if not r.removing})
             for rec in self.records.values():
                 for info in rec.entries:
                     if rec.removing:
@@ -421,7 +436,7 @@ class Agent:
                         removing[info.status_key] = d.to_dict()
                     else:
                         model_status[info.status_key] = rec.state
-                        details[info.status_key] = rec.detail().to_dict()
+                        details[info.status_key] = {**rec.detail().to_dict(), **self._peer_fields(rec.key)}
         for k, v in removing.items():
             details.setdefault(k, v)
         total, free = self._reported_free()
@@ -435,7 +450,12 @@ class Agent:
         }
         if self.generation is not None:
             out["observedGeneration"] = self.generation
+        if self.peering is not None:
+            out["peer"] = self.peering.status(keys)
         return out
+
+    def _peer_fields(self, key: str) -> dict[str, Any]:
+        return self.peering.model_fields(key) if self.peering is not None else {}
 
     def settled(self) -> bool:
         """Every model in the spec Downloaded or Error, and nothing running (standalone's exit test)."""

@@ -26,7 +26,7 @@ from modelcache.kube.types import LocalModelNode
 log = logging.getLogger("agent.kube")
 
 #: Status keys the agent owns (others, written by anyone else, are kept).
-OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration")
+OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration", "peer")
 
 
 def _now() -> str:
