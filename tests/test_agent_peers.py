@@ -1,0 +1,136 @@
+"""Peer transfer between agents (docs/peers.md) on the real control plane: agents as processes with
+deploy/'s RBAC and a peer token for the modelcache-peer audience, the model on S3 (moto) behind
+the fault proxy, which counts (and may throttle) what the origin sends."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from modelcache.kube.client import LOCAL_MODEL_NODES
+from tests.agent_util import AgentProc, create_node, kube_for, node_status, set_entries, start_agent, wait_states
+from tests.faultproxy import FaultProxy
+from tests.fleet import (
+    S3Origin,
+    check_files,
+    entry,
+    model_files,
+    peer_args,
+    peer_endpoint,
+    peer_token,
+    storage_secret,
+    upload_model,
+)
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+D = "ModelDownloaded"
+
+
+@pytest.fixture
+def kube(cluster):
+    return kube_for(cluster)
+
+
+@pytest.fixture
+def origin(cluster, kube, moto_s3) -> Iterator[S3Origin]:
+    """4 files (~6 MiB) on S3, read through a proxy throttled to 3 MiB/s (origin-bound, as a busy
+    Hub or a cross-region bucket is)."""
+    port = urlsplit(moto_s3.endpoint).port
+    proxy = FaultProxy(("127.0.0.1", port))
+    bucket = moto_s3.new_bucket()
+    files = model_files(6 << 20, 3)
+    upload_model(moto_s3.client(), bucket, "llm", files)
+    storage_secret(kube, proxy.base_url, moto_s3.access_key, moto_s3.secret_key)
+    proxy.set_rate_limit(3 << 20)
+    try:
+        yield S3Origin(bucket, "llm", proxy, files)
+    finally:
+        proxy.close()
+
+
+def start_group(cluster, kube, tmp_path: Path, nodes: list[str], *extra: str,
+                args: dict[str, list[str]] | None = None) -> dict[str, AgentProc]:
+    """Agents for ``nodes``, each with its LocalModelNode (no model yet) and its peer endpoint
+    published, so that a model given to all of them at once is a group that starts together."""
+    token = peer_token(cluster.cp, tmp_path / "tokens")
+    agents: dict[str, AgentProc] = {}
+    for node in nodes:
+        cluster.register_node(node)
+        create_node(kube, node, [])
+        agents[node] = start_agent(cluster.agent_kubeconfig, node, tmp_path / node, tmp_path,
+                                   *peer_args(token), *extra, *(args or {}).get(node, []))
+    for node, agent in agents.items():
+        try:
+            wait_until(lambda n=node: peer_endpoint(kube, n), timeout=60, what=f"{node}'s peer endpoint")
+        except TimeoutError:
+            raise AssertionError(f"{node} published no peer endpoint:\n{agent.log()[-3000:]}") from None
+    return agents
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample's value from a /metrics page (0 if absent)."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def stop_all(agents: dict[str, AgentProc]) -> None:
+    for agent in agents.values():
+        agent.stop()
+
+
+def test_a_group_that_starts_together_reads_the_origin_about_once(cluster, kube, origin, tmp_path):
+    nodes = ["node-a", "node-b", "node-c"]
+    agents = start_group(cluster, kube, tmp_path, nodes)
+    try:
+        for node in nodes:
+            set_entries(kube, node, [entry("llm", origin.uri)])
+        status = {n: wait_states(kube, n, {"llm": D}, timeout=120, agent=agents[n]) for n in nodes}
+        for node in nodes:
+            check_files(tmp_path / node, origin.key, origin.files)
+
+        sent = origin.origin_bytes()
+        # Each piece is read from the origin by one node (a few may be read twice while the
+        # swarm forms); without peers this would be 3x the model.
+        assert origin.size <= sent <= 1.2 * origin.size, (sent, origin.size)
+        details = {n: status[n]["modelDetails"]["llm"] for n in nodes}
+        assert len({d["listingDigest"] for d in details.values()}) == 1
+        for n, d in details.items():
+            assert d["bytesFromOrigin"] + d["bytesFromPeers"] >= origin.size, (n, d)
+            assert d["bytesFromPeers"] > 0, (n, d)  # everyone got pieces from the others
+        assert abs(sum(d["bytesFromOrigin"] for d in details.values()) - sent) <= 64 << 10
+        for n in nodes:
+            peer = node_status(kube, n)["peer"]
+            assert peer["bytesFromOrigin"] == details[n]["bytesFromOrigin"]
+            assert peer["bytesFromPeers"] == details[n]["bytesFromPeers"]
+            assert re.fullmatch(r"[0-9a-f]{64}", peer["certSHA256"]) and peer["endpoint"].startswith("127.0.0.1:")
+
+        # Visible: kubectl -o wide, the log line, the metrics.
+        wide = cluster.kubectl("get", "localmodelnodes", "-o", "wide").stdout
+        head, *rows = wide.strip().splitlines()
+        assert "FROMORIGIN" in head and "FROMPEERS" in head
+        for n in nodes:
+            (row,) = [r for r in rows if r.split()[0] == n]
+            assert str(details[n]["bytesFromPeers"]) in row.split()
+        for n, agent in agents.items():
+            assert re.search(rf"download finished\".*bytes_from_origin={details[n]['bytesFromOrigin']} "
+                             rf"bytes_from_peers={details[n]['bytesFromPeers']}", agent.log()), agent.log()[-2000:]
+            _, metrics = agent.get("/metrics")
+            by_source = {s: metric(metrics, "modelcache_agent_model_bytes_total", storage_key=origin.key, source=s)
+                         for s in ("origin", "peer")}
+            assert by_source == {"origin": details[n]["bytesFromOrigin"], "peer": details[n]["bytesFromPeers"]}
+        uploaded = sum(metric(a.get("/metrics")[1], "modelcache_agent_peer_uploaded_bytes_total")
+                       for a in agents.values())
+        assert uploaded == sum(d["bytesFromPeers"] for d in details.values())
+    finally:
+        stop_all(agents)
+    assert all(kube.get(LOCAL_MODEL_NODES, n) for n in nodes)
