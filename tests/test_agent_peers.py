@@ -5,6 +5,7 @@ the fault proxy, which counts (and may throttle) what the origin sends."""
 from __future__ import annotations
 
 import re
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -14,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from modelcache.kube.client import LOCAL_MODEL_NODES
 from tests.agent_util import AgentProc, create_node, kube_for, node_status, set_entries, start_agent, wait_states
-from tests.faultproxy import FaultProxy
+from tests.faultproxy import Fault, FaultProxy
 from tests.fleet import (
     S3Origin,
     check_files,
@@ -134,3 +135,81 @@ def test_a_group_that_starts_together_reads_the_origin_about_once(cluster, kube,
     finally:
         stop_all(agents)
     assert all(kube.get(LOCAL_MODEL_NODES, n) for n in nodes)
+
+
+def seed(cluster, kube, tmp_path: Path, origin: S3Origin, node: str, *extra: str) -> AgentProc:
+    """A node that holds the whole model already (downloaded alone from the origin)."""
+    (agent,) = start_group(cluster, kube, tmp_path, [node], *extra).values()
+    set_entries(kube, node, [entry("llm", origin.uri)])
+    wait_states(kube, node, {"llm": D}, timeout=120, agent=agent)
+    check_files(tmp_path / node, origin.key, origin.files)
+    origin.proxy.reset_counters()
+    return agent
+
+
+def test_a_peer_serving_corrupted_bytes_is_dropped_and_the_model_completes_verified(cluster, kube, origin,
+                                                                                   tmp_path):
+    # node-a serves through the fault proxy, which holds node-a's certificate (so node-b's pinning
+    # accepts it) and flips a byte in the first pieces it relays.
+    from coordinator.certs import generate_self_signed
+    from modelcache.peers.server import server_context
+    from tests.helpers import free_port
+
+    cert, key = generate_self_signed(tmp_path / "a-tls", ["node-a"])
+    upstream = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    upstream.check_hostname, upstream.verify_mode = False, ssl.CERT_NONE
+    port = free_port()
+    proxy = FaultProxy(("127.0.0.1", port), tls_server=server_context(str(cert), str(key)), tls_upstream=upstream)
+    flip = proxy.add(Fault("flip", path_pattern=r"/files/\d+$", times=3))
+    agents = {"node-a": seed(cluster, kube, tmp_path, origin, "node-a", "--peer-port", str(port),
+                             "--peer-address", f"127.0.0.1:{proxy.port}", "--peer-tls-cert", str(cert),
+                             "--peer-tls-key", str(key))}
+    try:
+        agents.update(start_group(cluster, kube, tmp_path, ["node-b"]))
+        set_entries(kube, "node-b", [entry("llm", origin.uri)])
+        status = wait_states(kube, "node-b", {"llm": D}, timeout=120, agent=agents["node-b"])
+        check_files(tmp_path / "node-b", origin.key, origin.files)  # never a wrong file
+        assert flip.applied >= 1 and proxy.requests  # node-b did ask node-a, and got a flipped piece
+        log = agents["node-b"].log()
+        assert re.search(r"peer dropped for model \w+: piece \d+ of \S+ has sha-256 [0-9a-f]{64}, node-a advertised",
+                         log), log[-3000:]
+        assert metric(agents["node-b"].get("/metrics")[1], "modelcache_agent_peer_dropped_total") == 1
+        # Dropped for the model: after the bad piece nothing more was asked of node-a; what it had
+        # not delivered came from the origin, and node-b's bytes add up to the model once.
+        d = status["modelDetails"]["llm"]
+        assert flip.applied == 1 and d["bytesFromOrigin"] > 0
+        assert d["bytesFromOrigin"] + d["bytesFromPeers"] == origin.size
+        assert origin.origin_bytes() == d["bytesFromOrigin"]
+    finally:
+        stop_all(agents)
+        proxy.close()
+
+
+def test_kill_9_of_a_serving_peer_mid_transfer_and_every_other_node_completes_verified(cluster, kube, origin,
+                                                                                        tmp_path):
+    # node-a holds the model and serves it slowly (1 MiB/s in all); node-b and node-c start together
+    # and read from it until it is killed; what it had not delivered they fill from the origin and
+    # from each other.
+    agents = {"node-a": seed(cluster, kube, tmp_path, origin, "node-a", "--peer-upload-rate", "1Mi")}
+    try:
+        agents.update(start_group(cluster, kube, tmp_path, ["node-b", "node-c"]))
+        for node in ("node-b", "node-c"):
+            set_entries(kube, node, [entry("llm", origin.uri)])
+
+        def from_peers() -> int:
+            return sum(((node_status(kube, n).get("modelDetails") or {}).get("llm") or {}).get("bytesFromPeers", 0)
+                       for n in ("node-b", "node-c"))
+
+        wait_until(lambda: from_peers() >= 2 << 20, timeout=60, what="2 MiB read from node-a")
+        agents["node-a"].kill9()
+        status = {n: wait_states(kube, n, {"llm": D}, timeout=120, agent=agents[n]) for n in ("node-b", "node-c")}
+        for node in ("node-b", "node-c"):
+            check_files(tmp_path / node, origin.key, origin.files)
+            d = status[node]["modelDetails"]["llm"]
+            assert d["bytesFromPeers"] > 0
+            # The kill cost at most the pieces in flight (2 workers x 1 MiB), never a refetch of the model.
+            assert d["bytesFromOrigin"] + d["bytesFromPeers"] <= origin.size + (2 << 20), d
+        # What node-a had not delivered was read from the origin about once, not once per node.
+        assert origin.origin_bytes() <= origin.size, (origin.origin_bytes(), origin.size)
+    finally:
+        stop_all(agents)
