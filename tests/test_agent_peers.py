@@ -213,3 +213,71 @@ def test_kill_9_of_a_serving_peer_mid_transfer_and_every_other_node_completes_ve
         assert origin.origin_bytes() <= origin.size, (origin.origin_bytes(), origin.size)
     finally:
         stop_all(agents)
+
+
+def test_only_the_clusters_agents_may_read_and_only_the_pinned_certificate_is_trusted(cluster, kube, origin,
+                                                                                      tmp_path):
+    import urllib3
+
+    from modelcache.peers.client import PeerClient, PeerError, PeerInfo, PeerRefused
+
+    agent = seed(cluster, kube, tmp_path, origin, "node-a")
+    try:
+        peer = node_status(kube, "node-a")["peer"]
+        digest = node_status(kube, "node-a")["modelDetails"]["llm"]["listingDigest"]
+        host, port = peer["endpoint"].rsplit(":", 1)
+        pool = urllib3.HTTPSConnectionPool(host, int(port), cert_reqs="CERT_NONE", assert_hostname=False,
+                                           assert_fingerprint=peer["certSHA256"], retries=False)
+        path = f"/v1/models/{origin.key}/{digest}/files/0"
+        first = sorted(origin.files)[0]
+
+        def get(token: str | None) -> urllib3.BaseHTTPResponse:
+            headers = {"Range": "bytes=0-7"} | ({"Authorization": f"Bearer {token}"} if token is not None else {})
+            return pool.urlopen("GET", path, headers=headers)
+
+        anonymous = get(None)
+        assert anonymous.status == 401 and anonymous.headers["WWW-Authenticate"].startswith("Bearer")
+        assert get("not-a-token").status == 401
+        # The agent's own identity, but a token for the API server (the audience is wrong).
+        assert get(cluster.cp.token("modelcache-system", "modelcache-agent")).status == 401
+        # A token for the peer audience, of another ServiceAccount (the coordinator's): not an agent.
+        other = peer_token(cluster.cp, tmp_path / "tokens", service_account="modelcache-coordinator")
+        assert get(other.read_text()).status == 403
+        ok = get(peer_token(cluster.cp, tmp_path / "tokens").read_text())
+        assert ok.status == 206 and ok.data == origin.files[first][:8]
+        _, metrics = agent.get("/metrics")
+        assert metric(metrics, "modelcache_agent_peer_rejected_total", reason="unauthenticated") == 3
+        assert metric(metrics, "modelcache_agent_peer_rejected_total", reason="forbidden") == 1
+
+        # Another certificate at that address (a node impersonating node-a) is refused before the
+        # request, and so before the token, is sent.
+        client = PeerClient(lambda: peer_token(cluster.cp, tmp_path / "tokens").read_text())
+        impostor = PeerInfo("node-a", host, int(port), "0" * 64)
+        with pytest.raises(PeerError) as caught:
+            client.have(impostor, origin.key, digest, len(origin.files), "-", 0, 0)
+        assert not isinstance(caught.value, PeerRefused) and "fingerprint" in str(caught.value).lower()
+        genuine = PeerInfo("node-a", host, int(port), peer["certSHA256"])
+        assert client.have(genuine, origin.key, digest, len(origin.files), "-", 0, 0).complete
+    finally:
+        agent.stop()
+
+
+def test_off_switch_and_auto_without_a_token_read_every_byte_from_the_origin(cluster, kube, origin, tmp_path):
+    agents = {}
+    try:
+        for node, args in (("node-a", ["--peers", "off"]),
+                           ("node-b", ["--peers", "auto", "--peer-token-file", str(tmp_path / "no-token")])):
+            cluster.register_node(node)
+            create_node(kube, node, [])
+            agents[node] = start_agent(cluster.agent_kubeconfig, node, tmp_path / node, tmp_path, *args)
+        for node in agents:
+            set_entries(kube, node, [entry("llm", origin.uri)])
+        for node, agent in agents.items():
+            status = wait_states(kube, node, {"llm": D}, timeout=120, agent=agent)
+            check_files(tmp_path / node, origin.key, origin.files)
+            assert "peer" not in status and "bytesFromPeers" not in status["modelDetails"]["llm"]
+        assert origin.origin_bytes() == 2 * origin.size
+        assert "peer transfer off (--peers=off)" in agents["node-a"].log()
+        assert 'msg="peer transfer off: no peer token"' in agents["node-b"].log()
+    finally:
+        stop_all(agents)
