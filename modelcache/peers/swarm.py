@@ -268,6 +268,12 @@ class SwarmSession:
                 out.append(link.name)
         return out
 
+    def _unheard(self) -> bool:
+        """Caller holds ``cond``. While the swarm forms, a peer not yet polled may hold anything:
+        no origin read is decided before it answered (or failed)."""
+        return time.monotonic() < self.formed_at and any(
+            link.epoch == "-" and not link.failed and not link.dropped for link in self.links.values())
+
     def _owner(self, ci: int, piece: int) -> str:
         """Caller holds ``cond``. Who reads the piece from the origin: the member reading it now,
         else the one ranked highest for it."""
@@ -285,7 +291,7 @@ class SwarmSession:
                 return True
             if any(self.links[n].usable(now) for n in self.holders.get((ci, piece), ()) if n in self.links):
                 return False
-            return self._owner(ci, piece) == self.me
+            return not self._unheard() and self._owner(ci, piece) == self.me
 
     # ---- getting a piece -------------------------------------------------------------------
 
@@ -304,7 +310,7 @@ class SwarmSession:
             with self.cond:
                 holders = [self.links[n] for n in self.holders.get((ci, piece), ()) if n in self.links]
                 holders = [h for h in holders if h.usable(now)]
-                mine = not holders and self._owner(ci, piece) == self.me
+                mine = not holders and not self._unheard() and self._owner(ci, piece) == self.me
             if holders:
                 n = self._fetch(holders, li, ci, piece, start, end, view)
                 if n >= 0:
