@@ -152,7 +152,12 @@ class PieceStream:
             piece = (piece_end - 1) // self.psize
             self.session.local.record(self.li, piece, PieceHash(self._hasher.hexdigest(), origin=True))
             self.session.local.unclaim(self.li, range(piece, piece + 1))
+            self._claimed = range(piece + 1, self._claimed.stop)
             self._hasher = hashlib.sha256()
+            # The run was decided when it began; the swarm may have changed since (a node joined
+            # and owns the next piece, or holds it already): stop here rather than read it too.
+            if self._opos < self._oend and not self.session.owns(self.li, piece + 1):
+                self._close_origin()
         return n if delivered else 0
 
     def _close_origin(self) -> None:

@@ -53,7 +53,7 @@ class SwarmSettings:
     #: Peers polled per model at most (same zone first).
     max_peers: int = 16
     #: How often the directory is asked who the peers are.
-    refresh: float = 1.0
+    refresh: float = 0.5
 
 
 @dataclass
