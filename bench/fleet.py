@@ -65,6 +65,15 @@ def start_moto(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     return proc, endpoint
 
 
+def cpu_seconds(agent: AgentProc) -> float:
+    """User + system CPU the agent process used so far (/proc/<pid>/stat)."""
+    try:
+        fields = Path(f"/proc/{agent.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, workdir: Path,
         hashes: dict[str, str], timeout: float) -> dict[str, Any]:
     names = [f"{mode}-{i}" for i in range(nodes)]
@@ -115,7 +124,7 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
                 with open(base / path, "rb") as f:
                     if hashlib.file_digest(f, "sha256").hexdigest() != digest:
                         raise AssertionError(f"{agent.node}: {path} differs from the source")
-        return {"seconds": seconds, "origin_bytes": sent,
+        return {"seconds": seconds, "origin_bytes": sent, "agent_cpu_seconds": round(sum(map(cpu_seconds, agents)), 1),
                 "per_node": {n: [d.get("bytesFromOrigin"), d.get("bytesFromPeers")] for n, d in details.items()}}
     finally:
         for agent in agents:
@@ -132,6 +141,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--modes", default="p2p,direct,single", help="which runs (comma-separated)")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder (agent logs) and print its path")
     args = ap.parse_args()
     size, rate = parse_quantity(args.size), parse_quantity(args.origin_rate)
     if not size or not rate:
@@ -174,7 +184,10 @@ def main() -> None:
         proxy.close()
         stop_process(moto)
         cp.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+        if args.keep:
+            print(f"work folder kept: {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
 
     model = origin.size
     out = {"nodes": args.nodes, "model_bytes": model, "origin_rate": rate,

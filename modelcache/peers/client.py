@@ -9,6 +9,8 @@ with the peer audience); it is read again every minute.
 
 from __future__ import annotations
 
+import contextlib
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -84,6 +86,12 @@ class PeerClient:
         self.streams = streams
         self._pools: dict[tuple[str, int, str], urllib3.HTTPSConnectionPool] = {}
         self._lock = threading.Lock()
+        # One context for every connection: no CA is consulted (the fingerprint is pinned), and
+        # urllib3 would otherwise build one per connection, loading the system's CAs each time.
+        self._ssl = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        self._ssl.check_hostname = False
+        self._ssl.verify_mode = ssl.CERT_NONE
+        self._ssl.minimum_version = ssl.TLSVersion.TLSv1_2
 
     def _pool(self, peer: PeerInfo) -> urllib3.HTTPSConnectionPool:
         key = (peer.host, peer.port, peer.fingerprint)
@@ -93,7 +101,8 @@ class PeerClient:
                 pool = self._pools[key] = urllib3.HTTPSConnectionPool(
                     peer.host, peer.port, maxsize=self.streams + 2, block=False, retries=False,
                     timeout=urllib3.Timeout(connect=CONNECT_TIMEOUT, read=READ_TIMEOUT),
-                    cert_reqs="CERT_NONE", assert_hostname=False, assert_fingerprint=peer.fingerprint)
+                    cert_reqs="CERT_NONE", assert_hostname=False, assert_fingerprint=peer.fingerprint,
+                    ssl_context=self._ssl)
             return pool
 
     def _headers(self) -> dict[str, str]:
@@ -139,8 +148,10 @@ class PeerClient:
         except (HTTPError, OSError) as exc:
             raise PeerError(f"{peer.name}: {type(exc).__name__}: {exc}") from exc
         finally:
-            if done:
-                resp.release_conn()  # the connection is reused for the next piece
+            if done or resp.status in (404, 416, 503):
+                with contextlib.suppress(HTTPError, OSError):
+                    resp.drain_conn()  # a short answer: the connection serves the next request
+                resp.release_conn()
             else:
                 resp.close()
 

@@ -4,10 +4,10 @@ Every request must carry a bearer token that ``authorize`` accepts (the agent ch
 Kubernetes TokenReview: a ServiceAccount token of the agents, for the peer audience); without
 one the answer is 401, with another identity's 403. No anonymous read of model weights.
 
-Serving never starves the node: at most ``max_uploads`` file reads run at once (more get 503
-with ``Retry-After``, and the peer asks another holder), and ``upload_rate`` bytes/s caps all of
-them together. The TLS handshake runs in the connection's own thread, with a timeout, so a slow
-client holds only that thread.
+Serving never starves the node: at most ``max_uploads`` file reads run at once (more wait half
+a second for a slot, then get 503 with ``Retry-After`` and ask another holder), and
+``upload_rate`` bytes/s caps all of them together. The TLS handshake runs in the connection's
+own thread, with a timeout, so a slow client holds only that thread.
 
 Zero-copy: a connection whose TLS the kernel does (kTLS: Python 3.14+ with OpenSSL 3 built for
 it and the kernel's ``tls`` module) sends file ranges with ``sendfile``. Elsewhere TLS is done
@@ -37,6 +37,9 @@ log = logging.getLogger("modelcache.peers.server")
 HANDSHAKE_TIMEOUT = 10.0
 IDLE_TIMEOUT = 60.0
 SEND_BLOCK = 256 << 10
+#: How long a request waits for an upload slot before it is answered 503 (busy): short, so the
+#: peer asks another holder soon, but long enough to spare it a round trip per piece.
+SLOT_WAIT = 0.5
 OK, UNAUTHENTICATED, FORBIDDEN = "ok", "unauthenticated", "forbidden"
 
 
@@ -190,7 +193,7 @@ class _Handler(BaseHTTPRequestHandler):
         served = peer.catalog.range(key, digest, ci, *span)
         if served is None:
             return self._reply(404, b"range not held\n")
-        if not peer.uploads.acquire(blocking=False):
+        if not peer.uploads.acquire(timeout=SLOT_WAIT):
             peer.on_reject("busy")
             return self._reply(503, b"every upload slot is busy\n", {"Retry-After": "1"})
         try:

@@ -49,7 +49,7 @@ class SwarmSettings:
     formation: float = 3.0
     #: Long-poll length, and the shortest time between two polls of one peer.
     poll_wait: float = 5.0
-    poll_gap: float = 0.1
+    poll_gap: float = 0.2
     #: Peers polled per model at most (same zone first).
     max_peers: int = 16
     #: How often the directory is asked who the peers are.
