@@ -107,7 +107,9 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
             return out
 
         deadline = t0 + timeout
+        timeline: list[tuple[float, int]] = []
         while True:
+            timeline.append((round(time.monotonic() - t0, 1), origin.origin_bytes()))
             now = states()
             if all(s == "ModelDownloaded" for s in now.values()):
                 break
@@ -124,6 +126,8 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
                 with open(base / path, "rb") as f:
                     if hashlib.file_digest(f, "sha256").hexdigest() != digest:
                         raise AssertionError(f"{agent.node}: {path} differs from the source")
+        if os.environ.get("FLEET_TIMELINE"):
+            print("origin MiB by second:", [(t, round(b / 2**20)) for t, b in timeline[::10]], file=sys.stderr)
         return {"seconds": seconds, "origin_bytes": sent, "agent_cpu_seconds": round(sum(map(cpu_seconds, agents)), 1),
                 "per_node": {n: [d.get("bytesFromOrigin"), d.get("bytesFromPeers")] for n, d in details.items()}}
     finally:

@@ -9,6 +9,7 @@ checks free space before writing a byte, and publishes atomically.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import json
 import logging
@@ -312,6 +313,12 @@ def pull_many(
     serve what it fetched (``modelcache.peers``); files are verified exactly as without.
     """
     options = (options or TransferOptions()).normalized()
+    if peers is not None:
+        # With peers the engine's chunks are pieces: each worker waits on (or reads) one piece,
+        # so a piece another node reads from the origin never holds up the next one of a chunk.
+        from modelcache.peers.pieces import piece_size_for
+
+        options = dataclasses.replace(options, chunk_size=piece_size_for(options.chunk_size)).normalized()
     progress = progress or ProgressTracker()
     rootp = Path(root) if root is not None else None
     destp = Path(dest) if dest is not None else None
@@ -376,7 +383,7 @@ def pull_many(
                     assert m.journal is not None
                     if peers is not None:
                         m.source = peers.attach(m.key, m.source, m.files, data.parent, m.journal, options.chunk_size,
-                                                m.resume)
+                                                m.resume, options.max_workers or options.workers)
                     for i, f in enumerate(m.files):
                         jobs.append(FileJob(m.source, f, str(data / f.path), m.journal, i, m.key, m.resume))  # type: ignore[arg-type]
                 except BaseException as exc:

@@ -86,7 +86,7 @@ class PeerNetwork:
     # ---- downloads ---------------------------------------------------------------------------
 
     def attach(self, key: str, origin: Source, files: list[RemoteFile], staging: Path, journal: Journal,
-               chunk_size: int, resume: JournalState) -> PeerSource:
+               chunk_size: int, resume: JournalState, workers: int = 8) -> PeerSource:
         digest = listing_digest(origin.resolved_uri, files)
         psize = piece_size_for(chunk_size)
         plog = PieceLog(str(staging / "pieces"), psize, digest)
@@ -95,7 +95,7 @@ class PeerNetwork:
         local = LocalPieces(files, staging / "data", chunk_size, psize, plog, JournalState() if fresh else resume)
         with self._lock:
             dropped = self._dropped.setdefault((key, digest), set())
-        session = SwarmSession(self.settings, key, digest, local, self.client, self.directory, dropped)
+        session = SwarmSession(self.settings, key, digest, local, self.client, self.directory, dropped, workers)
         journal.listener = _JournalEvents(local, session)
         with self._lock:
             self._sessions[key] = (digest, session)

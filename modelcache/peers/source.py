@@ -86,6 +86,7 @@ class PieceStream:
         self._opos = self._oend = 0  # the origin stream's position and end
         self._hasher: Any = None
         self._claimed = range(0)
+        self._origin_read = False  # holds one of the swarm's origin reads
         self._stop = threading.Event()
 
     def _buffer(self) -> memoryview:
@@ -118,6 +119,7 @@ class PieceStream:
             start = piece * self.psize
             self._have = (start, start + n)
             return
+        self._origin_read = True
         last = piece + 1
         while last * self.psize < self.end and self.session.owns(self.li, last):
             last += 1
@@ -168,6 +170,9 @@ class PieceStream:
         if self._claimed:
             self.session.local.unclaim(self.li, self._claimed)
             self._claimed = range(0)
+        if self._origin_read:
+            self._origin_read = False
+            self.session.release_origin()
 
     def abort(self) -> None:
         """The engine's watchdog or a cancel: wake a wait for a peer, cut an origin read."""

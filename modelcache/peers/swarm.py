@@ -137,8 +137,10 @@ class SwarmSession:
     """The peers of one model download and the choice of a source for each of its pieces."""
 
     def __init__(self, settings: SwarmSettings, key: str, digest: str, local: LocalPieces, client: PeerClient,
-                 directory: Callable[[str], list[PeerInfo]], dropped: set[str]) -> None:
+                 directory: Callable[[str], list[PeerInfo]], dropped: set[str], workers: int = 8) -> None:
         self.settings, self.key, self.digest, self.local = settings, key, digest, local
+        self.workers = max(1, workers)
+        self._origin_reads = 0
         self.client, self.directory = client, directory
         self.me = settings.node
         self.stats = SwarmStats()
@@ -293,36 +295,52 @@ class SwarmSession:
                 return False
             return not self._unheard() and self._owner(ci, piece) == self.me
 
+    # ---- origin reads -----------------------------------------------------------------------
+
+    def _take_origin(self) -> bool:
+        """Caller holds ``cond``. A group reads the origin with about as many streams as one node
+        would (``workers / members`` each): with every member's window of pieces read at once,
+        all of them would crawl in together and none be passed on before the end. Few at a
+        time, pieces complete early and spread while the next ones load."""
+        limit = max(1, -(-self.workers // len(self.members())))
+        if self._origin_reads >= limit:
+            return False
+        self._origin_reads += 1
+        return True
+
+    def release_origin(self) -> None:
+        with self.cond:
+            self._origin_reads -= 1
+            self.cond.notify_all()
+
     # ---- getting a piece -------------------------------------------------------------------
 
     def acquire(self, li: int, piece: int, view: memoryview, stop: threading.Event) -> int:
         """Fill ``view`` with the piece from a peer (verified) and return its length, or return
-        -1: read it from the origin."""
+        -1: read it from the origin, with one of the origin reads taken (``release_origin``)."""
         ci = self.local.canon[li]
         start, end = piece_span(self.local.sizes[li], self.local.piece_size, piece)
         deadline = time.monotonic() + self.settings.wait
         while True:
             if stop.is_set() or self._stop.is_set():
                 raise TransientError(f"{self.local.files[li].path}: read aborted")
-            if li in self.force_origin:
-                return -1
             now = time.monotonic()
             with self.cond:
+                forced = li in self.force_origin
                 holders = [self.links[n] for n in self.holders.get((ci, piece), ()) if n in self.links]
-                holders = [h for h in holders if h.usable(now)]
-                mine = not holders and not self._unheard() and self._owner(ci, piece) == self.me
+                holders = [h for h in holders if h.usable(now) and not forced]
+                mine = forced or (not holders and not self._unheard() and self._owner(ci, piece) == self.me)
+                late = not holders and now >= deadline
+                if (mine or late) and self._take_origin():
+                    if late and not mine:
+                        self.stats.origin_fallbacks += 1
+                        log.info("piece %d of %s: no peer delivered it in %.0fs; reading it from the origin",
+                                 piece, self.local.files[li].path, self.settings.wait)
+                    return -1
             if holders:
                 n = self._fetch(holders, li, ci, piece, start, end, view)
                 if n >= 0:
                     return n
-            elif mine:
-                return -1
-            if now >= deadline:
-                with self.cond:
-                    self.stats.origin_fallbacks += 1
-                log.info("piece %d of %s: no peer delivered it in %.0fs; reading it from the origin",
-                         piece, self.local.files[li].path, self.settings.wait)
-                return -1
             with self.cond:
                 self.cond.wait(0.2)
 
