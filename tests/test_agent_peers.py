@@ -174,10 +174,12 @@ def test_a_peer_serving_corrupted_bytes_is_dropped_and_the_model_completes_verif
         assert re.search(r"peer dropped for model \w+: piece \d+ of \S+ has sha-256 [0-9a-f]{64}, node-a advertised",
                          log), log[-3000:]
         assert metric(agents["node-b"].get("/metrics")[1], "modelcache_agent_peer_dropped_total") == 1
-        # Dropped for the model: after the bad piece nothing more was asked of node-a; what it had
-        # not delivered came from the origin, and node-b's bytes add up to the model once.
+        # Dropped for the model: after the bad piece nothing more was asked of node-a (the requests
+        # node-b's two workers had in flight then, at most, all of them flipped; without the drop it
+        # would have asked for all nine pieces); what it had not delivered came from the origin, and
+        # node-b's bytes add up to the model once.
         d = status["modelDetails"]["llm"]
-        assert flip.applied == 1 and d["bytesFromOrigin"] > 0
+        assert flip.seen == flip.applied <= 2 and d["bytesFromOrigin"] > 0
         assert d["bytesFromOrigin"] + d["bytesFromPeers"] == origin.size
         assert origin.origin_bytes() == d["bytesFromOrigin"]
     finally:
