@@ -176,15 +176,16 @@ def make_node(tmp_path) -> Iterator[Callable[..., Node]]:
     made: list[Node] = []
     infos: dict[str, PeerInfo] = {}
 
-    def make(name: str, token: str = TOKEN, max_uploads: int = 4, upload_rate: int = 0, **settings: float) -> Node:
+    def make(name: str, token: str = TOKEN, max_uploads: int = 4, upload_rate: int = 0, zone: str = "",
+             **settings: float) -> Node:
         cert, key = generate_self_signed(tmp_path / f"tls-{name}", ["127.0.0.1"])
         root = tmp_path / name
         store = NodeStore.at(root)
-        network = PeerNetwork(SwarmSettings(node=name, formation=settings.pop("formation", 1.0), **settings),
+        network = PeerNetwork(SwarmSettings(node=name, zone=zone, formation=settings.pop("formation", 1.0), **settings),
                               lambda _key: [i for n, i in infos.items() if n != name], PeerClient(lambda: token), store)
         server = PeerServer("127.0.0.1", 0, server_context(str(cert), str(key)), network, authorize,
                             max_uploads, upload_rate).start()
-        info = PeerInfo(name, "127.0.0.1", server.port, cert_fingerprint(cert.read_text()))
+        info = PeerInfo(name, "127.0.0.1", server.port, cert_fingerprint(cert.read_text()), zone)
         infos[name] = info
         node = Node(name, root, network, server, info)
         made.append(node)
@@ -286,3 +287,47 @@ def test_the_server_refuses_without_a_token_and_sends_busy_beyond_its_upload_slo
         client.read(seed.info, key, digest, 0, 0, 1024, memoryview(bytearray(1024)))
     t.join(30)
     assert slow == [MiB] and bytes(buf) == files["a.bin"]
+
+
+def test_peers_in_our_zone_are_read_from_first(make_node, tmp_path):
+    files = make_source(tmp_path / "src", {"a.bin": 4 * MiB, "b.bin": 3 * MiB})
+    uri = f"file://{tmp_path / 'src'}"
+    near, far = make_node("near", zone="z1"), make_node("far", zone="z2")
+    pull_all([near], uri)
+    pull_all([far], uri)
+    uploaded = {n.name: 0 for n in (near, far)}
+    for n in (near, far):
+        n.server.on_upload = lambda k, name=n.name: uploaded.__setitem__(name, uploaded[name] + k)
+    late = make_node("late", zone="z1")
+    pull_all([late], uri)
+    check(late, uri, files)
+    assert uploaded == {"near": 7 * MiB, "far": 0}
+
+
+def test_a_resumed_download_keeps_its_piece_hashes_and_publishes_a_complete_record(make_node, tmp_path):
+    from modelcache.progress import ProgressTracker
+
+    files = make_source(tmp_path / "src", {"a.bin": 6 * MiB, "b.bin": 2 * MiB + 7})
+    uri = f"file://{tmp_path / 'src'}"
+    node = make_node("n1")
+    cancel = threading.Event()
+
+    class CancelMidway(ProgressTracker):
+        """Cancels the pull after 3 MiB have arrived (and gives the engine time to notice)."""
+
+        def advance(self, key: str, n: int) -> None:
+            super().advance(key, n)
+            if self.snapshot().bytes_done >= 3 * MiB and not cancel.is_set():
+                cancel.set()
+                time.sleep(1.0)
+
+    opts = TransferOptions(chunk_size=MiB, workers=1)
+    with pytest.raises(Exception, match="cancel"):
+        pull(uri, root=node.root, peers=node.network, options=opts, progress=CancelMidway(), cancel=cancel)
+    staged = (node.root / ".modelcache" / "staging" / storage_key(uri) / "pieces").read_text()
+    assert staged.count("\nh ") >= 2  # hashes of what landed before the cancel are logged
+    pull(uri, root=node.root, peers=node.network, options=opts)
+    check(node, uri, files)
+    record = PieceRecord.from_json(NodeStore.at(node.root).pieces_text(storage_key(uri)) or "")
+    for name, body in files.items():
+        assert record.files[name] == [hash_piece(body[i:i + MiB]) for i in range(0, len(body), MiB)]

@@ -205,8 +205,14 @@ class PeerNetwork:
         return record
 
     def _published(self, key: str, digest: str) -> PieceRecord | None:
+        """The record of a present model, if it describes exactly the manifest's files (so no
+        path outside them is ever opened for a peer)."""
         record = self._record(key)
         if record is None or record.listing_digest != digest or not self.store.is_present(key):
+            return None
+        manifest = self.store.manifest(key)
+        if manifest is None or {f.path: piece_count(f.size, record.piece_size) for f in manifest.files} != {
+                p: len(h) for p, h in record.files.items()}:
             return None
         return record
 
