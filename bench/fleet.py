@@ -47,7 +47,7 @@ from tests.fleet import S3Origin, model_files, peer_args, peer_token, storage_se
 from tests.helpers import free_port, stop_process, wait_until  # noqa: E402
 
 #: The agent's own defaults (tests/agent_util.start_agent passes test timings; these undo them).
-AGENT_FLAGS = ("--chunk-size", "16Mi", "--workers", "8", "--transfer-attempts", "6", "--status-interval", "1",
+AGENT_FLAGS = ("--chunk-size", "16Mi", "--workers", "8", "--transfer-attempts", "6", "--status-interval", "3",
                "--backoff-initial", "1", "--backoff-max", "5")
 
 
