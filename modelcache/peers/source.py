@@ -47,6 +47,12 @@ class PeerSource(Source):
             return self.origin.open_range(file, start, end)  # streamed whole: nothing to share
         return PieceStream(self, li, file, start, file.size if end is None else min(end, file.size))
 
+    def pick_chunk(self, file: RemoteFile, starts: list[int]) -> int:
+        li = self._index.get(file.path)
+        if li is None or not file.ranged or file.size is None:
+            return 0
+        return self.session.pick(li, [s // self.session.local.piece_size for s in starts])
+
     def check_unchanged(self, file: RemoteFile) -> None:
         self.origin.check_unchanged(file)
 

@@ -313,6 +313,28 @@ class SwarmSession:
             self._origin_reads -= 1
             self.cond.notify_all()
 
+    def pick(self, li: int, pieces: list[int]) -> int:
+        """The engine's next piece of a file, among ``pieces`` (its next pending ones, in order):
+        one of ours to read from the origin while an origin read is free (the origin is the
+        bottleneck: it must never wait until the engine's order reaches our pieces), else one a
+        peer holds, else the first (which may wait for its owner)."""
+        ci = self.local.canon[li]
+        now = time.monotonic()
+        with self.cond:
+            if li in self.force_origin or self._unheard():
+                return 0
+            members = self.members()
+            origin_free = self._origin_reads < max(1, -(-self.workers // len(members)))
+            held = None
+            for i, piece in enumerate(pieces):
+                holders = self.holders.get((ci, piece))
+                if holders and any(n in self.links and self.links[n].usable(now) for n in holders):
+                    if held is None:
+                        held = i
+                elif origin_free and (li, piece) not in self.local.fetching and self._owner(ci, piece) == self.me:
+                    return i
+            return held if held is not None else 0
+
     # ---- getting a piece -------------------------------------------------------------------
 
     def acquire(self, li: int, piece: int, view: memoryview, stop: threading.Event) -> int:
