@@ -74,7 +74,8 @@ class PeerLink:
         self.fetching: set[tuple[int, int]] = set()
         self.epoch, self.seq = "-", 0
         self.alive = False  # its last poll succeeded
-        self.failed = False  # a poll failed and none succeeded since
+        self.answered = False  # it answered a poll, even "not held" (a 404: it is still listing)
+        self.reachable = True  # its last poll did not fail to connect, time out or break
         self.complete = False
         self.dropped = False
         self.incompatible = False
@@ -104,11 +105,14 @@ class PeerLink:
             try:
                 reply = s.client.have(self.info, s.key, s.digest, len(s.local.files), self.epoch, self.seq, wait)
             except PeerRefused as exc:
-                self._failed(str(exc), 30.0, warn=True)
+                self._failed(str(exc), 30.0, reachable=True, warn=True)
             except PeerGone:
-                self._failed("", backoff)  # not (yet) fetching this listing: still listing, or moved on
+                # Not (yet) fetching this listing: still listing (asked again soon, and at once
+                # when its status shows the digest), or moved on.
+                self._failed("", 0.5, reachable=True)
+                continue
             except PeerError as exc:
-                self._failed(str(exc), backoff)
+                self._failed(str(exc), backoff, reachable=False)
             else:
                 backoff = 0.5
                 s.apply(self, reply)
@@ -120,13 +124,15 @@ class PeerLink:
                 continue
             backoff = min(5.0, backoff * 2)
 
-    def _failed(self, message: str, pause: float, warn: bool = False) -> None:
+    def _failed(self, message: str, pause: float, reachable: bool, warn: bool = False) -> None:
         was_alive = self.alive
         self.session.lost(self)
-        self.failed = True
+        self.answered = self.answered or reachable
+        self.reachable = reachable
         if message and (warn or was_alive):
             (log.warning if warn else log.info)("peer unreachable: %s", message)
-        self.stop.wait(pause)
+        self.wake.wait(pause)  # a stop, a failed read or a new status cut the pause short
+        self.wake.clear()
 
 
 def _rank(node: str, key: str, ci: int, piece: int) -> int:
@@ -201,7 +207,10 @@ class SwarmSession:
                     link = self.links[name] = PeerLink(self, info)
                     start.append(link)
                 else:
-                    self.links[name].info = info
+                    link = self.links[name]
+                    if info.digest != link.info.digest:
+                        link.wake.set()  # it has listed: poll it now
+                    link.info = info
             self.cond.notify_all()
         for link in stop:
             link.stop.set()
@@ -229,7 +238,7 @@ class SwarmSession:
                 self.holders.setdefault((ci, piece), set()).add(link.name)
             link.fetching = set(reply.fetching)
             link.epoch, link.seq, link.complete = reply.epoch, reply.seq, reply.complete
-            link.alive, link.failed, link.down_until = True, False, 0.0
+            link.alive, link.answered, link.reachable, link.down_until = True, True, True, 0.0
             self.cond.notify_all()
 
     def lost(self, link: PeerLink) -> None:
@@ -266,15 +275,17 @@ class SwarmSession:
         for link in self.links.values():
             if link.dropped or link.incompatible or link.info.complete or link.complete:
                 continue
-            if link.alive or (forming and not link.failed) or (forming and link.info.digest is None):
+            if link.alive or (forming and link.reachable):
                 out.append(link.name)
         return out
 
-    def _unheard(self) -> bool:
+    def _unheard(self, zone: str | None = None) -> bool:
         """Caller holds ``cond``. While the swarm forms, a peer not yet polled may hold anything:
-        no origin read is decided before it answered (or failed)."""
+        no origin read is decided before it answered (or could not be reached); with ``zone``,
+        only peers of that zone count."""
         return time.monotonic() < self.formed_at and any(
-            link.epoch == "-" and not link.failed and not link.dropped for link in self.links.values())
+            not link.answered and link.reachable and not link.dropped and (zone is None or link.info.zone == zone)
+            for link in self.links.values())
 
     def _owner(self, ci: int, piece: int) -> str:
         """Caller holds ``cond``. Who reads the piece from the origin: the member reading it now,
@@ -351,6 +362,9 @@ class SwarmSession:
                 forced = li in self.force_origin
                 holders = [self.links[n] for n in self.holders.get((ci, piece), ()) if n in self.links]
                 holders = [h for h in holders if h.usable(now) and not forced]
+                zone = self.settings.zone
+                if zone and holders and all(h.info.zone != zone for h in holders) and self._unheard(zone):
+                    holders = []  # a peer of our zone may hold it too: hear it first
                 mine = forced or (not holders and not self._unheard() and self._owner(ci, piece) == self.me)
                 late = not holders and now >= deadline
                 if (mine or late) and self._take_origin():
