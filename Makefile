@@ -19,7 +19,7 @@ BASE_IMAGE ?=
 # Extra `build` flags, e.g. --network host (see README, "Image").
 IMAGE_BUILD_FLAGS ?=
 
-.PHONY: install test test-deps demo lint bench fuzz clean image image-size push lock print-image
+.PHONY: install test test-deps demo lint bench fuzz chaos clean image image-size push lock print-image
 
 # The tests run on the versions the image ships: the lock is the venv's constraints (without its
 # hashes, which pip would otherwise demand of the test-only packages too).
@@ -39,6 +39,13 @@ test-deps: install
 test: test-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The chaos test for longer than in `make test` (CHAOS_SECONDS, default 15 min); CHAOS_SEED=<seed>
+# replays the sequence of steps a failed run printed.
+chaos: install
+	bash tests/setup.d/00-base.sh
+	bash tests/setup.d/50-cluster.sh
+	CHAOS_SECONDS=$${CHAOS_SECONDS:-900} $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_chaos.py
 
 # The property-based fuzzers (tests marked fuzz), randomized and MODELCACHE_FUZZ_SCALE (25) times
 # longer than their bounded run in `make test`; failures are kept in .work/hypothesis and replayed first.

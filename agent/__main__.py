@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -63,7 +64,8 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               help="Seconds between full re-applications of the spec.")
 @click.option("--port", envvar="MODELCACHE_AGENT_PORT", default=8080, show_default=True, type=click.IntRange(-1, 65535),
               help="Port for /healthz, /readyz and /metrics (0: any free port; -1: none).")
-@click.option("--host", envvar="MODELCACHE_AGENT_HOST", default="0.0.0.0", show_default=True)
+@click.option("--host", envvar="MODELCACHE_AGENT_HOST", default="::", show_default=True,
+              help="Address of the health server; :: is every IPv4 and IPv6 address (dual-stack).")
 @click.option("--credentials-namespace", envvar=["MODELCACHE_CREDENTIALS_NAMESPACE", "POD_NAMESPACE"],
               default=lambda: _pod_namespace("kserve"), show_default="the pod's namespace, else kserve",
               help="Namespace of the storage-config secret and the service accounts. [env POD_NAMESPACE]")
@@ -84,10 +86,13 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               type=_NON_NEGATIVE, help="Seconds between full re-hashes of downloaded models (0: off).")
 @click.option("--removal-recheck", envvar="MODELCACHE_REMOVAL_RECHECK", default=10.0, show_default=True,
               type=_POSITIVE, help="Seconds between checks of a removal that waits for a mounting pod.")
+@click.option("--sweep-interval", envvar="MODELCACHE_SWEEP_INTERVAL", default=600.0, show_default=True,
+              type=_NON_NEGATIVE, help="Seconds between sweeps for files of models no entry wants (0: only at start).")
 @click.option("--space-margin", envvar="MODELCACHE_SPACE_MARGIN", default="256Mi", show_default=True,
               callback=_size, help="Kept free on the root's file system.")
-@click.option("--host-path", "host_paths", envvar="MODELCACHE_HOST_PATH", multiple=True,
-              help="The root's path as the node group PVs name it (local.path); default: any PV counts.")
+@click.option("--host-path", envvar="MODELCACHE_HOST_PATH", default=None,
+              help="The root's path on the host, as node group PVs name it (local.path). Default: read from "
+                   "this agent's own Pod (POD_NAME, POD_NAMESPACE), else unknown (any PV counts).")
 @click.option("--download-env", envvar="MODELCACHE_DOWNLOAD_ENV", multiple=True, callback=_env_pairs,
               help="Non-secret KEY=VALUE settings for every download (endpoints, CA bundle); repeatable.")
 @click.option("--log-format", envvar="MODELCACHE_LOG_FORMAT", type=click.Choice(["logfmt", "json"]),
@@ -126,23 +131,28 @@ def cli(**kw: object) -> None:
     node = kw["node"] or ("standalone" if standalone else None)
     if not node:
         raise click.UsageError("--node (or NODE_NAME) is required outside --standalone")
-    host_paths = tuple(kw.pop("host_paths") or ())  # type: ignore[arg-type]
+    host_path = kw.pop("host_path")
     cfg = AgentConfig(node=str(node), **{k: v for k, v in kw.items() if k != "node"})  # type: ignore[arg-type]
-    sys.exit(run(cfg, host_paths))
+    sys.exit(run(cfg, str(host_path) if host_path else None))
 
 
-def run(cfg: AgentConfig, host_paths: tuple[str, ...] = ()) -> int:
+def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     from agent.core import Agent
     from agent.credentials import Credentials, KubeSecretReader
     from agent.health import HealthServer
     from agent.inuse import KubeMountChecker, NoMounts
     from agent.metrics import AgentMetrics
+    from agent.rootlock import RootLock
 
     # Checked first: a read-only or unwritable root would otherwise fail every download later.
     check_writable_dir(cfg.root, "--root")
     metrics = AgentMetrics()
     log.info("agent starting", extra=fields(node=cfg.node, root=str(cfg.root), standalone=bool(cfg.standalone),
                                             max_concurrent_models=cfg.max_concurrent_models, workers=cfg.workers))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    root_lock = RootLock(cfg.root)
     if cfg.standalone is not None:
         from agent.standalone import StandaloneRunner
 
@@ -153,32 +163,51 @@ def run(cfg: AgentConfig, host_paths: tuple[str, ...] = ()) -> int:
             raise StartupError(f"--standalone: {exc}") from None
         server = _serve(cfg, HealthServer, agent.alive, agent.spec_seen.is_set, metrics.render)
         try:
+            if not root_lock.acquire(stop):
+                return 0
             return runner.run()
         finally:
+            root_lock.release()
             if server is not None:
                 server.stop()
 
+    from agent import hostpath
     from agent.kubemode import KubeRunner
     from modelcache.kube.client import Kube, load_api_client
 
     kube = Kube(load_api_client(cfg.kubeconfig))  # a KubeConfigError is a StartupError: one line, exit 2
+    if host_path is None:
+        host_path = hostpath.discover(kube, cfg.node, os.environ.get("POD_NAMESPACE"), os.environ.get("POD_NAME"),
+                                      cfg.root)
+    if host_path is None:
+        log.warning("the model root's host path is unknown (no --host-path, not in a pod with a hostPath root): "
+                    "pods mounting any PV keep a model from removal", extra=fields(root=str(cfg.root)))
+    else:
+        log.info("model root found", extra=fields(root=str(cfg.root), host_path=host_path))
+    paths = hostpath.RootPaths(host_path)
     creds = Credentials(KubeSecretReader(kube, cfg.credentials_namespace), cfg.download_env)
-    agent = Agent(cfg, creds, KubeMountChecker(kube, cfg.node, host_paths), metrics)
-    agent.peering = _peering(cfg, kube, agent, metrics)
-    krunner = KubeRunner(agent, kube)
+    agent = Agent(cfg, creds, KubeMountChecker(kube, cfg.node, paths), metrics)
+    krunner = KubeRunner(agent, kube, paths)
+    # Live but not ready while another agent holds the root: it neither downloads nor writes status.
     server = _serve(cfg, HealthServer, krunner.healthy, krunner.ready, metrics.render)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    krunner.start()
-    log.info("agent running", extra=fields(node=cfg.node, port=server.port if server else -1))
-    stop.wait()
-    log.info("agent stopping", extra=fields(node=cfg.node))
-    krunner.stop()
-    if agent.peering is not None:
-        agent.peering.stop()
-    if server is not None:
-        server.stop()
+    try:
+        if not root_lock.acquire(stop):
+            log.info("agent stopping before it started", extra=fields(node=cfg.node))
+            return 0
+        # Peers are served only by the agent that holds the root (a waiting one would serve a root it
+        # does not manage, and its port is the holder's).
+        agent.peering = _peering(cfg, kube, agent, metrics)
+        krunner.start()
+        log.info("agent running", extra=fields(node=cfg.node, port=server.port if server else -1))
+        stop.wait()
+        log.info("agent stopping", extra=fields(node=cfg.node))
+        krunner.stop()
+    finally:
+        if agent.peering is not None:
+            agent.peering.stop()
+        root_lock.release()
+        if server is not None:
+            server.stop()
     return 0
 
 

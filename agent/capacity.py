@@ -1,13 +1,19 @@
 """Disk reservations: a download is admitted only if it fits, before it writes a byte.
 
 Two budgets are checked: the root's file system (free space minus a safety margin minus what
-other downloads in flight have reserved and not yet written) and, when the model's node group
-sets one, ``storageLimit`` (everything the store holds plus what is reserved). A model that
-cannot fit fails at once with "insufficient space: need X, free Y" instead of ENOSPC halfway.
+other downloads in flight still have to allocate) and, when the model's node group sets one,
+``storageLimit`` (everything the store holds plus what is reserved). A model that cannot fit
+fails at once with "insufficient space: need X, free Y" instead of ENOSPC halfway.
+
+A download preallocates its files as it opens them, and from then on the file system's free
+space already shows them: so a reservation counts only what its staging folder has *not yet
+allocated* (its size minus the blocks already there), measured when it is read, never the
+whole size a second time.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import threading
@@ -39,11 +45,34 @@ def parse_quantity(value: str | int | float | None) -> int | None:
     return int(result)
 
 
+def allocated_bytes(folder: Path) -> int:
+    """Bytes the file system has allocated to the files under ``folder`` (0 if it is missing)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                continue  # renamed or deleted meanwhile: no longer ours to count
+    return total
+
+
 @dataclass(frozen=True)
 class Reservation:
     key: str
-    disk_bytes: int  # still to be written on the file system
+    disk_bytes: int  # what the download writes in all (its remaining size when admitted)
     model_bytes: int  # the model's whole size, counted against storageLimit
+    #: Where the download allocates its files (its staging folder), measured to see what it
+    #: still has to allocate; None counts ``disk_bytes`` whole.
+    staged: Path | None = None
+    staged_at_admission: int = 0
+
+    def outstanding(self) -> int:
+        """Bytes this download will still take from the file system's free space."""
+        if self.staged is None:
+            return self.disk_bytes
+        grown = allocated_bytes(self.staged) - self.staged_at_admission
+        return max(0, self.disk_bytes - max(0, grown))
 
 
 class Capacity:
@@ -65,15 +94,22 @@ class Capacity:
 
     @property
     def reserved_bytes(self) -> int:
+        """What downloads in flight will still allocate (not what they have allocated already)."""
         with self._lock:
-            return sum(r.disk_bytes for r in self._reserved.values())
+            reservations = list(self._reserved.values())
+        return sum(r.outstanding() for r in reservations)
 
-    def reserve(self, key: str, disk_bytes: int, model_bytes: int, limit: int | None, what: str) -> None:
-        """Reserve or raise InsufficientSpaceError; a second reserve for ``key`` replaces the first."""
+    def reserve(self, key: str, disk_bytes: int, model_bytes: int, limit: int | None, what: str,
+                staged: Path | None = None) -> None:
+        """Reserve or raise InsufficientSpaceError; a second reserve for ``key`` replaces the first.
+
+        ``staged``: the folder the download allocates its files in; from then on only what it
+        has not allocated yet counts against the other downloads.
+        """
         with self._lock:
             others = [r for k, r in self._reserved.items() if k != key]
             _total, free = self.disk()
-            free_disk = max(0, free - self.margin - sum(r.disk_bytes for r in others))
+            free_disk = max(0, free - self.margin - sum(r.outstanding() for r in others))
             if disk_bytes > free_disk:
                 raise InsufficientSpaceError(
                     f"{what}: insufficient space: need {human_bytes(disk_bytes)}, free {human_bytes(free_disk)} "
@@ -86,7 +122,8 @@ class Capacity:
                         f"{what}: insufficient space: need {human_bytes(model_bytes)}, free {human_bytes(free_limit)} "
                         f"of the node group's storageLimit {human_bytes(limit)}"
                     )
-            self._reserved[key] = Reservation(key, disk_bytes, model_bytes)
+            self._reserved[key] = Reservation(key, disk_bytes, model_bytes, staged,
+                                              allocated_bytes(staged) if staged is not None else 0)
 
     def release(self, key: str) -> None:
         with self._lock:

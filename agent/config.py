@@ -22,7 +22,7 @@ class AgentConfig:
     resync_period: float = 60.0
     #: Health and metrics port (0: pick a free one; -1: no server).
     port: int = 8080
-    host: str = "0.0.0.0"
+    host: str = "::"
     #: Namespace whose secrets and service accounts hold download credentials (KServe's jobNamespace).
     credentials_namespace: str = "kserve"
     kubeconfig: str | None = None
@@ -38,6 +38,9 @@ class AgentConfig:
     verify_interval: float = 86400.0
     #: How often a removal that waits for a mounting pod is re-checked.
     removal_recheck: float = 10.0
+    #: How often files of models no entry wants (staged, repair and trash folders included) are
+    #: looked for; also once when the first spec arrives (0: only then).
+    sweep_interval: float = 600.0
     #: Kept free on the root's file system besides the models.
     space_margin: int = 256 << 20
     #: Non-secret settings for every download (endpoints, CA bundle, tunables): KEY=VALUE.

@@ -2,9 +2,11 @@
 
 ``set_spec`` states what should be on this node; a supervisor thread makes it so, one small
 step per tick: start due downloads (at most ``max_concurrent_models``), delete models that left
-the spec once no pod mounts them, run the periodic checks. Downloads run in-process on the
-core (``modelcache.pull``), each with its own credentials, progress tracker, cancel event and
-disk reservation. ``status()`` renders the LocalModelNode status from the records.
+the spec once no pod mounts them, run the periodic checks, and collect files of models no entry
+wants (left by a crash or while the agent was down). Downloads run in-process on the core
+(``modelcache.pull``), each with its own credentials, progress tracker, cancel event and disk
+reservation. ``status()`` derives each model's state from its record, its manifest on disk
+and its running task every time it is called (agent/state.py): nothing stored can go stale.
 """
 
 from __future__ import annotations
@@ -26,18 +28,16 @@ from agent.inuse import MountChecker
 from agent.logs import fields
 from agent.metrics import AgentMetrics
 from agent.repair import needs_repair, pin_damaged, pin_path, repair, repair_dir
-from agent.state import ModelRecord
+from agent.state import INTERRUPTED, REMOVED, STOPPING, Failure, ModelRecord, Task
 from modelcache.errors import ModelcacheError
 from modelcache.kube.types import (
     MODEL_DOWNLOAD_ERROR,
-    MODEL_DOWNLOAD_PENDING,
     MODEL_DOWNLOADED,
-    MODEL_DOWNLOADING,
     LocalModelInfo,
     ModelCounts,
     NodeCapacity,
 )
-from modelcache.progress import ProgressTracker, format_line
+from modelcache.progress import format_line
 from modelcache.pull import PullPlan, pull
 from modelcache.redact import scrub_urls
 from modelcache.store import NodeLayout, NodeStore, now_iso
@@ -82,6 +82,7 @@ class Agent:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_removal_check = 0.0
+        self._last_sweep = 0.0
         self._last_free: int | None = None
         #: Optional sink for notable transitions (cluster mode: Kubernetes Events on the LocalModelNode):
         #: on_event(type "Normal"|"Warning", reason, message). Called without the lock held.
@@ -89,6 +90,31 @@ class Agent:
         #: Peer transfer (agent/peering.py), cluster mode only; None: every byte from the origin.
         self.peering: Any = None
         (cfg.root / "models").mkdir(parents=True, exist_ok=True)
+
+    # ---- what is on disk --------------------------------------------------------------------
+
+    def _present(self, key: str) -> bool:
+        """The model's manifest is installed (it is published last, and a check that finds the
+        files damaged removes it): the on-disk half of every derived state."""
+        return self.store.layout.manifest_path(key).exists()
+
+    def _on_disk(self, key: str) -> bool:
+        """Anything of the model left to delete: folder, manifest, staged or repair download."""
+        layout = self.store.layout
+        return any(p.exists() for p in (layout.manifest_path(key), layout.model_dir(key), layout.staging_dir(key),
+                                         repair_dir(layout, key), pin_path(layout, key)))
+
+    def _disk_keys(self) -> set[str]:
+        """Every storageKey with something under the root: published, unlisted, staged or repairing."""
+        layout = self.store.layout
+        keys = set(self.store.keys())
+        for folder in (layout.meta / "staging", layout.meta / "repair"):
+            if folder.is_dir():
+                keys |= {p.name for p in folder.iterdir() if p.is_dir()}
+        suffix = pin_path(layout, "").name  # a repair's pin outlives a crash: its model is on disk too
+        if (layout.meta / "repair").is_dir():
+            keys |= {p.name.removesuffix(suffix) for p in (layout.meta / "repair").glob("*" + suffix)}
+        return {k for k in keys if STORAGE_KEY.match(k)}
 
     # ---- desired state --------------------------------------------------------------------
 
@@ -100,22 +126,19 @@ class Agent:
                 if rec is None:
                     self.records[key] = self._new_record(key, uri, infos)
                     continue
-                if rec.entries != infos and rec.state == MODEL_DOWNLOAD_ERROR:
-                    rec.next_attempt, rec.failures = 0.0, 0  # the entry was edited (say, its credentials): retry now
-                rec.entries, rec.uri = infos, uri
-                if rec.removing:
-                    rec.removing, rec.mounted_by = False, []
+                if rec.entries != infos and not _hopeless(rec):
+                    # Edited (say, its credentials) or back in the spec: a failed model retries now.
+                    rec.next_attempt, rec.failures = 0.0, 0
+                if not rec.wanted:
+                    rec.mounted_by, rec.former = [], []
                     log.info("model back in the spec", extra=fields(storage_key=key))
+                rec.entries, rec.uri = infos, uri
             for key, rec in self.records.items():
-                if key not in desired and not rec.removing:
+                if key not in desired and rec.wanted:
                     self._mark_removing(rec)
             if not self.spec_seen.is_set():
-                # Folders left from models that left the spec while the agent was not running.
-                for key in self.store.keys():  # noqa: SIM118 (NodeStore is not a dict)
-                    if key not in self.records and STORAGE_KEY.match(key):
-                        rec = ModelRecord(key=key, uri=(self.store.manifest(key) or _NoUri).uri, entries=[])
-                        self.records[key] = rec
-                        self._mark_removing(rec)
+                self._adopt_orphans()
+                self._last_sweep = time.monotonic()
             self.generation = generation
         self.spec_seen.set()
         self.changed.set()
@@ -126,26 +149,41 @@ class Agent:
         try:
             parse_uri(uri)
         except ModelcacheError as exc:
-            rec.to(MODEL_DOWNLOAD_ERROR, f"{exc.reason}: {exc}", exc.reason)
+            rec.failure = Failure(f"{exc.reason}: {exc}", exc.reason)
             rec.next_attempt = float("inf")  # a bad URI does not get better by retrying
             return rec
-        if self.store.is_present(key):  # restart: stats against the manifest, no re-hash
-            manifest = self.store.manifest(key)
-            rec.to(MODEL_DOWNLOADED)
-            if manifest is not None:
-                rec.revision = manifest.revision or (
-                    manifest.resolved_uri if manifest.resolved_uri != manifest.uri else None)
-                rec.bytes_total, rec.files_total = manifest.total_size, len(manifest.files)
-                rec.finished_at = manifest.created_at
-            log.info("model present", extra=fields(storage_key=key, uri=redact_uri(uri),
-                                                   bytes=rec.bytes_total))
+        manifest = self.store.manifest(key)
+        if manifest is None:
+            return rec
+        if not self.store.is_present(key):  # restart: stats against the manifest, no re-hash
+            self._mark_damaged(rec, "a file is missing or has the wrong size")
+            return rec
+        rec.revision = manifest.revision or (manifest.resolved_uri if manifest.resolved_uri != manifest.uri else None)
+        rec.bytes_total, rec.files_total = manifest.total_size, len(manifest.files)
+        rec.finished_at = manifest.created_at
+        log.info("model present", extra=fields(storage_key=key, uri=redact_uri(uri), bytes=rec.bytes_total))
         return rec
 
     def _mark_removing(self, rec: ModelRecord) -> None:
-        rec.removing = True
-        if rec.running and rec.cancel is not None:
-            rec.cancel.set()
+        rec.former, rec.entries = rec.entries, []
+        if rec.task is not None:
+            rec.task.stop(REMOVED)
         log.info("model left the spec: removing", extra=fields(storage_key=rec.key, uri=redact_uri(rec.uri)))
+
+    def _adopt_orphans(self) -> None:
+        """Files of models no entry wants (left while the agent was not running, or by a crash
+        mid-download or mid-repair) become records without entries: the removal deletes them
+        like any model that left the spec, mounted ones only once no pod uses them."""
+        for key in sorted(self._disk_keys() - self.records.keys()):
+            manifest = self.store.manifest(key)
+            self.records[key] = ModelRecord(key=key, uri=manifest.uri if manifest else "", entries=[])
+            log.info("files of a model no entry wants: removing", extra=fields(storage_key=key))
+
+    def _sweep(self, now: float) -> None:
+        self._last_sweep = now
+        with self.lock:
+            self._adopt_orphans()
+        self.store.clear_trash()  # folders a crash left between a rename and its delete
 
     # ---- supervisor -----------------------------------------------------------------------
 
@@ -158,16 +196,23 @@ class Agent:
         return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
+        """Cancel the downloads and wait for them: they end "interrupted" (Pending, resumed by
+        the next agent from their staged data), not failed."""
         self._stop.set()
         self.wake.set()
         with self.lock:
             for rec in self.records.values():
-                if rec.cancel is not None:
-                    rec.cancel.set()
+                if rec.task is not None:
+                    rec.task.stop(STOPPING)
         if self._thread is not None:
             self._thread.join(10)
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.checker.stop()
+        with self.lock:
+            for rec in self.records.values():
+                if rec.task is not None:  # submitted but never started before the pool shut down
+                    rec.task, rec.note = None, INTERRUPTED
+        self.changed.set()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -179,41 +224,45 @@ class Agent:
             self.wake.clear()
 
     def tick(self) -> None:
-        if not self.spec_seen.is_set():
+        if not self.spec_seen.is_set() or self._stop.is_set():
             return
         now = time.monotonic()
         with self.lock:
-            running = sum(1 for r in self.records.values() if r.running)
+            running = sum(1 for r in self.records.values() if r.task is not None)
             for rec in list(self.records.values()):
-                if rec.removing or rec.running:
+                if not rec.wanted or rec.task is not None or rec.deleting:
                     continue
-                due = rec.state in (MODEL_DOWNLOAD_PENDING, MODEL_DOWNLOAD_ERROR) and now >= rec.next_attempt
-                if due and running < self.cfg.max_concurrent_models:
-                    self._start(rec)
-                    running += 1
-                elif rec.state == MODEL_DOWNLOADED:
+                present = self._present(rec.key)
+                if rec.due(present, now):
+                    if running < self.cfg.max_concurrent_models:
+                        self._start(rec)
+                        running += 1
+                elif present:
                     self.checker.maybe_check(rec, now)
         self._removals(now)
+        if self.cfg.sweep_interval > 0 and now - self._last_sweep >= self.cfg.sweep_interval:
+            self._sweep(now)
         self._log_progress(now)
         self._update_gauges()
 
     # ---- downloads ------------------------------------------------------------------------
 
     def _start(self, rec: ModelRecord) -> None:
-        rec.running, rec.cancel, rec.progress = True, threading.Event(), ProgressTracker()
+        task = rec.task = Task()
         rec.attempts += 1
-        rec.to(MODEL_DOWNLOADING, f"repairing ({rec.damage})" if rec.damage else
-               (f"attempt {rec.attempts}" if rec.attempts > 1 else ""))
+        rec.started_at, rec.finished_at, rec.note = now_iso(), None, ""
         log.info("download started", extra=fields(storage_key=rec.key, uri=redact_uri(rec.uri), attempt=rec.attempts))
         self.changed.set()
-        self.pool.submit(self._download, rec)
+        self.pool.submit(self._download, rec, task, rec.primary)
 
-    def _admit(self, rec: ModelRecord, plan: PullPlan) -> None:
+    def _admit(self, rec: ModelRecord, task: Task, primary: LocalModelInfo, plan: PullPlan) -> None:
         rec.bytes_total, rec.files_total = plan.total_bytes, plan.files
         if plan.revision:
             rec.revision = plan.revision
-        limit = self.group_limits.get(rec.primary.node_group or "") if rec.entries else None
-        self.capacity.reserve(rec.key, plan.bytes_needed, plan.total_bytes, limit, plan.location.display)
+        layout = self.store.layout
+        staged = repair_dir(layout, rec.key) if task.repairing else layout.staging_dir(rec.key)
+        limit = self.group_limits.get(primary.node_group or "")
+        self.capacity.reserve(rec.key, plan.bytes_needed, plan.total_bytes, limit, plan.location.display, staged=staged)
         log.info("download admitted", extra=fields(storage_key=rec.key, bytes_total=plan.total_bytes,
                                                    bytes_needed=plan.bytes_needed, files=plan.files,
                                                    revision=plan.revision or ""))
@@ -224,29 +273,29 @@ class Agent:
                                max_attempts=self.cfg.transfer_attempts,
                                backoff_max=min(10.0, max(0.5, self.cfg.backoff_max)))
 
-    def _download(self, rec: ModelRecord) -> None:
+    def _download(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> None:
         t0 = time.monotonic()
         scheme = _scheme(rec.uri)
         error: BaseException | None = None
         result = None
-        assert rec.progress is not None and rec.cancel is not None
         try:
-            with self.credentials.settings_for(rec.primary) as settings:
+            with self.credentials.settings_for(primary) as settings:
                 def pull_into(dest: Any = None, uri: str | None = None, check: Any = None) -> Any:
                     where: dict[str, Any] = {"dest": dest} if dest is not None else {"root": self.cfg.root}
 
                     def admit(plan: PullPlan) -> None:
                         if check is not None:
                             check(plan)  # a repair refuses a listing that is not its pinned revision
-                        self._admit(rec, plan)
+                        self._admit(rec, task, primary, plan)
 
                     peers = self.peering.network if self.peering is not None and dest is None else None
-                    return pull(uri or rec.uri, settings=settings, options=self._options(), progress=rec.progress,
-                                admit=admit, cancel=rec.cancel, peers=peers, **where)
+                    return pull(uri or rec.uri, settings=settings, options=self._options(), progress=task.progress,
+                                admit=admit, cancel=task.cancel, peers=peers, **where)
 
                 if needs_repair(self.store, rec.key):
                     # Damaged, or left half-repaired by a crash: fix the files inside the folder that
                     # serving pods mount; a publish would swap the folder out from under them.
+                    task.repairing = True
                     result = repair(self.store, rec.key, pull_into, rec.old_files).result
                 else:
                     result = pull_into()
@@ -255,35 +304,42 @@ class Agent:
         finally:
             self.capacity.release(rec.key)
         elapsed = time.monotonic() - t0
-        snap = rec.progress.snapshot()
+        snap = task.progress.snapshot()
         if result is None or not result.cached:
             self.metrics.bytes.labels(scheme=scheme).inc(max(0, snap.bytes_done))
         origin_peers = self._count_sources(rec.key) if result is None or not result.cached else {}
+        event = None
         with self.lock:
-            rec.running = False
-            if rec.removing:
-                log.info("download stopped: model left the spec", extra=fields(storage_key=rec.key))
-            elif error is None and result is not None:
+            rec.task = None
+            if error is None and result is not None:
                 manifest = self.store.manifest(rec.key)
                 resolved = result.resolved_uri if result.resolved_uri != redact_uri(rec.uri) else None
                 rec.revision = (manifest.revision if manifest else None) or resolved
                 rec.bytes_total, rec.files_total = result.bytes, result.files
-                rec.failures, rec.next_attempt = 0, 0.0
+                rec.failure, rec.failures, rec.next_attempt = None, 0, 0.0
                 # A repair stays visible in the status until the next change, not only in the logs.
-                rec.to(MODEL_DOWNLOADED, f"repaired {now_iso()}: {rec.damage}"
-                       if rec.damage else "")
+                rec.note = f"repaired {now_iso()}: {rec.damage}" if rec.damage else ""
                 rec.damage, rec.old_files = "", []
+                rec.finished_at = now_iso()
                 rec.last_size_check = rec.last_verify = time.monotonic()
                 self.metrics.duration.labels(scheme=scheme, outcome="ok").observe(elapsed)
                 log.info("download finished", extra=fields(
                     storage_key=rec.key, uri=redact_uri(rec.uri), bytes=result.bytes, files=result.files,
                     seconds=round(elapsed, 2), cached=result.cached, revision=rec.revision or "", **origin_peers))
+                if rec.wanted:
+                    event = ("Normal", "Downloaded", f"{_names(rec)}: downloaded {rec.bytes_total or 0} bytes")
+            elif task.why == STOPPING:
+                # Not a failure: the staged data stays, and the next agent resumes from it.
+                rec.note = INTERRUPTED
+                log.info("download interrupted: the agent is stopping", extra=fields(storage_key=rec.key))
+            elif task.why == REMOVED:
+                log.info("download stopped: model left the spec" + ("; back in it now, restarting" if rec.wanted
+                                                                      else ""), extra=fields(storage_key=rec.key))
             else:
                 self._failed(rec, error, elapsed, scheme)
-            event = None if rec.removing else (
-                ("Normal", "Downloaded", f"{_names(rec)}: downloaded {rec.bytes_total or 0} bytes")
-                if rec.state == MODEL_DOWNLOADED else
-                ("Warning", "DownloadFailed", f"{_names(rec)}: {rec.reason}: {_one_line(error)}"))
+                if rec.wanted:
+                    event = ("Warning", "DownloadFailed", f"{_names(rec)}: {rec.failure.reason}: {_one_line(error)}"
+                             if rec.failure else f"{_names(rec)}: {_one_line(error)}")
         self.changed.set()
         self.wake.set()
         self._emit(event)
@@ -311,31 +367,37 @@ class Agent:
         rec.failures += 1
         delay = min(self.cfg.backoff_max, self.cfg.backoff_initial * 2 ** (rec.failures - 1))
         rec.next_attempt = time.monotonic() + delay
-        rec.to(MODEL_DOWNLOAD_ERROR, f"{reason}: {message} (retry {rec.failures} in {delay:.0f}s)", reason)
+        rec.failure = Failure(f"{reason}: {message} (retry {rec.failures} in {delay:.0f}s)", reason)
+        rec.finished_at = now_iso()
         self.metrics.errors.labels(reason=reason).inc()
         self.metrics.duration.labels(scheme=scheme, outcome="error").observe(elapsed)
         log.warning("download failed", extra=fields(storage_key=rec.key, uri=redact_uri(rec.uri), reason=reason,
                                                     error=message, retry_in=round(delay, 2)))
 
+    def _mark_damaged(self, rec: ModelRecord, problem: str) -> bool:
+        """Withdraw a damaged model's manifest (it is not present for any reader of the store
+        until a repair installs a new one) and schedule the repair. Caller holds the lock."""
+        try:
+            with self.store.lock(rec.key, blocking=False):
+                # Kept as the repair's pin: which revision to restore and which files were ours.
+                manifest = pin_damaged(self.store, rec.key)
+                rec.old_files = [f.path for f in manifest.files] if manifest else []
+        except ModelcacheError:
+            return False  # someone else holds the model right now: check again later
+        rec.failure = Failure(f"damaged: {problem}; repairing", "Damaged")
+        rec.damage = f"was damaged: {problem}"
+        rec.next_attempt, rec.failures = 0.0, 0
+        self.metrics.errors.labels(reason="Damaged").inc()
+        log.warning("model damaged: repairing", extra=fields(storage_key=rec.key, problem=problem))
+        return True
+
     def damaged(self, rec: ModelRecord, problem: str) -> None:
         """A check found the model damaged: report it and download it again (repair)."""
         with self.lock:
-            if rec.removing or rec.running or rec.state != MODEL_DOWNLOADED:
+            if not rec.wanted or rec.task is not None or rec.deleting or not self._present(rec.key):
                 return
-            try:
-                with self.store.lock(rec.key, blocking=False):
-                    # Not present any more (for every reader of the store) until the repair installs
-                    # a new manifest; kept as the repair's pin, it says which revision to restore
-                    # and which files were ours.
-                    manifest = pin_damaged(self.store, rec.key)
-                    rec.old_files = [f.path for f in manifest.files] if manifest else []
-            except ModelcacheError:
-                return  # someone else holds the model right now: check again later
-            rec.to(MODEL_DOWNLOAD_ERROR, f"damaged: {problem}; repairing", "Damaged")
-            rec.damage = f"was damaged: {problem}"
-            rec.next_attempt = 0.0
-            self.metrics.errors.labels(reason="Damaged").inc()
-            log.warning("model damaged: repairing", extra=fields(storage_key=rec.key, problem=problem))
+            if not self._mark_damaged(rec, problem):
+                return
         self.changed.set()
         self.wake.set()
         self._emit(("Warning", "ModelDamaged", f"{_names(rec)}: {problem}; repairing"))
@@ -344,7 +406,11 @@ class Agent:
 
     def _removals(self, now: float) -> None:
         with self.lock:
-            waiting = [r for r in self.records.values() if r.removing and not r.running]
+            waiting = [r for r in self.records.values() if not r.wanted and r.task is None and not r.deleting]
+            for rec in [r for r in waiting if not self._on_disk(r.key)]:
+                del self.records[rec.key]  # never downloaded (or already gone): nothing to delete
+                waiting.remove(rec)
+                self.changed.set()
         if not waiting:
             self.metrics.removals_waiting.set(0)
             return
@@ -359,41 +425,60 @@ class Agent:
             return
         for rec in waiting:
             pods = users.get(rec.key, [])
-            if pods:
-                if pods != rec.mounted_by:
-                    rec.mounted_by = pods
-                    log.info("removal waits: model mounted by a running pod",
-                             extra=fields(storage_key=rec.key, pods=",".join(pods)))
-                    self.changed.set()
-                continue
-            try:
-                self.store.remove(rec.key)
-            except ModelcacheError as exc:
-                log.info("removal deferred", extra=fields(storage_key=rec.key, error=_one_line(exc)))
-                continue
+            with self.lock:
+                # The check took a while (API reads, earlier deletes): act only if the spec still
+                # says "remove" now, and mark the delete so a re-add waits for it to finish.
+                if rec.wanted or rec.task is not None or rec.deleting or self.records.get(rec.key) is not rec:
+                    continue
+                if pods:
+                    if pods != rec.mounted_by:
+                        rec.mounted_by = pods
+                        log.info("removal waits: model mounted by a running pod",
+                                 extra=fields(storage_key=rec.key, pods=",".join(pods)))
+                        self.changed.set()
+                    continue
+                rec.deleting = True
+            self._delete(rec)
+        self.metrics.removals_waiting.set(sum(1 for r in waiting if r.mounted_by and not r.wanted))
+
+    def _delete(self, rec: ModelRecord) -> None:
+        try:
+            self.store.remove(rec.key)
             shutil.rmtree(repair_dir(self.store.layout, rec.key), ignore_errors=True)  # an unfinished repair
             pin_path(self.store.layout, rec.key).unlink(missing_ok=True)
-            with self.lock:
-                if rec.removing and self.records.get(rec.key) is rec:
+            deleted = True
+        except ModelcacheError as exc:
+            log.info("removal deferred", extra=fields(storage_key=rec.key, error=_one_line(exc)))
+            deleted = False
+        with self.lock:
+            rec.deleting = False
+            if deleted:
+                log.info("model deleted", extra=fields(storage_key=rec.key, uri=redact_uri(rec.uri)))
+                # Nothing of the old copy is true any more: a re-added entry starts from scratch.
+                rec.mounted_by, rec.failure, rec.failures, rec.next_attempt = [], None, 0, 0.0
+                rec.note, rec.damage, rec.old_files, rec.revision = "", "", [], None
+                if not rec.wanted and self.records.get(rec.key) is rec:
                     del self.records[rec.key]
-            log.info("model deleted", extra=fields(storage_key=rec.key, uri=redact_uri(rec.uri)))
-            self.changed.set()
-        self.metrics.removals_waiting.set(sum(1 for r in waiting if r.mounted_by and r.removing))
+                elif rec.wanted:
+                    log.info("model came back while it was being deleted: downloading it again",
+                             extra=fields(storage_key=rec.key))
+        self.changed.set()
+        self.wake.set()
 
     # ---- reporting ------------------------------------------------------------------------
 
     def _used_bytes(self) -> int:
         with self.lock:
-            return sum(r.bytes_total or 0 for r in self.records.values() if r.state == MODEL_DOWNLOADED)
+            return sum(r.bytes_total or 0 for r in self.records.values() if not r.deleting and self._present(r.key))
 
     def _log_progress(self, now: float) -> None:
         """One progress line per download every few seconds, the first as soon as its size is known."""
         every = max(2.0, self.cfg.status_interval)
         with self.lock:
-            active = [r for r in self.records.values() if r.running and r.progress is not None
+            active = [(r, r.task) for r in self.records.values() if r.task is not None
                       and now - r.last_progress_log >= every]
-        for rec in active:
-            snap = rec.progress.snapshot()  # type: ignore[union-attr]
+        for rec, task in active:
+            snap = task.progress.snapshot()
             if not snap.bytes_total:
                 continue  # still listing
             rec.last_progress_log = now
@@ -420,23 +505,29 @@ class Agent:
             self._last_free = last = free
         return total, last
 
+    def state_of(self, key: str) -> str | None:
+        """The derived state of one storageKey (None: no record)."""
+        with self.lock:
+            rec = self.records.get(key)
+            return rec.state(self._present(key)) if rec is not None else None
+
     def status(self) -> dict[str, Any]:
-        """Our part of ``LocalModelNode.status`` (without ``lastUpdated``)."""
+        """Our part of ``LocalModelNode.status`` (without ``lastUpdated``), derived now."""
         model_status: dict[str, str] = {}
         details: dict[str, Any] = {}
         removing: dict[str, Any] = {}
         with self.lock:
-            keys = sorted({r.key for r in self.records.values() if not r.removing})
+            keys = sorted({r.key for r in self.records.values() if r.wanted})
             for rec in self.records.values():
+                state = rec.state(self._present(rec.key))
                 for info in rec.entries:
-                    if rec.removing:
-                        d = rec.detail()
-                        d.message = ("removed from the spec; kept while mounted by " + ", ".join(rec.mounted_by)
-                                     if rec.mounted_by else "removed from the spec; deleting")
-                        removing[info.status_key] = d.to_dict()
-                    else:
-                        model_status[info.status_key] = rec.state
-                        details[info.status_key] = {**rec.detail().to_dict(), **self._peer_fields(rec.key)}
+                    model_status[info.status_key] = state
+                    details[info.status_key] = {**rec.detail(state).to_dict(), **self._peer_fields(rec.key)}
+                for info in rec.former:
+                    d = rec.detail(state)
+                    d.message = ("removed from the spec; kept while mounted by " + ", ".join(rec.mounted_by)
+                                 if rec.mounted_by else "removed from the spec; deleting")
+                    removing[info.status_key] = d.to_dict()
         for k, v in removing.items():
             details.setdefault(k, v)
         total, free = self._reported_free()
@@ -458,16 +549,24 @@ class Agent:
         return self.peering.model_fields(key) if self.peering is not None else {}
 
     def settled(self) -> bool:
-        """Every model in the spec Downloaded or Error, and nothing running (standalone's exit test)."""
+        """Every model in the spec Downloaded or Error, nothing running, and nothing left to
+        delete but what a pod still mounts (standalone's exit test)."""
         with self.lock:
-            recs = [r for r in self.records.values() if not r.removing]
-            return self.spec_seen.is_set() and not any(r.running for r in self.records.values()) and all(
-                r.state in (MODEL_DOWNLOADED, MODEL_DOWNLOAD_ERROR) for r in recs) and not any(
-                r.removing and not r.mounted_by for r in self.records.values())
+            if not self.spec_seen.is_set():
+                return False
+            for rec in self.records.values():
+                if rec.task is not None or rec.deleting:
+                    return False
+                if rec.wanted and rec.state(self._present(rec.key)) not in (MODEL_DOWNLOADED, MODEL_DOWNLOAD_ERROR):
+                    return False
+                if not rec.wanted and not rec.mounted_by:
+                    return False
+            return True
 
 
-class _NoUri:
-    uri = ""
+def _hopeless(rec: ModelRecord) -> bool:
+    """An invalid URI: retrying (even after an edit of the entry's other fields) cannot help."""
+    return rec.failure is not None and rec.failure.reason == "InvalidURI"
 
 
 def _names(rec: ModelRecord) -> str:

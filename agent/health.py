@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 from prometheus_client import CONTENT_TYPE_LATEST
+
+from modelcache.listen import http_server
 
 
 class HealthServer:
@@ -41,8 +43,7 @@ class HealthServer:
                 self.wfile.write(body)
 
         self.healthy, self.ready, self.metrics = healthy, ready, metrics
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
+        self.server = http_server(host, port, Handler)
         self.port = self.server.server_address[1]
         self._thread = threading.Thread(target=self.server.serve_forever, name="agent-http", daemon=True)
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
+from agent.hostpath import RootPaths, pv_root
 from modelcache.kube.client import PERSISTENT_VOLUME_CLAIMS, PERSISTENT_VOLUMES, PODS, Kube
 
 log = logging.getLogger(__name__)
@@ -36,23 +37,19 @@ def subpath_key(sub_path: str) -> str | None:
     return parts[1] if len(parts) >= 2 and parts[0] == "models" else None
 
 
-def pv_root(pv: dict[str, Any]) -> str | None:
-    spec = pv.get("spec") or {}
-    path = (spec.get("local") or {}).get("path") or (spec.get("hostPath") or {}).get("path")
-    return str(path).rstrip("/") or "/" if path else None
-
-
 class KubeMountChecker:
     """Live reads (pods by ``spec.nodeName``, their PVCs and PVs): only called while a removal waits.
 
-    ``pv_paths``: the host paths of this node's model root as PVs name it (the group PVs'
-    ``local.path``); a PV with another path holds other data, so its mounts do not count. An
-    empty set counts every PV (the safe side when the path is unknown).
+    ``paths`` knows the root's host path as PVs name it (the group PVs' ``local.path``); a PV with
+    another path holds other data, so its mounts do not count. An unknown host path counts every
+    PV (the safe side), and while a node group names another path nothing can be told: ``users``
+    raises and the agent keeps every model.
     """
 
-    def __init__(self, kube: Kube, node: str, pv_paths: Iterable[str] = ()) -> None:
+    def __init__(self, kube: Kube, node: str, paths: RootPaths | None = None) -> None:
         self.kube, self.node = kube, node
-        self.pv_paths = {p.rstrip("/") or "/" for p in pv_paths}
+        self.paths = paths or RootPaths(None)
+        self.pv_paths: set[str] = set()
 
     def _pv_counts(self, namespace: str, claim: str, cache: dict[tuple[str, str], bool]) -> bool:
         if (namespace, claim) in cache:
@@ -63,7 +60,7 @@ class KubeMountChecker:
         if pvc is not None and volume and self.pv_paths:
             pv = self.kube.get_or_none(PERSISTENT_VOLUMES, volume)
             if pv is not None:
-                result = pv_root(pv) in self.pv_paths
+                result = pv_root(pv.get("spec") or {}) in self.pv_paths
         cache[(namespace, claim)] = result
         return result
 
@@ -71,7 +68,10 @@ class KubeMountChecker:
         wanted = set(keys)
         if not wanted:
             return {}
-        pods = self.kube.list(PODS, None, field_selector=f"spec.nodeName={self.node}").get("items") or []
+        self.pv_paths = self.paths.pv_paths()
+        # resourceVersion 0: served from the API server's watch cache (indexed by node), not etcd.
+        pods = self.kube.list(PODS, None, field_selector=f"spec.nodeName={self.node}",
+                              resource_version="0").get("items") or []
         out: dict[str, list[str]] = {}
         cache: dict[tuple[str, str], bool] = {}
         for pod in pods:

@@ -15,9 +15,10 @@ from typing import Any
 
 from agent.capacity import parse_quantity
 from agent.core import Agent
+from agent.hostpath import Mismatch, RootPaths
 from agent.logs import fields
 from agent.publish import Publisher
-from modelcache.kube.client import LOCAL_MODEL_NODE_GROUPS, LOCAL_MODEL_NODES, Kube
+from modelcache.kube.client import LOCAL_MODEL_NODE_GROUPS, LOCAL_MODEL_NODES, NODES, Kube
 from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import DELETED, Informer
 from modelcache.kube.status import patch_status_if_changed
@@ -26,7 +27,7 @@ from modelcache.kube.types import LocalModelNode
 log = logging.getLogger("agent.kube")
 
 #: Status keys the agent owns (others, written by anyone else, are kept).
-OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration", "peer")
+OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration", "nodeUID", "peer")
 
 
 def _now() -> str:
@@ -34,8 +35,10 @@ def _now() -> str:
 
 
 class KubeRunner:
-    def __init__(self, agent: Agent, kube: Kube) -> None:
+    def __init__(self, agent: Agent, kube: Kube, paths: RootPaths | None = None) -> None:
         self.agent, self.kube = agent, kube
+        self.paths = paths
+        self._mismatches: list[Mismatch] = []
         self.node = agent.cfg.node
         self.nodes = Informer(kube, LOCAL_MODEL_NODES, field_selector=f"metadata.name={self.node}")
         self.groups = Informer(kube, LOCAL_MODEL_NODE_GROUPS)
@@ -46,16 +49,39 @@ class KubeRunner:
         self.recorder = EventRecorder(kube, "modelcache-agent", self.node)
         agent.on_event = self._event
         self._stop = threading.Event()
+        #: The uid of the Node object this agent runs for, written as ``status.nodeUID``: the
+        #: coordinator believes a status only for the Node that exists now (a machine replaced
+        #: under the same name must not inherit the old one's labels).
+        self.node_uid: str | None = None
+
+    def refresh_node_uid(self) -> None:
+        try:
+            node = self.kube.get_or_none(NODES, self.node)
+        except Exception as exc:
+            log.warning("cannot read this node's Node object; status without nodeUID",
+                        extra=fields(node=self.node, error=f"{type(exc).__name__}: {exc}"))
+            return
+        uid = ((node or {}).get("metadata") or {}).get("uid")
+        if uid != self.node_uid:
+            if self.node_uid is not None:
+                log.info("the Node object was replaced", extra=fields(node=self.node, uid=uid or ""))
+            self.node_uid = uid
+            self.agent.changed.set()
 
     def _on_node(self, event: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
         if (obj.get("metadata") or {}).get("name") != self.node:
             return
-        if old is not None and event != DELETED and old.get("spec") == obj.get("spec"):
-            return  # our own status writes come back as updates: not a spec change
+        fresh = old is None or (old.get("metadata") or {}).get("uid") != (obj.get("metadata") or {}).get("uid")
+        if old is not None and not fresh and event != DELETED and old.get("spec") == obj.get("spec"):
+            return  # our own status writes come back as updates: not a spec change (a new object is)
         if event == DELETED:
             # As KServe's agent: a missing LocalModelNode means nothing to do; files stay.
             log.info("LocalModelNode deleted; keeping the models", extra=fields(node=self.node))
             return
+        if self.synced.is_set():
+            if fresh:
+                self.refresh_node_uid()  # a new LocalModelNode: its Node may be new as well
+            self.check_paths()  # before the new spec can start a removal
         lmn = LocalModelNode.from_dict(obj)
         self.agent.set_spec(lmn.spec.local_models, lmn.generation or None)
 
@@ -71,6 +97,28 @@ class KubeRunner:
             self.agent.group_limits.pop(name, None)
         else:
             self.agent.group_limits[name] = limit
+        if self.synced.is_set():
+            self.check_paths()
+
+    def check_paths(self) -> list[Mismatch]:
+        """Do the node groups our entries name put their PV where our root is? Says so (log and a
+        Warning Event on the LocalModelNode) when the answer changes; removals wait meanwhile."""
+        if self.paths is None:
+            return []
+        obj = self.nodes.store.get_raw(self.node)
+        names = {str(m["nodeGroup"]) for m in ((obj or {}).get("spec") or {}).get("localModels") or []
+                 if m.get("nodeGroup")}
+        found = self.paths.update({n: self.groups.store.get_raw(n) for n in names})
+        if found != self._mismatches:
+            if found:
+                message = self.paths.message(found)
+                log.error(message, extra=fields(node=self.node, host_path=self.paths.host_path))
+                self._event("Warning", "HostPathMismatch", message)
+            else:
+                log.info("node group PVs name the model root's host path", extra=fields(
+                    node=self.node, host_path=self.paths.host_path))
+            self._mismatches = found
+        return found
 
     def _desired(self, ours: dict[str, Any]) -> Any:
         def desired(obj: dict[str, Any]) -> dict[str, Any]:
@@ -88,6 +136,8 @@ class KubeRunner:
         current = self.nodes.store.get(self.node)
         if current is None:
             return
+        if self.node_uid:
+            ours = {**ours, "nodeUID": self.node_uid}
         patch_status_if_changed(self.kube, LOCAL_MODEL_NODES, self.node, self._desired(ours), current=current)
 
     def start(self, timeout: float = 60.0) -> KubeRunner:
@@ -97,7 +147,9 @@ class KubeRunner:
             raise TimeoutError("could not list LocalModelNode/LocalModelNodeGroups from the API server")
         if self.nodes.store.get(self.node) is None:
             log.info("no LocalModelNode for this node yet; waiting", extra=fields(node=self.node))
+        self.refresh_node_uid()
         self.synced.set()
+        self.check_paths()
         self.agent.start()
         self.publisher.start()
         threading.Thread(target=self._resync, name="agent-resync", daemon=True).start()
@@ -106,6 +158,7 @@ class KubeRunner:
     def _resync(self) -> None:
         """Level-triggered safety net: re-apply the cached spec every resync period."""
         while not self._stop.wait(self.agent.cfg.resync_period):
+            self.refresh_node_uid()
             obj = self.nodes.store.get(self.node)
             if obj is not None:
                 lmn = LocalModelNode.from_dict(obj)

@@ -1,14 +1,20 @@
-"""Per-model state machine and the status it renders.
+"""Per-model facts, and the state derived from them.
 
 One ``ModelRecord`` per storageKey (spec entries sharing a URI share one folder and one
-download, as in KServe). Transitions::
+download, as in KServe). A record stores only what the agent *knows*: which spec entries want
+the model, the download task running for it, the last failure and its backoff, what a check
+found. The state that goes into the status is never stored: :meth:`ModelRecord.state` derives it
+every time from (spec entries, whether the manifest is on disk, the running task)::
 
-    Pending --start--> Downloading --ok--> Downloaded --damaged--> Error(repairing) --start--> ...
-                             \\--fail--> Error --backoff due--> Downloading
-    any --left the spec--> Removing (waits while a pod mounts it) --> gone
+    a task is running                         -> Downloading  (a cancelled one is still running)
+    no spec entry wants it                    -> (removing)   deleted once no pod mounts it
+    being deleted                             -> Pending      downloaded again once the delete is done
+    its manifest is on disk                   -> Downloaded
+    a failure is recorded (backoff, damage)   -> Error        retried when the backoff is due
+    otherwise                                 -> Pending      started at the next tick
 
-Every transition goes through :meth:`ModelRecord.to` so the time stamps, the attempt count and
-the "status changed" signal are kept in one place.
+So an entry that leaves the spec and comes back, a download that ends while its entry is away,
+or a model deleted by someone else can never leave a state that nothing will change again.
 """
 
 from __future__ import annotations
@@ -26,48 +32,63 @@ from modelcache.kube.types import (
     ModelDetail,
 )
 from modelcache.progress import ProgressTracker
-from modelcache.store import now_iso
 from modelcache.uri import redact_uri
 
-TRANSITIONS: dict[str, tuple[str, ...]] = {
-    MODEL_DOWNLOAD_PENDING: (MODEL_DOWNLOADING, MODEL_DOWNLOADED, MODEL_DOWNLOAD_ERROR),
-    MODEL_DOWNLOADING: (MODEL_DOWNLOADED, MODEL_DOWNLOAD_ERROR, MODEL_DOWNLOAD_PENDING),
-    MODEL_DOWNLOADED: (MODEL_DOWNLOAD_ERROR, MODEL_DOWNLOADING, MODEL_DOWNLOAD_PENDING),
-    MODEL_DOWNLOAD_ERROR: (MODEL_DOWNLOADING, MODEL_DOWNLOADED, MODEL_DOWNLOAD_PENDING),
-}
+#: Why a running task was cancelled (None: it was not).
+REMOVED, STOPPING = "removed", "stopping"
+INTERRUPTED = "interrupted: the agent stopped; the download resumes when it runs again"
 
 
-class BadTransition(Exception):
-    pass
+@dataclass
+class Task:
+    """One running download: its cancel switch, its progress, and why it was cancelled."""
+
+    cancel: threading.Event = field(default_factory=threading.Event)
+    progress: ProgressTracker = field(default_factory=ProgressTracker)
+    repairing: bool = False
+    why: str | None = None
+
+    def stop(self, why: str) -> None:
+        if self.why is None:  # the first reason wins: a removal during shutdown stays a removal
+            self.why = why
+        self.cancel.set()
+
+
+@dataclass
+class Failure:
+    """The last attempt's error, shown until the next attempt starts or succeeds."""
+
+    message: str
+    reason: str
 
 
 @dataclass
 class ModelRecord:
     key: str
     uri: str
+    #: The spec entries that want this model (empty: it left the spec).
     entries: list[LocalModelInfo]
-    state: str = MODEL_DOWNLOAD_PENDING
-    message: str = ""
-    reason: str = ""
-    attempts: int = 0
+    #: The entries it had when it left the spec (for the "removed; kept while mounted" detail).
+    former: list[LocalModelInfo] = field(default_factory=list)
+    task: Task | None = None
+    failure: Failure | None = None
+    #: Shown with a state that is not an error: "interrupted ...", "repaired ...".
+    note: str = ""
     failures: int = 0  # consecutive, for the backoff
     next_attempt: float = 0.0
-    revision: str | None = None
-    bytes_total: int | None = None
-    files_total: int | None = None
-    started_at: str | None = None
-    finished_at: str | None = None
-    #: Set while a download runs.
-    progress: ProgressTracker | None = None
-    cancel: threading.Event | None = None
-    running: bool = False
-    #: Out of the spec; files deleted once no pod mounts them.
-    removing: bool = False
+    attempts: int = 0
+    #: Its files are being deleted right now (the spec said "remove" when the delete began).
+    deleting: bool = False
     mounted_by: list[str] = field(default_factory=list)
     #: What a check found, until the repair has finished.
     damage: str = ""
     #: Files the damaged model's manifest listed (a repair deletes those the source no longer has).
     old_files: list[str] = field(default_factory=list)
+    revision: str | None = None
+    bytes_total: int | None = None
+    files_total: int | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
     last_size_check: float = field(default_factory=time.monotonic)
     last_verify: float = field(default_factory=time.monotonic)
     last_progress_log: float = 0.0
@@ -77,33 +98,63 @@ class ModelRecord:
         """The first entry with this URI: its credentials download the model (KServe dedupes so)."""
         return self.entries[0]
 
-    def to(self, state: str, message: str = "", reason: str = "") -> None:
-        if state != self.state and state not in TRANSITIONS.get(self.state, ()):
-            raise BadTransition(f"{self.key}: {self.state} -> {state}")
-        if state == MODEL_DOWNLOADING and self.state != MODEL_DOWNLOADING:
-            self.started_at, self.finished_at = now_iso(), None
-        if state in (MODEL_DOWNLOADED, MODEL_DOWNLOAD_ERROR):
-            self.finished_at = now_iso()
-        self.state, self.message, self.reason = state, message, reason
+    @property
+    def wanted(self) -> bool:
+        return bool(self.entries)
 
-    def detail(self) -> ModelDetail:
+    @property
+    def running(self) -> bool:
+        return self.task is not None
+
+    def state(self, present: bool) -> str:
+        """The reported state, from the facts and ``present`` (the manifest is on disk)."""
+        if self.task is not None:
+            return MODEL_DOWNLOADING
+        if self.deleting:
+            return MODEL_DOWNLOAD_PENDING
+        if present:
+            return MODEL_DOWNLOADED
+        if self.failure is not None:
+            return MODEL_DOWNLOAD_ERROR
+        return MODEL_DOWNLOAD_PENDING
+
+    def due(self, present: bool, now: float) -> bool:
+        """Wanted, idle and not on disk, and its backoff (if any) has passed: start it."""
+        return (self.wanted and self.task is None and not self.deleting and not present
+                and now >= self.next_attempt)
+
+    def message(self, state: str) -> str:
+        if state == MODEL_DOWNLOADING:
+            if self.damage:
+                return f"repairing ({self.damage})"
+            return f"attempt {self.attempts}" if self.attempts > 1 else ""
+        if state == MODEL_DOWNLOAD_ERROR and self.failure is not None:
+            return self.failure.message
+        if state == MODEL_DOWNLOAD_PENDING and self.deleting:
+            return "back in the spec while its files were being deleted; downloading again next"
+        return self.note
+
+    def reason(self, state: str) -> str:
+        return self.failure.reason if state == MODEL_DOWNLOAD_ERROR and self.failure is not None else ""
+
+    def detail(self, state: str) -> ModelDetail:
         d = ModelDetail(
-            state=self.state,
+            state=state,
             storage_key=self.key,
             source_model_uri=redact_uri(self.uri),
             resolved_revision=self.revision,
             bytes_total=self.bytes_total,
             files_total=self.files_total,
             attempts=self.attempts or None,
-            message=self.message or None,
+            message=self.message(state) or None,
             started_at=self.started_at,
-            finished_at=self.finished_at,
+            finished_at=self.finished_at if state != MODEL_DOWNLOADING else None,
         )
-        if self.progress is not None and self.running:
-            snap = self.progress.snapshot()
+        if self.task is not None:
+            snap = self.task.progress.snapshot()
             d.bytes_done, d.files_done, d.rate = snap.bytes_done, snap.files_done, int(snap.rate)
             if snap.bytes_total:
                 d.bytes_total, d.files_total = snap.bytes_total, snap.files_total
-        elif self.state == MODEL_DOWNLOADED:
+        elif state == MODEL_DOWNLOADED:
             d.bytes_done, d.files_done, d.rate = self.bytes_total, self.files_total, 0
         return d

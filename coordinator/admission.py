@@ -20,7 +20,12 @@ from typing import Any
 from coordinator import podmutate
 from coordinator.lookup import ApiLookup
 from coordinator.urimatch import match_storage_uri, select_cache, serving_pvc_name, sub_path
-from modelcache.kube.types import LOCALMODEL_LABEL, LOCALMODEL_NAMESPACE_LABEL, LOCALMODEL_PVC_ANNOTATION
+from modelcache.kube.types import (
+    LOCALMODEL_LABEL,
+    LOCALMODEL_NAMESPACE_LABEL,
+    LOCALMODEL_PVC_ANNOTATION,
+    MAX_LABEL_VALUE,
+)
 from modelcache.redact import redact_uri
 
 log = logging.getLogger(__name__)
@@ -117,6 +122,11 @@ class CacheValidator:
         uri = spec.get("sourceModelUri", "")
         if old and (old.get("spec") or {}).get("sourceModelUri") != uri:
             return "StorageUri is immutable"
+        name = str(meta.get("name") or "")
+        if not old and len(name) > MAX_LABEL_VALUE:
+            return (f"{self.kind} name {name} has {len(name)} characters; at most {MAX_LABEL_VALUE}: the "
+                    f"InferenceServices using a cache are labelled {LOCALMODEL_LABEL}=<its name> (KServe's "
+                    f"contract), and a label value has at most {MAX_LABEL_VALUE} characters")
         if not self.namespaced:
             for other in self.lookup.cluster_caches():
                 om = other.get("metadata") or {}
@@ -133,6 +143,8 @@ class CacheValidator:
         meta = obj.get("metadata") or {}
         name = meta.get("name") or req.get("name", "")
         ns = meta.get("namespace") or req.get("namespace") or None
+        if len(name) > MAX_LABEL_VALUE:
+            return None  # no service can carry it as a label (refused at creation since): nothing uses it
         selector = f"{LOCALMODEL_LABEL}={name}"
         if self.namespaced:
             selector += f",{LOCALMODEL_NAMESPACE_LABEL}={ns}"

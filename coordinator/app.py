@@ -4,35 +4,56 @@ when it is lost, as controller-runtime does, so a deposed leader never writes be
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import socket
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kubernetes.client.exceptions import ApiException
 
 from coordinator import controllers, metrics
 from coordinator.admission import CacheValidator, PodMutator
 from coordinator.certs import CERT_FILE, ReloadingContext, generate_self_signed, load_tls
 from coordinator.httpserve import HealthServer, WebhookServer
 from coordinator.lookup import ApiLookup
+from coordinator.uninstall import UninstallHook
 from coordinator.view import ClusterView
-from modelcache.kube.client import Kube, load_api_client
+from coordinator.webhookcerts import YEAR, CertSettings, WebhookCerts
+from modelcache.kube.client import CUSTOM_RESOURCE_DEFINITIONS, NAMESPACES, Kube, count_requests, load_api_client
 from modelcache.kube.controller import Manager
 from modelcache.kube.events import EventRecorder
+from modelcache.kube.informer import Informer
 from modelcache.kube.leader import LeaderElector
 from modelcache.startup import StartupError, listen_error
 
 log = logging.getLogger(__name__)
 
+#: KServe's service CRDs, watched by name until both are served.
+SERVICE_CRDS = ("inferenceservices.serving.kserve.io", "llminferenceservices.serving.kserve.io")
+
 
 @dataclass
 class Config:
     kubeconfig: str | None = None
+    #: A directory with tls.crt/tls.key (cert-manager's Secret volume, or made by hand): served
+    #: as it is and reloaded when it changes. With ``webhook_cert_secret`` the pair is written here.
     webhook_cert_dir: Path | None = None
-    webhook_host: str = "0.0.0.0"
+    #: Self-provisioned certificate: the Secret (in ``lease_namespace``) holding our CA and serving
+    #: pair, kept current with the webhook configurations' caBundle (coordinator/webhookcerts.py).
+    webhook_cert_secret: str | None = None
+    webhook_service: str = "modelcache-coordinator-webhook"
+    #: More names/IPs in the serving certificate (webhooks reached by URL).
+    webhook_cert_hosts: tuple[str, ...] = ()
+    webhook_cert_validity: dt.timedelta = YEAR
+    webhook_ca_validity: dt.timedelta = 10 * YEAR
+    webhook_cert_check: float = 3600.0
+    webhook_host: str = "::"
     webhook_port: int = 9443
     self_signed: bool = False
-    host: str = "0.0.0.0"
+    host: str = "::"
     port: int = 8080
     leader_election: bool = True
     lease_name: str = "modelcache-coordinator"
@@ -48,17 +69,22 @@ class Config:
     retry_period: float = 2.0
     #: Seconds between checks for InferenceService/LLMInferenceService CRDs installed after start (0: off).
     discovery_interval: float = 30.0
+    #: Seconds a vanished node group's members keep their entries (None: until it returns, as KServe).
+    missing_group_grace: float | None = None
 
 
 class Coordinator:
     def __init__(self, cfg: Config, kube: Kube | None = None) -> None:
         self.cfg = cfg
         self.kube = kube or Kube(load_api_client(cfg.kubeconfig))
+        count_requests(self.kube.api_client, lambda verb: metrics.API_REQUESTS.labels(verb).inc())
         self.view: ClusterView | None = None
         self.manager: Manager | None = None
         self.wiring: controllers.Wiring | None = None
         self.webhooks: WebhookServer | None = None
         self.tls: ReloadingContext | None = None
+        self.certs: WebhookCerts | None = None
+        self._tls_lock = threading.Lock()
         self.health: HealthServer | None = None
         self.elector: LeaderElector | None = None
         self.leading = threading.Event()
@@ -73,12 +99,16 @@ class Coordinator:
             self.health = HealthServer(self.cfg.host, self.cfg.port, self.ready).start()
         except OSError as exc:
             raise listen_error(exc, self.cfg.host, self.cfg.port, "--port", "--bind") from None
-        if self.cfg.webhook_cert_dir is not None:
+        if self.cfg.webhook_cert_secret:
+            self._start_cert_manager()
+        elif self.cfg.webhook_cert_dir is not None:
             self._start_webhooks(self.cfg.webhook_cert_dir)
-        self.view = ClusterView.build(self.kube, watch_timeout=self.cfg.watch_timeout)
+        self.view = ClusterView.build(self.kube, watch_timeout=self.cfg.watch_timeout,
+                                      missing_group_grace=self.cfg.missing_group_grace)
         self.wiring = controllers.build_wiring(
             self.view, EventRecorder(self.kube, "modelcache-coordinator", self.cfg.identity),
-            controllers.Options(mutate_services=self.cfg.mutate_isvc, workers=self.cfg.workers))
+            controllers.Options(mutate_services=self.cfg.mutate_isvc, workers=self.cfg.workers,
+                                install_uid=self._install_uid()))
         self.manager = self.wiring.manager
         self.view.start()
         self.manager.start_informers()
@@ -95,18 +125,44 @@ class Coordinator:
             self._started_leading()
         return self
 
+    def _install_uid(self) -> str | None:
+        """Our namespace's uid (what an uninstall marks released caches with), if we may read it."""
+        try:
+            ns = self.kube.get_or_none(NAMESPACES, self.cfg.lease_namespace)
+        except ApiException as exc:
+            log.info("cannot read namespace %s (%s): caches released by an uninstall stay released",
+                     self.cfg.lease_namespace, exc.status)
+            return None
+        return str(((ns or {}).get("metadata") or {}).get("uid") or "") or None
+
     def _discovery_loop(self) -> None:
         """Notice service CRDs installed after start (KServe installed later, or upgraded to a
-        version serving LLMInferenceService) and track them without a restart. One cheap
-        ``list?limit=1`` per missing kind per interval; nothing once both are tracked."""
-        while not self.done.wait(self.cfg.discovery_interval):
-            view = self.view
-            if view is None or (view.isvcs is not None and view.llmisvcs is not None):
-                return
-            try:
-                self.track_new_services()
-            except Exception as exc:
-                log.warning("service CRD discovery failed (retrying): %s: %s", type(exc).__name__, exc)
+        version serving LLMInferenceService) and track them without a restart. The two CRDs are
+        watched by name, so this costs no request at rest; where the watch is not allowed, one
+        cheap ``list?limit=1`` per missing kind per interval instead."""
+        wake = threading.Event()
+        crds = [Informer(self.kube, CUSTOM_RESOURCE_DEFINITIONS, field_selector=f"metadata.name={name}",
+                         watch_timeout=self.cfg.watch_timeout) for name in SERVICE_CRDS]
+        for inf in crds:
+            inf.add_handler(lambda *_: wake.set())
+            inf.start()
+        try:
+            while not self.done.is_set():
+                view = self.view
+                if view is None or (view.isvcs is not None and view.llmisvcs is not None):
+                    return
+                watched = all(inf.synced.is_set() and not inf.stats["errors"] for inf in crds)
+                if wake.is_set() or not watched:
+                    wake.clear()
+                    try:
+                        self.track_new_services()
+                    except Exception as exc:
+                        log.warning("service CRD discovery failed (retrying): %s: %s", type(exc).__name__, exc)
+                        wake.set()
+                wake.wait(self.cfg.discovery_interval)
+        finally:
+            for inf in crds:
+                inf.stop()
 
     def track_new_services(self) -> list[str]:
         """Start tracking service kinds the API now serves; returns their kinds."""
@@ -139,6 +195,7 @@ class Coordinator:
             "/mutate-pods": PodMutator(lookup, self.cfg.pod_rewrite, self.cfg.pod_fail_closed),
             "/validate-localmodelcaches": CacheValidator(lookup, namespaced=False),
             "/validate-localmodelnamespacecaches": CacheValidator(lookup, namespaced=True),
+            "/uninstall": UninstallHook(self.kube, self.cfg.lease_namespace),
         }
         try:
             self.webhooks = WebhookServer(self.cfg.webhook_host, self.cfg.webhook_port, routes,
@@ -146,6 +203,33 @@ class Coordinator:
         except OSError as exc:
             raise listen_error(exc, self.cfg.webhook_host, self.cfg.webhook_port, "--webhook-port", "--bind") from None
         log.info("webhooks serving on :%d", self.webhooks.port)
+
+    def _start_cert_manager(self) -> None:
+        """Webhooks on our own certificate: they start once the first pair is written (retried in
+        the background while the API server cannot be reached), and reload on every rotation."""
+        cfg = self.cfg
+        assert cfg.webhook_cert_secret
+        cert_dir = cfg.webhook_cert_dir or Path(tempfile.mkdtemp(prefix="modelcache-webhook-"))
+        settings = CertSettings(namespace=cfg.lease_namespace, secret=cfg.webhook_cert_secret,
+                                service=cfg.webhook_service, extra_hosts=tuple(cfg.webhook_cert_hosts),
+                                cert_validity=cfg.webhook_cert_validity, ca_validity=cfg.webhook_ca_validity,
+                                check_interval=cfg.webhook_cert_check)
+
+        def rotated() -> None:
+            with self._tls_lock:
+                if self.done.is_set():
+                    return
+                if self.webhooks is None:
+                    try:
+                        self._start_webhooks(cert_dir)
+                    except Exception as exc:  # the port is taken: as fatal as at start
+                        log.error("webhooks cannot start: %s", exc)
+                        self.exit_code = 2
+                        self.done.set()
+                elif self.tls is not None:
+                    self.tls.reload()
+
+        self.certs = WebhookCerts(self.kube, settings, cert_dir, on_rotated=rotated).start(first_sync_timeout=0)
 
     def _started_leading(self) -> None:
         self.leading.set()
@@ -158,13 +242,21 @@ class Coordinator:
             with self._lock:
                 if self.done.is_set() or self.manager is None:
                     return
-                self.manager.start_controllers()
+                self.manager.start_controllers(gate=self.may_act)
             self.controllers_running.set()
             log.info("controllers running")
         except Exception:
             log.exception("controllers failed to start")
             self.exit_code = 1
             self.done.set()
+
+    def may_act(self) -> bool:
+        """Checked before every reconcile: we hold the Lease now (renewed within the renew
+        deadline, by our own clock) and every informer follows the server (none is retrying a
+        failed watch). A paused or deposed leader, or one whose view fell behind, waits."""
+        if self.elector is not None and not self.elector.holds():
+            return False
+        return self.view is not None and self.view.current()
 
     def _stopped_leading(self) -> None:
         metrics.LEADER.set(0)
@@ -186,7 +278,7 @@ class Coordinator:
 
     def ready(self) -> bool:
         """Webhooks up (if configured), informers synced, and on the leader the workers running."""
-        if self.cfg.webhook_cert_dir is not None and self.webhooks is None:
+        if (self.cfg.webhook_cert_dir is not None or self.cfg.webhook_cert_secret) and self.webhooks is None:
             return False
         if self.view is None or not self.view.synced():
             return False
@@ -194,6 +286,8 @@ class Coordinator:
 
     def stop(self) -> None:
         self.done.set()
+        if self.certs is not None:
+            self.certs.stop()
         self._shutdown_controllers()
         for server in (self.webhooks, self.health):
             if server is not None:

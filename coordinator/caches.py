@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import time
+from collections.abc import Mapping
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from coordinator import aggregate, entries, metrics, volumes
+from coordinator import aggregate, entries, metrics, reports, volumes
 from coordinator.membership import Member
+from coordinator.uninstall import RELEASED_ANNOTATION, released_for
 from coordinator.view import BY_CACHE, ClusterView, cache_key
 from modelcache.kube.client import (
     LOCAL_MODEL_CACHES,
@@ -28,23 +31,28 @@ from modelcache.kube.client import (
     PERSISTENT_VOLUME_CLAIMS,
     PERSISTENT_VOLUMES,
     Resource,
+    error_message,
 )
 from modelcache.kube.controller import Result
 from modelcache.kube.events import NORMAL, WARNING, EventRecorder
 from modelcache.kube.status import patch_status_if_changed, update_if_changed
-from modelcache.kube.types import CACHE_FINALIZER, NAMESPACE_CACHE_FINALIZER, status_key
+from modelcache.kube.types import CACHE_FINALIZER, NAMESPACE_CACHE_FINALIZER, label_value, status_key
 
 log = logging.getLogger(__name__)
 
 
 class CacheReconciler:
-    def __init__(self, view: ClusterView, recorder: EventRecorder, namespaced: bool) -> None:
+    def __init__(self, view: ClusterView, recorder: EventRecorder, namespaced: bool,
+                 install_uid: str | None = None) -> None:
         self.view = view
+        #: Our namespace's uid: a cache released for the uninstall of *this* install keeps no finalizer.
+        self.install_uid = install_uid
         self.kube = view.kube
         self.recorder = recorder
         self.namespaced = namespaced
         self.res: Resource = LOCAL_MODEL_NAMESPACE_CACHES if namespaced else LOCAL_MODEL_CACHES
         self.finalizer = NAMESPACE_CACHE_FINALIZER if namespaced else CACHE_FINALIZER
+        self._status_written: dict[str, float] = {}  # cache key -> monotonic time of its last status write
         self.name = self.res.kind
 
     def __call__(self, key: str) -> Result:
@@ -53,21 +61,33 @@ class CacheReconciler:
             return Result()
         if (obj.get("metadata") or {}).get("deletionTimestamp"):
             return self.finalize(key, obj)
+        if self.uninstalling(obj):
+            return Result()  # released by coordinator/uninstall.py: create nothing more
         obj = self.ensure_finalizer(obj) or obj
         spec = obj.get("spec") or {}
         groups = self.view.group_map()
         members = self.view.members(list(spec.get("nodeGroups") or []))
-        self.sync_volumes(key, obj, groups)
+        refused = self.sync_volumes(key, obj, groups)
         missing = [g for g in spec.get("nodeGroups") or [] if g not in groups]
-        self.sync_status(key, obj, members, missing)
-        return Result()
+        wait = self.sync_status(key, obj, members, missing, refused)
+        # A quota raised or a LimitRange changed wakes nothing of ours: try again in a while.
+        waits = [w for w in (wait, REFUSED_RETRY if refused else None) if w is not None]
+        return Result(requeue_after=min(waits)) if waits else Result()
 
     # -- finalizer ----------------------------------------------------------------------------
+    def uninstalling(self, obj: dict[str, Any]) -> bool:
+        """Released for the uninstall of this install (not of an earlier one, whose namespace had
+        another uid: then the cache is ours again)."""
+        released = released_for(obj)
+        return bool(released) and (self.install_uid is None or released == self.install_uid)
+
     def ensure_finalizer(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         if self.finalizer in (obj["metadata"].get("finalizers") or []):
             return None
 
         def add(o: dict[str, Any]) -> None:
+            if RELEASED_ANNOTATION in (o["metadata"].get("annotations") or {}):
+                del o["metadata"]["annotations"][RELEASED_ANNOTATION]  # released by an earlier install
             fins = o["metadata"].setdefault("finalizers", [])
             if self.finalizer not in fins:
                 fins.append(self.finalizer)
@@ -83,13 +103,13 @@ class CacheReconciler:
         name, ns = meta["name"], meta.get("namespace") or None
         # The node reconcilers, woken by the deletion, remove the entry; wait until none holds it
         # (checked in a fresh list too: an entry written a moment ago must not be missed).
-        if self.view.lmns.store.by_index(BY_CACHE, key) or any(
+        if self.view.lmns.store.by_index(BY_CACHE, key, copy_objects=False) or any(
                 entries.has((lmn.get("spec") or {}).get("localModels") or [], name, ns)
                 for lmn in self.kube.list(LOCAL_MODEL_NODES).get("items") or []):
             return Result(requeue_after=0.5)
-        for pvc in self.view.pvcs.store.by_index(BY_CACHE, key):
+        for pvc in self.view.pvcs.store.by_index(BY_CACHE, key, copy_objects=False):
             self._delete(PERSISTENT_VOLUME_CLAIMS, pvc["metadata"]["name"], pvc["metadata"]["namespace"])
-        for pv in self.view.pvs.store.by_index(BY_CACHE, key):
+        for pv in self.view.pvs.store.by_index(BY_CACHE, key, copy_objects=False):
             self._delete(PERSISTENT_VOLUMES, pv["metadata"]["name"], None)
 
         def drop(o: dict[str, Any]) -> None:
@@ -97,30 +117,54 @@ class CacheReconciler:
 
         update_if_changed(self.kube, self.res, name, drop, ns, current=obj)
         _forget_gauges(key)
+        self._status_written.pop(key, None)
         log.info("%s %s: finalized", self.res.kind, key)
         return Result()
 
     # -- serving volumes -------------------------------------------------------------------------
-    def sync_volumes(self, key: str, obj: dict[str, Any], groups: dict[str, dict[str, Any]]) -> None:
+    def sync_volumes(self, key: str, obj: dict[str, Any], groups: dict[str, dict[str, Any]]) -> list[str]:
+        """Create and delete serving PVs/PVCs; returns the creations the API refused (a namespace's
+        ResourceQuota or LimitRange, an invalid group spec), each as one line, also recorded as a
+        Warning Event on the cache."""
         isvcs, llms = self.view.services_of(key)
         uses = [volumes.Use(s["metadata"]["namespace"], (s["metadata"].get("annotations") or {}))
                 for s in [*isvcs, *llms] if not s["metadata"].get("deletionTimestamp")]
         pairs = volumes.desired_pairs(obj, groups, uses)
-        have_pvs = {pv["metadata"]["name"]: pv for pv in self.view.pvs.store.by_index(BY_CACHE, key)}
+        have_pvs = {pv["metadata"]["name"]: pv for pv in self.view.pvs.store.by_index(BY_CACHE, key,
+                                                                                     copy_objects=False)}
         have_pvcs = {(c["metadata"]["namespace"], c["metadata"]["name"]): c
-                     for c in self.view.pvcs.store.by_index(BY_CACHE, key)}
+                     for c in self.view.pvcs.store.by_index(BY_CACHE, key, copy_objects=False)}
+        refused: list[str] = []
         for pair in pairs.values():
             group = groups[pair.group]
-            if pair.pv_name not in have_pvs:
-                self._create(PERSISTENT_VOLUMES, volumes.pv_body(obj, group, pair), None)
-            if (pair.namespace, pair.pvc_name) not in have_pvcs:
-                self._create(PERSISTENT_VOLUME_CLAIMS, volumes.pvc_body(obj, group, pair), pair.namespace)
+            try:
+                if pair.pv_name not in have_pvs:
+                    self._create(PERSISTENT_VOLUMES, volumes.pv_body(obj, group, pair), None)
+                if (pair.namespace, pair.pvc_name) not in have_pvcs:
+                    self._create(PERSISTENT_VOLUME_CLAIMS, volumes.pvc_body(obj, group, pair), pair.namespace)
+            except ApiException as exc:
+                if exc.status not in (403, 422):
+                    raise  # not a refusal: retried with backoff
+                line = error_message(exc)
+                refused.append(line)
+                self.recorder.record(obj, WARNING, "VolumeRefused", f"serving volume for namespace "
+                                     f"{pair.namespace} (group {pair.group}) refused: {line}")
         want_pvcs = {(p.namespace, p.pvc_name) for p in pairs.values()}
         want_pvs = {p.pv_name for p in pairs.values()}
+        listed = list((obj.get("spec") or {}).get("nodeGroups") or [])
+
+        def kept(volume: dict[str, Any]) -> bool:  # a vanished group's volumes stay while its entries do
+            value = ((volume.get("metadata") or {}).get("labels") or {}).get(volumes.GROUP_LABEL, "")
+            group = next((g for g in listed if label_value(g) == value), None)  # long names are hashed
+            return group is not None and self.view.missing.keep(group, group in groups)
+
         for (ns, pvc_name) in have_pvcs.keys() - want_pvcs:
-            self._delete(PERSISTENT_VOLUME_CLAIMS, pvc_name, ns)
+            if not kept(have_pvcs[(ns, pvc_name)]):
+                self._delete(PERSISTENT_VOLUME_CLAIMS, pvc_name, ns)
         for pv_name in have_pvs.keys() - want_pvs:
-            self._delete(PERSISTENT_VOLUMES, pv_name, None)
+            if not kept(have_pvs[pv_name]):
+                self._delete(PERSISTENT_VOLUMES, pv_name, None)
+        return refused
 
     def _create(self, res: Resource, body: dict[str, Any], ns: str | None) -> None:
         try:
@@ -135,14 +179,22 @@ class CacheReconciler:
         self.kube.delete(res, name, ns)
 
     # -- status ----------------------------------------------------------------------------------
-    def sync_status(self, key: str, obj: dict[str, Any], members: dict[str, Member], missing: list[str]) -> None:
+    def sync_status(self, key: str, obj: dict[str, Any], members: Mapping[str, Member], missing: list[str],
+                    refused: list[str] | None = None) -> float | None:
+        """Write the status if it changed; returns the seconds to wait instead when the last write
+        was less than ``STATUS_INTERVAL`` ago (500 members reporting one by one make one write per
+        interval, not 500)."""
+        wait = STATUS_INTERVAL - (time.monotonic() - self._status_written.get(key, -STATUS_INTERVAL))
+        if wait > 0:
+            return wait
         meta = obj["metadata"]
         skey = status_key(meta["name"], meta.get("namespace") or None)
+        uri = (obj.get("spec") or {}).get("sourceModelUri") or ""
         model_states: dict[str, str | None] = {}
         for node in members:
             lmn = self.view.lmns.store.get_raw(node)
-            states = ((lmn or {}).get("status") or {}).get("modelStatus") or {}
-            model_states[node] = states.get(skey)
+            uid = reports.node_uid(self.view.nodes.store.get_raw(node))
+            model_states[node] = reports.reported_state(lmn, uid, skey, uri)
         node_status = aggregate.node_status(members, model_states)
         copies = aggregate.copies(node_status)
         isvcs, llms = self.view.services_of(key)
@@ -163,9 +215,15 @@ class CacheReconciler:
                 else:
                     status.pop(field, None)
             message = f"node group(s) not found: {', '.join(missing)}" if missing else "all node groups exist"
-            status["conditions"] = aggregate.set_condition(
+            conditions = aggregate.set_condition(
                 list(status.get("conditions") or []), GROUPS_CONDITION, not missing,
                 "NodeGroupNotFound" if missing else "NodeGroupsFound", message, _now())
+            # Shown once a volume was refused, and from then on (True again once all exist).
+            if refused or any(c.get("type") == VOLUMES_CONDITION for c in conditions):
+                conditions = aggregate.set_condition(
+                    conditions, VOLUMES_CONDITION, not refused, "VolumeRefused" if refused else "VolumesCreated",
+                    "; ".join(refused) if refused else "every serving PV and PVC exists", _now())
+            status["conditions"] = conditions
             return status
 
         written = patch_status_if_changed(self.kube, self.res, meta["name"], desired, meta.get("namespace"),
@@ -173,7 +231,8 @@ class CacheReconciler:
         for state, value in copies.to_dict().items():
             metrics.COPIES.labels(key, state).set(value)
         if written is None:
-            return
+            return None
+        self._status_written[key] = time.monotonic()
         metrics.WRITES.labels(self.res.kind, "status").inc()
         gained, lost = aggregate.copy_changes(old_status, node_status)
         summary = f"{copies.available}/{copies.total} copies available"
@@ -183,6 +242,7 @@ class CacheReconciler:
                                  f"model downloaded on {_nodes(gained)} ({summary})")
         if lost:
             self.recorder.record(obj, WARNING, "CopyLost", f"no usable copy any more on {_nodes(lost)} ({summary})")
+        return None
 
 
 def _nodes(names: list[str], shown: int = 5) -> str:
@@ -191,6 +251,11 @@ def _nodes(names: list[str], shown: int = 5) -> str:
 
 
 GROUPS_CONDITION = "NodeGroupsFound"
+VOLUMES_CONDITION = "ServingVolumesCreated"
+#: Seconds until volumes the API refused are tried again.
+REFUSED_RETRY = 60.0
+#: At most one status write per cache per this many seconds.
+STATUS_INTERVAL = 1.0
 
 
 def _now() -> str:

@@ -37,6 +37,8 @@ Obj = dict[str, Any]
 class Options:
     mutate_services: bool = True
     workers: int = 2
+    #: Our namespace's uid (see coordinator/uninstall.py); None: unknown.
+    install_uid: str | None = None
 
 
 def counted(name: str, reconcile: Callable[[str], Result]) -> Callable[[str], Result]:
@@ -69,14 +71,19 @@ def node_membership_changed(event: str, obj: Obj, old: Obj | None) -> bool:
     return user_labels(obj) != user_labels(old) or node_ready(obj) != node_ready(old)
 
 
-def _model_status(obj: Obj | None) -> Any:
-    return ((obj or {}).get("status") or {}).get("modelStatus")
+def _reports(obj: Obj | None) -> Any:
+    """What the believed states depend on (coordinator.reports): ``modelStatus``, the storageKey
+    each detail names, and the Node the agent reported for; not the agent's progress."""
+    status = (obj or {}).get("status") or {}
+    keys = {k: (d or {}).get("storageKey") for k, d in (status.get("modelDetails") or {}).items()
+            if (d or {}).get("storageKey")}
+    return status.get("modelStatus"), keys, status.get("nodeUID")
 
 
 def entries_or_states_changed(event: str, obj: Obj, old: Obj | None) -> bool:
-    """LocalModelNode spec or ``modelStatus`` changes; not the agent's progress details."""
+    """LocalModelNode spec or reported-state changes; not the agent's progress details."""
     return event != "MODIFIED" or old is None or obj.get("spec") != old.get("spec") or \
-        _model_status(obj) != _model_status(old)
+        _reports(obj) != _reports(old)
 
 
 def _meta_changed(event: str, obj: Obj, old: Obj | None) -> bool:
@@ -106,7 +113,7 @@ def build_wiring(view: ClusterView, recorder: EventRecorder, options: Options | 
     wiring = Wiring(view, manager, options)
     cache_controllers: list[tuple[Controller, bool]] = []
     for namespaced in (False, True):
-        rec = CacheReconciler(view, recorder, namespaced)
+        rec = CacheReconciler(view, recorder, namespaced, options.install_uid)
         ctl = Controller(rec.name, counted(rec.name, rec), workers=options.workers)
         own = view.ns_caches if namespaced else view.caches
 
@@ -153,7 +160,7 @@ def build_wiring(view: ClusterView, recorder: EventRecorder, options: Options | 
                 continue
             out.update(view.members(list((o.get("spec") or {}).get("nodeGroups") or [])))
             out.update(lmn["metadata"]["name"] for lmn in view.lmns.store.by_index(BY_CACHE, cache_key(
-                _meta(o, "namespace") or None, _meta(o, "name"))))
+                _meta(o, "namespace") or None, _meta(o, "name")), copy_objects=False))
         return sorted(out)
 
     def cache_spec_changed(event: str, obj: Obj, old: Obj | None) -> bool:

@@ -11,20 +11,16 @@ import logging
 import ssl
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from coordinator import metrics
+from modelcache.listen import http_server
 
 log = logging.getLogger(__name__)
 
 AdmissionHandler = Callable[[dict[str, Any]], dict[str, Any]]
 MAX_BODY = 8 << 20
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
 
 
 class WebhookServer:
@@ -33,7 +29,7 @@ class WebhookServer:
     def __init__(self, host: str, port: int, routes: dict[str, AdmissionHandler],
                  context: ssl.SSLContext | None) -> None:
         handler = self._handler_class(routes)
-        self.httpd = _Server((host, port), handler)
+        self.httpd = http_server(host, port, handler)
         if context is not None:
             # Handshake in the request thread, not in accept(): a slow client must not stall the others.
             self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True,
@@ -115,7 +111,7 @@ class HealthServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self.httpd = _Server((host, port), Handler)
+        self.httpd = http_server(host, port, Handler)
         self.port = self.httpd.server_address[1]
 
     def start(self) -> HealthServer:

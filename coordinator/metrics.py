@@ -14,6 +14,8 @@ COPIES = Gauge("modelcache_cache_copies", "Copies of a cached model by state (av
                ["cache", "state"], registry=REGISTRY)
 WEBHOOK = Counter("modelcache_coordinator_webhook_requests_total", "Admission requests by path and result",
                   ["path", "result"], registry=REGISTRY)
+API_REQUESTS = Counter("modelcache_coordinator_api_requests_total",
+                       "Requests to the API server by HTTP verb (WATCH: a watch opened)", ["verb"], registry=REGISTRY)
 LEADER = Gauge("modelcache_coordinator_leader", "1 while this replica holds the lease", registry=REGISTRY)
 
 

@@ -1,7 +1,8 @@
 """The node label that says "this model is complete on this node", for pod placement.
 
 Scheme: ``downloaded.modelcache.io/<storageKey>: "true"`` on a node whose agent reports
-``ModelDownloaded`` for some LocalModelNode entry with that source URI. ``storageKey`` is
+``ModelDownloaded`` for some LocalModelNode entry with that source URI (reported for that URI
+and that Node: coordinator.reports). ``storageKey`` is
 KServe's folder name (sha256 of the raw URI, 16 hex chars): the label names exactly the folder
 a serving pod mounts, so caches sharing a URI share the label. The coordinator owns every label
 under the prefix: stale ones (model deleted, download failed, node left the group) are removed.
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from coordinator.reports import reported_state
 from modelcache.kube.types import MODEL_DOWNLOADED, status_key
 from modelcache.uri import storage_key
 
@@ -23,16 +25,17 @@ def model_label(source_uri: str) -> str:
     return LABEL_PREFIX + storage_key(source_uri)
 
 
-def downloaded_labels(lmn: Mapping[str, Any] | None) -> set[str]:
-    """Labels the node should carry, from its LocalModelNode (entries reported ModelDownloaded)."""
+def downloaded_labels(lmn: Mapping[str, Any] | None, node_uid: str | None = None) -> set[str]:
+    """Labels the node should carry, from its LocalModelNode: entries its agent reported
+    ModelDownloaded for that entry's URI on this Node (``node_uid``; see coordinator.reports)."""
     if not lmn:
         return set()
-    states = (lmn.get("status") or {}).get("modelStatus") or {}
     out = set()
     for entry in (lmn.get("spec") or {}).get("localModels") or []:
         key = status_key(entry.get("modelName", ""), entry.get("namespace") or None)
-        if states.get(key) == MODEL_DOWNLOADED and entry.get("sourceModelUri"):
-            out.add(model_label(entry["sourceModelUri"]))
+        uri = entry.get("sourceModelUri")
+        if uri and reported_state(lmn, node_uid, key, uri) == MODEL_DOWNLOADED:
+            out.add(model_label(uri))
     return out
 
 

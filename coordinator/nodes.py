@@ -6,7 +6,10 @@ written in one request: with 50 caches on 500 nodes that is one write per node, 
 * the node is a Ready member of one of its groups -> the entry, with KServe's exact fields;
 * the node is a member but NotReady -> whatever entry it has is kept (a flapping node must
   not lose its files);
-* otherwise (not a member, cache deleted or being deleted) -> no entry.
+* the entry's node group does not exist (any more) but the cache still lists it -> kept, as
+  KServe does, for ``--missing-group-grace`` (default: until the group returns; coordinator.grace);
+* otherwise (not a member, cache deleted or being deleted) -> no entry. "Deleted" means gone
+  from the API server, not only from our informer (which can lag): a live read confirms it.
 A deleted Node's LocalModelNode is deleted (KServe orphans it, kserve#6159). The node carries
 ``downloaded.modelcache.io/<storageKey>`` exactly for the models its agent reports
 ModelDownloaded (the pod webhook places serving pods by these labels).
@@ -20,10 +23,10 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from coordinator import entries, metrics, nodelabels
+from coordinator import entries, metrics, nodelabels, reports
 from coordinator.membership import Member
 from coordinator.view import ClusterView, cache_key
-from modelcache.kube.client import LOCAL_MODEL_NODES, NODES
+from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NAMESPACE_CACHES, LOCAL_MODEL_NODES, NODES
 from modelcache.kube.controller import Result
 from modelcache.kube.status import update_if_changed
 
@@ -35,10 +38,13 @@ def desired_models(
     current: list[dict[str, Any]],
     caches: Mapping[str, dict[str, Any]],
     members_of: Callable[[list[str]], Mapping[str, Member]],
+    keep_missing: Callable[[str], bool] = lambda _group: False,
 ) -> list[dict[str, Any]]:
     """The node's ``localModels``: existing entries first, in their order, then new ones by cache key.
 
-    ``caches`` maps cache keys to objects; ``members_of(groups)`` gives a cache's members.
+    ``caches`` maps cache keys to objects; ``members_of(groups)`` gives a cache's members;
+    ``keep_missing(group)`` says whether an entry of a group that does not exist (any more) is
+    kept (coordinator.grace).
     """
     out: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -47,8 +53,12 @@ def desired_models(
         cache = caches.get(key)
         if cache is None or cache["metadata"].get("deletionTimestamp"):
             return None
-        member = members_of(list((cache.get("spec") or {}).get("nodeGroups") or [])).get(node)
+        groups = list((cache.get("spec") or {}).get("nodeGroups") or [])
+        member = members_of(groups).get(node)
         if member is None:
+            group = (have or {}).get("nodeGroup")
+            if have is not None and group in groups and keep_missing(group):
+                return have  # its group vanished (a replace, a prune): keep the files meanwhile
             return None
         if not member.ready:
             return have
@@ -87,18 +97,56 @@ class NodeReconciler:
                 metrics.wrote("LocalModelNode", "delete", self.kube.delete(LOCAL_MODEL_NODES, key) or None)
                 log.info("node %s is gone: deleted its LocalModelNode", key)
             return Result()
-        lmn = self.sync_entries(key, lmn)
-        patch = nodelabels.label_patch(node, nodelabels.downloaded_labels(lmn))
+        lmn = self.sync_entries(key, lmn, node)
+        patch = nodelabels.label_patch(node, nodelabels.downloaded_labels(lmn, reports.node_uid(node)))
         if patch:
             metrics.wrote("Node", "patch")
             self.kube.patch(NODES, key, patch)
-        return Result()
+        return Result(requeue_after=self.view.missing.recheck_after())  # a grace period may run out
 
-    def sync_entries(self, key: str, lmn: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _confirmed_gone(self, current: list[dict[str, Any]], caches: dict[str, dict[str, Any]]) -> None:
+        """Add to ``caches`` the caches of ``current`` entries that our informer does not have but
+        the API server does. The cache informer can lag the LocalModelNode informer (a new
+        cache's entry, written by a leader whose view was ahead of ours, arrives first): an entry
+        is dropped for its cache being gone only once a live read says so."""
+        for have in current:
+            key = cache_key(have.get("namespace") or None, have.get("modelName", ""))
+            if key in caches:
+                continue
+            ns, name = have.get("namespace") or None, have.get("modelName", "")
+            live = self.kube.get_or_none(LOCAL_MODEL_NAMESPACE_CACHES if ns else LOCAL_MODEL_CACHES, name, ns)
+            if live is not None:
+                log.info("cache %s is not in our view yet but exists: keeping its entry on %s", key,
+                         (have.get("nodeGroup") or "?"))
+                caches[key] = live
+
+    def _withdraw_labels(self, node: dict[str, Any], lmn: dict[str, Any] | None, models: list[dict[str, Any]]) -> None:
+        """Before entries leave a LocalModelNode, take their labels off the Node: the agent deletes
+        a model as soon as it sees its entry go, and a label must never outlive its folder, even
+        if we crash between the two writes (the label is added back later if it still holds)."""
+        after = {**(lmn or {}), "spec": {"localModels": models}}
+        keep = nodelabels.downloaded_labels(after, reports.node_uid(node))
+        patch = nodelabels.label_patch(node, keep)
+        drop = {k: v for k, v in ((patch.get("metadata") or {}).get("labels") or {}).items() if v is None}
+        if drop:
+            metrics.wrote("Node", "patch")
+            self.kube.patch(NODES, node["metadata"]["name"], {"metadata": {"labels": drop}})
+            labels = node["metadata"].get("labels") or {}
+            node["metadata"]["labels"] = {k: v for k, v in labels.items() if k not in drop}
+
+    def sync_entries(self, key: str, lmn: dict[str, Any] | None,
+                     node: dict[str, Any] | None = None) -> dict[str, Any] | None:
         current = list(((lmn or {}).get("spec") or {}).get("localModels") or [])
         caches = {cache_key((c["metadata"].get("namespace") or None), c["metadata"]["name"]): c
-                  for c in self.view.caches.store.list() + self.view.ns_caches.store.list()}
-        models = desired_models(key, current, caches, self.view.members)
+                  for c in self.view.caches.store.list(copy_objects=False) +
+                  self.view.ns_caches.store.list(copy_objects=False)}  # read-only: entries copy what they take
+        groups = self.view.group_map()
+
+        def keep(group: str) -> bool:
+            return self.view.missing.keep(group, group in groups)
+
+        self._confirmed_gone(current, caches)
+        models = desired_models(key, current, caches, self.view.members, keep)
         if models == current and lmn is not None:
             return lmn
         if lmn is None:
@@ -115,7 +163,11 @@ class NodeReconciler:
 
         def apply(o: dict[str, Any]) -> None:
             spec = o.setdefault("spec", {})
-            spec["localModels"] = desired_models(key, list(spec.get("localModels") or []), caches, self.view.members)
+            have = list(spec.get("localModels") or [])
+            self._confirmed_gone(have, caches)
+            spec["localModels"] = desired_models(key, have, caches, self.view.members, keep)
+            if node is not None and spec["localModels"] != have:
+                self._withdraw_labels(node, o, spec["localModels"])
 
         written = update_if_changed(self.kube, LOCAL_MODEL_NODES, key, apply, current=lmn)
         metrics.wrote("LocalModelNode", "update", written)

@@ -19,6 +19,7 @@ from modelcache.kube.types import (
     LOCALMODEL_NAMESPACE_LABEL,
     LOCALMODEL_PVC_ANNOTATION,
     LOCALMODEL_SOURCEURI_ANNOTATION,
+    MAX_LABEL_VALUE,
     NODEGROUP_ANNOTATION,
 )
 
@@ -91,8 +92,8 @@ def select_cache(
     ns_first = sorted((c for c in namespace_caches if c.namespace == namespace), key=lambda c: c.name)
     candidates = [*ns_first, *sorted(cluster_caches, key=lambda c: c.name)]
     for cache in candidates:
-        if not match_storage_uri(cache.uri, uri):
-            continue
+        if not match_storage_uri(cache.uri, uri) or len(cache.name) > MAX_LABEL_VALUE:
+            continue  # (a name longer than a label value cannot label the service: refused at creation)
         if wanted_group and wanted_group not in cache.node_groups:
             continue
         group = wanted_group or (cache.node_groups[0] if cache.node_groups else "")

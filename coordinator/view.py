@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
+from coordinator.grace import MissingGroups
 from coordinator.membership import Member, place
 from coordinator.nodelabels import LABEL_PREFIX
 from coordinator.nodeselector import node_ready
@@ -86,6 +88,38 @@ def volume_cache_keys(obj: dict[str, Any] | None) -> list[str]:
     return [cache_key(*owner)] if owner else []
 
 
+#: What the coordinator reads of a Node: its name, labels (membership, our downloaded-model labels)
+#: and Ready condition. A real Node also carries its images (often 100+ of them), addresses,
+#: capacity, annotations and managedFields: tens of KB each, times thousands of nodes.
+NODE_METADATA = ("name", "uid", "resourceVersion", "labels", "deletionTimestamp")
+
+
+def node_essentials(node: dict[str, Any]) -> dict[str, Any]:
+    meta = node.get("metadata") or {}
+    ready = [c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"]
+    return {"apiVersion": node.get("apiVersion"), "kind": node.get("kind"),
+            "metadata": {k: meta[k] for k in NODE_METADATA if k in meta},
+            "status": {"conditions": [{"type": "Ready", "status": c.get("status")} for c in ready]}}
+
+
+def lmn_essentials(lmn: dict[str, Any]) -> dict[str, Any]:
+    """A LocalModelNode as the coordinator reads it: of the agent's status only ``modelStatus``,
+    the ``nodeUID`` it was written for and each model's ``storageKey`` (what a state is believed
+    against: coordinator/reports.py), not its progress or capacity. Its spec and metadata stay
+    whole: the node reconciler writes the object back with a PUT (which ignores status)."""
+    (lmn.get("metadata") or {}).pop("managedFields", None)
+    status = lmn.get("status")
+    if status:
+        kept = {k: status[k] for k in ("modelStatus", "nodeUID") if k in status}
+        details = status.get("modelDetails") or {}
+        keys = {k: {"storageKey": d["storageKey"]} for k, d in details.items()
+                if isinstance(d, dict) and d.get("storageKey")}
+        if keys:
+            kept["modelDetails"] = keys
+        lmn["status"] = kept
+    return lmn
+
+
 def served(kube: Kube, res: Resource) -> bool:
     """Whether the API serves ``res`` (a CRD may be absent: KServe not installed)."""
     try:
@@ -111,14 +145,17 @@ class ClusterView:
     llmisvcs: Informer | None = None
     llm_resource: Resource | None = None
     extra: list[Informer] = field(default_factory=list)
+    #: When node groups went missing: their members' entries are kept meanwhile (coordinator.grace).
+    missing: MissingGroups = field(default_factory=MissingGroups)
     _watch_timeout: int = 300
     #: Bumped after any node or group change that can alter membership (see members()).
     _epoch: int = 0
-    _members: dict[tuple[str, ...], tuple[int, dict[str, Member]]] = field(default_factory=dict)
+    _members: dict[tuple[str, ...], tuple[int, Mapping[str, Member]]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def build(cls, kube: Kube, watch_timeout: int = 300, with_services: bool = True) -> ClusterView:
+    def build(cls, kube: Kube, watch_timeout: int = 300, with_services: bool = True,
+              missing_group_grace: float | None = None) -> ClusterView:
         def inf(res: Resource, **kw: Any) -> Informer:
             return Informer(kube, res, watch_timeout=watch_timeout, retry_delay=1.0, **kw)
 
@@ -127,13 +164,15 @@ class ClusterView:
             caches=inf(LOCAL_MODEL_CACHES),
             ns_caches=inf(LOCAL_MODEL_NAMESPACE_CACHES),
             groups=inf(LOCAL_MODEL_NODE_GROUPS),
-            nodes=inf(NODES),
-            lmns=inf(LOCAL_MODEL_NODES, indexers={BY_CACHE: entry_cache_keys}),
+            nodes=inf(NODES, transform=node_essentials),
+            lmns=inf(LOCAL_MODEL_NODES, indexers={BY_CACHE: entry_cache_keys}, transform=lmn_essentials),
             pvs=inf(PERSISTENT_VOLUMES, label_selector=MANAGED_SELECTOR, indexers={BY_CACHE: volume_cache_keys}),
             pvcs=inf(PERSISTENT_VOLUME_CLAIMS, label_selector=MANAGED_SELECTOR,
                      indexers={BY_CACHE: volume_cache_keys}),
         )
+        view.missing = MissingGroups(missing_group_grace)
         view.nodes.add_handler(view._bump_if_membership)
+        view.groups.add_handler(view.missing.observe)
         view.groups.add_handler(view._bump)
         view._watch_timeout = watch_timeout
         if with_services:
@@ -179,22 +218,24 @@ class ClusterView:
                 node_ready(obj) != node_ready(old):
             self._bump(event, obj, old)
 
-    def members(self, cache_groups: list[str]) -> dict[str, Member]:
+    def members(self, cache_groups: list[str]) -> Mapping[str, Member]:
         """node -> Member for a cache's groups, recomputed only after a relevant node/group change.
 
-        The epoch is bumped after the informer has stored the change, so a result computed under
-        an epoch never predates a change announced by that epoch's successor.
+        Read-only and shared: the node reconciler asks once per cache for every node, so copying
+        it each time (a 500-node group, 200 caches, 5,000 nodes) would dominate. The epoch is
+        bumped after the informer has stored the change, so a result computed under an epoch never
+        predates a change announced by that epoch's successor.
         """
         key = tuple(cache_groups)
         with self._lock:
             epoch, hit = self._epoch, self._members.get(key)
         if hit is not None and hit[0] == epoch:
-            return dict(hit[1])
-        result = place(cache_groups, self.group_map(), self.nodes.store.list())
+            return hit[1]
+        result = MappingProxyType(place(cache_groups, self.group_map(), self.nodes.store.list(copy_objects=False)))
         with self._lock:
             if self._epoch == epoch:
                 self._members[key] = (epoch, result)
-        return dict(result)
+        return result
 
     def informers(self) -> list[Informer]:
         infs = [self.caches, self.ns_caches, self.groups, self.nodes, self.lmns, self.pvs, self.pvcs, *self.extra]
@@ -212,6 +253,14 @@ class ClusterView:
     def synced(self) -> bool:
         return all(inf.synced.is_set() for inf in self.informers())
 
+    def current(self) -> bool:
+        """The informers that decide what nodes hold (caches, groups, Nodes, LocalModelNodes,
+        our volumes) synced and following the server now, none retrying a failed watch: a
+        leader acts only on such a view. The service kinds are left out: KServe can be
+        uninstalled under us, and a kind no longer served must not stop every reconcile."""
+        core = [self.caches, self.ns_caches, self.groups, self.nodes, self.lmns, self.pvs, self.pvcs]
+        return all(inf.current for inf in core)
+
     # -- reads --------------------------------------------------------------------------------
     def cache(self, key: str) -> dict[str, Any] | None:
         return (self.ns_caches if "/" in key else self.caches).store.get(key)
@@ -222,16 +271,18 @@ class ClusterView:
     def cache_refs(self) -> tuple[list[CacheRef], list[CacheRef]]:
         """(namespace caches, cluster caches), skipping those being deleted."""
         def live(inf: Informer) -> list[CacheRef]:
-            return [CacheRef.of(o) for o in inf.store.list() if not (o.get("metadata") or {}).get("deletionTimestamp")]
+            return [CacheRef.of(o) for o in inf.store.list(copy_objects=False)
+                    if not (o.get("metadata") or {}).get("deletionTimestamp")]
         return live(self.ns_caches), live(self.caches)
 
     def group_map(self) -> dict[str, dict[str, Any]]:
-        return {o["metadata"]["name"]: o for o in self.groups.store.list()}
+        """Read-only: the cache's own objects (callers copy what they change)."""
+        return {o["metadata"]["name"]: o for o in self.groups.store.list(copy_objects=False)}
 
     def services_of(self, key: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """(InferenceServices, LLMInferenceServices) labelled with the cache."""
-        isvcs = self.isvcs.store.by_index(BY_CACHE, key) if self.isvcs else []
-        llms = self.llmisvcs.store.by_index(BY_CACHE, key) if self.llmisvcs else []
+        """(InferenceServices, LLMInferenceServices) labelled with the cache; read-only."""
+        isvcs = self.isvcs.store.by_index(BY_CACHE, key, copy_objects=False) if self.isvcs else []
+        llms = self.llmisvcs.store.by_index(BY_CACHE, key, copy_objects=False) if self.llmisvcs else []
         return isvcs, llms
 
     def service_informers(self) -> Iterable[Informer]:

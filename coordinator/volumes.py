@@ -10,23 +10,32 @@ garbage collector cleans up even if we never get to).
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from coordinator.urimatch import serving_pvc_name
-from modelcache.kube.types import API_VERSION, NODEGROUP_ANNOTATION
+from modelcache.kube.types import API_VERSION, NODEGROUP_ANNOTATION, label_value
 
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "modelcache-coordinator"
 CACHE_LABEL = "modelcache.io/cache"
 CACHE_NAMESPACE_LABEL = "modelcache.io/cache-namespace"
 GROUP_LABEL = "modelcache.io/node-group"
+#: The cache's whole name: the labels hold names of up to 63 characters, longer ones hashed.
+CACHE_ANNOTATION = "modelcache.io/cache"
 MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
+MAX_NAME = 253
 
 
 def serving_pv_name(cache: str, group: str, namespace: str) -> str:
-    return f"{cache}-{group}-{namespace}"
+    """KServe's name, or, where that would pass the 253 characters of an object name, the same
+    shortened with a hash (KServe's PV creation fails then)."""
+    name = f"{cache}-{group}-{namespace}"
+    if len(name) <= MAX_NAME:
+        return name
+    return f"{name[:MAX_NAME - 17].rstrip('-.')}-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
 
 
 @dataclass(frozen=True)
@@ -75,10 +84,21 @@ def desired_pairs(
 
 def _labels(cache: Mapping[str, Any], group: str) -> dict[str, str]:
     meta = cache.get("metadata") or {}
-    labels = {MANAGED_BY_LABEL: MANAGED_BY, CACHE_LABEL: meta["name"], GROUP_LABEL: group}
+    labels = {MANAGED_BY_LABEL: MANAGED_BY, CACHE_LABEL: label_value(meta["name"]), GROUP_LABEL: label_value(group)}
     if meta.get("namespace"):
         labels[CACHE_NAMESPACE_LABEL] = meta["namespace"]
     return labels
+
+
+def _meta(cache: Mapping[str, Any], pair: VolumePair, namespaced: bool) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": pair.pvc_name if namespaced else pair.pv_name,
+                            "labels": _labels(cache, pair.group),
+                            "annotations": {CACHE_ANNOTATION: (cache.get("metadata") or {})["name"]}}
+    if namespaced:
+        meta["namespace"] = pair.namespace
+    if owners := _owner(cache):
+        meta["ownerReferences"] = owners
+    return meta
 
 
 def _owner(cache: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -92,25 +112,31 @@ def _owner(cache: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def pv_body(cache: Mapping[str, Any], group: Mapping[str, Any], pair: VolumePair) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": pair.pv_name, "labels": _labels(cache, pair.group)}
-    if owners := _owner(cache):
-        meta["ownerReferences"] = owners
+    """The group's PV spec, pre-bound to our claim (``claimRef``): no other Pending claim of the
+    same class can take it first."""
     spec = copy.deepcopy((group.get("spec") or {}).get("persistentVolumeSpec") or {})
-    return {"metadata": meta, "spec": spec}
+    spec["claimRef"] = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "namespace": pair.namespace,
+                        "name": pair.pvc_name}
+    return {"metadata": _meta(cache, pair, namespaced=False), "spec": spec}
 
 
 def pvc_body(cache: Mapping[str, Any], group: Mapping[str, Any], pair: VolumePair) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": pair.pvc_name, "namespace": pair.namespace, "labels": _labels(cache, pair.group)}
-    if owners := _owner(cache):
-        meta["ownerReferences"] = owners
-    spec = copy.deepcopy((group.get("spec") or {}).get("persistentVolumeClaimSpec") or {})
+    """The group's PVC spec bound to our PV by name, with the PV's storage class: a claim that
+    names none would get the cluster's default class at admission and never match the PV."""
+    group_spec = group.get("spec") or {}
+    spec = copy.deepcopy(group_spec.get("persistentVolumeClaimSpec") or {})
     spec["volumeName"] = pair.pv_name
-    return {"metadata": meta, "spec": spec}
+    if spec.get("storageClassName") is None:
+        spec["storageClassName"] = (group_spec.get("persistentVolumeSpec") or {}).get("storageClassName") or ""
+    return {"metadata": _meta(cache, pair, namespaced=True), "spec": spec}
 
 
 def cache_of(obj: Mapping[str, Any]) -> tuple[str | None, str] | None:
-    """(cache namespace or None, cache name) a managed PV/PVC belongs to, from its labels."""
-    labels = (obj.get("metadata") or {}).get("labels") or {}
+    """(cache namespace or None, cache name) a managed PV/PVC belongs to (the whole name from our
+    annotation; volumes made before it was written carry the name in their label)."""
+    meta = obj.get("metadata") or {}
+    labels = meta.get("labels") or {}
     if labels.get(MANAGED_BY_LABEL) != MANAGED_BY or CACHE_LABEL not in labels:
         return None
-    return labels.get(CACHE_NAMESPACE_LABEL) or None, labels[CACHE_LABEL]
+    name = (meta.get("annotations") or {}).get(CACHE_ANNOTATION) or labels[CACHE_LABEL]
+    return labels.get(CACHE_NAMESPACE_LABEL) or None, name

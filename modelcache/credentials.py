@@ -162,10 +162,30 @@ _SYSTEM_CA_FILES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca
 _merged_bundles: dict[tuple[str, int], str] = {}
 
 
+def _bundle_dir() -> str:
+    """``<tmp>/modelcache-ca-<uid>``: ours alone (0700, owned by us), else a fresh private one."""
+    import stat
+    import tempfile
+
+    folder = os.path.join(tempfile.gettempdir(), f"modelcache-ca-{os.getuid()}")
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return tempfile.mkdtemp(prefix="modelcache-ca-")
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return tempfile.mkdtemp(prefix="modelcache-ca-")  # not ours to trust: never reuse it
+    return folder
+
+
 def merged_ca_bundle(custom: str) -> str:
     """KServe merges ``cabundle.crt`` with the system and certifi bundles, so the custom CA is
-    trusted in addition to the public ones; we do the same, once per bundle, in a private file."""
-    import tempfile
+    trusted in addition to the public ones; we do the same, in a private file named after its
+    content: every process (each initializer run, each agent start) that merges the same
+    bundles reuses one file instead of leaving another in the temp folder."""
+    import hashlib
 
     try:
         key = (custom, os.stat(custom).st_mtime_ns)
@@ -187,9 +207,20 @@ def merged_ca_bundle(custom: str) -> str:
                 parts.append(fh.read())
     with open(custom, "rb") as fh:
         parts.append(fh.read())
-    fd, merged = tempfile.mkstemp(prefix="modelcache-ca-", suffix=".crt")
-    with os.fdopen(fd, "wb") as out:
-        out.write(b"\n".join(parts))
+    content = b"\n".join(parts)
+    digest = hashlib.sha256(content).hexdigest()
+    folder = _bundle_dir()
+    merged = os.path.join(folder, f"{digest[:32]}.crt")
+    try:
+        with open(merged, "rb") as fh:
+            same = hashlib.sha256(fh.read()).hexdigest() == digest
+    except OSError:
+        same = False
+    if not same:
+        tmp = f"{merged}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as out:
+            out.write(content)
+        os.replace(tmp, merged)  # atomic: a concurrent reader sees a whole bundle
     _merged_bundles[key] = merged
     return merged
 

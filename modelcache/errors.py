@@ -17,6 +17,12 @@ class ModelcacheError(Exception):
     retryable = False
 
 
+class CancelledError(ModelcacheError):
+    """The caller cancelled the pull (staged data is kept for a resume)."""
+
+    reason = "Cancelled"
+
+
 class InvalidURIError(ModelcacheError, ValueError):
     reason = "InvalidURI"
 

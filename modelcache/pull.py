@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from modelcache.credentials import Settings
 from modelcache.diskio import fsync_tree
-from modelcache.errors import InsufficientSpaceError, ModelcacheError, NotFoundError
+from modelcache.errors import CancelledError, InsufficientSpaceError, ModelcacheError, NotFoundError
 from modelcache.journal import Journal, JournalState
 from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.sources.base import RemoteFile, Source, open_source
@@ -237,8 +237,9 @@ def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
     )
 
 
-def _extract(m: _Model, progress: ProgressTracker) -> list[FetchedFile] | None:
-    """Sources whose layout is not file-per-object (OCI modelcar) write the tree themselves."""
+def _extract(m: _Model, progress: ProgressTracker, cancel: threading.Event | None = None) -> list[FetchedFile] | None:
+    """Sources whose layout is not file-per-object (OCI modelcar) write the tree themselves;
+    ``cancel`` stops them at their next block read (the engine's own watcher does not see them)."""
     assert m.source is not None
     if not m.source.extracts_itself:
         return None
@@ -255,6 +256,7 @@ def _extract(m: _Model, progress: ProgressTracker) -> list[FetchedFile] | None:
 
     def on_bytes(n: int) -> None:
         nonlocal counted
+        _check_cancel(cancel, m)
         if not counted:  # totals only once the source really extracts (else the engine counts)
             counted = True
             progress.add_total(sum(f.size or 0 for f in m.files), len(m.files))
@@ -281,11 +283,16 @@ def _extract(m: _Model, progress: ProgressTracker) -> list[FetchedFile] | None:
     return out
 
 
+def _check_cancel(cancel: threading.Event | None, m: _Model) -> None:
+    if cancel is not None and cancel.is_set():
+        raise CancelledError(f"{m.location.display}: download cancelled (staged data kept for a resume)")
+
+
 @contextlib.contextmanager
-def _locked(models: Sequence[_Model]) -> Iterator[None]:
+def _locked(models: Sequence[_Model], cancel: threading.Event | None = None) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for m in sorted(models, key=lambda m: str(m.store.layout.lock_path(m.key))):  # one order: no deadlock
-            stack.enter_context(m.store.lock(m.key))
+            stack.enter_context(m.store.lock(m.key, cancel=cancel))
         yield
 
 
@@ -307,10 +314,12 @@ def pull_many(
     ``admit`` is called once per model after its listing and before any byte is written, with
     what the download needs; it may raise (e.g. InsufficientSpaceError from the agent's
     reservations against a node group's storage limit) to refuse that model. Setting
-    ``cancel`` stops the transfer; staged data is kept for a later resume. ``guard`` may refuse
-    to replace a model folder that is there but not complete (the CLI's mount check).
-    ``peers`` (the agent's) lets other nodes' agents serve pieces of the models and this node
-    serve what it fetched (``modelcache.peers``); files are verified exactly as without.
+    ``cancel`` stops the pull wherever it is (waiting for another process's lock, between
+    steps, transferring, extracting an image) with CancelledError; staged data is kept for a
+    later resume. ``guard`` may refuse to replace a model folder that is there but not complete
+    (the CLI's mount check). ``peers`` (the agent's) lets other nodes' agents serve pieces of
+    the models and this node serve what it fetched (``modelcache.peers``); files are verified
+    exactly as without.
     """
     options = (options or TransferOptions()).normalized()
     if peers is not None:
@@ -348,7 +357,7 @@ def pull_many(
             m.store.touch(m.key)
             m.result = _finish(m, [], cached=True)
     try:
-        with _locked([m for m in models.values() if m.result is None]):
+        with _locked([m for m in models.values() if m.result is None], cancel):
             jobs: list[FileJob] = []
             for m in models.values():
                 if m.result is not None:
@@ -360,6 +369,7 @@ def pull_many(
                         m.result = _finish(m, [], cached=True)
                         continue
                     m.store.check_replaceable(m.key)  # before the download, not after it
+                    _check_cancel(cancel, m)
                     _list(m, settings)
                     if admit is not None and m.source.extracts_itself:
                         # Extracted layouts write before the engine path would ask: admit their
@@ -370,7 +380,8 @@ def pull_many(
                         admitted = True
                     else:
                         admitted = False
-                    extracted = _extract(m, progress)
+                    _check_cancel(cancel, m)
+                    extracted = _extract(m, progress, cancel)
                     if extracted is not None:
                         m.result = _finish(m, extracted, cached=False)
                         continue

@@ -25,6 +25,7 @@ import os
 import posixpath
 import re
 import shutil
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -33,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from modelcache.diskio import fsync_dir, store_error
-from modelcache.errors import ModelInUseError, StoreError
+from modelcache.errors import CancelledError, ModelInUseError, StoreError
 from modelcache.integrity import hash_file
 from modelcache.lockscope import check_exclusive
 
@@ -225,6 +226,17 @@ class DestLayout(Layout):
 Guard = Callable[[str, Path], None]
 
 
+def _flock_until(fd: int, cancel: threading.Event, key: str, poll: float = 0.1) -> None:
+    while True:
+        if cancel.is_set():
+            raise CancelledError(f"model {key}: cancelled while waiting for another modelcache process to finish it")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            cancel.wait(poll)
+
+
 class NodeStore:
     def __init__(self, layout: Layout, guard: Guard | None = None) -> None:
         self.layout = layout
@@ -243,8 +255,12 @@ class NodeStore:
     # ---- locking ----------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def lock(self, key: str, blocking: bool = True) -> Iterator[None]:
-        """Exclusive per-model lock across processes: two pulls of one model download once."""
+    def lock(self, key: str, blocking: bool = True, cancel: threading.Event | None = None) -> Iterator[None]:
+        """Exclusive per-model lock across processes: two pulls of one model download once.
+
+        A blocking wait with ``cancel`` polls instead of sleeping in ``flock``, so setting it ends
+        the wait (CancelledError): a process told to stop is never stuck behind another's pull.
+        """
         path = self.layout.lock_path(key)
         check_exclusive(self.layout.base)  # flock that other hosts ignore would exclude nothing
         try:
@@ -257,7 +273,10 @@ class NodeStore:
                 raise store_error(exc, str(path), "locking") from exc
         try:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+                if blocking and cancel is not None:
+                    _flock_until(fd, cancel, key)
+                else:
+                    fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
             except BlockingIOError as exc:
                 raise ModelInUseError(
                     f"model {key} is in use by another modelcache process (a pull or rm); retry when it is done"
@@ -448,7 +467,7 @@ class NodeStore:
             return d
         return target.parent
 
-    def _clear_trash(self) -> None:
+    def clear_trash(self) -> None:
         """Delete trash folders a crash left between a rename and its delete."""
         assert isinstance(self.layout, NodeLayout)
         for folder in (self.layout.meta / "staging", self.layout.root / "models"):
@@ -467,7 +486,7 @@ class NodeStore:
         if not isinstance(self.layout, NodeLayout):
             raise StoreError("gc needs a node store root")
         if not dry_run:
-            self._clear_trash()
+            self.clear_trash()
             self._clear_stale_staging(stale_staging_after)
         free = self.free_bytes()
         evicted: list[StoreEntry] = []

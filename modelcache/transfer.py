@@ -24,7 +24,7 @@ from typing import Any
 from tenacity import Retrying
 
 from modelcache.diskio import ALIGN, BufferPool, FileWriter, direct_io_supported
-from modelcache.errors import IntegrityError, ModelcacheError, RateLimitedError, TransientError
+from modelcache.errors import CancelledError, IntegrityError, ModelcacheError, RateLimitedError, TransientError
 from modelcache.integrity import MultiHasher
 from modelcache.journal import Journal, JournalState
 from modelcache.progress import ProgressTracker
@@ -168,7 +168,7 @@ class TransferEngine:
     def _check_cancelled(self, st: _FileState) -> None:
         """Stop fetching for a cancelled run or a model that already failed (not retried)."""
         if self._cancel.is_set():
-            raise ModelcacheError(f"{st.job.remote.path}: download cancelled (staged data kept for a resume)")
+            raise CancelledError(f"{st.job.remote.path}: download cancelled (staged data kept for a resume)")
         failed = self._failed_groups.get(st.job.group)
         if failed is not None:
             raise ModelcacheError(f"{st.job.remote.path}: stopped: another file of the model failed ({failed})")
@@ -227,7 +227,7 @@ class TransferEngine:
             pool.close()
         for st in self._states:  # cancelled before it finished: never a partial result
             if not st.finished and st.job.group not in self._failed_groups:
-                self._failed_groups[st.job.group] = ModelcacheError(
+                self._failed_groups[st.job.group] = CancelledError(
                     f"{st.job.remote.path}: download cancelled (staged data kept for a resume)")
         results: dict[str, list[FetchedFile]] = {}
         for st in self._states:

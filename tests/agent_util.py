@@ -32,7 +32,7 @@ from modelcache.kube.client import (
 from tests.helpers import REPO, stop_process, wait_until
 
 #: deploy/'s credential namespace: the only one whose Secrets the agent's RBAC lets it read.
-CRED_NS = "modelcache-system"
+CRED_NS = "modelcache-credentials"
 #: Short timings so failures, retries and checks happen within a test's few seconds.
 FAST_FLAGS = ("--backoff-initial", "0.5", "--backoff-max", "2", "--status-interval", "0.5",
               "--removal-recheck", "0.3", "--resync-period", "5", "--space-margin", "1Mi",
@@ -78,7 +78,8 @@ class AgentProc:
 
 
 def start_agent(kubeconfig: Path | None, node: str, root: Path, workdir: Path, *extra: str,
-                env: dict[str, str] | None = None, name: str = "") -> AgentProc:
+                env: dict[str, str] | None = None, name: str = "", code: Path = REPO) -> AgentProc:
+    """``code``: the source tree to run (an earlier release's, for upgrade tests)."""
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"agent-{name or node}-{time.monotonic_ns()}.log"
     cmd = [sys.executable, "-m", "agent", "--node", node, "--root", str(root), "--port", "0",
@@ -88,7 +89,7 @@ def start_agent(kubeconfig: Path | None, node: str, root: Path, workdir: Path, *
     penv = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "KUBECONFIG"))}
     penv.update(env or {})
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=penv)
+        proc = subprocess.Popen(cmd, cwd=code, stdout=out, stderr=subprocess.STDOUT, env=penv)
     return AgentProc(node, root, log_path, proc)
 
 

@@ -53,6 +53,12 @@ def make_group(kube: Kube, name: str, label_value: str = "worker", path: str = "
     }})
 
 
+def group_manifest(kube: Kube, name: str) -> dict[str, Any]:
+    """A node group as its manifest in git would have it (for a re-apply or `kubectl replace`)."""
+    obj = kube.get(LOCAL_MODEL_NODE_GROUPS, name)
+    return {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "metadata": {"name": name}, "spec": obj["spec"]}
+
+
 def make_cache(kube: Kube, name: str, uri: str, groups: list[str], namespace: str | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"metadata": {"name": name}, "spec": {"sourceModelUri": uri, "modelSize": "1Mi",
                                                                   "nodeGroups": groups}}
@@ -100,3 +106,50 @@ def without_service_crds(cluster: Any) -> None:
 def register_webhooks(cluster: Any, coordinator: Any) -> None:
     """deploy/webhooks/*.yaml as shipped, but called by the API server at the coordinator's port."""
     cluster_webhooks(cluster.cp, coordinator.cfg.webhook_port, coordinator.cfg.webhook_cert_dir / "tls.crt")
+
+
+def agent_report(kube: Kube, node: str, states: dict[str, tuple[str, str]], node_uid: str | None = None) -> None:
+    """Act as our agent: ``modelStatus`` with the details naming each entry's storageKey and URI,
+    and the uid of the Node it read (``states``: status key -> (state, sourceModelUri))."""
+    from modelcache.uri import storage_key
+
+    status: dict[str, Any] = {
+        "modelStatus": {k: s for k, (s, _uri) in states.items()},
+        "modelDetails": {k: {"state": s, "storageKey": storage_key(uri), "sourceModelUri": uri}
+                         for k, (s, uri) in states.items()},
+    }
+    if node_uid:
+        status["nodeUID"] = node_uid
+    kube.patch_status(LOCAL_MODEL_NODES, node, {"status": status})
+
+
+class ReconcileProbe:
+    """Wraps one controller of an in-process coordinator: every reconcile it finishes, with what
+    ``snapshot(key)`` said when it began (so a test knows a reconcile saw a given state)."""
+
+    def __init__(self, coordinator: Any, controller: str, snapshot: Any = lambda _key: None) -> None:
+        import threading
+
+        ctl = next(c for c in coordinator.manager.controllers if c.name == controller)
+        self.controller = ctl
+        self.done: list[tuple[str, Any]] = []
+        self._lock = threading.Lock()
+        inner = ctl.reconcile
+
+        def run(key: str) -> Any:
+            seen = snapshot(key)
+            try:
+                return inner(key)
+            finally:
+                with self._lock:
+                    self.done.append((key, seen))
+
+        ctl.reconcile = run
+
+    def finished(self, key: str, when: Any = lambda _seen: True) -> bool:
+        with self._lock:
+            return any(k == key and when(seen) for k, seen in self.done)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.done)

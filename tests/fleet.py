@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modelcache.kube.client import LOCAL_MODEL_NODES, SECRETS, Kube
+from modelcache.kube.client import LOCAL_MODEL_NODES, Kube
 from modelcache.uri import storage_key
+from tests.agent_util import create_secret
 from tests.faultproxy import FaultProxy
 
 AGENT_NS, AGENT_SA = "modelcache-system", "modelcache-agent"
@@ -78,10 +79,11 @@ def upload_model(s3: Any, bucket: str, prefix: str, files: dict[str, bytes]) -> 
 
 
 def storage_secret(kube: Kube, endpoint: str, access_key: str, secret_key: str, name: str = "storage-config") -> None:
-    """The storage-config secret (KServe's) with one entry, ``fleet``, for S3 at ``endpoint``."""
+    """The storage-config secret (KServe's) in the credential namespace, with one entry, ``fleet``, for S3
+    at ``endpoint``."""
     cfg = {"type": "s3", "access_key_id": access_key, "secret_access_key": secret_key, "endpoint_url": endpoint,
            "region": "us-east-1"}
-    kube.create(SECRETS, {"metadata": {"name": name}, "stringData": {STORAGE_KEY_NAME: json.dumps(cfg)}}, AGENT_NS)
+    create_secret(kube, name, {STORAGE_KEY_NAME: json.dumps(cfg)})
 
 
 def entry(name: str, uri: str) -> dict[str, Any]:

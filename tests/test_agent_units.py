@@ -183,12 +183,13 @@ def test_retry_backoff_doubles_up_to_the_cap_and_counts_errors_by_reason(tmp_pat
         for _ in range(5):
             before = time.monotonic()
             agent._failed(rec, TransientError("http://h/m.bin: HTTP 503"), 0.1, "http")
-            m = re.search(r"\(retry (\d+) in (\d+)s\)$", rec.message)
-            assert m, rec.message
+            assert rec.failure is not None
+            m = re.search(r"\(retry (\d+) in (\d+)s\)$", rec.failure.message)
+            assert m, rec.failure.message
             delays.append(int(m.group(2)))
             assert before + delays[-1] - 0.5 <= rec.next_attempt <= time.monotonic() + delays[-1] + 0.5
         assert delays == [1, 2, 4, 4, 4]  # exponential, capped at --backoff-max
-        assert rec.state == MODEL_DOWNLOAD_ERROR and rec.reason == "Transient"
+        assert rec.state(present=False) == MODEL_DOWNLOAD_ERROR and rec.failure.reason == "Transient"
         text = agent.metrics.render().decode()
         assert 'modelcache_agent_errors_total{reason="Transient"} 5.0' in text
         assert 'modelcache_agent_download_duration_seconds_count{outcome="error",scheme="http"} 5.0' in text

@@ -252,10 +252,16 @@ def test_serving_volumes() -> None:
     p = pairs[("a", "g1")]
     assert (p.pv_name, p.pvc_name) == ("m-g1-a", "m-g1")
     pv = volumes.pv_body(c, groups["g1"], p)
+    # The group's PV spec, pre-bound to our claim.
+    claim_ref = pv["spec"].pop("claimRef")
+    assert claim_ref == {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "namespace": "a", "name": "m-g1"}
     assert pv["spec"] == groups["g1"]["spec"]["persistentVolumeSpec"]
     assert pv["metadata"]["ownerReferences"][0]["uid"] == "uid-m"
     pvc = volumes.pvc_body(c, groups["g1"], p)
     assert pvc["spec"]["volumeName"] == "m-g1-a" and pvc["metadata"]["namespace"] == "a"
+    # The claim names the PV's class (none here: "", so no default class is given at admission).
+    assert pvc["spec"]["storageClassName"] == (groups["g1"]["spec"]["persistentVolumeSpec"].get("storageClassName")
+                                               or "")
     assert volumes.cache_of(pvc) == (None, "m")
     nc = cache("m", "s3://b/m", ["g1"], ns="a")
     assert sorted(volumes.desired_pairs(nc, groups, uses)) == [("a", "g1")]
@@ -336,6 +342,12 @@ def test_event_predicates_ignore_noise() -> None:
     assert not entries_or_states_changed("MODIFIED", progress, lmn)
     assert entries_or_states_changed("MODIFIED", {**lmn, "status": {"modelStatus": {"m": "ModelDownloaded"}}}, lmn)
     assert entries_or_states_changed("MODIFIED", {**lmn, "spec": {"localModels": []}}, lmn)
+    # What decides whether a state is believed (coordinator.reports): the details' storageKey, the Node.
+    keyed = {**lmn, "status": {**lmn["status"], "modelDetails": {"m": {"storageKey": "k1", "bytesDone": 5}}}}
+    assert entries_or_states_changed("MODIFIED", keyed, progress)
+    assert not entries_or_states_changed("MODIFIED", {**keyed, "status": {**keyed["status"], "modelDetails": {
+        "m": {"storageKey": "k1", "bytesDone": 9}}}}, keyed)
+    assert entries_or_states_changed("MODIFIED", {**keyed, "status": {**keyed["status"], "nodeUID": "u2"}}, keyed)
 
 
 @pytest.mark.parametrize("fail_closed", [False, True])

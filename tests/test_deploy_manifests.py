@@ -4,29 +4,18 @@ RBAC keep the contracts the agent and coordinator rely on (least privilege, down
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import tomllib
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
 
 import pytest
 import yaml
 from kubernetes import client
 
-from tests.cluster.build import BIN
-from tests.fixtures.cluster import Cluster, require_binaries
+from tests.deploy_util import DEPLOY, Obj, find, render
+from tests.fixtures.cluster import Cluster
 from tests.helpers import REPO
-
-DEPLOY = REPO / "deploy"
-Obj = dict[str, Any]
-
-
-def render() -> list[Obj]:
-    """`kubectl kustomize deploy/` with the kubectl built beside the test control plane."""
-    require_binaries()
-    out = subprocess.run([str(BIN / "kubectl"), "kustomize", str(DEPLOY)], capture_output=True, text=True,
-                         check=True).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
 
 
 @pytest.fixture(scope="module")
@@ -34,16 +23,10 @@ def rendered() -> list[Obj]:
     return render()
 
 
-def find(docs: list[Obj], kind: str, name: str) -> Obj:
-    matches = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(matches) == 1, f"expected one {kind}/{name}, found {len(matches)}"
-    return matches[0]
-
-
 def test_every_yaml_under_deploy_is_part_of_the_kustomization(rendered: list[Obj]) -> None:
     on_disk = {
         (d["kind"], d["metadata"]["name"])
-        for p in DEPLOY.rglob("*.yaml") if p.name != "kustomization.yaml"
+        for p in DEPLOY.rglob("*.yaml") if p.name != "kustomization.yaml" and "components" not in p.parts
         for d in yaml.safe_load_all(p.read_text()) if d
     }
     assert on_disk == {(d["kind"], d["metadata"]["name"]) for d in rendered}
@@ -125,17 +108,24 @@ def test_no_wildcards_in_any_rule(rendered: list[Obj]) -> None:
 def test_agent_rbac_is_least_privilege(rendered: list[Obj]) -> None:
     cluster = rules(rendered, "ClusterRole", "modelcache-agent")
     assert verbs_for(cluster, "serving.kserve.io", "localmodelnodes") == {"get", "list", "watch"}
-    assert verbs_for(cluster, "serving.kserve.io", "localmodelnodes/status") <= {"get", "patch", "update"}
-    assert verbs_for(cluster, "", "pods") == {"list", "watch"}
+    assert verbs_for(cluster, "serving.kserve.io", "localmodelnodes/status") == {"patch"}
+    assert verbs_for(cluster, "", "pods") == {"list"}
     assert verbs_for(cluster, "", "persistentvolumeclaims") == verbs_for(cluster, "", "persistentvolumes") == {"get"}
-    assert verbs_for(cluster, "serving.kserve.io", "localmodelnodegroups") == {"get", "list", "watch"}
+    assert verbs_for(cluster, "serving.kserve.io", "localmodelnodegroups") == {"list", "watch"}
     assert verbs_for(cluster, "", "secrets") == set()  # never cluster-wide
+    assert verbs_for(cluster, "", "nodes") == {"get"}  # its own Node's uid (status.nodeUID), nothing more
     writable = {(g, r) for g, r, v, _ in cluster if v - {"get", "list", "watch"}}
-    assert writable <= {("serving.kserve.io", "localmodelnodes/status"), ("", "events"), ("events.k8s.io", "events"),
-                        ("authentication.k8s.io", "tokenreviews")}
+    assert writable == {("serving.kserve.io", "localmodelnodes/status"), ("authentication.k8s.io", "tokenreviews")}
     assert verbs_for(cluster, "authentication.k8s.io", "tokenreviews") == {"create"}  # peers' tokens
+    assert not any(g == "events.k8s.io" for doc in rendered for g, *_ in (rules(rendered, doc["kind"],
+                   doc["metadata"]["name"]) if doc["kind"] in ("Role", "ClusterRole") else []))
+    events = find(rendered, "Role", "modelcache-agent-events")
+    assert events["metadata"]["namespace"] == "default"  # where Events of cluster-scoped objects go
+    # Credentials: a namespace of their own, so the agent reads no Secret of modelcache-system.
     role = find(rendered, "Role", "modelcache-agent-credentials")
-    assert role["metadata"]["namespace"] == "modelcache-system"
+    ds = find(rendered, "DaemonSet", "modelcache-agent")
+    env = {e["name"]: e for e in ds["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert role["metadata"]["namespace"] == env["MODELCACHE_CREDENTIALS_NAMESPACE"]["value"] == "modelcache-credentials"
     ns_rules = rules(rendered, "Role", "modelcache-agent-credentials")
     assert verbs_for(ns_rules, "", "secrets") == {"get"}
     assert verbs_for(ns_rules, "", "serviceaccounts") == {"get"}
@@ -145,28 +135,44 @@ def test_coordinator_rbac_covers_its_reconcilers_and_no_more(rendered: list[Obj]
     cluster = rules(rendered, "ClusterRole", "modelcache-coordinator")
     kserve = "serving.kserve.io"
     for res in ("localmodelcaches", "localmodelnamespacecaches"):
-        assert {"get", "list", "watch", "patch"} <= verbs_for(cluster, kserve, res)
-        assert {"patch", "update"} <= verbs_for(cluster, kserve, f"{res}/status")
-        assert "update" in verbs_for(cluster, kserve, f"{res}/finalizers")
+        assert verbs_for(cluster, kserve, res) == {"get", "list", "watch", "update"}
+        assert verbs_for(cluster, kserve, f"{res}/status") == {"patch"}
         assert "delete" not in verbs_for(cluster, kserve, res)  # users own their caches
-    assert {"create", "patch", "delete", "watch"} <= verbs_for(cluster, kserve, "localmodelnodes")
+    assert verbs_for(cluster, kserve, "localmodelcaches/finalizers") == {"update"}
+    assert verbs_for(cluster, kserve, "localmodelnamespacecaches/finalizers") == set()  # they own nothing
+    assert verbs_for(cluster, kserve, "localmodelnodes") == {"get", "list", "watch", "create", "update", "delete"}
     assert verbs_for(cluster, kserve, "localmodelnodegroups") == {"get", "list", "watch"}
+    assert verbs_for(cluster, kserve, "clusterstoragecontainers") == set()  # never read
     for res in ("inferenceservices", "llminferenceservices"):
-        assert verbs_for(cluster, kserve, res) == {"get", "list", "watch", "patch"}
+        assert verbs_for(cluster, kserve, res) == {"list", "watch", "patch"}
     for res in ("persistentvolumes", "persistentvolumeclaims"):
-        assert {"create", "delete", "watch"} <= verbs_for(cluster, "", res)
-    assert verbs_for(cluster, "", "nodes") == {"get", "list", "watch", "patch"}
+        assert verbs_for(cluster, "", res) == {"list", "watch", "create", "delete"}
+    assert verbs_for(cluster, "", "nodes") == {"list", "watch", "patch"}
     assert verbs_for(cluster, "", "pods") == set()  # the pod webhook gets pods in the AdmissionReview
     assert verbs_for(cluster, "", "secrets") == set()
     assert verbs_for(cluster, "coordination.k8s.io", "leases") == set()  # only in its namespace
+    # Webhook configurations and the namespace: only ours, by name.
+    named = {(g, r): names for g, r, _v, names in cluster if names}
+    assert named == {("admissionregistration.k8s.io", "mutatingwebhookconfigurations"): ("modelcache-pod-mutator",),
+                     ("admissionregistration.k8s.io", "validatingwebhookconfigurations"):
+                         ("modelcache-cache-validator",),
+                     ("", "namespaces"): ("modelcache-system",),
+                     ("apiextensions.k8s.io", "customresourcedefinitions"): (
+                         "inferenceservices.serving.kserve.io", "llminferenceservices.serving.kserve.io")}
     ns_rules = rules(rendered, "Role", "modelcache-coordinator")
     assert verbs_for(ns_rules, "coordination.k8s.io", "leases") == {"get", "create", "update"}
+    # The webhook Secret: readable by name only; create cannot be limited to a name.
+    dep = find(rendered, "Deployment", "modelcache-coordinator")
+    secret = next(a.split("=", 1)[1] for a in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+                  if a.startswith("--webhook-cert-secret="))
+    assert {(v, n) for g, r, vs, n in ns_rules if r == "secrets" for v in vs} == {
+        ("create", ()), ("get", (secret,)), ("list", (secret,)), ("watch", (secret,)), ("update", (secret,))}
 
 
 def test_bindings_point_at_existing_roles_and_service_accounts(rendered: list[Obj]) -> None:
     sas = {(d["metadata"]["namespace"], d["metadata"]["name"]) for d in rendered if d["kind"] == "ServiceAccount"}
     bindings = [d for d in rendered if d["kind"] in ("RoleBinding", "ClusterRoleBinding")]
-    assert len(bindings) == 4
+    assert len(bindings) == 5
     for b in bindings:
         role_kind = b["roleRef"]["kind"]
         role = find(rendered, role_kind, b["roleRef"]["name"])
@@ -210,10 +216,17 @@ def test_agent_daemonset_contract(rendered: list[Obj]) -> None:
     env = {e["name"]: e for e in agent["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert "--node=$(NODE_NAME)" in agent["args"] and "--root=/mnt/models" in agent["args"]
-    # The agent recognises its root in node group PVs by the host path it is mounted from.
+    # The host path is named once (the volume): the agent reads it from its own Pod.
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert "MODELCACHE_HOST_PATH" not in env
+    rendered_text = yaml.safe_dump_all(rendered)
     host_root = next(v for v in pod["volumes"] if v["name"] == "hostroot")["hostPath"]["path"]
-    assert env["MODELCACHE_HOST_PATH"]["value"] == host_root
+    assert rendered_text.count(f" {host_root}\n") == 1
     assert agent["command"] == ["modelcache-agent"]
+    # Runs wherever the nodeSelector says, whatever the taints, and is not preempted there.
+    assert pod["tolerations"] == [{"operator": "Exists"}]
+    assert pod["priorityClassName"] == "system-node-critical"
     volumes = {v["name"]: v for v in pod["volumes"]}
     (root_mount,) = [m for m in agent["volumeMounts"] if m["mountPath"] == "/mnt/models"]
     assert volumes[root_mount["name"]]["hostPath"]["type"] == "DirectoryOrCreate"
@@ -248,29 +261,67 @@ def test_coordinator_deployment_service_and_webhooks_line_up(rendered: list[Obj]
     env = {e["name"]: e for e in coord["env"]}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"  # lease identity
     assert dep["spec"]["replicas"] >= 2  # leader election makes a standby useful
-    cert_dir = next(a.split("=", 1)[1] for a in coord["args"] if a.startswith("--webhook-cert-dir="))
-    (cert_mount,) = [m for m in coord["volumeMounts"] if m["mountPath"] == cert_dir]
-    assert {v["name"]: v for v in pod["volumes"]}[cert_mount["name"]]["secret"]["secretName"]
+    # Its own certificate: no Secret volume to wait for (the install works without another step).
+    assert any(a.startswith("--webhook-cert-secret=") for a in coord["args"])
+    assert not any("secret" in v for v in pod["volumes"])
+    tmp = next(v for v in pod["volumes"] if v["name"] == "tmp")
+    assert tmp["emptyDir"]["medium"] == "Memory"  # the served key never touches the node's disk
 
     svc = find(rendered, "Service", "modelcache-coordinator-webhook")
     assert svc["spec"]["selector"].items() <= pod_labels(dep).items()
     (svc_port,) = svc["spec"]["ports"]
     assert svc_port["targetPort"] in {p["name"] for p in coord["ports"]}
 
-    paths = {}
+    hooks = []
     for kind, name in (("MutatingWebhookConfiguration", "modelcache-pod-mutator"),
                        ("ValidatingWebhookConfiguration", "modelcache-cache-validator")):
-        for hook in find(rendered, kind, name)["webhooks"]:
+        config = find(rendered, kind, name)
+        assert not (config["metadata"].get("annotations") or {})  # no cert-manager: the coordinator sets the CA
+        for hook in config["webhooks"]:
             ref = hook["clientConfig"]["service"]
             assert (ref["name"], ref["namespace"], ref["port"]) == (svc["metadata"]["name"], "modelcache-system",
                                                                     svc_port["port"])
-            assert hook["admissionReviewVersions"] == ["v1"] and hook["sideEffects"] == "None"
-            paths[ref["path"]] = (hook["failurePolicy"], [r["resources"] for r in hook["rules"]])
-    assert paths == {
-        "/mutate-pods": ("Ignore", [["pods"]]),
-        "/validate-localmodelcaches": ("Fail", [["localmodelcaches"]]),
-        "/validate-localmodelnamespacecaches": ("Fail", [["localmodelnamespacecaches"]]),
-    }
+            assert hook["admissionReviewVersions"] == ["v1"]
+            assert hook["sideEffects"] == ("NoneOnDryRun" if ref["path"] == "/uninstall" else "None")
+            rules_ = [(r["resources"], r["operations"]) for r in hook["rules"]]
+            conditions = [c["name"] for c in hook.get("matchConditions") or []]
+            hooks.append((ref["path"], hook["failurePolicy"], rules_, conditions))
+    # Fail closed only where admitting unchecked would let a bad cache in for good (docs/operations.md).
+    assert sorted(hooks) == sorted([
+        ("/mutate-pods", "Ignore", [(["pods"], ["CREATE"])], []),
+        ("/validate-localmodelcaches", "Fail", [(["localmodelcaches"], ["CREATE", "UPDATE"])], ["spec-written"]),
+        ("/validate-localmodelcaches", "Ignore", [(["localmodelcaches"], ["DELETE"])], []),
+        ("/validate-localmodelnamespacecaches", "Fail", [(["localmodelnamespacecaches"], ["CREATE", "UPDATE"])],
+         ["spec-written"]),
+        ("/validate-localmodelnamespacecaches", "Ignore", [(["localmodelnamespacecaches"], ["DELETE"])], []),
+        ("/uninstall", "Ignore", [(["namespaces"], ["DELETE"])], []),
+    ])
+
+
+def test_the_cert_manager_component_swaps_the_certificate_source(tmp_path: Path) -> None:
+    overlay = tmp_path / "my-install"
+    overlay.mkdir()
+    base = os.path.relpath(DEPLOY, overlay)
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [base], "components": [f"{base}/components/cert-manager"]}))
+    docs = render(overlay)
+    cert = find(docs, "Certificate", "modelcache-webhook-cert")
+    dep = find(docs, "Deployment", "modelcache-coordinator")
+    pod = dep["spec"]["template"]["spec"]
+    (coord,) = pod["containers"]
+    # The coordinator serves the mounted pair (no Secret of its own) ...
+    (cert_dir,) = [a.split("=", 1)[1] for a in coord["args"] if a.startswith("--webhook-cert-dir=")]
+    assert not any(a.startswith("--webhook-cert-secret") for a in coord["args"])
+    (mount,) = [m for m in coord["volumeMounts"] if m["mountPath"] == cert_dir]
+    volume = {v["name"]: v for v in pod["volumes"]}[mount["name"]]
+    assert volume["secret"]["secretName"] == cert["spec"]["secretName"]
+    # ... named for the Service the webhooks call, and cert-manager injects its CA into both.
+    svc = find(docs, "Service", "modelcache-coordinator-webhook")
+    assert f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc" in cert["spec"]["dnsNames"]
+    for kind, name in (("MutatingWebhookConfiguration", "modelcache-pod-mutator"),
+                       ("ValidatingWebhookConfiguration", "modelcache-cache-validator")):
+        annotations = find(docs, kind, name)["metadata"]["annotations"]
+        assert annotations["cert-manager.io/inject-ca-from"] == f"modelcache-system/{cert['metadata']['name']}"
 
 
 def pod_labels(workload: Obj) -> dict[str, str]:

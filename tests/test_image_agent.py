@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from modelcache.uri import storage_key
-from tests.agent_util import create_node, entry, model_files, wait_states
+from tests.agent_util import CRED_NS, create_node, entry, model_files, wait_states
 from tests.fixtures.cluster import AGENT_SA, Cluster
 from tests.fixtures.http import NginxServer
 from tests.fixtures.image import Container, Image, Mount
@@ -94,7 +94,10 @@ def run_pod(image: Image, cluster: Cluster, host_root: Path, tmp_path: Path, hea
     assert r.returncode == 0, r.stderr
     root_mount: Mount = (host_root, mount_path, "rw")
 
-    env = resolve_env(agent, {"spec.nodeName": NODE, "metadata.namespace": namespace})
+    # No Pod object exists for this container: the agent does not find its host path (every PV
+    # then counts as its root, the safe side); tests/test_agent_hostpath.py covers finding it.
+    env = resolve_env(agent, {"spec.nodeName": NODE, "metadata.namespace": namespace,
+                              "metadata.name": f"modelcache-agent-{NODE}"})
     env.update({
         **in_cluster_env(cluster),
         # Host network here: a free port instead of the manifest's 8080, which others may hold.
@@ -120,11 +123,11 @@ def test_agent_role_in_cluster(image: Image, cluster: Cluster, nginx: NginxServe
     objects = {"llm/config.json": b'{"a": 1}', "llm/weights/model-1.safetensors": b"w" * (2 << 20)}
     for key, body in objects.items():
         s3.put_object(Bucket=bucket, Key=key, Body=body)
-    # S3 credentials in the storage-config Secret of the credential namespace (= the pod's, via
-    # POD_NAMESPACE): read with the agent's own RBAC.
+    # S3 credentials in the storage-config Secret of the credential namespace (the manifest's
+    # MODELCACHE_CREDENTIALS_NAMESPACE): read with the agent's own RBAC.
     s3_cfg = {"type": "s3", "access_key_id": moto_s3.access_key, "secret_access_key": moto_s3.secret_key,
               "endpoint_url": moto_s3.endpoint, "region": "us-east-1"}
-    cluster.kubectl("-n", AGENT_SA[0], "create", "secret", "generic", "storage-config",
+    cluster.kubectl("-n", CRED_NS, "create", "secret", "generic", "storage-config",
                     f"--from-literal=localS3={json.dumps(s3_cfg)}")
     http_uri, s3_uri = nginx.url("m/model.bin"), f"s3://{bucket}/llm"
     create_node(admin, NODE, [entry("web", http_uri), entry("llm", s3_uri, storage={"key": "localS3"})])

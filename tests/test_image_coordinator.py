@@ -1,9 +1,10 @@
 """The image as the coordinator Deployment runs it (deploy/coordinator/deployment.yaml), against the
 real control plane (tests/cluster) with in-cluster configuration and deploy/rbac/coordinator.yaml's
-identity: the manifest's command, args and env, the webhook certificate as a Secret volume at the
-manifest's mountPath, read-only root, no capabilities, uid 1000. It becomes leader on its Lease,
-the API server itself calls its validating webhook over TLS (deploy/webhooks/validating.yaml,
-pointed at the container), it reconciles, and it releases the Lease on SIGTERM."""
+identity: the manifest's command, args and env (its own webhook CA and serving pair, in a Secret it
+makes), read-only root, no capabilities, uid 1000. It becomes leader on its Lease, the API server
+itself calls its validating webhook over TLS (deploy/webhooks/validating.yaml, pointed at the
+container, with the CA the container patched in), it reconciles, and it releases the Lease on
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -15,18 +16,16 @@ import pytest
 import requests
 import yaml
 
-from coordinator.certs import generate_self_signed
 from modelcache.kube.client import LEASES, LOCAL_MODEL_CACHES, Kube
 from tests.coordinator_util import make_cache, make_group
 from tests.fixtures.cluster import COORDINATOR_SA, Cluster
-from tests.fixtures.image import Image, secret_volume
+from tests.fixtures.image import Image
 from tests.helpers import REPO, free_port, wait_until
 from tests.image_pods import SA_PATH, in_cluster_env, manifest_pod, resolve_env, service_account_volume, user_of
 
 # The first test to use `image` also builds it (minutes when the layer cache is cold).
 pytestmark = pytest.mark.timeout(900)
 
-SERVICE_DNS = "modelcache-coordinator-webhook.modelcache-system.svc"
 URI = "http://models.example/m.bin"
 
 
@@ -35,15 +34,13 @@ def holder(kube: Kube) -> str | None:
     return None if lease is None else (lease.get("spec") or {}).get("holderIdentity")
 
 
-def validator_to(port: int, ca: bytes) -> str:
+def validator_to(port: int) -> str:
     """deploy/'s ValidatingWebhookConfiguration with the Service (no kube-proxy or endpoints here)
-    replaced by the container's address, and the CA cert-manager would inject."""
-    import base64
-
+    replaced by the container's address; the coordinator patches its own CA in."""
     doc = yaml.safe_load((REPO / "deploy" / "webhooks" / "validating.yaml").read_text())
     for hook in doc["webhooks"]:
         path = hook["clientConfig"]["service"]["path"]
-        hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": base64.b64encode(ca).decode()}
+        hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}"}
     return yaml.safe_dump(doc)
 
 
@@ -63,24 +60,23 @@ def test_coordinator_role_in_cluster(image: Image, cluster: Cluster, tmp_path: P
     pod_name = f"modelcache-coordinator-{uuid.uuid4().hex[:5]}-x"
     env = {**resolve_env(container, {"metadata.namespace": COORDINATOR_SA[0], "metadata.name": pod_name}),
            **in_cluster_env(cluster)}
-    cert_mount = next(m for m in container["volumeMounts"] if m["name"] == "webhook-certs")
-    crt, key = generate_self_signed(tmp_path / "pair", [SERVICE_DNS, "127.0.0.1"])
-    certs = secret_volume(tmp_path / "secret", {"tls.crt": crt.read_bytes(), "tls.key": key.read_bytes()})
     sa = service_account_volume(tmp_path / "serviceaccount", cluster, *COORDINATOR_SA)
     port, hook_port = free_port(), free_port()
-    # Host network here: free ports instead of the manifest's 8080/9443, on loopback only.
-    extra = [f"--port={port}", f"--webhook-port={hook_port}", "--bind=127.0.0.1"]
+    # Host network here: free ports instead of the manifest's 8080/9443, on loopback only; the
+    # webhook is called by URL, so its certificate names 127.0.0.1 too.
+    extra = [f"--port={port}", f"--webhook-port={hook_port}", "--bind=127.0.0.1", "--webhook-cert-host=127.0.0.1"]
     c = image.start("coordinator", *container["args"], *extra, entrypoint=container["command"][0], env=env,
                     user=user_of(container["securityContext"], pod["securityContext"]),
-                    mounts=[(certs, cert_mount["mountPath"], "ro"), (sa, SA_PATH, "ro")])
+                    mounts=[(sa, SA_PATH, "ro")])
     try:
         wait_until(lambda: holder(admin) == pod_name, timeout=90, what=f"the container leads ({c.logs()[-2000:]})")
         wait_until(lambda: requests.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200,
                    timeout=60, what="readyz")
         assert "modelcache_" in requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
 
-        cluster.kubectl("apply", "-f", "-", input=validator_to(hook_port, crt.read_bytes()))
-        # The API server calls the container for every cache write, verifying its certificate.
+        cluster.kubectl("apply", "-f", "-", input=validator_to(hook_port))
+        # The API server calls the container for every cache write, verifying its certificate against
+        # the CA the container made (Secret modelcache-webhook-tls) and patched into the configuration.
         wait_until(lambda: cluster.kubectl("create", "-f", "-", input=cache_yaml("c", URI, "workers"),
                                            check=False).returncode == 0,
                    timeout=30, what="the first cache admitted through the webhook")

@@ -130,3 +130,32 @@ def test_azure_legacy_names_and_credential_choice() -> None:
     spec = {"type": "azure", "client_id": "c2", "client_secret": "S2", "tenant_id": "t2"}
     a = Settings.from_env({"AZURE_STORAGE_ACCESS_KEY": "KEY", "STORAGE_CONFIG": json.dumps(spec)}).azure
     assert isinstance(make_credential(a, "acct"), ClientSecretCredential)
+
+
+def test_merged_ca_bundle_is_one_file_per_content_across_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Each process that trusts a custom CA merges it with the system bundle into a file: one
+    file per distinct content, reused by every later process, not a new temp file per start."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    custom = tmp_path / "cabundle.crt"
+    custom.write_text("-----BEGIN CERTIFICATE-----\nQUJD\n-----END CERTIFICATE-----\n")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+
+    def merged() -> Path:
+        code = "import sys; from modelcache.credentials import merged_ca_bundle; print(merged_ca_bundle(sys.argv[1]))"
+        out = subprocess.run([sys.executable, "-c", code, str(custom)], env={**os.environ, "TMPDIR": str(tmp)},
+                             capture_output=True, text=True, check=True)
+        return Path(out.stdout.strip())
+
+    first = {merged() for _ in range(3)}
+    assert len(first) == 1
+    path = first.pop()
+    assert [p for p in tmp.rglob("*") if p.is_file()] == [path]
+    assert path.read_text().endswith(custom.read_text()) and oct(path.parent.stat().st_mode & 0o777) == "0o700"
+    custom.write_text("-----BEGIN CERTIFICATE-----\nREVG\n-----END CERTIFICATE-----\n")  # a rotated CA
+    other = merged()
+    assert other != path and sorted(p for p in tmp.rglob("*") if p.is_file()) == sorted([path, other])

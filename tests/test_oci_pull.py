@@ -272,3 +272,43 @@ def test_rate_limited_manifest_is_waited_out(
     proxy.add(Fault("status", path=f"/v2/{oci_repo}/manifests/v2", status=429, retry_after=0, times=None))
     bad = f"oci://127.0.0.1:{proxy.port}/{oci_repo}:v2"
     _error_line(_pull(tmp_path, bad), bad, "HTTP 429", "tag 'v2'")
+
+
+def test_cancel_stops_a_modelcar_extraction(
+    oci_registry: OCIRegistry, oci_repo: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Cancelling a pull (the agent: entry removed, or SIGTERM) stops an OCI modelcar extraction
+    at its next read, as it stops the transfer engine: the rest of the image is not fetched."""
+    import threading
+
+    from modelcache.credentials import Settings
+    from modelcache.errors import CancelledError
+    from modelcache.pull import pull
+
+    layer = make_tar([("models/w.bin", os.urandom(3 << 20)), ("models/config.json", b"{}")])
+    oci_registry.push_image(oci_repo, "car", [(layer, LAYER_TAR)])
+    uri = f"oci://127.0.0.1:{proxy.port}/{oci_repo}:car"
+    root = tmp_path / "root"
+    staging = root / ".modelcache/staging" / storage_key(uri)
+    proxy.set_rate_limit(500_000)  # ~6 s for the layer
+    cancel = threading.Event()
+    outcome: list[BaseException | object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(pull(uri, root=root, settings=Settings.from_env(_env(tmp_path)), cancel=cancel))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    puller = threading.Thread(target=run)
+    puller.start()
+    wait_until(lambda: any(p.is_file() and p.stat().st_size > (256 << 10) for p in staging.rglob("*")),
+               timeout=60, what="extraction under way")
+    cancel.set()
+    puller.join(60)
+    assert not puller.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], CancelledError), outcome
+    blob = {path: n for path, n in proxy.bytes_sent.items() if "/blobs/" in path and n > 1000}
+    assert blob and all(n < len(layer) for n in blob.values()), (blob, len(layer))
+    assert not (root / "models" / storage_key(uri)).exists()
+    assert not any(p.is_file() for p in staging.rglob("*") if "extract" in p.parts)

@@ -203,6 +203,45 @@ def test_cancel_keeps_staging_and_never_publishes(tmp_path):
     assert (res.path / "a.bin").read_bytes() == (src / "a.bin").read_bytes()
 
 
+def test_cancel_ends_the_wait_for_another_process_lock(tmp_path):
+    """A pull waiting for the model lock that another process holds (a second agent, a CLI pull)
+    returns at once when cancelled: a stopping agent is never stuck behind someone else's pull."""
+    import threading
+
+    from modelcache.errors import CancelledError
+
+    src = make_model(tmp_path / "src", {"a.bin": 1000})
+    key = storage_key(str(src))
+    store = NodeStore.at(tmp_path / "root")
+    cancel, outcome = threading.Event(), []
+
+    def run() -> None:
+        try:
+            outcome.append(pull(str(src), root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}),
+                                cancel=cancel))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    # The holder runs in a child process: flock locks belong to an open file, and the child's
+    # lock is exactly what another process on the node would hold.
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from modelcache.store import NodeStore\n"
+        f"with NodeStore.at({str(tmp_path / 'root')!r}).lock({key!r}):\n"
+        "    print('locked', flush=True); sys.stdin.read()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == b"locked"
+        puller = threading.Thread(target=run)
+        puller.start()
+        puller.join(0.5)  # give it time to reach the lock; it must still be waiting there
+        assert puller.is_alive() and not outcome
+        cancel.set()
+        puller.join(30)
+        assert not puller.is_alive() and isinstance(outcome[0], CancelledError), outcome
+    finally:
+        holder.communicate(b"", timeout=10)
+    assert not store.is_present(key)
+
+
 def test_gc_clears_abandoned_staging_but_not_a_locked_or_fresh_one(tmp_path):
     root = tmp_path / "root"
     store = NodeStore.at(root)

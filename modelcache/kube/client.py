@@ -71,6 +71,8 @@ LOCAL_MODEL_NODE_GROUPS = Resource(KSERVE, "v1alpha1", "localmodelnodegroups", "
 CLUSTER_STORAGE_CONTAINERS = Resource(KSERVE, "v1alpha1", "clusterstoragecontainers", "ClusterStorageContainer", False)
 INFERENCE_SERVICES = Resource(KSERVE, "v1beta1", "inferenceservices", "InferenceService", True)
 LEASES = Resource("coordination.k8s.io", "v1", "leases", "Lease", True, "coordination", "lease", "V1Lease")
+CUSTOM_RESOURCE_DEFINITIONS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions",
+                                       "CustomResourceDefinition", False)
 NODES = _core("nodes", "Node", False, "node")
 PODS = _core("pods", "Pod", True, "pod")
 NAMESPACES = _core("namespaces", "Namespace", False, "namespace")
@@ -213,6 +215,19 @@ def _decode(resp: Any) -> Any:
     return json.loads(data) if data else {}
 
 
+def count_requests(api_client: client.ApiClient, count: Callable[[str], None]) -> None:
+    """Call ``count(verb)`` for every HTTP request ``api_client`` sends (``WATCH`` for a watch's GET):
+    what a process costs the API server, for metrics and benchmarks."""
+    pool = api_client.rest_client.pool_manager
+    send = pool.request
+
+    def request(method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+        count("WATCH" if method == "GET" and "watch=" in url else method)
+        return send(method, url, *args, **kwargs)
+
+    pool.request = request
+
+
 class Kube:
     """Generic CRUD on dicts for any :class:`Resource`; one instance per ApiClient."""
 
@@ -317,6 +332,27 @@ class Kube:
                 return False
             raise
         return True
+
+    def path(self, res: Resource, namespace: str | None = None) -> str:
+        """The collection's URL path (``namespace`` None: all namespaces)."""
+        base = f"/apis/{res.group}/{res.version}" if res.group else f"/api/{res.version}"
+        ns = f"/namespaces/{namespace}" if res.namespaced and namespace else ""
+        return f"{base}{ns}/{res.plural}"
+
+    def stream_response(self, res: Resource, namespace: str | None = None, query: Mapping[str, Any] | None = None,
+                        timeout: Any = None) -> Any:
+        """A raw streaming GET of the collection with the query parameters as the API names them
+        (the generated methods refuse parameters they do not know, such as ``sendInitialEvents`` on
+        custom objects); the caller reads and closes the urllib3 response. Non-2xx raises."""
+        params = [(k, str(v).lower() if isinstance(v, bool) else str(v)) for k, v in (query or {}).items()]
+        request = self.api_client.param_serialize("GET", self.path(res, namespace), query_params=params,
+                                                  header_params={"Accept": "application/json"},
+                                                  auth_settings=["BearerToken"])
+        resp = self.api_client.call_api(*request, _request_timeout=timeout)
+        if not 200 <= resp.status <= 299:
+            resp.read()
+            raise ApiException.from_response(http_resp=resp, body=None, data=None)
+        return resp.response
 
     def watch_response(self, res: Resource, namespace: str | None = None, **query: Any) -> Any:
         """A raw streaming watch response (one JSON event per line); the caller closes it."""

@@ -107,6 +107,12 @@ class Controller:
         self.queue = WorkQueue(backoff or ExponentialBackoff(base=0.05, cap=300.0))
         self.informers: list[Informer] = []
         self._threads: list[threading.Thread] = []
+        #: Checked before every reconcile (set by the Manager): False holds the keys back (for
+        #: ``gate_retry`` seconds at a time) instead of acting on a view that may be stale.
+        self.gate: Callable[[], bool] | None = None
+        self.gate_retry = 0.5
+        #: Reconciles held back by the gate (for tests and metrics).
+        self.deferred = 0
 
     def watch(self, informer: Informer, mapper: Mapper = own_key, predicate: Predicate | None = None) -> Controller:
         """Enqueue ``mapper(event)`` keys for every event of ``informer`` that passes ``predicate``."""
@@ -152,6 +158,10 @@ class Controller:
                 self.queue.done(key)
 
     def process(self, key: str) -> None:
+        if self.gate is not None and not self.gate():
+            self.deferred += 1
+            self.queue.add_after(key, self.gate_retry)
+            return
         try:
             result = self.reconcile(key) or Result()
         except Exception as exc:
@@ -199,8 +209,10 @@ class Manager:
             if not inf.started:
                 inf.start()
 
-    def start_controllers(self, wait_sync: float = 60.0) -> None:
+    def start_controllers(self, wait_sync: float = 60.0, gate: Callable[[], bool] | None = None) -> None:
+        """Start every controller; ``gate`` (if any) must hold before each reconcile."""
         for c in self.controllers:
+            c.gate = gate
             c.start(wait_sync)
         self._controllers_started.set()
 
@@ -212,7 +224,7 @@ class Manager:
             if elector is None:
                 self.start_controllers(wait_sync)
             else:
-                elector.on_started_leading = lambda: self.start_controllers(wait_sync)
+                elector.on_started_leading = lambda: self.start_controllers(wait_sync, gate=elector.holds)
 
                 def stopped() -> None:
                     if not stop.is_set():

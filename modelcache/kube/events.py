@@ -13,6 +13,8 @@ import logging
 import threading
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
+
 from modelcache.kube.client import EVENTS, Kube
 
 log = logging.getLogger(__name__)
@@ -52,33 +54,35 @@ class EventRecorder:
                 return
             digest = hashlib.sha256(key.encode()).hexdigest()[:10]
             name = f"{meta.get('name', 'object')}.{digest}"[:253]
-            existing = self.kube.get_or_none(EVENTS, name, namespace)  # recorded before a restart
-            if existing is not None:
-                count = int(existing.get("count") or 1) + 1
-                self.kube.patch(EVENTS, name, {"count": count, "lastTimestamp": _now()}, namespace)
-                with self._lock:
-                    self._seen[key] = (name, count)
-                return
             now = _now()
-            self.kube.create(EVENTS, {
-                "metadata": {"name": name, "namespace": namespace},
-                "involvedObject": {
-                    "apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "name": meta.get("name"),
-                    "namespace": meta.get("namespace"), "uid": meta.get("uid"),
-                    "resourceVersion": meta.get("resourceVersion"),
-                },
-                "type": event_type,
-                "reason": reason,
-                "message": message,
-                "count": 1,
-                "firstTimestamp": now,
-                "lastTimestamp": now,
-                "source": {"component": self.component, **({"host": self.host} if self.host else {})},
-                "reportingComponent": self.component,
-                "reportingInstance": self.host or self.component,
-            }, namespace)
+            try:
+                self.kube.create(EVENTS, {
+                    "metadata": {"name": name, "namespace": namespace},
+                    "involvedObject": {
+                        "apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "name": meta.get("name"),
+                        "namespace": meta.get("namespace"), "uid": meta.get("uid"),
+                        "resourceVersion": meta.get("resourceVersion"),
+                    },
+                    "type": event_type,
+                    "reason": reason,
+                    "message": message,
+                    "count": 1,
+                    "firstTimestamp": now,
+                    "lastTimestamp": now,
+                    "source": {"component": self.component, **({"host": self.host} if self.host else {})},
+                    "reportingComponent": self.component,
+                    "reportingInstance": self.host or self.component,
+                }, namespace)
+                count = 1
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+                # Recorded before a restart (the name is a digest of the event): count it again.
+                existing = self.kube.get(EVENTS, name, namespace)
+                count = int(existing.get("count") or 1) + 1
+                self.kube.patch(EVENTS, name, {"count": count, "lastTimestamp": now}, namespace)
             with self._lock:
-                self._seen[key] = (name, 1)
+                self._seen[key] = (name, count)
         except Exception as exc:
             log.warning("could not record event %s on %s: %s", reason, meta.get("name"), type(exc).__name__)
             with self._lock:

@@ -1,10 +1,24 @@
 """Informer: a local, always-current copy of one kind, and change notifications.
 
-Protocol (as client-go's reflector): LIST, then WATCH from the list's ``resourceVersion``
-with bookmarks. When the watch ends (server timeout, dropped connection) it is re-opened
-from the last resourceVersion seen, so nothing is missed and nothing is replayed; only a
-``410 Gone`` (the version was compacted away) forces a new LIST, which is diffed against
-the cache so handlers see exactly the adds, updates and deletes that happened meanwhile.
+Protocol (as client-go's reflector): LIST, then WATCH from the list's ``resourceVersion`` with
+bookmarks. The LIST is streamed where the API server can (client-go's WatchList: a watch with
+``sendInitialEvents=true`` delivers every object as an event from the watch cache, then a bookmark
+marked ``k8s.io/initial-events-end``): one object in memory at a time, whatever the collection's
+size, and no etcd read. Elsewhere it is paged, the first time from the watch cache
+(``resourceVersion=0``, which the server answers whole). When the watch ends (server timeout,
+dropped connection) it is re-opened from the last resourceVersion seen, so nothing is missed and
+nothing is replayed. When the server answers that it cannot serve a watch from that version (``410
+Gone``: compacted away; ``Too large resource version``: an etcd restore or a lagging replica put it
+in the server's future; any other ERROR event or error status) the informer relists instead, and the
+LIST is diffed against the cache so handlers see exactly the adds, updates and deletes that happened
+meanwhile. Only failures without an answer (connection refused or reset, a timeout, 429) are resumed
+from the same version, and after a few of those in a row it relists too.
+
+A version in the server's future is not always answered with an error: the real API server's watch
+cache serves a plain watch from it by sending nothing at all (checked on v1.37). A quiet watch can
+be silent as well, so when one ends without a single event or bookmark the informer asks for the
+server's current version (a list of one item): if that is older than ours, the server's store went
+back in time (an etcd restore) and the informer relists.
 """
 
 from __future__ import annotations
@@ -29,6 +43,16 @@ ADDED, MODIFIED, DELETED = "ADDED", "MODIFIED", "DELETED"
 #: own: handlers read them and must not mutate them (copy first).
 Handler = Callable[[str, dict[str, Any], dict[str, Any] | None], None]
 IndexFunc = Callable[[dict[str, Any]], Iterable[str]]
+#: What is kept of each object before it is stored (client-go's TransformFunc): the fields a
+#: reader uses. It may change the object it gets and returns what to store.
+Transform = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def drop_managed_fields(obj: dict[str, Any]) -> dict[str, Any]:
+    """The default transform: ``metadata.managedFields`` (server-side apply's bookkeeping, often
+    the largest part of an object) is read by nobody here."""
+    (obj.get("metadata") or {}).pop("managedFields", None)
+    return obj
 
 
 def object_key(obj: dict[str, Any]) -> str:
@@ -121,8 +145,57 @@ class Store:
             return len(self._items)
 
 
-class Gone(Exception):
-    """The watch's resourceVersion is too old: relist."""
+class WatchError(Exception):
+    """The server cannot serve the watch from our resourceVersion (an ERROR event): relist."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Gone(WatchError):
+    """The watch's resourceVersion is too old (410): relist."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(410, message)
+
+
+#: Resumed watches that fail in a row (no answer from the server) before the informer relists.
+RESUME_LIMIT = 5
+
+
+def needs_relist(exc: BaseException) -> bool:
+    """Whether a failed list/watch must start again from a LIST: any answer from the server
+    saying it cannot serve our version (an ERROR event, an error status other than 429). A
+    failure without an answer (connection refused, reset, timed out) may resume the watch."""
+    if isinstance(exc, WatchError):
+        return True
+    if isinstance(exc, ApiException):
+        return bool(exc.status) and exc.status != 429
+    return False
+
+
+class StreamingListUnsupported(Exception):
+    """The API server does not stream lists (no WatchList): list in pages instead."""
+
+
+#: The bookmark annotation that ends a streamed list's initial events.
+INITIAL_EVENTS_END = "k8s.io/initial-events-end"
+#: Seconds a streamed list may take before the server ends it (an old server that ignores
+#: sendInitialEvents sends a plain watch that never has the end bookmark: we fall back then).
+STREAM_LIST_TIMEOUT = 120
+_WIRE_NAMES = {"label_selector": "labelSelector", "field_selector": "fieldSelector"}
+
+
+def _lines(resp: Any) -> Iterable[bytes]:
+    """The newline-delimited JSON events of a watch response, one line at a time."""
+    buf = b""
+    for chunk in resp.stream(amt=65536, decode_content=True):
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            if line.strip():
+                yield line
 
 
 class Informer:
@@ -137,6 +210,7 @@ class Informer:
         watch_timeout: int = 300,
         retry_delay: float = 1.0,
         page_size: int = 500,
+        transform: Transform = drop_managed_fields,
     ) -> None:
         self.kube = kube
         self.resource = resource
@@ -147,11 +221,18 @@ class Informer:
         self.watch_timeout = watch_timeout
         self.retry_delay = retry_delay
         self.page_size = page_size  # list in pages so 5000 nodes are not one giant response
+        self.transform = transform
+        #: Whether the server streams lists: None until the first try, then True or False.
+        self.streaming: bool | None = None
         self.synced = threading.Event()
         self.last_resource_version: str | None = None
         #: Counters a test or a metrics endpoint can read: lists done, watches opened, 410s seen.
-        self.stats = {"lists": 0, "watches": 0, "gone": 0, "errors": 0}
+        self.stats = {"lists": 0, "watches": 0, "gone": 0, "errors": 0, "relists": 0}
         self._handlers: list[Handler] = []
+        #: Set while the cache follows the server: after a list, and while a watch is open; cleared
+        #: by any failure until the next list or watch succeeds (see :attr:`current`).
+        self._current = threading.Event()
+        self._dropped = False  # drop_connection() ended the open watch, not the server
         self._stop = threading.Event()
         self._resp: Any = None
         self._thread: threading.Thread | None = None
@@ -176,6 +257,11 @@ class Informer:
     def wait_for_sync(self, timeout: float | None = None) -> bool:
         return self.synced.wait(timeout)
 
+    @property
+    def current(self) -> bool:
+        """Synced and following the server now (not retrying after a failed list or watch)."""
+        return self.synced.is_set() and self._current.is_set()
+
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self.drop_connection()
@@ -185,6 +271,7 @@ class Informer:
     def drop_connection(self) -> None:
         """Close the open watch (as a network failure would); the loop resumes from the last version."""
         resp = self._resp
+        self._dropped = True
         if resp is not None:
             try:
                 resp.shutdown() if hasattr(resp, "shutdown") else resp.close()
@@ -193,28 +280,37 @@ class Informer:
 
     def run(self) -> None:
         need_list = True
-        failures = 0
+        failures = 0  # in a row, for the backoff
+        resumes = 0  # failed resumes of the watch in a row
         while not self._stop.is_set():
             try:
                 if need_list:
                     self._list()
                     need_list = False
                 self._watch()
-                failures = 0
-            except Gone:
-                self.stats["gone"] += 1
-                log.info("%s: watch version expired, relisting", self.resource.plural)
-                need_list = True
+                failures = resumes = 0
             except Exception as exc:
                 if self._stop.is_set():
                     break
-                self.stats["errors"] += 1
-                if isinstance(exc, ApiException) and exc.status == 410:
+                self._current.clear()
+                gone = isinstance(exc, Gone) or (isinstance(exc, ApiException) and exc.status == 410)
+                if gone:
                     self.stats["gone"] += 1
+                    log.info("%s: watch version expired, relisting", self.resource.plural)
                     need_list = True
+                    self.stats["relists"] += 1
                     continue
-                # Back off while the API server is unreachable (1x, 2x, 4x ... up to 30x retry_delay),
-                # so a fleet of agents does not hammer a recovering server.
+                self.stats["errors"] += 1
+                resumes = 0 if need_list else resumes + 1
+                if not need_list and (needs_relist(exc) or resumes >= RESUME_LIMIT):
+                    # The server cannot (or, after several tries, does not) serve a watch from our
+                    # version: only a fresh list catches up (client-go's reflector does the same).
+                    need_list = True
+                    self.stats["relists"] += 1
+                    log.warning("%s: watch from version %s failed (%s: %s), relisting", self.resource.plural,
+                                self.last_resource_version, type(exc).__name__, _one_line(exc))
+                # Back off while the API server is unreachable or refuses (1x, 2x, 4x ... up to 30x
+                # retry_delay), so a fleet of agents does not hammer a recovering server.
                 delay = self.retry_delay * min(30, 2**failures)
                 failures += 1
                 log.warning("%s: list/watch failed (%s), retrying in %.1fs", self.resource.plural,
@@ -223,22 +319,88 @@ class Informer:
 
     # -- list and watch ---------------------------------------------------------------------
     def _list(self) -> None:
+        if self.streaming is not False:
+            try:
+                self._stream_list()
+                self.streaming = True
+                return
+            except StreamingListUnsupported as exc:
+                self.streaming = False
+                log.info("%s: %s; listing in pages", self.resource.plural, exc)
+        self._paged_list()
+
+    def _stream_list(self) -> None:
+        query: dict[str, Any] = {_WIRE_NAMES[k]: v for k, v in self.selectors.items()}
+        # No resourceVersion with NotOlderThan: at least as fresh as etcd now, served from the watch cache.
+        query.update(watch="true", sendInitialEvents="true", allowWatchBookmarks="true",
+                     resourceVersionMatch="NotOlderThan", timeoutSeconds=STREAM_LIST_TIMEOUT)
+        try:
+            resp = self.kube.stream_response(self.resource, self.namespace, query,
+                                             timeout=(10, STREAM_LIST_TIMEOUT + 30))
+        except ApiException as exc:
+            if exc.status in (400, 422):  # a server with the WatchList feature off says so
+                raise StreamingListUnsupported(f"streamed list refused ({exc.status})") from exc
+            raise
+        self._resp = resp
+        objects: dict[str, dict[str, Any]] = {}
+        version = None
+        try:
+            for line in _lines(resp):
+                if self._stop.is_set():
+                    return
+                event = json.loads(line)
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    raise ApiException(status=obj.get("code") or 500, reason=f"{obj.get('reason')}: "
+                                                                              f"{obj.get('message')}")
+                meta = obj.get("metadata") or {}
+                if kind == "BOOKMARK":
+                    if (meta.get("annotations") or {}).get(INITIAL_EVENTS_END) == "true":
+                        version = meta.get("resourceVersion")
+                        break
+                    continue
+                obj.setdefault("apiVersion", self.resource.api_version)
+                obj.setdefault("kind", self.resource.kind)
+                if kind == DELETED:
+                    objects.pop(object_key(obj), None)
+                else:
+                    objects[object_key(obj)] = self.transform(obj)
+        finally:
+            self._resp = None
+            resp.close()
+            resp.release_conn()
+        if version is None:
+            raise StreamingListUnsupported("the server ended the streamed list without its end bookmark")
+        self.stats["lists"] += 1
+        self._replace(list(objects.values()))
+        self.last_resource_version = version
+        self._current.set()
+        self.synced.set()
+
+    def _paged_list(self) -> None:
         items: list[dict[str, Any]] = []
         query: dict[str, Any] = dict(self.selectors, limit=self.page_size)
+        if not self.synced.is_set():
+            # The first list, as client-go's reflector: resourceVersion "0" is served from the API
+            # server's watch cache (any version it has), not read from etcd. A relist (after the
+            # watch could not go on) asks for the current state instead: "0" could go back in time.
+            query["resource_version"] = "0"
         while True:
             page = self.kube.list(self.resource, self.namespace, **query)
             for obj in page.get("items") or []:
                 # List items carry no apiVersion/kind; add them so handlers see whole objects.
                 obj.setdefault("apiVersion", self.resource.api_version)
                 obj.setdefault("kind", self.resource.kind)
-                items.append(obj)
+                items.append(self.transform(obj))
             token = (page.get("metadata") or {}).get("continue")
             if not token:
                 break
+            query.pop("resource_version", None)  # the continue token carries the list's version
             query["_continue"] = token
         self.stats["lists"] += 1
         self._replace(items)
         self.last_resource_version = (page.get("metadata") or {}).get("resourceVersion")
+        self._current.set()
         self.synced.set()
 
     def _replace(self, items: list[dict[str, Any]]) -> None:
@@ -262,20 +424,22 @@ class Informer:
             # A read timeout longer than the server's keeps a silently dead connection from hanging us.
             _request_timeout=(10, self.watch_timeout + 30),
         )
+        self._dropped = False
         self._resp = resp = self.kube.watch_response(self.resource, self.namespace, **query)
         self.stats["watches"] += 1
+        self._current.set()
+        received = 0
         try:
             if self._stop.is_set():  # stop() ran while we were connecting and found no response to close
                 return
-            buf = b""
-            for chunk in resp.stream(amt=65536, decode_content=True):
+            for line in _lines(resp):
                 if self._stop.is_set():
                     return
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    if line.strip():
-                        self._event(json.loads(line))
+                received += 1
+                self._event(json.loads(line))
+            if not received and not self._dropped and not self._stop.is_set() and self._server_behind():
+                raise WatchError(0, f"the server's current version is older than {self.last_resource_version}, "
+                                    "where our watch stands (an etcd restore?)")
         except Exception:
             if self._stop.is_set():
                 return
@@ -284,18 +448,29 @@ class Informer:
             self._resp = None
             resp.release_conn()
 
+    def _server_behind(self) -> bool:
+        """Whether the server's current resourceVersion is older than ours. Versions are opaque
+        to clients in principle; etcd's are integers, and only then is this checked."""
+        page = self.kube.list(self.resource, self.namespace, **dict(self.selectors, limit=1))
+        theirs = (page.get("metadata") or {}).get("resourceVersion")
+        try:
+            return int(str(theirs)) < int(str(self.last_resource_version))
+        except ValueError:
+            return False
+
     def _event(self, event: dict[str, Any]) -> None:
         kind, obj = event.get("type"), event.get("object") or {}
         if kind == "ERROR":
             if obj.get("code") == 410:
                 raise Gone(obj.get("message", ""))
-            raise ApiException(status=obj.get("code") or 500, reason=f"{obj.get('reason')}: {obj.get('message')}")
+            raise WatchError(int(obj.get("code") or 500), f"{obj.get('reason')}: {obj.get('message')}")
         rv = (obj.get("metadata") or {}).get("resourceVersion")
         if kind == "BOOKMARK":
             self.last_resource_version = rv or self.last_resource_version
             return
         obj.setdefault("apiVersion", self.resource.api_version)
         obj.setdefault("kind", self.resource.kind)
+        obj = self.transform(obj)
         if kind == DELETED:
             old = self.store.remove(object_key(obj))
             self._notify(DELETED, obj, old)
@@ -317,6 +492,10 @@ class Informer:
                 handler(kind, obj, old)
             except Exception:
                 log.exception("%s: event handler failed", self.resource.plural)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]
 
 
 def wait_for_all(informers: Iterable[Informer], timeout: float = 30.0) -> bool:

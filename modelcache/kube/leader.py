@@ -60,6 +60,7 @@ class LeaderElector:
         self._clock = clock
         self._observed: tuple[Any, ...] | None = None  # (holder, renewTime, resourceVersion) last seen
         self._observed_at = 0.0
+        self._renewed_at = float("-inf")  # our clock when we last wrote the lease as its holder
         self._leading = threading.Event()
         self._stop = threading.Event()
         self._paused = threading.Event()  # test hook: stop renewing without releasing (a hung leader)
@@ -68,6 +69,14 @@ class LeaderElector:
     @property
     def is_leader(self) -> bool:
         return self._leading.is_set()
+
+    def holds(self) -> bool:
+        """Leading *and* the lease renewed within ``renew_deadline`` by our own clock: what a
+        worker checks before it acts. A process that was paused (SIGSTOP, a long GC, a frozen
+        VM) still believes it leads until its renew loop runs again; by then a successor may
+        have taken over, and its writes must not race the successor's. The monotonic clock runs
+        on while the process is stopped, so the first check after a pause says no."""
+        return self._leading.is_set() and self._clock() - self._renewed_at < self.renew_deadline
 
     def wait_for_leadership(self, timeout: float | None = None) -> bool:
         return self._leading.wait(timeout)
@@ -89,8 +98,10 @@ class LeaderElector:
             lease = self.kube.get_or_none(LEASES, self.name, self.namespace)
             if lease is None:
                 body = {"metadata": {"name": self.name, "namespace": self.namespace}, "spec": self._spec(0, "")}
+                started = self._clock()
                 self.kube.create(LEASES, body, self.namespace)
                 self._observe(body["spec"], "created")
+                self._renewed_at = started
                 return True
             spec = lease.get("spec") or {}
             holder = spec.get("holderIdentity") or ""
@@ -104,8 +115,10 @@ class LeaderElector:
                 lease["spec"] = self._spec(transitions, spec.get("acquireTime") or "")
             else:
                 lease["spec"] = self._spec(transitions + 1, "")
+            started = self._clock()  # the lease counts from when we sent the write, not when it returned
             updated = self.kube.replace(LEASES, lease, self.namespace)
             self._observe(updated.get("spec") or {}, updated["metadata"].get("resourceVersion"))
+            self._renewed_at = started
             return True
         except ApiException as exc:
             # 409: another candidate wrote first; others: the API is unreachable. Either way, not now.

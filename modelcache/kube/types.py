@@ -8,6 +8,7 @@ keeps unknown keys, so writing back an object never drops what another writer pu
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -57,6 +58,17 @@ LOCALMODEL_SOURCEURI_ANNOTATION = "internal.serving.kserve.io/localmodel-sourceu
 LOCALMODEL_PVC_ANNOTATION = "internal.serving.kserve.io/localmodel-pvc-name"
 DISABLE_LOCALMODEL_ANNOTATION = "serving.kserve.io/disable-localmodel"
 NODEGROUP_ANNOTATION = "serving.kserve.io/nodegroup"
+#: The longest label value Kubernetes accepts.
+MAX_LABEL_VALUE = 63
+
+
+def label_value(name: str) -> str:
+    """``name`` as a label value: itself when it fits, else its first 50 characters and a hash
+    (object names may have 253 characters, label values 63)."""
+    if len(name) <= MAX_LABEL_VALUE:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+    return f"{name[:50].rstrip('-.')}-{digest}"
 
 
 def status_key(model_name: str, namespace: str | None = None) -> str:

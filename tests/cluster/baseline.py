@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 BASELINE_MANIFESTS = (DEPLOY / "namespace.yaml", DEPLOY / "crds", DEPLOY / "rbac", REPO / "tests" / "cluster" / "crds")
 #: Namespaces a fresh cluster has, plus ours.
-SYSTEM_NAMESPACES = frozenset({"default", "kube-system", "kube-public", "kube-node-lease", "modelcache-system"})
+SYSTEM_NAMESPACES = frozenset({"default", "kube-system", "kube-public", "kube-node-lease", "modelcache-system",
+                               "modelcache-credentials"})
 #: Kinds whose baseline objects are put back by re-applying the manifests when they change.
 RESTORED_KINDS = frozenset({"customresourcedefinitions", "clusterroles", "clusterrolebindings", "roles",
                             "rolebindings", "serviceaccounts", "namespaces"})

@@ -23,6 +23,7 @@ import base64
 import contextlib
 import ctypes
 import json
+import shutil
 import signal
 import socket
 import ssl
@@ -231,11 +232,11 @@ class ControlPlane:
             "--unsafe-no-fsync",
         ])
 
-        def healthy() -> bool:
-            with urllib.request.urlopen(f"{self.etcd_url}/health", timeout=1) as resp:
-                return bool(json.loads(resp.read()).get("health") == "true")
+        self._wait(proc, self._etcd_healthy, timeout)
 
-        self._wait(proc, healthy, timeout)
+    def _etcd_healthy(self) -> bool:
+        with urllib.request.urlopen(f"{self.etcd_url}/health", timeout=1) as resp:
+            return bool(json.loads(resp.read()).get("health") == "true")
 
     def _apiserver_args(self) -> list[str]:
         assert self.pki is not None
@@ -300,6 +301,32 @@ class ControlPlane:
         req = urllib.request.Request(f"{self.etcd_url}{path}", data=json.dumps(body).encode(), method="POST")
         with urllib.request.urlopen(req, timeout=10) as resp:
             return dict(json.loads(resp.read()))
+
+    def _restart_etcd(self, meanwhile: Any, timeout: float = 60) -> None:
+        etcd = self.procs["etcd"]
+        etcd.stop()
+        meanwhile()
+        etcd.start()
+        self._wait(etcd, self._etcd_healthy, timeout)
+
+    def backup_etcd(self) -> Path:
+        """An operator's backup: a copy of etcd's data taken while it (and the API server) is
+        stopped for a moment."""
+        dest = self.workdir / f"etcd-backup-{time.monotonic_ns()}"
+        self.restart_apiserver(between=lambda: self._restart_etcd(
+            lambda: shutil.copytree(self.workdir / "etcd", dest)))
+        return dest
+
+    def restore_etcd(self, backup: Path) -> None:
+        """An etcd restore: the data goes back to ``backup`` and the API server starts on it. Every
+        resourceVersion written since is gone, and those clients hold lie in the server's future."""
+        data = self.workdir / "etcd"
+
+        def swap() -> None:
+            shutil.rmtree(data)
+            shutil.copytree(backup, data)
+
+        self.restart_apiserver(between=lambda: self._restart_etcd(swap))
 
     def etcd_revision(self) -> int:
         everything = base64.b64encode(b"\0").decode()

@@ -35,6 +35,8 @@ REPO = Path(__file__).resolve().parents[2]
 WORK = Path(os.environ.get("MODELCACHE_DEMO_DIR", REPO / ".work" / "demo")).resolve() / "cluster"
 GROUP_LABEL = ("kserve/localmodel", "worker")
 SA_NAMESPACE = "modelcache-system"
+#: deploy/'s credential namespace: the only one whose Secrets the agent may read.
+CREDENTIALS_NAMESPACE = "modelcache-credentials"
 S3_KEY = ("demo-access-key", "demo-secret-key")
 
 
@@ -131,7 +133,7 @@ def main() -> int:
         for i in (1, 2, 3):
             processes.append(start_process(f"agent-node-{i}", [
                 "-m", "agent", "--node", f"node-{i}", "--root", str(WORK / "nodes" / f"node-{i}"),
-                "--kubeconfig", str(agent_kc), "--credentials-namespace", SA_NAMESPACE, "--port", "-1",
+                "--kubeconfig", str(agent_kc), "--credentials-namespace", CREDENTIALS_NAMESPACE, "--port", "-1",
                 "--status-interval", "1", "--space-margin", "64Mi"], env))
         print(f"coordinator and 3 agents running; logs in {WORK}")
 
@@ -139,14 +141,16 @@ def main() -> int:
         uri = "s3://models/llm"
         say(f"credentials as KServe takes them, a node group, and a LocalModelCache of {uri}")
         secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {
-            "name": "demo-s3", "namespace": SA_NAMESPACE, "annotations": {
+            "name": "demo-s3", "namespace": CREDENTIALS_NAMESPACE, "annotations": {
                 "serving.kserve.io/s3-endpoint": endpoint, "serving.kserve.io/s3-usehttps": "0",
                 "serving.kserve.io/s3-region": "us-east-1"}},
             "stringData": {"awsAccessKeyID": S3_KEY[0], "awsSecretAccessKey": S3_KEY[1]}}
         account = {"apiVersion": "v1", "kind": "ServiceAccount",
-                   "metadata": {"name": "demo-models", "namespace": SA_NAMESPACE}, "secrets": [{"name": "demo-s3"}]}
+                   "metadata": {"name": "demo-models", "namespace": CREDENTIALS_NAMESPACE},
+                   "secrets": [{"name": "demo-s3"}]}
         cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([secret, account]))
-        print(f"secret/demo-s3 (S3 keys, endpoint annotation) and serviceaccount/demo-models in {SA_NAMESPACE}")
+        print(f"secret/demo-s3 (S3 keys, endpoint annotation) and serviceaccount/demo-models in "
+              f"{CREDENTIALS_NAMESPACE}")
         group = {"apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelNodeGroup",
                  "metadata": {"name": "workers"}, "spec": {
                      "storageLimit": "10Gi",

@@ -1,0 +1,39 @@
+"""Which of an agent's reports the coordinator believes: only those for the current entry and
+the current Node.
+
+A LocalModelNode's status can be older than its spec or its Node: a cache re-created under the
+same name with another URI while the agent was down still shows the old model's
+``ModelDownloaded``; a Node replaced by a new machine under the same name while the coordinator
+was down keeps the old machine's LocalModelNode. Labels placed from such a status send serving
+pods to a folder that is not there. So a reported state counts only when
+- the agent's ``modelDetails`` for the entry name the storageKey of the entry's URI (the agent
+  writes both in the same patch), and
+- ``status.nodeUID`` (the uid of the Node the agent read) is the uid of the Node that exists now.
+Without these fields (KServe's agent writes neither) the plain ``modelStatus`` is taken as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from modelcache.uri import storage_key
+
+
+def node_uid(node: Mapping[str, Any] | None) -> str | None:
+    return ((node or {}).get("metadata") or {}).get("uid")
+
+
+def reported_state(lmn: Mapping[str, Any] | None, uid: str | None, skey: str, uri: str) -> str | None:
+    """``modelStatus[skey]`` of ``lmn`` if it was reported for ``uri`` on the Node with ``uid``; else None."""
+    status = (lmn or {}).get("status") or {}
+    state = (status.get("modelStatus") or {}).get(skey)
+    if not state:
+        return None
+    reported_for = status.get("nodeUID")
+    if reported_for and uid and reported_for != uid:
+        return None  # written on a machine that has since been replaced under the same name
+    detail = (status.get("modelDetails") or {}).get(skey) or {}
+    if detail.get("storageKey") and detail["storageKey"] != storage_key(uri):
+        return None  # about another URI that an entry of this name had before
+    return str(state)

@@ -1,0 +1,132 @@
+"""The model root's host path, named once (the DaemonSet's hostroot volume): the agent reads it from
+its own Pod, so changing the volume alone (as deploy/ says) keeps removals safe; and while a node
+group's PV names another directory, the agent deletes nothing and says why. Real control plane,
+the agent as its ServiceAccount with deploy/'s env."""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modelcache.kube.client import EVENTS, LOCAL_MODEL_NODE_GROUPS, PODS, SERVICE_ACCOUNTS, Kube
+from modelcache.uri import storage_key
+from tests.agent_util import (
+    create_group,
+    create_node,
+    create_serving_pod,
+    entry,
+    kube_for,
+    model_files,
+    node_status,
+    set_entries,
+    start_agent,
+    wait_states,
+)
+from tests.deploy_util import find, render
+from tests.fixtures.cluster import Cluster
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+D = "ModelDownloaded"
+NS = "modelcache-system"
+
+
+@pytest.fixture
+def kube(cluster: Cluster) -> Kube:
+    cluster.register_node("node-a", {"kserve/localmodel": "worker"})
+    return kube_for(cluster)
+
+
+def agent_pod(kube: Kube, node: str, host_dir: Path) -> tuple[str, dict[str, str]]:
+    """The agent's Pod as the DaemonSet controller makes it from deploy/'s template, with the host
+    path changed the documented way (the hostroot volume only). No container runtime here: the
+    agent process runs on this host, so the volume is mounted at its own path. Returns the pod's
+    name and the agent container's env as the kubelet resolves it."""
+    ds = find(render(), "DaemonSet", "modelcache-agent")
+    spec = copy.deepcopy(ds["spec"]["template"]["spec"])
+    for volume in spec["volumes"]:
+        if volume["name"] == "hostroot":
+            volume["hostPath"]["path"] = str(host_dir)
+    for container in spec["initContainers"] + spec["containers"]:
+        for mount in container.get("volumeMounts") or []:
+            if mount["name"] == "hostroot":
+                mount["mountPath"] = str(host_dir)
+    spec["nodeName"] = node
+    name = f"modelcache-agent-{node}"
+    wait_until(lambda: kube.get_or_none(SERVICE_ACCOUNTS, "modelcache-agent", NS) is not None, timeout=30,
+               what="the agent's ServiceAccount")
+    kube.create(PODS, {"metadata": {"name": name, "namespace": NS, "labels": ds["spec"]["template"]["metadata"][
+        "labels"]}, "spec": spec}, NS)
+    fields = {"spec.nodeName": node, "metadata.name": name, "metadata.namespace": NS}
+    (agent,) = [c for c in spec["containers"] if c["name"] == "agent"]
+    env = {e["name"]: e.get("value") or fields[e["valueFrom"]["fieldRef"]["fieldPath"]] for e in agent["env"]}
+    env["MODELCACHE_ROOT"] = str(host_dir)
+    return name, env
+
+
+def events(kube: Kube, reason: str) -> list[dict[str, Any]]:
+    return [e for e in kube.list(EVENTS, "default").get("items") or [] if e.get("reason") == reason]
+
+
+def test_a_host_path_changed_in_the_volume_alone_keeps_a_mounted_model(cluster: Cluster, kube: Kube, nginx: Any,
+                                                                       tmp_path: Path) -> None:
+    # KServe's Helm chart uses /mnt/models: the user changes the DaemonSet's volume, and the group's
+    # PV names the same directory. Before, the agent still took its host path from an env var saying
+    # /models, ignored the serving pod's PV, and deleted the model under it.
+    host = tmp_path / "mnt-models"
+    nginx.write("a/model.bin", 1 << 20)
+    uri = nginx.url("a/model.bin")
+    key = storage_key(uri)
+    create_group(kube, "workers", "10Gi", str(host))
+    create_node(kube, "node-a", [entry("a", uri, nodeGroup="workers")])
+    _pod, env = agent_pod(kube, "node-a", host)
+    agent = start_agent(cluster.agent_kubeconfig, "node-a", host, tmp_path, env=env)
+    try:
+        wait_states(kube, "node-a", {"a": D}, agent=agent)
+        assert f"host_path={host}" in agent.log()
+        create_serving_pod(kube, "node-a", "team", "isvc-predictor-0", str(host), key)
+        set_entries(kube, "node-a", [])
+        wait_until(lambda: "isvc-predictor-0" in ((node_status(kube, "node-a").get("modelDetails") or {}).get("a")
+                                                  or {}).get("message", ""), timeout=20, what="kept for the pod")
+        time.sleep(1)  # several removal re-checks (--removal-recheck 0.3)
+        assert model_files(host, key) == {"model.bin": 1 << 20}
+        assert not events(kube, "HostPathMismatch")
+    finally:
+        agent.stop()
+
+
+def test_a_node_group_naming_another_path_stops_every_removal_until_fixed(cluster: Cluster, kube: Kube,
+                                                                         nginx: Any, tmp_path: Path) -> None:
+    host = tmp_path / "models"
+    nginx.write("b/model.bin", 1 << 20)
+    uri = nginx.url("b/model.bin")
+    key = storage_key(uri)
+    create_group(kube, "workers", "10Gi", "/mnt/models")  # not where the agent's files are
+    create_node(kube, "node-a", [entry("b", uri, nodeGroup="workers")])
+    _pod, env = agent_pod(kube, "node-a", host)
+    agent = start_agent(cluster.agent_kubeconfig, "node-a", host, tmp_path, env=env)
+    try:
+        wait_states(kube, "node-a", {"b": D}, agent=agent)
+        wait_until(lambda: events(kube, "HostPathMismatch"), timeout=20, what="a HostPathMismatch event")
+        (event,) = events(kube, "HostPathMismatch")
+        assert event["type"] == "Warning" and event["involvedObject"]["name"] == "node-a"
+        assert f"host path {host}" in event["message"] and "workers: /mnt/models" in event["message"]
+        # No pod mounts it, but the agent cannot tell which pods would: nothing is deleted.
+        set_entries(kube, "node-a", [entry("other", uri + "?x", nodeGroup="workers")])
+        wait_until(lambda: "cannot tell which pods mount the models; keeping them" in agent.log(), timeout=20,
+                   what="the removal refused")
+        time.sleep(1)
+        assert model_files(host, key) == {"model.bin": 1 << 20}
+        # The group is corrected: the removal goes ahead.
+        group = kube.get(LOCAL_MODEL_NODE_GROUPS, "workers")
+        group["spec"]["persistentVolumeSpec"]["local"]["path"] = str(host)
+        kube.replace(LOCAL_MODEL_NODE_GROUPS, group)
+        wait_until(lambda: not (host / "models" / key).exists(), timeout=20, what="the model deleted once paths agree")
+        assert "node group PVs name the model root's host path" in agent.log()
+    finally:
+        agent.stop()
