@@ -148,6 +148,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the work folder (agent logs) and print its path")
     args = ap.parse_args()
     size, rate = parse_quantity(args.size), parse_quantity(args.origin_rate)
+    load_start = [round(x, 1) for x in os.getloadavg()]  # the machine is shared: say how loaded it was
     if not size or not rate:
         ap.error("--size and --origin-rate take quantities like 256Mi, 16Mi")
 
@@ -200,9 +201,10 @@ def main() -> None:
            "seconds_p2p": _round(results.get("p2p", {}).get("seconds")),
            "seconds_direct": _round(results.get("direct", {}).get("seconds")),
            "seconds_single": _round(results.get("single", {}).get("seconds")),
-           "load_average": [round(x, 1) for x in os.getloadavg()]}
+           "load_average_start": load_start, "load_average": [round(x, 1) for x in os.getloadavg()]}
     single = out["seconds_single"]
-    print(f"{args.nodes} nodes, model {model / 2**20:.0f} MiB (config + 4 shards), origin {rate / 2**20:.0f} MiB/s")
+    print(f"{args.nodes} nodes, model {model / 2**20:.0f} MiB (config + 4 shards), origin {rate / 2**20:.0f} MiB/s, "
+          f"load average (1/5/15 min) {load_start} at start, {out['load_average']} at the end")
     print("| run | nodes | seconds to all Downloaded | x one node alone | origin bytes | x model size |")
     print("|---|---:|---:|---:|---:|---:|")
     for mode in ("p2p", "direct", "single"):
