@@ -31,7 +31,15 @@ from modelcache.peers.pieces import (
     piece_size_for,
 )
 from modelcache.peers.protocol import HaveReply, parse_path, parse_range
-from modelcache.peers.server import FORBIDDEN, OK, UNAUTHENTICATED, PeerServer, cert_fingerprint, server_context
+from modelcache.peers.server import (
+    FORBIDDEN,
+    OK,
+    UNAUTHENTICATED,
+    PeerServer,
+    TokenBucket,
+    cert_fingerprint,
+    server_context,
+)
 from modelcache.peers.swarm import SwarmSettings
 from modelcache.pull import pull
 from modelcache.sources.base import Checksum, RemoteFile
@@ -288,6 +296,64 @@ def test_the_server_refuses_without_a_token_and_sends_busy_beyond_its_upload_slo
         client.read(seed.info, key, digest, 0, 0, 1024, memoryview(bytearray(1024)))
     t.join(30)
     assert slow == [MiB] and bytes(buf) == files["a.bin"]
+
+
+class VirtualTime:
+    """A clock and a sleep that only move each other: rates checked without timing anything."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept += 1
+        self.now += seconds
+
+
+def test_the_upload_rate_holds_every_upload_together_to_its_bytes_per_second():
+    t = VirtualTime()
+    bucket = TokenBucket(256 << 10, t.clock, t.sleep)
+    for _ in range(16):
+        bucket.take(64 << 10)  # 1 MiB at 256 KiB/s
+    assert 3.99 <= t.now <= 4.01
+    # An idle spell banks at most one send block (a short burst), not a minute of credit.
+    t.now += 60
+    start = t.now
+    for _ in range(16):
+        bucket.take(64 << 10)
+    assert 2.99 <= t.now - start <= 4.01
+    unlimited = TokenBucket(0, t.clock, t.sleep)
+    slept = t.slept
+    unlimited.take(1 << 30)
+    assert t.slept == slept
+
+
+@pytest.mark.parametrize("kernel_tls", [False, True], ids=["user-space-tls", "sendfile"])
+def test_a_range_is_served_at_the_upload_rate_by_either_send_path(make_node, tmp_path, monkeypatch, kernel_tls):
+    # kTLS needs Python 3.14+ with a kernel tls module (not this test machine's): the sendfile path is
+    # forced here; socket.sendfile then sends through the TLS socket as the kernel would encrypt it.
+    import modelcache.peers.server as server_mod
+
+    files = make_source(tmp_path / "src", {"a.bin": 3 * MiB + 11})
+    uri = f"file://{tmp_path / 'src'}"
+    seed = make_node("seed", upload_rate=512 << 10)
+    pull_all([seed], uri)
+    assert seed.server.bucket.rate == 512 << 10
+    t = VirtualTime()
+    seed.server.bucket = TokenBucket(512 << 10, t.clock, t.sleep)
+    if kernel_tls:
+        monkeypatch.setattr(server_mod, "ktls_send", lambda conn: True)
+    key = storage_key(uri)
+    digest = seed.network.stats(key).listing_digest  # type: ignore[union-attr]
+    buf = memoryview(bytearray(MiB + 5))
+    start = 2 * MiB + 6  # a range across pieces, not at a block boundary
+    assert PeerClient(lambda: TOKEN).read(seed.info, key, digest, 0, start, start + len(buf), buf) == len(buf)
+    assert bytes(buf) == files["a.bin"][start:start + len(buf)]
+    assert seed.server.zero_copy_sends == (1 if kernel_tls else 0)
+    assert 1.99 <= t.now <= 2.01  # 1 MiB at 512 KiB/s, on the upload clock
 
 
 def test_peers_in_our_zone_are_read_from_first(make_node, tmp_path):

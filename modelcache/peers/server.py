@@ -50,12 +50,15 @@ class Catalog(Protocol):
 
 
 class TokenBucket:
-    """``rate`` bytes per second shared by every upload (0: unlimited)."""
+    """``rate`` bytes per second shared by every upload (0: unlimited). A burst is at most a
+    tenth of a second's worth (or one send block). ``clock``/``sleep``: a test's own time."""
 
-    def __init__(self, rate: int) -> None:
+    def __init__(self, rate: int, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.rate = rate
+        self._clock, self._sleep = clock, sleep
         self._tokens = 0.0
-        self._stamp = time.monotonic()
+        self._stamp = clock()
         self._lock = threading.Lock()
 
     def take(self, n: int) -> None:
@@ -63,14 +66,14 @@ class TokenBucket:
             return
         while True:
             with self._lock:
-                now = time.monotonic()
+                now = self._clock()
                 self._tokens = min(self._tokens + (now - self._stamp) * self.rate, max(self.rate / 10, SEND_BLOCK))
                 self._stamp = now
                 if self._tokens >= n:
                     self._tokens -= n
                     return
                 wait = (n - self._tokens) / self.rate
-            time.sleep(min(wait, 0.1))
+            self._sleep(min(wait, 0.1))
 
 
 def ktls_send(conn: object) -> bool:
