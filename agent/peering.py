@@ -196,7 +196,7 @@ class Peering:
         self.server.start()
         log.info("peer transfer on", extra=fields(endpoint=self.endpoint, zone=self.zone, identity=identity,
                                                   max_uploads=self.cfg.peer_max_uploads,
-                                                  upload_rate=self.cfg.peer_upload_rate))
+                                                  upload_rate=self.server.bucket.rate))
         return self
 
     def stop(self) -> None:

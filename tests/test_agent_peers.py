@@ -194,6 +194,7 @@ def test_kill_9_of_a_serving_peer_mid_transfer_and_every_other_node_completes_ve
     # from each other.
     agents = {"node-a": seed(cluster, kube, tmp_path, origin, "node-a", "--peer-upload-rate", "1Mi")}
     try:
+        assert re.search(r'msg="peer transfer on" .*upload_rate=1048576', agents["node-a"].log())  # the server's
         agents.update(start_group(cluster, kube, tmp_path, ["node-b", "node-c"]))
         for node in ("node-b", "node-c"):
             set_entries(kube, node, [entry("llm", origin.uri)])
