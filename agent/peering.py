@@ -105,12 +105,34 @@ def _split_endpoint(value: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
+#: What the directory reads of each model's details (not progress: it changes every status write).
+DETAIL_FIELDS = ("storageKey", "state", "listingDigest")
+
+
+def directory_essentials(lmn: dict[str, Any]) -> dict[str, Any]:
+    """A LocalModelNode as the directory keeps it (every agent holds every node's): its name, the
+    storage keys its entries want (``spec.storageKeys``), ``status.peer`` and, per model, only
+    ``DETAIL_FIELDS``."""
+    meta = lmn.get("metadata") or {}
+    spec, status = lmn.get("spec") or {}, lmn.get("status") or {}
+    keys = sorted({storage_key(str(e["sourceModelUri"])) for e in spec.get("localModels") or []
+                   if isinstance(e, dict) and e.get("sourceModelUri")})
+    details = {name: {k: d[k] for k in DETAIL_FIELDS if k in d}
+               for name, d in (status.get("modelDetails") or {}).items() if isinstance(d, dict)}
+    kept: dict[str, Any] = {"modelDetails": details}
+    if isinstance(status.get("peer"), dict):
+        kept["peer"] = status["peer"]
+    return {"apiVersion": lmn.get("apiVersion"), "kind": lmn.get("kind"),
+            "metadata": {k: meta[k] for k in ("name", "uid", "resourceVersion") if k in meta},
+            "spec": {"storageKeys": keys}, "status": kept}
+
+
 class Directory:
-    """Who holds or fetches a model, from every LocalModelNode (one informer)."""
+    """Who holds or fetches a model, from every LocalModelNode (one informer, lean objects)."""
 
     def __init__(self, kube: Kube, me: str) -> None:
         self.me = me
-        self.informer = Informer(kube, LOCAL_MODEL_NODES)
+        self.informer = Informer(kube, LOCAL_MODEL_NODES, transform=directory_essentials)
 
     def peers(self, key: str) -> list[PeerInfo]:
         out = []
@@ -124,8 +146,7 @@ class Directory:
                 continue
             details = [d for d in (status.get("modelDetails") or {}).values()
                        if isinstance(d, dict) and d.get("storageKey") == key]
-            wanted = any(storage_key(str(e.get("sourceModelUri") or "")) == key
-                         for e in ((obj.get("spec") or {}).get("localModels") or []) if isinstance(e, dict))
+            wanted = key in ((obj.get("spec") or {}).get("storageKeys") or ())
             if not details and not wanted:
                 continue
             state = details[0].get("state") if details else ""
