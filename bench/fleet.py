@@ -137,6 +137,49 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
             shutil.rmtree(agent.root, ignore_errors=True)
 
 
+def measure(cp: ControlPlane, kube: Kube, s3: Any, bucket: str, proxy: FaultProxy, nodes: int, size: int,
+            rate: int, modes: list[str], workdir: Path, timeout: float,
+            keys: tuple[str, str] = ("fleet", "fleet")) -> tuple[S3Origin, dict[str, dict[str, Any]]]:
+    """The runs of ``modes`` on a control plane with deploy/ applied: the model uploaded to
+    ``bucket`` (reached through ``proxy``, throttled to ``rate``), the coordinator started as its
+    ServiceAccount; ``keys``: the S3 access and secret key the agents use. Returns the origin and
+    each mode's result (tests/test_fleet_bench.py runs it small)."""
+    files = model_files(size, 4)
+    upload_model(s3, bucket, "llm", files)
+    hashes = {p: hashlib.sha256(b).hexdigest() for p, b in files.items()}
+    origin = S3Origin(bucket, "llm", proxy, files)
+    del files
+    storage_secret(kube, proxy.base_url, *keys)
+    proxy.set_rate_limit(rate)
+    coord_cfg = Config(kubeconfig=str(cp.kubeconfig_for("modelcache-system", "modelcache-coordinator")),
+                       leader_election=False, host="127.0.0.1", port=free_port(), watch_timeout=600)
+    coordinator = Coordinator(coord_cfg, Kube(load_api_client(coord_cfg.kubeconfig))).start()
+    try:
+        wait_until(coordinator.controllers_running.is_set, timeout=60, what="coordinator")
+        results: dict[str, dict[str, Any]] = {}
+        for mode in modes:
+            n = 1 if mode == "single" else nodes
+            print(f"{mode}: {n} node(s) ...", file=sys.stderr, flush=True)
+            results[mode] = run(mode, n, kube, cp, origin, workdir, hashes, timeout)
+            print(f"{mode}: {results[mode]}", file=sys.stderr, flush=True)
+    finally:
+        coordinator.stop()
+    return origin, results
+
+
+def summary(nodes: int, model: int, rate: int, results: dict[str, dict[str, Any]],
+            load_start: list[float]) -> dict[str, Any]:
+    """What ``--json`` writes (the issue's keys, plus the origin rate and the load averages)."""
+    def of(mode: str, what: str) -> Any:
+        return results.get(mode, {}).get(what)
+
+    return {"nodes": nodes, "model_bytes": model, "origin_rate": rate,
+            "origin_bytes_p2p": of("p2p", "origin_bytes"), "origin_bytes_direct": of("direct", "origin_bytes"),
+            "seconds_p2p": _round(of("p2p", "seconds")), "seconds_direct": _round(of("direct", "seconds")),
+            "seconds_single": _round(of("single", "seconds")),
+            "load_average_start": load_start, "load_average": [round(x, 1) for x in os.getloadavg()]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=8)
@@ -148,15 +191,14 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the work folder (agent logs) and print its path")
     args = ap.parse_args()
     size, rate = parse_quantity(args.size), parse_quantity(args.origin_rate)
-    load_start = [round(x, 1) for x in os.getloadavg()]  # the machine is shared: say how loaded it was
     if not size or not rate:
         ap.error("--size and --origin-rate take quantities like 256Mi, 16Mi")
+    load_start = [round(x, 1) for x in os.getloadavg()]  # the machine is shared: say how loaded it was
 
     workdir = Path(tempfile.mkdtemp(prefix="fleet-", dir=REPO / ".work" if (REPO / ".work").is_dir() else None))
     cp = ControlPlane(workdir / "cluster").start()
     moto, endpoint = start_moto(workdir)
     proxy = FaultProxy(("127.0.0.1", urlsplit(endpoint).port or 0))
-    coordinator = None
     try:
         apply_manifests(cp)
         kube = Kube(load_api_client(str(cp.kubeconfig)))
@@ -165,27 +207,9 @@ def main() -> None:
         s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="fleet",
                           aws_secret_access_key="fleet")
         s3.create_bucket(Bucket="models")
-        files = model_files(size, 4)
-        upload_model(s3, "models", "llm", files)
-        hashes = {p: hashlib.sha256(b).hexdigest() for p, b in files.items()}
-        origin = S3Origin("models", "llm", proxy, files)
-        del files
-        storage_secret(kube, proxy.base_url, "fleet", "fleet")
-        proxy.set_rate_limit(rate)
-        coord_cfg = Config(kubeconfig=str(cp.kubeconfig_for("modelcache-system", "modelcache-coordinator")),
-                           leader_election=False, host="127.0.0.1", port=free_port(), watch_timeout=600)
-        coordinator = Coordinator(coord_cfg, Kube(load_api_client(coord_cfg.kubeconfig))).start()
-        wait_until(coordinator.controllers_running.is_set, timeout=60, what="coordinator")
-
-        results: dict[str, dict[str, Any]] = {}
-        for mode in args.modes.split(","):
-            n = 1 if mode == "single" else args.nodes
-            print(f"{mode}: {n} node(s) ...", file=sys.stderr, flush=True)
-            results[mode] = run(mode, n, kube, cp, origin, workdir, hashes, args.timeout)
-            print(f"{mode}: {results[mode]}", file=sys.stderr, flush=True)
+        origin, results = measure(cp, kube, s3, "models", proxy, args.nodes, size, rate, args.modes.split(","),
+                                  workdir, args.timeout)
     finally:
-        if coordinator is not None:
-            coordinator.stop()
         proxy.close()
         stop_process(moto)
         cp.stop()
@@ -195,13 +219,7 @@ def main() -> None:
             shutil.rmtree(workdir, ignore_errors=True)
 
     model = origin.size
-    out = {"nodes": args.nodes, "model_bytes": model, "origin_rate": rate,
-           "origin_bytes_p2p": results.get("p2p", {}).get("origin_bytes"),
-           "origin_bytes_direct": results.get("direct", {}).get("origin_bytes"),
-           "seconds_p2p": _round(results.get("p2p", {}).get("seconds")),
-           "seconds_direct": _round(results.get("direct", {}).get("seconds")),
-           "seconds_single": _round(results.get("single", {}).get("seconds")),
-           "load_average_start": load_start, "load_average": [round(x, 1) for x in os.getloadavg()]}
+    out = summary(args.nodes, model, rate, results, load_start)
     single = out["seconds_single"]
     print(f"{args.nodes} nodes, model {model / 2**20:.0f} MiB (config + 4 shards), origin {rate / 2**20:.0f} MiB/s, "
           f"load average (1/5/15 min) {load_start} at start, {out['load_average']} at the end")

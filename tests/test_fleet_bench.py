@@ -1,0 +1,51 @@
+"""bench/fleet.py, run small on the shared control plane: it must keep working as the agent and
+deploy/ change (it broke once silently when the credentials moved namespace). Nothing here is
+timed: the bench's own run (README) measures; this checks what it reports and that every node of
+every run ends with the model, byte for byte (the bench checks that itself)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.agent_util import kube_for
+from tests.faultproxy import FaultProxy
+from tests.helpers import REPO
+
+pytestmark = pytest.mark.timeout(600)
+
+#: The keys the issue's --json names.
+ISSUE_KEYS = ("nodes", "model_bytes", "origin_bytes_p2p", "origin_bytes_direct", "seconds_p2p", "seconds_direct",
+              "seconds_single")
+
+
+def load_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fleet_bench", REPO / "bench" / "fleet.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_fleet_bench_fills_two_nodes_three_ways_and_reports_the_issues_keys(cluster, moto_s3, tmp_path: Path):
+    bench = load_bench()
+    proxy = FaultProxy(("127.0.0.1", urlsplit(moto_s3.endpoint).port or 0))
+    bucket = moto_s3.new_bucket()
+    try:
+        origin, results = bench.measure(cluster.cp, kube_for(cluster), moto_s3.client(), bucket, proxy, 2, 6 << 20,
+                                        4 << 20, ["p2p", "direct", "single"], tmp_path, 300,
+                                        (moto_s3.access_key, moto_s3.secret_key))
+    finally:
+        proxy.close()
+    out = bench.summary(2, origin.size, 4 << 20, results, [0.0, 0.0, 0.0])
+    assert set(ISSUE_KEYS) <= set(out) and out["nodes"] == 2 and out["model_bytes"] == origin.size
+    assert all(out[k] > 0 for k in ("seconds_p2p", "seconds_direct", "seconds_single"))
+    assert out["origin_bytes_direct"] == 2 * origin.size  # without peers every node reads it all
+    assert origin.size <= out["origin_bytes_p2p"] <= 1.2 * origin.size
+    for node, (from_origin, from_peers) in results["p2p"]["per_node"].items():
+        assert from_origin + from_peers >= origin.size, node
+    assert results["single"]["origin_bytes"] == origin.size
