@@ -5,16 +5,14 @@ every run ends with the model, byte for byte (the bench checks that itself)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 from urllib.parse import urlsplit
 
 import pytest
 
 from tests.agent_util import kube_for
 from tests.faultproxy import FaultProxy
-from tests.helpers import REPO
+from tests.helpers import load_script
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -23,16 +21,8 @@ ISSUE_KEYS = ("nodes", "model_bytes", "origin_bytes_p2p", "origin_bytes_direct",
               "seconds_single")
 
 
-def load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fleet_bench", REPO / "bench" / "fleet.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_fleet_bench_fills_two_nodes_three_ways_and_reports_the_issues_keys(cluster, moto_s3, tmp_path: Path):
-    bench = load_bench()
+    bench = load_script("bench/fleet.py", "fleet_bench")
     proxy = FaultProxy(("127.0.0.1", urlsplit(moto_s3.endpoint).port or 0))
     bucket = moto_s3.new_bucket()
     try:
