@@ -27,7 +27,7 @@ from modelcache.kube.types import LocalModelNode
 log = logging.getLogger("agent.kube")
 
 #: Status keys the agent owns (others, written by anyone else, are kept).
-OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration", "nodeUID")
+OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration", "nodeUID", "peer")
 
 
 def _now() -> str:
