@@ -37,8 +37,9 @@ install: $(STAMP)
 test-deps: install
 	@bash tests/setup.sh
 
+# --durations: the slowest tests in every CI log, to keep the cold run inside its 45 minutes.
 test: test-deps lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 
 # The chaos test for longer than in `make test` (CHAOS_SECONDS, default 15 min); CHAOS_SEED=<seed>
 # replays the sequence of steps a failed run printed.

@@ -28,7 +28,7 @@ from modelcache.loop import Loop
 log = logging.getLogger("agent.kube")
 
 #: Status keys the agent owns (others, written by anyone else, are kept).
-OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration", "nodeUID")
+OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration", "nodeUID", "peer")
 
 
 class KubeRunner:
