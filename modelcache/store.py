@@ -216,6 +216,25 @@ class DestLayout(Layout):
         return self.meta / "pieces.json"
 
 
+#: A download's piece record (peers), left in its staging folder for ``publish`` to install.
+_STAGED_PIECES = "pieces.json"
+
+
+def stage_piece_record(staging: Path, text: str) -> None:
+    """Leave a download's piece record in its staging folder (durable, renamed into place):
+    ``publish`` installs it next to the manifest, in the same step as the model."""
+    path = staging / _STAGED_PIECES
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise store_error(exc, str(path), "writing the piece record") from exc
+
+
 #: ``guard(key, folder)``: raise to refuse replacing or deleting a model folder (the CLI's check
 #: that no pod on the node mounts it, modelcache.mountusers; the agent asks the API instead).
 Guard = Callable[[str, Path], None]
@@ -381,7 +400,7 @@ class NodeStore:
         target = self.layout.model_dir(key)
         pending = staging / "manifest.json"
         try:
-            pieces = staging / "pieces.json"
+            pieces = staging / _STAGED_PIECES
             if pieces.exists():
                 self.layout.pieces_path(key).parent.mkdir(parents=True, exist_ok=True)
                 os.replace(pieces, self.layout.pieces_path(key))
