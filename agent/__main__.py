@@ -143,7 +143,7 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     from agent.credentials import Credentials, KubeSecretReader
     from agent.inuse import KubeMountChecker, NoMounts
     from agent.metrics import AgentMetrics
-    from agent.rootlock import RootLock
+    from modelcache.store import RootLock
 
     # Checked first: a read-only or unwritable root would otherwise fail every download later.
     check_writable_dir(cfg.root, "--root")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -27,7 +26,7 @@ from agent.credentials import Credentials
 from agent.inuse import MountChecker
 from agent.logs import fields
 from agent.metrics import AgentMetrics
-from agent.repair import needs_repair, pin_damaged, pin_path, repair, repair_dir
+from agent.repair import needs_repair, repair
 from agent.state import INTERRUPTED, REMOVED, STOPPING, Failure, ModelRecord, Task
 from modelcache.clock import rfc3339
 from modelcache.errors import ModelcacheError
@@ -66,7 +65,8 @@ class Agent:
     def __init__(self, cfg: AgentConfig, credentials: Credentials, mounts: MountChecker,
                  metrics: AgentMetrics | None = None, group_limits: dict[str, int] | None = None) -> None:
         self.cfg = cfg
-        self.store = NodeStore(NodeLayout(cfg.root))
+        self.layout = NodeLayout(cfg.root)  # read-only here: every write goes through the store
+        self.store = NodeStore(self.layout)
         self.credentials = credentials
         self.mounts = mounts
         self.metrics = metrics or AgentMetrics()
@@ -102,21 +102,11 @@ class Agent:
 
     def _on_disk(self, key: str) -> bool:
         """Anything of the model left to delete: folder, manifest, staged or repair download."""
-        layout = self.store.layout
-        return any(p.exists() for p in (layout.manifest_path(key), layout.model_dir(key), layout.staging_dir(key),
-                                         repair_dir(layout, key), pin_path(layout, key)))
+        return self.store.has(key)
 
     def _disk_keys(self) -> set[str]:
         """Every storageKey with something under the root: published, unlisted, staged or repairing."""
-        layout = self.store.layout
-        keys = set(self.store.keys())
-        for folder in (layout.meta / "staging", layout.meta / "repair"):
-            if folder.is_dir():
-                keys |= {p.name for p in folder.iterdir() if p.is_dir()}
-        suffix = pin_path(layout, "").name  # a repair's pin outlives a crash: its model is on disk too
-        if (layout.meta / "repair").is_dir():
-            keys |= {p.name.removesuffix(suffix) for p in (layout.meta / "repair").glob("*" + suffix)}
-        return {k for k in keys if STORAGE_KEY.match(k)}
+        return {k for k in self.store.disk_keys() if STORAGE_KEY.match(k)}
 
     # ---- desired state --------------------------------------------------------------------
 
@@ -250,8 +240,7 @@ class Agent:
         rec.bytes_total, rec.files_total = plan.total_bytes, plan.files
         if plan.revision:
             rec.revision = plan.revision
-        layout = self.store.layout
-        staged = repair_dir(layout, rec.key) if task.repairing else layout.staging_dir(rec.key)
+        staged = self.layout.repair_dir(rec.key) if task.repairing else self.layout.staging_dir(rec.key)
         limit = self.group_limits.get(primary.node_group or "")
         self.capacity.reserve(rec.key, plan.bytes_needed, plan.total_bytes, limit, plan.location.display, staged=staged)
         log.info("download admitted", extra=fields(storage_key=rec.key, bytes_total=plan.total_bytes,
@@ -371,7 +360,7 @@ class Agent:
         try:
             with self.store.lock(rec.key, blocking=False):
                 # Kept as the repair's pin: which revision to restore and which files were ours.
-                manifest = pin_damaged(self.store, rec.key)
+                manifest = self.store.pin_damaged(rec.key)
                 rec.old_files = [f.path for f in manifest.files] if manifest else []
         except ModelcacheError:
             return False  # someone else holds the model right now: check again later
@@ -434,9 +423,7 @@ class Agent:
 
     def _delete(self, rec: ModelRecord) -> None:
         try:
-            self.store.remove(rec.key)
-            shutil.rmtree(repair_dir(self.store.layout, rec.key), ignore_errors=True)  # an unfinished repair
-            pin_path(self.store.layout, rec.key).unlink(missing_ok=True)
+            self.store.remove(rec.key)  # an unfinished repair with it
             deleted = True
         except ModelcacheError as exc:
             log.info("removal deferred", extra=fields(storage_key=rec.key, error=_one_line(exc)))

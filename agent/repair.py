@@ -20,21 +20,16 @@ it pulls the URI and installs nothing unless every file equals the pinned one, s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
-import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent.logs import fields
-from modelcache.diskio import fsync_dir
 from modelcache.errors import SourceChangedError, StoreError
-from modelcache.integrity import hash_file
 from modelcache.pull import PullPlan, PullResult
-from modelcache.store import Manifest, ManifestFile, NodeLayout, NodeStore
+from modelcache.store import Manifest, NodeStore
 
 log = logging.getLogger("agent.repair")
 
@@ -50,40 +45,6 @@ class RepairOutcome:
     removed: list[str]
 
 
-def repair_dir(layout: NodeLayout, key: str) -> Path:
-    return layout.meta / "repair" / key
-
-
-def pin_path(layout: NodeLayout, key: str) -> Path:
-    """The damaged model's manifest, kept until the repair is installed: what it must restore."""
-    return layout.meta / "repair" / f"{key}.pinned.json"
-
-
-def pin_damaged(store: NodeStore, key: str) -> Manifest | None:
-    """Take a damaged model's manifest away (it stops being present for every reader of the
-    store) and keep it as the repair's pin. The caller holds the model's store lock."""
-    layout = store.layout
-    assert isinstance(layout, NodeLayout)
-    manifest = store.manifest(key)
-    final = layout.manifest_path(key)
-    if manifest is None:
-        final.unlink(missing_ok=True)
-        return None
-    pin = pin_path(layout, key)
-    pin.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(final, pin)
-    fsync_dir(str(pin.parent))
-    return manifest
-
-
-def _pinned(layout: NodeLayout, key: str) -> Manifest | None:
-    try:
-        m = Manifest.from_json(pin_path(layout, key).read_text())
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
-    return m if m.storage_key == key else None
-
-
 def _differences(pinned: Manifest, got: Manifest) -> list[str]:
     want = {f.path: (f.size, f.xxh3) for f in pinned.files}
     have = {f.path: (f.size, f.xxh3) for f in got.files}
@@ -95,70 +56,10 @@ def needs_repair(store: NodeStore, key: str) -> bool:
     return store.layout.model_dir(key).is_dir() and not store.is_present(key)
 
 
-def _matches(path: Path, want: ManifestFile) -> bool:
-    try:
-        st = path.lstat()
-    except OSError:
-        return False
-    if not os.path.isfile(path) or os.path.islink(path) or st.st_size != want.size:
-        return False
-    return hash_file(path, size=st.st_size).local_hexdigest() == want.xxh3
-
-
-def install_in_place(store: NodeStore, key: str, staged: Path, manifest: Manifest,
-                     old_files: Iterable[str] = ()) -> tuple[list[str], list[str]]:
-    """Rename the staged files that differ into ``models/<key>``; return (replaced, removed).
-
-    The caller holds the model's store lock. The manifest is installed last: until then the
-    model is not present, and a crash part-way leaves a folder that the next repair finishes.
-    """
-    target = store.layout.model_dir(key)
-    target.mkdir(parents=True, exist_ok=True)
-    replaced: list[str] = []
-    touched_dirs: set[Path] = set()
-    for f in manifest.files:
-        dst = target / f.path
-        if _matches(dst, f):
-            continue
-        src = staged / f.path
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if dst.is_dir() and not dst.is_symlink():
-            shutil.rmtree(dst)  # a folder where a file belongs: never a rename target
-        os.replace(src, dst)
-        replaced.append(f.path)
-        touched_dirs.add(dst.parent)
-    wanted = {f.path for f in manifest.files}
-    removed: list[str] = []
-    for rel in sorted(set(old_files) - wanted):  # only files we published before: never a stranger's
-        with contextlib.suppress(FileNotFoundError):
-            (target / rel).unlink()
-            removed.append(rel)
-            touched_dirs.add((target / rel).parent)
-    for d in sorted(touched_dirs):
-        with contextlib.suppress(OSError):
-            fsync_dir(str(d))
-    final = store.layout.manifest_path(key)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.repair")
-    with open(tmp, "w") as out:
-        out.write(manifest.to_json())
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, final)
-    fsync_dir(str(final.parent))
-    # A publish that crashed before its manifest left one pending in staging: it describes the
-    # folder as it was then, not as repaired, and ``recover`` must never find it later.
-    shutil.rmtree(store.layout.staging_dir(key), ignore_errors=True)
-    return replaced, removed
-
-
 def repair(store: NodeStore, key: str, pull_into: Pull, old_files: Iterable[str] = ()) -> RepairOutcome:
     """Pull the model's pinned revision into its repair folder, then fix the model in place."""
-    layout = store.layout
-    assert isinstance(layout, NodeLayout)
-    staged = repair_dir(layout, key)
-    staged.mkdir(parents=True, exist_ok=True)
-    pinned = _pinned(layout, key)
+    staged = store.repair_download(key)
+    pinned = store.pinned_manifest(key)
     # Sources with revisions listed the one they read in the manifest: pull exactly that.
     at_revision = pinned.resolved_uri if pinned and pinned.revision and pinned.resolved_uri != pinned.uri else None
 
@@ -174,27 +75,24 @@ def repair(store: NodeStore, key: str, pull_into: Pull, old_files: Iterable[str]
             raise _moved(pinned, differ)
 
     result = pull_into(staged, at_revision, same_listing)
-    manifest_file = staged / ".modelcache" / "manifest.json"
-    try:
-        manifest = Manifest.from_json(manifest_file.read_text())
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise StoreError(f"{result.uri}: repair download left no manifest in {staged} ({exc})") from None
-    manifest = dataclasses.replace(manifest, storage_key=key)
+    downloaded = store.downloaded_manifest(staged, result.storage_key)
+    if downloaded is None:
+        raise StoreError(f"{result.uri}: repair download left no readable manifest in {staged}")
+    manifest = dataclasses.replace(downloaded, storage_key=key)
     if pinned is not None:
         differ = _differences(pinned, manifest)
         if differ:  # same names and sizes, other bytes: the download is of no use
-            shutil.rmtree(staged, ignore_errors=True)
+            store.drop_repair_download(key)
             raise _moved(pinned, differ)
         manifest = dataclasses.replace(manifest, uri=pinned.uri, resolved_uri=pinned.resolved_uri,
                                        revision=pinned.revision)
         old_files = {*old_files, *(f.path for f in pinned.files)}
     with store.lock(key):  # the node store's lock: no removal or other pull of the model meanwhile
-        replaced, removed = install_in_place(store, key, staged, manifest, old_files)
-        pin_path(layout, key).unlink(missing_ok=True)
-    shutil.rmtree(staged, ignore_errors=True)
+        replaced, removed = store.install_in_place(key, staged, manifest, old_files)
+        store.end_repair(key)
     log.info("repaired in place", extra=fields(storage_key=key, replaced=",".join(replaced[:20]),
                                                replaced_count=len(replaced), removed=len(removed)))
-    out = dataclasses.replace(result, path=layout.model_dir(key), cached=result.cached and not replaced)
+    out = dataclasses.replace(result, path=store.layout.model_dir(key), cached=result.cached and not replaced)
     return RepairOutcome(out, replaced, removed)
 
 

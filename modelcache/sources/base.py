@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from modelcache.backends import BACKENDS, load
 from modelcache.errors import InvalidURIError, UnsupportedError
 from modelcache.remote import Checksum, RangeStream, RemoteFile
+from modelcache.reserved import META_DIR
 from modelcache.uri import Location, parse_uri
 
 if TYPE_CHECKING:
@@ -139,7 +140,7 @@ def safe_relpath(path: str, where: str) -> str:
     norm = posixpath.normpath(path)
     if norm.startswith("/") or norm == ".." or norm.startswith("../") or norm == ".":
         raise InvalidURIError(f"{where}: refusing file path {path!r} outside the model folder")
-    if norm.split("/")[0] == ".modelcache":
+    if norm.split("/")[0] == META_DIR:  # the store's bookkeeping: never a model's file
         raise InvalidURIError(f"{where}: refusing reserved path {path!r}")
     return norm
 

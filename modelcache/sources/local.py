@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from modelcache.errors import AccessDeniedError, NotFoundError, SourceChangedError, SourceError, UnsupportedError
+from modelcache.reserved import META_DIR
 from modelcache.sources.base import RemoteFile, Source, safe_relpath
 from modelcache.uri import LocalLocation, Location, PVCLocation
 
@@ -105,7 +106,7 @@ class LocalSource(Source):
             return [self._file(self.root, self.root.name, st)]
         files = []
         for dirpath, dirnames, filenames in os.walk(self.root, onerror=self._walk_error):
-            dirnames[:] = sorted(d for d in dirnames if d != ".modelcache")
+            dirnames[:] = sorted(d for d in dirnames if d != META_DIR)  # a store's bookkeeping, not the model
             for name in sorted(filenames):
                 full = Path(dirpath) / name
                 rel = full.relative_to(self.root).as_posix()
