@@ -286,10 +286,11 @@ class Agent:
                             check(plan)  # a repair refuses a listing that is not its pinned revision
                         self._admit(rec, task, primary, plan)
 
+                    # unpack: a repair's folder holds the model as the store does (archives unpacked).
                     return pull(uri or rec.uri, settings=settings, options=self._options(), progress=task.progress,
-                                admit=admit, cancel=task.cancel, **where)
+                                admit=admit, cancel=task.cancel, unpack=True, **where)
 
-                if needs_repair(self.store, rec.key):
+                if needs_repair(self.store, rec.key, rec.old_files):
                     # Damaged, or left half-repaired by a crash: fix the files inside the folder that
                     # serving pods mount; a publish would swap the folder out from under them.
                     task.repairing = True

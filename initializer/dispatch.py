@@ -17,7 +17,13 @@ from pathlib import Path
 
 from initializer import unpacked
 from initializer.report import PairOutcome
-from modelcache.archive import ArchiveLimits, UnpackResult, archive_kind, remove_stale_staging, unpack_archive
+from modelcache.archive import (
+    ArchiveLimits,
+    UnpackResult,
+    remove_stale_staging,
+    single_archive,
+    unpack_archive,
+)
 from modelcache.credentials import Settings
 from modelcache.errors import ModelcacheError, NotFoundError, UnsupportedError
 from modelcache.progress import ProgressTracker, human_bytes
@@ -144,7 +150,7 @@ def _pull(uri: str, dest: Path, ctx: Context) -> PairOutcome:
     outcome = PairOutcome("cached" if result.cached else "pulled", result.files, result.bytes)
     manifest = NodeStore(DestLayout(dest)).manifest(result.storage_key)
     names = [f.path for f in manifest.files] if manifest is not None else []
-    if len(names) != 1 or archive_kind(names[0]) is None or not (dest / names[0]).is_file():
+    if single_archive(names) is None or not (dest / names[0]).is_file():
         return outcome
     archive = dest / names[0]
     size = archive.stat().st_size
@@ -174,7 +180,7 @@ def link_local(uri: str, src: Path, dest: Path, ctx: Context) -> PairOutcome:
         target = dest / entry.name
         if not os.path.lexists(target):
             os.symlink(entry, target)
-    if len(entries) == 1 and archive_kind(entries[0].name) is not None:
+    if single_archive([e.name for e in entries]) is not None:
         res = _unpack(dest / entries[0].name, dest, ctx)
         return PairOutcome("linked", res.files, res.bytes, f"{entries[0].name} ({res.files} files)")
     return PairOutcome("linked", files=len(entries))

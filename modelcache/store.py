@@ -37,6 +37,9 @@ from modelcache.errors import CancelledError, ModelInUseError, StoreError
 from modelcache.integrity import hash_file
 from modelcache.lockscope import check_exclusive
 
+#: Our bookkeeping folder, beside ``models/`` in a node root and inside DEST while an init container runs.
+META_DIR = ".modelcache"
+
 #: 2: the manifest carries ``seal``, a digest of all its other fields (1, unsealed, is still read).
 MANIFEST_VERSION = 2
 
@@ -166,7 +169,7 @@ class Layout(ABC):
 class NodeLayout(Layout):
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
-        self.meta = self.root / ".modelcache"
+        self.meta = self.root / META_DIR
 
     @property
     def base(self) -> Path:
@@ -190,7 +193,7 @@ class DestLayout(Layout):
 
     def __init__(self, dest: Path) -> None:
         self.dest = Path(dest)
-        self.meta = self.dest / ".modelcache"
+        self.meta = self.dest / META_DIR
 
     @property
     def base(self) -> Path:
@@ -355,8 +358,12 @@ class NodeStore:
                 self._install_manifest(key, pending)
             shutil.rmtree(staging, ignore_errors=True)
 
-    def publish(self, key: str, manifest: Manifest) -> Path:
-        """Move ``staging/data`` into place and install the manifest. Caller holds the lock."""
+    def publish(self, key: str, manifest: Manifest, in_place: bool = False) -> Path:
+        """Move ``staging/data`` into place and install the manifest. Caller holds the lock.
+
+        ``in_place``: the model folder exists and holds the rest of the model (adoption): each
+        staged file is renamed into it, the folder itself stays (a pod may mount it).
+        """
         staging = self.layout.staging_dir(key)
         data = staging / "data"
         target = self.layout.model_dir(key)
@@ -365,7 +372,7 @@ class NodeStore:
             pending.write_text(manifest.to_json())
             with open(pending, "rb") as f:
                 os.fsync(f.fileno())
-            if isinstance(self.layout, DestLayout):
+            if isinstance(self.layout, DestLayout) or in_place:
                 self._merge_into(data, target)
                 # Only emptied folders are left; gone, they tell ``recover`` that the files are in
                 # place if we die before the manifest is (else the model is fetched again).
