@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from initializer import unpacked
+from initializer import finished, unpacked
 from initializer.report import PairOutcome
 from modelcache.archive import (
     ArchiveLimits,
@@ -138,27 +138,35 @@ def _pull(uri: str, dest: Path, ctx: Context) -> PairOutcome:
     from modelcache.uri import storage_key
 
     key = storage_key(uri)
-    done = unpacked.load(dest, key)
-    if done is not None and unpacked.is_complete(dest, done):
-        # Already unpacked by an earlier run: no listing, no request.
-        if done.archive:
-            with contextlib.suppress(FileNotFoundError):
-                (dest / done.archive).unlink()
-        return PairOutcome("cached", len(done.files), sum(s for _, s in done.files), f"{done.archive} (earlier)")
+    for done in (finished.load(dest, key), unpacked.load(dest, key)):
+        if done is not None and unpacked.is_complete(dest, done):
+            # Complete from an earlier run: no listing, no request.
+            if done.archive:
+                with contextlib.suppress(FileNotFoundError):
+                    (dest / done.archive).unlink()
+            finished.finish(dest, done)
+            return PairOutcome("cached", len(done.files), sum(s for _, s in done.files),
+                               f"{done.archive} (earlier)" if done.archive else "")
+    finished.forget(dest, key)  # DEST is about to change: no record may vouch for it meanwhile
 
     result = pull(uri, dest=dest, settings=ctx.settings, options=ctx.options, progress=ctx.tracker)
     outcome = PairOutcome("cached" if result.cached else "pulled", result.files, result.bytes)
     manifest = NodeStore(DestLayout(dest)).manifest(result.storage_key)
-    names = [f.path for f in manifest.files] if manifest is not None else []
+    if manifest is None:
+        raise ModelcacheError(f"{redact_uri(uri)}: the download left no manifest in {dest}; run it again")
+    names = [f.path for f in manifest.files]
     if single_archive(names) is None or not (dest / names[0]).is_file():
+        finished.finish(dest, finished.from_manifest(manifest))
         return outcome
     archive = dest / names[0]
     size = archive.stat().st_size
     res = _unpack(archive, dest, ctx, remove_archive=False)
     replaced = any(p == names[0] for p in res.paths)
-    unpacked.write(dest, unpacked.build(dest, key, "" if replaced else names[0], size, res))
+    record = unpacked.build(dest, key, "" if replaced else names[0], size, res)
+    unpacked.write(dest, record)  # a crash from here on finds the archive unpacked
     if not replaced:
         archive.unlink()
+    finished.finish(dest, record)
     return PairOutcome(outcome.action, res.files, res.bytes, f"{names[0]} ({res.files} files)")
 
 
