@@ -69,6 +69,9 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
 @click.option("--credentials-namespace", envvar=["MODELCACHE_CREDENTIALS_NAMESPACE", "POD_NAMESPACE"],
               default=lambda: _pod_namespace("kserve"), show_default="the pod's namespace, else kserve",
               help="Namespace of the storage-config secret and the service accounts. [env POD_NAMESPACE]")
+@click.option("--kserve-config", envvar="MODELCACHE_KSERVE_CONFIG", default="kserve/inferenceservice-config",
+              show_default=True, help="KServe's ConfigMap (NAMESPACE/NAME): its 'credentials' block (S3 defaults, "
+                                      "key names, storage-spec secret name) applies as in KServe; absent: none.")
 @click.option("--kubeconfig", envvar="KUBECONFIG", default=None,
               help="Kubeconfig file (default: in-cluster, else ~/.kube/config). [env KUBECONFIG]")
 @click.option("--standalone", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
@@ -160,7 +163,7 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     else:
         log.info("model root found", extra=fields(root=str(cfg.root), host_path=host_path))
     paths = hostpath.RootPaths(host_path)
-    creds = Credentials(KubeSecretReader(kube, cfg.credentials_namespace), cfg.download_env)
+    creds = Credentials(KubeSecretReader(kube, cfg.credentials_namespace, cfg.kserve_config), cfg.download_env)
     agent = Agent(cfg, creds, KubeMountChecker(kube, cfg.node, paths), metrics)
     krunner = KubeRunner(agent, kube, paths)
     # Live but not ready while another agent holds the root: it neither downloads nor writes status.

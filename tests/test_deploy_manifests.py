@@ -332,3 +332,9 @@ def test_one_image_runs_every_role(rendered: list[Obj]) -> None:
     assert 'ENTRYPOINT ["storage-initializer"]' in dockerfile and "storage-initializer" in scripts
     for package in ("modelcache", "initializer", "agent", "coordinator"):
         assert f"COPY {package} ./{package}" in dockerfile
+
+
+def test_kserve_config_is_readable_by_name_only(rendered: list[Obj]) -> None:
+    """KServe's inferenceservice-config (credentials defaults, localModel.enabled): get, by name."""
+    assert rules(rendered, "ClusterRole", "modelcache-kserve-config") == [
+        ("", "configmaps", {"get"}, ("inferenceservice-config",))]
