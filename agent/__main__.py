@@ -11,10 +11,10 @@ from pathlib import Path
 
 import click
 
-from agent.capacity import parse_quantity
 from agent.config import DEFAULT_ROOT, AgentConfig
 from agent.logs import fields, setup_logging
 from modelcache.errors import ModelcacheError
+from modelcache.sizes import parse_size
 from modelcache.startup import StartupError, check_writable_dir, listen_error, run_command
 
 log = logging.getLogger("agent")
@@ -25,10 +25,11 @@ _NON_NEGATIVE = click.FloatRange(min=0)
 
 
 def _size(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
-    n = parse_quantity(value)
-    if n is None or n < 0:
-        raise click.BadParameter(f"{value!r} is not a size (e.g. 16Mi, 256Mi, 1G)")
-    return n
+    """Binary, as every modelcache command reads sizes (16M = 16Mi = 16MiB); modelcache/sizes.py."""
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def _pod_namespace(fallback: str) -> str:

@@ -21,26 +21,22 @@ import click
 from modelcache.errors import ModelcacheError
 from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.redact import redact_uri, scrub_urls
+from modelcache.sizes import parse_size
 from modelcache.store import NodeStore
 from modelcache.transfer import TransferOptions
 from modelcache.uri import storage_key
 
 DEFAULT_ROOT = "/mnt/models"
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(?:i?[bB])?\s*", text)
-    if not m:
-        raise click.BadParameter(f"'{text}' is not a size (examples: 16M, 512MiB, 2G, 1048576)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
 class SizeType(click.ParamType):
     name = "size"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        return value if isinstance(value, int) else parse_size(str(value))
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 def _fail(message: str, code: int = 1) -> None:
