@@ -57,6 +57,33 @@ def allocated_bytes(folder: Path) -> int:
     return total
 
 
+class GroupLimit(int):
+    """A node group's ``storageLimit`` in bytes, knowing its group (for the refusal's message)."""
+
+    group: str = ""
+
+    def __new__(cls, value: int, group: str = "") -> GroupLimit:
+        obj = super().__new__(cls, value)
+        obj.group = group
+        return obj
+
+
+def storage_limit_refusal(what: str, model_bytes: int, limit: int, used: int, reserved: int) -> str:
+    """Why a model does not fit its node group's ``storageLimit``, and what to do about it."""
+    group = getattr(limit, "group", "") or "?"
+    return (f"{what}: does not fit the node group's storageLimit: the model is {human_bytes(model_bytes)}, "
+            f"LocalModelNodeGroup '{group}' has storageLimit {human_bytes(limit)} and this node holds "
+            f"{human_bytes(used)} of models already ({human_bytes(reserved)} more reserved by downloads in flight). "
+            f"modelcache enforces storageLimit (KServe does not): raise spec.storageLimit of LocalModelNodeGroup "
+            f"'{group}' (a Kubernetes quantity, e.g. {_suggest(used + reserved + model_bytes)}) or remove models "
+            f"from this node")
+
+
+def _suggest(need: int) -> str:
+    gib = -(-need // (1 << 30))
+    return f"{gib}Gi"
+
+
 @dataclass(frozen=True)
 class Reservation:
     key: str
@@ -116,12 +143,9 @@ class Capacity:
                     f"on {self.root} (after a {human_bytes(self.margin)} margin and downloads in flight)"
                 )
             if limit is not None:
-                free_limit = max(0, limit - self.used_bytes() - sum(r.model_bytes for r in others))
-                if model_bytes > free_limit:
-                    raise InsufficientSpaceError(
-                        f"{what}: insufficient space: need {human_bytes(model_bytes)}, free {human_bytes(free_limit)} "
-                        f"of the node group's storageLimit {human_bytes(limit)}"
-                    )
+                used, reserved = self.used_bytes(), sum(r.model_bytes for r in others)
+                if model_bytes > max(0, limit - used - reserved):
+                    raise InsufficientSpaceError(storage_limit_refusal(what, model_bytes, limit, used, reserved))
             self._reserved[key] = Reservation(key, disk_bytes, model_bytes, staged,
                                               allocated_bytes(staged) if staged is not None else 0)
 

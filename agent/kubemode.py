@@ -13,7 +13,7 @@ import threading
 from datetime import UTC, datetime
 from typing import Any
 
-from agent.capacity import parse_quantity
+from agent.capacity import GroupLimit, parse_quantity
 from agent.core import Agent
 from agent.hostpath import Mismatch, RootPaths
 from agent.logs import fields
@@ -96,7 +96,7 @@ class KubeRunner:
         if event == DELETED or limit is None:
             self.agent.group_limits.pop(name, None)
         else:
-            self.agent.group_limits[name] = limit
+            self.agent.group_limits[name] = GroupLimit(limit, name)
         if self.synced.is_set():
             self.check_paths()
 
