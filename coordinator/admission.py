@@ -49,10 +49,24 @@ def response(request: Review, allowed: bool, message: str = "", patch: list[dict
 # -- pods -------------------------------------------------------------------------------------
 
 
+#: Labels KServe's LLMInferenceService controller puts on its workload pods (llmisvc/workload_*.go).
+LLM_PART_OF = ("app.kubernetes.io/part-of", "llminferenceservice")
+LLM_NAME_LABEL = "app.kubernetes.io/name"
+
+
 def pod_target(pod: dict[str, Any], namespace: str, lookup: ApiLookup) -> podmutate.PodTarget | None:
     meta = pod.get("metadata") or {}
     labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
     source = annotations.get(podmutate.SOURCE_URI_ANNOTATION)
+    if labels.get(LLM_PART_OF[0]) == LLM_PART_OF[1] and labels.get(LLM_NAME_LABEL):
+        # An LLMInferenceService's pod carries neither the cache label nor the source annotation:
+        # its service does (KServe's defaulter or ours labelled it), and its spec.model.uri.
+        svc = lookup.llm_service(namespace, labels[LLM_NAME_LABEL])
+        if svc is None:
+            return None
+        smeta = svc.get("metadata") or {}
+        labels, annotations = smeta.get("labels") or {}, smeta.get("annotations") or {}
+        source = ((svc.get("spec") or {}).get("model") or {}).get("uri") or None
     name = labels.get(LOCALMODEL_LABEL)
     if name:  # labelled by KServe's (or our) defaulter through the service
         cache = lookup.cache(labels.get(LOCALMODEL_NAMESPACE_LABEL) or None, name)

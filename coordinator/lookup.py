@@ -57,6 +57,13 @@ class ApiLookup:
             self._services = found
         return self._services
 
+    def llm_service(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The LLMInferenceService ``namespace/name`` at the served version, if that kind is served."""
+        for res in self.service_resources():
+            if res.kind == "LLMInferenceService":
+                return self.kube.get_or_none(res, name, namespace)
+        return None
+
     def services_labelled(self, selector: str, namespace: str | None) -> list[tuple[str, dict[str, Any]]]:
         """(kind, service) for every service matching ``selector``."""
         out = []

@@ -141,3 +141,57 @@ def test_pods_of_other_workloads_are_not_sent_to_the_webhook(cluster: Cluster, c
                          "spec": {"containers": [{"name": "c", "image": "busybox"}]}})
     wait_until(lambda: get_pod(kube, "plain")["spec"].get("nodeName") == "n1", timeout=60, what="plain pod bound")
     assert not get_pod(kube, "plain")["spec"].get("affinity")
+
+
+def llm_workload_pod(name: str, service: str) -> dict[str, Any]:
+    """A pod of an LLMInferenceService's workload Deployment, labelled as KServe's controller does
+    (llmisvc/workload_single_node.go): no cache label, no source annotation of its own."""
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "team", "labels": {
+                "app.kubernetes.io/part-of": "llminferenceservice", "app.kubernetes.io/name": service,
+                "app.kubernetes.io/component": "llminferenceservice-workload", "kserve.io/component": "workload"}},
+            "spec": {"containers": [{"name": "main", "image": "vllm/vllm-openai:latest"}]}}
+
+
+def test_llm_inference_service_pods_are_placed_on_a_downloaded_copy(
+    cluster: Cluster, coordinator_factory: Any, tmp_path: Any
+) -> None:
+    """The pod webhook's objectSelector matched only InferenceService pods: an LLMInferenceService's
+    pods of a cached model could land on a node whose copy is missing."""
+    import yaml
+
+    from coordinator.view import llm_resource
+    from tests.test_coordinator_llmisvc import llm_crd
+
+    crd = tmp_path / "llmisvc.yaml"
+    crd.write_text(yaml.safe_dump(llm_crd("v1alpha1")))
+    cluster.kubectl("apply", "-f", str(crd))
+    cluster.kubectl("wait", "--for", "condition=Established", "crd/llminferenceservices.serving.kserve.io")
+    kube = cluster.kube()
+    for name in ("n1", "n2"):
+        make_node(kube, name, **GROUP_LABEL)
+    make_group(kube, "workers")
+    make_namespace(kube, "team")
+    coord = coordinator_factory(cluster)
+    register_webhooks(cluster, coord)
+    make_cache(kube, "llm", URI, ["workers"])
+    res = llm_resource("v1alpha1")
+    kube.create(res, {"metadata": {"name": "chat", "namespace": "team"},
+                      "spec": {"model": {"uri": URI + "/v1", "name": "llm"}}}, "team")
+    kube.create(res, {"metadata": {"name": "other", "namespace": "team"},
+                      "spec": {"model": {"uri": "s3://elsewhere/m", "name": "m"}}}, "team")
+    wait_until(lambda: (kube.get(res, "chat", "team")["metadata"].get("labels") or {})
+               .get("internal.serving.kserve.io/localmodel") == "llm", timeout=30, what="LLMISVC labelled")
+    report(kube, "n2", {"llm": "ModelDownloaded"})
+    wait_until(lambda: model_label(URI) in kube.get(NODES, "n2")["metadata"]["labels"], timeout=30,
+               what="n2 labelled downloaded")
+
+    create_pod(cluster, llm_workload_pod("chat-kserve-1", "chat"))
+    terms = get_pod(kube, "chat-kserve-1")["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert {"key": model_label(URI), "operator": "Exists"} in terms[0]["matchExpressions"]
+    wait_until(lambda: get_pod(kube, "chat-kserve-1")["spec"].get("nodeName") == "n2", timeout=60,
+               what="the LLM pod bound to the node with the copy")
+    # A service of no cache: admitted unchanged.
+    create_pod(cluster, llm_workload_pod("other-kserve-1", "other"))
+    assert not get_pod(kube, "other-kserve-1")["spec"].get("affinity")
