@@ -19,7 +19,15 @@ from typing import Any
 
 from coordinator import podmutate
 from coordinator.lookup import ApiLookup
-from coordinator.urimatch import match_storage_uri, select_cache, serving_pvc_name, sub_path
+from coordinator.urimatch import (
+    defaulter_metadata,
+    isvc_storage_uri,
+    llmisvc_model_uri,
+    match_storage_uri,
+    select_cache,
+    serving_pvc_name,
+    sub_path,
+)
 from modelcache.kube.types import (
     LOCALMODEL_LABEL,
     LOCALMODEL_NAMESPACE_LABEL,
@@ -104,6 +112,55 @@ class PodMutator:
         if target is None:
             return response(review, True)
         return response(review, True, patch=podmutate.json_patch(pod, podmutate.mutate(pod, target, self.rewrite)))
+
+
+# -- services ---------------------------------------------------------------------------------
+
+
+def metadata_json_patch(obj: dict[str, Any], labels: dict[str, str | None],
+                        annotations: dict[str, str | None]) -> list[dict[str, Any]]:
+    """RFC 6902 ops setting ``labels``/``annotations`` (None: remove the key) on ``obj``."""
+    meta = obj.get("metadata") or {}
+    ops: list[dict[str, Any]] = []
+    for name, want in (("labels", labels), ("annotations", annotations)):
+        have = meta.get(name)
+        if not isinstance(have, dict):
+            values = {k: v for k, v in want.items() if v is not None}
+            if values:
+                ops.append({"op": "add", "path": f"/metadata/{name}", "value": values})
+            continue
+        for key, value in want.items():
+            path = f"/metadata/{name}/{podmutate.escape_pointer(key)}"
+            if value is None and key in have:
+                ops.append({"op": "remove", "path": path})
+            elif value is not None and have.get(key) != value:
+                ops.append({"op": "add", "path": path, "value": value})
+    return ops
+
+
+@dataclass
+class ServiceDefaulter:
+    """KServe's InferenceService / LLMInferenceService defaulter for the local-model metadata, at
+    admission (CREATE and UPDATE), as KServe applies it: the cache label and annotations of the
+    first matching cache, or none of them. Set only when the service is admitted, so a cache
+    created or deleted later never changes a running service (its labels reach the pod template:
+    a change would roll it out, which KServe never does)."""
+
+    lookup: ApiLookup
+
+    def __call__(self, review: Review) -> Review:
+        req = review.get("request") or {}
+        obj = req.get("object") or {}
+        kind = (req.get("kind") or {}).get("kind") or obj.get("kind") or ""
+        namespace = req.get("namespace") or (obj.get("metadata") or {}).get("namespace") or "default"
+        uri = llmisvc_model_uri(obj) if kind == "LLMInferenceService" else isvc_storage_uri(obj)
+        try:
+            match = select_cache(uri, namespace, (obj.get("metadata") or {}).get("annotations") or {},
+                                 *self.lookup.cache_refs(namespace))
+        except Exception as exc:
+            log.warning("service admission: cache lookup failed: %s", exc)
+            return response(review, True, "modelcache: cannot look up model caches; local-model labels unchanged")
+        return response(review, True, patch=metadata_json_patch(obj, *defaulter_metadata(match)))
 
 
 # -- caches -----------------------------------------------------------------------------------

@@ -195,3 +195,44 @@ def test_llm_inference_service_pods_are_placed_on_a_downloaded_copy(
     # A service of no cache: admitted unchanged.
     create_pod(cluster, llm_workload_pod("other-kserve-1", "other"))
     assert not get_pod(kube, "other-kserve-1")["spec"].get("affinity")
+
+
+def test_services_get_the_cache_label_at_admission_and_never_while_running(
+    cluster: Cluster, coordinator_factory: Any
+) -> None:
+    """KServe labels a service for a cache only when the service is admitted; the labels reach the
+    pod template, so a cache created later must not change a running service (that would roll it
+    out). Continuous re-labelling is opt-in (--mutate-isvc)."""
+    from modelcache.kube.client import INFERENCE_SERVICES, LOCAL_MODEL_CACHES
+
+    kube = cluster.kube()
+    make_node(kube, "n1", **GROUP_LABEL)
+    make_group(kube, "workers")
+    make_namespace(kube, "team")
+    coord = coordinator_factory(cluster)
+    register_webhooks(cluster, coord)
+    make_cache(kube, "llm", URI, ["workers"])
+    make_isvc(kube, "svc", "team", URI + "/v1")  # admitted with its cache there: labelled by the API call itself
+    meta = kube.get(INFERENCE_SERVICES, "svc", "team")["metadata"]
+    assert meta["labels"]["internal.serving.kserve.io/localmodel"] == "llm"
+    assert meta["annotations"]["internal.serving.kserve.io/localmodel-pvc-name"] == "llm-workers"
+    assert meta["annotations"]["internal.serving.kserve.io/localmodel-sourceuri"] == URI
+
+    make_isvc(kube, "early", "team", "s3://models/later")  # running before its cache exists
+    before = kube.get(INFERENCE_SERVICES, "early", "team")["metadata"]
+    make_cache(kube, "later", "s3://models/later", ["workers"])
+    wait_until(lambda: (kube.get(LOCAL_MODEL_CACHES, "later").get("status") or {}).get("copies") is not None,
+               timeout=30, what="the new cache reconciled")
+    # Nothing writes services after admission: no service writer runs, none was written.
+    from coordinator import metrics
+
+    assert not [ctl.name for ctl in coord.manager.controllers if ctl.name in ("InferenceService",
+                                                                             "LLMInferenceService")]
+    assert not [s for m in metrics.WRITES.collect() for s in m.samples
+                if s.labels.get("kind") == "InferenceService" and s.value]
+    after = kube.get(INFERENCE_SERVICES, "early", "team")["metadata"]
+    assert after["resourceVersion"] == before["resourceVersion"], "a running service was changed"
+    # Its next update is an admission: KServe's rule applies then (as KServe's defaulter does).
+    kube.patch(INFERENCE_SERVICES, "early", {"metadata": {"annotations": {"team": "x"}}}, "team")
+    assert kube.get(INFERENCE_SERVICES, "early", "team")["metadata"]["labels"][
+        "internal.serving.kserve.io/localmodel"] == "later"
