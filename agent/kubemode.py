@@ -13,7 +13,7 @@ import threading
 from datetime import UTC, datetime
 from typing import Any
 
-from agent.capacity import GroupLimit, parse_quantity
+from agent.capacity import GroupLimit
 from agent.core import Agent
 from agent.hostpath import Mismatch, RootPaths
 from agent.logs import fields
@@ -21,6 +21,7 @@ from agent.publish import Publisher
 from modelcache.kube.client import LOCAL_MODEL_NODE_GROUPS, LOCAL_MODEL_NODES, NODES, Kube
 from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import DELETED, Informer
+from modelcache.kube.quantity import parse_quantity
 from modelcache.kube.status import patch_status_if_changed
 from modelcache.kube.types import LocalModelNode
 

@@ -236,6 +236,34 @@ def gc(root: Path, target_free: int, dry_run: bool, as_json: bool, assume_unused
         click.echo(f"nothing to evict: {human_bytes(target_free)} free target already met or nothing evictable")
 
 
+@cli.command()
+@click.option("--kubeconfig", envvar="KUBECONFIG", default=None, help="Kubeconfig (default: as kubectl finds it).")
+@click.option("--kserve-namespace", default="kserve", show_default=True,
+              help="KServe's namespace (its inferenceservice-config).")
+@click.option("--credentials-namespace", default=None,
+              help="Where our agent reads credentials (default: its DaemonSet's setting, else modelcache-system).")
+@click.option("--json", "as_json", is_flag=True, help="The steps as JSON.")
+def migrate(kubeconfig: str | None, kserve_namespace: str, credentials_namespace: str | None, as_json: bool) -> None:
+    """Check a cluster for switching from KServe's local model cache to modelcache (before and after),
+    and print what to do, in order: comment lines say why, every other line is a command. Exit 0
+    when nothing blocks the switch, 1 otherwise. The procedure: deploy/README.md."""
+    from modelcache.kube import migrate as mig
+    from modelcache.kube.client import Kube, load_api_client
+    from modelcache.startup import StartupError
+
+    try:
+        api = load_api_client(kubeconfig)
+        steps = mig.plan(mig.gather(Kube(api), kserve_namespace, credentials_namespace))
+    except StartupError as exc:  # no usable kubeconfig: one line naming the file and the fix
+        _fail(str(exc), 2)
+        return
+    if as_json:
+        _emit({"steps": [asdict(s) for s in steps], "blocking": sum(1 for s in steps if s.blocking)})
+    else:
+        click.echo(mig.render(steps, api.configuration.host))
+    sys.exit(1 if any(s.blocking for s in steps) else 0)
+
+
 def main() -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     cli(prog_name="modelcache")

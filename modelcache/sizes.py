@@ -7,7 +7,7 @@ case, optionally followed by ``i``, ``B`` or ``iB``. A plain number is bytes.
 
 Kubernetes objects are another matter: ``storageLimit`` and ``modelSize`` are Kubernetes
 quantities, where ``100G`` is 10**11 bytes and ``100Gi`` 100 x 2**30, exactly as every other
-Kubernetes tool reads them (``agent.capacity.parse_quantity``).
+Kubernetes tool reads them (``modelcache.kube.quantity``).
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from agent.capacity import Capacity, parse_quantity
+from agent.capacity import Capacity
 from agent.credentials import CredentialConfig, Credentials, service_account_env, storage_env
 from agent.inuse import subpath_key
 from modelcache.errors import AuthError, InsufficientSpaceError
+from modelcache.kube.quantity import parse_quantity
 from modelcache.kube.types import LocalModelInfo, StorageSpec
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from agent.capacity import parse_quantity
+from modelcache.kube.quantity import parse_quantity
 from modelcache.sizes import parse_size
 
 MIB16 = 16 << 20
