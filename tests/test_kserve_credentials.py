@@ -125,3 +125,38 @@ def test_a_missing_ca_bundle_fails_s3_and_warns_for_the_rest(nginx, moto_s3, tmp
     assert len(errors) == 1 and f"s3://{bucket}/m" in errors[0] and "Failed to find ca bundle file(" in errors[0]
     assert (tmp_path / "http" / "model.bin").stat().st_size == 4096
     assert "not found" in r.err and "default trust store" in r.err
+
+
+def test_hdfs_storage_spec_file_secrets_are_base64_as_in_kserve(tmp_path):
+    """KServe's storage spec of type hdfs: TLS_CERT, TLS_KEY, TLS_CA and KERBEROS_KEYTAB are base64
+    in the JSON and written decoded (written as given, TLS failed). Against the WebHDFS test server
+    on HTTPS demanding a client certificate."""
+    import base64
+    import os
+
+    from tests.fixtures.http import make_tls
+    from tests.test_hdfs_source import _client_cert
+    from tests.webhdfs import WebHDFSServer
+
+    tls = make_tls(tmp_path / "server-tls")
+    client_ca, client_cert, client_key = _client_cert(tmp_path / "client-tls")
+    server = WebHDFSServer(root=tmp_path / "ns", tls_cert=tls.cert_path, tls_key=tls.key_path,
+                           client_ca=client_ca).start()
+    try:
+        data = os.urandom(200_000)
+        server.put("/models/m/w.bin", data)
+
+        def b64(path):
+            return base64.b64encode(path.read_bytes()).decode()
+
+        spec = {"type": "hdfs", "HDFS_NAMENODE": server.url, "TLS_CA": b64(tls.ca_path),
+                "TLS_CERT": b64(client_cert), "TLS_KEY": b64(client_key)}
+        r = run_initializer("hdfs://models/m", tmp_path / "dest", env={"STORAGE_CONFIG": json.dumps(spec)})
+        assert r.code == 0, r.output
+        assert (tmp_path / "dest" / "w.bin").read_bytes() == data
+        # A PEM pasted as is (not base64): one line naming the key and the fix.
+        bad = {**spec, "TLS_CA": tls.ca_path.read_text()}
+        r = run_initializer("hdfs://models/m", tmp_path / "d2", env={"STORAGE_CONFIG": json.dumps(bad)})
+        assert r.code == 1 and "TLS_CA is not base64" in r.err and "BEGIN CERTIFICATE" not in r.err
+    finally:
+        server.stop()
