@@ -70,6 +70,9 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
 @click.option("--credentials-namespace", envvar=["MODELCACHE_CREDENTIALS_NAMESPACE", "POD_NAMESPACE"],
               default=lambda: _pod_namespace("kserve"), show_default="the pod's namespace, else kserve",
               help="Namespace of the storage-config secret and the service accounts. [env POD_NAMESPACE]")
+@click.option("--job-namespace", envvar=["MODELCACHE_JOB_NAMESPACE", "POD_NAMESPACE"], default="modelcache-system",
+              show_default=True, help="Where download Jobs of KServe's localModelDownloadJob ClusterStorageContainers "
+                                      "run (URIs none of our sources reads). [env POD_NAMESPACE]")
 @click.option("--kserve-config", envvar="MODELCACHE_KSERVE_CONFIG", default="kserve/inferenceservice-config",
               show_default=True, help="KServe's ConfigMap (NAMESPACE/NAME): its 'credentials' block (S3 defaults, "
                                       "key names, storage-spec secret name) applies as in KServe; absent: none.")
@@ -167,6 +170,7 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     creds = Credentials(KubeSecretReader(kube, cfg.credentials_namespace, cfg.kserve_config), cfg.download_env)
     agent = Agent(cfg, creds, KubeMountChecker(kube, cfg.node, paths), metrics)
     krunner = KubeRunner(agent, kube, paths)
+    agent.jobs = krunner.download_jobs(cfg.job_namespace, host_path)
     # Live but not ready while another agent holds the root: it neither downloads nor writes status.
     server = _serve(cfg, HealthServer, krunner.healthy, krunner.ready, metrics.render)
     try:

@@ -79,6 +79,8 @@ class Agent:
         self.capacity = Capacity(cfg.root, cfg.space_margin, self._used_bytes)
         self.pool = ThreadPoolExecutor(max_workers=max(1, cfg.max_concurrent_models), thread_name_prefix="download")
         self.checker = Checker(self)
+        #: KServe's download-Job containers, in cluster mode (agent/downloadjob.py); None: none.
+        self.jobs: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_removal_check = 0.0
@@ -147,9 +149,10 @@ class Agent:
         try:
             parse_uri(uri)
         except ModelcacheError as exc:
-            rec.failure = Failure(f"{exc.reason}: {exc}", exc.reason)
-            rec.next_attempt = float("inf")  # a bad URI does not get better by retrying
-            return rec
+            if self._job_container(uri) is None:  # (a download-Job container may read it)
+                rec.failure = Failure(f"{exc.reason}: {exc}", exc.reason)
+                rec.next_attempt = float("inf")  # a bad URI does not get better by retrying
+                return rec
         manifest = self.store.manifest(key)
         if manifest is None:
             return rec
@@ -273,30 +276,12 @@ class Agent:
 
     def _download(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> None:
         t0 = time.monotonic()
-        scheme = _scheme(rec.uri)
+        scheme = "job" if self._job_container(rec.uri) is not None else _scheme(rec.uri)
         error: BaseException | None = None
         result = None
         try:
-            with self.credentials.settings_for(primary) as settings:
-                def pull_into(dest: Any = None, uri: str | None = None, check: Any = None) -> Any:
-                    where: dict[str, Any] = {"dest": dest} if dest is not None else {"root": self.cfg.root}
-
-                    def admit(plan: PullPlan) -> None:
-                        if check is not None:
-                            check(plan)  # a repair refuses a listing that is not its pinned revision
-                        self._admit(rec, task, primary, plan)
-
-                    # unpack: a repair's folder holds the model as the store does (archives unpacked).
-                    return pull(uri or rec.uri, settings=settings, options=self._options(), progress=task.progress,
-                                admit=admit, cancel=task.cancel, unpack=True, **where)
-
-                if needs_repair(self.store, rec.key, rec.old_files):
-                    # Damaged, or left half-repaired by a crash: fix the files inside the folder that
-                    # serving pods mount; a publish would swap the folder out from under them.
-                    task.repairing = True
-                    result = repair(self.store, rec.key, pull_into, rec.old_files).result
-                else:
-                    result = pull_into()
+            result = (self._download_by_job(rec, task, primary) if self._job_container(rec.uri) is not None
+                      else self._pull_model(rec, task, primary))
         except BaseException as exc:
             error = exc
         finally:
@@ -340,6 +325,52 @@ class Agent:
         self.changed.set()
         self.wake.set()
         self._emit(event)
+
+    def _pull_model(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> Any:
+        """Our own download: the core pull (adoption, archives unpacked), or an in-place repair."""
+        with self.credentials.settings_for(primary) as settings:
+            def pull_into(dest: Any = None, uri: str | None = None, check: Any = None) -> Any:
+                where: dict[str, Any] = {"dest": dest} if dest is not None else {"root": self.cfg.root}
+
+                def admit(plan: PullPlan) -> None:
+                    if check is not None:
+                        check(plan)  # a repair refuses a listing that is not its pinned revision
+                    self._admit(rec, task, primary, plan)
+
+                # unpack: a repair's folder holds the model as the store does (archives unpacked).
+                return pull(uri or rec.uri, settings=settings, options=self._options(), progress=task.progress,
+                            admit=admit, cancel=task.cancel, unpack=True, **where)
+
+            if needs_repair(self.store, rec.key, rec.old_files):
+                # Damaged, or left half-repaired by a crash: fix the files inside the folder that
+                # serving pods mount; a publish would swap the folder out from under them.
+                task.repairing = True
+                return repair(self.store, rec.key, pull_into, rec.old_files).result
+            return pull_into()
+
+    def _job_container(self, uri: str) -> Any:
+        """KServe's download-Job container for a URI none of our sources reads (agent/downloadjob.py)."""
+        if self.jobs is None:
+            return None
+        try:
+            parse_uri(uri)
+            return None  # ours: pulled in-process
+        except ModelcacheError:
+            return self.jobs.container_for(uri)
+
+    def _download_by_job(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> Any:
+        assert self.jobs is not None
+        from modelcache.adopt import record_folder
+        from modelcache.pull import PullResult
+
+        with self.credentials.env_for(primary) as env:
+            passed = {k: v for k, v in env.items() if self.credentials.base_env.get(k) != v}
+            job = self.jobs.run(primary, rec.key, task.cancel, passed)
+        manifest = record_folder(self.store, rec.key, redact_uri(rec.uri))
+        log.info("download Job succeeded", extra=fields(storage_key=rec.key, job=job, files=len(manifest.files)))
+        return PullResult(uri=manifest.uri, storage_key=rec.key, path=self.store.layout.model_dir(rec.key),
+                          resolved_uri=manifest.uri, files=len(manifest.files), bytes=manifest.total_size,
+                          cached=False, elapsed=0.0)
 
     def _emit(self, event: tuple[str, str, str] | None) -> None:
         if event is not None and self.on_event is not None:

@@ -256,7 +256,8 @@ class Credentials:
         self.base_env = dict(base_env)
 
     @contextlib.contextmanager
-    def settings_for(self, info: LocalModelInfo) -> Iterator[Settings]:
+    def env_for(self, info: LocalModelInfo) -> Iterator[dict[str, str]]:
+        """The download's environment (credential files in a private folder while it is open)."""
         with tempfile.TemporaryDirectory(prefix="modelcache-agent-cred-") as key_dir:
             env = dict(self.base_env)
             if self.reader is not None:
@@ -264,9 +265,15 @@ class Credentials:
                     env.update(storage_env(info, self.reader, self.reader.credential_config()))
                 elif info.service_account_name:
                     env.update(service_account_env(info, self.reader, key_dir, self.reader.credential_config()))
-            settings = Settings.from_env(env)
-            del env
-            yield settings
+            try:
+                yield env
+            finally:
+                env.clear()
+
+    @contextlib.contextmanager
+    def settings_for(self, info: LocalModelInfo) -> Iterator[Settings]:
+        with self.env_for(info) as env:
+            yield Settings.from_env(env)
 
 
 class KubeSecretReader:

@@ -15,10 +15,11 @@ from typing import Any
 
 from agent.capacity import GroupLimit
 from agent.core import Agent
+from agent.downloadjob import DownloadJobs
 from agent.hostpath import Mismatch, RootPaths
 from agent.logs import fields
 from agent.publish import Publisher
-from modelcache.kube.client import LOCAL_MODEL_NODE_GROUPS, LOCAL_MODEL_NODES, NODES, Kube
+from modelcache.kube.client import CLUSTER_STORAGE_CONTAINERS, LOCAL_MODEL_NODE_GROUPS, LOCAL_MODEL_NODES, NODES, Kube
 from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import DELETED, Informer
 from modelcache.kube.quantity import parse_quantity
@@ -43,6 +44,8 @@ class KubeRunner:
         self.node = agent.cfg.node
         self.nodes = Informer(kube, LOCAL_MODEL_NODES, field_selector=f"metadata.name={self.node}")
         self.groups = Informer(kube, LOCAL_MODEL_NODE_GROUPS)
+        #: KServe's ClusterStorageContainers: the download-Job containers (agent/downloadjob.py).
+        self.containers = Informer(kube, CLUSTER_STORAGE_CONTAINERS)
         self.nodes.add_handler(self._on_node)
         self.groups.add_handler(self._on_group)
         self.publisher = Publisher(agent, self._write_status, agent.cfg.status_interval)
@@ -85,6 +88,12 @@ class KubeRunner:
             self.check_paths()  # before the new spec can start a removal
         lmn = LocalModelNode.from_dict(obj)
         self.agent.set_spec(lmn.spec.local_models, lmn.generation or None)
+
+    def download_jobs(self, namespace: str, host_path: str | None) -> DownloadJobs:
+        """KServe's download-Job containers for this node, run in ``namespace``."""
+        return DownloadJobs(self.kube, self.node, namespace, host_path,
+                            lambda: self.containers.store.list(copy_objects=False),
+                            lambda: self.nodes.store.get_raw(self.node))
 
     def _event(self, event_type: str, reason: str, message: str) -> None:
         obj = self.nodes.store.get(self.node)
@@ -144,8 +153,11 @@ class KubeRunner:
     def start(self, timeout: float = 60.0) -> KubeRunner:
         self.groups.start()
         self.nodes.start()
-        if not (self.groups.wait_for_sync(timeout) and self.nodes.wait_for_sync(timeout)):
-            raise TimeoutError("could not list LocalModelNode/LocalModelNodeGroups from the API server")
+        self.containers.start()
+        if not (self.groups.wait_for_sync(timeout) and self.nodes.wait_for_sync(timeout)
+                and self.containers.wait_for_sync(timeout)):
+            raise TimeoutError("could not list LocalModelNode/LocalModelNodeGroups/ClusterStorageContainers "
+                               "from the API server")
         if self.nodes.store.get(self.node) is None:
             log.info("no LocalModelNode for this node yet; waiting", extra=fields(node=self.node))
         self.refresh_node_uid()
@@ -179,3 +191,4 @@ class KubeRunner:
         self.publisher.stop()
         self.nodes.stop()
         self.groups.stop()
+        self.containers.stop()

@@ -22,9 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from modelcache.errors import StoreError
 from modelcache.integrity import hash_file
 from modelcache.sources.base import RemoteFile
-from modelcache.store import META_DIR, DestLayout, NodeStore
+from modelcache.store import META_DIR, DestLayout, Manifest, ManifestFile, NodeStore, now_iso
 from modelcache.transfer import FetchedFile
 
 log = logging.getLogger(__name__)
@@ -88,3 +89,21 @@ def check(folder: Path, files: list[RemoteFile], on_file: Callable[[str, int], N
         if on_file is not None:
             on_file(want.path, got.size)
     return out
+
+
+def record_folder(store: NodeStore, key: str, uri: str) -> Manifest:
+    """A manifest of what a folder holds, hashed on disk, for a model that something else wrote
+    there (a custom download container): from then on it is checked and repaired like any other.
+    No source checksum vouches for these files; the manifest says so (empty ``checksums``)."""
+    folder = store.layout.model_dir(key)
+    files = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink()):
+        size = path.stat().st_size
+        files.append(ManifestFile(path.relative_to(folder).as_posix(), size,
+                                  hash_file(path, size=size).local_hexdigest()))
+    if not files:
+        raise StoreError(f"{uri}: the download left no file in {folder}")
+    manifest = Manifest(storage_key=key, uri=uri, resolved_uri=uri, revision=None, files=files, created_at=now_iso())
+    with store.lock(key):
+        store.install_manifest(key, manifest)
+    return manifest

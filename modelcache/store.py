@@ -392,6 +392,22 @@ class NodeStore:
         shutil.rmtree(staging, ignore_errors=True)
         return target
 
+    def install_manifest(self, key: str, manifest: Manifest) -> None:
+        """Write ``manifest`` for a folder already in place (caller holds the lock): durable, then
+        renamed into place, so a reader sees no manifest or the whole one."""
+        staging = self.layout.staging_dir(key)
+        staging.mkdir(parents=True, exist_ok=True)
+        pending = staging / "manifest.json"
+        try:
+            with open(pending, "w") as out:
+                out.write(manifest.to_json())
+                out.flush()
+                os.fsync(out.fileno())
+            self._install_manifest(key, pending)
+        except OSError as exc:
+            raise store_error(exc, str(pending), "writing the manifest") from exc
+        shutil.rmtree(staging, ignore_errors=True)
+
     def _install_manifest(self, key: str, pending: Path) -> None:
         final = self.layout.manifest_path(key)
         final.parent.mkdir(parents=True, exist_ok=True)

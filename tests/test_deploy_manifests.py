@@ -128,6 +128,13 @@ def test_agent_rbac_is_least_privilege(rendered: list[Obj]) -> None:
     ns_rules = rules(rendered, "Role", "modelcache-agent-credentials")
     assert verbs_for(ns_rules, "", "secrets") == {"get"}
     assert verbs_for(ns_rules, "", "serviceaccounts") == {"get"}
+    # KServe's download-Job containers: read cluster-wide; their Jobs (and a credentials Secret
+    # each, never read back) only in the agent's namespace.
+    assert verbs_for(cluster, "serving.kserve.io", "clusterstoragecontainers") == {"get", "list", "watch"}
+    jobs = rules(rendered, "Role", "modelcache-agent-download-jobs")
+    assert find(rendered, "Role", "modelcache-agent-download-jobs")["metadata"]["namespace"] == "modelcache-system"
+    assert verbs_for(jobs, "batch", "jobs") == {"get", "list", "watch", "create", "delete"}
+    assert verbs_for(jobs, "", "secrets") == {"create", "delete"}
 
 
 def test_coordinator_rbac_covers_its_reconcilers_and_no_more(rendered: list[Obj]) -> None:
@@ -171,7 +178,7 @@ def test_coordinator_rbac_covers_its_reconcilers_and_no_more(rendered: list[Obj]
 def test_bindings_point_at_existing_roles_and_service_accounts(rendered: list[Obj]) -> None:
     sas = {(d["metadata"]["namespace"], d["metadata"]["name"]) for d in rendered if d["kind"] == "ServiceAccount"}
     bindings = [d for d in rendered if d["kind"] in ("RoleBinding", "ClusterRoleBinding")]
-    assert len(bindings) == 5
+    assert len(bindings) == 6
     for b in bindings:
         role_kind = b["roleRef"]["kind"]
         role = find(rendered, role_kind, b["roleRef"]["name"])
