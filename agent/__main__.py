@@ -70,9 +70,9 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
 @click.option("--credentials-namespace", envvar=["MODELCACHE_CREDENTIALS_NAMESPACE", "POD_NAMESPACE"],
               default=lambda: _pod_namespace("kserve"), show_default="the pod's namespace, else kserve",
               help="Namespace of the storage-config secret and the service accounts. [env POD_NAMESPACE]")
-@click.option("--job-namespace", envvar=["MODELCACHE_JOB_NAMESPACE", "POD_NAMESPACE"], default="modelcache-system",
-              show_default=True, help="Where download Jobs of KServe's localModelDownloadJob ClusterStorageContainers "
-                                      "run (URIs none of our sources reads). [env POD_NAMESPACE]")
+@click.option("--job-namespace", envvar="MODELCACHE_JOB_NAMESPACE", default="modelcache-jobs", show_default=True,
+              help="Where download Jobs of KServe's localModelDownloadJob ClusterStorageContainers run (URIs none "
+                   "of our sources reads; KServe's jobNamespace).")
 @click.option("--kserve-config", envvar="MODELCACHE_KSERVE_CONFIG", default="kserve/inferenceservice-config",
               show_default=True, help="KServe's ConfigMap (NAMESPACE/NAME): its 'credentials' block (S3 defaults, "
                                       "key names, storage-spec secret name) applies as in KServe; absent: none.")

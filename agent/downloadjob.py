@@ -12,10 +12,11 @@ failed (retried with the agent's backoff: a Job still retrying is waited for aga
 failed one replaced).
 
 Differences from KServe's Job: the node root is mounted by host path (KServe goes through the
-group's download PVC, which we do not create); the download credentials our agent would use go to
-the container as environment variables from a Secret the Job owns (KServe injects them the same
-way, from its job namespace); file credentials (a GCS key file, an HDFS secret directory) are not
-passed.
+group's download PVC, which we do not create); the Jobs run in their own namespace (``--job-namespace``,
+deploy/'s ``modelcache-jobs``, KServe's ``kserve-localmodel-jobs``); the download credentials our
+agent would use go to the container as environment variables from a Secret the Job owns (KServe
+injects them as environment variables too); file credentials (a GCS key file, an HDFS secret
+directory) are not passed.
 """
 
 from __future__ import annotations
@@ -182,32 +183,33 @@ class DownloadJobs:
 
     def _create(self, csc: Mapping[str, Any], info: LocalModelInfo, key: str, env: Mapping[str, str]) -> dict[str, Any]:
         # KServe's generateName is <model>-<node> (no dash before the suffix); the name is chosen
-        # here so that the credentials Secret can carry it too.
+        # here so that the Job can name its credentials Secret before that exists.
         name = f"{info.model_name}-{self.node}"[:57] + secrets.token_hex(3)[:5]
         passed = {k: v for k, v in env.items() if k not in _FILE_ENV}
-        owner = self.owner()
-        if passed:
-            # The download credentials, as KServe injects them into its Job: environment variables,
-            # here from a Secret of the Job's name (deleted with the Job; owned by the LocalModelNode
-            # like the Job, so nothing outlives it).
-            self.kube.create(SECRETS, {"metadata": {"name": name, "labels": job_labels(info, self.node),
-                                                    "ownerReferences": _owner_refs(owner)},
-                                       "stringData": dict(passed)}, self.namespace)
-        body = job_body(csc, info, self.node, key, str(self.host_path), owner, name if passed else None)
+        body = job_body(csc, info, self.node, key, str(self.host_path), self.owner(), name if passed else None)
         body["metadata"].pop("generateName")
         body["metadata"]["name"] = name
         job = self.kube.create(JOBS, body, self.namespace)
+        if passed:
+            # The download's credentials, as KServe injects them into its Job: environment variables,
+            # here from a Secret owned by the Job (the garbage collector deletes it with the Job). Its
+            # pod waits for it (CreateContainerConfigError) if it starts first.
+            self.kube.create(SECRETS, {"metadata": {"name": name, "labels": job_labels(info, self.node),
+                                                    "ownerReferences": [{
+                                                        "apiVersion": "batch/v1", "kind": "Job", "name": name,
+                                                        "uid": job["metadata"]["uid"], "controller": True}]},
+                                       "stringData": dict(passed)}, self.namespace)
         log.info("download Job created", extra=fields(job=name, namespace=self.namespace, storage_key=key,
                                                       container=(csc.get("metadata") or {}).get("name")))
         return job
 
     def _delete(self, name: str) -> None:
-        for res in (JOBS, SECRETS):
-            try:
-                self.kube.delete(res, name, self.namespace, propagation="Background")
-            except ApiException as exc:
-                if exc.status != 404:
-                    raise
+        """The Job, its pods and its Secret (dependents: background propagation)."""
+        try:
+            self.kube.delete(JOBS, name, self.namespace, propagation="Background")
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
 
 def _owner_refs(owner: Mapping[str, Any] | None) -> list[dict[str, Any]]:

@@ -241,7 +241,7 @@ def gc(root: Path, target_free: int, dry_run: bool, as_json: bool, assume_unused
 @click.option("--kserve-namespace", default="kserve", show_default=True,
               help="KServe's namespace (its inferenceservice-config).")
 @click.option("--credentials-namespace", default=None,
-              help="Where our agent reads credentials (default: its DaemonSet's setting, else modelcache-system).")
+              help="Where our agent reads credentials (default: its DaemonSet's setting, else modelcache-credentials).")
 @click.option("--json", "as_json", is_flag=True, help="The steps as JSON.")
 def migrate(kubeconfig: str | None, kserve_namespace: str, credentials_namespace: str | None, as_json: bool) -> None:
     """Check a cluster for switching from KServe's local model cache to modelcache (before and after),

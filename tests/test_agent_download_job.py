@@ -29,7 +29,7 @@ from tests.agent_util import (
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(240)
-JOBS_NS = "modelcache-system"
+JOBS_NS = "modelcache-jobs"
 
 
 def _container(kube: Any) -> None:
@@ -126,7 +126,7 @@ def test_a_custom_download_container_runs_as_a_job_on_the_node(cluster, tmp_path
         _kubelet_ends(kube, bad, 1)
         status = wait_states(kube, "gpu-1", {"broken": "ModelDownloadError"}, agent=agent)
         message = status["modelDetails"]["broken"]["message"]
-        assert "download Job modelcache-system/broken-gpu-1" in message and "private-downloader" in message
+        assert "download Job modelcache-jobs/broken-gpu-1" in message and "private-downloader" in message
     finally:
         agent.stop()
     assert "AK1" not in agent.log()

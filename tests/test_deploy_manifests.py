@@ -129,12 +129,12 @@ def test_agent_rbac_is_least_privilege(rendered: list[Obj]) -> None:
     assert verbs_for(ns_rules, "", "secrets") == {"get"}
     assert verbs_for(ns_rules, "", "serviceaccounts") == {"get"}
     # KServe's download-Job containers: read cluster-wide; their Jobs (and a credentials Secret
-    # each, never read back) only in the agent's namespace.
-    assert verbs_for(cluster, "serving.kserve.io", "clusterstoragecontainers") == {"get", "list", "watch"}
+    # each, created only) in a namespace of their own, not where our Secrets are.
+    assert verbs_for(cluster, "serving.kserve.io", "clusterstoragecontainers") == {"list", "watch"}
     jobs = rules(rendered, "Role", "modelcache-agent-download-jobs")
-    assert find(rendered, "Role", "modelcache-agent-download-jobs")["metadata"]["namespace"] == "modelcache-system"
+    assert find(rendered, "Role", "modelcache-agent-download-jobs")["metadata"]["namespace"] == "modelcache-jobs"
     assert verbs_for(jobs, "batch", "jobs") == {"get", "list", "watch", "create", "delete"}
-    assert verbs_for(jobs, "", "secrets") == {"create", "delete"}
+    assert verbs_for(jobs, "", "secrets") == {"create"}
 
 
 def test_coordinator_rbac_covers_its_reconcilers_and_no_more(rendered: list[Obj]) -> None:
@@ -279,7 +279,10 @@ def test_coordinator_deployment_service_and_webhooks_line_up(rendered: list[Obj]
             hooks.append((ref["path"], hook["failurePolicy"], rules_, conditions))
     # Fail closed only where admitting unchecked would let a bad cache in for good (docs/operations.md).
     assert sorted(hooks) == sorted([
-        ("/mutate-pods", "Ignore", [(["pods"], ["CREATE"])], []),
+        ("/mutate-pods", "Ignore", [(["pods"], ["CREATE"])], []),  # InferenceService pods
+        ("/mutate-pods", "Ignore", [(["pods"], ["CREATE"])], []),  # LLMInferenceService pods
+        ("/mutate-services", "Ignore", [(["inferenceservices"], ["CREATE", "UPDATE"]),
+                                        (["llminferenceservices"], ["CREATE", "UPDATE"])], []),
         ("/validate-localmodelcaches", "Fail", [(["localmodelcaches"], ["CREATE", "UPDATE"])], ["spec-written"]),
         ("/validate-localmodelcaches", "Ignore", [(["localmodelcaches"], ["DELETE"])], []),
         ("/validate-localmodelnamespacecaches", "Fail", [(["localmodelnamespacecaches"], ["CREATE", "UPDATE"])],

@@ -131,9 +131,9 @@ def test_migrate_prints_the_switch_over_in_order_and_its_commands_clear_it(clust
     assert kube.get_or_none(DAEMON_SETS, "kserve-localmodelnode-agent", "kserve") is None
     assert kube.get(DEPLOYMENTS, "kserve-localmodel-controller-manager", "kserve")["spec"]["replicas"] == 0
     assert kube.get_or_none(VALIDATING_WEBHOOKS, "localmodelcache.serving.kserve.io") is None
-    assert kube.get(SECRETS, "s3creds", "modelcache-system")["metadata"]["annotations"][
+    assert kube.get(SECRETS, "s3creds", "modelcache-credentials")["metadata"]["annotations"][
         "serving.kserve.io/s3-endpoint"] == "minio.example:9000"
-    assert kube.get_or_none(SECRETS, "storage-config", "modelcache-system") is not None
+    assert kube.get_or_none(SECRETS, "storage-config", "modelcache-credentials") is not None
     ds = kube.get(DAEMON_SETS, "modelcache-agent", "modelcache-system")
     assert {"name": "hostroot", "hostPath": {"path": "/mnt/models", "type": "DirectoryOrCreate"}} in \
         ds["spec"]["template"]["spec"]["volumes"]

@@ -45,6 +45,8 @@ KSERVE_CONFIG = "inferenceservice-config"
 KSERVE_JOB_NAMESPACE = "kserve-localmodel-jobs"
 #: Ours (deploy/).
 OUR_NAMESPACE = "modelcache-system"
+#: deploy/'s credential namespace (KServe's jobNamespace is kserve-localmodel-jobs).
+CREDENTIALS_NAMESPACE = "modelcache-credentials"
 OUR_AGENT = "modelcache-agent"
 OUR_COORDINATOR = "modelcache-coordinator"
 AGENT_ROOT_VOLUME = "hostroot"
@@ -69,7 +71,7 @@ class Facts:
     """What the checks look at, read once."""
 
     kserve_namespace: str = "kserve"
-    credentials_namespace: str = OUR_NAMESPACE
+    credentials_namespace: str = CREDENTIALS_NAMESPACE
     controllers: list[dict[str, Any]] = field(default_factory=list)  # KServe's cache controller Deployments
     agents: list[dict[str, Any]] = field(default_factory=list)  # KServe's node agent DaemonSets
     webhook: dict[str, Any] | None = None
@@ -129,7 +131,7 @@ def gather(kube: Kube, kserve_namespace: str = "kserve", credentials_namespace: 
     f.our_agent = kube.get_or_none(DAEMON_SETS, OUR_AGENT, OUR_NAMESPACE)
     f.our_coordinator = kube.get_or_none(DEPLOYMENTS, OUR_COORDINATOR, OUR_NAMESPACE)
     f.credentials_namespace = credentials_namespace or _agent_env(f.our_agent, "MODELCACHE_CREDENTIALS_NAMESPACE") \
-        or OUR_NAMESPACE
+        or CREDENTIALS_NAMESPACE
     if f.crds.get("localmodelnodegroups"):
         f.groups = list(kube.list(LOCAL_MODEL_NODE_GROUPS).get("items") or [])
     if f.crds.get("localmodelcaches"):
