@@ -171,6 +171,7 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     agent = Agent(cfg, creds, KubeMountChecker(kube, cfg.node, paths), metrics)
     krunner = KubeRunner(agent, kube, paths)
     agent.jobs = krunner.download_jobs(cfg.job_namespace, host_path)
+    agent.root_check = paths.refusal
     # Live but not ready while another agent holds the root: it neither downloads nor writes status.
     server = _serve(cfg, HealthServer, krunner.healthy, krunner.ready, metrics.render)
     try:

@@ -81,6 +81,9 @@ class Agent:
         self.checker = Checker(self)
         #: KServe's download-Job containers, in cluster mode (agent/downloadjob.py); None: none.
         self.jobs: Any = None
+        #: root_check(nodeGroup) -> why a model of that group must not be reported Downloaded (the
+        #: root is not the group PV's local.path: agent/hostpath.py), else None. Cluster mode only.
+        self.root_check: Callable[[str | None], str | None] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_removal_check = 0.0
@@ -538,8 +541,14 @@ class Agent:
             for rec in self.records.values():
                 state = rec.state(self._present(rec.key))
                 for info in rec.entries:
-                    model_status[info.status_key] = state
-                    details[info.status_key] = rec.detail(state).to_dict()
+                    d = rec.detail(state)
+                    blocked = (self.root_check(info.node_group) if self.root_check and state == MODEL_DOWNLOADED
+                               else None)
+                    if blocked:
+                        # Downloaded here, but not where the node group's PV points serving pods.
+                        d.state, d.message = MODEL_DOWNLOAD_ERROR, blocked
+                    model_status[info.status_key] = d.state
+                    details[info.status_key] = d.to_dict()
                 for info in rec.former:
                     d = rec.detail(state)
                     d.message = ("removed from the spec; kept while mounted by " + ", ".join(rec.mounted_by)

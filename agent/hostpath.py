@@ -125,6 +125,20 @@ class RootPaths:
                 f"({'; '.join(parts)}): serving pods would not see these files; nothing is deleted until "
                 f"the DaemonSet's hostroot volume and the groups' persistentVolumeSpec.local.path agree")
 
+    def refusal(self, group: str | None) -> str | None:
+        """Why a model of node group ``group`` must not be reported Downloaded: its PV puts serving
+        pods elsewhere than this root (both paths named, and the fix); None when they agree."""
+        with self._lock:
+            found = [m for m in self._mismatches if m.group == group]
+        if not found:
+            return None
+        m = found[0]
+        where = f"names {m.pv_path}" if m.pv_path else ("names no local.path" if m.found else "is not found")
+        return (f"downloaded into host path {self.host_path} (the agent's root), but node group {m.group}'s "
+                f"PV {where}: serving pods would mount an empty folder. Make the DaemonSet's hostroot volume and "
+                f"the group's persistentVolumeSpec.local.path the same directory (`modelcache migrate` prints "
+                f"the patch)")
+
     def pv_paths(self) -> set[str]:
         """The PV paths that are this root (empty: unknown, count every PV); raises
         :class:`RootMismatch` while a node group disagrees."""

@@ -120,6 +120,7 @@ class KubeRunner:
                  if m.get("nodeGroup")}
         found = self.paths.update({n: self.groups.store.get_raw(n) for n in names})
         if found != self._mismatches:
+            self.agent.changed.set()  # models of these groups are (no longer) refused as Downloaded
             if found:
                 message = self.paths.message(found)
                 log.error(message, extra=fields(node=self.node, host_path=self.paths.host_path))
