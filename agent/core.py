@@ -368,7 +368,7 @@ class Agent:
 
         with self.credentials.env_for(primary) as env:
             passed = {k: v for k, v in env.items() if self.credentials.base_env.get(k) != v}
-            job = self.jobs.run(primary, rec.key, task.cancel, passed)
+            job = self.jobs.run(primary, rec.key, self.store.layout.model_dir(rec.key), task.cancel, passed)
         manifest = record_folder(self.store, rec.key, redact_uri(rec.uri))
         log.info("download Job succeeded", extra=fields(storage_key=rec.key, job=job, files=len(manifest.files)))
         return PullResult(uri=manifest.uri, storage_key=rec.key, path=self.store.layout.model_dir(rec.key),

@@ -27,6 +27,7 @@ import secrets
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -148,9 +149,10 @@ class DownloadJobs:
         live = [j for j in items if not (j.get("metadata") or {}).get("deletionTimestamp")]
         return max(live, key=lambda j: j["metadata"].get("creationTimestamp") or "", default=None)
 
-    def run(self, info: LocalModelInfo, key: str, cancel: threading.Event, env: Mapping[str, str]) -> str:
-        """Make sure a Job downloads the model and wait for it; returns the Job's name. Raises
-        DownloadJobError when a pod of it failed, CancelledError-like ModelcacheError on cancel."""
+    def run(self, info: LocalModelInfo, key: str, folder: Path, cancel: threading.Event,
+            env: Mapping[str, str]) -> str:
+        """Make sure a Job downloads the model into ``folder`` and wait for it; returns the Job's
+        name. Raises DownloadJobError when a pod of it failed, ModelcacheError when cancelled."""
         csc = self.container_for(info.source_model_uri)
         if csc is None:
             raise DownloadJobError(f"{info.status_key}: no ClusterStorageContainer of workloadType {WORKLOAD_TYPE} "
@@ -162,6 +164,8 @@ class DownloadJobs:
         if job is not None and state_of(job).finished and not state_of(job).succeeded:
             self._delete(state_of(job).name)  # a finished failed Job: this attempt is a new one
             job = None
+        elif job is not None and state_of(job).succeeded and not _has_files(folder):
+            job = None  # its files are gone since (KServe: a folder absent gets a new Job)
         if job is None:
             job = self._create(csc, info, key, env)
         name = state_of(job).name
@@ -210,6 +214,13 @@ class DownloadJobs:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+
+def _has_files(folder: Path) -> bool:
+    try:
+        return any(p.is_file() for p in folder.rglob("*"))
+    except OSError:
+        return False
 
 
 def _owner_refs(owner: Mapping[str, Any] | None) -> list[dict[str, Any]]:
