@@ -24,18 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from modelcache.kube.client import PODS, Kube
+from modelcache.kube.types import norm_path as norm
+from modelcache.kube.types import pv_root
 
 log = logging.getLogger("agent.hostpath")
-
-
-def norm(path: str) -> str:
-    return posixpath.normpath(path) if path else path
-
-
-def pv_root(pv_spec: Mapping[str, Any]) -> str | None:
-    """The host directory a PV spec names (``local.path`` or ``hostPath.path``), else None."""
-    path = (pv_spec.get("local") or {}).get("path") or (pv_spec.get("hostPath") or {}).get("path")
-    return norm(str(path)) if path else None
 
 
 def host_path_of(pod: Mapping[str, Any], root: Path) -> str | None:

@@ -11,7 +11,6 @@ nothing is left to do it says so and exits 0.
 from __future__ import annotations
 
 import json
-import re
 import shlex
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from modelcache.kube.client import (
     Resource,
 )
 from modelcache.kube.quantity import parse_quantity
+from modelcache.kube.types import norm_path, pv_root
 
 DEPLOYMENTS = Resource("apps", "v1", "deployments", "Deployment", True)
 DAEMON_SETS = Resource("apps", "v1", "daemonsets", "DaemonSet", True)
@@ -186,18 +186,12 @@ def agent_host_path(ds: dict[str, Any] | None) -> str:
     """The host directory of our agent's root (deploy/'s default before it is installed)."""
     for vol in (((ds or {}).get("spec") or {}).get("template") or {}).get("spec", {}).get("volumes") or []:
         if vol.get("name") == AGENT_ROOT_VOLUME and (vol.get("hostPath") or {}).get("path"):
-            return _norm(str(vol["hostPath"]["path"]))
+            return norm_path(str(vol["hostPath"]["path"]))
     return DEFAULT_HOST_PATH
 
 
 def group_path(group: dict[str, Any]) -> str | None:
-    pv = (group.get("spec") or {}).get("persistentVolumeSpec") or {}
-    path = (pv.get("local") or {}).get("path") or (pv.get("hostPath") or {}).get("path")
-    return _norm(str(path)) if path else None
-
-
-def _norm(path: str) -> str:
-    return re.sub(r"/+$", "", path) or "/"
+    return pv_root((group.get("spec") or {}).get("persistentVolumeSpec") or {})
 
 
 def _q(text: str) -> str:
