@@ -351,6 +351,17 @@ class Agent:
                 return repair(self.store, rec.key, pull_into, rec.old_files).result
             return pull_into()
 
+    def containers_changed(self) -> None:
+        """KServe's download containers changed: a URI one of them now reads is no longer an
+        invalid URI (the container may have been created after the entry)."""
+        with self.lock:
+            for rec in self.records.values():
+                if _hopeless(rec) and rec.task is None and self._job_container(rec.uri) is not None:
+                    rec.failure, rec.failures, rec.next_attempt = None, 0, 0.0
+                    log.info("a download container reads this URI now", extra=fields(storage_key=rec.key))
+        self.changed.set()
+        self.wake.set()
+
     def _job_container(self, uri: str) -> Any:
         """KServe's download-Job container for a URI none of our sources reads (agent/downloadjob.py)."""
         if self.jobs is None:

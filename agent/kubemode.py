@@ -48,6 +48,7 @@ class KubeRunner:
         self.containers = Informer(kube, CLUSTER_STORAGE_CONTAINERS)
         self.nodes.add_handler(self._on_node)
         self.groups.add_handler(self._on_group)
+        self.containers.add_handler(lambda *_: self.agent.containers_changed())
         self.publisher = Publisher(agent, self._write_status, agent.cfg.status_interval)
         self.synced = threading.Event()
         self.recorder = EventRecorder(kube, "modelcache-agent", self.node)
@@ -152,11 +153,14 @@ class KubeRunner:
         patch_status_if_changed(self.kube, LOCAL_MODEL_NODES, self.node, self._desired(ours), current=current)
 
     def start(self, timeout: float = 60.0) -> KubeRunner:
-        self.groups.start()
-        self.nodes.start()
+        # Containers first: whether a URI none of our sources reads is a download Job's or
+        # invalid is decided when the spec's entries arrive.
         self.containers.start()
-        if not (self.groups.wait_for_sync(timeout) and self.nodes.wait_for_sync(timeout)
-                and self.containers.wait_for_sync(timeout)):
+        self.groups.start()
+        if not self.containers.wait_for_sync(timeout):
+            raise TimeoutError("could not list ClusterStorageContainers from the API server")
+        self.nodes.start()
+        if not (self.groups.wait_for_sync(timeout) and self.nodes.wait_for_sync(timeout)):
             raise TimeoutError("could not list LocalModelNode/LocalModelNodeGroups/ClusterStorageContainers "
                                "from the API server")
         if self.nodes.store.get(self.node) is None:

@@ -132,7 +132,7 @@ def test_a_custom_download_container_runs_as_a_job_on_the_node(cluster, tmp_path
     assert "AK1" not in agent.log()
 
 
-def test_without_a_matching_container_an_unknown_scheme_stays_an_error(cluster, tmp_path: Path) -> None:
+def test_without_a_matching_container_an_unknown_scheme_is_an_error_until_one_appears(cluster, tmp_path: Path) -> None:
     cluster.register_node("gpu-1", {"kserve/localmodel": "worker"})
     kube = kube_for(cluster)
     create_node(kube, "gpu-1", [entry("m", "private://models/m")])
@@ -141,6 +141,10 @@ def test_without_a_matching_container_an_unknown_scheme_stays_an_error(cluster, 
     try:
         status = wait_states(kube, "gpu-1", {"m": "ModelDownloadError"}, agent=agent)
         assert "unknown scheme" in status["modelDetails"]["m"]["message"]
+        # A container created after the entry reads it now: its Job starts without an edit.
+        _container(kube)
+        _job_pod(kube, "m", agent)
+        wait_states(kube, "gpu-1", {"m": "ModelDownloading"}, agent=agent)
     finally:
         agent.stop()
     assert CRED_NS  # the credentials namespace is deploy/'s

@@ -178,7 +178,7 @@ def test_coordinator_rbac_covers_its_reconcilers_and_no_more(rendered: list[Obj]
 def test_bindings_point_at_existing_roles_and_service_accounts(rendered: list[Obj]) -> None:
     sas = {(d["metadata"]["namespace"], d["metadata"]["name"]) for d in rendered if d["kind"] == "ServiceAccount"}
     bindings = [d for d in rendered if d["kind"] in ("RoleBinding", "ClusterRoleBinding")]
-    assert len(bindings) == 6
+    assert len(bindings) == 7  # operate's 5, the KServe config map and the download Jobs
     for b in bindings:
         role_kind = b["roleRef"]["kind"]
         role = find(rendered, role_kind, b["roleRef"]["name"])
