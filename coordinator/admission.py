@@ -62,7 +62,14 @@ LLM_PART_OF = ("app.kubernetes.io/part-of", "llminferenceservice")
 LLM_NAME_LABEL = "app.kubernetes.io/name"
 
 
-def pod_target(pod: dict[str, Any], namespace: str, lookup: ApiLookup) -> podmutate.PodTarget | None:
+def pod_target(pod: dict[str, Any], namespace: str, lookup: ApiLookup,
+               by_uri: bool = False) -> podmutate.PodTarget | None:
+    """The cache a serving pod reads its model from, which decides its placement; None: it does
+    not read one. KServe mounts the cache only into pods whose service carries the cache label
+    (its pod mutator and LLMInferenceService controller check that label alone); a pod without it
+    (``localModel.enabled: false``, where KServe's defaulter strips it; a service created before its
+    cache) downloads its model itself and may run anywhere, so it is not pinned. ``by_uri``: our
+    own rewrite mounts the cache (``--pod-rewrite on``), so a pod is matched by its URI as well."""
     meta = pod.get("metadata") or {}
     labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
     source = annotations.get(podmutate.SOURCE_URI_ANNOTATION)
@@ -85,7 +92,7 @@ def pod_target(pod: dict[str, Any], namespace: str, lookup: ApiLookup) -> podmut
         pvc = annotations.get(LOCALMODEL_PVC_ANNOTATION) or serving_pvc_name(name, groups[0])
         sub = sub_path(uri, source) if source and match_storage_uri(uri, source) else ""
         return podmutate.PodTarget(uri, pvc, sub)
-    if source:
+    if source and by_uri:
         match = select_cache(source, namespace, annotations, *lookup.cache_refs(namespace))
         if match is not None:
             return podmutate.PodTarget(match.cache.uri, match.pvc_name, match.sub_path)
@@ -103,7 +110,7 @@ class PodMutator:
         pod = req.get("object") or {}
         namespace = req.get("namespace") or (pod.get("metadata") or {}).get("namespace") or "default"
         try:
-            target = pod_target(pod, namespace, self.lookup)
+            target = pod_target(pod, namespace, self.lookup, by_uri=self.rewrite)
         except Exception as exc:
             log.warning("pod admission: cache lookup failed: %s", exc)
             if self.fail_closed:

@@ -236,3 +236,35 @@ def test_services_get_the_cache_label_at_admission_and_never_while_running(
     kube.patch(INFERENCE_SERVICES, "early", {"metadata": {"annotations": {"team": "x"}}}, "team")
     assert kube.get(INFERENCE_SERVICES, "early", "team")["metadata"]["labels"][
         "internal.serving.kserve.io/localmodel"] == "later"
+
+
+def test_a_pod_kserve_does_not_point_at_the_cache_is_not_pinned(cluster: Cluster, coordinator_factory: Any) -> None:
+    """KServe mounts the cache only into pods whose service carries the cache label; with
+    localModel.enabled false its defaulter strips that label, and its pod mutator then leaves the
+    storage initializer in place: the pod downloads the model itself and may run anywhere. Our pod
+    webhook (KServe's pod mutator present: no rewrite) pins only the pods that read the cache."""
+    kube = cluster.kube()
+    make_node(kube, "n1", **GROUP_LABEL)
+    make_group(kube, "workers")
+    make_namespace(kube, "team")
+    coord = coordinator_factory(cluster)  # --pod-rewrite off: KServe's pod mutator does the rewrite
+    register_webhooks(cluster, coord)
+    make_cache(kube, "llm", URI, ["workers"])
+
+    # As KServe leaves a predictor pod of an unlabelled service: source annotation, no cache label.
+    unlabelled = predictor_pod("svc-predictor-plain")
+    del unlabelled["metadata"]["labels"]["internal.serving.kserve.io/localmodel"]
+    unlabelled["spec"]["initContainers"] = [{"name": "storage-initializer", "image": "kserve/storage-initializer",
+                                             "args": [URI + "/v1", "/mnt/models"]}]
+    create_pod(cluster, unlabelled)
+    assert "affinity" not in get_pod(kube, "svc-predictor-plain")["spec"]
+    wait_until(lambda: get_pod(kube, "svc-predictor-plain")["spec"].get("nodeName") == "n1", timeout=60,
+               what="the unlabelled pod bound by the scheduler although no node has the model")
+
+    # A labelled one (KServe rewrites it to the cache PVC) is still pinned to a downloaded copy.
+    create_pod(cluster, predictor_pod("svc-predictor-cached"))
+    terms = get_pod(kube, "svc-predictor-cached")["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert {"key": model_label(URI), "operator": "Exists"} in terms[0]["matchExpressions"]
+    wait_until(lambda: "node affinity" in unschedulable_reason(kube, "svc-predictor-cached"), timeout=60,
+               what="the labelled pod Pending until a node has the model")
