@@ -9,6 +9,7 @@ redacting ``repr`` and nothing here logs.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -253,8 +254,6 @@ def ca_bundle_from_env(env: Mapping[str, str]) -> str | None:
     if path and not os.path.isfile(path):
         if path not in _warned_missing:
             _warned_missing.add(path)
-            import logging
-
             logging.getLogger(__name__).warning(
                 "CA bundle file %s not found (CA_BUNDLE_CONFIGMAP_NAME is set but its ConfigMap has no "
                 "cabundle.crt, or is not mounted at CA_BUNDLE_VOLUME_MOUNT_POINT): using the default trust "
