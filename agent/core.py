@@ -92,6 +92,8 @@ class Agent:
         #: Optional sink for notable transitions (cluster mode: Kubernetes Events on the LocalModelNode):
         #: on_event(type "Normal"|"Warning", reason, message). Called without the lock held.
         self.on_event: Callable[[str, str, str], None] | None = None
+        #: Peer transfer (agent/peering.py), cluster mode only; None: every byte from the origin.
+        self.peering: Any = None
         (cfg.root / "models").mkdir(parents=True, exist_ok=True)
 
     # ---- what is on disk --------------------------------------------------------------------
@@ -293,6 +295,7 @@ class Agent:
         snap = task.progress.snapshot()
         if result is None or not result.cached:
             self.metrics.bytes.labels(scheme=scheme).inc(max(0, snap.bytes_done))
+        origin_peers = self._count_sources(rec.key) if result is None or not result.cached else {}
         event = None
         with self.lock:
             rec.task = None
@@ -310,7 +313,7 @@ class Agent:
                 self.metrics.duration.labels(scheme=scheme, outcome="ok").observe(elapsed)
                 log.info("download finished", extra=fields(
                     storage_key=rec.key, uri=redact_uri(rec.uri), bytes=result.bytes, files=result.files,
-                    seconds=round(elapsed, 2), cached=result.cached, revision=rec.revision or ""))
+                    seconds=round(elapsed, 2), cached=result.cached, revision=rec.revision or "", **origin_peers))
                 if rec.wanted:
                     event = ("Normal", "Downloaded", f"{_names(rec)}: downloaded {rec.bytes_total or 0} bytes")
             elif task.why == STOPPING:
@@ -340,9 +343,10 @@ class Agent:
                         check(plan)  # a repair refuses a listing that is not its pinned revision
                     self._admit(rec, task, primary, plan)
 
+                peers = self.peering.network if self.peering is not None and dest is None else None
                 # unpack: a repair's folder holds the model as the store does (archives unpacked).
                 return pull(uri or rec.uri, settings=settings, options=self._options(), progress=task.progress,
-                            admit=admit, cancel=task.cancel, unpack=True, **where)
+                            admit=admit, cancel=task.cancel, peers=peers, unpack=True, **where)
 
             if needs_repair(self.store, rec.key, rec.old_files):
                 # Damaged, or left half-repaired by a crash: fix the files inside the folder that
@@ -385,6 +389,16 @@ class Agent:
         return PullResult(uri=manifest.uri, storage_key=rec.key, path=self.store.layout.model_dir(rec.key),
                           resolved_uri=manifest.uri, files=len(manifest.files), bytes=manifest.total_size,
                           cached=False, elapsed=0.0)
+
+    def _count_sources(self, key: str) -> dict[str, int]:
+        """Where the attempt's bytes came from (peer transfer on): metrics, and the log line's fields."""
+        stats = self.peering.network.stats(key) if self.peering is not None else None
+        if stats is None:
+            return {}
+        self.metrics.model_bytes.labels(storage_key=key, source="origin").inc(stats.from_origin)
+        self.metrics.model_bytes.labels(storage_key=key, source="peer").inc(stats.from_peers)
+        self.metrics.peer_dropped.inc(len(stats.dropped))
+        return {"bytes_from_origin": stats.from_origin, "bytes_from_peers": stats.from_peers}
 
     def _emit(self, event: tuple[str, str, str] | None) -> None:
         if event is not None and self.on_event is not None:
@@ -549,6 +563,7 @@ class Agent:
         details: dict[str, Any] = {}
         removing: dict[str, Any] = {}
         with self.lock:
+            keys = sorted({r.key for r in self.records.values() if r.wanted})
             for rec in self.records.values():
                 state = rec.state(self._present(rec.key))
                 for info in rec.entries:
@@ -559,7 +574,7 @@ class Agent:
                         # Downloaded here, but not where the node group's PV points serving pods.
                         d.state, d.message = MODEL_DOWNLOAD_ERROR, blocked
                     model_status[info.status_key] = d.state
-                    details[info.status_key] = d.to_dict()
+                    details[info.status_key] = {**d.to_dict(), **self._peer_fields(rec.key)}
                 for info in rec.former:
                     d = rec.detail(state)
                     d.message = ("removed from the spec; kept while mounted by " + ", ".join(rec.mounted_by)
@@ -578,7 +593,12 @@ class Agent:
         }
         if self.generation is not None:
             out["observedGeneration"] = self.generation
+        if self.peering is not None:
+            out["peer"] = self.peering.status(keys)
         return out
+
+    def _peer_fields(self, key: str) -> dict[str, Any]:
+        return self.peering.model_fields(key) if self.peering is not None else {}
 
     def settled(self) -> bool:
         """Every model in the spec Downloaded or Error, nothing running, and nothing left to

@@ -37,7 +37,7 @@ from modelcache.kube.types import LocalModelNode
 log = logging.getLogger("agent.kube")
 
 #: Status keys the agent owns (others, written by anyone else, are kept).
-OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration", "nodeUID")
+OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration", "nodeUID", "peer")
 #: The LocalModelNode CRD, whose status schema decides what the API server keeps of a status write.
 NODE_CRD = f"{LOCAL_MODEL_NODES.plural}.{LOCAL_MODEL_NODES.group}"
 

@@ -9,6 +9,7 @@ checks free space before writing a byte, and publishes atomically.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import json
 import logging
@@ -19,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from modelcache import adopt
 from modelcache.archive import ArchiveLimits, single_archive, unpack_archive
@@ -32,6 +34,9 @@ from modelcache.sources.base import RemoteFile, Source, open_source
 from modelcache.store import DestLayout, Guard, Manifest, ManifestFile, NodeLayout, NodeStore, now_iso
 from modelcache.transfer import FetchedFile, FileJob, TransferEngine, TransferOptions
 from modelcache.uri import Location, parse_uri
+
+if TYPE_CHECKING:
+    from modelcache.peers.network import PeerNetwork
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +239,8 @@ def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
     if not cached and m.unpack:
         fetched = _unpack_single_archive(m, fetched)
     if not cached:
+        assert m.source is not None
+        m.source.before_publish(m.store.layout.staging_dir(m.key))
         (m.store.layout.staging_dir(m.key) / "data").mkdir(parents=True, exist_ok=True)  # all adopted: empty
         path = m.store.publish(m.key, _manifest(m, fetched), in_place=m.in_place)
         if m.unpacked_from and m.unpacked_from not in {f.path for f in fetched}:
@@ -390,6 +397,7 @@ def pull_many(
     cancel: threading.Event | None = None,
     guard: Guard | None = None,
     unpack: bool | None = None,
+    peers: PeerNetwork | None = None,
 ) -> list[PullResult | ModelcacheError | BaseException]:
     """Pull several models with one worker pool; one result or error per URI, in order.
 
@@ -405,8 +413,18 @@ def pull_many(
 
     A model folder that is there without our manifest (KServe's node agent filled it) is
     adopted: files that match the listing are kept, only the others are fetched (``adopt``).
+    ``peers`` (the agent's) lets other nodes' agents serve pieces of the models and this node
+    serve what it fetched (``modelcache.peers``); files are verified exactly as without. Not for
+    a model adopted in place or unpacked from one archive: their pieces would not be the bytes
+    published.
     """
     options = (options or TransferOptions()).normalized()
+    if peers is not None:
+        # With peers the engine's chunks are pieces: each worker waits on (or reads) one piece,
+        # so a piece another node reads from the origin never holds up the next one of a chunk.
+        from modelcache.peers.pieces import piece_size_for
+
+        options = dataclasses.replace(options, chunk_size=piece_size_for(options.chunk_size)).normalized()
     progress = progress or ProgressTracker()
     rootp = Path(root) if root is not None else None
     destp = Path(dest) if dest is not None else None
@@ -481,6 +499,10 @@ def pull_many(
                     _check_space(m)
                     data = m.store.layout.staging_dir(m.key) / "data"
                     assert m.journal is not None
+                    if peers is not None and not m.in_place and not (
+                            m.unpack and single_archive([f.path for f in m.files]) is not None):
+                        m.source = peers.attach(m.key, m.source, m.files, data.parent, m.journal, options.chunk_size,
+                                                m.resume, options.max_workers or options.workers)
                     for i, f in enumerate(m.files):
                         if i in m.skip:
                             continue
@@ -551,10 +573,11 @@ def pull(
     cancel: threading.Event | None = None,
     guard: Guard | None = None,
     unpack: bool | None = None,
+    peers: PeerNetwork | None = None,
 ) -> PullResult:
     """Pull one model; raises its error."""
     (result,) = pull_many([uri], root=root, dest=dest, settings=settings, options=options, progress=progress,
-                          admit=admit, cancel=cancel, guard=guard, unpack=unpack)
+                          admit=admit, cancel=cancel, guard=guard, unpack=unpack, peers=peers)
     if isinstance(result, BaseException):
         raise result
     return result
