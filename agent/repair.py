@@ -51,9 +51,17 @@ def _differences(pinned: Manifest, got: Manifest) -> list[str]:
     return sorted(p for p in want.keys() | have.keys() if want.get(p) != have.get(p))
 
 
-def needs_repair(store: NodeStore, key: str) -> bool:
-    """A model folder is there but is not a complete, listed model: fix it in place, never swap it."""
-    return store.layout.model_dir(key).is_dir() and not store.is_present(key)
+def needs_repair(store: NodeStore, key: str, old_files: Iterable[str] = ()) -> bool:
+    """A model of ours that a check found damaged (``old_files``: what its manifest listed; its
+    pin, kept across a restart), or whose repair a crash interrupted: fix it in place against
+    what it was, never swap it.
+
+    A folder that was never ours (KServe's agent filled it) is no repair: the pull adopts it
+    (``modelcache.adopt``), keeping every file the source's listing and checksums vouch for.
+    """
+    if not store.layout.model_dir(key).is_dir() or store.is_present(key):
+        return False
+    return bool(list(old_files)) or store.pinned_manifest(key) is not None or store.repair_underway(key)
 
 
 def repair(store: NodeStore, key: str, pull_into: Pull, old_files: Iterable[str] = ()) -> RepairOutcome:

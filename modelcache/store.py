@@ -37,6 +37,7 @@ from modelcache.diskio import fsync_dir, store_error
 from modelcache.errors import CancelledError, ModelInUseError, StoreError
 from modelcache.integrity import hash_file
 from modelcache.lockscope import check_exclusive
+from modelcache.reserved import META_DIR
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class Layout(ABC):
 class NodeLayout(Layout):
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
-        self.meta = self.root / ".modelcache"
+        self.meta = self.root / META_DIR
 
     @property
     def base(self) -> Path:
@@ -211,7 +212,7 @@ class DestLayout(Layout):
 
     def __init__(self, dest: Path) -> None:
         self.dest = Path(dest)
-        self.meta = self.dest / ".modelcache"
+        self.meta = self.dest / META_DIR
 
     @property
     def base(self) -> Path:
@@ -453,6 +454,11 @@ class NodeStore:
             keys |= {p.name.removesuffix(suffix) for p in repair.glob("*" + suffix)}
         return keys
 
+    def foreign_names(self, key: str) -> list[str]:
+        """What the model folder holds besides the store's own bookkeeping (a DEST keeps it inside)."""
+        folder = self.layout.model_dir(key)
+        return [n for n in os.listdir(folder) if not (isinstance(self.layout, DestLayout) and n == META_DIR)]
+
     def entries(self) -> list[StoreEntry]:
         out = []
         for key in self.keys():
@@ -495,8 +501,11 @@ class NodeStore:
                 self._install_manifest(key, pending)
             shutil.rmtree(staging, ignore_errors=True)
 
-    def publish(self, key: str, manifest: Manifest) -> Path:
+    def publish(self, key: str, manifest: Manifest, in_place: bool = False) -> Path:
         """Move ``staging/data`` into place and install the manifest. Caller holds the lock.
+
+        ``in_place``: the model folder exists and holds the rest of the model (adoption): each
+        staged file is renamed into it, the folder itself stays (a pod may mount it).
 
         A piece record left in staging (``pieces.json``, by a download that peers took part in)
         is installed next to the manifest first; without one, an older record goes: it would
@@ -516,7 +525,7 @@ class NodeStore:
             pending.write_text(manifest.to_json())
             with open(pending, "rb") as f:
                 os.fsync(f.fileno())
-            if isinstance(self.layout, DestLayout):
+            if isinstance(self.layout, DestLayout) or in_place:
                 self._merge_into(data, target)
                 # Only emptied folders are left; gone, they tell ``recover`` that the files are in
                 # place if we die before the manifest is (else the model is fetched again).
@@ -535,6 +544,23 @@ class NodeStore:
             raise store_error(exc, str(target), "publishing") from exc
         shutil.rmtree(staging, ignore_errors=True)
         return target
+
+    def install_manifest(self, key: str, manifest: Manifest) -> None:
+        """Write ``manifest`` for a folder already in place (caller holds the lock): durable, then
+        renamed into place, so a reader sees no manifest or the whole one."""
+        staging = self.layout.staging_dir(key)
+        staging.mkdir(parents=True, exist_ok=True)
+        pending = staging / "manifest.json"
+        try:
+            with open(pending, "w") as out:
+                out.write(manifest.to_json())
+                out.flush()
+                os.fsync(out.fileno())
+            self.layout.pieces_path(key).unlink(missing_ok=True)  # an older record would describe other bytes
+            self._install_manifest(key, pending)
+        except OSError as exc:
+            raise store_error(exc, str(pending), "writing the manifest") from exc
+        shutil.rmtree(staging, ignore_errors=True)
 
     def _install_manifest(self, key: str, pending: Path) -> None:
         final = self.layout.manifest_path(key)
@@ -712,6 +738,13 @@ class NodeStore:
             return (self.layout.meta / kind / f"{key}.json").read_text()
         except OSError:
             return None
+
+    def clear_bookkeeping(self) -> None:
+        """Remove the store's folder from a DEST whose pair is done: runtimes that take every
+        sub-directory for a model (Triton) must not find it."""
+        if not isinstance(self.layout, DestLayout):
+            raise StoreError("only a destination store is finished by removing its bookkeeping")
+        shutil.rmtree(self.layout.meta, ignore_errors=True)
 
     def _trash_dir(self, target: Path) -> Path:
         """Where a folder goes to be deleted: out of ``models/``, which serving pods and ``ls``

@@ -7,6 +7,9 @@ import ast
 import threading
 from pathlib import Path
 
+import pytest
+
+from modelcache.errors import StoreError
 from modelcache.reserved import META_DIR
 from modelcache.store import DestLayout, Manifest, NodeLayout, NodeStore, RootLock
 from tests.helpers import REPO, wait_until
@@ -81,6 +84,18 @@ def test_records_are_kept_per_key_whole(tmp_path: Path) -> None:
     assert store.read_record("unpacked", "1111111111111111") == '{"b": 2}'
     assert store.read_record("unpacked", "2222222222222222") is None
     assert not list((dest / META_DIR).rglob("*.tmp"))  # renamed into place, nothing half-written left
+
+
+def test_a_finished_dest_keeps_only_the_model(tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    store = NodeStore(DestLayout(dest))
+    store.write_record("unpacked", KEY, "{}")
+    (dest / "model.bin").write_bytes(b"x")
+    assert store.foreign_names(KEY) == ["model.bin"]  # the bookkeeping is not the model's
+    store.clear_bookkeeping()
+    assert sorted(p.name for p in dest.iterdir()) == ["model.bin"]
+    with pytest.raises(StoreError):
+        NodeStore.at(tmp_path / "root").clear_bookkeeping()  # a node root keeps its bookkeeping
 
 
 def test_one_agent_per_root_the_second_waits_then_takes_over(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ the end: such a file is accepted only with a checksum to catch it.
 
 from __future__ import annotations
 
+import base64
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,6 +66,16 @@ def parse_digest_headers(headers: Any) -> list[Checksum]:
     return [Checksum(a, v) for a, v in sorted(found.items())]
 
 
+def _basic_auth(user: str, password: str) -> str:
+    def enc(text: str) -> bytes:
+        try:
+            return text.encode("latin1")  # requests' encoding, for byte-identical headers
+        except UnicodeEncodeError:
+            return text.encode("utf-8")
+
+    return "Basic " + base64.b64encode(enc(user) + b":" + enc(password)).decode("ascii")
+
+
 class HTTPSource(Source):
     applies_patterns = False  # one file, named by the URI
 
@@ -72,14 +83,20 @@ class HTTPSource(Source):
         super().__init__(location, settings)
         self.loc = location
         http = settings.http
-        self.where = redact_uri(location.url)
+        self.where = redact_uri(location.uri.split("#", 1)[0])  # userinfo shown as <redacted>@
         self.base_headers = {"Accept-Encoding": "identity", "User-Agent": "modelcache"}
         self.headers = {**self.base_headers, **http.headers_for(location.host)}
+        if location.basic_auth is not None:
+            # As requests (KServe's initializer) does with a URL's userinfo: basic auth, which
+            # wins over a configured Authorization header; private to the URL's host (send()).
+            self.headers["Authorization"] = _basic_auth(*location.basic_auth)
         # A CA or verify=False applies to every hop; without one, the system's CAs.
         verify: bool | str = http.ca_bundle or True if http.verify else False
         self.pool = make_pool(verify, self.max_streams, http.connect_timeout, http.read_timeout)
         self.hints = Hints(
-            auth=f"set request headers in the env variable '{location.host}-headers' (JSON, e.g. "
+            auth="the server refused the user and password written in the URI (sent as basic auth); check them"
+                 if location.basic_auth is not None else
+                 f"set request headers in the env variable '{location.host}-headers' (JSON, e.g. "
                  '{"Authorization": "Bearer ..."})',
             denied="the credentials do not allow reading it",
             missing="check the URL",
