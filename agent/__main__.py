@@ -119,6 +119,7 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     from agent.metrics import AgentMetrics
     from agent.rootlock import RootLock
 
+    spec = _standalone_spec(cfg) if cfg.standalone is not None else None  # before anything is written
     # Checked first: a read-only or unwritable root would otherwise fail every download later.
     check_writable_dir(cfg.root, "--root")
     metrics = AgentMetrics()
@@ -132,10 +133,7 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
         from agent.standalone import StandaloneRunner
 
         agent = Agent(cfg, Credentials(None, cfg.download_env), NoMounts(), metrics)
-        try:
-            runner = StandaloneRunner(agent, cfg.standalone, cfg.watch)
-        except ModelcacheError as exc:
-            raise StartupError(f"--standalone: {exc}") from None
+        runner = StandaloneRunner(agent, cfg.standalone, cfg.watch, spec)
         server = _serve(cfg, HealthServer, agent.alive, agent.spec_seen.is_set, metrics.render)
         try:
             if not root_lock.acquire(stop):
@@ -179,6 +177,23 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
         if server is not None:
             server.stop()
     return 0
+
+
+def _standalone_spec(cfg: AgentConfig) -> dict[str, object]:
+    """The spec file, read and checked before the root is touched: an invalid one is refused with
+    one line per problem (exit 2) and nothing on disk changes."""
+    from agent.standalone import InvalidSpecError, read_node
+
+    assert cfg.standalone is not None
+    try:
+        return read_node(cfg.standalone)
+    except InvalidSpecError as exc:
+        raise StartupError(
+            f"--standalone {cfg.standalone}: {len(exc.problems)} problem(s) above, so nothing was done and "
+            f"nothing in {cfg.root} changed; fix the file (see docs/agent.md, \"Standalone mode\") and run again",
+            [f"--standalone {cfg.standalone}: {p}" for p in exc.problems]) from None
+    except ModelcacheError as exc:
+        raise StartupError(f"--standalone: {exc}") from None
 
 
 def _serve(cfg: AgentConfig, cls: type, healthy: object, ready: object, metrics: object) -> object | None:

@@ -33,6 +33,7 @@ from modelcache.errors import ModelcacheError
 from modelcache.kube.types import (
     MODEL_DOWNLOAD_ERROR,
     MODEL_DOWNLOADED,
+    Condition,
     LocalModelInfo,
     ModelCounts,
     NodeCapacity,
@@ -87,6 +88,9 @@ class Agent:
         #: Optional sink for notable transitions (cluster mode: Kubernetes Events on the LocalModelNode):
         #: on_event(type "Normal"|"Warning", reason, message). Called without the lock held.
         self.on_event: Callable[[str, str, str], None] | None = None
+        #: The last spec refused as invalid (modelcache.kube.validate), until a valid one comes:
+        #: (problems, its generation, when it was refused). Reported as a SpecValid=False condition.
+        self.refused: tuple[list[str], int | None, str] | None = None
         (cfg.root / "models").mkdir(parents=True, exist_ok=True)
 
     # ---- what is on disk --------------------------------------------------------------------
@@ -116,9 +120,17 @@ class Agent:
 
     # ---- desired state --------------------------------------------------------------------
 
+    def refuse_spec(self, problems: list[str], generation: int | None = None) -> None:
+        """An invalid spec changes nothing: the last valid one stays in force, the status says why."""
+        with self.lock:
+            if self.refused is None or self.refused[:2] != (problems, generation):
+                self.refused = (list(problems), generation, now_iso())
+        self.changed.set()
+
     def set_spec(self, entries: list[LocalModelInfo], generation: int | None = None) -> None:
         desired = group_entries(entries)
         with self.lock:
+            self.refused = None
             for key, (uri, infos) in desired.items():
                 rec = self.records.get(key)
                 if rec is None:
@@ -526,6 +538,14 @@ class Agent:
         }
         if self.generation is not None:
             out["observedGeneration"] = self.generation
+        if self.refused is not None:
+            problems, generation, since = self.refused
+            out["conditions"] = [Condition(
+                type="SpecValid", status="False", reason="InvalidSpec", last_transition_time=since,
+                observed_generation=generation,
+                message=_one_line(ValueError(f"{len(problems)} problem(s), nothing applied or deleted until "
+                                             "they are fixed: " + "; ".join(problems))),
+            ).to_dict()]
         return out
 
     def settled(self) -> bool:

@@ -23,11 +23,12 @@ from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import DELETED, Informer
 from modelcache.kube.status import patch_status_if_changed
 from modelcache.kube.types import LocalModelNode
+from modelcache.kube.validate import node_problems
 
 log = logging.getLogger("agent.kube")
 
 #: Status keys the agent owns (others, written by anyone else, are kept).
-OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration", "nodeUID")
+OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration", "nodeUID", "conditions")
 
 
 def _now() -> str:
@@ -82,7 +83,23 @@ class KubeRunner:
             if fresh:
                 self.refresh_node_uid()  # a new LocalModelNode: its Node may be new as well
             self.check_paths()  # before the new spec can start a removal
+        self._apply(obj)
+
+    def _apply(self, obj: dict[str, Any]) -> None:
+        """Apply the spec, unless it is invalid: then nothing is applied or deleted, and the status
+        (condition SpecValid=False), an Event and the log name each problem."""
+        problems = node_problems(obj)
         lmn = LocalModelNode.from_dict(obj)
+        if problems:
+            first = self.agent.refused is None or self.agent.refused[:2] != (problems, lmn.generation or None)
+            self.agent.refuse_spec(problems, lmn.generation or None)
+            if first:
+                for problem in problems:
+                    log.warning("invalid LocalModelNode spec: keeping the last valid one",
+                                extra=fields(node=self.node, problem=problem))
+                self._event("Warning", "InvalidSpec", f"{len(problems)} problem(s), nothing applied or deleted: "
+                            + "; ".join(problems))
+            return
         self.agent.set_spec(lmn.spec.local_models, lmn.generation or None)
 
     def _event(self, event_type: str, reason: str, message: str) -> None:
@@ -161,8 +178,7 @@ class KubeRunner:
             self.refresh_node_uid()
             obj = self.nodes.store.get(self.node)
             if obj is not None:
-                lmn = LocalModelNode.from_dict(obj)
-                self.agent.set_spec(lmn.spec.local_models, lmn.generation or None)
+                self._apply(obj)
 
     def healthy(self) -> bool:
         if not self.synced.is_set():

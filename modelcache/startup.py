@@ -25,9 +25,16 @@ USAGE_EXIT = 2
 
 
 class StartupError(ModelcacheError):
-    """The process cannot start as configured; the message names the flag that fixes it."""
+    """The process cannot start as configured; the message names the flag that fixes it.
+
+    ``problems``: several independent faults (each field of an invalid spec file), printed one
+    ``error:`` line each before the message."""
 
     reason = "StartupError"
+
+    def __init__(self, message: str, problems: tuple[str, ...] | list[str] = ()) -> None:
+        super().__init__(message)
+        self.problems = tuple(problems)
 
 
 def run_command(command: click.Command, prog_name: str) -> None:
@@ -44,7 +51,8 @@ def run_command(command: click.Command, prog_name: str) -> None:
         click.echo(f"error: {' '.join(exc.format_message().split())}{hint}", err=True)
         sys.exit(exc.exit_code)
     except StartupError as exc:
-        click.echo(f"error: {scrub_urls(' '.join(str(exc).split()))}", err=True)
+        for line in (*exc.problems, str(exc)):
+            click.echo(f"error: {scrub_urls(' '.join(line.split()))}", err=True)
         sys.exit(USAGE_EXIT)
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -291,6 +291,7 @@ class LocalModelNodeStatus(Codec):
     model_counts: ModelCounts | None = None
     observed_generation: int | None = None
     last_updated: str | None = None
+    conditions: list[Condition] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
