@@ -109,6 +109,7 @@ def _name_uri(exc: BaseException, display: str) -> BaseException:
 def _plan_doc(m: _Model, chunk_size: int) -> dict[str, object]:
     return {
         "storage_key": m.key,
+        "uri": m.location.display,  # redacted; for `modelcache ls` while the pull is staged
         "resolved_uri": m.source.resolved_uri if m.source else "",
         "chunk_size": chunk_size,
         "files": [[f.path, f.size, f.version] for f in m.files],
@@ -167,9 +168,18 @@ def _check_space(m: _Model) -> None:
     need = bytes_needed(m)
     free = shutil.disk_usage(staging).free
     if need + SPACE_MARGIN > free:
+        layout = m.store.layout
+        if isinstance(layout, NodeLayout):
+            # The exact target, rounded up to a MiB: gc then frees enough for this pull, margin included.
+            target = -(-(need + SPACE_MARGIN) // (1 << 20))
+            fix = f"free space, e.g. `modelcache gc --root {layout.root} --target-free {target}M`"
+            where = layout.root
+        else:
+            fix = "free space on that file system"
+            where = staging.parent.parent.parent
         raise InsufficientSpaceError(
-            f"{m.location.display}: insufficient space: need {human_bytes(need)}, free "
-            f"{human_bytes(max(0, free - SPACE_MARGIN))} at {staging.parent.parent}; free space or run `modelcache gc`"
+            f"{m.location.display}: insufficient space at {where}: need {human_bytes(need)} plus a "
+            f"{human_bytes(SPACE_MARGIN)} margin kept free, {human_bytes(free)} free; {fix}"
         )
 
 
@@ -282,11 +292,65 @@ def _check_cancel(cancel: threading.Event | None, m: _Model) -> None:
 
 
 @contextlib.contextmanager
-def _locked(models: Sequence[_Model], cancel: threading.Event | None = None) -> Iterator[None]:
+def _locked(models: Sequence[_Model], progress: ProgressTracker, cancel: threading.Event | None = None
+            ) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for m in sorted(models, key=lambda m: str(m.store.layout.lock_path(m.key))):  # one order: no deadlock
-            stack.enter_context(m.store.lock(m.key, cancel=cancel))
+            # A pull that waits says for whom (an empty progress line looks like a hang).
+            stack.enter_context(m.store.lock(m.key, cancel=cancel,
+                                             on_wait=lambda why, m=m: _waiting(progress, m, why)))
+        progress.set_waiting("")
         yield
+
+
+def _waiting(progress: ProgressTracker, m: _Model, why: str) -> None:
+    progress.set_waiting(f"{m.location.display}: {why}")
+    log.info("%s: %s", m.location.display, why)
+
+
+@dataclass(frozen=True)
+class StagedPull:
+    """A download staged in a node store: running now (another process holds its lock) or
+    interrupted (resumed by the next pull of its URI)."""
+
+    storage_key: str
+    uri: str
+    bytes_done: int
+    bytes_total: int
+    files: int
+    running: bool
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * self.bytes_done / self.bytes_total if self.bytes_total else 0.0
+
+
+def staged_pulls(store: NodeStore) -> list[StagedPull]:
+    """Every staged download of a node store, with the bytes its journal says are on disk."""
+    if not isinstance(store.layout, NodeLayout):
+        return []
+    base = store.layout.meta / "staging"
+    out = []
+    for folder in sorted(base.iterdir()) if base.is_dir() else []:
+        if folder.name.startswith(".") or not folder.is_dir():
+            continue
+        try:
+            plan = json.loads((folder / "plan.json").read_text())
+            files = [(str(f[0]), int(f[1] or 0)) for f in plan["files"]]
+            chunk = int(plan["chunk_size"])
+        except (OSError, ValueError, TypeError, KeyError, IndexError):
+            continue  # not (yet) a staged engine download: an extraction, or one just starting
+        state = Journal(str(folder / "journal")).load()
+        done = 0
+        for i, (_path, size) in enumerate(files):
+            if i in state.files:
+                done += size
+            else:
+                done += sum(min(n, chunk) for (fi, _c), n in state.chunks.items() if fi == i)
+        total = sum(size for _p, size in files)
+        out.append(StagedPull(folder.name, str(plan.get("uri") or ""), min(done, total), total, len(files),
+                              store.busy(folder.name)))
+    return out
 
 
 def pull_many(
@@ -341,7 +405,7 @@ def pull_many(
             m.store.touch(m.key)
             m.result = _finish(m, [], cached=True)
     try:
-        with _locked([m for m in models.values() if m.result is None], cancel):
+        with _locked([m for m in models.values() if m.result is None], progress, cancel):
             jobs: list[FileJob] = []
             for m in models.values():
                 if m.result is not None:

@@ -22,6 +22,8 @@ from modelcache.errors import ModelcacheError
 from modelcache.redact import scrub_urls
 
 USAGE_EXIT = 2
+#: A command stopped by Ctrl-C: 128 + SIGINT, as shells report it.
+INTERRUPTED_EXIT = 130
 
 
 class StartupError(ModelcacheError):
@@ -43,8 +45,14 @@ def run_command(command: click.Command, prog_name: str) -> None:
         code = command.main(prog_name=prog_name, standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
-    except click.Abort:
+    except click.Abort as exc:
+        if isinstance(exc.__context__ or exc.__cause__, KeyboardInterrupt):
+            click.echo("error: interrupted", err=True)
+            sys.exit(INTERRUPTED_EXIT)
         sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("error: interrupted", err=True)
+        sys.exit(INTERRUPTED_EXIT)
     except click.ClickException as exc:
         # Not click's "Usage: ... Try --help" block: one line a pod's log shows whole.
         hint = f" (see {prog_name} --help)" if isinstance(exc, click.UsageError) else ""

@@ -125,6 +125,32 @@ def now_iso() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+class TargetUnreachableError(StoreError):
+    """gc: even evicting every model would not free ``target`` bytes."""
+
+    reason = "TargetUnreachable"
+
+    def __init__(self, target: int, free: int, reclaimable: int, models: int) -> None:
+        from modelcache.progress import human_bytes
+
+        self.target, self.free, self.reclaimable, self.models = target, free, reclaimable, models
+        super().__init__(
+            f"--target-free {human_bytes(target)} cannot be reached: {human_bytes(free)} is free and evicting "
+            f"every model not in use ({models}, {human_bytes(reclaimable)}) would make it "
+            f"{human_bytes(free + reclaimable)}; nothing was evicted. Lower --target-free, or add --evict-all "
+            "to evict them all anyway"
+        )
+
+
+def _holder(fd: int) -> str:
+    """" (pid N)" from a lock file its holder wrote its pid into, else ""."""
+    try:
+        text = os.pread(fd, 32, 0).decode().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+    return f" (pid {text})" if text.isdigit() else ""
+
+
 @dataclass(frozen=True)
 class StoreEntry:
     storage_key: str
@@ -243,35 +269,69 @@ class NodeStore:
     # ---- locking ----------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def lock(self, key: str, blocking: bool = True, cancel: threading.Event | None = None) -> Iterator[None]:
+    def lock(self, key: str, blocking: bool = True, cancel: threading.Event | None = None,
+             on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
         """Exclusive per-model lock across processes: two pulls of one model download once.
 
         A blocking wait with ``cancel`` polls instead of sleeping in ``flock``, so setting it ends
         the wait (CancelledError): a process told to stop is never stuck behind another's pull.
+        The holder writes its pid into the lock file, so a process that must wait (``on_wait``
+        is told whom it waits for) and ``modelcache ls`` can say which process has the model.
         """
         path = self.layout.lock_path(key)
         check_exclusive(self.layout.base)  # flock that other hosts ignore would exclude nothing
+        writable = True
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             try:  # a read-only store still locks through an existing lock file (flock needs no write)
                 fd = os.open(path, os.O_RDONLY)
+                writable = False
             except OSError:
                 raise store_error(exc, str(path), "locking") from exc
         try:
             try:
-                if blocking and cancel is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as exc:
+                if not blocking:
+                    raise ModelInUseError(
+                        f"model {key} is in use by another modelcache process{_holder(fd)} (a pull or rm); "
+                        "retry when it is done"
+                    ) from exc
+                if on_wait is not None:
+                    on_wait(f"waiting for another modelcache process{_holder(fd)} that holds model {key} "
+                            "(a pull or rm of the same URI) to finish")
+                if cancel is not None:
                     _flock_until(fd, cancel, key)
                 else:
-                    fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-            except BlockingIOError as exc:
-                raise ModelInUseError(
-                    f"model {key} is in use by another modelcache process (a pull or rm); retry when it is done"
-                ) from exc
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+            if writable:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             yield
         finally:
             os.close(fd)
+
+    def busy(self, key: str) -> bool:
+        """Another process holds the model's lock right now (a pull in flight). Creates nothing."""
+        try:
+            fd = os.open(self.layout.lock_path(key), os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    def has(self, key: str) -> bool:
+        """Anything of the model in the store: manifest, folder or staged download. Creates nothing."""
+        layout = self.layout
+        return any(p.exists() for p in (layout.manifest_path(key), layout.model_dir(key), layout.staging_dir(key)))
 
     # ---- reading ----------------------------------------------------------------------
 
@@ -445,15 +505,23 @@ class NodeStore:
                     shutil.rmtree(p, ignore_errors=True)
 
     def gc(self, target_free: int, dry_run: bool = False, keep: frozenset[str] = frozenset(),
-           stale_staging_after: float = 24 * 3600) -> list[StoreEntry]:
+           stale_staging_after: float = 24 * 3600, evict_all: bool = False) -> list[StoreEntry]:
         """Evict least recently used models until ``target_free`` bytes are free.
 
         Staged downloads nobody has touched for ``stale_staging_after`` seconds (abandoned: the
         URI was never pulled again) are deleted first; a running pull holds its model's lock
-        and is never touched.
+        and is never touched. A target that evicting every model would still not reach raises
+        ``TargetUnreachableError`` and evicts nothing, unless ``evict_all``: emptying a node
+        for nothing is never what a typo in the target meant.
         """
         if not isinstance(self.layout, NodeLayout):
             raise StoreError("gc needs a node store root")
+        if not evict_all:
+            free = self.free_bytes()
+            candidates = [e for e in self.entries() if e.storage_key not in keep and self._evictable(e.storage_key)]
+            reclaimable = sum(e.size for e in candidates)
+            if free < target_free and free + reclaimable < target_free:
+                raise TargetUnreachableError(target_free, free, reclaimable, len(candidates))
         if not dry_run:
             self.clear_trash()
             self._clear_stale_staging(stale_staging_after)
@@ -477,6 +545,18 @@ class NodeStore:
             evicted.append(entry)
             free += entry.size
         return evicted
+
+    def _evictable(self, key: str) -> bool:
+        """Neither a running pull (its lock) nor a pod on this node (the guard) holds the model."""
+        if self.busy(key):
+            return False
+        try:
+            self.check_replaceable(key)
+        except ModelInUseError:
+            return False
+        except StoreError:
+            pass  # the guard cannot tell: gc's eviction of it raises the guard's own message
+        return True
 
     def _clear_stale_staging(self, max_age: float) -> None:
         assert isinstance(self.layout, NodeLayout)
