@@ -15,7 +15,9 @@ from agent.capacity import parse_quantity
 from agent.config import DEFAULT_ROOT, AgentConfig
 from agent.logs import fields, setup_logging
 from modelcache.errors import ModelcacheError
-from modelcache.startup import StartupError, check_writable_dir, listen_error, run_command
+from modelcache.progress import human_bytes
+from modelcache.resources import check_buffers, chunk_size_problem
+from modelcache.startup import StartupError, check_writable_dir, env_for_every_flag, listen_error, run_command
 
 log = logging.getLogger("agent")
 
@@ -28,6 +30,14 @@ def _size(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
     n = parse_quantity(value)
     if n is None or n < 0:
         raise click.BadParameter(f"{value!r} is not a size (e.g. 16Mi, 256Mi, 1G)")
+    return n
+
+
+def _chunk_size(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    n = _size(ctx, param, value)
+    problem = chunk_size_problem(n)
+    if problem:
+        raise click.BadParameter(problem)
     return n
 
 
@@ -49,15 +59,15 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@click.option("--node", envvar="NODE_NAME", help="This node's name: the LocalModelNode to serve. [env NODE_NAME]")
+@click.option("--node", envvar="NODE_NAME", help="This node's name: the LocalModelNode to serve.")
 @click.option("--root", envvar="MODELCACHE_ROOT", default=DEFAULT_ROOT, show_default=True,
-              type=click.Path(file_okay=False, path_type=Path), help="Model root. [env MODELCACHE_ROOT]")
+              type=click.Path(file_okay=False, path_type=Path), help="Model root.")
 @click.option("--max-concurrent-models", envvar="MODELCACHE_MAX_CONCURRENT_MODELS", default=2, show_default=True,
               type=click.IntRange(1), help="Models downloading at once.")
 @click.option("--workers", envvar="MODELCACHE_WORKERS", default=8, show_default=True, type=click.IntRange(1),
               help="Parallel transfer workers per model.")
-@click.option("--chunk-size", envvar="MODELCACHE_CHUNK_SIZE", default="16Mi", show_default=True, callback=_size,
-              help="Ranged-read chunk size.")
+@click.option("--chunk-size", envvar="MODELCACHE_CHUNK_SIZE", default="16Mi", show_default=True, callback=_chunk_size,
+              help="Ranged-read chunk size (64Ki to 1Gi).")
 @click.option("--transfer-attempts", envvar="MODELCACHE_TRANSFER_ATTEMPTS", default=6, show_default=True,
               type=click.IntRange(1), help="Attempts per chunk within one download.")
 @click.option("--resync-period", envvar="MODELCACHE_RESYNC_PERIOD", default=60.0, show_default=True, type=_POSITIVE,
@@ -68,9 +78,9 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               help="Address of the health server; :: is every IPv4 and IPv6 address (dual-stack).")
 @click.option("--credentials-namespace", envvar=["MODELCACHE_CREDENTIALS_NAMESPACE", "POD_NAMESPACE"],
               default=lambda: _pod_namespace("kserve"), show_default="the pod's namespace, else kserve",
-              help="Namespace of the storage-config secret and the service accounts. [env POD_NAMESPACE]")
+              help="Namespace of the storage-config secret and the service accounts (deploy/: modelcache-system).")
 @click.option("--kubeconfig", envvar="KUBECONFIG", default=None,
-              help="Kubeconfig file (default: in-cluster, else ~/.kube/config). [env KUBECONFIG]")
+              help="Kubeconfig file (default: in-cluster, else ~/.kube/config).")
 @click.option("--standalone", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
               help="No cluster: read a LocalModelNode from this YAML file, write FILE.status.yaml beside it.")
 @click.option("--watch", is_flag=True, help="Standalone: keep running (re-read FILE on change, retry errors).")
@@ -111,6 +121,9 @@ def cli(**kw: object) -> None:
     sys.exit(run(cfg, str(host_path) if host_path else None))
 
 
+env_for_every_flag(cli, "MODELCACHE_")
+
+
 def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     from agent.core import Agent
     from agent.credentials import Credentials, KubeSecretReader
@@ -120,6 +133,12 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     from agent.rootlock import RootLock
 
     spec = _standalone_spec(cfg) if cfg.standalone is not None else None  # before anything is written
+    try:
+        check_buffers(cfg.workers, cfg.chunk_size,
+                      f"--workers {cfg.workers} x --chunk-size {human_bytes(cfg.chunk_size)}",
+                      models=cfg.max_concurrent_models)
+    except ModelcacheError as exc:
+        raise StartupError(f"{exc} (or --max-concurrent-models)") from None
     # Checked first: a read-only or unwritable root would otherwise fail every download later.
     check_writable_dir(cfg.root, "--root")
     metrics = AgentMetrics()

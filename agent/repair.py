@@ -34,7 +34,7 @@ from modelcache.diskio import fsync_dir
 from modelcache.errors import SourceChangedError, StoreError
 from modelcache.integrity import hash_file
 from modelcache.pull import PullPlan, PullResult
-from modelcache.store import Manifest, ManifestFile, NodeLayout, NodeStore
+from modelcache.store import DestLayout, Manifest, ManifestFile, NodeLayout, NodeStore
 
 log = logging.getLogger("agent.repair")
 
@@ -174,7 +174,7 @@ def repair(store: NodeStore, key: str, pull_into: Pull, old_files: Iterable[str]
             raise _moved(pinned, differ)
 
     result = pull_into(staged, at_revision, same_listing)
-    manifest_file = staged / ".modelcache" / "manifest.json"
+    manifest_file = DestLayout(staged).manifest_path(result.storage_key)
     try:
         manifest = Manifest.from_json(manifest_file.read_text())
     except (OSError, ValueError, TypeError, KeyError) as exc:

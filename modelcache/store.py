@@ -212,7 +212,11 @@ class NodeLayout(Layout):
 
 
 class DestLayout(Layout):
-    """One model written straight into a destination folder (the init container's /mnt/models)."""
+    """Models written straight into a destination folder (the init container's /mnt/models).
+
+    Usually one; SRC DEST pairs that share a DEST put several into it (one after another, never
+    at once), so each keeps its own manifest: with one file the last pair's would replace the
+    others' and every run would download them all again."""
 
     def __init__(self, dest: Path) -> None:
         self.dest = Path(dest)
@@ -226,7 +230,7 @@ class DestLayout(Layout):
         return self.dest
 
     def manifest_path(self, key: str) -> Path:
-        return self.meta / "manifest.json"
+        return self.meta / "manifests" / f"{key}.json"
 
     def staging_dir(self, key: str) -> Path:
         return self.meta / "staging"

@@ -114,6 +114,8 @@ def test_no_kubeconfig_at_all_names_the_flag(tmp_path: Path, module: str) -> Non
         ("agent", "--port", "http", "'--port'"),
         ("agent", "--workers", "0", "'--workers'"),
         ("agent", "--chunk-size", "lots", "'--chunk-size'"),
+        ("agent", "--chunk-size", "1", "1 B is outside the allowed range 64.0 KiB to 1.0 GiB"),
+        ("agent", "--chunk-size", "100Gi", "100.0 GiB is outside the allowed range"),
         ("agent", "--log-level", "loud", "'--log-level'"),
         ("agent", "--resync-period", "-1", "'--resync-period'"),
         ("agent", "--download-env", "NOEQUALS", "'--download-env'"),
@@ -130,6 +132,18 @@ def test_bad_flag_values(spec: Path, tmp_path: Path, module: str, flag: str, val
     proc = run(module, *base, flag, value)
     the_error(proc, needle, "--help")
     assert "Usage:" not in proc.stderr, proc.stderr
+
+
+def test_agent_buffers_beyond_the_memory_left_are_one_line(spec: Path, tmp_path: Path) -> None:
+    from modelcache.resources import available_memory
+
+    have = available_memory()
+    assert have is not None and have < 3 * 384 << 30  # 256 workers x 1 GiB chunks x 2 models do not fit
+    proc = run("agent", "--standalone", str(spec), "--root", str(tmp_path / "root"), "--workers", "256",
+               "--chunk-size", "1Gi", "--port", "-1")
+    the_error(proc, "--workers 256 x --chunk-size 1.0 GiB x 2 models at once needs 768.0 GiB of transfer buffers",
+              "(or --max-concurrent-models)")
+    assert not (tmp_path / "root").exists()
 
 
 def test_agent_needs_a_node_name_outside_standalone(tmp_path: Path) -> None:
