@@ -191,16 +191,39 @@ def _interruptible() -> Iterator[tuple[threading.Event, list[int]]]:
 @click.option("--progress-interval", type=click.FloatRange(0.1, 3600), default=5.0,
               envvar="MODELCACHE_PROGRESS_INTERVAL", show_envvar=True, show_default=True,
               help="Seconds between plain progress lines (0.1 to 3600).")
+@click.option("--check", is_flag=True,
+              help="Download nothing: say for each model (the URIs given, else every stored one) whether its "
+              "source still matches what is stored.")
+@click.option("--refresh", is_flag=True,
+              help="Bring stored models (the URIs given, else all) up to date with their source, fetching only the "
+              "files that changed.")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON on stdout.")
 @_assume_unused_option
 @click.pass_context
 def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | None, workers: int,
          max_workers: int | None, chunk_size: int, stall_timeout: float, max_attempts: int, direct_io: bool | None,
-         progress_mode: str, progress_interval: float, as_json: bool, assume_unused: bool) -> None:
-    """Download models (one per URI) into the store, verified and resumable."""
+         progress_mode: str, progress_interval: float, check: bool, refresh: bool, as_json: bool,
+         assume_unused: bool) -> None:
+    """Download models (one per URI) into the store, verified and resumable.
+
+    A stored model is answered from the store without asking its source; `--check` compares it
+    with the source (no download) and `--refresh` brings it up to date.
+    """
     from modelcache.display import show_progress
     from modelcache.pull import PullResult, pull_many
 
+    if (check or refresh) and dest is not None:
+        raise click.UsageError("--check and --refresh work on a store (--root), not on --dest")
+    if check and refresh:
+        raise click.UsageError("--check and --refresh exclude each other: --check only reports")
+    if check:
+        _check(_store(root), list(uris), root, as_json)
+        return
+    if refresh and not uris:
+        uris = tuple(_stored_uris(_store(root)))
+        if not uris:
+            click.echo(f"no models in {root}")
+            return
     if not uris:
         raise click.UsageError("give at least one URI to pull")
     if dest is not None and ctx.get_parameter_source("root") == ParameterSource.COMMANDLINE:
@@ -223,7 +246,8 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
         try:
             with show_progress(tracker, progress_mode, progress_interval):
                 results = pull_many(list(uris), root=None if dest else root, dest=dest, options=options,
-                                    progress=tracker, cancel=cancel, guard=_guard(assume_unused))
+                                    progress=tracker, cancel=cancel, guard=_guard(assume_unused),
+                                    refresh=refresh)
         except ModelcacheError as exc:
             if not caught:
                 _fail(str(exc))
@@ -235,6 +259,12 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
             out.append({**asdict(res), "path": str(res.path), "ok": True})
             if not as_json:
                 how = "cached" if res.cached else f"in {res.elapsed:.1f}s"
+                if refresh:
+                    how = "up to date" if res.cached else (
+                        f"refreshed in {res.elapsed:.1f}s: {len(res.refreshed)} file(s) fetched again"
+                        + (f" ({', '.join(res.refreshed[:3])}{', ...' if len(res.refreshed) > 3 else ''})"
+                           if res.refreshed else "")
+                        + (f", {len(res.dropped)} dropped" if res.dropped else ""))
                 checked = f", {'+'.join(res.verified)} verified" if res.verified else ""
                 click.echo(f"{res.uri} -> {res.path} ({res.files} files, {human_bytes(res.bytes)}, {how}{checked})",
                            err=True)
@@ -251,6 +281,66 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
     if caught:
         _interrupted(tracker, dest if dest is not None else root, caught[0])
     sys.exit(1 if failed else 0)
+
+
+def _stored_uris(store: NodeStore) -> list[str]:
+    """The URIs of the stored models. One stored without the secret part of its URI (a signed
+    query) cannot be listed again from the manifest: it is named, to be given in full."""
+    out = []
+    keys = store.keys()
+    for key in keys:
+        m = store.manifest(key)
+        if m is None:
+            continue
+        if "<redacted>" in m.uri:
+            click.echo(f"error: {key} ({m.uri}): stored without the secret part of its URI; name the URI itself "
+                       "to refresh it", err=True)
+            continue
+        out.append(m.uri)
+    return out
+
+
+def _check(store: NodeStore, args: list[str], root: Path, as_json: bool) -> None:
+    """``pull --check``: each model's source listed and compared with its manifest, nothing fetched."""
+    from modelcache.credentials import Settings
+    from modelcache.drift import CHANGED, ERROR, Drift
+    from modelcache.pull import check_drift
+
+    settings = Settings.from_env()
+    keys = store.keys()
+    targets = [(_key(a), a if not re.fullmatch(r"[0-9a-f]{16}", a) else None) for a in args] or [
+        (k, None) for k in keys]
+    out: list[Drift] = []
+    for key, uri in targets:
+        manifest = store.manifest(key)
+        shown = redact_uri(uri) if uri else key
+        if manifest is None:
+            out.append(Drift(key, shown, ERROR, message=f"not in the store at {root} (pull it first)"))
+            continue
+        listed = uri or manifest.uri
+        if uri is None and "<redacted>" in manifest.uri:
+            out.append(Drift(key, manifest.uri, ERROR, message="stored without the secret part of its URI; "
+                             "name the URI itself: modelcache pull --check URI"))
+            continue
+        try:
+            out.append(check_drift(listed, manifest, settings))
+        except ModelcacheError as exc:
+            message = scrub_urls(" ".join(str(exc).split())).removeprefix(f"{redact_uri(listed)}: ")
+            out.append(Drift(key, manifest.uri, ERROR, message=message))
+    if as_json:
+        _emit([asdict(d) for d in out])
+    else:
+        if not out:
+            click.echo(f"no models in {root}")
+        for d in out:
+            click.echo(f"{d.storage_key:16}  {d.state:8}  {d.uri}: {d.message}")
+    stale = [d for d in out if d.state == CHANGED]
+    if stale and not as_json:
+        names = " ".join(d.uri if "<redacted>" not in d.uri else d.storage_key for d in stale)
+        click.echo(f"{len(stale)} model(s) changed at the source; bring them up to date (only changed files are "
+                   f"fetched): modelcache pull --refresh --root {root} {names}", err=True)
+    if any(d.state in (CHANGED, ERROR) for d in out):
+        sys.exit(1)
 
 
 def _interrupted(tracker: ProgressTracker, where: Path, signum: int) -> None:

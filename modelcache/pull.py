@@ -22,6 +22,7 @@ from pathlib import Path
 
 from modelcache.credentials import Settings
 from modelcache.diskio import fsync_tree
+from modelcache.drift import CURRENT, Drift, compare
 from modelcache.errors import CancelledError, InsufficientSpaceError, ModelcacheError, NotFoundError
 from modelcache.journal import Journal, JournalState
 from modelcache.progress import ProgressTracker, human_bytes
@@ -48,6 +49,9 @@ class PullResult:
     elapsed: float
     #: Source checksum algorithms the files were verified with ("sha256", ...), beyond xxh3-128.
     verified: tuple[str, ...] = ()
+    #: A refresh: the files fetched again (changed or new at the source) and those it dropped.
+    refreshed: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,9 @@ class _Model:
     result: PullResult | None = None
     error: BaseException | None = None
     started: float = field(default_factory=time.monotonic)
+    #: A refresh of a stored model: what differs, and the stored files it carries over.
+    drift: Drift | None = None
+    carry: dict[str, ManifestFile] = field(default_factory=dict)
 
 
 def _store_for(location: Location, root: Path | None, dest: Path | None, guard: Guard | None) -> NodeStore:
@@ -189,7 +196,8 @@ def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
     for ff in sorted(fetched, key=lambda f: f.path):
         remote = by_path.get(ff.path)
         checks = {c.algo: c.value for c in (remote.checksums if remote else ()) if c.algo in ff.verified}
-        files.append(ManifestFile(path=ff.path, size=ff.size, xxh3=ff.xxh3, checksums=checks))
+        files.append(ManifestFile(path=ff.path, size=ff.size, xxh3=ff.xxh3, checksums=checks,
+                                  version=remote.version if remote else None))
     assert m.source is not None
     return Manifest(
         storage_key=m.key,
@@ -201,20 +209,56 @@ def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
     )
 
 
-def _list(m: _Model, settings: Settings) -> None:
-    m.source = open_source(m.location, settings)
-    files = m.source.list_files()
-    if m.location.kind not in ("http", "oci"):  # KServe applies the patterns to listings, not to HTTP or OCI
+def list_source(source: Source, settings: Settings) -> list[RemoteFile]:
+    """The files a pull of ``source`` fetches: its listing, filtered as KServe filters it."""
+    location = source.location
+    files = source.list_files()
+    if location.kind not in ("http", "oci"):  # KServe applies the patterns to listings, not to HTTP or OCI
         files = apply_patterns(files, settings)
     if not files:
-        raise NotFoundError(f"{m.location.display}: no files to download (empty, or all filtered out by "
+        raise NotFoundError(f"{location.display}: no files to download (empty, or all filtered out by "
                             "STORAGE_ALLOW_PATTERNS / STORAGE_IGNORE_PATTERNS)")
     seen: set[str] = set()
     for f in files:
         if f.path in seen:
-            raise ModelcacheError(f"{m.location.display}: the listing names '{f.path}' twice; rename one at the source")
+            raise ModelcacheError(f"{location.display}: the listing names '{f.path}' twice; rename one at the source")
         seen.add(f.path)
-    m.files = files
+    return files
+
+
+def _list(m: _Model, settings: Settings) -> None:
+    m.source = open_source(m.location, settings)
+    m.files = list_source(m.source, settings)
+
+
+def check_drift(uri: str, manifest: Manifest, settings: Settings | None = None) -> Drift:
+    """List ``uri`` (no download) and compare the listing with the stored ``manifest``."""
+    settings = settings if settings is not None else Settings.from_env()
+    with open_source(parse_uri(uri), settings) as source:
+        return compare(manifest, list_source(source, settings), source.resolved_revision)
+
+
+def _carry_over(m: _Model) -> None:
+    """A refresh: files that still match the source are linked from the stored model into the
+    staged download (same file system: no copy) and journaled as done, so the engine fetches only
+    what changed and the new model is published whole, atomically, like any pull."""
+    assert m.journal is not None
+    data = m.store.layout.staging_dir(m.key) / "data"
+    model = m.store.layout.model_dir(m.key)
+    for i, f in enumerate(m.files):
+        kept = m.carry.get(f.path)
+        if kept is None:
+            continue
+        dst = data / f.path
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.unlink(missing_ok=True)
+        try:
+            os.link(model / f.path, dst)
+        except OSError:
+            shutil.copy2(model / f.path, dst)
+        verified = tuple(sorted(kept.checksums))
+        m.resume.files[i] = (kept.xxh3, verified)
+        m.journal.file_done(i, kept.xxh3, verified)
 
 
 def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
@@ -237,6 +281,8 @@ def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
         cached=cached,
         elapsed=time.monotonic() - m.started,
         verified=tuple(sorted({a for f in (manifest.files if manifest else []) for a in f.checksums})),
+        refreshed=tuple(sorted({*m.drift.changed, *m.drift.added, *m.drift.unknown})) if m.drift and not cached else (),
+        dropped=m.drift.removed if m.drift and not cached else (),
     )
 
 
@@ -364,8 +410,13 @@ def pull_many(
     admit: Callable[[PullPlan], None] | None = None,
     cancel: threading.Event | None = None,
     guard: Guard | None = None,
+    refresh: bool = False,
 ) -> list[PullResult | ModelcacheError | BaseException]:
     """Pull several models with one worker pool; one result or error per URI, in order.
+
+    ``refresh``: a stored model is listed again and, if its source changed, brought up to date:
+    only the files that differ are fetched, the rest carried over, and the new model replaces
+    the old one whole (staged, verified, then published like any pull).
 
     ``admit`` is called once per model after its listing and before any byte is written, with
     what the download needs; it may raise (e.g. InsufficientSpaceError from the agent's
@@ -401,7 +452,7 @@ def pull_many(
     # Present models are answered without the lock: publish installs the manifest last, so a
     # present model is complete, and a read-only store (a pod's mount) can still be asked.
     for m in models.values():
-        if m.store.is_present(m.key):
+        if m.store.is_present(m.key) and not refresh:
             m.store.touch(m.key)
             m.result = _finish(m, [], cached=True)
     try:
@@ -412,13 +463,23 @@ def pull_many(
                     continue
                 try:
                     m.store.recover(m.key)
-                    if m.store.is_present(m.key):
+                    stored = m.store.manifest(m.key) if refresh and m.store.is_present(m.key) else None
+                    if m.store.is_present(m.key) and stored is None:
                         m.store.touch(m.key)
                         m.result = _finish(m, [], cached=True)
                         continue
                     m.store.check_replaceable(m.key)  # before the download, not after it
                     _check_cancel(cancel, m)
                     _list(m, settings)
+                    if stored is not None:
+                        assert m.source is not None
+                        m.drift = compare(stored, m.files, m.source.resolved_revision)
+                        if m.drift.state == CURRENT:
+                            m.store.touch(m.key)
+                            m.result = _finish(m, [], cached=True)
+                            continue
+                        by_path = {f.path: f for f in stored.files}
+                        m.carry = {p: by_path[p] for p in m.drift.keep}
                     if admit is not None and m.source.extracts_itself:
                         # Extracted layouts write before the engine path would ask: admit their
                         # whole size first (they do not resume, so all of it is needed).
@@ -434,6 +495,8 @@ def pull_many(
                         m.result = _finish(m, extracted, cached=False)
                         continue
                     _prepare_staging(m, options.chunk_size)
+                    if m.carry:
+                        _carry_over(m)
                     if admit is not None and not admitted:
                         admit(PullPlan(m.location, m.key, sum(f.size or 0 for f in m.files), bytes_needed(m),
                                        len(m.files), m.source.resolved_revision, _listing(m)))
@@ -507,10 +570,11 @@ def pull(
     admit: Callable[[PullPlan], None] | None = None,
     cancel: threading.Event | None = None,
     guard: Guard | None = None,
+    refresh: bool = False,
 ) -> PullResult:
     """Pull one model; raises its error."""
     (result,) = pull_many([uri], root=root, dest=dest, settings=settings, options=options, progress=progress,
-                          admit=admit, cancel=cancel, guard=guard)
+                          admit=admit, cancel=cancel, guard=guard, refresh=refresh)
     if isinstance(result, BaseException):
         raise result
     return result

@@ -47,6 +47,9 @@ class ManifestFile:
     size: int
     xxh3: str
     checksums: dict[str, str] = field(default_factory=dict)  # source checksums the bytes matched
+    #: The source's version of the file when it was listed (ETag, generation, Last-Modified,
+    #: commit): what a drift check compares when the source offers no checksum to compare.
+    version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,9 @@ class Manifest:
 
     def to_json(self) -> str:
         doc = asdict(self)
+        for f in doc["files"]:
+            if f.get("version") is None:
+                f.pop("version", None)  # the manifests of sources without versions stay as they were
         doc["seal"] = _seal_of(doc)
         return json.dumps(doc, indent=1, sort_keys=True)
 
@@ -103,9 +109,12 @@ def _seal_of(doc: dict[str, object]) -> str:
 
 
 def _manifest_file(doc: object) -> ManifestFile:
-    if not isinstance(doc, dict) or set(doc) - {"path", "size", "xxh3", "checksums"}:
-        raise ValueError("manifest file entry is not an object of path, size, xxh3, checksums")
+    if not isinstance(doc, dict) or set(doc) - {"path", "size", "xxh3", "checksums", "version"}:
+        raise ValueError("manifest file entry is not an object of path, size, xxh3, checksums, version")
     path, size, xxh3 = doc.get("path"), doc.get("size"), doc.get("xxh3")
+    version = doc.get("version")
+    if version is not None and not isinstance(version, str):
+        raise ValueError(f"manifest version of {path!r} is not a string")
     checksums = doc.get("checksums", {})
     if not isinstance(path, str) or not path or "\x00" in path or "\\" in path:
         raise ValueError(f"manifest path {path!r} is not a file name")
@@ -118,7 +127,7 @@ def _manifest_file(doc: object) -> ManifestFile:
     if not isinstance(checksums, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                   for k, v in checksums.items()):
         raise ValueError(f"manifest checksums of {path!r} are not names and values")
-    return ManifestFile(path=path, size=size, xxh3=xxh3, checksums=checksums)
+    return ManifestFile(path=path, size=size, xxh3=xxh3, checksums=checksums, version=version)
 
 
 def now_iso() -> str:
