@@ -94,6 +94,9 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               type=_NON_NEGATIVE, help="Seconds between size checks of downloaded models (0: off).")
 @click.option("--verify-interval", envvar="MODELCACHE_VERIFY_INTERVAL", default=86400.0, show_default=True,
               type=_NON_NEGATIVE, help="Seconds between full re-hashes of downloaded models (0: off).")
+@click.option("--drift-check-interval", envvar="MODELCACHE_DRIFT_CHECK_INTERVAL", default=3600.0, show_default=True,
+              type=_NON_NEGATIVE, help="Seconds between listings of each downloaded model's source to report in "
+              "status whether it changed since the download (0: off).")
 @click.option("--removal-recheck", envvar="MODELCACHE_REMOVAL_RECHECK", default=10.0, show_default=True,
               type=_POSITIVE, help="Seconds between checks of a removal that waits for a mounting pod.")
 @click.option("--sweep-interval", envvar="MODELCACHE_SWEEP_INTERVAL", default=600.0, show_default=True,

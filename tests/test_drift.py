@@ -126,3 +126,38 @@ def test_a_source_that_is_gone_or_a_model_not_stored_is_an_error_line(tmp_path: 
     assert got[storage_key(str(src))][0] == "error" and "no such file or directory" in got[storage_key(str(src))][1]
     assert got[storage_key(str(tmp_path / "other"))] == ("error", f"{tmp_path / 'other'}: not in the store at "
                                                                   f"{root} (pull it first)")
+
+
+def test_the_agent_reports_drift_in_status_and_keeps_serving_what_it_has(tmp_path: Path) -> None:
+    import subprocess
+
+    from tests.agent_util import agent_cmd, status_of, write_node
+    from tests.helpers import REPO, wait_until
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(os.urandom(100_000))
+    (src / "config.json").write_text("{}")
+    spec, root = tmp_path / "node.yaml", tmp_path / "root"
+    write_node(spec, [{"modelName": "m", "sourceModelUri": str(src)}])
+    proc = subprocess.Popen(agent_cmd(spec, root, "--watch", "--drift-check-interval", "0.3"), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    status = spec.with_name("node.yaml.status.yaml")
+    try:
+        wait_until(lambda: status.exists() and status_of(spec)["modelStatus"] == {"m": "ModelDownloaded"},
+                   timeout=30, what="downloaded")
+        folder = root / "models" / storage_key(str(src))
+        before = inodes(folder)
+        (src / "config.json").write_text('{"v": 2}')
+        wait_until(lambda: "drift" in status_of(spec)["modelDetails"]["m"], timeout=30, what="drift reported")
+        detail = status_of(spec)["modelDetails"]["m"]
+        assert detail["drift"] == "1 changed (config.json: size 2 -> 8)"
+        assert detail["state"] == "ModelDownloaded" and inodes(folder) == before  # reported, not applied
+        assert (folder / "config.json").read_text() == "{}"
+        refresh = run_cli("pull", "--refresh", str(src), "--root", str(root), "--progress", "none")
+        assert refresh.returncode == 0, refresh.stderr
+        wait_until(lambda: "drift" not in status_of(spec)["modelDetails"]["m"], timeout=30, what="drift cleared")
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert "the source changed since the download; serving what was downloaded" in out

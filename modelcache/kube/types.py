@@ -250,6 +250,7 @@ class ModelDetail(Codec):
     message: str | None = None
     started_at: str | None = None
     finished_at: str | None = None
+    drift: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
