@@ -272,6 +272,8 @@ def test_unpacked_archive_files_are_fsynced_before_their_record(
     dest = tmp_path / "dest"
     ctx = Context(Settings.from_env({}), ArchiveLimits.from_env({}), ProgressTracker())
     run_pair(nginx.url("a/model.tar.gz"), dest, ctx)
-    record_at = _first(events, "/.modelcache/unpacked.tmp")
+    from modelcache.uri import storage_key
+
+    record_at = _first(events, f"/.modelcache/unpacked/{storage_key(nginx.url('a/model.tar.gz'))}.tmp")
     for rel in ("m/w.bin", "m/cfg.json"):
         assert _first(events, f"/dest/{rel}") < record_at, rel
