@@ -27,7 +27,6 @@ from agent.credentials import Credentials
 from agent.inuse import MountChecker
 from agent.logs import fields
 from agent.metrics import AgentMetrics
-from agent.repair import needs_repair, pin_damaged, pin_path, repair, repair_dir
 from agent.state import INTERRUPTED, REMOVED, STOPPING, Failure, ModelRecord, Task
 from modelcache.errors import ModelcacheError
 from modelcache.kube.types import (
@@ -41,6 +40,7 @@ from modelcache.kube.types import (
 from modelcache.progress import format_line
 from modelcache.pull import PullPlan, pull
 from modelcache.redact import scrub_urls
+from modelcache.repair import needs_repair, pin_damaged, pin_path, repair, repair_dir
 from modelcache.store import NodeLayout, NodeStore, now_iso
 from modelcache.transfer import TransferOptions
 from modelcache.uri import parse_uri, redact_uri, storage_key
@@ -290,7 +290,7 @@ class Agent:
         result = None
         try:
             with self.credentials.settings_for(primary) as settings:
-                def pull_into(dest: Any = None, uri: str | None = None, check: Any = None) -> Any:
+                def pull_into(dest: Any = None, uri: str | None = None, check: Any = None, only: Any = None) -> Any:
                     where: dict[str, Any] = {"dest": dest} if dest is not None else {"root": self.cfg.root}
 
                     def admit(plan: PullPlan) -> None:
@@ -299,7 +299,7 @@ class Agent:
                         self._admit(rec, task, primary, plan)
 
                     return pull(uri or rec.uri, settings=settings, options=self._options(), progress=task.progress,
-                                admit=admit, cancel=task.cancel, **where)
+                                admit=admit, cancel=task.cancel, only=only, **where)
 
                 if needs_repair(self.store, rec.key):
                     # Damaged, or left half-repaired by a crash: fix the files inside the folder that

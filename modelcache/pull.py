@@ -16,7 +16,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +80,8 @@ class _Model:
     result: PullResult | None = None
     error: BaseException | None = None
     started: float = field(default_factory=time.monotonic)
+    #: (path, size) of every listed file, before ``only`` narrowed ``files`` (PullPlan.listing).
+    listed: tuple[tuple[str, int | None], ...] = ()
     #: A refresh of a stored model: what differs, and the stored files it carries over.
     drift: Drift | None = None
     carry: dict[str, ManifestFile] = field(default_factory=dict)
@@ -167,7 +169,7 @@ def bytes_needed(m: _Model) -> int:
 
 
 def _listing(m: _Model) -> tuple[tuple[str, int | None], ...]:
-    return tuple((f.path, f.size) for f in m.files)
+    return m.listed or tuple((f.path, f.size) for f in m.files)
 
 
 def _check_space(m: _Model) -> None:
@@ -411,10 +413,13 @@ def pull_many(
     cancel: threading.Event | None = None,
     guard: Guard | None = None,
     refresh: bool = False,
+    only: Collection[str] | None = None,
 ) -> list[PullResult | ModelcacheError | BaseException]:
     """Pull several models with one worker pool; one result or error per URI, in order.
 
-    ``refresh``: a stored model is listed again and, if its source changed, brought up to date:
+    ``only``: fetch just these files of the listing (an in-place repair's damaged files; ``admit``
+    still sees the whole listing). ``refresh``: a stored model is listed again and, if its source
+    changed, brought up to date:
     only the files that differ are fetched, the rest carried over, and the new model replaces
     the old one whole (staged, verified, then published like any pull).
 
@@ -471,6 +476,9 @@ def pull_many(
                     m.store.check_replaceable(m.key)  # before the download, not after it
                     _check_cancel(cancel, m)
                     _list(m, settings)
+                    if only is not None and not m.source.extracts_itself:
+                        m.listed = _listing(m)
+                        m.files = [f for f in m.files if f.path in only]
                     if stored is not None:
                         assert m.source is not None
                         m.drift = compare(stored, m.files, m.source.resolved_revision)
@@ -571,10 +579,11 @@ def pull(
     cancel: threading.Event | None = None,
     guard: Guard | None = None,
     refresh: bool = False,
+    only: Collection[str] | None = None,
 ) -> PullResult:
     """Pull one model; raises its error."""
     (result,) = pull_many([uri], root=root, dest=dest, settings=settings, options=options, progress=progress,
-                          admit=admit, cancel=cancel, guard=guard, refresh=refresh)
+                          admit=admit, cancel=cancel, guard=guard, refresh=refresh, only=only)
     if isinstance(result, BaseException):
         raise result
     return result

@@ -109,7 +109,7 @@ def test_recover_still_finishes_the_publish_it_is_for(tmp_path: Path) -> None:
 def test_in_place_repair_drops_a_pending_manifest_left_in_staging(tmp_path: Path) -> None:
     """The agent's repair never touched ``staging/<key>``, so the stale pending manifest stayed for
     a later ``recover`` (a CLI pull on the agent's root) to install."""
-    from agent.repair import install_in_place
+    from modelcache.repair import install_in_place
 
     store, key, _ = _pulled(tmp_path)
     manifest = store.manifest(key)
