@@ -31,7 +31,7 @@ from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.redact import redact_uri, scrub_urls
 from modelcache.resources import MAX_CHUNK, MIN_CHUNK, check_buffers, chunk_size_problem
 from modelcache.startup import StartupError, run_command
-from modelcache.store import NodeStore
+from modelcache.store import NodeLayout, NodeStore
 from modelcache.transfer import TransferOptions
 from modelcache.uri import parse_uri, storage_key
 
@@ -396,13 +396,19 @@ def ls_cmd(root: Path, as_json: bool) -> None:
 @cli.command()
 @click.argument("models", nargs=-1)
 @_root_option
+@click.option("--repair", "fix", is_flag=True,
+              help="Fetch the damaged or missing files of each damaged model again (only those, at the revision "
+              "its manifest names) and put them in place; the model folder itself stays.")
+@click.option("--progress", "progress_mode", type=click.Choice(["auto", "bar", "plain", "none"]), default="auto",
+              show_default=True, help="Progress of a repair's downloads.")
 @click.option("--json", "as_json", is_flag=True)
-def verify(models: tuple[str, ...], root: Path, as_json: bool) -> None:
+def verify(models: tuple[str, ...], root: Path, fix: bool, progress_mode: str, as_json: bool) -> None:
     """Re-hash models (all by default) and compare with their manifests."""
     store = _store(root)
-    keys = [_key(m) for m in models] or store.keys()
+    given = {_key(m): m for m in models}
+    keys = list(given) or store.keys()
     report = {k: [asdict(p) for p in store.verify(k)] for k in keys}
-    if as_json:
+    if as_json and not fix:
         _emit(report)
     else:
         for k, problems in report.items():
@@ -414,9 +420,57 @@ def verify(models: tuple[str, ...], root: Path, as_json: bool) -> None:
         if not keys:
             click.echo(f"no models in {root}")
     damaged = [k for k, p in report.items() if p]
+    if damaged and fix:
+        failed = [k for k in damaged if not _repair(store, k, given.get(k), progress_mode)]
+        if as_json:
+            _emit({k: [asdict(p) for p in store.verify(k)] for k in keys})
+        if failed:
+            click.echo(f"error: {len(failed)} of {len(damaged)} damaged model(s) not repaired", err=True)
+            sys.exit(1)
+        return
     if damaged:
-        click.echo(f"error: {len(damaged)} model(s) failed verification", err=True)
+        names = " ".join(given.get(k, k) for k in damaged)
+        click.echo(f"error: {len(damaged)} model(s) failed verification; fetch their damaged files again (nothing "
+                   f"else is downloaded): modelcache verify --repair --root {root} {names}", err=True)
         sys.exit(1)
+
+
+def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -> bool:
+    """``verify --repair`` of one model: the agent's in-place repair (modelcache.repair), from here."""
+    from modelcache.credentials import Settings
+    from modelcache.display import show_progress
+    from modelcache.pull import pull
+    from modelcache.repair import pin_damaged, pinned_manifest, repair
+
+    assert isinstance(store.layout, NodeLayout)
+    manifest = store.manifest(key) or pinned_manifest(store.layout, key)
+    uri = given if given and given != key else (manifest.uri if manifest else None)
+    if uri is None or "<redacted>" in uri:
+        why = "it has no manifest to name its URI" if manifest is None else "it was stored without the secret part " \
+            "of its URI"
+        click.echo(f"error: {key}: cannot repair: {why}; name the URI: modelcache verify --repair URI", err=True)
+        return False
+    if not store.layout.model_dir(key).is_dir():
+        click.echo(f"error: {key}: not in the store; pull it: modelcache pull {redact_uri(uri)}", err=True)
+        return False
+    settings = Settings.from_env()
+    tracker = ProgressTracker()
+
+    def pull_into(dest: Path, at: str | None, check: Any, only: Any) -> Any:
+        return pull(at or uri, dest=dest, settings=settings, progress=tracker, admit=check, only=only)
+
+    try:
+        with store.lock(key, blocking=False):
+            old = pin_damaged(store, key)  # not present for any reader until the repair is installed
+        with show_progress(tracker, progress_mode, 5.0):
+            out = repair(store, key, pull_into, [f.path for f in old.files] if old else [])
+    except ModelcacheError as exc:
+        click.echo(f"error: {key}: {scrub_urls(' '.join(str(exc).split()))}", err=True)
+        return False
+    shown = ", ".join(out.replaced[:5]) + (", ..." if len(out.replaced) > 5 else "")
+    click.echo(f"{key}: repaired in place: {len(out.replaced)} file(s) fetched again"
+               + (f" ({shown})" if shown else "") + (f", {len(out.removed)} removed" if out.removed else ""))
+    return True
 
 
 @cli.command()

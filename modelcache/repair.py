@@ -80,7 +80,8 @@ def pin_damaged(store: NodeStore, key: str) -> Manifest | None:
     return manifest
 
 
-def _pinned(layout: NodeLayout, key: str) -> Manifest | None:
+def pinned_manifest(layout: NodeLayout, key: str) -> Manifest | None:
+    """The manifest a repair in progress restores (kept by ``pin_damaged``), or None."""
     try:
         m = Manifest.from_json(pin_path(layout, key).read_text())
     except (OSError, ValueError, TypeError, KeyError):
@@ -173,7 +174,7 @@ def repair(store: NodeStore, key: str, pull_into: Pull, old_files: Iterable[str]
     assert isinstance(layout, NodeLayout)
     staged = repair_dir(layout, key)
     staged.mkdir(parents=True, exist_ok=True)
-    pinned = _pinned(layout, key)
+    pinned = pinned_manifest(layout, key)
     # Sources with revisions listed the one they read in the manifest: pull exactly that.
     at_revision = pinned.resolved_uri if pinned and pinned.revision and pinned.resolved_uri != pinned.uri else None
 
