@@ -78,7 +78,7 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               help="Address of the health server; :: is every IPv4 and IPv6 address (dual-stack).")
 @click.option("--credentials-namespace", envvar=["MODELCACHE_CREDENTIALS_NAMESPACE", "POD_NAMESPACE"],
               default=lambda: _pod_namespace("kserve"), show_default="the pod's namespace, else kserve",
-              help="Namespace of the storage-config secret and the service accounts (deploy/: modelcache-system).")
+              help="Where download credentials are looked up (docs/install.md#credentials).")
 @click.option("--kubeconfig", envvar="KUBECONFIG", default=None,
               help="Kubeconfig file (default: in-cluster, else ~/.kube/config).")
 @click.option("--standalone", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
