@@ -164,7 +164,7 @@ def test_ctrl_c_exits_130_keeps_the_staged_bytes_and_says_how_to_resume(nginx: N
 
 
 def test_a_waiting_pull_says_what_it_waits_for(nginx: NginxServer, tmp_path: Path) -> None:
-    nginx.write("slow/x.bin", 4 * MiB, seed=4)
+    nginx.write("slow/x.bin", 12 * MiB, seed=4)  # ~11 s at 1 MiB/s: the second pull starts well within
     nginx.set_limit_rate("slow", 1 * MiB)
     uri, root = nginx.url("slow/x.bin"), tmp_path / "root"
     first = popen_cli("pull", uri, "--root", str(root), "--progress", "none", "--workers", "1", "--chunk-size", "1M")
