@@ -112,7 +112,8 @@ def test_agent_rbac_is_least_privilege(rendered: list[Obj]) -> None:
     assert verbs_for(cluster, "", "pods") == {"list"}
     assert verbs_for(cluster, "", "persistentvolumeclaims") == verbs_for(cluster, "", "persistentvolumes") == {"get"}
     assert verbs_for(cluster, "serving.kserve.io", "localmodelnodegroups") == {"list", "watch"}
-    assert verbs_for(cluster, "", "secrets") == verbs_for(cluster, "", "nodes") == set()  # never cluster-wide
+    assert verbs_for(cluster, "", "secrets") == set()  # never cluster-wide
+    assert verbs_for(cluster, "", "nodes") == {"get"}  # its own Node's uid (status.nodeUID), nothing more
     writable = {(g, r) for g, r, v, _ in cluster if v - {"get", "list", "watch"}}
     assert writable == {("serving.kserve.io", "localmodelnodes/status")}
     assert not any(g == "events.k8s.io" for doc in rendered for g, *_ in (rules(rendered, doc["kind"],

@@ -32,7 +32,7 @@ from modelcache.credentials import Settings
 from modelcache.errors import StoreError
 from modelcache.journal import unseal
 from modelcache.pull import pull
-from modelcache.sources.local import LocalSource
+from modelcache.sources.local import _FileStream
 from modelcache.store import NodeStore
 from modelcache.transfer import TransferOptions
 from modelcache.uri import storage_key
@@ -116,15 +116,17 @@ def thin_ext4(tmp_path: Path) -> Iterator[ThinExt4]:
 
 def _hold_reads_until(event: threading.Event, monkeypatch: pytest.MonkeyPatch) -> None:
     """The source delivers the first HOLD_FROM bytes, then waits until a flush has failed (the
-    failure happens while the download is running, not after its last byte)."""
-    real = LocalSource.open_range
+    failure happens while the download is running, not after its last byte). The hold is in the
+    stream's reads, not at its opening: the engine reads a run of chunks through one stream, so
+    a file can be a single ``open_range(0, ...)``."""
+    real = _FileStream.readinto
 
-    def open_range(self: LocalSource, file, start: int, end: int | None):  # type: ignore[no-untyped-def]
-        if start >= HOLD_FROM:
+    def readinto(self: _FileStream, buf: memoryview) -> int:
+        if self._pos >= HOLD_FROM:
             event.wait(60)
-        return real(self, file, start, end)
+        return real(self, buf)
 
-    monkeypatch.setattr(LocalSource, "open_range", open_range)
+    monkeypatch.setattr(_FileStream, "readinto", readinto)
 
 
 def _journal(root: Path, uri: str) -> str:
