@@ -168,9 +168,11 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
 
     from agent import hostpath
     from agent.kubemode import KubeRunner
-    from modelcache.kube.client import Kube, load_api_client
+    from modelcache.kube.client import Kube, check_api_server, config_source, load_api_client
 
-    kube = Kube(load_api_client(cfg.kubeconfig))  # a KubeConfigError is a StartupError: one line, exit 2
+    api = load_api_client(cfg.kubeconfig)  # a KubeConfigError is a StartupError: one line, exit 2
+    check_api_server(api, config_source(cfg.kubeconfig))
+    kube = Kube(api)
     if host_path is None:
         host_path = hostpath.discover(kube, cfg.node, os.environ.get("POD_NAMESPACE"), os.environ.get("POD_NAME"),
                                       cfg.root)
@@ -189,7 +191,11 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
         if not root_lock.acquire(stop):
             log.info("agent stopping before it started", extra=fields(node=cfg.node))
             return 0
-        krunner.start()
+        try:
+            krunner.start()
+        except TimeoutError as exc:
+            raise StartupError(f"{exc}; check the agent's RBAC (deploy/rbac/agent.yaml) and the CRDs "
+                               "(kubectl apply -k deploy/)") from None
         log.info("agent running", extra=fields(node=cfg.node, port=server.port if server else -1))
         stop.wait()
         log.info("agent stopping", extra=fields(node=cfg.node))

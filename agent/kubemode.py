@@ -161,7 +161,9 @@ class KubeRunner:
         self.groups.start()
         self.nodes.start()
         if not (self.groups.wait_for_sync(timeout) and self.nodes.wait_for_sync(timeout)):
-            raise TimeoutError("could not list LocalModelNode/LocalModelNodeGroups from the API server")
+            last = self.nodes.last_error or self.groups.last_error or "no answer"
+            raise TimeoutError(f"could not list LocalModelNodes and LocalModelNodeGroups from the API server within "
+                               f"{timeout:.0f} s (last error: {last})")
         if self.nodes.store.get(self.node) is None:
             log.info("no LocalModelNode for this node yet; waiting", extra=fields(node=self.node))
         self.refresh_node_uid()

@@ -19,12 +19,13 @@ from tests.helpers import REPO, mounted_tmpfs
 pytestmark = pytest.mark.timeout(120)
 
 
-def run(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run(module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 60
+        ) -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
     full["HOME"] = "/nonexistent-home"  # no ~/.kube/config of the machine's user
     full.update(env or {})
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=60, env=full)
+                          timeout=timeout, env=full)
 
 
 def the_error(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
@@ -98,6 +99,47 @@ def test_unreadable_kubeconfig(tmp_path: Path, module: str, case: str) -> None:
     args = ["--node", "n1", "--port", "-1", "--root", str(tmp_path / "root")] if module == "agent" else ["--port", "0"]
     proc = run(module, "--kubeconfig", str(path), *args)
     the_error(proc, f"--kubeconfig {path}", "--kubeconfig (or KUBECONFIG)")
+
+
+@pytest.mark.parametrize("module", ["agent", "coordinator"])
+def test_a_kubeconfig_whose_server_is_not_there_is_one_line(kubeconfig: Path, tmp_path: Path, module: str) -> None:
+    # Was a traceback: the coordinator's first list raised MaxRetryError, the agent's informers
+    # retried for a minute and ended in a TimeoutError.
+    args = ["--node", "n1", "--root", str(tmp_path / "root")] if module == "agent" else []
+    proc = run(module, "--kubeconfig", str(kubeconfig), "--port", "0", *args)
+    the_error(proc, f"--kubeconfig {kubeconfig}: cannot reach the API server http://127.0.0.1:9 (connection refused)",
+              "check the server address")
+    assert "Retrying" not in proc.stderr
+
+
+@pytest.mark.parametrize("module", ["agent", "coordinator"])
+def test_a_kubeconfig_whose_token_the_server_refuses_is_one_line(cluster, tmp_path: Path, module: str) -> None:
+    import yaml
+
+    doc = yaml.safe_load(cluster.agent_kubeconfig.read_text())
+    for user in doc["users"]:
+        user["user"] = {"token": "not-a-token"}
+    bad = tmp_path / "kc"
+    bad.write_text(yaml.safe_dump(doc))
+    args = ["--node", "n1", "--root", str(tmp_path / "root")] if module == "agent" else []
+    proc = run(module, "--kubeconfig", str(bad), "--port", "0", *args)
+    the_error(proc, f"--kubeconfig {bad}: the API server {cluster.server} refused its credentials (401 Unauthorized")
+    assert "not-a-token" not in proc.stderr
+
+
+@pytest.mark.timeout(200)
+def test_an_agent_that_may_not_list_its_crds_says_so_in_one_line(cluster, tmp_path: Path) -> None:
+    from modelcache.kube.client import SERVICE_ACCOUNTS
+
+    # A ServiceAccount with no grants: the API server answers, RBAC refuses every list.
+    cluster.kube().create(SERVICE_ACCOUNTS, {"metadata": {"name": "nobody"}}, "default")
+    kc = cluster.kubeconfig_for("default", "nobody")
+    proc = run("agent", "--kubeconfig", str(kc), "--node", "n1", "--root", str(tmp_path / "root"), "--port", "-1",
+               timeout=150)  # the agent gives the API server a minute
+    the_error(proc, "could not list LocalModelNodes and LocalModelNodeGroups from the API server within 60 s "
+                    "(last error: HTTP 403: localmodel",
+              'is forbidden: User "system:serviceaccount:default:nobody" cannot ',
+              "check the agent's RBAC (deploy/rbac/agent.yaml)")
 
 
 @pytest.mark.parametrize("module", ["agent", "coordinator"])

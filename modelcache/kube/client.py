@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -174,6 +175,47 @@ def load_api_client(kubeconfig: str | None = None, context: str | None = None) -
         where = os.environ.get("KUBECONFIG") or "~/.kube/config"
         raise KubeConfigError(f"no cluster to talk to: not in a pod (KUBERNETES_SERVICE_HOST unset) and {where} is "
                               f"not usable ({_first_line(exc)}); pass --kubeconfig (or set KUBECONFIG)") from None
+
+
+def config_source(kubeconfig: str | None) -> str:
+    """Where ``load_api_client(kubeconfig)`` found the cluster, as a message names it."""
+    if kubeconfig:
+        return f"--kubeconfig {kubeconfig}"
+    if in_pod():
+        return "the pod's service account (in-cluster config)"
+    return f"{os.environ.get('KUBECONFIG') or '~/.kube/config'} (no --kubeconfig given)"
+
+
+def check_api_server(api_client: client.ApiClient, source: str, timeout: float = 15.0) -> None:
+    """One ``GET /version`` at start: a kubeconfig naming a server that is not there, or
+    credentials the server refuses, is one line naming the file now (``KubeConfigError``, exit 2)
+    rather than a traceback, or a minute of silent retries, later."""
+    host = api_client.configuration.host
+    pool_log = logging.getLogger("urllib3.connectionpool")
+    level = pool_log.level
+    pool_log.setLevel(logging.ERROR)  # its retry warnings would bury the one line below
+    try:
+        client.VersionApi(api_client).get_code(_request_timeout=timeout)
+    except ApiException as exc:
+        if exc.status == 401:
+            raise KubeConfigError(
+                f"{source}: the API server {host} refused its credentials (401 Unauthorized: the token or client "
+                "certificate is not valid there, or expired); fix the credentials or point --kubeconfig "
+                "(or KUBECONFIG) at another") from None
+        # Any other answer (403 where /version is not public, 5xx) means it is there: carry on.
+    except Exception as exc:  # urllib3's MaxRetryError, SSLError, a timeout: nothing answered
+        reason = getattr(exc, "reason", None) or exc
+        text = " ".join(str(reason).split())
+        for known in ("Connection refused", "Name or service not known", "certificate verify failed",
+                      "No route to host", "timed out", "Network is unreachable"):
+            if known.lower() in text.lower():
+                text = known.lower()
+                break
+        raise KubeConfigError(
+            f"{source}: cannot reach the API server {host} ({text[:200]}); check the server address and "
+            "certificate authority in it, or that the API server is up and reachable from here") from None
+    finally:
+        pool_log.setLevel(level)
 
 
 def _first_line(exc: BaseException) -> str:
