@@ -73,6 +73,41 @@ def test_s3_check_names_what_changed_and_refresh_fetches_only_that(moto_s3: S3Se
     assert again.returncode == 0 and "up to date" in again.stderr, again.stderr
 
 
+def test_a_refresh_that_fails_midway_leaves_the_stored_model_whole(moto_s3: S3Server, tmp_path: Path) -> None:
+    from tests.faultproxy import Fault, FaultProxy
+
+    s3, bucket = moto_s3.client(), moto_s3.new_bucket()
+    w1, w2 = os.urandom(300_000), os.urandom(200_000)
+    for name, body in {"config.json": b'{"a": 1}', "w1.bin": w1, "w2.bin": w2}.items():
+        s3.put_object(Bucket=bucket, Key=f"m/{name}", Body=body)
+    host, port = moto_s3.endpoint.split("://", 1)[1].split(":")
+    uri, root = f"s3://{bucket}/m", tmp_path / "root"
+    with FaultProxy((host, int(port))) as proxy:
+        env = moto_s3.env(proxy.base_url)
+        assert run_cli("pull", uri, "--root", str(root), "--progress", "none", env=env).returncode == 0
+        key = storage_key(uri)
+        folder = root / "models" / key
+        before, manifest = inodes(folder), NodeStore.at(root).manifest(key)
+        s3.put_object(Bucket=bucket, Key="m/config.json", Body=b'{"a": 2, "b": 3}')
+        s3.put_object(Bucket=bucket, Key="m/w2.bin", Body=os.urandom(250_000))
+        # The new w2.bin cannot be read (403: not retried): the refresh stops after config.json came.
+        proxy.add(Fault("status", path=f"/{bucket}/m/w2.bin", status=403, times=None))
+        refresh = run_cli("pull", "--refresh", uri, "--root", str(root), "--progress", "none", env=env)
+        assert refresh.returncode == 1, refresh.stderr
+        assert "w2.bin" in refresh.stderr and "Traceback" not in refresh.stderr
+        # Nothing of the half-done refresh shows: the very same files, bytes and manifest.
+        assert inodes(folder) == before
+        assert (folder / "config.json").read_bytes() == b'{"a": 1}' and (folder / "w2.bin").read_bytes() == w2
+        assert NodeStore.at(root).manifest(key) == manifest
+        assert run_cli("verify", uri, "--root", str(root)).returncode == 0
+        proxy.clear()
+        refresh = run_cli("pull", "--refresh", uri, "--root", str(root), "--progress", "none", env=env)
+        assert refresh.returncode == 0, refresh.stderr
+        assert "2 file(s) fetched again (config.json, w2.bin)" in refresh.stderr, refresh.stderr
+        assert (folder / "config.json").read_bytes() == b'{"a": 2, "b": 3}'
+        assert inodes(folder)["w1.bin"] == before["w1.bin"]
+
+
 def test_hf_check_sees_the_branch_move_and_refresh_takes_only_the_changed_file(
         hf_hub: HubServer, tmp_path: Path) -> None:
     big = os.urandom(300_000)
