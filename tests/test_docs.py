@@ -160,3 +160,21 @@ def test_the_credential_namespace_rule_is_stated_once() -> None:
         text = doc.read_text()
         if "credential namespace" in text.lower() and doc.name != "install.md":
             assert "install.md#credentials" in text, doc.name
+
+
+def test_install_md_manifests_are_accepted_and_its_kubectl_get_shows_those_columns(cluster) -> None:
+    """install.md's YAML is what the API server takes (schemas of deploy/crds), and the `kubectl
+    get localmodelcaches,localmodelnodes` output it shows has the columns kubectl prints."""
+    text = (REPO / "docs" / "install.md").read_text()
+    blocks = re.findall(r"^```yaml\n(.*?)^```", text, re.M | re.S)
+    assert len(blocks) == 2, blocks
+    for block in blocks:
+        cluster.kubectl("apply", "-f", "-", input=block)  # fails the test on any refused field
+    cluster.kubectl("apply", "-f", "-", input="apiVersion: serving.kserve.io/v1alpha1\nkind: LocalModelNode\n"
+                                              "metadata: {name: node-1}\nspec: {localModels: []}\n")
+    got = cluster.kubectl("get", "localmodelcaches,localmodelnodes").stdout
+    headers = [ln.split() for ln in got.splitlines() if ln.startswith("NAME")]
+    shown = [ln.split() for block in _FENCE.findall(text) for ln in block.splitlines() if ln.startswith("NAME ")]
+    assert len(shown) == 4 and all(h in headers for h in shown), (shown, headers)
+    rows = [ln.split() for ln in got.splitlines() if ln.startswith("localmodelcache")]
+    assert rows and rows[0][:2] == ["localmodelcache.serving.kserve.io/llm", "s3://models/llm"], got

@@ -192,9 +192,10 @@ def test_agent_needs_a_node_name_outside_standalone(tmp_path: Path) -> None:
     the_error(run("agent", "--root", str(tmp_path / "root")), "--node")
 
 
-def test_agent_spec_file_that_is_not_a_local_model_node(tmp_path: Path) -> None:
+@pytest.mark.parametrize("content", ["kind: Pod\n", "", "---\n", "- a\n- b\n"])
+def test_agent_spec_file_that_is_not_a_local_model_node(tmp_path: Path, content: str) -> None:
     bad = tmp_path / "node.yaml"
-    bad.write_text("kind: Pod\n")
+    bad.write_text(content)
     proc = run("agent", "--standalone", str(bad), "--root", str(tmp_path / "root"), "--port", "-1")
     the_error(proc, "--standalone", str(bad), "LocalModelNode")
 
