@@ -31,7 +31,7 @@ from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.redact import redact_uri, scrub_urls
 from modelcache.resources import MAX_CHUNK, MIN_CHUNK, check_buffers, chunk_size_problem
 from modelcache.startup import StartupError, run_command
-from modelcache.store import NodeLayout, NodeStore
+from modelcache.store import DestLayout, NodeLayout, NodeStore
 from modelcache.transfer import TransferOptions
 from modelcache.uri import parse_uri, storage_key
 
@@ -279,7 +279,8 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
     if as_json:
         _emit(out)
     if caught:
-        _interrupted(tracker, dest if dest is not None else root, caught[0])
+        _interrupted(tracker, DestLayout(dest).staging_root if dest is not None else NodeLayout(root).staging_root,
+                     caught[0])
     sys.exit(1 if failed else 0)
 
 
@@ -343,9 +344,8 @@ def _check(store: NodeStore, args: list[str], root: Path, as_json: bool) -> None
         sys.exit(1)
 
 
-def _interrupted(tracker: ProgressTracker, where: Path, signum: int) -> None:
+def _interrupted(tracker: ProgressTracker, staging: Path, signum: int) -> None:
     snap = tracker.snapshot()
-    staging = where / ".modelcache" / "staging"
     if snap.bytes_done:
         kept = (f"{human_bytes(snap.bytes_done)} of {human_bytes(snap.bytes_total)} are staged in {staging} and "
                 "kept; run the same command again to resume from there")

@@ -377,7 +377,7 @@ def staged_pulls(store: NodeStore) -> list[StagedPull]:
     """Every staged download of a node store, with the bytes its journal says are on disk."""
     if not isinstance(store.layout, NodeLayout):
         return []
-    base = store.layout.meta / "staging"
+    base = store.layout.staging_root
     out = []
     for folder in sorted(base.iterdir()) if base.is_dir() else []:
         if folder.name.startswith(".") or not folder.is_dir():

@@ -213,8 +213,13 @@ class NodeLayout(Layout):
     def manifest_path(self, key: str) -> Path:
         return self.meta / "manifests" / f"{key}.json"
 
+    @property
+    def staging_root(self) -> Path:
+        """Where every staged download of the store lives (one folder per storage key)."""
+        return self.meta / "staging"
+
     def staging_dir(self, key: str) -> Path:
-        return self.meta / "staging" / key
+        return self.staging_root / key
 
     def lock_path(self, key: str) -> Path:
         return self.meta / "locks" / f"{key}.lock"
@@ -241,8 +246,12 @@ class DestLayout(Layout):
     def manifest_path(self, key: str) -> Path:
         return self.meta / "manifests" / f"{key}.json"
 
-    def staging_dir(self, key: str) -> Path:
+    @property
+    def staging_root(self) -> Path:
         return self.meta / "staging"
+
+    def staging_dir(self, key: str) -> Path:
+        return self.staging_root
 
     def lock_path(self, key: str) -> Path:
         return self.meta / "lock"
