@@ -136,8 +136,7 @@ def test_an_agent_that_may_not_list_its_crds_says_so_in_one_line(cluster, tmp_pa
     kc = cluster.kubeconfig_for("default", "nobody")
     proc = run("agent", "--kubeconfig", str(kc), "--node", "n1", "--root", str(tmp_path / "root"), "--port", "-1",
                timeout=150)  # the agent gives the API server a minute
-    the_error(proc, "could not list LocalModelNodes and LocalModelNodeGroups from the API server within 60 s "
-                    "(last error: HTTP 403: localmodel",
+    the_error(proc, "error: could not list ", " from the API server within 60 s (last error: HTTP 403: ",
               'is forbidden: User "system:serviceaccount:default:nobody" cannot ',
               "check the agent's RBAC (deploy/rbac/agent.yaml)")
 
