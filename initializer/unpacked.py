@@ -19,13 +19,13 @@ from pathlib import Path
 
 from modelcache.archive import UnpackResult
 from modelcache.diskio import fsync_tree
-
-#: One record per storage key: pairs that share a DEST each keep theirs.
-RECORDS = Path(".modelcache") / "unpacked"
+from modelcache.store import DestLayout
 
 
 def record_path(dest: Path, key: str) -> Path:
-    return dest / RECORDS / f"{key}.json"
+    """One record per storage key (pairs that share a DEST each keep theirs), where the store
+    keeps DEST's bookkeeping."""
+    return DestLayout(dest).unpacked_record_path(key)
 
 
 @dataclass(frozen=True)

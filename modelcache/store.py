@@ -256,6 +256,10 @@ class DestLayout(Layout):
     def lock_path(self, key: str) -> Path:
         return self.meta / "lock"
 
+    def unpacked_record_path(self, key: str) -> Path:
+        """The initializer's record of what unpacking the model's archive produced."""
+        return self.meta / "unpacked" / f"{key}.json"
+
 
 #: ``guard(key, folder)``: raise to refuse replacing or deleting a model folder (the CLI's check
 #: that no pod on the node mounts it, modelcache.mountusers; the agent asks the API instead).
