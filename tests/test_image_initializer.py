@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.archive_util import make_tar, tar_file
+from tests.fixtures.hdfs import SecureHDFS
 from tests.fixtures.http import NginxServer
 from tests.fixtures.image import Image, emptydir
 from tests.fixtures.objectstores import S3Server
@@ -120,3 +121,33 @@ def test_errors_match_outside_the_container(case: str, image: Image, nginx: Ngin
     assert lines == error_lines(outside.err, str(outside_dest))
     if args:
         assert lines[0].startswith(f"error: {args[0]} -> DEST: ")
+
+
+def test_kerberized_hdfs_pull_in_the_image(image: Image, mini_hdfs_kerberos: SecureHDFS, tmp_path: Path) -> None:
+    """HDFS with Kerberos from the image, as KServe's initializer does it: the HDFS secret mounted
+    at its default path (KERBEROS_PRINCIPAL, KERBEROS_KEYTAB, HDFS_NAMENODE) and a krb5.conf from
+    the pod. The image carries gssapi and MIT Kerberos' library (before, it said one line:
+    "needs the Python packages gssapi and requests-gssapi")."""
+    cluster = mini_hdfs_kerberos
+    assert cluster.kdc is not None and cluster.user_keytab is not None
+    top = cluster.folder()
+    files = {"config.json": b'{"a": 1}', "weights/model.bin": os.urandom((2 << 20) + 4321)}
+    for rel, data in files.items():
+        cluster.put(f"{top}/m/{rel}", data)
+    secret = tmp_path / "hdfscreds"
+    secret.mkdir()
+    for name, value in {"HDFS_NAMENODE": cluster.url.encode(), "KERBEROS_PRINCIPAL": cluster.user.encode(),
+                        "KERBEROS_KEYTAB": cluster.user_keytab.read_bytes()}.items():
+        (secret / name).write_bytes(value)
+        (secret / name).chmod(0o644)  # a Secret volume's default mode
+    secret.chmod(0o755)
+    krb5_conf = tmp_path / "krb5.conf"
+    krb5_conf.write_bytes(cluster.kdc.krb5_conf.read_bytes())
+    krb5_conf.chmod(0o644)
+    volume = emptydir(tmp_path / "vol")
+
+    r = image.run(f"hdfs:/{top}/m", MODELS, env={"KRB5_CONFIG": "/etc/krb5.conf"},
+                  mounts=[(volume, MODELS, "rw"), (secret, "/var/secrets/kserve-hdfscreds", "ro"),
+                          (krb5_conf, "/etc/krb5.conf", "ro")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert served(image, volume) == {rel: sha(data) for rel, data in files.items()}
