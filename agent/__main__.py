@@ -168,10 +168,14 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
 
     from agent import hostpath
     from agent.kubemode import KubeRunner
-    from modelcache.kube.client import Kube, check_api_server, config_source, load_api_client
+    from modelcache.kube.client import Kube, check_api_server, config_source, in_pod, load_api_client
 
     api = load_api_client(cfg.kubeconfig)  # a KubeConfigError is a StartupError: one line, exit 2
-    check_api_server(api, config_source(cfg.kubeconfig))
+    # In a pod the API server may be out of reach for a while as the node starts: wait for it as
+    # the informers would; a kubeconfig given by hand that reaches nothing fails at once.
+    if not check_api_server(api, config_source(cfg.kubeconfig), stop=stop,
+                            patience=60.0 if cfg.kubeconfig is None and in_pod() else 0.0):
+        return 0
     kube = Kube(api)
     if host_path is None:
         host_path = hostpath.discover(kube, cfg.node, os.environ.get("POD_NAMESPACE"), os.environ.get("POD_NAME"),

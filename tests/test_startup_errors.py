@@ -219,3 +219,47 @@ def test_agent_read_only_root_is_reported_at_start(spec: Path, tmp_path: Path) -
         proc = run("agent", "--standalone", str(spec), "--root", str(mnt), "--port", "-1")
         the_error(proc, f"--root {mnt}", "read-only", "point --root at a writable directory")
         assert not (spec.with_name(spec.name + ".status.yaml")).exists()
+
+
+def test_an_api_server_that_comes_up_late_is_waited_for_within_the_patience(tmp_path: Path) -> None:
+    """In a pod the agent waits up to a minute for an API server it cannot reach yet (a starting
+    node); with no patience (a kubeconfig given by hand) it says so at once."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kubernetes import client
+
+    from modelcache.kube.client import KubeConfigError, check_api_server
+    from tests.helpers import free_port
+
+    class Version(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"major": "1", "minor": "37", "gitVersion": "v1.37.2"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args: object) -> None:
+            pass
+
+    port = free_port()
+    cfg = client.Configuration()
+    cfg.host = f"http://127.0.0.1:{port}"
+    api = client.ApiClient(cfg)
+    with pytest.raises(KubeConfigError, match=rf"^src: cannot reach the API server http://127.0.0.1:{port} "
+                                              r"\(connection refused\); check the server address"):
+        check_api_server(api, "src")
+    server = ThreadingHTTPServer(("127.0.0.1", port), Version)
+    started = threading.Timer(3.0, server.serve_forever)  # comes up after the first tries failed
+    started.start()
+    try:
+        assert check_api_server(api, "src", patience=60.0) is True
+    finally:
+        server.shutdown()
+        server.server_close()
+    stop = threading.Event()
+    stop.set()
+    assert check_api_server(api, "src", patience=60.0, stop=stop) is False  # SIGTERM while waiting

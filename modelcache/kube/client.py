@@ -14,6 +14,8 @@ import datetime
 import json
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,16 +188,15 @@ def config_source(kubeconfig: str | None) -> str:
     return f"{os.environ.get('KUBECONFIG') or '~/.kube/config'} (no --kubeconfig given)"
 
 
-def check_api_server(api_client: client.ApiClient, source: str, timeout: float = 15.0) -> None:
-    """One ``GET /version`` at start: a kubeconfig naming a server that is not there, or
-    credentials the server refuses, is one line naming the file now (``KubeConfigError``, exit 2)
-    rather than a traceback, or a minute of silent retries, later."""
+class _Unreachable(Exception):
+    """Nothing answered at the API server's address (a reason on one line)."""
+
+
+def _probe(api_client: client.ApiClient, source: str, timeout: float) -> None:
     host = api_client.configuration.host
-    pool_log = logging.getLogger("urllib3.connectionpool")
-    level = pool_log.level
-    pool_log.setLevel(logging.ERROR)  # its retry warnings would bury the one line below
     try:
-        client.VersionApi(api_client).get_code(_request_timeout=timeout)
+        # Not decoded: any answer will do, and a strict model would refuse a partial one.
+        client.VersionApi(api_client).get_code(_request_timeout=timeout, _preload_content=False).release_conn()
     except ApiException as exc:
         if exc.status == 401:
             raise KubeConfigError(
@@ -211,9 +212,42 @@ def check_api_server(api_client: client.ApiClient, source: str, timeout: float =
             if known.lower() in text.lower():
                 text = known.lower()
                 break
-        raise KubeConfigError(
-            f"{source}: cannot reach the API server {host} ({text[:200]}); check the server address and "
-            "certificate authority in it, or that the API server is up and reachable from here") from None
+        if text == "certificate verify failed":  # no wait makes a wrong CA right
+            raise KubeConfigError(f"{source}: the API server {host} is not trusted ({text}); check the certificate "
+                                  "authority in it") from None
+        raise _Unreachable(text[:200]) from None
+
+
+def check_api_server(api_client: client.ApiClient, source: str, timeout: float = 15.0, patience: float = 0.0,
+                     stop: threading.Event | None = None) -> bool:
+    """``GET /version`` at start: a kubeconfig naming a server that is not there, or credentials
+    the server refuses, is one line naming the file now (``KubeConfigError``, exit 2) rather than
+    a traceback, or a minute of silent retries, later.
+
+    ``patience``: seconds an unreachable server is waited for, asked every 2 s (a pod on a node
+    that is still starting may not reach the API server's Service yet; a restart loop's backoff
+    would only add minutes). False if ``stop`` was set while waiting."""
+    host = api_client.configuration.host
+    deadline = time.monotonic() + patience
+    pool_log = logging.getLogger("urllib3.connectionpool")
+    level = pool_log.level
+    pool_log.setLevel(logging.ERROR)  # its retry warnings would bury the one line below
+    try:
+        while True:
+            try:
+                _probe(api_client, source, timeout)
+                return True
+            except _Unreachable as exc:
+                if time.monotonic() >= deadline:
+                    waited = f", waited {patience:.0f} s" if patience else ""
+                    raise KubeConfigError(
+                        f"{source}: cannot reach the API server {host} ({exc}{waited}); check the server address "
+                        "in it, or that the API server is up and reachable from here") from None
+                logging.getLogger(__name__).warning("cannot reach the API server %s (%s): retrying", host, exc)
+                if stop is not None and stop.wait(2.0):
+                    return False
+                if stop is None:
+                    time.sleep(2.0)
     finally:
         pool_log.setLevel(level)
 
