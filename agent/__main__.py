@@ -112,6 +112,31 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               default="logfmt", show_default=True)
 @click.option("--log-level", envvar="MODELCACHE_LOG_LEVEL", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
+@click.option("--peers", envvar="MODELCACHE_PEERS", type=click.Choice(["auto", "on", "off"]), default="auto",
+              show_default=True, help="Peer transfer between agents (docs/peers.md); auto: on when --peer-token-file "
+              "exists. Off: every byte from the origin.")
+@click.option("--peer-port", envvar="MODELCACHE_PEER_PORT", default=8443, show_default=True,
+              type=click.IntRange(0, 65535), help="TLS port other agents read pieces from (0: any free port).")
+@click.option("--peer-host", envvar="MODELCACHE_PEER_HOST", default="0.0.0.0", show_default=True)
+@click.option("--peer-address", envvar="MODELCACHE_PEER_ADDRESS", default=None,
+              help="HOST[:PORT] published for other agents. [default: $POD_IP and --peer-port]")
+@click.option("--peer-token-file", envvar="MODELCACHE_PEER_TOKEN_FILE", show_default=True,
+              default="/var/run/secrets/modelcache/peer/token", type=click.Path(dir_okay=False, path_type=Path),
+              help="ServiceAccount token for audience modelcache-peer (projected by deploy/agent).")
+@click.option("--peer-tls-cert", envvar="MODELCACHE_PEER_TLS_CERT", default=None,
+              type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="Certificate of the peer endpoint (default: a self-signed one made at start).")
+@click.option("--peer-tls-key", envvar="MODELCACHE_PEER_TLS_KEY", default=None,
+              type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--peer-max-uploads", envvar="MODELCACHE_PEER_MAX_UPLOADS", default=4, show_default=True,
+              type=click.IntRange(1), help="Pieces served to peers at once (more wait their turn).")
+@click.option("--peer-upload-rate", envvar="MODELCACHE_PEER_UPLOAD_RATE", default="0", show_default=True,
+              callback=_size, help="Bytes per second served to peers in all (e.g. 200Mi; 0: unlimited).")
+@click.option("--peer-wait", envvar="MODELCACHE_PEER_WAIT", default=20.0, show_default=True, type=_POSITIVE,
+              help="Longest wait for a piece another node reads from the origin before reading it ourselves.")
+@click.option("--peer-formation", envvar="MODELCACHE_PEER_FORMATION", default=3.0, show_default=True,
+              type=_NON_NEGATIVE, help="Seconds after a download starts in which nodes still listing the model "
+              "count as members of its swarm.")
 def cli(**kw: object) -> None:
     """Node agent: fills the node's model root from its LocalModelNode and reports status."""
     setup_logging(str(kw["log_format"]), str(kw["log_level"]))
@@ -195,6 +220,9 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
         if not root_lock.acquire(stop):
             log.info("agent stopping before it started", extra=fields(node=cfg.node))
             return 0
+        # Peers are served only by the agent that holds the root (a waiting one would serve a root it
+        # does not manage, and its port is the holder's).
+        agent.peering = _peering(cfg, kube, agent, metrics)
         try:
             krunner.start()
         except TimeoutError as exc:
@@ -205,6 +233,8 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
         log.info("agent stopping", extra=fields(node=cfg.node))
         krunner.stop()
     finally:
+        if agent.peering is not None:
+            agent.peering.stop()
         root_lock.release()
         if server is not None:
             server.stop()
@@ -226,6 +256,15 @@ def _standalone_spec(cfg: AgentConfig) -> dict[str, object]:
             [f"--standalone {cfg.standalone}: {p}" for p in exc.problems]) from None
     except ModelcacheError as exc:
         raise StartupError(f"--standalone: {exc}") from None
+
+
+def _peering(cfg: AgentConfig, kube: object, agent: object, metrics: object) -> object | None:
+    from agent.peering import start_peering
+
+    try:
+        return start_peering(cfg, kube, agent.store, metrics, agent.changed.set)  # type: ignore[arg-type,attr-defined]
+    except OSError as exc:
+        raise listen_error(exc, cfg.peer_host, cfg.peer_port, "--peer-port", "--peer-host") from None
 
 
 def _serve(cfg: AgentConfig, cls: type, healthy: object, ready: object, metrics: object) -> object | None:

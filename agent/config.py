@@ -50,3 +50,19 @@ class AgentConfig:
     download_env: dict[str, str] = field(default_factory=dict)
     log_format: str = "logfmt"
     log_level: str = "info"
+    #: Peer transfer (agent/peering.py, docs/peers.md): on, off, or auto (on when the token exists).
+    peers: str = "auto"
+    peer_host: str = "0.0.0.0"
+    peer_port: int = 8443
+    #: Published for other agents: HOST[:PORT] (default: $POD_IP and ``peer_port``).
+    peer_address: str | None = None
+    peer_token_file: Path = Path("/var/run/secrets/modelcache/peer/token")
+    peer_tls_cert: Path | None = None
+    peer_tls_key: Path | None = None
+    #: Uploads to peers at once, and their bytes/s together (0: unlimited).
+    peer_max_uploads: int = 4
+    peer_upload_rate: int = 0
+    #: Longest wait for a piece another node should read from the origin, and the swarm's
+    #: formation window (seconds).
+    peer_wait: float = 20.0
+    peer_formation: float = 3.0

@@ -91,6 +91,8 @@ class Agent:
         #: The last spec refused as invalid (modelcache.kube.validate), until a valid one comes:
         #: (problems, its generation, when it was refused). Reported as a SpecValid=False condition.
         self.refused: tuple[list[str], int | None, str] | None = None
+        #: Peer transfer (agent/peering.py), cluster mode only; None: every byte from the origin.
+        self.peering: Any = None
         (cfg.root / "models").mkdir(parents=True, exist_ok=True)
 
     # ---- what is on disk --------------------------------------------------------------------
@@ -298,8 +300,9 @@ class Agent:
                             check(plan)  # a repair refuses a listing that is not its pinned revision
                         self._admit(rec, task, primary, plan)
 
+                    peers = self.peering.network if self.peering is not None and dest is None else None
                     return pull(uri or rec.uri, settings=settings, options=self._options(), progress=task.progress,
-                                admit=admit, cancel=task.cancel, only=only, **where)
+                                admit=admit, cancel=task.cancel, only=only, peers=peers, **where)
 
                 if needs_repair(self.store, rec.key):
                     # Damaged, or left half-repaired by a crash: fix the files inside the folder that
@@ -316,6 +319,7 @@ class Agent:
         snap = task.progress.snapshot()
         if result is None or not result.cached:
             self.metrics.bytes.labels(scheme=scheme).inc(max(0, snap.bytes_done))
+        origin_peers = self._count_sources(rec.key) if result is None or not result.cached else {}
         event = None
         with self.lock:
             rec.task = None
@@ -333,7 +337,7 @@ class Agent:
                 self.metrics.duration.labels(scheme=scheme, outcome="ok").observe(elapsed)
                 log.info("download finished", extra=fields(
                     storage_key=rec.key, uri=redact_uri(rec.uri), bytes=result.bytes, files=result.files,
-                    seconds=round(elapsed, 2), cached=result.cached, revision=rec.revision or ""))
+                    seconds=round(elapsed, 2), cached=result.cached, revision=rec.revision or "", **origin_peers))
                 if rec.wanted:
                     event = ("Normal", "Downloaded", f"{_names(rec)}: downloaded {rec.bytes_total or 0} bytes")
             elif task.why == STOPPING:
@@ -351,6 +355,16 @@ class Agent:
         self.changed.set()
         self.wake.set()
         self._emit(event)
+
+    def _count_sources(self, key: str) -> dict[str, int]:
+        """Where the attempt's bytes came from (peer transfer on): metrics, and the log line's fields."""
+        stats = self.peering.network.stats(key) if self.peering is not None else None
+        if stats is None:
+            return {}
+        self.metrics.model_bytes.labels(storage_key=key, source="origin").inc(stats.from_origin)
+        self.metrics.model_bytes.labels(storage_key=key, source="peer").inc(stats.from_peers)
+        self.metrics.peer_dropped.inc(len(stats.dropped))
+        return {"bytes_from_origin": stats.from_origin, "bytes_from_peers": stats.from_peers}
 
     def _emit(self, event: tuple[str, str, str] | None) -> None:
         if event is not None and self.on_event is not None:
@@ -515,11 +529,12 @@ class Agent:
         details: dict[str, Any] = {}
         removing: dict[str, Any] = {}
         with self.lock:
+            keys = sorted({r.key for r in self.records.values() if r.wanted})
             for rec in self.records.values():
                 state = rec.state(self._present(rec.key))
                 for info in rec.entries:
                     model_status[info.status_key] = state
-                    details[info.status_key] = rec.detail(state).to_dict()
+                    details[info.status_key] = {**rec.detail(state).to_dict(), **self._peer_fields(rec.key)}
                 for info in rec.former:
                     d = rec.detail(state)
                     d.message = ("removed from the spec; kept while mounted by " + ", ".join(rec.mounted_by)
@@ -546,7 +561,12 @@ class Agent:
                 message=_one_line(ValueError(f"{len(problems)} problem(s), nothing applied or deleted until "
                                              "they are fixed: " + "; ".join(problems))),
             ).to_dict()]
+        if self.peering is not None:
+            out["peer"] = self.peering.status(keys)
         return out
+
+    def _peer_fields(self, key: str) -> dict[str, Any]:
+        return self.peering.model_fields(key) if self.peering is not None else {}
 
     def settled(self) -> bool:
         """Every model in the spec Downloaded or Error, nothing running, and nothing left to

@@ -28,7 +28,8 @@ from modelcache.kube.validate import node_problems
 log = logging.getLogger("agent.kube")
 
 #: Status keys the agent owns (others, written by anyone else, are kept).
-OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration", "nodeUID", "conditions")
+OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration", "nodeUID", "conditions",
+         "peer")
 
 
 def _now() -> str:

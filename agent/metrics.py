@@ -25,6 +25,15 @@ class AgentMetrics:
         self.reserved = Gauge("modelcache_agent_reserved_bytes", "Bytes reserved by downloads in flight", registry=r)
         self.removals_waiting = Gauge("modelcache_agent_removals_waiting",
                                       "Models out of the spec kept because a running pod mounts them", registry=r)
+        self.model_bytes = Counter("modelcache_agent_model_bytes", "Bytes of each model's downloads by where they "
+                                   "came from (origin, peer), counted when a download ends",
+                                   ["storage_key", "source"], registry=r)
+        self.peer_uploaded = Counter("modelcache_agent_peer_uploaded_bytes", "Bytes served to other agents",
+                                     registry=r)
+        self.peer_rejected = Counter("modelcache_agent_peer_rejected", "Peer requests refused, by reason "
+                                     "(unauthenticated, forbidden, busy, tls)", ["reason"], registry=r)
+        self.peer_dropped = Counter("modelcache_agent_peer_dropped", "Peers dropped for a model after a wrong piece",
+                                    registry=r)
         for state in MODEL_STATES:
             if state:
                 self.models.labels(state=state)

@@ -27,6 +27,7 @@ import os
 import threading
 import zlib
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from modelcache.diskio import store_error
 from modelcache.errors import ModelcacheError
@@ -111,6 +112,17 @@ def _trusted(lines: list[str], current_boot: str | None) -> list[str]:
     return out
 
 
+class JournalListener(Protocol):
+    """Told what the journal records, after it is recorded (peers serve pieces only once the
+    engine wrote them). Called from the engine's threads: must be quick and must not raise."""
+
+    def chunk(self, file_idx: int, chunk_idx: int, done: int) -> None: ...
+
+    def file_done(self, file_idx: int) -> None: ...
+
+    def file_reset(self, file_idx: int) -> None: ...
+
+
 class Journal:
     def __init__(self, path: str) -> None:
         self.path = path
@@ -118,6 +130,7 @@ class Journal:
         self._fd = -1
         self._lines = 0  # lines written in this run's segment (after its boot line)
         self._lost: set[int] = set()  # files whose write-back failed in this run
+        self.listener: JournalListener | None = None
 
     def load(self) -> JournalState:
         """Read what earlier runs recorded; trust unsynced lines only within the same boot."""
@@ -157,11 +170,12 @@ class Journal:
         self._write(f"\nboot {boot_id() or UNKNOWN_BOOT}\n")
         self._lines = 0
 
-    def _write(self, line: str, file_idx: int | None = None) -> None:
+    def _write(self, line: str, file_idx: int | None = None) -> bool:
         with self._lock:
             if file_idx is not None and file_idx in self._lost:
-                return  # the file's data was lost at write-back: nothing of it counts any more
+                return False  # the file's data was lost at write-back: nothing of it counts any more
             self._append(line)
+            return True
 
     def _append(self, line: str) -> None:
         """Append one line; the caller holds ``_lock``."""
@@ -181,13 +195,17 @@ class Journal:
         self._lines += 1
 
     def chunk(self, file_idx: int, chunk_idx: int, done: int) -> None:
-        self._write(f"c {file_idx} {chunk_idx} {done}\n", file_idx)
+        if self._write(f"c {file_idx} {chunk_idx} {done}\n", file_idx) and self.listener is not None:
+            self.listener.chunk(file_idx, chunk_idx, done)
 
     def file_done(self, file_idx: int, xxh3: str, verified: tuple[str, ...]) -> None:
-        self._write(f"F {file_idx} {xxh3} {','.join(verified) or '-'}\n", file_idx)
+        if self._write(f"F {file_idx} {xxh3} {','.join(verified) or '-'}\n", file_idx) and self.listener is not None:
+            self.listener.file_done(file_idx)
 
     def file_reset(self, file_idx: int) -> None:
         """The file is fetched again from its first byte (a checksum mismatch)."""
+        if self.listener is not None:  # first: nothing of the file may be served from here on
+            self.listener.file_reset(file_idx)
         self._write(f"R {file_idx}\n")
 
     def file_lost(self, file_idx: int) -> None:
@@ -200,6 +218,8 @@ class Journal:
         disk is full), the whole journal is emptied and closed for this run: the next download
         starts over, which is safe.
         """
+        if self.listener is not None:
+            self.listener.file_reset(file_idx)
         with self._lock:
             if file_idx in self._lost:
                 return

@@ -9,6 +9,7 @@ checks free space before writing a byte, and publishes atomically.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import json
 import logging
@@ -19,6 +20,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from modelcache.credentials import Settings
 from modelcache.diskio import fsync_tree
@@ -30,6 +32,9 @@ from modelcache.sources.base import RemoteFile, Source, open_source
 from modelcache.store import DestLayout, Guard, Manifest, ManifestFile, NodeLayout, NodeStore, now_iso
 from modelcache.transfer import FetchedFile, FileJob, TransferEngine, TransferOptions
 from modelcache.uri import Location, parse_uri
+
+if TYPE_CHECKING:
+    from modelcache.peers.network import PeerNetwork
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +275,8 @@ def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
         missing = sorted({f.path for f in m.files} - {f.path for f in fetched})
         raise ModelcacheError(f"{m.location.display}: incomplete download, missing {missing[:3]}; pull again")
     if not cached:
+        assert m.source is not None
+        m.source.before_publish(m.store.layout.staging_dir(m.key))
         path = m.store.publish(m.key, _manifest(m, fetched))
     manifest = m.store.manifest(m.key)
     total = manifest.total_size if manifest else sum(f.size for f in fetched)
@@ -414,6 +421,7 @@ def pull_many(
     guard: Guard | None = None,
     refresh: bool = False,
     only: Collection[str] | None = None,
+    peers: PeerNetwork | None = None,
 ) -> list[PullResult | ModelcacheError | BaseException]:
     """Pull several models with one worker pool; one result or error per URI, in order.
 
@@ -429,9 +437,17 @@ def pull_many(
     ``cancel`` stops the pull wherever it is (waiting for another process's lock, between
     steps, transferring, extracting an image) with CancelledError; staged data is kept for a
     later resume. ``guard`` may refuse to replace a model folder that is there but not complete
-    (the CLI's mount check).
+    (the CLI's mount check). ``peers`` (the agent's) lets other nodes' agents serve pieces of
+    the models and this node serve what it fetched (``modelcache.peers``); files are verified
+    exactly as without.
     """
     options = (options or TransferOptions()).normalized()
+    if peers is not None:
+        # With peers the engine's chunks are pieces: each worker waits on (or reads) one piece,
+        # so a piece another node reads from the origin never holds up the next one of a chunk.
+        from modelcache.peers.pieces import piece_size_for
+
+        options = dataclasses.replace(options, chunk_size=piece_size_for(options.chunk_size)).normalized()
     progress = progress or ProgressTracker()
     rootp = Path(root) if root is not None else None
     destp = Path(dest) if dest is not None else None
@@ -511,6 +527,9 @@ def pull_many(
                     _check_space(m)
                     data = m.store.layout.staging_dir(m.key) / "data"
                     assert m.journal is not None
+                    if peers is not None:
+                        m.source = peers.attach(m.key, m.source, m.files, data.parent, m.journal, options.chunk_size,
+                                                m.resume, options.max_workers or options.workers)
                     for i, f in enumerate(m.files):
                         jobs.append(FileJob(m.source, f, str(data / f.path), m.journal, i, m.key, m.resume))  # type: ignore[arg-type]
                 except BaseException as exc:
@@ -580,10 +599,11 @@ def pull(
     guard: Guard | None = None,
     refresh: bool = False,
     only: Collection[str] | None = None,
+    peers: PeerNetwork | None = None,
 ) -> PullResult:
     """Pull one model; raises its error."""
     (result,) = pull_many([uri], root=root, dest=dest, settings=settings, options=options, progress=progress,
-                          admit=admit, cancel=cancel, guard=guard, refresh=refresh, only=only)
+                          admit=admit, cancel=cancel, guard=guard, refresh=refresh, only=only, peers=peers)
     if isinstance(result, BaseException):
         raise result
     return result

@@ -4,6 +4,7 @@ Layout under one root (DESIGN.md)::
 
     <root>/models/<storageKey>/...                 the model, exactly as serving pods see it
     <root>/.modelcache/manifests/<storageKey>.json what was published, with per-file digests
+    <root>/.modelcache/manifests/<storageKey>.pieces.json  piece hashes, for peers (modelcache.peers)
     <root>/.modelcache/staging/<storageKey>/       data/ (in-flight files), plan.json, journal
     <root>/.modelcache/locks/<storageKey>.lock     flock: one writer per model per machine
 
@@ -71,7 +72,7 @@ class Manifest:
         for f in doc["files"]:
             if f.get("version") is None:
                 f.pop("version", None)  # the manifests of sources without versions stay as they were
-        doc["seal"] = _seal_of(doc)
+        doc["seal"] = seal_of(doc)
         return json.dumps(doc, indent=1, sort_keys=True)
 
     @classmethod
@@ -85,7 +86,7 @@ class Manifest:
         # Any damage to a sealed manifest (a flipped digit of a size or digest) is caught here;
         # a manifest of version 1 predates the seal and is only checked field by field.
         seal = data.pop("seal", None)
-        if (seal is not None or data.get("version") != 1) and seal != _seal_of(data):
+        if (seal is not None or data.get("version") != 1) and seal != seal_of(data):
             raise ValueError("manifest seal does not match its contents")
         files = [_manifest_file(f) for f in data.pop("files")]
         for name in ("storage_key", "uri", "resolved_uri", "created_at"):
@@ -103,7 +104,8 @@ class Manifest:
 _XXH3_HEX = re.compile(r"[0-9a-f]{32}")
 
 
-def _seal_of(doc: dict[str, object]) -> str:
+def seal_of(doc: dict[str, object]) -> str:
+    """A digest of a JSON document's fields but ``seal``: what a sealed record carries."""
     canonical = json.dumps({k: v for k, v in doc.items() if k != "seal"}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
@@ -192,6 +194,10 @@ class Layout(ABC):
     @abstractmethod
     def lock_path(self, key: str) -> Path: ...
 
+    @abstractmethod
+    def pieces_path(self, key: str) -> Path:
+        """The published model's piece hashes (``modelcache.peers.pieces.PieceRecord``)."""
+
     @property
     @abstractmethod
     def base(self) -> Path:
@@ -223,6 +229,9 @@ class NodeLayout(Layout):
 
     def lock_path(self, key: str) -> Path:
         return self.meta / "locks" / f"{key}.lock"
+
+    def pieces_path(self, key: str) -> Path:
+        return self.meta / "manifests" / f"{key}.pieces.json"
 
 
 class DestLayout(Layout):
@@ -259,6 +268,8 @@ class DestLayout(Layout):
     def unpacked_record_path(self, key: str) -> Path:
         """The initializer's record of what unpacking the model's archive produced."""
         return self.meta / "unpacked" / f"{key}.json"
+    def pieces_path(self, key: str) -> Path:
+        return self.meta / "pieces.json"
 
 
 #: ``guard(key, folder)``: raise to refuse replacing or deleting a model folder (the CLI's check
@@ -382,6 +393,13 @@ class NodeStore:
                 return False
         return True
 
+    def pieces_text(self, key: str) -> str | None:
+        """The piece record published with the model, as stored (the peers module parses it)."""
+        try:
+            return self.layout.pieces_path(key).read_text()
+        except OSError:
+            return None
+
     def touch(self, key: str) -> None:
         """Record a use, for least-recently-used eviction."""
         with contextlib.suppress(OSError):
@@ -393,7 +411,7 @@ class NodeStore:
         found: set[str] = set()
         mdir = self.layout.meta / "manifests"
         if mdir.is_dir():
-            found |= {p.stem for p in mdir.glob("*.json")}
+            found |= {p.stem for p in mdir.glob("*.json") if "." not in p.stem}  # not <key>.pieces.json
         models = self.layout.root / "models"
         if models.is_dir():  # a dot folder is never a model (a trash folder left by a crash)
             found |= {p.name for p in models.iterdir() if p.is_dir() and not p.name.startswith(".")}
@@ -442,12 +460,23 @@ class NodeStore:
             shutil.rmtree(staging, ignore_errors=True)
 
     def publish(self, key: str, manifest: Manifest) -> Path:
-        """Move ``staging/data`` into place and install the manifest. Caller holds the lock."""
+        """Move ``staging/data`` into place and install the manifest. Caller holds the lock.
+
+        A piece record left in staging (``pieces.json``, by a download that peers took part in)
+        is installed next to the manifest first; without one, an older record goes: it would
+        describe other bytes.
+        """
         staging = self.layout.staging_dir(key)
         data = staging / "data"
         target = self.layout.model_dir(key)
         pending = staging / "manifest.json"
         try:
+            pieces = staging / "pieces.json"
+            if pieces.exists():
+                self.layout.pieces_path(key).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(pieces, self.layout.pieces_path(key))
+            else:
+                self.layout.pieces_path(key).unlink(missing_ok=True)
             pending.write_text(manifest.to_json())
             with open(pending, "rb") as f:
                 os.fsync(f.fileno())
@@ -501,6 +530,7 @@ class NodeStore:
             if mpath.exists():
                 mpath.unlink()
                 removed = True
+            self.layout.pieces_path(key).unlink(missing_ok=True)
             target = self.layout.model_dir(key)
             if target.exists():
                 trash = self._trash_dir(target) / f".trash-{key}-{time.time_ns()}"

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 PIECE = 4 * MiB  # written and journaled as it arrives: what a kill -9 can lose per chunk
 READ_SIZE = 1 * MiB
+#: Pending chunks of a file a source that picks its own order (peer transfer) chooses among.
+PICK_WINDOW = 64
 
 
 @dataclass(frozen=True)
@@ -306,8 +308,12 @@ class TransferEngine:
                 if best is not None:
                     best.active += 1
                     self._busy += 1
-                    run = [best.pending.pop(0)]
-                    if not best.streamed and run[0].done == 0:
+                    first = 0
+                    if not best.streamed and best.job.source.picks_chunks:
+                        window = [c.start for c in best.pending[:PICK_WINDOW]]
+                        first = min(max(0, best.job.source.pick_chunk(best.job.remote, window)), len(window) - 1)
+                    run = [best.pending.pop(first)]
+                    if not best.streamed and run[0].done == 0 and first == 0:
                         limit = self._stats(best.job.source).run_length
                         while (len(run) < limit and best.pending and best.pending[0].done == 0
                                and best.pending[0].start == run[-1].end):

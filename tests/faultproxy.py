@@ -18,6 +18,10 @@ cover it). Counters record requests, body bytes delivered per path and faults ap
 optional global rate limit slows everything down and ``pause`` holds every body still (to kill a
 client mid-transfer at a known point, for instance).
 
+It speaks TLS on either side when given contexts (``tls_server``: it terminates TLS with that
+certificate, ``tls_upstream``: it talks TLS to upstream), so it can sit between two agents' peer
+connections and corrupt what one serves.
+
 Servers that behave differently from nginx are made by rewriting headers: ``drop_request_headers``
 (a server or cache that ignores ``If-Match``), ``drop_response_headers`` (one without validators,
 or without ``Content-Length``: the body then ends when the proxy closes the connection). A test
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import re
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -48,6 +53,8 @@ _PIECE = 64 * 1024
 class Fault:
     kind: str
     path: str | None = None
+    #: A regular expression searched in the path (for paths not known in advance).
+    path_pattern: str | None = None
     method: str | None = "GET"
     nth: int = 1
     times: int | None = 1
@@ -68,7 +75,8 @@ class Fault:
             raise ValueError("nth counts from 1")
 
     def matches(self, method: str, path: str) -> bool:
-        return (self.method is None or self.method == method) and (self.path is None or self.path == path)
+        return ((self.method is None or self.method == method) and (self.path is None or self.path == path)
+                and (self.path_pattern is None or re.search(self.path_pattern, path) is not None))
 
     @property
     def exhausted(self) -> bool:
@@ -124,8 +132,10 @@ class _ClientGone(Exception):
 class FaultProxy:
     """Reverse proxy on 127.0.0.1:<port> in front of ``upstream`` (host, port)."""
 
-    def __init__(self, upstream: tuple[str, int], port: int = 0) -> None:
+    def __init__(self, upstream: tuple[str, int], port: int = 0, tls_server: ssl.SSLContext | None = None,
+                 tls_upstream: ssl.SSLContext | None = None) -> None:
         self.upstream = upstream
+        self.tls_server, self.tls_upstream = tls_server, tls_upstream
         self._listener = socket.create_server(("127.0.0.1", port), backlog=128)
         self.port: int = self._listener.getsockname()[1]
         self._stop = threading.Event()
@@ -227,6 +237,20 @@ class FaultProxy:
             threading.Thread(target=self._serve, args=(conn,), name="faultproxy-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        if self.tls_server is not None:
+            try:
+                conn.settimeout(10)
+                tls = self.tls_server.wrap_socket(conn, server_side=True)
+                tls.settimeout(None)
+            except (OSError, ssl.SSLError):
+                with self._lock:
+                    self._conns.discard(conn)
+                conn.close()
+                return
+            with self._lock:
+                self._conns.discard(conn)
+                self._conns.add(tls)
+            conn = tls
         rfile = conn.makefile("rb")
         try:
             while not self._stop.is_set():
@@ -290,6 +314,8 @@ class FaultProxy:
             return client_keep
 
         up = socket.create_connection(self.upstream, timeout=30)
+        if self.tls_upstream is not None:
+            up = self.tls_upstream.wrap_socket(up)
         try:
             lines = [f"{method} {target} HTTP/1.1"]
             lines += [f"{k}: {v}" for k, v in headers if k.lower() not in _HOP_BY_HOP]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.util
 import os
 import shutil
 import socket
@@ -11,6 +12,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -100,3 +102,12 @@ def fill_up(path: Path) -> Path:
                 if exc.errno != errno.ENOSPC:
                     raise
     return path
+
+
+def load_script(relpath: str, name: str) -> ModuleType:
+    """A script of the repo that is not in a package (bench/, image/) as a module."""
+    spec = importlib.util.spec_from_file_location(name, REPO / relpath)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

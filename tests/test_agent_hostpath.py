@@ -62,7 +62,7 @@ def agent_pod(kube: Kube, node: str, host_dir: Path) -> tuple[str, dict[str, str
                what="the agent's ServiceAccount")
     kube.create(PODS, {"metadata": {"name": name, "namespace": NS, "labels": ds["spec"]["template"]["metadata"][
         "labels"]}, "spec": spec}, NS)
-    fields = {"spec.nodeName": node, "metadata.name": name, "metadata.namespace": NS}
+    fields = {"spec.nodeName": node, "metadata.name": name, "metadata.namespace": NS, "status.podIP": "127.0.0.1"}
     (agent,) = [c for c in spec["containers"] if c["name"] == "agent"]
     env = {e["name"]: e.get("value") or fields[e["valueFrom"]["fieldRef"]["fieldPath"]] for e in agent["env"]}
     env["MODELCACHE_ROOT"] = str(host_dir)

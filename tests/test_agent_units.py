@@ -222,3 +222,42 @@ def test_every_setting_has_a_flag_and_an_environment_default(monkeypatch: pytest
     assert seen[-1].root == Path("/mnt/models") and seen[-1].credentials_namespace == "kserve"
     no_node = CliRunner().invoke(main.cli, [], env={"NODE_NAME": ""})
     assert no_node.exit_code == 2 and "--node (or NODE_NAME) is required" in no_node.output
+
+
+def test_the_peer_directory_keeps_only_what_it_reads_and_finds_holders_and_fetchers() -> None:
+    from agent.peering import Directory, directory_essentials
+    from modelcache.uri import storage_key
+
+    uri, other = "s3://b/llm", "s3://b/other"
+    key = storage_key(uri)
+    fp = "ab" * 32
+
+    def lmn(name: str, uris: list[str], details: dict[str, dict[str, Any]], peer: bool = True) -> dict[str, Any]:
+        status: dict[str, Any] = {"modelDetails": details, "capacity": {"freeBytes": 1}, "modelStatus": {}}
+        if peer:
+            status["peer"] = {"endpoint": f"10.0.0.{len(name)}:8443", "certSHA256": fp, "zone": "z1"}
+        return {"apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelNode",
+                "metadata": {"name": name, "resourceVersion": "7", "managedFields": [{"manager": "x"}]},
+                "spec": {"localModels": [{"modelName": u.rsplit("/", 1)[1], "sourceModelUri": u} for u in uris]},
+                "status": status}
+
+    holder = lmn("holder", [uri], {"llm": {"storageKey": key, "state": "ModelDownloaded", "listingDigest": "d1",
+                                           "bytesDone": 5, "rate": 3.0, "message": "x" * 1000}})
+    kept = directory_essentials(holder)
+    assert kept["spec"] == {"storageKeys": [key]} and kept["metadata"] == {"name": "holder", "resourceVersion": "7"}
+    assert kept["status"]["modelDetails"] == {"llm": {"storageKey": key, "state": "ModelDownloaded",
+                                                      "listingDigest": "d1"}}
+    assert set(kept["status"]) == {"modelDetails", "peer"}
+
+    directory = Directory(None, "me")  # type: ignore[arg-type]  # no server: the store is filled by hand
+    for obj in (holder,
+                lmn("listing", [uri], {}),  # wants it, no digest yet: a member of the swarm
+                lmn("failed", [uri], {"llm": {"storageKey": key, "state": "ModelDownloadError"}}),
+                lmn("elsewhere", [other], {}),
+                lmn("no-endpoint", [uri], {}, peer=False),
+                lmn("me", [uri], {})):
+        directory.informer.store.put(directory_essentials(obj))
+    found = {p.name: p for p in directory.peers(key)}
+    assert set(found) == {"holder", "listing"}
+    assert found["holder"].complete and found["holder"].digest == "d1" and found["holder"].port == 8443
+    assert not found["listing"].complete and found["listing"].digest is None and found["listing"].zone == "z1"

@@ -115,7 +115,8 @@ def test_agent_rbac_is_least_privilege(rendered: list[Obj]) -> None:
     assert verbs_for(cluster, "", "secrets") == set()  # never cluster-wide
     assert verbs_for(cluster, "", "nodes") == {"get"}  # its own Node's uid (status.nodeUID), nothing more
     writable = {(g, r) for g, r, v, _ in cluster if v - {"get", "list", "watch"}}
-    assert writable == {("serving.kserve.io", "localmodelnodes/status")}
+    assert writable == {("serving.kserve.io", "localmodelnodes/status"), ("authentication.k8s.io", "tokenreviews")}
+    assert verbs_for(cluster, "authentication.k8s.io", "tokenreviews") == {"create"}  # peers' tokens
     assert not any(g == "events.k8s.io" for doc in rendered for g, *_ in (rules(rendered, doc["kind"],
                    doc["metadata"]["name"]) if doc["kind"] in ("Role", "ClusterRole") else []))
     events = find(rendered, "Role", "modelcache-agent-events")
@@ -234,6 +235,21 @@ def test_agent_daemonset_contract(rendered: list[Obj]) -> None:
     (init,) = pod["initContainers"]
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
     assert init["securityContext"]["allowPrivilegeEscalation"] is False
+    # Peer transfer: a token for the peer audience only, where the agent reads it by default, the
+    # peer port, the pod IP to publish, and the ConfigMap with the off switch.
+    from agent.config import AgentConfig
+    from agent.peering import AUDIENCE
+
+    (token_mount,) = [m for m in agent["volumeMounts"] if m["name"] == "peer-token"]
+    (source,) = volumes["peer-token"]["projected"]["sources"]
+    assert source["serviceAccountToken"]["audience"] == AUDIENCE and token_mount["readOnly"]
+    defaults = AgentConfig("n")
+    assert f"{token_mount['mountPath']}/{source['serviceAccountToken']['path']}" == str(defaults.peer_token_file)
+    assert {"name": "peer", "containerPort": defaults.peer_port} in agent["ports"]
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    config = find(rendered, "ConfigMap", "modelcache-agent")
+    assert agent["envFrom"] == [{"configMapRef": {"name": "modelcache-agent", "optional": True}}]
+    assert config["data"]["MODELCACHE_PEERS"] in ("auto", "on", "off")
 
 
 def test_coordinator_deployment_service_and_webhooks_line_up(rendered: list[Obj]) -> None:

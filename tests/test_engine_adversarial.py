@@ -834,3 +834,34 @@ def test_same_paths_in_several_models_and_a_repeated_uri_in_one_pull_many(tmp_pa
     assert_store_correct(tmp_path / "root", expected, must_have=set(srcs))
     store = NodeStore.at(tmp_path / "root")
     assert all(store.verify(storage_key(u)) == [] for u in srcs)
+
+
+def test_a_source_that_picks_its_chunks_is_read_in_its_order_and_hashed_in_file_order(tmp_path: Path) -> None:
+    """Source.pick_chunk (peer transfer reads its own pieces first): the engine asks which pending
+    chunk comes next; chunks then land out of order and the file is still hashed in order."""
+    src = tmp_path / "src"
+    src.mkdir()
+    body = random_bytes(8 * MiB + 5, 3)
+    (src / "w.bin").write_bytes(body)
+    opened: list[int] = []
+
+    class Backwards(LocalSource):
+        def pick_chunk(self, file, starts):  # type: ignore[no-untyped-def]
+            return len(starts) - 1
+
+        def open_range(self, file, start, end):  # type: ignore[no-untyped-def]
+            opened.append(start)
+            return super().open_range(file, start, end)
+
+    source = Backwards(parse_uri(str(src)), settings())
+    (remote,) = source.list_files()
+    remote = replace(remote, checksums=(Checksum("sha256", sha256(body)),))
+    journal = Journal(str(tmp_path / "journal"))
+    journal.open(fresh=True)
+    job = FileJob(source, remote, str(tmp_path / "out" / "w.bin"), journal, 0, "g")
+    engine = TransferEngine(TransferOptions(workers=1, chunk_size=MiB, **QUICK))
+    results, errors = within(20, lambda: engine.run([job]), "engine.run")
+    journal.close()
+    assert not errors and results["g"][0].verified == ("sha256",)
+    assert opened == sorted(opened, reverse=True) and len(opened) == 9  # one chunk per request, last first
+    assert (tmp_path / "out" / "w.bin").read_bytes() == body

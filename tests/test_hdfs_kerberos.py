@@ -74,6 +74,25 @@ def test_keytab_login_and_the_principals_it_holds(
     assert not default_cache.exists()
 
 
+def test_logins_of_different_principals_one_after_another_in_one_process(krb_env: KDC, tmp_path: Path) -> None:
+    """An agent logs in per pull, as whichever principal each model's secret names. The private
+    ccache was named after id(self), and a MEMORY ccache outlives its object: a login whose object
+    got a freed one's id found that principal's tickets and failed ("Principal in credential cache
+    does not match desired name"). CPython hands a freed object's memory to the next of its size,
+    so logging in as two principals in turn reuses ids."""
+    logins = []
+    for i in range(2):
+        keytab = tmp_path / f"svc{i}.keytab"
+        logins.append(KerberosLogin(krb_env.principal(_name(), keytab), str(keytab), str(tmp_path), URI))
+    ids = set()
+    for n in range(40):
+        kerberos = Kerberos(logins[n % 2])  # logs in (acquires from the keytab)
+        kerberos.check(NN_HOST)
+        ids.add(id(kerberos))
+        del kerberos
+    assert len(ids) < 40, "no id was reused: this test no longer shows what it was written for"
+
+
 def test_wrong_keytab(krb_env: KDC, tmp_path: Path) -> None:
     mine, other_keytab = tmp_path / "mine.keytab", tmp_path / "other.keytab"
     principal = krb_env.principal(_name(), mine)

@@ -97,7 +97,7 @@ def run_pod(image: Image, cluster: Cluster, host_root: Path, tmp_path: Path, hea
     # No Pod object exists for this container: the agent does not find its host path (every PV
     # then counts as its root, the safe side); tests/test_agent_hostpath.py covers finding it.
     env = resolve_env(agent, {"spec.nodeName": NODE, "metadata.namespace": namespace,
-                              "metadata.name": f"modelcache-agent-{NODE}"})
+                              "metadata.name": f"modelcache-agent-{NODE}", "status.podIP": "127.0.0.1"})
     env.update({
         **in_cluster_env(cluster),
         # Host network here: a free port instead of the manifest's 8080, which others may hold.

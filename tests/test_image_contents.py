@@ -4,7 +4,6 @@ purpose, the user and entrypoint, and nothing of the build machine (CA bundle, t
 from __future__ import annotations
 
 import base64
-import importlib.util
 import io
 import json
 import re
@@ -16,7 +15,7 @@ from types import ModuleType
 import pytest
 
 from tests.fixtures.image import Image
-from tests.helpers import REPO
+from tests.helpers import load_script
 
 #: Over the base, measured 178 MB (README.md, "Image"); each cut in image/prune-venv.sh is >= 27 MB,
 #: so losing any of them fails here.
@@ -34,11 +33,7 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def size_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("image_size", REPO / "image" / "size.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("image/size.py", "image_size")
 
 
 @pytest.fixture(scope="module")

@@ -73,6 +73,22 @@ def test_agent_port_taken(spec: Path, tmp_path: Path) -> None:
     the_error(proc, f"127.0.0.1:{port}", "already in use", "--port")
 
 
+def test_agent_peers_on_without_a_token_is_one_line(kubeconfig: Path, tmp_path: Path) -> None:
+    proc = run("agent", "--node", "n1", "--port", "-1", "--root", str(tmp_path / "root"), "--kubeconfig",
+               str(kubeconfig), "--peers", "on", "--peer-token-file", str(tmp_path / "no-token"))
+    the_error(proc, f"--peer-token-file: {tmp_path / 'no-token'} does not exist", "modelcache-peer", "--peers=off")
+
+
+def test_agent_peer_port_taken(kubeconfig: Path, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("t")
+    with taken_port() as port:
+        proc = run("agent", "--node", "n1", "--port", "-1", "--root", str(tmp_path / "root"), "--kubeconfig",
+                   str(kubeconfig), "--peers", "on", "--peer-token-file", str(token), "--peer-host", "127.0.0.1",
+                   "--peer-port", str(port), "--peer-address", "127.0.0.1")
+    the_error(proc, f"127.0.0.1:{port}", "already in use", "--peer-port")
+
+
 def test_coordinator_port_taken(kubeconfig: Path) -> None:
     with taken_port() as port:
         proc = run("coordinator", "--kubeconfig", str(kubeconfig), "--bind", "127.0.0.1", "--port", str(port))
@@ -160,6 +176,9 @@ def test_no_kubeconfig_at_all_names_the_flag(tmp_path: Path, module: str) -> Non
         ("agent", "--log-level", "loud", "'--log-level'"),
         ("agent", "--resync-period", "-1", "'--resync-period'"),
         ("agent", "--download-env", "NOEQUALS", "'--download-env'"),
+        ("agent", "--peers", "maybe", "'--peers'"),
+        ("agent", "--peer-upload-rate", "fast", "'--peer-upload-rate'"),
+        ("agent", "--peer-max-uploads", "0", "'--peer-max-uploads'"),
         ("coordinator", "--port", "70000", "'--port'"),
         ("coordinator", "--webhook-port", "-5", "'--webhook-port'"),
         ("coordinator", "--workers", "0", "'--workers'"),

@@ -251,6 +251,10 @@ class ModelDetail(Codec):
     started_at: str | None = None
     finished_at: str | None = None
     drift: str | None = None
+    #: Peer transfer (modelcache.peers): what exactly is fetched, and where its bytes came from.
+    listing_digest: str | None = None
+    bytes_from_origin: int | None = None
+    bytes_from_peers: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

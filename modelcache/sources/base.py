@@ -11,6 +11,7 @@ import posixpath
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from modelcache.errors import InvalidURIError, UnsupportedError
@@ -130,6 +131,21 @@ class Source(ABC):
         transfer engine fetches ``list_files()`` by ranges, which every other source uses.
         """
         return None
+
+    def pick_chunk(self, file: RemoteFile, starts: list[int]) -> int:
+        """Which of a file's next pending chunks (their start offsets, in file order) to read next:
+        an index into ``starts``. Only asked where ``picks_chunks`` (peer transfer: the pieces this
+        node reads from the origin first, so the origin never waits on the order of the others)."""
+        return 0
+
+    @property
+    def picks_chunks(self) -> bool:
+        return type(self).pick_chunk is not Source.pick_chunk
+
+    def before_publish(self, staging_dir: Path) -> None:  # noqa: B027 - optional hook
+        """Called once every file is fetched and verified, before the model is published: a
+        source may leave a record in ``staging_dir`` that publish installs next to the manifest
+        (peer transfer leaves its piece hashes)."""
 
     @property
     def extracts_itself(self) -> bool:

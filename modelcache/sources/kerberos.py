@@ -14,6 +14,7 @@ principal and the fix; GSSAPI's own text is only a hint at the end.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import struct
@@ -25,6 +26,8 @@ from modelcache.errors import AuthError, ModelcacheError, SourceError, Transient
 
 # requests-gssapi logs every failed GSS step with log.exception (a traceback); we raise one line.
 logging.getLogger("requests_gssapi").setLevel(logging.CRITICAL)
+
+_CCACHES = itertools.count(1)  # one private MEMORY ccache per login of this process
 
 # krb5 error codes (krb5/krb5_err.h) as GSSAPI's minor status carries them.
 _CLIENT_UNKNOWN = -1765328378  # KDC_ERR_C_PRINCIPAL_UNKNOWN
@@ -167,7 +170,10 @@ class Kerberos:
         store: dict[bytes | str, bytes | str] | None = None
         if login.keytab:
             # A ccache of our own: the keytab's tickets never land in (or come from) the machine's.
-            store = {"client_keytab": login.keytab, "ccache": f"MEMORY:modelcache-{os.getpid()}-{id(self)}"}
+            # Named by a counter, not id(self): a MEMORY ccache outlives its object, and a reused
+            # id handed a later login the tickets of another principal ("Principal in credential
+            # cache does not match desired name").
+            store = {"client_keytab": login.keytab, "ccache": f"MEMORY:modelcache-{os.getpid()}-{next(_CCACHES)}"}
         try:
             self.creds = gssapi.Credentials(name=name, usage="initiate", store=store)
         except gssapi.exceptions.GSSError as exc:

@@ -351,12 +351,16 @@ class ControlPlane:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
         return proc
 
-    def token(self, namespace: str, service_account: str, seconds: int = 3600) -> str:
-        """A bound token for the ServiceAccount (TokenRequest), as the kubelet projects one into pods."""
+    def token(self, namespace: str, service_account: str, seconds: int = 3600,
+              audiences: list[str] | None = None) -> str:
+        """A bound token for the ServiceAccount (TokenRequest), as the kubelet projects one into pods
+        (for ``audiences``, as a projected ``serviceAccountToken`` volume with an ``audience``)."""
+        spec: dict[str, Any] = {"expirationSeconds": seconds}
+        if audiences:
+            spec["audiences"] = audiences
         status, body = self.raw(f"/api/v1/namespaces/{namespace}/serviceaccounts/{service_account}/token",
                                 method="POST", body={"apiVersion": "authentication.k8s.io/v1",
-                                                     "kind": "TokenRequest",
-                                                     "spec": {"expirationSeconds": seconds}})
+                                                     "kind": "TokenRequest", "spec": spec})
         if status != 201:
             raise RuntimeError(f"TokenRequest for {namespace}/{service_account} answered {status}: {body}")
         return str(json.loads(body)["status"]["token"])

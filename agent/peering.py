@@ -1,0 +1,260 @@
+"""Peer transfer in the agent: the peer server, who may read from it, and where the peers are.
+
+- **Endpoint**: a TLS server (``--peer-port``) with this agent's certificate (``--peer-tls-cert``
+  / ``--peer-tls-key``, else a fresh self-signed one per start). Its address, the certificate's
+  SHA-256 and this node's ``topology.kubernetes.io/zone`` go into ``status.peer`` of the
+  LocalModelNode: other agents pin that certificate.
+- **Credential**: a ServiceAccount token for the ``modelcache-peer`` audience (deploy/ projects
+  one into the pod; ``--peer-token-file``), sent with every request. The server checks each new
+  token with a TokenReview for that audience and accepts only the identity of its own token
+  (the agents' ServiceAccount); verdicts are cached for a minute.
+- **Directory**: every LocalModelNode, watched; a peer for a model is a node whose spec or status
+  has the same storage key, with a ``status.peer`` endpoint, not in error for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from agent.config import AgentConfig
+from agent.logs import fields
+from agent.metrics import AgentMetrics
+from modelcache.kube.client import LOCAL_MODEL_NODES, NODES, Kube
+from modelcache.kube.informer import Informer
+from modelcache.kube.types import MODEL_DOWNLOAD_ERROR, MODEL_DOWNLOADED
+from modelcache.peers.client import PeerClient, PeerInfo, TokenFile
+from modelcache.peers.network import PeerNetwork
+from modelcache.peers.server import FORBIDDEN, OK, UNAUTHENTICATED, PeerServer, cert_fingerprint, server_context
+from modelcache.peers.swarm import SwarmSettings
+from modelcache.startup import StartupError
+from modelcache.store import NodeStore
+from modelcache.uri import storage_key
+
+log = logging.getLogger("agent.peers")
+
+AUDIENCE = "modelcache-peer"
+ZONE_LABEL = "topology.kubernetes.io/zone"
+#: Seconds a TokenReview verdict is reused (accepted / refused), and how many are kept.
+REVIEW_TTL, REFUSED_TTL, REVIEW_CACHE = 60.0, 10.0, 4096
+
+
+class TokenReviewer:
+    """``authorize(token)``: a TokenReview for the peer audience, the same identity as ours."""
+
+    def __init__(self, kube: Kube) -> None:
+        from kubernetes import client
+
+        self._api = client.AuthenticationV1Api(kube.api_client)
+        self.allowed = ""
+        self._cache: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._warned = False
+
+    def review(self, token: str) -> tuple[bool, str]:
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                "spec": {"token": token, "audiences": [AUDIENCE]}}
+        resp = self._api.create_token_review(body, _preload_content=False)
+        status = json.loads(resp.data).get("status") or {}
+        user = (status.get("user") or {}).get("username", "")
+        return bool(status.get("authenticated")) and AUDIENCE in (status.get("audiences") or [AUDIENCE]), user
+
+    def learn_identity(self, own_token: str) -> str:
+        """Reviews our own token: its identity is the one peers must have (the agents' SA)."""
+        ok, user = self.review(own_token)
+        if not ok or not user:
+            raise StartupError(f"--peer-token-file: the API server does not accept our peer token for audience "
+                               f"{AUDIENCE!r}; project a ServiceAccount token with that audience (deploy/agent)")
+        self.allowed = user
+        return user
+
+    def authorize(self, token: str) -> str:
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get(digest)
+            if hit is not None and hit[1] > now:
+                return hit[0]
+        try:
+            ok, user = self.review(token)
+        except Exception as exc:  # the API server is away: refuse, and ask again soon
+            if not self._warned:
+                self._warned = True
+                log.warning("cannot review a peer's token; refusing it", extra=fields(error=f"{type(exc).__name__}"))
+            return UNAUTHENTICATED
+        verdict = OK if ok and user == self.allowed else (FORBIDDEN if ok else UNAUTHENTICATED)
+        with self._lock:
+            self._cache[digest] = (verdict, now + (REVIEW_TTL if verdict == OK else REFUSED_TTL))
+            while len(self._cache) > REVIEW_CACHE:
+                self._cache.popitem(last=False)
+        return verdict
+
+
+def _split_endpoint(value: str) -> tuple[str, int] | None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    return host.strip("[]"), int(port)
+
+
+#: What the directory reads of each model's details (not progress: it changes every status write).
+DETAIL_FIELDS = ("storageKey", "state", "listingDigest")
+
+
+def directory_essentials(lmn: dict[str, Any]) -> dict[str, Any]:
+    """A LocalModelNode as the directory keeps it (every agent holds every node's): its name, the
+    storage keys its entries want (``spec.storageKeys``), ``status.peer`` and, per model, only
+    ``DETAIL_FIELDS``."""
+    meta = lmn.get("metadata") or {}
+    spec, status = lmn.get("spec") or {}, lmn.get("status") or {}
+    keys = sorted({storage_key(str(e["sourceModelUri"])) for e in spec.get("localModels") or []
+                   if isinstance(e, dict) and e.get("sourceModelUri")})
+    details = {name: {k: d[k] for k in DETAIL_FIELDS if k in d}
+               for name, d in (status.get("modelDetails") or {}).items() if isinstance(d, dict)}
+    kept: dict[str, Any] = {"modelDetails": details}
+    if isinstance(status.get("peer"), dict):
+        kept["peer"] = status["peer"]
+    return {"apiVersion": lmn.get("apiVersion"), "kind": lmn.get("kind"),
+            "metadata": {k: meta[k] for k in ("name", "uid", "resourceVersion") if k in meta},
+            "spec": {"storageKeys": keys}, "status": kept}
+
+
+class Directory:
+    """Who holds or fetches a model, from every LocalModelNode (one informer, lean objects)."""
+
+    def __init__(self, kube: Kube, me: str) -> None:
+        self.me = me
+        self.informer = Informer(kube, LOCAL_MODEL_NODES, transform=directory_essentials)
+
+    def peers(self, key: str) -> list[PeerInfo]:
+        out = []
+        for obj in self.informer.store.list(copy_objects=False):
+            name = (obj.get("metadata") or {}).get("name", "")
+            status = obj.get("status") or {}
+            peer = status.get("peer") or {}
+            where = _split_endpoint(str(peer.get("endpoint") or ""))
+            fingerprint = str(peer.get("certSHA256") or "")
+            if name == self.me or where is None or len(fingerprint) != 64:
+                continue
+            details = [d for d in (status.get("modelDetails") or {}).values()
+                       if isinstance(d, dict) and d.get("storageKey") == key]
+            wanted = key in ((obj.get("spec") or {}).get("storageKeys") or ())
+            if not details and not wanted:
+                continue
+            state = details[0].get("state") if details else ""
+            if state == MODEL_DOWNLOAD_ERROR:
+                continue
+            digest = details[0].get("listingDigest") if details else None
+            out.append(PeerInfo(name, where[0], where[1], fingerprint, str(peer.get("zone") or ""),
+                                str(digest) if digest else None, state == MODEL_DOWNLOADED and bool(digest)))
+        return out
+
+
+class Peering:
+    """Built by ``start_peering``; the agent asks it for ``network`` (its downloads) and status."""
+
+    def __init__(self, cfg: AgentConfig, kube: Kube, store: NodeStore, metrics: AgentMetrics,
+                 on_change: Any) -> None:
+        self.cfg, self.kube, self.metrics = cfg, kube, metrics
+        self.zone = self._zone()
+        self.token = TokenFile(cfg.peer_token_file)
+        self.reviewer = TokenReviewer(kube)
+        cert, key = self._certificate()
+        self.fingerprint = cert_fingerprint(Path(cert).read_text())
+        self.directory = Directory(kube, cfg.node)
+        settings = SwarmSettings(node=cfg.node, zone=self.zone, wait=cfg.peer_wait, formation=cfg.peer_formation)
+        self.network = PeerNetwork(settings, self.directory.peers, PeerClient(self.token, cfg.workers), store,
+                                   on_change)
+        self.server = PeerServer(cfg.peer_host, cfg.peer_port, server_context(cert, key), self.network,
+                                 self.reviewer.authorize, cfg.peer_max_uploads, cfg.peer_upload_rate,
+                                 on_upload=self._uploaded, on_reject=self._rejected)
+        self.endpoint = self._endpoint()
+
+    def _zone(self) -> str:
+        try:
+            node = self.kube.get_or_none(NODES, self.cfg.node) or {}
+        except Exception:
+            return ""
+        return str(((node.get("metadata") or {}).get("labels") or {}).get(ZONE_LABEL, ""))
+
+    def _certificate(self) -> tuple[str, str]:
+        if self.cfg.peer_tls_cert and self.cfg.peer_tls_key:
+            return str(self.cfg.peer_tls_cert), str(self.cfg.peer_tls_key)
+        from coordinator.certs import generate_self_signed  # one helper for both self-signed pairs
+
+        folder = Path(tempfile.mkdtemp(prefix="modelcache-peer-tls-"))
+        cert, key = generate_self_signed(folder, [self.cfg.node])
+        return str(cert), str(key)
+
+    def _endpoint(self) -> str:
+        """``--peer-address`` (HOST, HOST:PORT or [V6]:PORT), else the pod IP; the port defaults
+        to the one served on."""
+        value = self.cfg.peer_address or os.environ.get("POD_IP", "")
+        if not value:
+            raise StartupError("--peer-address: no address to publish for peers (set POD_IP from status.podIP, "
+                               "or --peer-address HOST[:PORT])")
+        where = _split_endpoint(value) if value.startswith("[") or value.count(":") == 1 else None
+        host, port = where if where is not None else (value.strip("[]"), self.server.port)
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def _uploaded(self, n: int) -> None:
+        self.metrics.peer_uploaded.inc(n)
+
+    def _rejected(self, reason: str) -> None:
+        self.metrics.peer_rejected.labels(reason=reason).inc()
+
+    def start(self) -> Peering:
+        identity = self.reviewer.learn_identity(self.token())
+        self.directory.informer.start()
+        self.server.start()
+        log.info("peer transfer on", extra=fields(endpoint=self.endpoint, zone=self.zone, identity=identity,
+                                                  max_uploads=self.cfg.peer_max_uploads,
+                                                  upload_rate=self.server.bucket.rate))
+        return self
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.directory.informer.stop()
+        self.network.client.close()
+
+    # ---- status ------------------------------------------------------------------------------
+
+    def model_fields(self, key: str) -> dict[str, Any]:
+        stats = self.network.stats(key)
+        if stats is None:
+            return {}
+        return {"listingDigest": stats.listing_digest, "bytesFromOrigin": stats.from_origin,
+                "bytesFromPeers": stats.from_peers}
+
+    def status(self, keys: list[str]) -> dict[str, Any]:
+        origin = peers = 0
+        for key in keys:
+            stats = self.network.stats(key)
+            if stats is not None:
+                origin, peers = origin + stats.from_origin, peers + stats.from_peers
+        return {"endpoint": self.endpoint, "certSHA256": self.fingerprint, **({"zone": self.zone} if self.zone else {}),
+                "bytesFromOrigin": origin, "bytesFromPeers": peers}
+
+
+def start_peering(cfg: AgentConfig, kube: Kube, store: NodeStore, metrics: AgentMetrics,
+                  on_change: Any) -> Peering | None:
+    """Peer transfer per ``--peers``: ``off``; ``on`` (a missing token is a startup error);
+    ``auto`` (default: on when the token file exists)."""
+    if cfg.peers == "off":
+        log.info("peer transfer off (--peers=off)")
+        return None
+    if not cfg.peer_token_file.exists():
+        if cfg.peers == "on":
+            raise StartupError(f"--peer-token-file: {cfg.peer_token_file} does not exist; project a ServiceAccount "
+                               f"token with audience {AUDIENCE!r} there (deploy/agent), or set --peers=off")
+        log.info("peer transfer off: no peer token", extra=fields(peer_token_file=str(cfg.peer_token_file)))
+        return None
+    return Peering(cfg, kube, store, metrics, on_change).start()

@@ -1,0 +1,245 @@
+"""A node group filled from an origin that is the bottleneck: with peer transfer, without, and one node alone.
+
+On one real control plane (tests/cluster) with the coordinator running as its ServiceAccount,
+N agents (separate processes, each with its own root and ports, deploy/'s RBAC and the peer
+token deploy/ projects) fill one LocalModelCache of a multi-file model (a config and four
+shards) on a node group of N nodes. The model is on S3 (moto) behind a proxy throttled to
+``--origin-rate`` bytes/s in all (tests/faultproxy.py), which counts what the origin sends.
+Three runs, each on nodes of its own with empty roots:
+
+- ``p2p``: N agents with peer transfer;
+- ``direct``: N agents with ``--peers=off`` (every node reads the origin);
+- ``single``: one agent alone (``--peers=off``): the time one node needs.
+
+Time is from creating the cache until every node's LocalModelNode says ModelDownloaded; every
+node's files are then checked byte for byte (sha-256) against the source.
+
+    .venv/bin/python bench/fleet.py --nodes 8 --size 256Mi [--origin-rate 16Mi] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from agent.capacity import parse_quantity  # noqa: E402
+from coordinator.app import Config, Coordinator  # noqa: E402
+from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NODES, Kube, load_api_client  # noqa: E402
+from tests.agent_util import AgentProc, start_agent  # noqa: E402
+from tests.cluster.baseline import apply_manifests  # noqa: E402
+from tests.cluster.controlplane import ControlPlane  # noqa: E402
+from tests.coordinator_util import GROUP_LABEL, make_group, make_node  # noqa: E402
+from tests.faultproxy import FaultProxy  # noqa: E402
+from tests.fleet import S3Origin, model_files, peer_args, peer_token, storage_secret, upload_model  # noqa: E402
+from tests.helpers import free_port, stop_process, wait_until  # noqa: E402
+
+#: The agent's own defaults (tests/agent_util.start_agent passes test timings; these undo them).
+AGENT_FLAGS = ("--chunk-size", "16Mi", "--workers", "8", "--transfer-attempts", "6", "--status-interval", "3",
+               "--backoff-initial", "1", "--backoff-max", "5")
+
+
+def start_moto(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    with open(workdir / "moto.log", "wb") as log:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{port}"
+    import urllib.request
+
+    wait_until(lambda: urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).status == 200, timeout=60,
+               what="moto_server")
+    return proc, endpoint
+
+
+def cpu_seconds(agent: AgentProc) -> float:
+    """User + system CPU the agent process used so far (/proc/<pid>/stat)."""
+    try:
+        fields = Path(f"/proc/{agent.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, workdir: Path,
+        hashes: dict[str, str], timeout: float) -> dict[str, Any]:
+    names = [f"{mode}-{i}" for i in range(nodes)]
+    make_group(kube, mode, label_value=mode)
+    for name in names:
+        make_node(kube, name, **{GROUP_LABEL: mode})
+    extra: list[str] = list(AGENT_FLAGS)
+    if mode == "p2p":
+        extra += peer_args(peer_token(cp, workdir / "tokens"))
+    else:
+        extra += ["--peers", "off"]
+    agents: list[AgentProc] = [start_agent(cp.kubeconfig_for("modelcache-system", "modelcache-agent"), name,
+                                           workdir / mode / name, workdir / mode, *extra) for name in names]
+    try:
+        for agent in agents:
+            wait_until(lambda a=agent: 'msg="agent running"' in a.log() or a.proc.poll() is not None, timeout=120,
+                       what=f"agent {agent.node}")
+            if agent.proc.poll() is not None:
+                raise RuntimeError(f"agent {agent.node} exited:\n{agent.log()[-3000:]}")
+        origin.proxy.reset_counters()
+        t0 = time.monotonic()
+        kube.create(LOCAL_MODEL_CACHES, {"metadata": {"name": f"llm-{mode}"}, "spec": {
+            "sourceModelUri": origin.uri, "modelSize": str(origin.size), "nodeGroups": [mode],
+            "storage": {"key": "fleet"}}})
+
+        def states() -> dict[str, str]:
+            out = {}
+            for name in names:
+                obj = kube.get_or_none(LOCAL_MODEL_NODES, name) or {}
+                out[name] = ((obj.get("status") or {}).get("modelStatus") or {}).get(f"llm-{mode}", "")
+            return out
+
+        deadline = t0 + timeout
+        timeline: list[tuple[float, int]] = []
+        while True:
+            timeline.append((round(time.monotonic() - t0, 1), origin.origin_bytes()))
+            now = states()
+            if all(s == "ModelDownloaded" for s in now.values()):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{mode}: not all Downloaded after {timeout:.0f}s: {now}")
+            time.sleep(0.1)
+        seconds = time.monotonic() - t0
+        sent = origin.origin_bytes()
+        details = {n: ((kube.get(LOCAL_MODEL_NODES, n).get("status") or {}).get("modelDetails") or {}).get(
+            f"llm-{mode}", {}) for n in names}
+        for agent in agents:  # verified: byte for byte against the source
+            base = agent.root / "models" / origin.key
+            for path, digest in hashes.items():
+                with open(base / path, "rb") as f:
+                    if hashlib.file_digest(f, "sha256").hexdigest() != digest:
+                        raise AssertionError(f"{agent.node}: {path} differs from the source")
+        if os.environ.get("FLEET_TIMELINE"):
+            print("origin MiB by second:", [(t, round(b / 2**20)) for t, b in timeline[::10]], file=sys.stderr)
+        return {"seconds": seconds, "origin_bytes": sent, "agent_cpu_seconds": round(sum(map(cpu_seconds, agents)), 1),
+                "per_node": {n: [d.get("bytesFromOrigin"), d.get("bytesFromPeers")] for n, d in details.items()}}
+    finally:
+        for agent in agents:
+            agent.stop()
+        for agent in agents:
+            shutil.rmtree(agent.root, ignore_errors=True)
+
+
+def measure(cp: ControlPlane, kube: Kube, s3: Any, bucket: str, proxy: FaultProxy, nodes: int, size: int,
+            rate: int, modes: list[str], workdir: Path, timeout: float,
+            keys: tuple[str, str] = ("fleet", "fleet")) -> tuple[S3Origin, dict[str, dict[str, Any]]]:
+    """The runs of ``modes`` on a control plane with deploy/ applied: the model uploaded to
+    ``bucket`` (reached through ``proxy``, throttled to ``rate``), the coordinator started as its
+    ServiceAccount; ``keys``: the S3 access and secret key the agents use. Returns the origin and
+    each mode's result (tests/test_fleet_bench.py runs it small)."""
+    files = model_files(size, 4)
+    upload_model(s3, bucket, "llm", files)
+    hashes = {p: hashlib.sha256(b).hexdigest() for p, b in files.items()}
+    origin = S3Origin(bucket, "llm", proxy, files)
+    del files
+    storage_secret(kube, proxy.base_url, *keys)
+    proxy.set_rate_limit(rate)
+    coord_cfg = Config(kubeconfig=str(cp.kubeconfig_for("modelcache-system", "modelcache-coordinator")),
+                       leader_election=False, host="127.0.0.1", port=free_port(), watch_timeout=600)
+    coordinator = Coordinator(coord_cfg, Kube(load_api_client(coord_cfg.kubeconfig))).start()
+    try:
+        wait_until(coordinator.controllers_running.is_set, timeout=60, what="coordinator")
+        results: dict[str, dict[str, Any]] = {}
+        for mode in modes:
+            n = 1 if mode == "single" else nodes
+            print(f"{mode}: {n} node(s) ...", file=sys.stderr, flush=True)
+            results[mode] = run(mode, n, kube, cp, origin, workdir, hashes, timeout)
+            print(f"{mode}: {results[mode]}", file=sys.stderr, flush=True)
+    finally:
+        coordinator.stop()
+    return origin, results
+
+
+def summary(nodes: int, model: int, rate: int, results: dict[str, dict[str, Any]],
+            load_start: list[float]) -> dict[str, Any]:
+    """What ``--json`` writes (the issue's keys, plus the origin rate and the load averages)."""
+    def of(mode: str, what: str) -> Any:
+        return results.get(mode, {}).get(what)
+
+    return {"nodes": nodes, "model_bytes": model, "origin_rate": rate,
+            "origin_bytes_p2p": of("p2p", "origin_bytes"), "origin_bytes_direct": of("direct", "origin_bytes"),
+            "seconds_p2p": _round(of("p2p", "seconds")), "seconds_direct": _round(of("direct", "seconds")),
+            "seconds_single": _round(of("single", "seconds")),
+            "load_average_start": load_start, "load_average": [round(x, 1) for x in os.getloadavg()]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=8)
+    ap.add_argument("--size", default="256Mi", help="model size (a config and four shards)")
+    ap.add_argument("--origin-rate", default="16Mi", help="bytes per second the origin sends, in all")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--modes", default="p2p,direct,single", help="which runs (comma-separated)")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder (agent logs) and print its path")
+    args = ap.parse_args()
+    size, rate = parse_quantity(args.size), parse_quantity(args.origin_rate)
+    if not size or not rate:
+        ap.error("--size and --origin-rate take quantities like 256Mi, 16Mi")
+    load_start = [round(x, 1) for x in os.getloadavg()]  # the machine is shared: say how loaded it was
+
+    workdir = Path(tempfile.mkdtemp(prefix="fleet-", dir=REPO / ".work" if (REPO / ".work").is_dir() else None))
+    cp = ControlPlane(workdir / "cluster").start()
+    moto, endpoint = start_moto(workdir)
+    proxy = FaultProxy(("127.0.0.1", urlsplit(endpoint).port or 0))
+    try:
+        apply_manifests(cp)
+        kube = Kube(load_api_client(str(cp.kubeconfig)))
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="fleet",
+                          aws_secret_access_key="fleet")
+        s3.create_bucket(Bucket="models")
+        origin, results = measure(cp, kube, s3, "models", proxy, args.nodes, size, rate, args.modes.split(","),
+                                  workdir, args.timeout)
+    finally:
+        proxy.close()
+        stop_process(moto)
+        cp.stop()
+        if args.keep:
+            print(f"work folder kept: {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    model = origin.size
+    out = summary(args.nodes, model, rate, results, load_start)
+    single = out["seconds_single"]
+    print(f"{args.nodes} nodes, model {model / 2**20:.0f} MiB (config + 4 shards), origin {rate / 2**20:.0f} MiB/s, "
+          f"load average (1/5/15 min) {load_start} at start, {out['load_average']} at the end")
+    print("| run | nodes | seconds to all Downloaded | x one node alone | origin bytes | x model size |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for mode in ("p2p", "direct", "single"):
+        r = results.get(mode)
+        if r is None:
+            continue
+        ratio = f"{r['seconds'] / single:.2f}" if single else "-"
+        print(f"| {mode} | {1 if mode == 'single' else args.nodes} | {r['seconds']:.1f} | {ratio} | "
+              f"{r['origin_bytes']} | {r['origin_bytes'] / model:.2f} |")
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out))
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
+
+
+if __name__ == "__main__":
+    main()
