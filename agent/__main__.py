@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -197,9 +198,10 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
 
     api = load_api_client(cfg.kubeconfig)  # a KubeConfigError is a StartupError: one line, exit 2
     # In a pod the API server may be out of reach for a while as the node starts: wait for it as
-    # the informers would; a kubeconfig given by hand that reaches nothing fails at once.
-    if not check_api_server(api, config_source(cfg.kubeconfig), stop=stop,
-                            patience=60.0 if cfg.kubeconfig is None and in_pod() else 0.0):
+    # the informers would, before the agent's own Pod is read. A kubeconfig given by hand that
+    # reaches nothing fails at once, after the ports (each start-up problem named by its own flag).
+    in_cluster = cfg.kubeconfig is None and in_pod()
+    if in_cluster and not check_api_server(api, config_source(None), stop=stop, patience=60.0):
         return 0
     kube = Kube(api)
     if host_path is None:
@@ -222,7 +224,15 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
             return 0
         # Peers are served only by the agent that holds the root (a waiting one would serve a root it
         # does not manage, and its port is the holder's).
-        agent.peering = _peering(cfg, kube, agent, metrics)
+        reached: list[bool] = []
+
+        def reach() -> None:  # once, after the local checks (token file, peer port): each names its flag
+            if not in_cluster and not reached:
+                check_api_server(api, config_source(cfg.kubeconfig))
+                reached.append(True)
+
+        agent.peering = _peering(cfg, kube, agent, metrics, reach)
+        reach()
         try:
             krunner.start()
         except TimeoutError as exc:
@@ -258,11 +268,13 @@ def _standalone_spec(cfg: AgentConfig) -> dict[str, object]:
         raise StartupError(f"--standalone: {exc}") from None
 
 
-def _peering(cfg: AgentConfig, kube: object, agent: object, metrics: object) -> object | None:
+def _peering(cfg: AgentConfig, kube: object, agent: object, metrics: object,
+             before_start: Callable[[], None]) -> object | None:
     from agent.peering import start_peering
 
     try:
-        return start_peering(cfg, kube, agent.store, metrics, agent.changed.set)  # type: ignore[arg-type,attr-defined]
+        return start_peering(cfg, kube, agent.store, metrics, agent.changed.set,  # type: ignore[arg-type,attr-defined]
+                             before_start)
     except OSError as exc:
         raise listen_error(exc, cfg.peer_host, cfg.peer_port, "--peer-port", "--peer-host") from None
 
