@@ -12,12 +12,12 @@ from pathlib import Path
 
 import click
 
-from agent.capacity import parse_quantity
 from agent.config import DEFAULT_ROOT, AgentConfig
 from agent.logs import fields, setup_logging
 from modelcache.errors import ModelcacheError
 from modelcache.progress import human_bytes
 from modelcache.resources import check_buffers, chunk_size_problem
+from modelcache.sizes import parse_size
 from modelcache.startup import StartupError, check_writable_dir, env_for_every_flag, listen_error, run_command
 
 log = logging.getLogger("agent")
@@ -28,10 +28,11 @@ _NON_NEGATIVE = click.FloatRange(min=0)
 
 
 def _size(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
-    n = parse_quantity(value)
-    if n is None or n < 0:
-        raise click.BadParameter(f"{value!r} is not a size (e.g. 16Mi, 256Mi, 1G)")
-    return n
+    """Binary, as every modelcache command reads sizes (16M = 16Mi = 16MiB); modelcache/sizes.py."""
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def _chunk_size(ctx: click.Context, param: click.Parameter, value: str) -> int:
@@ -80,6 +81,12 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
 @click.option("--credentials-namespace", envvar=["MODELCACHE_CREDENTIALS_NAMESPACE", "POD_NAMESPACE"],
               default=lambda: _pod_namespace("kserve"), show_default="the pod's namespace, else kserve",
               help="Where download credentials are looked up (docs/install.md#credentials).")
+@click.option("--job-namespace", envvar="MODELCACHE_JOB_NAMESPACE", default="modelcache-jobs", show_default=True,
+              help="Where download Jobs of KServe's localModelDownloadJob ClusterStorageContainers run (URIs none "
+                   "of our sources reads; KServe's jobNamespace).")
+@click.option("--kserve-config", envvar="MODELCACHE_KSERVE_CONFIG", default="kserve/inferenceservice-config",
+              show_default=True, help="KServe's ConfigMap (NAMESPACE/NAME): its 'credentials' block (S3 defaults, "
+                                      "key names, storage-spec secret name) applies as in KServe; absent: none.")
 @click.option("--kubeconfig", envvar="KUBECONFIG", default=None,
               help="Kubeconfig file (default: in-cluster, else ~/.kube/config).")
 @click.option("--standalone", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
@@ -213,9 +220,11 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     else:
         log.info("model root found", extra=fields(root=str(cfg.root), host_path=host_path))
     paths = hostpath.RootPaths(host_path)
-    creds = Credentials(KubeSecretReader(kube, cfg.credentials_namespace), cfg.download_env)
+    creds = Credentials(KubeSecretReader(kube, cfg.credentials_namespace, cfg.kserve_config), cfg.download_env)
     agent = Agent(cfg, creds, KubeMountChecker(kube, cfg.node, paths), metrics)
     krunner = KubeRunner(agent, kube, paths)
+    agent.jobs = krunner.download_jobs(cfg.job_namespace, host_path)
+    agent.root_check = paths.refusal
     # Live but not ready while another agent holds the root: it neither downloads nor writes status.
     server = _serve(cfg, HealthServer, krunner.healthy, krunner.ready, metrics.render)
     try:

@@ -14,7 +14,6 @@ whole size a second time.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import threading
 from collections.abc import Callable
@@ -23,26 +22,6 @@ from pathlib import Path
 
 from modelcache.errors import InsufficientSpaceError
 from modelcache.progress import human_bytes
-
-_SUFFIX = {
-    "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60, "m": 0.001,
-}
-_QUANTITY = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+))(?:[eE]([+-]?\d+))?(Ki|[MGTPE]i|[kMGTPE]|m)?\s*$")
-
-
-def parse_quantity(value: str | int | float | None) -> int | None:
-    """A Kubernetes Quantity (``100Gi``, ``1.5T``, ``5e9``) in bytes; None when empty or invalid."""
-    if value is None or value == "":
-        return None
-    if isinstance(value, int | float):
-        return int(value)
-    m = _QUANTITY.match(str(value))
-    if not m:
-        return None
-    number, exp, suffix = m.groups()
-    result = float(number) * (10 ** int(exp) if exp else 1) * _SUFFIX[suffix or ""]
-    return int(result)
 
 
 def allocated_bytes(folder: Path) -> int:
@@ -55,6 +34,33 @@ def allocated_bytes(folder: Path) -> int:
             except OSError:
                 continue  # renamed or deleted meanwhile: no longer ours to count
     return total
+
+
+class GroupLimit(int):
+    """A node group's ``storageLimit`` in bytes, knowing its group (for the refusal's message)."""
+
+    group: str = ""
+
+    def __new__(cls, value: int, group: str = "") -> GroupLimit:
+        obj = super().__new__(cls, value)
+        obj.group = group
+        return obj
+
+
+def storage_limit_refusal(what: str, model_bytes: int, limit: int, used: int, reserved: int) -> str:
+    """Why a model does not fit its node group's ``storageLimit``, and what to do about it."""
+    group = getattr(limit, "group", "") or "?"
+    return (f"{what}: does not fit the node group's storageLimit: the model is {human_bytes(model_bytes)}, "
+            f"LocalModelNodeGroup '{group}' has storageLimit {human_bytes(limit)} and this node holds "
+            f"{human_bytes(used)} of models already ({human_bytes(reserved)} more reserved by downloads in flight). "
+            f"modelcache enforces storageLimit (KServe does not): raise spec.storageLimit of LocalModelNodeGroup "
+            f"'{group}' (a Kubernetes quantity, e.g. {_suggest(used + reserved + model_bytes)}) or remove models "
+            f"from this node")
+
+
+def _suggest(need: int) -> str:
+    gib = -(-need // (1 << 30))
+    return f"{gib}Gi"
 
 
 @dataclass(frozen=True)
@@ -116,12 +122,9 @@ class Capacity:
                     f"on {self.root} (after a {human_bytes(self.margin)} margin and downloads in flight)"
                 )
             if limit is not None:
-                free_limit = max(0, limit - self.used_bytes() - sum(r.model_bytes for r in others))
-                if model_bytes > free_limit:
-                    raise InsufficientSpaceError(
-                        f"{what}: insufficient space: need {human_bytes(model_bytes)}, free {human_bytes(free_limit)} "
-                        f"of the node group's storageLimit {human_bytes(limit)}"
-                    )
+                used, reserved = self.used_bytes(), sum(r.model_bytes for r in others)
+                if model_bytes > max(0, limit - used - reserved):
+                    raise InsufficientSpaceError(storage_limit_refusal(what, model_bytes, limit, used, reserved))
             self._reserved[key] = Reservation(key, disk_bytes, model_bytes, staged,
                                               allocated_bytes(staged) if staged is not None else 0)
 

@@ -25,6 +25,10 @@ class AgentConfig:
     host: str = "::"
     #: Namespace whose secrets and service accounts hold download credentials (KServe's jobNamespace).
     credentials_namespace: str = "kserve"
+    #: Where KServe's download-Job containers run (agent/downloadjob.py; KServe's jobNamespace).
+    job_namespace: str = "modelcache-jobs"
+    #: KServe's ConfigMap (namespace/name) whose ``credentials`` block holds cluster-wide defaults.
+    kserve_config: str = "kserve/inferenceservice-config"
     kubeconfig: str | None = None
     standalone: Path | None = None
     watch: bool = False

@@ -80,6 +80,11 @@ class Agent:
         self.capacity = Capacity(cfg.root, cfg.space_margin, self._used_bytes)
         self.pool = ThreadPoolExecutor(max_workers=max(1, cfg.max_concurrent_models), thread_name_prefix="download")
         self.checker = Checker(self)
+        #: KServe's download-Job containers, in cluster mode (agent/downloadjob.py); None: none.
+        self.jobs: Any = None
+        #: root_check(nodeGroup) -> why a model of that group must not be reported Downloaded (the
+        #: root is not the group PV's local.path: agent/hostpath.py), else None. Cluster mode only.
+        self.root_check: Callable[[str | None], str | None] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_removal_check = 0.0
@@ -161,9 +166,10 @@ class Agent:
         try:
             parse_uri(uri)
         except ModelcacheError as exc:
-            rec.failure = Failure(f"{exc.reason}: {exc}", exc.reason)
-            rec.next_attempt = float("inf")  # a bad URI does not get better by retrying
-            return rec
+            if self._job_container(uri) is None:  # (a download-Job container may read it)
+                rec.failure = Failure(f"{exc.reason}: {exc}", exc.reason)
+                rec.next_attempt = float("inf")  # a bad URI does not get better by retrying
+                return rec
         manifest = self.store.manifest(key)
         if manifest is None:
             return rec
@@ -287,30 +293,12 @@ class Agent:
 
     def _download(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> None:
         t0 = time.monotonic()
-        scheme = _scheme(rec.uri)
+        scheme = "job" if self._job_container(rec.uri) is not None else _scheme(rec.uri)
         error: BaseException | None = None
         result = None
         try:
-            with self.credentials.settings_for(primary) as settings:
-                def pull_into(dest: Any = None, uri: str | None = None, check: Any = None, only: Any = None) -> Any:
-                    where: dict[str, Any] = {"dest": dest} if dest is not None else {"root": self.cfg.root}
-
-                    def admit(plan: PullPlan) -> None:
-                        if check is not None:
-                            check(plan)  # a repair refuses a listing that is not its pinned revision
-                        self._admit(rec, task, primary, plan)
-
-                    peers = self.peering.network if self.peering is not None and dest is None else None
-                    return pull(uri or rec.uri, settings=settings, options=self._options(), progress=task.progress,
-                                admit=admit, cancel=task.cancel, only=only, peers=peers, **where)
-
-                if needs_repair(self.store, rec.key):
-                    # Damaged, or left half-repaired by a crash: fix the files inside the folder that
-                    # serving pods mount; a publish would swap the folder out from under them.
-                    task.repairing = True
-                    result = repair(self.store, rec.key, pull_into, rec.old_files).result
-                else:
-                    result = pull_into()
+            result = (self._download_by_job(rec, task, primary) if self._job_container(rec.uri) is not None
+                      else self._pull_model(rec, task, primary))
         except BaseException as exc:
             error = exc
         finally:
@@ -355,6 +343,64 @@ class Agent:
         self.changed.set()
         self.wake.set()
         self._emit(event)
+
+    def _pull_model(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> Any:
+        """Our own download: the core pull (adoption, archives unpacked), or an in-place repair."""
+        with self.credentials.settings_for(primary) as settings:
+            def pull_into(dest: Any = None, uri: str | None = None, check: Any = None, only: Any = None) -> Any:
+                where: dict[str, Any] = {"dest": dest} if dest is not None else {"root": self.cfg.root}
+
+                def admit(plan: PullPlan) -> None:
+                    if check is not None:
+                        check(plan)  # a repair refuses a listing that is not its pinned revision
+                    self._admit(rec, task, primary, plan)
+
+                peers = self.peering.network if self.peering is not None and dest is None else None
+                # unpack: a repair's folder holds the model as the store does (archives unpacked).
+                return pull(uri or rec.uri, settings=settings, options=self._options(), progress=task.progress,
+                            admit=admit, cancel=task.cancel, only=only, peers=peers, unpack=True, **where)
+
+            if needs_repair(self.store, rec.key, rec.old_files):
+                # Damaged, or left half-repaired by a crash: fix the files inside the folder that
+                # serving pods mount; a publish would swap the folder out from under them.
+                task.repairing = True
+                return repair(self.store, rec.key, pull_into, rec.old_files).result
+            return pull_into()
+
+    def containers_changed(self) -> None:
+        """KServe's download containers changed: a URI one of them now reads is no longer an
+        invalid URI (the container may have been created after the entry)."""
+        with self.lock:
+            for rec in self.records.values():
+                if _hopeless(rec) and rec.task is None and self._job_container(rec.uri) is not None:
+                    rec.failure, rec.failures, rec.next_attempt = None, 0, 0.0
+                    log.info("a download container reads this URI now", extra=fields(storage_key=rec.key))
+        self.changed.set()
+        self.wake.set()
+
+    def _job_container(self, uri: str) -> Any:
+        """KServe's download-Job container for a URI none of our sources reads (agent/downloadjob.py)."""
+        if self.jobs is None:
+            return None
+        try:
+            parse_uri(uri)
+            return None  # ours: pulled in-process
+        except ModelcacheError:
+            return self.jobs.container_for(uri)
+
+    def _download_by_job(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> Any:
+        assert self.jobs is not None
+        from modelcache.adopt import record_folder
+        from modelcache.pull import PullResult
+
+        with self.credentials.env_for(primary) as env:
+            passed = {k: v for k, v in env.items() if self.credentials.base_env.get(k) != v}
+            job = self.jobs.run(primary, rec.key, self.store.layout.model_dir(rec.key), task.cancel, passed)
+        manifest = record_folder(self.store, rec.key, redact_uri(rec.uri))
+        log.info("download Job succeeded", extra=fields(storage_key=rec.key, job=job, files=len(manifest.files)))
+        return PullResult(uri=manifest.uri, storage_key=rec.key, path=self.store.layout.model_dir(rec.key),
+                          resolved_uri=manifest.uri, files=len(manifest.files), bytes=manifest.total_size,
+                          cached=False, elapsed=0.0)
 
     def _count_sources(self, key: str) -> dict[str, int]:
         """Where the attempt's bytes came from (peer transfer on): metrics, and the log line's fields."""
@@ -533,8 +579,14 @@ class Agent:
             for rec in self.records.values():
                 state = rec.state(self._present(rec.key))
                 for info in rec.entries:
-                    model_status[info.status_key] = state
-                    details[info.status_key] = {**rec.detail(state).to_dict(), **self._peer_fields(rec.key)}
+                    d = rec.detail(state)
+                    blocked = (self.root_check(info.node_group) if self.root_check and state == MODEL_DOWNLOADED
+                               else None)
+                    if blocked:
+                        # Downloaded here, but not where the node group's PV points serving pods.
+                        d.state, d.message = MODEL_DOWNLOAD_ERROR, blocked
+                    model_status[info.status_key] = d.state
+                    details[info.status_key] = {**d.to_dict(), **self._peer_fields(rec.key)}
                 for info in rec.former:
                     d = rec.detail(state)
                     d.message = ("removed from the spec; kept while mounted by " + ", ".join(rec.mounted_by)

@@ -18,14 +18,18 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from modelcache.credentials import Settings
 from modelcache.errors import AuthError
 from modelcache.kube.types import LocalModelInfo
+
+log = logging.getLogger("agent.credentials")
 
 STORAGE_CONFIG_SECRET = "storage-config"
 GCS_KEY_FILE = "gcloud-application-credentials.json"
@@ -33,18 +37,33 @@ HDFS_NAMENODE_KEY = "HDFS_NAMENODE"
 S3_ACCESS_KEY_NAME = "awsAccessKeyID"
 S3_SECRET_KEY_NAME = "awsSecretAccessKey"
 ANNOTATION_PREFIX = "serving.kserve.io/"
-#: S3 option annotation (after the prefix) -> environment variables it sets (KSERVE-CONTRACTS §5.4).
-S3_OPTIONS: dict[str, tuple[str, ...]] = {
-    "s3-endpoint": ("S3_ENDPOINT",),
-    "s3-usehttps": ("S3_USE_HTTPS",),
-    "s3-region": ("AWS_DEFAULT_REGION",),
-    "s3-verifyssl": ("S3_VERIFY_SSL",),
-    "s3-verify-ssl": ("S3_VERIFY_SSL",),
-    "s3-usevirtualbucket": ("S3_USER_VIRTUAL_BUCKET",),
-    "s3-useaccelerate": ("S3_USE_ACCELERATE",),
-    "s3-useanoncredential": ("awsAnonymousCredential",),
-    "s3-cabundle": ("AWS_CA_BUNDLE",),
-}
+IRSA_ANNOTATION = "eks.amazonaws.com/role-arn"
+#: KServe's ConfigMap (``namespace/name``) whose ``credentials`` block sets cluster-wide defaults.
+KSERVE_CONFIG = "kserve/inferenceservice-config"
+
+
+@dataclass(frozen=True)
+class S3Option:
+    """One S3 setting as KServe's credential builder finds it: the secret's annotation, else a
+    secret data key named after the environment variable itself, else ``credentials.s3.<config>``."""
+
+    annotation: str  # after serving.kserve.io/
+    env: str  # also the secret data key
+    config: str  # key under credentials.s3 of inferenceservice-config
+
+
+S3_OPTIONS = (
+    S3Option("s3-endpoint", "S3_ENDPOINT", "s3Endpoint"),
+    S3Option("s3-usehttps", "S3_USE_HTTPS", "s3UseHttps"),
+    S3Option("s3-region", "AWS_DEFAULT_REGION", "s3Region"),
+    S3Option("s3-verifyssl", "S3_VERIFY_SSL", "s3VerifySSL"),
+    S3Option("s3-usevirtualbucket", "S3_USER_VIRTUAL_BUCKET", "s3UseVirtualBucket"),
+    S3Option("s3-useaccelerate", "S3_USE_ACCELERATE", "s3UseAccelerate"),
+    S3Option("s3-useanoncredential", "awsAnonymousCredential", "s3UseAnonymousCredential"),
+    S3Option("s3-cabundle", "AWS_CA_BUNDLE", "s3CABundle"),
+)
+#: Annotation spellings accepted besides KServe's (DESIGN.md: both are in use).
+ANNOTATION_ALIASES = {"s3-verifyssl": ("s3-verify-ssl",)}
 #: Secret data keys copied to the same environment variable.
 PLAIN_KEYS = (
     "AZ_CLIENT_ID", "AZ_CLIENT_SECRET", "AZ_TENANT_ID", "AZ_SUBSCRIPTION_ID",
@@ -53,14 +72,59 @@ PLAIN_KEYS = (
 )
 
 
+@dataclass(frozen=True)
+class CredentialConfig:
+    """The ``credentials`` block of KServe's ``inferenceservice-config`` (its defaults when absent)."""
+
+    s3: Mapping[str, str] = field(default_factory=dict)
+    gcs_credential_file_name: str = GCS_KEY_FILE
+    storage_spec_secret_name: str = STORAGE_CONFIG_SECRET
+
+    @property
+    def s3_access_key_name(self) -> str:
+        return self.s3.get("s3AccessKeyIDName") or S3_ACCESS_KEY_NAME
+
+    @property
+    def s3_secret_key_name(self) -> str:
+        return self.s3.get("s3SecretAccessKeyName") or S3_SECRET_KEY_NAME
+
+    @classmethod
+    def from_config_map(cls, cm: Mapping[str, Any] | None, where: str = KSERVE_CONFIG) -> CredentialConfig:
+        raw = ((cm or {}).get("data") or {}).get("credentials")
+        if not raw:
+            return cls()
+        try:
+            doc = json.loads(raw)
+            if not isinstance(doc, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            raise AuthError(f"ConfigMap {where}: its 'credentials' entry is not a JSON object; fix it "
+                            "(KServe's controller cannot read it either)") from None
+        s3 = {str(k): str(v) for k, v in (doc.get("s3") or {}).items() if v not in (None, "")}
+        gcs = doc.get("gcs") or {}
+        return cls(s3=s3, gcs_credential_file_name=str(gcs.get("gcsCredentialFileName") or GCS_KEY_FILE),
+                   storage_spec_secret_name=str(doc.get("storageSpecSecretName") or STORAGE_CONFIG_SECRET))
+
+
 class SecretReader(Protocol):
     def secret(self, name: str) -> dict[str, Any] | None: ...
     def service_account(self, name: str) -> dict[str, Any] | None: ...
+    def credential_config(self) -> CredentialConfig: ...
+
+
+def secret_bytes(secret: Mapping[str, Any]) -> dict[str, bytes]:
+    """A Secret's values as the kubelet would mount them: raw bytes (a keytab is not text)."""
+    out = {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
+    out.update({k: str(v).encode() for k, v in (secret.get("stringData") or {}).items()})
+    return out
 
 
 def secret_data(secret: Mapping[str, Any]) -> dict[str, str]:
-    out = {k: base64.b64decode(v).decode("utf-8") for k, v in (secret.get("data") or {}).items()}
-    out.update({k: str(v) for k, v in (secret.get("stringData") or {}).items()})
+    """Text values (env variables); a value that is not UTF-8 is kept out rather than failing all."""
+    out: dict[str, str] = {}
+    for k, v in secret_bytes(secret).items():
+        with contextlib.suppress(UnicodeDecodeError):
+            out[k] = v.decode("utf-8")
     return out
 
 
@@ -68,13 +132,15 @@ def _annotations(obj: Mapping[str, Any] | None) -> dict[str, str]:
     return dict(((obj or {}).get("metadata") or {}).get("annotations") or {})
 
 
-def storage_env(info: LocalModelInfo, reader: SecretReader) -> dict[str, str]:
+def storage_env(info: LocalModelInfo, reader: SecretReader, config: CredentialConfig | None = None) -> dict[str, str]:
     """``STORAGE_CONFIG`` / ``STORAGE_OVERRIDE_CONFIG`` for an entry with ``storage``."""
     assert info.storage is not None
+    config = config or CredentialConfig()
+    name = config.storage_spec_secret_name
     params = dict(info.storage.parameters or {})
-    secret = reader.secret(STORAGE_CONFIG_SECRET)
+    secret = reader.secret(name)
     if secret is None:
-        raise AuthError(f"model {info.status_key}: secret '{STORAGE_CONFIG_SECRET}' not found in the credentials "
+        raise AuthError(f"model {info.status_key}: secret '{name}' not found in the credentials "
                         "namespace; create it or drop the entry's storage field")
     data = secret_data(secret)
     key = info.storage.key
@@ -85,27 +151,60 @@ def storage_env(info: LocalModelInfo, reader: SecretReader) -> dict[str, str]:
     if key in data:
         env["STORAGE_CONFIG"] = data[key]
     elif not params:
-        raise AuthError(f"model {info.status_key}: secret '{STORAGE_CONFIG_SECRET}' has no key '{key}'; "
+        raise AuthError(f"model {info.status_key}: secret '{name}' has no key '{key}'; "
                         "add it or set storage.key to an existing key")
     if params:
         env["STORAGE_OVERRIDE_CONFIG"] = json.dumps(params)
     return env
 
 
-def _s3_env(data: Mapping[str, str], annotations: Mapping[str, str], sa_annotations: Mapping[str, str]
-            ) -> dict[str, str]:
-    env = {"AWS_ACCESS_KEY_ID": data.get(S3_ACCESS_KEY_NAME, ""), "AWS_SECRET_ACCESS_KEY": data[S3_SECRET_KEY_NAME]}
-    for option, variables in S3_OPTIONS.items():
-        # An annotation on the secret, else on the service account, else a data key of that name.
-        value = annotations.get(ANNOTATION_PREFIX + option) or sa_annotations.get(ANNOTATION_PREFIX + option) \
-            or data.get(option)
-        if value:
-            for var in variables:
-                env[var] = value
+def s3_env(annotations: Mapping[str, str], data: Mapping[str, str] | None, config: CredentialConfig,
+           fallback_annotations: Mapping[str, str] | None = None) -> dict[str, str]:
+    """S3 settings by KServe's precedence: annotation, secret data key, ``credentials.s3``.
+
+    ``fallback_annotations`` (the service account's) come after the secret's own annotations
+    and data (KServe ignores them there; they fill what the secret leaves unset).
+    """
+    def value(opt: S3Option) -> str:
+        for source in (annotations, None, fallback_annotations):
+            if source is None:
+                if data is not None and opt.env in data:
+                    return data[opt.env]
+                continue
+            for name in (opt.annotation, *ANNOTATION_ALIASES.get(opt.annotation, ())):
+                if ANNOTATION_PREFIX + name in source:
+                    return source[ANNOTATION_PREFIX + name]
+        return config.s3.get(opt.config, "")
+
+    env: dict[str, str] = {}
+    values = {opt.env: value(opt).strip() for opt in S3_OPTIONS}
+    endpoint = values.pop("S3_ENDPOINT")
+    use_https = values.pop("S3_USE_HTTPS")
+    if endpoint:
+        # KServe: a scheme on the endpoint decides S3_USE_HTTPS; else S3_USE_HTTPS "0" means
+        # http and anything else https. AWS_ENDPOINT_URL is what the download reads.
+        lower = endpoint.lower()
+        if lower.startswith(("https://", "http://")):
+            use_https = "1" if lower.startswith("https://") else "0"
+            host, url = endpoint.split("://", 1)[1], endpoint
+        else:
+            host, url = endpoint, ("http://" if use_https == "0" else "https://") + endpoint
+        if use_https:
+            env["S3_USE_HTTPS"] = use_https
+        env["S3_ENDPOINT"], env["AWS_ENDPOINT_URL"] = host, url
+    env.update({k: v for k, v in values.items() if v})
     return env
 
 
-def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str) -> dict[str, str]:
+def _write_private(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str,
+                        config: CredentialConfig | None = None) -> dict[str, str]:
+    config = config or CredentialConfig()
     name = info.service_account_name or "default"
     sa = reader.service_account(name)
     if sa is None:
@@ -116,38 +215,36 @@ def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str
         secret = reader.secret(str(ref.get("name", "")))
         if secret is None:
             continue  # KServe skips (and logs) a missing secret
+        raw = secret_bytes(secret)
         data = secret_data(secret)
-        if S3_SECRET_KEY_NAME in data:
-            env.update(_s3_env(data, _annotations(secret), sa_annotations))
-        if GCS_KEY_FILE in data:
+        if config.s3_secret_key_name in data:
+            env["AWS_ACCESS_KEY_ID"] = data.get(config.s3_access_key_name, "")
+            env["AWS_SECRET_ACCESS_KEY"] = data[config.s3_secret_key_name]
+            env.update(s3_env(_annotations(secret), data, config, sa_annotations))
+        if config.gcs_credential_file_name in raw:
             path = os.path.join(key_dir, GCS_KEY_FILE)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(data[GCS_KEY_FILE])
+            _write_private(path, raw[config.gcs_credential_file_name])
             env["GOOGLE_APPLICATION_CREDENTIALS"] = path
         if data.get(HDFS_NAMENODE_KEY):
-            # KServe mounts such a secret at /var/secrets/kserve-hdfscreds: one file per key.
+            # KServe mounts such a secret at /var/secrets/kserve-hdfscreds: one file per key, its
+            # bytes as stored (a keytab is binary).
             folder = os.path.join(key_dir, "hdfs")
             os.makedirs(folder, mode=0o700, exist_ok=True)
-            for name, value in data.items():
-                if "/" in name or name.startswith("."):
+            for key, value in raw.items():
+                if "/" in key or key.startswith("."):
                     continue
-                fd = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "w") as f:
-                    f.write(value)
+                _write_private(os.path.join(folder, key), value)
             env["HDFS_SECRET_DIR"] = folder
         if data.get("https-host") and data.get("headers"):
             env[f"{data['https-host']}-headers"] = data["headers"]
         for k in PLAIN_KEYS:
             if data.get(k):
                 env[k] = data[k]
-    if "AWS_SECRET_ACCESS_KEY" not in env:
-        # IRSA-style: the S3 options may sit on the service account alone.
-        for option, variables in S3_OPTIONS.items():
-            value = sa_annotations.get(ANNOTATION_PREFIX + option)
-            if value:
-                for var in variables:
-                    env[var] = value
+    if "AWS_SECRET_ACCESS_KEY" not in env and (
+            IRSA_ANNOTATION in sa_annotations
+            or any(k.startswith(ANNOTATION_PREFIX + "s3-") for k in sa_annotations)):
+        # IRSA: no static keys; the S3 settings come from the service account and the config.
+        env.update(s3_env(sa_annotations, None, config))
     return env
 
 
@@ -159,27 +256,54 @@ class Credentials:
         self.base_env = dict(base_env)
 
     @contextlib.contextmanager
-    def settings_for(self, info: LocalModelInfo) -> Iterator[Settings]:
+    def env_for(self, info: LocalModelInfo) -> Iterator[dict[str, str]]:
+        """The download's environment (credential files in a private folder while it is open)."""
         with tempfile.TemporaryDirectory(prefix="modelcache-agent-cred-") as key_dir:
             env = dict(self.base_env)
             if self.reader is not None:
                 if info.storage is not None and (info.storage.key or info.storage.parameters):
-                    env.update(storage_env(info, self.reader))
+                    env.update(storage_env(info, self.reader, self.reader.credential_config()))
                 elif info.service_account_name:
-                    env.update(service_account_env(info, self.reader, key_dir))
-            settings = Settings.from_env(env)
-            del env
-            yield settings
+                    env.update(service_account_env(info, self.reader, key_dir, self.reader.credential_config()))
+            try:
+                yield env
+            finally:
+                env.clear()
+
+    @contextlib.contextmanager
+    def settings_for(self, info: LocalModelInfo) -> Iterator[Settings]:
+        with self.env_for(info) as env:
+            yield Settings.from_env(env)
 
 
 class KubeSecretReader:
-    """Secrets and service accounts of the credentials namespace, read when a download starts."""
+    """Secrets and service accounts of the credentials namespace, and KServe's credential
+    defaults, read when a download starts."""
 
-    def __init__(self, kube: Any, namespace: str) -> None:
+    def __init__(self, kube: Any, namespace: str, kserve_config: str = KSERVE_CONFIG) -> None:
         from modelcache.kube.client import SECRETS, SERVICE_ACCOUNTS
 
         self.kube, self.namespace = kube, namespace
         self._secrets, self._sas = SECRETS, SERVICE_ACCOUNTS
+        self.kserve_config = kserve_config
+
+    def credential_config(self) -> CredentialConfig:
+        """KServe's ``credentials`` block; its defaults when the ConfigMap is not there (no KServe
+        installed) or not readable (our RBAC names it: another name needs a grant)."""
+        from kubernetes.client.exceptions import ApiException
+
+        from modelcache.kube.client import CONFIG_MAPS
+
+        namespace, _, name = self.kserve_config.rpartition("/")
+        try:
+            cm = self.kube.get_or_none(CONFIG_MAPS, name, namespace or "kserve")
+        except ApiException as exc:
+            if exc.status != 403:
+                raise
+            log.warning("cannot read ConfigMap %s (forbidden): KServe's credential defaults are not applied",
+                        self.kserve_config)
+            cm = None
+        return CredentialConfig.from_config_map(cm, self.kserve_config)
 
     def secret(self, name: str) -> dict[str, Any] | None:
         return self.kube.get_or_none(self._secrets, name, self.namespace)

@@ -24,18 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from modelcache.kube.client import PODS, Kube
+from modelcache.kube.types import norm_path as norm
+from modelcache.kube.types import pv_root
 
 log = logging.getLogger("agent.hostpath")
-
-
-def norm(path: str) -> str:
-    return posixpath.normpath(path) if path else path
-
-
-def pv_root(pv_spec: Mapping[str, Any]) -> str | None:
-    """The host directory a PV spec names (``local.path`` or ``hostPath.path``), else None."""
-    path = (pv_spec.get("local") or {}).get("path") or (pv_spec.get("hostPath") or {}).get("path")
-    return norm(str(path)) if path else None
 
 
 def host_path_of(pod: Mapping[str, Any], root: Path) -> str | None:
@@ -124,6 +116,20 @@ class RootPaths:
         return (f"the model root is host path {self.host_path} but node group PVs name another path "
                 f"({'; '.join(parts)}): serving pods would not see these files; nothing is deleted until "
                 f"the DaemonSet's hostroot volume and the groups' persistentVolumeSpec.local.path agree")
+
+    def refusal(self, group: str | None) -> str | None:
+        """Why a model of node group ``group`` must not be reported Downloaded: its PV puts serving
+        pods elsewhere than this root (both paths named, and the fix); None when they agree."""
+        with self._lock:
+            found = [m for m in self._mismatches if m.group == group]
+        if not found:
+            return None
+        m = found[0]
+        where = f"names {m.pv_path}" if m.pv_path else ("names no local.path" if m.found else "is not found")
+        return (f"downloaded into host path {self.host_path} (the agent's root), but node group {m.group}'s "
+                f"PV {where}: serving pods would mount an empty folder. Make the DaemonSet's hostroot volume and "
+                f"the group's persistentVolumeSpec.local.path the same directory (`modelcache migrate` prints "
+                f"the patch)")
 
     def pv_paths(self) -> set[str]:
         """The PV paths that are this root (empty: unknown, count every PV); raises

@@ -8,19 +8,29 @@ makes us re-read instead of overwriting.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from datetime import UTC, datetime
 from typing import Any
 
-from agent.capacity import parse_quantity
+from agent.capacity import GroupLimit
 from agent.core import Agent
+from agent.downloadjob import DownloadJobs
 from agent.hostpath import Mismatch, RootPaths
 from agent.logs import fields
 from agent.publish import Publisher
-from modelcache.kube.client import LOCAL_MODEL_NODE_GROUPS, LOCAL_MODEL_NODES, NODES, Kube
+from modelcache.kube.client import (
+    CLUSTER_STORAGE_CONTAINERS,
+    CUSTOM_RESOURCE_DEFINITIONS,
+    LOCAL_MODEL_NODE_GROUPS,
+    LOCAL_MODEL_NODES,
+    NODES,
+    Kube,
+)
 from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import DELETED, Informer
+from modelcache.kube.quantity import parse_quantity
 from modelcache.kube.status import patch_status_if_changed
 from modelcache.kube.types import LocalModelNode
 from modelcache.kube.validate import node_problems
@@ -30,6 +40,8 @@ log = logging.getLogger("agent.kube")
 #: Status keys the agent owns (others, written by anyone else, are kept).
 OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration", "nodeUID", "conditions",
          "peer")
+#: The LocalModelNode CRD, whose status schema decides what the API server keeps of a status write.
+NODE_CRD = f"{LOCAL_MODEL_NODES.plural}.{LOCAL_MODEL_NODES.group}"
 
 
 def _now() -> str:
@@ -44,8 +56,18 @@ class KubeRunner:
         self.node = agent.cfg.node
         self.nodes = Informer(kube, LOCAL_MODEL_NODES, field_selector=f"metadata.name={self.node}")
         self.groups = Informer(kube, LOCAL_MODEL_NODE_GROUPS)
+        #: KServe's ClusterStorageContainers: the download-Job containers (agent/downloadjob.py).
+        self.containers = Informer(kube, CLUSTER_STORAGE_CONTAINERS)
         self.nodes.add_handler(self._on_node)
         self.groups.add_handler(self._on_group)
+        self.containers.add_handler(lambda *_: self.agent.containers_changed())
+        #: What we last asked for and the status the server kept of it. KServe's CRDs prune every
+        #: status field but modelStatus, so what is read back never equals what is wanted: this
+        #: pair tells "unchanged since our last write" apart from "changed". Forgotten when the
+        #: CRD changes (its schema decides what is kept: our fields come back with ours).
+        self._kept: tuple[dict[str, Any], dict[str, Any]] | None = None
+        self.schema = Informer(kube, CUSTOM_RESOURCE_DEFINITIONS, field_selector=f"metadata.name={NODE_CRD}")
+        self.schema.add_handler(self._on_schema)
         self.publisher = Publisher(agent, self._write_status, agent.cfg.status_interval)
         self.synced = threading.Event()
         self.recorder = EventRecorder(kube, "modelcache-agent", self.node)
@@ -103,6 +125,12 @@ class KubeRunner:
             return
         self.agent.set_spec(lmn.spec.local_models, lmn.generation or None)
 
+    def download_jobs(self, namespace: str, host_path: str | None) -> DownloadJobs:
+        """KServe's download-Job containers for this node, run in ``namespace``."""
+        return DownloadJobs(self.kube, self.node, namespace, host_path,
+                            lambda: self.containers.store.list(copy_objects=False),
+                            lambda: self.nodes.store.get_raw(self.node))
+
     def _event(self, event_type: str, reason: str, message: str) -> None:
         obj = self.nodes.store.get(self.node)
         if obj is not None:
@@ -114,7 +142,7 @@ class KubeRunner:
         if event == DELETED or limit is None:
             self.agent.group_limits.pop(name, None)
         else:
-            self.agent.group_limits[name] = limit
+            self.agent.group_limits[name] = GroupLimit(limit, name)
         if self.synced.is_set():
             self.check_paths()
 
@@ -128,6 +156,7 @@ class KubeRunner:
                  if m.get("nodeGroup")}
         found = self.paths.update({n: self.groups.store.get_raw(n) for n in names})
         if found != self._mismatches:
+            self.agent.changed.set()  # models of these groups are (no longer) refused as Downloaded
             if found:
                 message = self.paths.message(found)
                 log.error(message, extra=fields(node=self.node, host_path=self.paths.host_path))
@@ -138,9 +167,15 @@ class KubeRunner:
             self._mismatches = found
         return found
 
+    def _on_schema(self, *_: Any) -> None:
+        self._kept = None
+        self.agent.changed.set()  # write once under the new schema
+
     def _desired(self, ours: dict[str, Any]) -> Any:
         def desired(obj: dict[str, Any]) -> dict[str, Any]:
             old = dict(obj.get("status") or {})
+            if self._kept == (ours, old):
+                return old  # what our last write left, and we want the same: nothing to write
             new = {k: v for k, v in old.items() if k not in (*OWNED, "lastUpdated")}
             new.update(ours)
             if {k: v for k, v in old.items() if k != "lastUpdated"} == new:
@@ -156,10 +191,20 @@ class KubeRunner:
             return
         if self.node_uid:
             ours = {**ours, "nodeUID": self.node_uid}
-        patch_status_if_changed(self.kube, LOCAL_MODEL_NODES, self.node, self._desired(ours), current=current)
+        written = patch_status_if_changed(self.kube, LOCAL_MODEL_NODES, self.node, self._desired(ours),
+                                          current=current)
+        if written is not None:
+            self._kept = (copy.deepcopy(ours), dict(written.get("status") or {}))
 
     def start(self, timeout: float = 60.0) -> KubeRunner:
+        # Containers first: whether a URI none of our sources reads is a download Job's or
+        # invalid is decided when the spec's entries arrive.
+        self.containers.start()
         self.groups.start()
+        self.schema.start()  # not waited for: without it every change is written, as before
+        if not self.containers.wait_for_sync(timeout):
+            raise TimeoutError(f"could not list ClusterStorageContainers from the API server within {timeout:.0f} s "
+                               f"(last error: {self.containers.last_error or 'no answer'})")
         self.nodes.start()
         if not (self.groups.wait_for_sync(timeout) and self.nodes.wait_for_sync(timeout)):
             last = self.nodes.last_error or self.groups.last_error or "no answer"
@@ -197,3 +242,5 @@ class KubeRunner:
         self.publisher.stop()
         self.nodes.stop()
         self.groups.stop()
+        self.containers.stop()
+        self.schema.stop()

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import random
-import re
 import shutil
 import statistics
 import subprocess
@@ -37,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.rss import RssSampler  # noqa: E402  (needs the repo on sys.path)
+from modelcache import sizes  # noqa: E402
 from tests.fixtures.http import NginxServer, make_tls  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
@@ -49,13 +49,11 @@ SMALL_FILES = {
 
 
 def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad size {text!r} (e.g. 4GiB, 256MiB, 64M)")
-    unit = m.group(2).upper()
-    base = 1024 if m.group(3).lower().startswith("i") or not m.group(3) else 1000
-    power = "KMGT".index(unit) + 1 if unit else 0
-    return int(float(m.group(1)) * base**power)
+    """modelcache's one size syntax (binary: 64M = 64Mi = 64MiB), as an argparse type."""
+    try:
+        return sizes.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # ---- data ---------------------------------------------------------------------------------

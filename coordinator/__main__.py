@@ -52,8 +52,10 @@ from modelcache.startup import env_for_every_flag, run_command
               help="seconds the leader keeps acting without a successful renewal (then it stops and exits)")
 @click.option("--retry-period", type=click.FloatRange(min=0, min_open=True), default=2.0,
               help="seconds between lease renewals and attempts")
-@click.option("--mutate-isvc/--no-mutate-isvc", default=True,
-              help="set KServe's local-model label/annotations on services (off where KServe's webhook does it)")
+@click.option("--mutate-isvc/--no-mutate-isvc", default=False,
+              help="also keep services' local-model label/annotations right continuously, after admission: a cache "
+                   "created or deleted then rolls out the running services that match it (KServe never does that; "
+                   "the /mutate-services webhook sets them at admission, as KServe's defaulter does)")
 @click.option("--pod-rewrite", type=click.Choice(["off", "on"]), default="off",
               help="also do KServe's local-model pod rewrite (where KServe's pod mutator is not installed)")
 @click.option("--pod-failure-policy", type=click.Choice(["Ignore", "Fail"]), default="Ignore",

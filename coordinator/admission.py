@@ -19,7 +19,15 @@ from typing import Any
 
 from coordinator import podmutate
 from coordinator.lookup import ApiLookup
-from coordinator.urimatch import match_storage_uri, select_cache, serving_pvc_name, sub_path
+from coordinator.urimatch import (
+    defaulter_metadata,
+    isvc_storage_uri,
+    llmisvc_model_uri,
+    match_storage_uri,
+    select_cache,
+    serving_pvc_name,
+    sub_path,
+)
 from modelcache.kube.types import (
     LOCALMODEL_LABEL,
     LOCALMODEL_NAMESPACE_LABEL,
@@ -49,10 +57,31 @@ def response(request: Review, allowed: bool, message: str = "", patch: list[dict
 # -- pods -------------------------------------------------------------------------------------
 
 
-def pod_target(pod: dict[str, Any], namespace: str, lookup: ApiLookup) -> podmutate.PodTarget | None:
+#: Labels KServe's LLMInferenceService controller puts on its workload pods (llmisvc/workload_*.go).
+LLM_PART_OF = ("app.kubernetes.io/part-of", "llminferenceservice")
+LLM_NAME_LABEL = "app.kubernetes.io/name"
+
+
+def pod_target(pod: dict[str, Any], namespace: str, lookup: ApiLookup,
+               by_uri: bool = False) -> podmutate.PodTarget | None:
+    """The cache a serving pod reads its model from, which decides its placement; None: it does
+    not read one. KServe mounts the cache only into pods whose service carries the cache label
+    (its pod mutator and LLMInferenceService controller check that label alone); a pod without it
+    (``localModel.enabled: false``, where KServe's defaulter strips it; a service created before its
+    cache) downloads its model itself and may run anywhere, so it is not pinned. ``by_uri``: our
+    own rewrite mounts the cache (``--pod-rewrite on``), so a pod is matched by its URI as well."""
     meta = pod.get("metadata") or {}
     labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
     source = annotations.get(podmutate.SOURCE_URI_ANNOTATION)
+    if labels.get(LLM_PART_OF[0]) == LLM_PART_OF[1] and labels.get(LLM_NAME_LABEL):
+        # An LLMInferenceService's pod carries neither the cache label nor the source annotation:
+        # its service does (KServe's defaulter or ours labelled it), and its spec.model.uri.
+        svc = lookup.llm_service(namespace, labels[LLM_NAME_LABEL])
+        if svc is None:
+            return None
+        smeta = svc.get("metadata") or {}
+        labels, annotations = smeta.get("labels") or {}, smeta.get("annotations") or {}
+        source = ((svc.get("spec") or {}).get("model") or {}).get("uri") or None
     name = labels.get(LOCALMODEL_LABEL)
     if name:  # labelled by KServe's (or our) defaulter through the service
         cache = lookup.cache(labels.get(LOCALMODEL_NAMESPACE_LABEL) or None, name)
@@ -63,7 +92,7 @@ def pod_target(pod: dict[str, Any], namespace: str, lookup: ApiLookup) -> podmut
         pvc = annotations.get(LOCALMODEL_PVC_ANNOTATION) or serving_pvc_name(name, groups[0])
         sub = sub_path(uri, source) if source and match_storage_uri(uri, source) else ""
         return podmutate.PodTarget(uri, pvc, sub)
-    if source:
+    if source and by_uri:
         match = select_cache(source, namespace, annotations, *lookup.cache_refs(namespace))
         if match is not None:
             return podmutate.PodTarget(match.cache.uri, match.pvc_name, match.sub_path)
@@ -81,7 +110,7 @@ class PodMutator:
         pod = req.get("object") or {}
         namespace = req.get("namespace") or (pod.get("metadata") or {}).get("namespace") or "default"
         try:
-            target = pod_target(pod, namespace, self.lookup)
+            target = pod_target(pod, namespace, self.lookup, by_uri=self.rewrite)
         except Exception as exc:
             log.warning("pod admission: cache lookup failed: %s", exc)
             if self.fail_closed:
@@ -90,6 +119,55 @@ class PodMutator:
         if target is None:
             return response(review, True)
         return response(review, True, patch=podmutate.json_patch(pod, podmutate.mutate(pod, target, self.rewrite)))
+
+
+# -- services ---------------------------------------------------------------------------------
+
+
+def metadata_json_patch(obj: dict[str, Any], labels: dict[str, str | None],
+                        annotations: dict[str, str | None]) -> list[dict[str, Any]]:
+    """RFC 6902 ops setting ``labels``/``annotations`` (None: remove the key) on ``obj``."""
+    meta = obj.get("metadata") or {}
+    ops: list[dict[str, Any]] = []
+    for name, want in (("labels", labels), ("annotations", annotations)):
+        have = meta.get(name)
+        if not isinstance(have, dict):
+            values = {k: v for k, v in want.items() if v is not None}
+            if values:
+                ops.append({"op": "add", "path": f"/metadata/{name}", "value": values})
+            continue
+        for key, value in want.items():
+            path = f"/metadata/{name}/{podmutate.escape_pointer(key)}"
+            if value is None and key in have:
+                ops.append({"op": "remove", "path": path})
+            elif value is not None and have.get(key) != value:
+                ops.append({"op": "add", "path": path, "value": value})
+    return ops
+
+
+@dataclass
+class ServiceDefaulter:
+    """KServe's InferenceService / LLMInferenceService defaulter for the local-model metadata, at
+    admission (CREATE and UPDATE), as KServe applies it: the cache label and annotations of the
+    first matching cache, or none of them. Set only when the service is admitted, so a cache
+    created or deleted later never changes a running service (its labels reach the pod template:
+    a change would roll it out, which KServe never does)."""
+
+    lookup: ApiLookup
+
+    def __call__(self, review: Review) -> Review:
+        req = review.get("request") or {}
+        obj = req.get("object") or {}
+        kind = (req.get("kind") or {}).get("kind") or obj.get("kind") or ""
+        namespace = req.get("namespace") or (obj.get("metadata") or {}).get("namespace") or "default"
+        uri = llmisvc_model_uri(obj) if kind == "LLMInferenceService" else isvc_storage_uri(obj)
+        try:
+            match = select_cache(uri, namespace, (obj.get("metadata") or {}).get("annotations") or {},
+                                 *self.lookup.cache_refs(namespace))
+        except Exception as exc:
+            log.warning("service admission: cache lookup failed: %s", exc)
+            return response(review, True, "modelcache: cannot look up model caches; local-model labels unchanged")
+        return response(review, True, patch=metadata_json_patch(obj, *defaulter_metadata(match)))
 
 
 # -- caches -----------------------------------------------------------------------------------

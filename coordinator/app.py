@@ -15,7 +15,7 @@ from pathlib import Path
 from kubernetes.client.exceptions import ApiException
 
 from coordinator import controllers, metrics
-from coordinator.admission import CacheValidator, PodMutator
+from coordinator.admission import CacheValidator, PodMutator, ServiceDefaulter
 from coordinator.certs import CERT_FILE, ReloadingContext, generate_self_signed, load_tls
 from coordinator.httpserve import HealthServer, WebhookServer
 from coordinator.lookup import ApiLookup
@@ -67,7 +67,7 @@ class Config:
     lease_name: str = "modelcache-coordinator"
     lease_namespace: str = "modelcache-system"
     identity: str = field(default_factory=socket.gethostname)
-    mutate_isvc: bool = True
+    mutate_isvc: bool = False
     pod_rewrite: bool = False
     pod_fail_closed: bool = False
     workers: int = 2
@@ -205,6 +205,7 @@ class Coordinator:
         lookup = ApiLookup(self.kube, recheck=self.cfg.discovery_interval or 30.0)
         routes = {
             "/mutate-pods": PodMutator(lookup, self.cfg.pod_rewrite, self.cfg.pod_fail_closed),
+            "/mutate-services": ServiceDefaulter(lookup),
             "/validate-localmodelcaches": CacheValidator(lookup, namespaced=False),
             "/validate-localmodelnamespacecaches": CacheValidator(lookup, namespaced=True),
             "/uninstall": UninstallHook(self.kube, self.cfg.lease_namespace),

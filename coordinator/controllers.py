@@ -35,7 +35,7 @@ Obj = dict[str, Any]
 
 @dataclass
 class Options:
-    mutate_services: bool = True
+    mutate_services: bool = False
     workers: int = 2
     #: Our namespace's uid (see coordinator/uninstall.py); None: unknown.
     install_uid: str | None = None

@@ -57,6 +57,15 @@ class ApiLookup:
             self._services = found
         return self._services
 
+    def llm_service(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The LLMInferenceService ``namespace/name`` at the served version, if that kind is served."""
+        for res in self.service_resources():
+            if res.kind == "LLMInferenceService":
+                # Listed by name: the coordinator lists and watches services, it does not get them.
+                items = self.kube.list(res, namespace, field_selector=f"metadata.name={name}").get("items") or []
+                return items[0] if items else None
+        return None
+
     def services_labelled(self, selector: str, namespace: str | None) -> list[tuple[str, dict[str, Any]]]:
         """(kind, service) for every service matching ``selector``."""
         out = []

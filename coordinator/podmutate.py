@@ -93,7 +93,8 @@ def mutate(pod: dict[str, Any], target: PodTarget, rewrite: bool) -> dict[str, A
     return out
 
 
-def _escape(key: str) -> str:
+def escape_pointer(key: str) -> str:
+    """A key as one JSON Pointer segment (RFC 6901)."""
     return key.replace("~", "~0").replace("/", "~1")
 
 
@@ -102,8 +103,8 @@ def json_patch(old: dict[str, Any], new: dict[str, Any]) -> list[dict[str, Any]]
     ops: list[dict[str, Any]] = []
     old_spec, new_spec = old.get("spec") or {}, new.get("spec") or {}
     for key in sorted(old_spec.keys() - new_spec.keys()):
-        ops.append({"op": "remove", "path": f"/spec/{_escape(key)}"})
+        ops.append({"op": "remove", "path": f"/spec/{escape_pointer(key)}"})
     for key in sorted(new_spec):
         if old_spec.get(key) != new_spec[key] or key not in old_spec:
-            ops.append({"op": "add", "path": f"/spec/{_escape(key)}", "value": new_spec[key]})
+            ops.append({"op": "add", "path": f"/spec/{escape_pointer(key)}", "value": new_spec[key]})
     return ops

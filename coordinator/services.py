@@ -1,9 +1,11 @@
-"""Reconciler for InferenceServices and LLMInferenceServices: KServe's defaulter, continuously.
+"""Reconciler for InferenceServices and LLMInferenceServices: KServe's defaulter, continuously
+(``--mutate-isvc``, off by default).
 
-KServe sets the local-model label and annotations once, when a service is admitted. We keep
-them right: a service matched to a cache by KServe's rule gets them, one that no longer matches
-(cache deleted, opted out, URI changed) loses them, and a service created before its cache
-picks it up. Off with ``--no-mutate-isvc`` where KServe's own webhook does this.
+KServe sets the local-model label and annotations once, when a service is admitted; so does our
+``/mutate-services`` webhook (``admission.ServiceDefaulter``). This keeps them right after that
+too: a service created before its cache picks it up, one whose cache is gone loses it. Those
+labels reach the service's pod template, so every such change rolls out a running service:
+hence off unless asked for.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from modelcache.credentials import Settings, ca_bundle_from_env, merged_ca_bundl
 from modelcache.errors import ModelcacheError
 from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.resources import check_buffers, chunk_size_problem
+from modelcache.sizes import parse_size
 from modelcache.transfer import TransferOptions
 from modelcache.uri import redact_uri
 
@@ -50,16 +51,21 @@ def _settings() -> Settings:
     return Settings.from_env({**settings.env, **extra})
 
 
-_SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
 def _size(name: str, raw: str) -> int:
-    text = raw.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = text[-1:] if text[-1:] in _SIZE_SUFFIX else ""
     try:
-        value = int(float(text[: len(text) - len(unit)]) * _SIZE_SUFFIX[unit])
+        value = parse_size(raw)
+    except ValueError as exc:
+        raise ModelcacheError(f"environment variable {name}: {exc}") from None
+    if value <= 0:
+        raise ModelcacheError(f"environment variable {name}={raw!r} must be positive")
+    return value
+
+
+def _count(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip())
     except ValueError:
-        raise ModelcacheError(f"environment variable {name}={raw!r} is not a size (e.g. 16M)") from None
+        raise ModelcacheError(f"environment variable {name}={raw!r} is not a whole number") from None
     if value <= 0:
         raise ModelcacheError(f"environment variable {name}={raw!r} must be positive")
     return value
@@ -80,7 +86,7 @@ def transfer_options(env: Mapping[str, str]) -> TransferOptions:
     chunk = env.get("MODELCACHE_CHUNK_SIZE")
     options = replace(
         base,
-        workers=_size("MODELCACHE_WORKERS", workers) if workers else base.workers,
+        workers=_count("MODELCACHE_WORKERS", workers) if workers else base.workers,
         chunk_size=_size("MODELCACHE_CHUNK_SIZE", chunk) if chunk else base.chunk_size,
     )
     if options.workers > 256:

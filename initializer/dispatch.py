@@ -15,9 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from initializer import unpacked
+from initializer import finished, unpacked
 from initializer.report import PairOutcome
-from modelcache.archive import ArchiveLimits, UnpackResult, archive_kind, remove_stale_staging, unpack_archive
+from modelcache.archive import (
+    ArchiveLimits,
+    UnpackResult,
+    remove_stale_staging,
+    single_archive,
+    unpack_archive,
+)
 from modelcache.credentials import Settings
 from modelcache.errors import ModelcacheError, NotFoundError, UnsupportedError
 from modelcache.progress import ProgressTracker, human_bytes
@@ -132,27 +138,35 @@ def _pull(uri: str, dest: Path, ctx: Context) -> PairOutcome:
     from modelcache.uri import storage_key
 
     key = storage_key(uri)
-    done = unpacked.load(dest, key)
-    if done is not None and unpacked.is_complete(dest, done):
-        # Already unpacked by an earlier run: no listing, no request.
-        if done.archive:
-            with contextlib.suppress(FileNotFoundError):
-                (dest / done.archive).unlink()
-        return PairOutcome("cached", len(done.files), sum(s for _, s in done.files), f"{done.archive} (earlier)")
+    for done in (finished.load(dest, key), unpacked.load(dest, key)):
+        if done is not None and unpacked.is_complete(dest, done):
+            # Complete from an earlier run: no listing, no request.
+            if done.archive:
+                with contextlib.suppress(FileNotFoundError):
+                    (dest / done.archive).unlink()
+            finished.finish(dest, done)
+            return PairOutcome("cached", len(done.files), sum(s for _, s in done.files),
+                               f"{done.archive} (earlier)" if done.archive else "")
+    finished.forget(dest, key)  # DEST is about to change: no record may vouch for it meanwhile
 
     result = pull(uri, dest=dest, settings=ctx.settings, options=ctx.options, progress=ctx.tracker)
     outcome = PairOutcome("cached" if result.cached else "pulled", result.files, result.bytes)
     manifest = NodeStore(DestLayout(dest)).manifest(result.storage_key)
-    names = [f.path for f in manifest.files] if manifest is not None else []
-    if len(names) != 1 or archive_kind(names[0]) is None or not (dest / names[0]).is_file():
+    if manifest is None:
+        raise ModelcacheError(f"{redact_uri(uri)}: the download left no manifest in {dest}; run it again")
+    names = [f.path for f in manifest.files]
+    if single_archive(names) is None or not (dest / names[0]).is_file():
+        finished.finish(dest, finished.from_manifest(manifest))
         return outcome
     archive = dest / names[0]
     size = archive.stat().st_size
     res = _unpack(archive, dest, ctx, remove_archive=False)
     replaced = any(p == names[0] for p in res.paths)
-    unpacked.write(dest, unpacked.build(dest, key, "" if replaced else names[0], size, res))
+    record = unpacked.build(dest, key, "" if replaced else names[0], size, res)
+    unpacked.write(dest, record)  # a crash from here on finds the archive unpacked
     if not replaced:
         archive.unlink()
+    finished.finish(dest, record)
     return PairOutcome(outcome.action, res.files, res.bytes, f"{names[0]} ({res.files} files)")
 
 
@@ -174,7 +188,7 @@ def link_local(uri: str, src: Path, dest: Path, ctx: Context) -> PairOutcome:
         target = dest / entry.name
         if not os.path.lexists(target):
             os.symlink(entry, target)
-    if len(entries) == 1 and archive_kind(entries[0].name) is not None:
+    if single_archive([e.name for e in entries]) is not None:
         res = _unpack(dest / entries[0].name, dest, ctx)
         return PairOutcome("linked", res.files, res.bytes, f"{entries[0].name} ({res.files} files)")
     return PairOutcome("linked", files=len(entries))

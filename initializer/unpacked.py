@@ -7,7 +7,8 @@ the folder and the manifest, the pair is complete and nothing touches the networ
 
 Order for crash safety: unpack (merge into DEST) -> write this record -> delete the archive.
 A crash before the record re-runs the (idempotent) unpack from the archive still in DEST;
-a crash after it leaves at most the archive, which the next run deletes.
+a crash after it leaves at most the archive, which the next run deletes. When the pair is done
+the record moves to an extended attribute of DEST and ``.modelcache`` goes (``finished``).
 """
 
 from __future__ import annotations

@@ -115,6 +115,12 @@ def archive_kind(name: str) -> str | None:
     return None
 
 
+def single_archive(paths: list[str]) -> str | None:
+    """KServe's rule: a model that is exactly one file, an archive by its name, is unpacked
+    (its initializer does it after every download, so its node cache Job does too)."""
+    return paths[0] if len(paths) == 1 and archive_kind(paths[0]) is not None else None
+
+
 @dataclass
 class UnpackResult:
     files: int = 0

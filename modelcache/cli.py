@@ -30,27 +30,25 @@ from modelcache.errors import ModelcacheError
 from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.redact import redact_uri, scrub_urls
 from modelcache.resources import MAX_CHUNK, MIN_CHUNK, check_buffers, chunk_size_problem
+from modelcache.sizes import parse_size
 from modelcache.startup import StartupError, run_command
 from modelcache.store import DestLayout, NodeLayout, NodeStore
 from modelcache.transfer import TransferOptions
 from modelcache.uri import parse_uri, storage_key
 
 DEFAULT_ROOT = "/mnt/models"
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(?:i?[bB]|i)?\s*", text)
-    if not m:
-        raise click.BadParameter(f"'{text}' is not a size (examples: 16M, 512MiB, 2G, 1048576)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 class SizeType(click.ParamType):
     name = "size"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        return value if isinstance(value, int) else parse_size(str(value))
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 def _chunk_size(_ctx: click.Context, _param: click.Parameter, value: int) -> int:
@@ -533,6 +531,34 @@ def gc(root: Path, target_free: int, evict_all: bool, dry_run: bool, as_json: bo
     elif free < target_free:
         click.echo(f"{human_bytes(free)} free{' then' if dry_run else ''}: short of the target "
                    f"{human_bytes(target_free)} (--evict-all)", err=True)
+
+
+@cli.command()
+@click.option("--kubeconfig", envvar="KUBECONFIG", show_envvar=True, default=None,
+              help="Kubeconfig (default: as kubectl finds it).")
+@click.option("--kserve-namespace", default="kserve", show_default=True,
+              help="KServe's namespace (its inferenceservice-config).")
+@click.option("--credentials-namespace", default=None,
+              help="Where our agent reads credentials (default: its DaemonSet's setting, else modelcache-credentials).")
+@click.option("--json", "as_json", is_flag=True, help="The steps as JSON.")
+def migrate(kubeconfig: str | None, kserve_namespace: str, credentials_namespace: str | None, as_json: bool) -> None:
+    """Check a cluster for switching from KServe's local model cache to modelcache (before and after),
+    and print what to do, in order: comment lines say why, every other line is a command. Exit 0
+    when nothing blocks the switch, 1 otherwise. The procedure: deploy/README.md."""
+    from modelcache.kube import migrate as mig
+    from modelcache.kube.client import Kube, load_api_client
+
+    try:
+        api = load_api_client(kubeconfig)
+        steps = mig.plan(mig.gather(Kube(api), kserve_namespace, credentials_namespace))
+    except StartupError as exc:  # no usable kubeconfig: one line naming the file and the fix
+        _fail(str(exc), 2)
+        return
+    if as_json:
+        _emit({"steps": [asdict(s) for s in steps], "blocking": sum(1 for s in steps if s.blocking)})
+    else:
+        click.echo(mig.render(steps, api.configuration.host))
+    sys.exit(1 if any(s.blocking for s in steps) else 0)
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ redacting ``repr`` and nothing here logs.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -225,8 +226,8 @@ def merged_ca_bundle(custom: str) -> str:
     return merged
 
 
-def ca_bundle_from_env(env: Mapping[str, str]) -> str | None:
-    """The custom CA bundle KServe's initializer would use, if any.
+def configured_ca_bundle(env: Mapping[str, str]) -> str | None:
+    """The custom CA bundle file the environment names, whether or not it is there.
 
     KServe mounts a ConfigMap with ``cabundle.crt`` and names it in ``CA_BUNDLE_CONFIGMAP_NAME``;
     ``MODELCACHE_CA_BUNDLE`` names a file directly.
@@ -235,14 +236,30 @@ def ca_bundle_from_env(env: Mapping[str, str]) -> str | None:
         return env["MODELCACHE_CA_BUNDLE"]
     if env.get("CA_BUNDLE_CONFIGMAP_NAME"):
         mount = env.get("CA_BUNDLE_VOLUME_MOUNT_POINT") or DEFAULT_CA_BUNDLE_MOUNT
-        path = os.path.join(mount, "cabundle.crt")
-        if not os.path.isfile(path):
-            raise ModelcacheError(
-                f"Failed to find ca bundle file({path}): CA_BUNDLE_CONFIGMAP_NAME is set "
-                "but the ConfigMap is not mounted at CA_BUNDLE_VOLUME_MOUNT_POINT"
-            )
-        return path
+        return os.path.join(mount, "cabundle.crt")
     return None
+
+
+_warned_missing: set[str] = set()
+
+
+def ca_bundle_from_env(env: Mapping[str, str]) -> str | None:
+    """The custom CA bundle every backend but S3 trusts besides the public CAs, if it is there.
+
+    KServe's rule: a named bundle that is not mounted is a warning for these backends, which keep
+    the default trust store; only S3 fails on it (``_s3_settings`` takes the configured path and
+    the S3 source refuses to start without the file).
+    """
+    path = configured_ca_bundle(env)
+    if path and not os.path.isfile(path):
+        if path not in _warned_missing:
+            _warned_missing.add(path)
+            logging.getLogger(__name__).warning(
+                "CA bundle file %s not found (CA_BUNDLE_CONFIGMAP_NAME is set but its ConfigMap has no "
+                "cabundle.crt, or is not mounted at CA_BUNDLE_VOLUME_MOUNT_POINT): using the default trust "
+                "store; S3 pulls fail without it", path)
+        return None
+    return path
 
 
 def _http_settings(env: Mapping[str, str]) -> HTTPSettings:
@@ -484,7 +501,7 @@ def _s3_settings(env: Mapping[str, str]) -> S3Settings:
     verify = verify_raw not in ("0", "false", "no", "off")
     ca_bundle = env.get("AWS_CA_BUNDLE") or None
     if verify and not ca_bundle:
-        ca_bundle = ca_bundle_from_env(env)
+        ca_bundle = configured_ca_bundle(env)  # KServe: a missing file fails S3 (only), at its first use
     return S3Settings(
         access_key_id=env.get("AWS_ACCESS_KEY_ID") or None,
         secret_access_key=env.get("AWS_SECRET_ACCESS_KEY") or None,

@@ -22,10 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from modelcache import adopt
+from modelcache.archive import ArchiveLimits, single_archive, unpack_archive
 from modelcache.credentials import Settings
 from modelcache.diskio import fsync_tree
 from modelcache.drift import CURRENT, Drift, compare
 from modelcache.errors import CancelledError, InsufficientSpaceError, ModelcacheError, NotFoundError
+from modelcache.integrity import hash_file
 from modelcache.journal import Journal, JournalState
 from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.sources.base import RemoteFile, Source, open_source
@@ -57,6 +60,11 @@ class PullResult:
     #: A refresh: the files fetched again (changed or new at the source) and those it dropped.
     refreshed: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
+    #: Files (and their bytes) that were already in the model folder and were kept (adoption).
+    adopted: int = 0
+    adopted_bytes: int = 0
+    #: The single archive the model was unpacked from, if it was one.
+    unpacked_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,13 @@ class _Model:
     #: A refresh of a stored model: what differs, and the stored files it carries over.
     drift: Drift | None = None
     carry: dict[str, ManifestFile] = field(default_factory=dict)
+    #: Files already in the model folder (adoption): kept, never fetched; their listing indexes.
+    adopted: list[FetchedFile] = field(default_factory=list)
+    skip: set[int] = field(default_factory=set)
+    #: The model folder exists and stays: fetched files are renamed into it one by one.
+    in_place: bool = False
+    unpack: bool = False
+    unpacked_from: str | None = None
 
 
 def _store_for(location: Location, root: Path | None, dest: Path | None, guard: Guard | None) -> NodeStore:
@@ -164,7 +179,9 @@ def bytes_needed(m: _Model) -> int:
     """Bytes the download still has to allocate (preallocated staged files already hold theirs)."""
     staging = m.store.layout.staging_dir(m.key) / "data"
     need = 0
-    for f in m.files:
+    for i, f in enumerate(m.files):
+        if i in m.skip:
+            continue
         try:
             have = (staging / f.path).stat().st_size
         except OSError:
@@ -198,7 +215,7 @@ def _check_space(m: _Model) -> None:
 
 
 def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
-    by_path = {f.path: f for f in m.files}
+    by_path = {f.path: f for f in m.files} if m.unpacked_from is None else {}
     files = []
     for ff in sorted(fetched, key=lambda f: f.path):
         remote = by_path.get(ff.path)
@@ -270,14 +287,22 @@ def _carry_over(m: _Model) -> None:
 
 def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
     path = m.store.layout.model_dir(m.key)
+    fetched = [*m.adopted, *fetched] if not cached else fetched
     complete = {f.path for f in fetched} == {f.path for f in m.files}
     if not cached and m.files and not complete and m.source is not None and not m.source.extracts_itself:
         missing = sorted({f.path for f in m.files} - {f.path for f in fetched})
         raise ModelcacheError(f"{m.location.display}: incomplete download, missing {missing[:3]}; pull again")
+    if not cached and m.unpack:
+        fetched = _unpack_single_archive(m, fetched)
     if not cached:
         assert m.source is not None
         m.source.before_publish(m.store.layout.staging_dir(m.key))
-        path = m.store.publish(m.key, _manifest(m, fetched))
+        (m.store.layout.staging_dir(m.key) / "data").mkdir(parents=True, exist_ok=True)  # all adopted: empty
+        path = m.store.publish(m.key, _manifest(m, fetched), in_place=m.in_place)
+        if m.unpacked_from and m.unpacked_from not in {f.path for f in fetched}:
+            # An archive kept from the folder, now unpacked: it is not part of the model.
+            with contextlib.suppress(FileNotFoundError):
+                (path / m.unpacked_from).unlink()
     manifest = m.store.manifest(m.key)
     total = manifest.total_size if manifest else sum(f.size for f in fetched)
     return PullResult(
@@ -292,7 +317,72 @@ def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
         verified=tuple(sorted({a for f in (manifest.files if manifest else []) for a in f.checksums})),
         refreshed=tuple(sorted({*m.drift.changed, *m.drift.added, *m.drift.unknown})) if m.drift and not cached else (),
         dropped=m.drift.removed if m.drift and not cached else (),
+        adopted=len(m.adopted) if not cached else 0,
+        adopted_bytes=sum(f.size for f in m.adopted) if not cached else 0,
+        unpacked_from=m.unpacked_from,
     )
+
+
+def _unpack_single_archive(m: _Model, fetched: list[FetchedFile]) -> list[FetchedFile]:
+    """KServe's rule for a model that is one archive (``.tar*``, ``.tgz``, ``.zip``): the model is
+    its unpacked contents. Unpacked beside the staged download, which it then replaces; the
+    manifest lists the unpacked files (what pods read, what checks and repairs compare)."""
+    name = single_archive([f.path for f in fetched])
+    if name is None:
+        return fetched
+    staging = m.store.layout.staging_dir(m.key)
+    data = staging / "data"
+    archive = data / name
+    if not archive.is_file():  # kept from the model folder (adopted): unpacked from there
+        archive = m.store.layout.model_dir(m.key) / name
+    out = staging / "unpacked"
+    if out.exists():
+        shutil.rmtree(out)
+    limits = ArchiveLimits.from_env(m.source.settings.env if m.source is not None else {})
+    result = unpack_archive(archive, out, limits, remove_archive=False)
+    # From here the staged archive is gone: without its plan, a crash restarts the download
+    # rather than resuming an archive that is no longer there.
+    for name_ in ("plan.json", "journal"):
+        with contextlib.suppress(FileNotFoundError):
+            (staging / name_).unlink()
+    shutil.rmtree(data, ignore_errors=True)
+    os.replace(out, data)
+    m.unpacked_from = name
+    m.adopted, m.skip = [], set()  # the archive is not part of the model any more
+    files = []
+    for rel in sorted(result.paths):
+        p = data / rel
+        if p.is_symlink() or not p.is_file():
+            continue  # links stay in the folder, but a manifest lists files
+        size = p.stat().st_size
+        files.append(FetchedFile(rel, size, hash_file(p, size=size).local_hexdigest(), ()))
+    log.info("%s: unpacked %s (%d files)", m.location.display, name, len(files))
+    return files
+
+
+def _still_archive(m: _Model) -> bool:
+    """A present model whose manifest lists one archive, where models are stored unpacked."""
+    if not m.unpack:
+        return False
+    manifest = m.store.manifest(m.key)
+    return manifest is not None and single_archive([f.path for f in manifest.files]) is not None
+
+
+def _adopt(m: _Model) -> None:
+    """A folder already there without our manifest (a KServe node agent's, a finished init
+    container's): keep what matches the listing, fetch only the rest, install in place."""
+    if not adopt.applies(m.store, m.key):
+        return
+    m.in_place = True
+    if m.source is not None and m.source.extracts_itself:
+        return  # layers, not files: extracted again and merged into the folder
+    folder = m.store.layout.model_dir(m.key)
+    found = adopt.check(folder, m.files)
+    m.adopted, m.skip = found.kept, {i for i in range(len(m.files)) if i not in set(found.fetch)}
+    log.info("adopting a model folder that has no manifest", extra={"fields": {
+        "uri": m.location.display, "folder": str(folder), "files": len(m.files), "kept": len(found.kept),
+        "kept_bytes": found.kept_bytes, "size_only": found.size_only, "fetch": len(found.fetch),
+        "fetch_files": ",".join(m.files[i].path for i in found.fetch[:20])}})
 
 
 def _extract(m: _Model, progress: ProgressTracker, cancel: threading.Event | None = None) -> list[FetchedFile] | None:
@@ -301,7 +391,6 @@ def _extract(m: _Model, progress: ProgressTracker, cancel: threading.Event | Non
     assert m.source is not None
     if not m.source.extracts_itself:
         return None
-    from modelcache.integrity import hash_file
 
     staging = m.store.layout.staging_dir(m.key)
     # Extract beside "data": a source may decline (None, e.g. an OCI artifact rather than a
@@ -421,6 +510,7 @@ def pull_many(
     guard: Guard | None = None,
     refresh: bool = False,
     only: Collection[str] | None = None,
+    unpack: bool | None = None,
     peers: PeerNetwork | None = None,
 ) -> list[PullResult | ModelcacheError | BaseException]:
     """Pull several models with one worker pool; one result or error per URI, in order.
@@ -437,9 +527,16 @@ def pull_many(
     ``cancel`` stops the pull wherever it is (waiting for another process's lock, between
     steps, transferring, extracting an image) with CancelledError; staged data is kept for a
     later resume. ``guard`` may refuse to replace a model folder that is there but not complete
-    (the CLI's mount check). ``peers`` (the agent's) lets other nodes' agents serve pieces of
-    the models and this node serve what it fetched (``modelcache.peers``); files are verified
-    exactly as without.
+    (the CLI's mount check). ``unpack`` (default: in a store root, not in a destination
+    folder, where the initializer does it) stores a model that is one archive as its unpacked
+    contents, as KServe's download Job does.
+
+    A model folder that is there without our manifest (KServe's node agent filled it) is
+    adopted: files that match the listing are kept, only the others are fetched (``adopt``).
+    ``peers`` (the agent's) lets other nodes' agents serve pieces of the models and this node
+    serve what it fetched (``modelcache.peers``); files are verified exactly as without. Not for
+    a model adopted in place or unpacked from one archive: their pieces would not be the bytes
+    published.
     """
     options = (options or TransferOptions()).normalized()
     if peers is not None:
@@ -462,7 +559,8 @@ def pull_many(
         except ModelcacheError as exc:
             order.append(exc)
             continue
-        models.setdefault(loc.storage_key, _Model(loc, store, loc.storage_key))
+        models.setdefault(loc.storage_key, _Model(loc, store, loc.storage_key,
+                                                  unpack=unpack if unpack is not None else rootp is not None))
         order.append(loc.storage_key)
     if destp is not None and len(models) > 1:
         raise ModelcacheError("a destination folder holds one model: pull several URIs into a store root")
@@ -473,7 +571,7 @@ def pull_many(
     # Present models are answered without the lock: publish installs the manifest last, so a
     # present model is complete, and a read-only store (a pod's mount) can still be asked.
     for m in models.values():
-        if m.store.is_present(m.key) and not refresh:
+        if m.store.is_present(m.key) and not refresh and not _still_archive(m):
             m.store.touch(m.key)
             m.result = _finish(m, [], cached=True)
     try:
@@ -484,12 +582,15 @@ def pull_many(
                     continue
                 try:
                     m.store.recover(m.key)
+                    if _still_archive(m):
+                        # Stored as the archive itself (before archives were unpacked): the folder
+                        # is adopted again, which keeps the archive's bytes and unpacks them.
+                        m.store.layout.manifest_path(m.key).unlink()
                     stored = m.store.manifest(m.key) if refresh and m.store.is_present(m.key) else None
                     if m.store.is_present(m.key) and stored is None:
                         m.store.touch(m.key)
                         m.result = _finish(m, [], cached=True)
                         continue
-                    m.store.check_replaceable(m.key)  # before the download, not after it
                     _check_cancel(cancel, m)
                     _list(m, settings)
                     if only is not None and not m.source.extracts_itself:
@@ -504,6 +605,10 @@ def pull_many(
                             continue
                         by_path = {f.path: f for f in stored.files}
                         m.carry = {p: by_path[p] for p in m.drift.keep}
+                    else:
+                        _adopt(m)  # (a stored model has our manifest: nothing to adopt)
+                    if not m.in_place:  # (adoption keeps the folder: it only adds files to it)
+                        m.store.check_replaceable(m.key)  # before the download, not after it
                     if admit is not None and m.source.extracts_itself:
                         # Extracted layouts write before the engine path would ask: admit their
                         # whole size first (they do not resume, so all of it is needed).
@@ -521,16 +626,22 @@ def pull_many(
                     _prepare_staging(m, options.chunk_size)
                     if m.carry:
                         _carry_over(m)
+                    if not any(i not in m.skip for i in range(len(m.files))):
+                        m.result = _finish(m, [], cached=False)  # every file adopted: nothing to fetch
+                        continue
                     if admit is not None and not admitted:
                         admit(PullPlan(m.location, m.key, sum(f.size or 0 for f in m.files), bytes_needed(m),
                                        len(m.files), m.source.resolved_revision, _listing(m)))
                     _check_space(m)
                     data = m.store.layout.staging_dir(m.key) / "data"
                     assert m.journal is not None
-                    if peers is not None:
+                    if peers is not None and not m.in_place and not (
+                            m.unpack and single_archive([f.path for f in m.files]) is not None):
                         m.source = peers.attach(m.key, m.source, m.files, data.parent, m.journal, options.chunk_size,
                                                 m.resume, options.max_workers or options.workers)
                     for i, f in enumerate(m.files):
+                        if i in m.skip:
+                            continue
                         jobs.append(FileJob(m.source, f, str(data / f.path), m.journal, i, m.key, m.resume))  # type: ignore[arg-type]
                 except BaseException as exc:
                     m.error = exc
@@ -599,11 +710,13 @@ def pull(
     guard: Guard | None = None,
     refresh: bool = False,
     only: Collection[str] | None = None,
+    unpack: bool | None = None,
     peers: PeerNetwork | None = None,
 ) -> PullResult:
     """Pull one model; raises its error."""
     (result,) = pull_many([uri], root=root, dest=dest, settings=settings, options=options, progress=progress,
-                          admit=admit, cancel=cancel, guard=guard, refresh=refresh, only=only, peers=peers)
+                          admit=admit, cancel=cancel, guard=guard, refresh=refresh, only=only, unpack=unpack,
+                          peers=peers)
     if isinstance(result, BaseException):
         raise result
     return result

@@ -103,9 +103,19 @@ def damaged_files(store: NodeStore, key: str, manifest: Manifest) -> list[str]:
     return [f.path for f in manifest.files if not _matches(target / f.path, f)]
 
 
-def needs_repair(store: NodeStore, key: str) -> bool:
-    """A model folder is there but is not a complete, listed model: fix it in place, never swap it."""
-    return store.layout.model_dir(key).is_dir() and not store.is_present(key)
+def needs_repair(store: NodeStore, key: str, old_files: Iterable[str] = ()) -> bool:
+    """A model of ours that a check found damaged (``old_files``: what its manifest listed; its
+    pin, kept across a restart), or whose repair a crash interrupted: fix it in place against
+    what it was, never swap it.
+
+    A folder that was never ours (KServe's agent filled it) is no repair: the pull adopts it
+    (``modelcache.adopt``), keeping every file the source's listing and checksums vouch for.
+    """
+    layout = store.layout
+    assert isinstance(layout, NodeLayout)
+    if not layout.model_dir(key).is_dir() or store.is_present(key):
+        return False
+    return bool(list(old_files)) or pin_path(layout, key).exists() or repair_dir(layout, key).exists()
 
 
 def _matches(path: Path, want: ManifestFile) -> bool:

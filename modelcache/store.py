@@ -38,6 +38,9 @@ from modelcache.errors import CancelledError, ModelInUseError, StoreError
 from modelcache.integrity import hash_file
 from modelcache.lockscope import check_exclusive
 
+#: Our bookkeeping folder, beside ``models/`` in a node root and inside DEST while an init container runs.
+META_DIR = ".modelcache"
+
 #: 2: the manifest carries ``seal``, a digest of all its other fields (1, unsealed, is still read).
 MANIFEST_VERSION = 2
 
@@ -207,7 +210,7 @@ class Layout(ABC):
 class NodeLayout(Layout):
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
-        self.meta = self.root / ".modelcache"
+        self.meta = self.root / META_DIR
 
     @property
     def base(self) -> Path:
@@ -243,7 +246,7 @@ class DestLayout(Layout):
 
     def __init__(self, dest: Path) -> None:
         self.dest = Path(dest)
-        self.meta = self.dest / ".modelcache"
+        self.meta = self.dest / META_DIR
 
     @property
     def base(self) -> Path:
@@ -459,8 +462,11 @@ class NodeStore:
                 self._install_manifest(key, pending)
             shutil.rmtree(staging, ignore_errors=True)
 
-    def publish(self, key: str, manifest: Manifest) -> Path:
+    def publish(self, key: str, manifest: Manifest, in_place: bool = False) -> Path:
         """Move ``staging/data`` into place and install the manifest. Caller holds the lock.
+
+        ``in_place``: the model folder exists and holds the rest of the model (adoption): each
+        staged file is renamed into it, the folder itself stays (a pod may mount it).
 
         A piece record left in staging (``pieces.json``, by a download that peers took part in)
         is installed next to the manifest first; without one, an older record goes: it would
@@ -480,7 +486,7 @@ class NodeStore:
             pending.write_text(manifest.to_json())
             with open(pending, "rb") as f:
                 os.fsync(f.fileno())
-            if isinstance(self.layout, DestLayout):
+            if isinstance(self.layout, DestLayout) or in_place:
                 self._merge_into(data, target)
                 # Only emptied folders are left; gone, they tell ``recover`` that the files are in
                 # place if we die before the manifest is (else the model is fetched again).
@@ -499,6 +505,23 @@ class NodeStore:
             raise store_error(exc, str(target), "publishing") from exc
         shutil.rmtree(staging, ignore_errors=True)
         return target
+
+    def install_manifest(self, key: str, manifest: Manifest) -> None:
+        """Write ``manifest`` for a folder already in place (caller holds the lock): durable, then
+        renamed into place, so a reader sees no manifest or the whole one."""
+        staging = self.layout.staging_dir(key)
+        staging.mkdir(parents=True, exist_ok=True)
+        pending = staging / "manifest.json"
+        try:
+            with open(pending, "w") as out:
+                out.write(manifest.to_json())
+                out.flush()
+                os.fsync(out.fileno())
+            self.layout.pieces_path(key).unlink(missing_ok=True)  # an older record would describe other bytes
+            self._install_manifest(key, pending)
+        except OSError as exc:
+            raise store_error(exc, str(pending), "writing the manifest") from exc
+        shutil.rmtree(staging, ignore_errors=True)
 
     def _install_manifest(self, key: str, pending: Path) -> None:
         final = self.layout.manifest_path(key)

@@ -11,7 +11,7 @@ import hashlib
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 from urllib.parse import SplitResult, unquote, urlsplit
 
@@ -27,7 +27,7 @@ ACCEPTED_FORMS = (
     "hf://owner/model[:revision][/sub/dir]",
     "oci://registry/repository[:tag|@sha256:digest]",
     "hdfs://[namenode]/path, webhdfs://[namenode]/path",
-    "http(s)://host/path/file[#sha256=<hex>]",
+    "http(s)://[user:password@]host/path/file[#sha256=<hex>]",
     "pvc://claim/path",
     "file:///abs/path or /abs/path",
 )
@@ -71,7 +71,7 @@ def _authority(uri: str) -> SplitResult:
 class Location:
     """A parsed storage URI. ``kind`` selects the source class in the source registry."""
 
-    uri: str
+    uri: str = field(repr=False)  # raw: may hold userinfo, a SAS query, a token (``display`` is safe)
     kind: ClassVar[str] = ""
 
     @property
@@ -325,15 +325,27 @@ _DIGEST_HEX_LEN = {"sha256": 64, "sha512": 128, "sha1": 40, "md5": 32}
 @register_location(lambda u: u.startswith(("http://", "https://")))
 @dataclass(frozen=True)
 class HTTPLocation(Location):
-    url: str = ""  # what is requested: the URI without its fragment
+    url: str = field(default="", repr=False)  # what is requested: no fragment, no userinfo
     host: str = ""
     filename: str = ""
     pinned: tuple[str, str] | None = None  # (algo, hex) from a #sha256=<hex> fragment
+    #: (user, password) of ``http(s)://user:password@host/...``: sent as HTTP basic auth, as
+    #: KServe's initializer (requests) does; never printed (``display`` redacts it).
+    basic_auth: tuple[str, str] | None = field(default=None, repr=False)
     kind: ClassVar[str] = "http"
 
     @classmethod
     def parse(cls, uri: str) -> HTTPLocation:
-        parts = _authority(uri)
+        scheme, _, rest = uri.partition("://")
+        userinfo, after = split_userinfo(rest)
+        basic_auth = None
+        if userinfo is not None:
+            user, _, password = userinfo.partition(":")
+            basic_auth = (unquote(user), unquote(password))
+            uri_no_auth = f"{scheme}://{after}"
+        else:
+            uri_no_auth = uri
+        parts = _authority(uri_no_auth)
         if not parts.hostname:
             raise _invalid(uri, "missing host")
         filename = unquote(parts.path.rsplit("/", 1)[-1])
@@ -345,8 +357,8 @@ class HTTPLocation(Location):
             if not m or len(m.group(2)) != _DIGEST_HEX_LEN[m.group(1)]:
                 raise _invalid(uri, "the fragment must pin a digest as #sha256=<64 hex chars>")
             pinned = (m.group(1), m.group(2).lower())
-        url = uri.split("#", 1)[0]
-        return cls(uri=uri, url=url, host=parts.hostname, filename=filename, pinned=pinned)
+        url = uri_no_auth.split("#", 1)[0]
+        return cls(uri=uri, url=url, host=parts.hostname, filename=filename, pinned=pinned, basic_auth=basic_auth)
 
 
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
@@ -364,8 +376,16 @@ def _check_generic(uri: str) -> None:
     except UnicodeEncodeError:
         raise _invalid(uri, "not valid UTF-8 text") from None
     scheme, sep, rest = uri.partition("://")
-    if sep and split_userinfo(rest)[0] is not None:
+    userinfo, after = split_userinfo(rest) if sep else (None, rest)
+    if userinfo is not None and not _basic_auth_allowed(scheme, after):
         raise _invalid(uri, f"credentials must not be written into the URI; {_credentials_hint(scheme)}")
+
+
+def _basic_auth_allowed(scheme: str, after_userinfo: str) -> bool:
+    """``http(s)://user:password@host/file``: KServe's initializer (requests) sends the userinfo as
+    HTTP basic auth, so we do too. Not for Azure hosts (a SAS query or AZURE_* variables)."""
+    host = "https://" + after_userinfo
+    return scheme in ("http", "https") and not (_AZURE_BLOB.match(host) or _AZURE_FILE.match(host))
 
 
 def _credentials_hint(scheme: str) -> str:
@@ -373,9 +393,7 @@ def _credentials_hint(scheme: str) -> str:
         "s3": "use AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the service account's secret",
         "gs": "use GOOGLE_APPLICATION_CREDENTIALS or the service account's secret",
         "hf": "use HF_TOKEN",
-        "http": "put an Authorization header in the '<host>-headers' environment variable",
-        "https": "put an Authorization header in the '<host>-headers' environment variable (Azure: a SAS "
-                 "query or AZURE_* variables)",
+        "https": "Azure Blob URIs take a SAS query or the AZURE_* variables",
         "hdfs": "use the HDFS secret (HDFS_SECRET_DIR)",
         "webhdfs": "use the HDFS secret (HDFS_SECRET_DIR)",
     }.get(scheme.lower(), "use the credentials of the storage secret or environment")

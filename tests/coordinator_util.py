@@ -59,9 +59,10 @@ def group_manifest(kube: Kube, name: str) -> dict[str, Any]:
     return {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "metadata": {"name": name}, "spec": obj["spec"]}
 
 
-def make_cache(kube: Kube, name: str, uri: str, groups: list[str], namespace: str | None = None) -> dict[str, Any]:
+def make_cache(kube: Kube, name: str, uri: str, groups: list[str], namespace: str | None = None,
+               **spec: Any) -> dict[str, Any]:
     body: dict[str, Any] = {"metadata": {"name": name}, "spec": {"sourceModelUri": uri, "modelSize": "1Mi",
-                                                                  "nodeGroups": groups}}
+                                                                  "nodeGroups": groups, **spec}}
     if namespace:
         body["metadata"]["namespace"] = namespace
         return kube.create(LOCAL_MODEL_NAMESPACE_CACHES, body, namespace)

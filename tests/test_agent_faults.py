@@ -89,7 +89,11 @@ def test_insufficient_space_is_a_clear_error_and_other_models_are_untouched(clus
     try:
         status = wait_states(kube, "node-a", {"a": D, "big": E, "c": D}, agent=agent)
         msg = status["modelDetails"]["big"]["message"]
-        assert "insufficient space: need 4.0 MiB, free" in msg and "storageLimit" in msg
+        # The refusal names the model's size, the limit, what the node holds, and the fix.
+        assert "does not fit the node group's storageLimit: the model is 4.0 MiB" in msg, msg
+        assert "LocalModelNodeGroup 'small' has storageLimit 3.0 MiB and this node holds " in msg
+        assert "modelcache enforces storageLimit (KServe does not)" in msg
+        assert "raise spec.storageLimit of LocalModelNodeGroup 'small' (a Kubernetes quantity, e.g. 1Gi)" in msg
         assert status["modelDetails"]["big"]["bytesTotal"] == 4 << 20
         assert not (root / "models" / storage_key(ubig)).exists()
         assert not (root / ".modelcache" / "staging" / storage_key(ubig) / "data" / "model.bin").exists()

@@ -111,7 +111,8 @@ def test_a_node_group_naming_another_path_stops_every_removal_until_fixed(cluste
     _pod, env = agent_pod(kube, "node-a", host)
     agent = start_agent(cluster.agent_kubeconfig, "node-a", host, tmp_path, env=env)
     try:
-        wait_states(kube, "node-a", {"b": D}, agent=agent)
+        wait_states(kube, "node-a", {"b": "ModelDownloadError"}, agent=agent)  # downloaded, not where pods look
+        wait_until(lambda: model_files(host, key) == {"model.bin": 1 << 20}, timeout=20, what="the files")
         wait_until(lambda: events(kube, "HostPathMismatch"), timeout=20, what="a HostPathMismatch event")
         (event,) = events(kube, "HostPathMismatch")
         assert event["type"] == "Warning" and event["involvedObject"]["name"] == "node-a"
@@ -130,3 +131,44 @@ def test_a_node_group_naming_another_path_stops_every_removal_until_fixed(cluste
         assert "node group PVs name the model root's host path" in agent.log()
     finally:
         agent.stop()
+
+
+def test_a_model_is_not_reported_downloaded_while_its_group_pv_names_another_path(
+        cluster: Cluster, kube: Kube, nginx: Any, tmp_path: Path) -> None:
+    """The files are in the agent's root, but the node group's PV sends serving pods elsewhere:
+    Downloaded would place pods on an empty folder. The status names both paths and the fix; once
+    the group names the root, the model is Downloaded without a download."""
+    host = tmp_path / "models"
+    nginx.write("c/model.bin", 1 << 20)
+    uri = nginx.url("c/model.bin")
+    key = storage_key(uri)
+    create_group(kube, "workers", "10Gi", "/mnt/models")
+    create_node(kube, "node-a", [entry("c", uri, nodeGroup="workers")])
+    _pod, env = agent_pod(kube, "node-a", host)
+    agent = start_agent(cluster.agent_kubeconfig, "node-a", host, tmp_path, env=env)
+    try:
+        status = wait_states(kube, "node-a", {"c": "ModelDownloadError"}, agent=agent)
+        wait_until(lambda: model_files(host, key) == {"model.bin": 1 << 20}, timeout=20, what="the files")
+        message = wait_message(kube, "c", "serving pods would mount an empty folder")
+        assert f"downloaded into host path {host} (the agent's root)" in message
+        assert "node group workers's PV names /mnt/models" in message
+        assert "persistentVolumeSpec.local.path" in message and status["modelStatus"]["c"] != D
+        served = nginx.bytes_served("c/model.bin")
+        group = kube.get(LOCAL_MODEL_NODE_GROUPS, "workers")
+        group["spec"]["persistentVolumeSpec"]["local"]["path"] = str(host)
+        kube.replace(LOCAL_MODEL_NODE_GROUPS, group)
+        wait_states(kube, "node-a", {"c": D}, agent=agent)
+        assert nginx.bytes_served("c/model.bin") == served  # reported, not downloaded again
+    finally:
+        agent.stop()
+
+
+def wait_message(kube: Kube, key: str, needle: str) -> str:
+    found: list[str] = []
+
+    def has() -> bool:
+        found[:] = [((node_status(kube, "node-a").get("modelDetails") or {}).get(key) or {}).get("message") or ""]
+        return needle in found[0]
+
+    wait_until(has, timeout=20, what=f"status message with {needle!r}")
+    return found[0]

@@ -231,14 +231,16 @@ def test_repair_replaces_only_the_damaged_file_inside_the_same_folder(tmp_path):
         assert NodeStore.at(root).verify(key) == []
         assert not (root / ".modelcache" / "repair" / key).exists()
 
-        # A crash mid-repair leaves the folder without its manifest: the next start repairs it in
-        # place as well (a truncated file this time), not by publishing a new folder.
+        # A folder without its manifest (KServe's agent filled it, or the manifest was lost) is
+        # adopted in place: only the file that differs (truncated here) is fetched into it.
         (root / ".modelcache" / "manifests" / f"{key}.json").unlink()
         os.truncate(good, 10)
         proc = run_agent(spec, root)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert good.read_bytes() == good_data and folder.stat().st_ino == inodes[0]
         assert os.fstat(pod_view).st_nlink > 0
-        assert "replaced=good.bin" in proc.stderr and NodeStore.at(root).is_present(key)
+        assert 'msg="adopting a model folder that has no manifest"' in proc.stderr
+        assert "kept=1 " in proc.stderr and "fetch=1 fetch_files=good.bin" in proc.stderr
+        assert NodeStore.at(root).is_present(key) and NodeStore.at(root).verify(key) == []
     finally:
         os.close(pod_view)

@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from agent.capacity import Capacity, parse_quantity
-from agent.credentials import Credentials, service_account_env, storage_env
+from agent.capacity import Capacity
+from agent.credentials import CredentialConfig, Credentials, service_account_env, storage_env
 from agent.inuse import subpath_key
 from modelcache.errors import AuthError, InsufficientSpaceError
+from modelcache.kube.quantity import parse_quantity
 from modelcache.kube.types import LocalModelInfo, StorageSpec
 
 
@@ -51,6 +52,9 @@ class Reader:
 
     def service_account(self, name: str) -> dict[str, Any] | None:
         return self.sas.get(name)
+
+    def credential_config(self) -> CredentialConfig:
+        return CredentialConfig()
 
 
 def test_service_account_secrets_map_like_kserve(tmp_path: Path) -> None:
@@ -222,6 +226,50 @@ def test_every_setting_has_a_flag_and_an_environment_default(monkeypatch: pytest
     assert seen[-1].root == Path("/mnt/models") and seen[-1].credentials_namespace == "kserve"
     no_node = CliRunner().invoke(main.cli, [], env={"NODE_NAME": ""})
     assert no_node.exit_code == 2 and "--node (or NODE_NAME) is required" in no_node.output
+
+
+def test_s3_settings_follow_kserves_precedence_and_endpoint_rule() -> None:
+    from agent.credentials import s3_env
+
+    cfg = CredentialConfig(s3={"s3Endpoint": "cfg:1", "s3UseHttps": "0", "s3Region": "cfg-region",
+                               "s3VerifySSL": "0"})
+    ann = {"serving.kserve.io/s3-endpoint": "https://ann:2"}
+    data = {"S3_ENDPOINT": "data:3", "AWS_DEFAULT_REGION": "data-region", "S3_USE_HTTPS": "1"}
+    sa = {"serving.kserve.io/s3-region": "sa-region", "serving.kserve.io/s3-useanoncredential": "true"}
+    env = s3_env(ann, data, cfg, sa)
+    # The annotation beats the data key; its scheme decides S3_USE_HTTPS.
+    assert (env["S3_ENDPOINT"], env["AWS_ENDPOINT_URL"], env["S3_USE_HTTPS"]) == ("ann:2", "https://ann:2", "1")
+    assert env["AWS_DEFAULT_REGION"] == "data-region"  # data beats the service account and the config
+    assert env["awsAnonymousCredential"] == "true"  # the service account fills what the secret leaves unset
+    assert env["S3_VERIFY_SSL"] == "0"  # the config fills the rest
+    only_cfg = s3_env({}, {}, cfg)
+    assert (only_cfg["S3_ENDPOINT"], only_cfg["AWS_ENDPOINT_URL"]) == ("cfg:1", "http://cfg:1")
+    assert s3_env({}, {"S3_ENDPOINT": "h:9"}, CredentialConfig())["AWS_ENDPOINT_URL"] == "https://h:9"
+    assert s3_env({}, {}, CredentialConfig()) == {}
+
+
+def test_kserve_credential_config_parses_the_config_map() -> None:
+    cm = {"data": {"credentials": json.dumps({"s3": {"s3AccessKeyIDName": "ak", "s3Endpoint": ""},
+                                              "gcs": {"gcsCredentialFileName": "gcp.json"},
+                                              "storageSpecSecretName": "st"})}}
+    cfg = CredentialConfig.from_config_map(cm)
+    assert (cfg.s3_access_key_name, cfg.s3_secret_key_name) == ("ak", "awsSecretAccessKey")
+    assert cfg.gcs_credential_file_name == "gcp.json" and cfg.storage_spec_secret_name == "st"
+    assert "s3Endpoint" not in cfg.s3  # empty: unset, as KServe
+    assert CredentialConfig.from_config_map(None) == CredentialConfig()
+    with pytest.raises(AuthError, match="'credentials' entry is not a JSON object"):
+        CredentialConfig.from_config_map({"data": {"credentials": "{nope"}})
+
+
+def test_a_binary_hdfs_keytab_in_a_service_account_secret_is_written_as_is(tmp_path: Path) -> None:
+    import base64
+
+    keytab = bytes(range(256))  # not UTF-8
+    reader = Reader(secrets={"h": {"data": {"HDFS_NAMENODE": base64.b64encode(b"http://nn:9870").decode(),
+                                            "KERBEROS_KEYTAB": base64.b64encode(keytab).decode()}}},
+                    sas={"sa": {"secrets": [{"name": "h"}]}})
+    env = service_account_env(LocalModelInfo(model_name="m", service_account_name="sa"), reader, str(tmp_path))
+    assert (Path(env["HDFS_SECRET_DIR"]) / "KERBEROS_KEYTAB").read_bytes() == keytab
 
 
 def test_the_peer_directory_keeps_only_what_it_reads_and_finds_holders_and_fetchers() -> None:

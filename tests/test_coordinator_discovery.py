@@ -16,7 +16,15 @@ from modelcache.kube.client import (
     Kube,
     load_api_client,
 )
-from tests.coordinator_util import make_cache, make_group, make_isvc, make_namespace, make_node, without_service_crds
+from tests.coordinator_util import (
+    make_cache,
+    make_group,
+    make_isvc,
+    make_namespace,
+    make_node,
+    register_webhooks,
+    without_service_crds,
+)
 from tests.fixtures.cluster import Cluster
 from tests.helpers import REPO, wait_until
 from tests.test_coordinator_llmisvc import llm_crd
@@ -34,6 +42,7 @@ def test_service_crds_installed_later_are_tracked_without_restart(cluster: Clust
     make_group(kube, "workers")
     make_cache(kube, "llm", "s3://models/llm", ["workers"])
     c = coordinator_factory(cluster, discovery_interval=0.5)
+    register_webhooks(cluster, c)
     assert c.view.isvcs is None and c.view.llmisvcs is None
     wait_until(lambda: (kube.get(LOCAL_MODEL_CACHES, "llm").get("status") or {}).get("copies") is not None,
                timeout=30, what="cache reconciled before the CRDs exist")
@@ -54,7 +63,8 @@ def test_service_crds_installed_later_are_tracked_without_restart(cluster: Clust
     llm = llm_resource("v1alpha2")
     kube.create(llm, {"metadata": {"name": "chat", "namespace": "team"},
                       "spec": {"model": {"uri": "s3://models/llm", "name": "llm"}}}, "team")
-    # Labelled by the service controllers that did not exist at start, listed by the cache controller.
+    # Labelled at admission (the API server calls /mutate-services for the kinds installed later),
+    # listed by the cache controller through informers that did not exist at start.
     wait_until(lambda: (kube.get(INFERENCE_SERVICES, "svc", "team")["metadata"].get("labels") or {}).get(LABEL)
                == "llm", timeout=30, what="ISVC labelled")
     wait_until(lambda: (kube.get(llm, "chat", "team")["metadata"].get("labels") or {}).get(LABEL) == "llm",

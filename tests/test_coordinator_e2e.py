@@ -25,7 +25,7 @@ from modelcache.kube.client import (
 )
 from modelcache.uri import storage_key
 from tests.agent_util import model_files, start_agent
-from tests.coordinator_util import make_cache, make_group, make_isvc, make_namespace, make_node
+from tests.coordinator_util import make_cache, make_group, make_isvc, make_namespace, make_node, register_webhooks
 from tests.fixtures.cluster import Cluster
 from tests.helpers import wait_until
 
@@ -50,6 +50,7 @@ def test_model_cache_e2e(cluster: Cluster, nginx: Any, coordinator_factory: Any,
                                 lease_duration=4.0, renew_deadline=3.0, retry_period=0.5)
     try:
         wait_until(coord.controllers_running.is_set, timeout=30, what="leader's controllers")
+        register_webhooks(cluster, coord)  # services labelled at admission, pods placed
         lease = kube.get(LEASES, "modelcache-coordinator", "modelcache-system")
         assert lease["spec"]["holderIdentity"] == coord.cfg.identity
 

@@ -9,7 +9,7 @@ import yaml
 
 from coordinator.view import llm_resource
 from modelcache.kube.client import LOCAL_MODEL_CACHES, PERSISTENT_VOLUME_CLAIMS, Kube, load_api_client
-from tests.coordinator_util import make_cache, make_group, make_namespace, make_node
+from tests.coordinator_util import make_cache, make_group, make_namespace, make_node, register_webhooks
 from tests.fixtures.cluster import Cluster
 from tests.helpers import wait_until
 
@@ -35,6 +35,7 @@ def test_llm_services_listed_and_given_volumes(cluster: Cluster, coordinator_fac
     make_node(kube, "n1", **{"kserve/localmodel": "worker"})
     make_group(kube, "workers")
     c = coordinator_factory(cluster)
+    register_webhooks(cluster, c)  # labelled at admission, as KServe's LLMISVC defaulter does
     assert c.view.llm_resource is not None and c.view.llm_resource.version == "v1alpha1"
     res = llm_resource("v1alpha1")
     make_cache(kube, "qwen", "hf://Qwen/Qwen2-0.5B", ["workers"])

@@ -361,7 +361,8 @@ def test_pod_webhook_failure_policy(fail_closed: bool) -> None:
 
     cfg = client.Configuration(host=f"http://127.0.0.1:{free_port()}")  # nothing listens there
     cfg.retries = 0
-    mutator = PodMutator(ApiLookup(Kube(client.ApiClient(cfg))), rewrite=False, fail_closed=fail_closed)
+    # rewrite: an unlabelled pod's cache is looked up by its URI (the lookup that fails here)
+    mutator = PodMutator(ApiLookup(Kube(client.ApiClient(cfg))), rewrite=True, fail_closed=fail_closed)
     pod = {"metadata": {"annotations": {"internal.serving.kserve.io/storage-initializer-sourceuri": "s3://b/m"}},
            "spec": {"containers": [{"name": "kserve-container"}]}}
     out = mutator({"request": {"uid": "u", "namespace": "ns", "object": pod}})["response"]

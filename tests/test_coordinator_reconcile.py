@@ -151,12 +151,15 @@ def test_namespace_cache_entries_and_status_key(cluster: Cluster, kube: Kube, co
     assert entries_of(kube, "n1") == [{"modelName": "same", "sourceModelUri": URI, "nodeGroup": "workers"}]
 
 
-def test_services_labels_status_and_volumes(cluster: Cluster, kube: Kube, coordinator_factory: Any) -> None:
+def test_services_labels_status_and_volumes_with_mutate_isvc(cluster: Cluster, kube: Kube,
+                                                             coordinator_factory: Any) -> None:
+    """--mutate-isvc: KServe's defaulter applied continuously, also after admission (a service
+    created before its cache picks it up; this rolls out running services, hence off by default)."""
     for ns in ("a", "b"):
         make_namespace(kube, ns)
     make_node(kube, "n1", **{"kserve/localmodel": "worker"})
     make_group(kube, "workers")
-    coordinator_factory(cluster)
+    coordinator_factory(cluster, mutate_isvc=True)
     make_cache(kube, "llm", "s3://models/llm/", ["workers"])
     make_isvc(kube, "svc", "a", "s3://models/llm/sub")
     make_isvc(kube, "other", "a", "s3://models/other")

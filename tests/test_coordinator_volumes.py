@@ -19,7 +19,7 @@ from modelcache.kube.client import (
     Kube,
     Resource,
 )
-from tests.coordinator_util import GROUP_LABEL, make_cache, make_isvc, make_namespace, make_node
+from tests.coordinator_util import GROUP_LABEL, make_cache, make_isvc, make_namespace, make_node, register_webhooks
 from tests.fixtures.cluster import Cluster
 from tests.helpers import wait_until
 from tests.test_coordinator_webhooks import cache_obj, review
@@ -70,7 +70,7 @@ def test_serving_pvs_are_pre_bound_and_bind_under_a_default_storage_class(cluste
         "accessModes": ["ReadWriteOnce"], "storageClassName": "local-storage",
         "resources": {"requests": {"storage": "10Gi"}}}}, "rival")
     make_cache(kube, "llm", "s3://models/llm", ["workers"])
-    coordinator_factory(cluster)
+    register_webhooks(cluster, coordinator_factory(cluster))  # services are labelled at admission
     make_isvc(kube, "svc", "team", "s3://models/llm")
     wait_until(lambda: phase(kube, PERSISTENT_VOLUME_CLAIMS, "llm-workers", "team") == "Bound", timeout=60,
                what="the serving PVC bound by the PV controller")
@@ -89,7 +89,7 @@ def test_a_quota_refusal_shows_on_the_cache_and_as_an_event_until_the_quota_allo
     kube.create(RESOURCE_QUOTAS, {"metadata": {"name": "storage"}, "spec": {"hard": {"requests.storage": "1Gi"}}},
                 "tight")
     make_cache(kube, "llm", "s3://models/llm", ["workers"])
-    coordinator_factory(cluster)
+    register_webhooks(cluster, coordinator_factory(cluster))  # services are labelled at admission
     make_isvc(kube, "svc", "tight", "s3://models/llm")
 
     def condition() -> dict[str, Any]:
@@ -113,6 +113,7 @@ def test_names_longer_than_a_label_value(cluster: Cluster, kube: Kube, coordinat
     group(kube, long_group)
     make_namespace(kube, "team")
     c = coordinator_factory(cluster)
+    register_webhooks(cluster, c)  # services are labelled at admission
     # A cache name too long to label services with is refused, saying why.
     name = "c" * 64
     denied = review(c, "/validate-localmodelcaches", {"operation": "CREATE",

@@ -77,9 +77,7 @@ def test_cache_validation(hooks: Any, kube: Kube) -> None:
                                    "object": cache_obj("c", URI, ["workers"], "team")})["allowed"]
 
     # Delete is refused while a service uses the cache, allowed once it is gone.
-    make_isvc(kube, "svc", "team", URI + "/v1")
-    wait_until(lambda: (kube.get(INFERENCE_SERVICES, "svc", "team")["metadata"].get("labels") or {})
-               .get("internal.serving.kserve.io/localmodel") == "llm", timeout=30, what="ISVC labelled")
+    make_isvc(kube, "svc", "team", URI + "/v1", labels={"internal.serving.kserve.io/localmodel": "llm"})  # as admitted
     old = kube.get(LOCAL_MODEL_CACHES, "llm")
     denied = review(hooks, cluster, {"operation": "DELETE", "name": "llm", "oldObject": old})
     assert not denied["allowed"]
@@ -211,3 +209,38 @@ def test_rotated_certificate_is_picked_up(tmp_path: Any) -> None:
     finally:
         server.stop()
         tls.stop()
+
+
+def _patched(resp: dict[str, Any]) -> list[dict[str, Any]]:
+    return json.loads(base64.b64decode(resp["patch"])) if resp.get("patch") else []
+
+
+def test_service_defaulter_applies_kserves_rule(hooks: Any, kube: Kube) -> None:
+    """/mutate-services: KServe's defaulter at admission, for both service kinds."""
+    make_cache(kube, "llm", URI, ["workers"])
+    isvc = {"kind": "InferenceService", "metadata": {"name": "s", "namespace": "team"},
+            "spec": {"predictor": {"model": {"storageUri": URI + "/v1"}}}}
+    resp = review(hooks, "/mutate-services", {"operation": "CREATE", "namespace": "team", "object": isvc,
+                                              "kind": {"kind": "InferenceService"}})
+    assert resp["allowed"] and _patched(resp) == [
+        {"op": "add", "path": "/metadata/labels", "value": {"internal.serving.kserve.io/localmodel": "llm"}},
+        {"op": "add", "path": "/metadata/annotations", "value": {
+            "internal.serving.kserve.io/localmodel-sourceuri": URI,
+            "internal.serving.kserve.io/localmodel-pvc-name": "llm-workers"}}]
+    llm = {"kind": "LLMInferenceService", "metadata": {"name": "c", "namespace": "team"},
+           "spec": {"model": {"uri": URI}}}
+    resp = review(hooks, "/mutate-services", {"operation": "CREATE", "namespace": "team", "object": llm,
+                                              "kind": {"kind": "LLMInferenceService"}})
+    assert {"op": "add", "path": "/metadata/labels", "value": {"internal.serving.kserve.io/localmodel": "llm"}} in \
+        _patched(resp)
+    # Opted out (or matching no cache): every key of ours removed, others kept.
+    optout = {"kind": "InferenceService", "metadata": {
+        "name": "s", "namespace": "team", "labels": {"internal.serving.kserve.io/localmodel": "llm", "app": "x"},
+        "annotations": {"serving.kserve.io/disable-localmodel": "true",
+                        "internal.serving.kserve.io/localmodel-pvc-name": "llm-workers"}},
+        "spec": {"predictor": {"model": {"storageUri": URI}}}}
+    resp = review(hooks, "/mutate-services", {"operation": "UPDATE", "namespace": "team", "object": optout,
+                                              "kind": {"kind": "InferenceService"}})
+    assert _patched(resp) == [
+        {"op": "remove", "path": "/metadata/labels/internal.serving.kserve.io~1localmodel"},
+        {"op": "remove", "path": "/metadata/annotations/internal.serving.kserve.io~1localmodel-pvc-name"}]

@@ -129,6 +129,13 @@ def test_agent_rbac_is_least_privilege(rendered: list[Obj]) -> None:
     ns_rules = rules(rendered, "Role", "modelcache-agent-credentials")
     assert verbs_for(ns_rules, "", "secrets") == {"get"}
     assert verbs_for(ns_rules, "", "serviceaccounts") == {"get"}
+    # KServe's download-Job containers: read cluster-wide; their Jobs (and a credentials Secret
+    # each, created only) in a namespace of their own, not where our Secrets are.
+    assert verbs_for(cluster, "serving.kserve.io", "clusterstoragecontainers") == {"list", "watch"}
+    jobs = rules(rendered, "Role", "modelcache-agent-download-jobs")
+    assert find(rendered, "Role", "modelcache-agent-download-jobs")["metadata"]["namespace"] == "modelcache-jobs"
+    assert verbs_for(jobs, "batch", "jobs") == {"get", "list", "watch", "create", "delete"}
+    assert verbs_for(jobs, "", "secrets") == {"create"}
 
 
 def test_coordinator_rbac_covers_its_reconcilers_and_no_more(rendered: list[Obj]) -> None:
@@ -172,7 +179,7 @@ def test_coordinator_rbac_covers_its_reconcilers_and_no_more(rendered: list[Obj]
 def test_bindings_point_at_existing_roles_and_service_accounts(rendered: list[Obj]) -> None:
     sas = {(d["metadata"]["namespace"], d["metadata"]["name"]) for d in rendered if d["kind"] == "ServiceAccount"}
     bindings = [d for d in rendered if d["kind"] in ("RoleBinding", "ClusterRoleBinding")]
-    assert len(bindings) == 5
+    assert len(bindings) == 7  # operate's 5, the KServe config map and the download Jobs
     for b in bindings:
         role_kind = b["roleRef"]["kind"]
         role = find(rendered, role_kind, b["roleRef"]["name"])
@@ -288,7 +295,10 @@ def test_coordinator_deployment_service_and_webhooks_line_up(rendered: list[Obj]
             hooks.append((ref["path"], hook["failurePolicy"], rules_, conditions))
     # Fail closed only where admitting unchecked would let a bad cache in for good (docs/operations.md).
     assert sorted(hooks) == sorted([
-        ("/mutate-pods", "Ignore", [(["pods"], ["CREATE"])], []),
+        ("/mutate-pods", "Ignore", [(["pods"], ["CREATE"])], []),  # InferenceService pods
+        ("/mutate-pods", "Ignore", [(["pods"], ["CREATE"])], []),  # LLMInferenceService pods
+        ("/mutate-services", "Ignore", [(["inferenceservices"], ["CREATE", "UPDATE"]),
+                                        (["llminferenceservices"], ["CREATE", "UPDATE"])], []),
         ("/validate-localmodelcaches", "Fail", [(["localmodelcaches"], ["CREATE", "UPDATE"])], ["spec-written"]),
         ("/validate-localmodelcaches", "Ignore", [(["localmodelcaches"], ["DELETE"])], []),
         ("/validate-localmodelnamespacecaches", "Fail", [(["localmodelnamespacecaches"], ["CREATE", "UPDATE"])],
@@ -348,3 +358,9 @@ def test_one_image_runs_every_role(rendered: list[Obj]) -> None:
     assert 'ENTRYPOINT ["storage-initializer"]' in dockerfile and "storage-initializer" in scripts
     for package in ("modelcache", "initializer", "agent", "coordinator"):
         assert f"COPY {package} ./{package}" in dockerfile
+
+
+def test_kserve_config_is_readable_by_name_only(rendered: list[Obj]) -> None:
+    """KServe's inferenceservice-config (credentials defaults, localModel.enabled): get, by name."""
+    assert rules(rendered, "ClusterRole", "modelcache-kserve-config") == [
+        ("", "configmaps", {"get"}, ("inferenceservice-config",))]

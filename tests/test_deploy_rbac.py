@@ -22,7 +22,7 @@ SA = {"agent": "system:serviceaccount:modelcache-system:modelcache-agent",
       "coordinator": "system:serviceaccount:modelcache-system:modelcache-coordinator",
       # Any ServiceAccount, for what every one may do (system:basic-user and the like): not ours.
       "anyone": "system:serviceaccount:default:default"}
-NAMESPACES = ("modelcache-system", "modelcache-credentials", "default", "team")
+NAMESPACES = ("modelcache-system", "modelcache-credentials", "modelcache-jobs", "kserve", "default", "team")
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,7 @@ def granted(cluster: Cluster, who: str, namespace: str) -> set[tuple[str, str, s
 def test_nothing_is_granted_beyond_the_table(cluster: Cluster) -> None:
     rows = table()
     cluster.kubectl("create", "namespace", "team")
+    cluster.kubectl("create", "namespace", "kserve")
     for who in ("agent", "coordinator"):
         for ns in NAMESPACES:
             documented = {(r.resource, name, verb) for r in rows if r.who == who and r.may

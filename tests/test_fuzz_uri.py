@@ -166,6 +166,18 @@ def test_no_secret_survives_redaction_anywhere(uri: str, around: str) -> None:
 
 @hsettings(max_examples=examples(300))
 @given(secret_uris(places=("userinfo", "all")))
-def test_credentials_in_the_authority_are_always_refused(uri: str) -> None:
-    with pytest.raises(InvalidURIError):
-        parse_uri(uri)
+def test_credentials_in_the_authority_are_refused_or_basic_auth(uri: str) -> None:
+    """Only http(s) takes userinfo (as basic auth, like KServe's requests); it is never shown."""
+    if not uri.startswith(("http://", "https://")):
+        with pytest.raises(InvalidURIError):
+            parse_uri(uri)
+        return
+    try:
+        loc = parse_uri(uri)
+    except ModelcacheError as exc:
+        assert MARK not in str(exc)
+        return
+    assert isinstance(loc, HTTPLocation) and loc.basic_auth is not None
+    assert MARK in loc.basic_auth[1]
+    for shown in (loc.display, repr(loc), loc.url):
+        assert MARK not in shown, shown

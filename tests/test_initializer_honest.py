@@ -1,6 +1,7 @@
 """The init container's figures are honest and its cache holds: pairs sharing a DEST stay cached,
 a resumed run says what it transferred and what it found on disk, out-of-range settings are one
-line per pair."""
+line per pair. With issue 12's finished DEST (only the model's files in it; completeness an
+extended attribute of DEST per storage key), pairs sharing a DEST still stay cached."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from initializer import finished
 from modelcache.journal import Journal
+from modelcache.uri import storage_key
 from tests.fixtures.http import NginxServer
 from tests.helpers import REPO, wait_until
 from tests.initializer_util import initializer_cmd, initializer_env, run_initializer
@@ -27,12 +30,15 @@ def test_pairs_sharing_a_dest_stay_cached(nginx: NginxServer, tmp_path: Path) ->
     first = run_initializer(a, dest, b, dest)
     assert first.code == 0, first.output
     assert first.out.count("pulled:") == 2
+    # DEST holds exactly the model's files (issue 12: a runtime takes every sub-directory for a
+    # model); what each pair produced is an extended attribute of DEST, one per storage key.
+    assert sorted(p.name for p in dest.iterdir()) == ["config.json", "weights.bin"]
     nginx.clear_access_log()
     again = run_initializer(a, dest, b, dest)
     assert again.code == 0, again.output
     assert again.out.count("cached:") == 2, again.out
     assert nginx.access_log() == []  # not even a listing: both are known complete
-    assert sorted(p.name for p in dest.iterdir() if p.name != ".modelcache") == ["config.json", "weights.bin"]
+    assert sorted(p.name for p in dest.iterdir()) == ["config.json", "weights.bin"]
 
 
 def test_a_resumed_run_reports_transferred_and_resumed_bytes(nginx: NginxServer, tmp_path: Path) -> None:
@@ -75,3 +81,23 @@ def test_out_of_range_settings_are_one_line_per_pair(tmp_path: Path, env: dict[s
     assert r.code == 1 and "Traceback" not in r.err
     lines = r.err.strip().splitlines()
     assert len(lines) == 2 and all(ln.startswith("error: ") and needle in ln for ln in lines), r.err
+
+
+def test_pairs_sharing_a_dest_without_their_records_are_adopted_not_fetched(nginx: NginxServer,
+                                                                            tmp_path: Path) -> None:
+    """Where DEST keeps no extended attributes (or they were lost), each pair of a shared DEST
+    adopts its own files on a rerun: the other pair's files are left alone, nothing is fetched."""
+    nginx.write("q/config.json", 1000, seed=5)
+    nginx.write("q/weights.bin", 2 * MiB, seed=6)
+    a, b, dest = nginx.url("q/config.json"), nginx.url("q/weights.bin"), tmp_path / "models"
+    assert run_initializer(a, dest, b, dest).code == 0
+    for uri in (a, b):
+        finished.forget(dest, storage_key(uri))
+    nginx.clear_access_log()
+    again = run_initializer(a, dest, b, dest)
+    assert again.code == 0, again.output
+    served = {rel: sum(e.bytes_sent for e in nginx.requests_for(rel) if e.range != "bytes=0-0")
+              for rel in ("q/config.json", "q/weights.bin")}
+    assert served == {"q/config.json": 0, "q/weights.bin": 0}, served  # listed (a probe), never fetched
+    assert sorted(p.name for p in dest.iterdir()) == ["config.json", "weights.bin"]
+    assert all(finished.load(dest, storage_key(uri)) is not None for uri in (a, b))

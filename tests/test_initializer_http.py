@@ -21,8 +21,8 @@ from tests.initializer_util import initializer_cmd, initializer_env, run_initial
 
 
 def _visible(dest: Path) -> list[str]:
-    """What the serving runtime sees: everything but our bookkeeping folder."""
-    return sorted(p.name for p in dest.iterdir() if p.name != ".modelcache")
+    """What the serving runtime sees: everything in DEST (a finished pair leaves no bookkeeping)."""
+    return sorted(p.name for p in dest.iterdir())
 
 
 def _no_staging_left(dest: Path) -> None:
@@ -201,7 +201,8 @@ def test_hostile_and_corrupt_archives_fail_cleanly(nginx: NginxServer, tmp_path:
     # Nothing escaped, nothing half-unpacked: DEST holds only the fetched archive.
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["deep"]
     assert sorted(p.name for p in out.iterdir()) == ["d"]
-    assert _visible(out / "d") == [name]
+    # A failed pair keeps its bookkeeping (a rerun resumes from it); the runtime never starts.
+    assert _visible(out / "d") == [".modelcache", name]
     _no_staging_left(out / "d")
     assert r.out.strip().splitlines()[-1].startswith("FAILED: 0/1 pairs ok")
 

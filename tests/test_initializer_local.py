@@ -169,10 +169,15 @@ def test_settings_error_names_every_pair_without_secret(tmp_path: Path) -> None:
     assert "example.com-headers" in r.err and "sup3r-s3cret-value" not in r.output
 
 
-def test_missing_ca_bundle_is_reported(tmp_path: Path) -> None:
+def test_missing_ca_bundle_is_a_warning_for_a_pair_that_is_not_s3(tmp_path: Path) -> None:
+    """KServe's rule: a CA bundle ConfigMap without cabundle.crt fails S3 only (see
+    test_kserve_credentials); every other pair keeps the default trust store, with a warning."""
     env = {"CA_BUNDLE_CONFIGMAP_NAME": "cabundle", "CA_BUNDLE_VOLUME_MOUNT_POINT": str(tmp_path / "nope")}
-    r = run_initializer(tmp_path, tmp_path / "d", env=env)
-    assert r.code == 1 and "Failed to find ca bundle file" in r.err
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "m.bin").write_bytes(b"x")
+    r = run_initializer(tmp_path / "src", tmp_path / "d", env=env)
+    assert r.code == 0, r.output
+    assert f"CA bundle file {tmp_path / 'nope' / 'cabundle.crt'} not found" in r.err
 
 
 def test_group_by_dest_serializes_same_and_nested(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ prunes the status fields and printer columns only we have) is listed in docs/kse
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import yaml
 
 from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NODES, Kube
 from modelcache.uri import storage_key
-from tests.agent_util import model_files, start_agent, wait_states
+from tests.agent_util import create_node, entry, model_files, start_agent, wait_states
 from tests.coordinator_util import entries_of, make_cache, make_group
 from tests.fixtures.cluster import Cluster
 from tests.helpers import REPO, wait_until
@@ -122,5 +123,51 @@ def test_kserve_crds_over_ours_and_back_keep_agent_and_coordinator_working(
         assert details["c"]["state"] == D and details["c"]["storageKey"] == storage_key(uris["c"])
         wait_until(lambda: "conditions" in cache_status(kube, "c") and "conditions" in cache_status(kube, "b"),
                    timeout=60, what="cache conditions written again")
+    finally:
+        agent.stop()
+
+
+def status_patches(cluster: Cluster) -> float:
+    """The API server's own count of PATCHes to LocalModelNode status (its /metrics): a write the
+    schema prunes to nothing changes no resourceVersion, so only the requests show it."""
+    text = cluster.kubectl("get", "--raw", "/metrics").stdout
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("apiserver_request_total{") and 'resource="localmodelnodes"' in line \
+                and 'subresource="status"' in line and 'verb="PATCH"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_at_rest_under_kserve_crds_the_agent_writes_no_status(cluster: Cluster, nginx: Any, tmp_path: Path) -> None:
+    """KServe's schema prunes what the agent writes beyond modelStatus (nodeUID, modelDetails, ...),
+    so its status never reads back as written: the agent must still write nothing at rest (it
+    remembers what the server kept of its last write), and write its fields again when our CRDs
+    return."""
+    kube = cluster.kube()
+    cluster.register_node("n1", {"kserve/localmodel": "worker"})
+    nginx.write("m/model.bin", 1 << 20)
+    apply_files(cluster, *(kserve.kserve_source() / p for p in KSERVE_CRDS))
+    create_node(kube, "n1", [entry("m", nginx.url("m/model.bin"))])
+    root = tmp_path / "root"
+    agent = start_agent(cluster.agent_kubeconfig, "n1", root, tmp_path)  # --status-interval 0.5
+    try:
+        wait_states(kube, "n1", {"m": D}, agent=agent)
+        time.sleep(2)  # the last progress write settles
+        before, rv = status_patches(cluster), kube.get(LOCAL_MODEL_NODES, "n1")["metadata"]["resourceVersion"]
+        time.sleep(6)  # 12 status intervals at rest
+        assert status_patches(cluster) - before == 0, agent.log()[-2000:]
+        assert kube.get(LOCAL_MODEL_NODES, "n1")["metadata"]["resourceVersion"] == rv
+        assert node_status(kube) == {"modelStatus": {"m": D}}
+
+        # Ours back: the agent writes its fields again at once (it watches the CRD's schema), then
+        # rests again.
+        apply_files(cluster, REPO / "deploy" / "crds")
+        wait_until(lambda: node_status(kube).keys() >= OUR_NODE_STATUS | {"nodeUID"}, timeout=30,
+                   what="our LMN status fields written again")
+        time.sleep(2)
+        before = status_patches(cluster)
+        time.sleep(6)
+        assert status_patches(cluster) - before == 0, agent.log()[-2000:]
     finally:
         agent.stop()

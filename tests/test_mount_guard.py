@@ -103,16 +103,21 @@ def test_a_mount_in_another_mount_namespace_counts_too(pulled: tuple[Path, str, 
     assert not (root / "models" / key).exists()
 
 
-def test_pull_does_not_replace_an_unlisted_folder_a_pod_mounts(pulled: tuple[Path, str, Path], bind: list[Path],
+def test_pull_adopts_an_unlisted_folder_a_pod_mounts_in_place(pulled: tuple[Path, str, Path], bind: list[Path],
                                                                tmp_path: Path) -> None:
+    """An unlisted folder (KServe's agent filled it, or its manifest was lost) is no longer replaced
+    whole: it is adopted in place (modelcache/adopt.py), so the folder a pod mounts stays, and only
+    a file that differs is renamed into it."""
     root, key, src = pulled
-    (root / ".modelcache" / "manifests" / f"{key}.json").unlink()  # unlisted: a pull would replace it whole
+    (root / ".modelcache" / "manifests" / f"{key}.json").unlink()
     folder = root / "models" / key
     ino = folder.stat().st_ino
+    os.truncate(folder / "w.bin", 10)
     _bind(folder, tmp_path / "pod", bind)
-    line = _error(run_cli("pull", str(src), "--root", str(root)))
-    assert f"model {key} is mounted at {tmp_path / 'pod'}" in line
-    assert folder.stat().st_ino == ino and not (root / ".modelcache" / "staging" / key / "data").exists()
+    proc = run_cli("pull", str(src), "--root", str(root))
+    assert proc.returncode == 0, proc.stderr
+    assert folder.stat().st_ino == ino and NodeStore.at(root).verify(key) == []
+    assert (tmp_path / "pod" / "w.bin").read_bytes() == (src / "w.bin").read_bytes()  # what the pod sees
 
 
 def test_cli_that_cannot_see_the_nodes_mounts_says_why_and_needs_assume_unused(

@@ -122,7 +122,6 @@ def test_redact_uri_drops_secrets():
         "webhdfs://hdfs:Pw0rdXYZ@nn/models/m",
         "pvc://user:Pw0rdXYZ@claim/m",
         "https://user:Pw0rdXYZ@acct.blob.core.windows.net/c/m",
-        "http://user:Pw0rdXYZ@host/m.bin",
         "file://user:Pw0rdXYZ@/srv/m",
     ],
 )
@@ -185,3 +184,17 @@ def test_scrub_urls_redacts_every_url_in_free_text():
 
 def test_storage_key_never_raises_on_text_that_is_not_utf8():
     assert len(storage_key("s3://b/\udcff")) == 16
+
+
+def test_http_userinfo_is_basic_auth_and_never_printed():
+    """KServe's initializer (requests) sends an http(s) URL's userinfo as basic auth: so do we."""
+    uri = "https://al%40ice:Pw0rd%3AXYZ@models.example.com/v1/model.bin"
+    loc = parse_uri(uri)
+    assert isinstance(loc, HTTPLocation)
+    assert loc.basic_auth == ("al@ice", "Pw0rd:XYZ") and loc.url == "https://models.example.com/v1/model.bin"
+    assert loc.host == "models.example.com" and loc.filename == "model.bin"
+    for shown in (loc.display, repr(loc), loc.url):
+        assert "Pw0rd" not in shown and "al%40ice" not in shown, shown
+    assert loc.display == "https://<redacted>@models.example.com/v1/model.bin"
+    assert loc.storage_key == storage_key(uri)  # KServe's key: the raw URI, userinfo included
+    assert parse_uri("http://token@h/m.bin").basic_auth == ("token", "")

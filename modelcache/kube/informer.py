@@ -432,7 +432,7 @@ class Informer:
         self._resp = resp = self.kube.watch_response(self.resource, self.namespace, **query)
         self.stats["watches"] += 1
         self._current.set()
-        received = 0
+        received, ended = 0, False
         try:
             if self._stop.is_set():  # stop() ran while we were connecting and found no response to close
                 return
@@ -441,6 +441,7 @@ class Informer:
                     return
                 received += 1
                 self._event(json.loads(line))
+            ended = True
             if not received and not self._dropped and not self._stop.is_set() and self._server_behind():
                 raise WatchError(0, f"the server's current version is older than {self.last_resource_version}, "
                                     "where our watch stands (an etcd restore?)")
@@ -450,6 +451,11 @@ class Informer:
             raise
         finally:
             self._resp = None
+            if not ended:
+                # Left mid-stream (stopped, an error): the server keeps sending events on this
+                # connection, so it must not go back to the pool, where the next request of the
+                # same client (a webhook's lookup) would read a watch event as its answer and wait.
+                resp.close()
             resp.release_conn()
 
     def _server_behind(self) -> bool:

@@ -9,6 +9,8 @@ keeps unknown keys, so writing back an object never drops what another writer pu
 from __future__ import annotations
 
 import hashlib
+import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -318,6 +320,18 @@ class LocalModelNode(KubeObject):
 
 
 # --- LocalModelNodeGroup --------------------------------------------------------------------
+
+
+def norm_path(path: str) -> str:
+    """A host path as compared with another (``/models/`` and ``/models`` are one directory)."""
+    return posixpath.normpath(path) if path else path
+
+
+def pv_root(pv_spec: Mapping[str, Any]) -> str | None:
+    """The host directory a PV spec names (``local.path`` or ``hostPath.path``), else None: where
+    a node group's serving pods read models (the agent's root must be the same directory)."""
+    path = (pv_spec.get("local") or {}).get("path") or (pv_spec.get("hostPath") or {}).get("path")
+    return norm_path(str(path)) if path else None
 
 
 @dataclass

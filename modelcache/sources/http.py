@@ -18,6 +18,7 @@ the end: such a file is accepted only with a checksum to catch it.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import logging
 import re
@@ -159,6 +160,16 @@ class _HTTPStream:
             pass
 
 
+def _basic_auth(user: str, password: str) -> str:
+    def enc(text: str) -> bytes:
+        try:
+            return text.encode("latin1")  # requests' encoding, for byte-identical headers
+        except UnicodeEncodeError:
+            return text.encode("utf-8")
+
+    return "Basic " + base64.b64encode(enc(user) + b":" + enc(password)).decode("ascii")
+
+
 @register_source("http")
 class HTTPSource(Source):
     preferred_chunk_size = 16 << 20
@@ -168,9 +179,13 @@ class HTTPSource(Source):
         super().__init__(location, settings)
         self.loc = location
         http = settings.http
-        self.where = redact_uri(location.url)
+        self.where = redact_uri(location.uri.split("#", 1)[0])  # userinfo shown as <redacted>@
         self.base_headers = {"Accept-Encoding": "identity", "User-Agent": "modelcache"}
         self.headers = {**self.base_headers, **http.headers_for(location.host)}
+        if location.basic_auth is not None:
+            # As requests (KServe's initializer) does with a URL's userinfo: basic auth, which
+            # wins over a configured Authorization header; dropped on a redirect to another host.
+            self.headers["Authorization"] = _basic_auth(*location.basic_auth)
         timeout = urllib3.Timeout(connect=http.connect_timeout, read=http.read_timeout)
         # retries=False: the engine retries (with progress). It also turns urllib3's redirects
         # off, so _request follows them itself. A custom CA also applies to an https URL that an
@@ -230,6 +245,9 @@ class HTTPSource(Source):
         if code in ok:
             return
         resp.drain_conn() if code < 500 else resp.close()
+        if code == 401 and self.loc.basic_auth is not None:
+            raise AuthError(f"{self.where}: HTTP 401 Unauthorized: the server refused the user and password "
+                            "written in the URI (sent as basic auth); check them")
         if code == 401:
             raise AuthError(
                 f"{self.where}: HTTP 401 Unauthorized: set request headers in the env variable "

@@ -102,8 +102,9 @@ def make_client(cfg: S3Settings, pool: int) -> Any:
     )
     if cfg.verify and cfg.ca_bundle and not os.path.isfile(cfg.ca_bundle):
         raise SourceError(
-            f"Failed to find ca bundle file({cfg.ca_bundle}): AWS_CA_BUNDLE (or the storage spec's ca_bundle) must "
-            "name a PEM file mounted in the container"
+            f"Failed to find ca bundle file({cfg.ca_bundle}): AWS_CA_BUNDLE (or the storage spec's ca_bundle), "
+            "else the CA bundle ConfigMap's cabundle.crt (CA_BUNDLE_CONFIGMAP_NAME), must be a PEM file mounted in "
+            "the container; S3 needs it, other backends keep the default trust store"
         )
     verify: bool | str | None = False if not cfg.verify else (cfg.ca_bundle or None)
     return session.client("s3", endpoint_url=cfg.endpoint_url, verify=verify, config=config)

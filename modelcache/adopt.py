@@ -1,0 +1,109 @@
+"""Adoption: take over a model folder someone else filled, in place, without downloading it again.
+
+A KServe node agent leaves ``models/<storageKey>/`` with the model and no manifest of ours; an
+init container that finished leaves DEST with the model and no bookkeeping (it removes its own).
+Such a folder is not fetched again: each listed file already there is checked against the
+listing (its size, and its bytes against every checksum the source vouches for: the file on
+disk is hashed, nothing is read from the origin and no second copy is written), and only the
+files that are missing or differ are downloaded, then renamed into the folder one by one (a
+pod that mounts it sees the old or the new file, never a partial one). The manifest goes last.
+
+A file is kept on its size alone when the source has no checksum we can compute (a plain
+HTTP server, an S3 multipart upload without its part size): that is what KServe itself knows
+of a file, and the manifest records which files were verified by a checksum.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from modelcache.errors import StoreError
+from modelcache.integrity import hash_file
+from modelcache.sources.base import RemoteFile
+from modelcache.store import META_DIR, DestLayout, Manifest, ManifestFile, NodeStore, now_iso
+from modelcache.transfer import FetchedFile
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Adoption:
+    """What a folder already holds of a listing."""
+
+    kept: list[FetchedFile] = field(default_factory=list)
+    #: Indexes (into the listing) of the files to download.
+    fetch: list[int] = field(default_factory=list)
+    #: Bytes hashed on disk, and files kept on their size alone (no checksum to compare).
+    hashed_bytes: int = 0
+    size_only: int = 0
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(f.size for f in self.kept)
+
+
+def applies(store: NodeStore, key: str) -> bool:
+    """A folder with content that no manifest of ours describes (checked under the model's lock)."""
+    folder = store.layout.model_dir(key)
+    if store.manifest(key) is not None:
+        return False
+    try:
+        names = [n for n in os.listdir(folder) if not (isinstance(store.layout, DestLayout) and n == META_DIR)]
+    except OSError:
+        return False
+    return bool(names)
+
+
+def check_file(path: Path, want: RemoteFile) -> FetchedFile | None:
+    """The file at ``path`` as a fetched file, if it is the listed one; None if it must be fetched."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or want.size is None or st.st_size != want.size:
+        return None
+    hashed = hash_file(path, want.checksums, size=st.st_size)
+    if hashed.mismatches():
+        return None
+    return FetchedFile(want.path, st.st_size, hashed.local_hexdigest(),
+                       tuple(sorted({c.algo for c in hashed.expected})))
+
+
+def check(folder: Path, files: list[RemoteFile], on_file: Callable[[str, int], None] | None = None) -> Adoption:
+    """Compare ``folder`` with the listing ``files``; hashes every file whose size matches."""
+    out = Adoption()
+    for i, want in enumerate(files):
+        got = check_file(folder / want.path, want)
+        if got is None:
+            out.fetch.append(i)
+            continue
+        out.kept.append(got)
+        out.hashed_bytes += got.size
+        if not got.verified:
+            out.size_only += 1
+        if on_file is not None:
+            on_file(want.path, got.size)
+    return out
+
+
+def record_folder(store: NodeStore, key: str, uri: str) -> Manifest:
+    """A manifest of what a folder holds, hashed on disk, for a model that something else wrote
+    there (a custom download container): from then on it is checked and repaired like any other.
+    No source checksum vouches for these files; the manifest says so (empty ``checksums``)."""
+    folder = store.layout.model_dir(key)
+    files = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink()):
+        size = path.stat().st_size
+        files.append(ManifestFile(path.relative_to(folder).as_posix(), size,
+                                  hash_file(path, size=size).local_hexdigest()))
+    if not files:
+        raise StoreError(f"{uri}: the download left no file in {folder}")
+    manifest = Manifest(storage_key=key, uri=uri, resolved_uri=uri, revision=None, files=files, created_at=now_iso())
+    with store.lock(key):
+        store.install_manifest(key, manifest)
+    return manifest

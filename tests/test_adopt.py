@@ -1,0 +1,206 @@
+"""Adoption: a model folder KServe's node agent filled (``models/<storageKey>/``, no manifest of ours)
+is taken over in place: checked against the source's listing and checksums by hashing what is on
+disk, only missing or different files fetched, the folder itself kept (pods mount it)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import os
+import tarfile
+from pathlib import Path
+
+from modelcache.pull import pull
+from modelcache.store import NodeStore
+from modelcache.uri import storage_key
+from tests.faultproxy import FaultProxy
+from tests.fixtures.http import NginxServer
+
+GIB = 1 << 30
+
+
+def _sha256_of_zeros(size: int) -> str:
+    h = hashlib.sha256()
+    block = bytes(8 << 20)
+    left = size
+    while left:
+        n = min(left, len(block))
+        h.update(block[:n])
+        left -= n
+    return h.hexdigest()
+
+
+def _repr_digest(hexdigest: str) -> dict[str, str]:
+    return {"Repr-Digest": f"sha-256=:{base64.b64encode(bytes.fromhex(hexdigest)).decode()}:"}
+
+
+def _model_bytes(nginx: NginxServer, rel: str) -> int:
+    """Body bytes served for ``rel`` beyond the listing's probe (one ``Range: bytes=0-0`` GET that
+    tells whether the server takes ranges): what a download would have read."""
+    return sum(e.bytes_sent for e in nginx.requests_for(rel) if e.range != "bytes=0-0")
+
+
+def _kserve_fill(root: Path, uri: str, files: dict[str, bytes | int]) -> Path:
+    """What KServe's download Job leaves: the files under models/<storageKey>/, nothing else."""
+    folder = root / "models" / storage_key(uri)
+    for rel, data in files.items():
+        p = folder / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(data, int):
+            with open(p, "wb") as f:
+                f.truncate(data)  # sparse zeros: a big file without the disk traffic
+        else:
+            p.write_bytes(data)
+    return folder
+
+
+def test_a_complete_multi_gib_folder_is_adopted_reading_zero_bytes_from_the_origin(nginx: NginxServer, tmp_path):
+    size = 2 * GIB
+    digest = _sha256_of_zeros(size)
+    served = nginx.docroot / "big" / "model.safetensors"
+    served.parent.mkdir(parents=True)
+    with open(served, "wb") as f:
+        f.truncate(size)
+    os.chmod(served, 0o644)
+    nginx.set_headers("big/model.safetensors", _repr_digest(digest))
+    uri = nginx.url("big/model.safetensors")
+    root = tmp_path / "root"
+    folder = _kserve_fill(root, uri, {"model.safetensors": size})
+    ino = folder.stat().st_ino
+    nginx.clear_access_log()
+
+    result = pull(uri, root=root)
+
+    served_bytes = _model_bytes(nginx, "big/model.safetensors")
+    print(f"adopted {size / GIB:.0f} GiB: {served_bytes} bytes of it read from the origin")
+    assert served_bytes == 0
+    assert [(e.method, e.range) for e in nginx.requests_for("big/model.safetensors", None)] == [
+        ("HEAD", None), ("GET", "bytes=0-0")]  # the listing, nothing else
+    assert result.adopted == 1 and result.adopted_bytes == size and not result.cached
+    assert result.verified == ("sha256",)  # the bytes on disk were hashed against the source's digest
+    store = NodeStore.at(root)
+    assert store.is_present(storage_key(uri)) and folder.stat().st_ino == ino
+    assert store.manifest(storage_key(uri)).files[0].checksums["sha256"] == digest
+    # Present now: the next pull neither lists nor hashes.
+    nginx.clear_access_log()
+    assert pull(uri, root=root).cached and nginx.access_log() == []
+
+
+def test_only_missing_or_different_files_are_fetched_into_the_same_folder(moto_s3, tmp_path):
+    bucket = moto_s3.new_bucket()
+    s3 = moto_s3.client()
+    content = {"config.json": b'{"a": 1}', "w/a.bin": os.urandom(300_000), "w/b.bin": os.urandom(200_000),
+               "w/c.bin": os.urandom(100_000)}
+    for rel, data in content.items():
+        s3.put_object(Bucket=bucket, Key=f"m/{rel}", Body=data)
+    host, port = moto_s3.endpoint.removeprefix("http://").split(":")
+    with FaultProxy((host, int(port))) as proxy:
+        uri = f"s3://{bucket}/m"
+        root = tmp_path / "root"
+        wrong = bytearray(content["w/b.bin"])
+        wrong[5000] ^= 0xFF  # same size, other bytes: only the source's MD5 tells
+        folder = _kserve_fill(root, uri, {"config.json": content["config.json"], "w/a.bin": content["w/a.bin"],
+                                          "w/b.bin": bytes(wrong), "extra/from-kserve.txt": b"kept"})
+        inodes = {rel: (folder / rel).stat().st_ino for rel in ("config.json", "w/a.bin")}
+        folder_ino = folder.stat().st_ino
+
+        result = pull(uri, root=root, settings=_settings(moto_s3, proxy.base_url))
+
+        fetched = {p.removeprefix(f"/{bucket}/m/"): n for p, n in proxy.bytes_sent.items()
+                   if n and p.startswith(f"/{bucket}/m/")}  # object bodies (not the listing's XML)
+        assert fetched == {"w/b.bin": 200_000, "w/c.bin": 100_000}
+        assert result.adopted == 2 and result.files == 4
+    for rel, data in content.items():
+        assert (folder / rel).read_bytes() == data
+    assert folder.stat().st_ino == folder_ino  # the folder a pod mounts stays
+    assert {rel: (folder / rel).stat().st_ino for rel in inodes} == inodes  # kept files untouched
+    assert (folder / "extra" / "from-kserve.txt").read_bytes() == b"kept"  # not ours: left alone
+    store = NodeStore.at(root)
+    assert store.verify(storage_key(uri)) == []
+    assert {f.path for f in store.manifest(storage_key(uri)).files} == set(content)
+
+
+def _settings(s3, endpoint: str):
+    from modelcache.credentials import Settings
+
+    return Settings.from_env(s3.env(endpoint))
+
+
+def test_without_source_checksums_a_file_is_kept_on_its_size_and_a_wrong_size_is_fetched(nginx, tmp_path):
+    nginx.write("plain/model.bin", 1 << 20)
+    uri = nginx.url("plain/model.bin")
+    root = tmp_path / "root"
+    data = (nginx.docroot / "plain" / "model.bin").read_bytes()
+    folder = _kserve_fill(root, uri, {"model.bin": data})
+    nginx.clear_access_log()
+    result = pull(uri, root=root)
+    assert result.adopted == 1 and _model_bytes(nginx, "plain/model.bin") == 0
+    assert NodeStore.at(root).manifest(storage_key(uri)).files[0].checksums == {}  # size alone: recorded so
+
+    uri2 = nginx.url("plain/model.bin?v=2")
+    folder2 = _kserve_fill(root, uri2, {"model.bin": data[:1000]})
+    nginx.clear_access_log()
+    result2 = pull(uri2, root=root)
+    assert result2.adopted == 0 and (folder2 / "model.bin").read_bytes() == data
+    assert _model_bytes(nginx, "plain/model.bin") == len(data)
+    assert folder.is_dir()
+
+
+def _tar_gz(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_a_node_store_keeps_an_archive_model_unpacked_as_kserve_does(nginx, tmp_path):
+    """KServe's download Job runs the storage initializer, which unpacks a single archive: serving
+    pods mount models/<storageKey>/ and expect the model's files there, not model.tar.gz."""
+    files = {"config.json": b"{}", "weights/w.bin": os.urandom(50_000)}
+    nginx.write("arch/model.tar.gz", _tar_gz(files))
+    uri = nginx.url("arch/model.tar.gz")
+    root = tmp_path / "root"
+    result = pull(uri, root=root)
+    folder = root / "models" / storage_key(uri)
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == sorted(files)
+    assert result.unpacked_from == "model.tar.gz" and result.files == 2
+    store = NodeStore.at(root)
+    assert {f.path for f in store.manifest(storage_key(uri)).files} == set(files)
+    assert store.verify(storage_key(uri)) == [] and pull(uri, root=root).cached
+    assert not (root / ".modelcache" / "staging" / storage_key(uri)).exists()
+
+
+def test_an_archive_stored_whole_by_an_earlier_version_is_unpacked_without_a_download(nginx, tmp_path):
+    files = {"config.json": b"{}", "w.bin": os.urandom(10_000)}
+    nginx.write("old/model.tar.gz", _tar_gz(files))
+    uri = nginx.url("old/model.tar.gz")
+    root = tmp_path / "root"
+    pull(uri, root=root, unpack=False)  # what the agent did before: the archive itself is the model
+    folder = root / "models" / storage_key(uri)
+    assert [p.name for p in folder.iterdir()] == ["model.tar.gz"]
+    nginx.clear_access_log()
+    result = pull(uri, root=root)
+    assert _model_bytes(nginx, "old/model.tar.gz") == 0  # listed again, the archive's bytes kept
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "w.bin"]
+    assert result.unpacked_from == "model.tar.gz" and NodeStore.at(root).verify(storage_key(uri)) == []
+
+
+def test_a_folder_kserve_unpacked_from_an_archive_gets_the_archive_once_and_stays_in_place(nginx, tmp_path):
+    """The archive's contents cannot be checked without the archive: it is fetched (once), unpacked
+    beside the folder and its files renamed into it."""
+    files = {"config.json": b"{}", "w.bin": os.urandom(10_000)}
+    body = _tar_gz(files)
+    nginx.write("k/model.tgz", body)
+    uri = nginx.url("k/model.tgz")
+    root = tmp_path / "root"
+    folder = _kserve_fill(root, uri, files)
+    ino = folder.stat().st_ino
+    nginx.clear_access_log()
+    pull(uri, root=root)
+    assert _model_bytes(nginx, "k/model.tgz") == len(body)
+    assert folder.stat().st_ino == ino and sorted(p.name for p in folder.iterdir()) == ["config.json", "w.bin"]
+    assert NodeStore.at(root).is_present(storage_key(uri))

@@ -1,0 +1,153 @@
+"""``modelcache migrate`` on the real control plane: a cluster as KServe's local model cache leaves it
+(its controller, node agent and webhook, localModel.enabled false, credentials in its job namespace,
+KServe's Helm-managed CRDs, node groups on another host path, a nominal storageLimit). The printed
+steps are the switch-over in order; running every printed command as it is (bash, the cluster's
+kubectl) leaves a cluster where migrate finds nothing blocking."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from modelcache.kube.client import CONFIG_MAPS, LOCAL_MODEL_NODE_GROUPS, PERSISTENT_VOLUME_CLAIMS, SECRETS
+from modelcache.kube.migrate import CRDS, DAEMON_SETS, DEPLOYMENTS, VALIDATING_WEBHOOKS
+from tests.agent_util import ensure_namespace
+from tests.cluster.build import BIN
+from tests.coordinator_util import make_cache, make_group
+from tests.fixtures.cluster import Cluster
+from tests.helpers import REPO
+from tests.pull_helpers import cli_cmd
+
+pytestmark = pytest.mark.timeout(240)
+
+JOBS_NS = "kserve-localmodel-jobs"
+LOCAL_MODEL = """{
+  # jobNamespace specifies the namespace where the download job will be created.
+  "enabled": false,
+  "jobNamespace": "kserve-localmodel-jobs",
+  "fsGroup": 1000,
+  "jobTTLSecondsAfterFinished": 3600,
+  "reconcilationFrequencyInSecs": 60
+}"""
+
+
+def _pod_template(name: str) -> dict[str, Any]:
+    return {"metadata": {"labels": {"app": name}},
+            "spec": {"containers": [{"name": "manager", "image": f"kserve/{name}:v0.20.0"}]}}
+
+
+def _kserve_installed(cluster: Cluster, kube: Any) -> None:
+    """What KServe's kustomize and Helm install for the local model cache, and what it leaves."""
+    for ns in ("kserve", JOBS_NS):
+        ensure_namespace(kube, ns)
+    kube.create(DEPLOYMENTS, {"metadata": {"name": "kserve-localmodel-controller-manager"}, "spec": {
+        "replicas": 1, "selector": {"matchLabels": {"app": "lmc"}}, "template": _pod_template("lmc")}}, "kserve")
+    kube.create(DAEMON_SETS, {"metadata": {"name": "kserve-localmodelnode-agent"}, "spec": {
+        "selector": {"matchLabels": {"app": "lmn"}}, "template": {**_pod_template("lmn"), "spec": {
+            "nodeSelector": {"kserve/localmodel": "worker"},
+            "containers": [{"name": "manager", "image": "kserve/lmn:v0.20.0"}]}}}}, "kserve")
+    kube.create(CONFIG_MAPS, {"metadata": {"name": "inferenceservice-config"}, "data": {
+        "localModel": LOCAL_MODEL, "credentials": json.dumps({"storageSpecSecretName": "storage-config"})}}, "kserve")
+    # Credentials where KServe's Jobs read them.
+    kube.create(SECRETS, {"metadata": {"name": "s3creds", "annotations": {
+        "serving.kserve.io/s3-endpoint": "minio.example:9000"}},
+        "stringData": {"awsAccessKeyID": "AK", "awsSecretAccessKey": "SK"}}, JOBS_NS)
+    from modelcache.kube.client import SERVICE_ACCOUNTS
+
+    kube.create(SERVICE_ACCOUNTS, {"metadata": {"name": "models"}, "secrets": [{"name": "s3creds"}]}, JOBS_NS)
+    kube.create(SECRETS, {"metadata": {"name": "storage-config"}, "stringData": {"localS3": "{}"}}, JOBS_NS)
+    # Helm's node group (its default host path) and two caches, one per kind of credentials.
+    make_group(kube, "workers", path="/mnt/models")
+    kube.patch(LOCAL_MODEL_NODE_GROUPS, "workers", {"spec": {"storageLimit": "10Gi"}})
+    make_cache(kube, "llm", "s3://models/llm", ["workers"], serviceAccountName="models", modelSize="8Gi")
+    make_cache(kube, "spec", "s3://models/spec", ["workers"], storage={"key": "localS3"}, modelSize="8Gi")
+    # KServe's download PVC, left in its job namespace.
+    kube.create(PERSISTENT_VOLUME_CLAIMS, {"metadata": {"name": "llm-workers"}, "spec": {
+        "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}, JOBS_NS)
+    # KServe's CRD for node groups, as its Helm chart installs it: no printer columns.
+    crd = kube.get(CRDS, "localmodelnodegroups.serving.kserve.io")
+    patch = [{"op": "remove", "path": "/spec/versions/0/additionalPrinterColumns"},
+             {"op": "add", "path": "/metadata/labels", "value": {"app.kubernetes.io/managed-by": "Helm"}}]
+    assert crd["spec"]["versions"][0].get("additionalPrinterColumns")
+    cluster.kubectl("patch", "crd", "localmodelnodegroups.serving.kserve.io", "--type", "json", "-p",
+                    json.dumps(patch))
+    # KServe's cache webhook, its server gone with the controller (failurePolicy Fail, as shipped).
+    kube.create(VALIDATING_WEBHOOKS, {"metadata": {"name": "localmodelcache.serving.kserve.io"}, "webhooks": [{
+        "name": "localmodelcache.kserve-webhook-server.validator", "admissionReviewVersions": ["v1"],
+        "sideEffects": "None", "failurePolicy": "Fail",
+        "clientConfig": {"url": "https://127.0.0.1:1/validate-serving-kserve-io-v1alpha1-localmodelcache"},
+        "rules": [{"apiGroups": ["serving.kserve.io"], "apiVersions": ["v1alpha1"],
+                   "operations": ["CREATE", "UPDATE"], "resources": ["localmodelcaches"]}]}]})
+
+
+def _migrate(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*cli_cmd(), "migrate", "--kubeconfig", str(cluster.kubeconfig), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def _run_commands(cluster: Cluster, output: str) -> None:
+    """Every non-comment line, as a user would paste it: bash, kubectl on PATH, in the repository."""
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PATH": f"{BIN}:{os.environ['PATH']}"}
+    for line in output.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        done = subprocess.run(["bash", "-o", "pipefail", "-c", line], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, f"{line}\n{done.stderr}"
+
+
+def test_migrate_prints_the_switch_over_in_order_and_its_commands_clear_it(cluster: Cluster) -> None:
+    kube = cluster.kube()
+    _kserve_installed(cluster, kube)
+
+    before = _migrate(cluster)
+    assert before.returncode == 1, before.stderr
+    found = [ln.split("] ", 1)[0].split("[", 1)[1] for ln in before.stdout.splitlines() if ln.startswith("# ") and
+             "[" in ln]
+    assert found == ["kserve-agent", "kserve-controller", "kserve-webhook", "local-model-enabled", "crds",
+                     "crds-helm", "credentials", "credentials", "install", "host-path", "storage-limit"], before.stdout
+    out = before.stdout
+    assert "kubectl -n kserve delete daemonset kserve-localmodelnode-agent" in out
+    assert "kubectl -n kserve scale deployment kserve-localmodel-controller-manager --replicas=0" in out
+    assert "the agent's root is host path /models but the node groups' PVs name /mnt/models" in out
+    assert "KServe's, not ours: localmodelnodegroups" in out
+    assert "SK" not in out and "AK" not in out  # names only, never credentials
+
+    _run_commands(cluster, out)
+
+    after = _migrate(cluster)
+    assert after.returncode == 0, after.stdout + after.stderr
+    assert "# nothing blocks the switch" in after.stdout
+    # What the commands did, checked on the cluster itself.
+    local = yaml.safe_load("\n".join(ln for ln in kube.get(CONFIG_MAPS, "inferenceservice-config", "kserve")[
+        "data"]["localModel"].splitlines() if not ln.strip().startswith("#")))
+    assert local["enabled"] is True and local["jobNamespace"] == JOBS_NS
+    assert kube.get_or_none(DAEMON_SETS, "kserve-localmodelnode-agent", "kserve") is None
+    assert kube.get(DEPLOYMENTS, "kserve-localmodel-controller-manager", "kserve")["spec"]["replicas"] == 0
+    assert kube.get_or_none(VALIDATING_WEBHOOKS, "localmodelcache.serving.kserve.io") is None
+    assert kube.get(SECRETS, "s3creds", "modelcache-credentials")["metadata"]["annotations"][
+        "serving.kserve.io/s3-endpoint"] == "minio.example:9000"
+    assert kube.get_or_none(SECRETS, "storage-config", "modelcache-credentials") is not None
+    ds = kube.get(DAEMON_SETS, "modelcache-agent", "modelcache-system")
+    assert {"name": "hostroot", "hostPath": {"path": "/mnt/models", "type": "DirectoryOrCreate"}} in \
+        ds["spec"]["template"]["spec"]["volumes"]
+    assert kube.get(LOCAL_MODEL_NODE_GROUPS, "workers")["spec"]["storageLimit"] == "16Gi"  # 2 x 8Gi
+    assert kube.get(CRDS, "localmodelnodegroups.serving.kserve.io")["metadata"]["annotations"][
+        "helm.sh/resource-policy"] == "keep"
+    # After the switch: KServe's leftovers, optional.
+    assert "(optional)" in after.stdout and f"kubectl -n {JOBS_NS} delete pvc llm-workers" in after.stdout
+    steps = json.loads(_migrate(cluster, "--json").stdout)
+    assert steps["blocking"] == 0 and [s["check"] for s in steps["steps"]] == ["kserve-leftovers"]
+
+
+def test_migrate_without_a_kubeconfig_is_one_line(tmp_path: Path) -> None:
+    proc = subprocess.run([*cli_cmd(), "migrate", "--kubeconfig", str(tmp_path / "none")], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert str(tmp_path / "none") in proc.stderr
