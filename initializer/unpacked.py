@@ -2,7 +2,7 @@
 
 The core pull's dest-mode manifest lists the archive it fetched; once the archive is unpacked
 and deleted that manifest no longer matches the folder, and a rerun would fetch it again. This
-record (``DEST/.modelcache/unpacked.json``) lists what the archive produced; when it matches
+record (``DEST/.modelcache/unpacked/<storageKey>.json``) lists what the archive produced; when it matches
 the folder and the manifest, the pair is complete and nothing touches the network.
 
 Order for crash safety: unpack (merge into DEST) -> write this record -> delete the archive.
@@ -20,8 +20,13 @@ from pathlib import Path
 
 from modelcache.archive import UnpackResult
 from modelcache.diskio import fsync_tree
+from modelcache.store import DestLayout
 
-RECORD = Path(".modelcache") / "unpacked.json"
+
+def record_path(dest: Path, key: str) -> Path:
+    """One record per storage key (pairs that share a DEST each keep theirs), where the store
+    keeps DEST's bookkeeping."""
+    return DestLayout(dest).unpacked_record_path(key)
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ def write(dest: Path, record: UnpackedRecord) -> None:
     # loss this record would vouch for files that are empty (sizes of 0 are caught, not every
     # file system's zeros).
     fsync_tree(dest, [rel for rel, _ in record.files] + record.links)
-    path = dest / RECORD
+    path = record_path(dest, record.storage_key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w") as fh:
@@ -84,7 +89,7 @@ def write(dest: Path, record: UnpackedRecord) -> None:
 
 def load(dest: Path, key: str) -> UnpackedRecord | None:
     try:
-        record = UnpackedRecord.from_json((dest / RECORD).read_text())
+        record = UnpackedRecord.from_json(record_path(dest, key).read_text())
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return record if record.storage_key == key else None

@@ -135,8 +135,8 @@ def test_log_lines_are_structured() -> None:
 
 
 def test_install_in_place_renames_only_differing_files_and_drops_stale_ones(tmp_path: Path) -> None:
-    from agent.repair import install_in_place
     from modelcache.integrity import hash_file
+    from modelcache.repair import install_in_place
     from modelcache.store import Manifest, ManifestFile, NodeStore
 
     def mf(base: Path, rel: str) -> ManifestFile:

@@ -109,7 +109,7 @@ def test_recover_still_finishes_the_publish_it_is_for(tmp_path: Path) -> None:
 def test_in_place_repair_drops_a_pending_manifest_left_in_staging(tmp_path: Path) -> None:
     """The agent's repair never touched ``staging/<key>``, so the stale pending manifest stayed for
     a later ``recover`` (a CLI pull on the agent's root) to install."""
-    from agent.repair import install_in_place
+    from modelcache.repair import install_in_place
 
     store, key, _ = _pulled(tmp_path)
     manifest = store.manifest(key)
@@ -272,6 +272,8 @@ def test_unpacked_archive_files_are_fsynced_before_their_record(
     dest = tmp_path / "dest"
     ctx = Context(Settings.from_env({}), ArchiveLimits.from_env({}), ProgressTracker())
     run_pair(nginx.url("a/model.tar.gz"), dest, ctx)
-    record_at = _first(events, "/.modelcache/unpacked.tmp")
+    from modelcache.uri import storage_key
+
+    record_at = _first(events, f"/.modelcache/unpacked/{storage_key(nginx.url('a/model.tar.gz'))}.tmp")
     for rel in ("m/w.bin", "m/cfg.json"):
         assert _first(events, f"/dest/{rel}") < record_at, rel
