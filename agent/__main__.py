@@ -16,8 +16,10 @@ from agent.config import DEFAULT_ROOT, AgentConfig
 from agent.logs import fields, setup_logging
 from modelcache.errors import ModelcacheError
 from modelcache.health import HealthServer
+from modelcache.progress import human_bytes
+from modelcache.resources import check_buffers, chunk_size_problem
 from modelcache.sizes import parse_size
-from modelcache.startup import StartupError, check_writable_dir, listen_error, run_command
+from modelcache.startup import StartupError, check_writable_dir, env_for_every_flag, listen_error, run_command
 
 log = logging.getLogger("agent")
 
@@ -32,6 +34,14 @@ def _size(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
         return parse_size(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
+
+
+def _chunk_size(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    n = _size(ctx, param, value)
+    problem = chunk_size_problem(n)
+    if problem:
+        raise click.BadParameter(problem)
+    return n
 
 
 def _pod_namespace(fallback: str) -> str:
@@ -52,15 +62,15 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@click.option("--node", envvar="NODE_NAME", help="This node's name: the LocalModelNode to serve. [env NODE_NAME]")
+@click.option("--node", envvar="NODE_NAME", help="This node's name: the LocalModelNode to serve.")
 @click.option("--root", envvar="MODELCACHE_ROOT", default=DEFAULT_ROOT, show_default=True,
-              type=click.Path(file_okay=False, path_type=Path), help="Model root. [env MODELCACHE_ROOT]")
+              type=click.Path(file_okay=False, path_type=Path), help="Model root.")
 @click.option("--max-concurrent-models", envvar="MODELCACHE_MAX_CONCURRENT_MODELS", default=2, show_default=True,
               type=click.IntRange(1), help="Models downloading at once.")
 @click.option("--workers", envvar="MODELCACHE_WORKERS", default=8, show_default=True, type=click.IntRange(1),
               help="Parallel transfer workers per model.")
-@click.option("--chunk-size", envvar="MODELCACHE_CHUNK_SIZE", default="16Mi", show_default=True, callback=_size,
-              help="Ranged-read chunk size.")
+@click.option("--chunk-size", envvar="MODELCACHE_CHUNK_SIZE", default="16Mi", show_default=True, callback=_chunk_size,
+              help="Ranged-read chunk size (64Ki to 1Gi).")
 @click.option("--transfer-attempts", envvar="MODELCACHE_TRANSFER_ATTEMPTS", default=6, show_default=True,
               type=click.IntRange(1), help="Attempts per chunk within one download.")
 @click.option("--resync-period", envvar="MODELCACHE_RESYNC_PERIOD", default=60.0, show_default=True, type=_POSITIVE,
@@ -71,7 +81,7 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               help="Address of the health server; :: is every IPv4 and IPv6 address (dual-stack).")
 @click.option("--credentials-namespace", envvar=["MODELCACHE_CREDENTIALS_NAMESPACE", "POD_NAMESPACE"],
               default=lambda: _pod_namespace("kserve"), show_default="the pod's namespace, else kserve",
-              help="Namespace of the storage-config secret and the service accounts. [env POD_NAMESPACE]")
+              help="Where download credentials are looked up (docs/install.md#credentials).")
 @click.option("--job-namespace", envvar="MODELCACHE_JOB_NAMESPACE", default="modelcache-jobs", show_default=True,
               help="Where download Jobs of KServe's localModelDownloadJob ClusterStorageContainers run (URIs none "
                    "of our sources reads; KServe's jobNamespace).")
@@ -79,7 +89,7 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               show_default=True, help="KServe's ConfigMap (NAMESPACE/NAME): its 'credentials' block (S3 defaults, "
                                       "key names, storage-spec secret name) applies as in KServe; absent: none.")
 @click.option("--kubeconfig", envvar="KUBECONFIG", default=None,
-              help="Kubeconfig file (default: in-cluster, else ~/.kube/config). [env KUBECONFIG]")
+              help="Kubeconfig file (default: in-cluster, else ~/.kube/config).")
 @click.option("--standalone", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
               help="No cluster: read a LocalModelNode from this YAML file, write FILE.status.yaml beside it.")
 @click.option("--watch", is_flag=True, help="Standalone: keep running (re-read FILE on change, retry errors).")
@@ -93,6 +103,9 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               type=_NON_NEGATIVE, help="Seconds between size checks of downloaded models (0: off).")
 @click.option("--verify-interval", envvar="MODELCACHE_VERIFY_INTERVAL", default=86400.0, show_default=True,
               type=_NON_NEGATIVE, help="Seconds between full re-hashes of downloaded models (0: off).")
+@click.option("--drift-check-interval", envvar="MODELCACHE_DRIFT_CHECK_INTERVAL", default=3600.0, show_default=True,
+              type=_NON_NEGATIVE, help="Seconds between listings of each downloaded model's source to report in "
+              "status whether it changed since the download (0: off).")
 @click.option("--removal-recheck", envvar="MODELCACHE_REMOVAL_RECHECK", default=10.0, show_default=True,
               type=_POSITIVE, help="Seconds between checks of a removal that waits for a mounting pod.")
 @click.option("--sweep-interval", envvar="MODELCACHE_SWEEP_INTERVAL", default=600.0, show_default=True,
@@ -145,6 +158,9 @@ def cli(**kw: object) -> None:
     sys.exit(run(cfg, str(host_path) if host_path else None))
 
 
+env_for_every_flag(cli, "MODELCACHE_")
+
+
 def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     from agent.core import Agent
     from agent.credentials import Credentials, KubeSecretReader
@@ -152,6 +168,13 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     from agent.metrics import AgentMetrics
     from modelcache.store import RootLock
 
+    spec = _standalone_spec(cfg) if cfg.standalone is not None else None  # before anything is written
+    try:
+        check_buffers(cfg.workers, cfg.chunk_size,
+                      f"--workers {cfg.workers} x --chunk-size {human_bytes(cfg.chunk_size)}",
+                      models=cfg.max_concurrent_models)
+    except ModelcacheError as exc:
+        raise StartupError(f"{exc} (or --max-concurrent-models)") from None
     # Checked first: a read-only or unwritable root would otherwise fail every download later.
     check_writable_dir(cfg.root, "--root")
     metrics = AgentMetrics()
@@ -165,10 +188,7 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
         from agent.standalone import StandaloneRunner
 
         agent = Agent(cfg, Credentials(None, cfg.download_env), NoMounts(), metrics)
-        try:
-            runner = StandaloneRunner(agent, cfg.standalone, cfg.watch)
-        except ModelcacheError as exc:
-            raise StartupError(f"--standalone: {exc}") from None
+        runner = StandaloneRunner(agent, cfg.standalone, cfg.watch, spec)
         server = _serve(cfg, agent.alive, agent.spec_seen.is_set, metrics.render)
         try:
             if not root_lock.acquire(stop):
@@ -181,9 +201,16 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
 
     from agent import hostpath
     from agent.kubemode import KubeRunner
-    from modelcache.kube.client import Kube, load_api_client
+    from modelcache.kube.client import Kube, check_api_server, config_source, in_pod, load_api_client
 
-    kube = Kube(load_api_client(cfg.kubeconfig))  # a KubeConfigError is a StartupError: one line, exit 2
+    api = load_api_client(cfg.kubeconfig)  # a KubeConfigError is a StartupError: one line, exit 2
+    # In a pod the API server may be out of reach for a while as the node starts: wait for it as
+    # the informers would, before the agent's own Pod is read. A kubeconfig given by hand that
+    # reaches nothing fails at once, after the ports (each start-up problem named by its own flag).
+    in_cluster = cfg.kubeconfig is None and in_pod()
+    if in_cluster and not check_api_server(api, config_source(None), stop=stop, patience=60.0):
+        return 0
+    kube = Kube(api)
     if host_path is None:
         host_path = hostpath.discover(kube, cfg.node, os.environ.get("POD_NAMESPACE"), os.environ.get("POD_NAME"),
                                       cfg.root)
@@ -206,8 +233,20 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
             return 0
         # Peers are served only by the agent that holds the root (a waiting one would serve a root it
         # does not manage, and its port is the holder's).
-        agent.peering = _peering(cfg, kube, agent, metrics)
-        krunner.start()
+        reached: list[bool] = []
+
+        def reach() -> None:  # once, after the local checks (token file, peer port): each names its flag
+            if not in_cluster and not reached:
+                check_api_server(api, config_source(cfg.kubeconfig))
+                reached.append(True)
+
+        agent.peering = _peering(cfg, kube, agent, metrics, reach)
+        reach()
+        try:
+            krunner.start()
+        except TimeoutError as exc:
+            raise StartupError(f"{exc}; check the agent's RBAC (deploy/rbac/agent.yaml) and the CRDs "
+                               "(kubectl apply -k deploy/)") from None
         log.info("agent running", extra=fields(node=cfg.node, port=server.port if server else -1))
         stop.wait()
         log.info("agent stopping", extra=fields(node=cfg.node))
@@ -221,11 +260,30 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     return 0
 
 
-def _peering(cfg: AgentConfig, kube: object, agent: object, metrics: object) -> object | None:
+def _standalone_spec(cfg: AgentConfig) -> dict[str, object]:
+    """The spec file, read and checked before the root is touched: an invalid one is refused with
+    one line per problem (exit 2) and nothing on disk changes."""
+    from agent.standalone import InvalidSpecError, read_node
+
+    assert cfg.standalone is not None
+    try:
+        return read_node(cfg.standalone)
+    except InvalidSpecError as exc:
+        raise StartupError(
+            f"--standalone {cfg.standalone}: {len(exc.problems)} problem(s) above, so nothing was done and "
+            f"nothing in {cfg.root} changed; fix the file (see docs/agent.md, \"Standalone mode\") and run again",
+            [f"--standalone {cfg.standalone}: {p}" for p in exc.problems]) from None
+    except ModelcacheError as exc:
+        raise StartupError(f"--standalone: {exc}") from None
+
+
+def _peering(cfg: AgentConfig, kube: object, agent: object, metrics: object,
+             before_start: Callable[[], None]) -> object | None:
     from agent.peering import start_peering
 
     try:
-        return start_peering(cfg, kube, agent.store, metrics, agent.changed.set)  # type: ignore[arg-type,attr-defined]
+        return start_peering(cfg, kube, agent.store, metrics, agent.changed.set,  # type: ignore[arg-type,attr-defined]
+                             before_start)
     except OSError as exc:
         raise listen_error(exc, cfg.peer_host, cfg.peer_port, "--peer-port", "--peer-host") from None
 

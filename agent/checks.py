@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from agent.logs import fields
+from modelcache.redact import scrub_urls
 
 if TYPE_CHECKING:
     from agent.core import Agent
@@ -35,16 +36,52 @@ class Checker:
         cfg = self.agent.cfg
         full = cfg.verify_interval > 0 and now - rec.last_verify >= cfg.verify_interval
         sizes = cfg.size_check_interval > 0 and now - rec.last_size_check >= cfg.size_check_interval
-        if not (full or sizes):
+        drift = cfg.drift_check_interval > 0 and now - rec.last_drift_check >= cfg.drift_check_interval
+        if not (full or sizes or drift):
             return
         with self._lock:
             if rec.key in self._busy:
                 return
             self._busy.add(rec.key)
+        if drift:
+            rec.last_drift_check = now
+            if not (full or sizes):
+                self.pool.submit(self._drift, rec)
+                return
+            self.pool.submit(self._drift, rec, False)
         rec.last_size_check = now
         if full:
             rec.last_verify = now
         self.pool.submit(self._check, rec, full)
+
+    def _drift(self, rec: ModelRecord, release: bool = True) -> None:
+        """List the model's source with its entry's credentials and compare it with the manifest:
+        a changed source is reported (status detail ``drift``, a log line), never applied, since
+        pods are reading the files (``modelcache pull --refresh`` on the node, or a new cache)."""
+        from modelcache.drift import CHANGED
+        from modelcache.pull import check_drift
+
+        try:
+            manifest = self.agent.store.manifest(rec.key)
+            if manifest is None or not rec.entries:
+                return
+            with self.agent.credentials.settings_for(rec.entries[0]) as settings:
+                found = check_drift(rec.uri, manifest, settings)
+            drift = found.message if found.state == CHANGED else ""
+            if drift != rec.drift:
+                rec.drift = drift
+                self.agent.changed.set()
+                if drift:
+                    log.warning("the source changed since the download; serving what was downloaded",
+                                extra=fields(storage_key=rec.key, drift=drift))
+            log.info("drift check done", extra=fields(storage_key=rec.key, state=found.state))
+        except Exception as exc:
+            log.info("drift check failed", extra=fields(storage_key=rec.key,
+                                                        error=scrub_urls(" ".join(str(exc).split()))[:300]))
+        finally:
+            if release:
+                with self._lock:
+                    self._busy.discard(rec.key)
 
     def _check(self, rec: ModelRecord, full: bool) -> None:
         try:

@@ -40,6 +40,9 @@ class AgentConfig:
     #: Cheap size check of every downloaded model, and a full re-hash (0 turns either off).
     size_check_interval: float = 300.0
     verify_interval: float = 86400.0
+    #: How often each downloaded model's source is listed and compared with what is stored
+    #: (status ``modelDetails[].drift``; the model itself is left as it is). 0 turns it off.
+    drift_check_interval: float = 3600.0
     #: How often a removal that waits for a mounting pod is re-checked.
     removal_recheck: float = 10.0
     #: How often files of models no entry wants (staged, repair and trash folders included) are

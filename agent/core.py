@@ -26,13 +26,13 @@ from agent.credentials import Credentials
 from agent.inuse import MountChecker
 from agent.logs import fields
 from agent.metrics import AgentMetrics
-from agent.repair import needs_repair, repair
 from agent.state import INTERRUPTED, REMOVED, STOPPING, Failure, ModelRecord, Task
 from modelcache.clock import rfc3339
 from modelcache.errors import ModelcacheError
 from modelcache.kube.types import (
     MODEL_DOWNLOAD_ERROR,
     MODEL_DOWNLOADED,
+    Condition,
     LocalModelInfo,
     ModelCounts,
     NodeCapacity,
@@ -41,6 +41,7 @@ from modelcache.loop import Loop
 from modelcache.progress import format_line
 from modelcache.pull import PullPlan, pull
 from modelcache.redact import scrub_urls
+from modelcache.repair import needs_repair, repair
 from modelcache.store import NodeLayout, NodeStore
 from modelcache.transfer import TransferOptions
 from modelcache.uri import parse_uri, redact_uri, storage_key
@@ -94,6 +95,9 @@ class Agent:
         #: Optional sink for notable transitions (cluster mode: Kubernetes Events on the LocalModelNode):
         #: on_event(type "Normal"|"Warning", reason, message). Called without the lock held.
         self.on_event: Callable[[str, str, str], None] | None = None
+        #: The last spec refused as invalid (modelcache.kube.validate), until a valid one comes:
+        #: (problems, its generation, when it was refused). Reported as a SpecValid=False condition.
+        self.refused: tuple[list[str], int | None, str] | None = None
         #: Peer transfer (agent/peering.py), cluster mode only; None: every byte from the origin.
         self.peering: Any = None
         (cfg.root / "models").mkdir(parents=True, exist_ok=True)
@@ -115,9 +119,17 @@ class Agent:
 
     # ---- desired state --------------------------------------------------------------------
 
+    def refuse_spec(self, problems: list[str], generation: int | None = None) -> None:
+        """An invalid spec changes nothing: the last valid one stays in force, the status says why."""
+        with self.lock:
+            if self.refused is None or self.refused[:2] != (problems, generation):
+                self.refused = (list(problems), generation, rfc3339())
+        self.changed.set()
+
     def set_spec(self, entries: list[LocalModelInfo], generation: int | None = None) -> None:
         desired = group_entries(entries)
         with self.lock:
+            self.refused = None
             for key, (uri, infos) in desired.items():
                 rec = self.records.get(key)
                 if rec is None:
@@ -315,7 +327,7 @@ class Agent:
     def _pull_model(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> Any:
         """Our own download: the core pull (adoption, archives unpacked), or an in-place repair."""
         with self.credentials.settings_for(primary) as settings:
-            def pull_into(dest: Any = None, uri: str | None = None, check: Any = None) -> Any:
+            def pull_into(dest: Any = None, uri: str | None = None, check: Any = None, only: Any = None) -> Any:
                 where: dict[str, Any] = {"dest": dest} if dest is not None else {"root": self.cfg.root}
 
                 def admit(plan: PullPlan) -> None:
@@ -326,7 +338,7 @@ class Agent:
                 peers = self.peering.network if self.peering is not None and dest is None else None
                 # unpack: a repair's folder holds the model as the store does (archives unpacked).
                 return pull(uri or rec.uri, settings=settings, options=self._options(), progress=task.progress,
-                            admit=admit, cancel=task.cancel, peers=peers, unpack=True, **where)
+                            admit=admit, cancel=task.cancel, only=only, peers=peers, unpack=True, **where)
 
             if needs_repair(self.store, rec.key, rec.old_files):
                 # Damaged, or left half-repaired by a crash: fix the files inside the folder that
@@ -571,6 +583,14 @@ class Agent:
         }
         if self.generation is not None:
             out["observedGeneration"] = self.generation
+        if self.refused is not None:
+            problems, generation, since = self.refused
+            out["conditions"] = [Condition(
+                type="SpecValid", status="False", reason="InvalidSpec", last_transition_time=since,
+                observed_generation=generation,
+                message=_one_line(ValueError(f"{len(problems)} problem(s), nothing applied or deleted until "
+                                             "they are fixed: " + "; ".join(problems))),
+            ).to_dict()]
         if self.peering is not None:
             out["peer"] = self.peering.status(keys)
         return out

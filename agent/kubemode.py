@@ -33,12 +33,14 @@ from modelcache.kube.informer import DELETED, Informer
 from modelcache.kube.quantity import parse_quantity
 from modelcache.kube.status import patch_status_if_changed
 from modelcache.kube.types import LocalModelNode
+from modelcache.kube.validate import node_problems
 from modelcache.loop import Loop
 
 log = logging.getLogger("agent.kube")
 
 #: Status keys the agent owns (others, written by anyone else, are kept).
-OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration", "nodeUID", "peer")
+OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGeneration", "nodeUID", "conditions",
+         "peer")
 #: The LocalModelNode CRD, whose status schema decides what the API server keeps of a status write.
 NODE_CRD = f"{LOCAL_MODEL_NODES.plural}.{LOCAL_MODEL_NODES.group}"
 
@@ -101,7 +103,23 @@ class KubeRunner:
             if fresh:
                 self.refresh_node_uid()  # a new LocalModelNode: its Node may be new as well
             self.check_paths()  # before the new spec can start a removal
+        self._apply(obj)
+
+    def _apply(self, obj: dict[str, Any]) -> None:
+        """Apply the spec, unless it is invalid: then nothing is applied or deleted, and the status
+        (condition SpecValid=False), an Event and the log name each problem."""
+        problems = node_problems(obj)
         lmn = LocalModelNode.from_dict(obj)
+        if problems:
+            first = self.agent.refused is None or self.agent.refused[:2] != (problems, lmn.generation or None)
+            self.agent.refuse_spec(problems, lmn.generation or None)
+            if first:
+                for problem in problems:
+                    log.warning("invalid LocalModelNode spec: keeping the last valid one",
+                                extra=fields(node=self.node, problem=problem))
+                self._event("Warning", "InvalidSpec", f"{len(problems)} problem(s), nothing applied or deleted: "
+                            + "; ".join(problems))
+            return
         self.agent.set_spec(lmn.spec.local_models, lmn.generation or None)
 
     def download_jobs(self, namespace: str, host_path: str | None) -> DownloadJobs:
@@ -182,11 +200,13 @@ class KubeRunner:
         self.groups.start()
         self.schema.start()  # not waited for: without it every change is written, as before
         if not self.containers.wait_for_sync(timeout):
-            raise TimeoutError("could not list ClusterStorageContainers from the API server")
+            raise TimeoutError(f"could not list ClusterStorageContainers from the API server within {timeout:.0f} s "
+                               f"(last error: {self.containers.last_error or 'no answer'})")
         self.nodes.start()
         if not (self.groups.wait_for_sync(timeout) and self.nodes.wait_for_sync(timeout)):
-            raise TimeoutError("could not list LocalModelNode/LocalModelNodeGroups/ClusterStorageContainers "
-                               "from the API server")
+            last = self.nodes.last_error or self.groups.last_error or "no answer"
+            raise TimeoutError(f"could not list LocalModelNodes and LocalModelNodeGroups from the API server within "
+                               f"{timeout:.0f} s (last error: {last})")
         if self.nodes.store.get(self.node) is None:
             log.info("no LocalModelNode for this node yet; waiting", extra=fields(node=self.node))
         self.refresh_node_uid()
@@ -202,8 +222,7 @@ class KubeRunner:
         self.refresh_node_uid()
         obj = self.nodes.store.get(self.node)
         if obj is not None:
-            lmn = LocalModelNode.from_dict(obj)
-            self.agent.set_spec(lmn.spec.local_models, lmn.generation or None)
+            self._apply(obj)
 
     def healthy(self) -> bool:
         if not self.synced.is_set():

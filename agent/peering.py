@@ -247,7 +247,7 @@ class Peering:
 
 
 def start_peering(cfg: AgentConfig, kube: Kube, store: NodeStore, metrics: AgentMetrics,
-                  on_change: Any) -> Peering | None:
+                  on_change: Any, before_start: Any = None) -> Peering | None:
     """Peer transfer per ``--peers``: ``off``; ``on`` (a missing token is a startup error);
     ``auto`` (default: on when the token file exists)."""
     if cfg.peers == "off":
@@ -259,4 +259,7 @@ def start_peering(cfg: AgentConfig, kube: Kube, store: NodeStore, metrics: Agent
                                f"token with audience {AUDIENCE!r} there (deploy/agent), or set --peers=off")
         log.info("peer transfer off: no peer token", extra=fields(peer_token_file=str(cfg.peer_token_file)))
         return None
-    return Peering(cfg, kube, store, metrics, on_change).start()
+    peering = Peering(cfg, kube, store, metrics, on_change)  # the port is bound: a taken one is named first
+    if before_start is not None:
+        before_start()  # e.g. the agent's check that the API server answers: start() asks it
+    return peering.start()

@@ -1,11 +1,15 @@
 """Standalone mode, for machines without Kubernetes.
 
 ``modelcache-agent --standalone node.yaml --root DIR`` reads a LocalModelNode manifest (the
-first document of that kind in the file), fills the root as the cluster agent would, and
+first document of that kind in the file), checks it as the API server would check it against
+the CRD (modelcache.kube.validate: an invalid file is refused whole, each problem on one line,
+before anything under the root changes: the agent deletes what the spec does not list, so a
+misread spec would cost every model), fills the root as the cluster agent would, and
 writes the object with its ``status`` to ``<FILE>.status.yaml`` beside it (the input file is
 never modified). Without ``--watch`` it exits once every model is Downloaded or Error (exit
 code 0 when all are Downloaded, 1 otherwise); with ``--watch`` it keeps running, re-reads the
-file when it changes and retries failed models with backoff.
+file when it changes and retries failed models with backoff; an invalid edit is logged and
+reported in the status file, and the last valid spec stays in force.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from agent.publish import Publisher
 from modelcache.clock import rfc3339
 from modelcache.errors import ModelcacheError
 from modelcache.kube.types import MODEL_DOWNLOADED, LocalModelNode
+from modelcache.kube.validate import node_problems
 
 log = logging.getLogger("agent.standalone")
 
@@ -33,22 +38,39 @@ def status_path(spec_file: Path) -> Path:
     return spec_file.with_name(spec_file.name + ".status.yaml")
 
 
+class InvalidSpecError(ModelcacheError):
+    """The file's LocalModelNode would not pass the CRD's validation; ``problems``: one line each."""
+
+    reason = "InvalidSpec"
+
+    def __init__(self, path: Path, problems: list[str]) -> None:
+        super().__init__(f"{path}: {len(problems)} problem(s) in the LocalModelNode: " + "; ".join(problems))
+        self.problems = problems
+
+
 def read_node(path: Path) -> dict[str, Any]:
+    """The file's first LocalModelNode, checked; raises ModelcacheError (InvalidSpecError)."""
     try:
         docs = [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
     except (OSError, yaml.YAMLError) as exc:
-        raise ModelcacheError(f"{path}: cannot read a LocalModelNode manifest ({type(exc).__name__}: {exc})") from None
+        why = " ".join(str(exc).split())
+        raise ModelcacheError(f"{path}: cannot read a LocalModelNode manifest ({type(exc).__name__}: {why})") from None
     for doc in docs:
         if doc.get("kind") == "LocalModelNode":
+            problems = node_problems(doc)
+            if problems:
+                raise InvalidSpecError(path, problems)
             return doc
-    raise ModelcacheError(f"{path}: no document of kind LocalModelNode in the file")
+    kinds = sorted({str(d.get("kind")) for d in docs if d.get("kind")})
+    found = f" (found: {', '.join(kinds)})" if kinds else ""
+    raise ModelcacheError(f"{path}: no document of kind LocalModelNode in the file{found}")
 
 
 class StandaloneRunner:
-    def __init__(self, agent: Agent, spec_file: Path, watch: bool = False) -> None:
+    def __init__(self, agent: Agent, spec_file: Path, watch: bool = False, obj: dict[str, Any] | None = None) -> None:
         self.agent, self.spec_file, self.watch = agent, spec_file, watch
         self.out = status_path(spec_file)
-        self.obj = read_node(spec_file)
+        self.obj = obj if obj is not None else read_node(spec_file)
         self.publisher = Publisher(agent, self._write, agent.cfg.status_interval)
         self._mtime = spec_file.stat().st_mtime_ns
         self._stop = threading.Event()
@@ -95,6 +117,13 @@ class StandaloneRunner:
                 return
             self._mtime = mtime
             self.obj = read_node(self.spec_file)
+        except InvalidSpecError as exc:
+            # Nothing changes on disk: the last valid spec stays in force, the status says why.
+            for problem in exc.problems:
+                log.warning("invalid spec file: keeping the last valid spec", extra=fields(
+                    file=str(self.spec_file), problem=problem))
+            self.agent.refuse_spec(exc.problems)
+            return
         except (OSError, ModelcacheError) as exc:
             log.warning("cannot re-read the spec file", extra=fields(error=str(exc)))
             return

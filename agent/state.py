@@ -89,6 +89,9 @@ class ModelRecord:
     files_total: int | None = None
     started_at: str | None = None
     finished_at: str | None = None
+    #: What changed at the source since the download (a periodic drift check), or "".
+    drift: str = ""
+    last_drift_check: float = field(default_factory=time.monotonic)
     last_size_check: float = field(default_factory=time.monotonic)
     last_verify: float = field(default_factory=time.monotonic)
     last_progress_log: float = 0.0
@@ -149,6 +152,7 @@ class ModelRecord:
             message=self.message(state) or None,
             started_at=self.started_at,
             finished_at=self.finished_at if state != MODEL_DOWNLOADING else None,
+            drift=self.drift or None,
         )
         if self.task is not None:
             snap = self.task.progress.snapshot()

@@ -13,7 +13,7 @@ import click
 
 from coordinator.app import Config, Coordinator
 from modelcache.kube.client import in_cluster_namespace
-from modelcache.startup import run_command
+from modelcache.startup import env_for_every_flag, run_command
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -105,6 +105,9 @@ def cli(kubeconfig: str | None, webhook_cert_secret: str | None, webhook_service
     code = coordinator.wait()
     coordinator.stop()
     sys.exit(code)
+
+
+env_for_every_flag(cli, "MODELCACHE_COORDINATOR_")
 
 
 def main() -> None:

@@ -23,7 +23,15 @@ from coordinator.uninstall import UninstallHook
 from coordinator.view import ClusterView
 from coordinator.webhookcerts import YEAR, CertSettings, WebhookCerts
 from modelcache.health import HealthServer
-from modelcache.kube.client import CUSTOM_RESOURCE_DEFINITIONS, NAMESPACES, Kube, count_requests, load_api_client
+from modelcache.kube.client import (
+    CUSTOM_RESOURCE_DEFINITIONS,
+    NAMESPACES,
+    Kube,
+    check_api_server,
+    config_source,
+    count_requests,
+    load_api_client,
+)
 from modelcache.kube.controller import Manager
 from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import Informer
@@ -77,6 +85,8 @@ class Config:
 class Coordinator:
     def __init__(self, cfg: Config, kube: Kube | None = None) -> None:
         self.cfg = cfg
+        #: Where the cluster was found, checked once at start (None: a client handed in, e.g. by tests).
+        self._source = config_source(cfg.kubeconfig) if kube is None else None
         self.kube = kube or Kube(load_api_client(cfg.kubeconfig))
         count_requests(self.kube.api_client, lambda verb: metrics.API_REQUESTS.labels(verb).inc())
         self.view: ClusterView | None = None
@@ -105,6 +115,8 @@ class Coordinator:
             self._start_cert_manager()
         elif self.cfg.webhook_cert_dir is not None:
             self._start_webhooks(self.cfg.webhook_cert_dir)
+        if self._source is not None:  # after the ports: each start-up problem is named by its own flag
+            check_api_server(self.kube.api_client, self._source)
         self.view = ClusterView.build(self.kube, watch_timeout=self.cfg.watch_timeout,
                                       missing_group_grace=self.cfg.missing_group_grace)
         self.wiring = controllers.build_wiring(

@@ -19,7 +19,8 @@ from initializer.run import Pair, describe_error, pairs_from_args, run_pairs
 from modelcache.archive import ArchiveLimits
 from modelcache.credentials import Settings, ca_bundle_from_env, merged_ca_bundle
 from modelcache.errors import ModelcacheError
-from modelcache.progress import ProgressTracker
+from modelcache.progress import ProgressTracker, human_bytes
+from modelcache.resources import check_buffers, chunk_size_problem
 from modelcache.sizes import parse_size
 from modelcache.transfer import TransferOptions
 from modelcache.uri import redact_uri
@@ -77,15 +78,25 @@ INIT_CHUNK_SIZE = 8 << 20
 
 
 def transfer_options(env: Mapping[str, str]) -> TransferOptions:
-    """Engine knobs for the init container (memory is workers x chunk size, plus spares)."""
+    """Engine knobs for the init container (memory is workers x chunk size, plus spares):
+    checked against their ranges, and one pull's buffers against the memory left (pairs at once
+    are not counted: most pods pull one, and a failed check would stop pods that work today)."""
     base = replace(TransferOptions(), chunk_size=INIT_CHUNK_SIZE)
     workers = env.get("MODELCACHE_WORKERS")
     chunk = env.get("MODELCACHE_CHUNK_SIZE")
-    return replace(
+    options = replace(
         base,
         workers=_count("MODELCACHE_WORKERS", workers) if workers else base.workers,
         chunk_size=_size("MODELCACHE_CHUNK_SIZE", chunk) if chunk else base.chunk_size,
     )
+    if options.workers > 256:
+        raise ModelcacheError(f"environment variable MODELCACHE_WORKERS={workers!r} is above the allowed 256")
+    problem = chunk_size_problem(options.chunk_size)
+    if problem:
+        raise ModelcacheError(f"environment variable MODELCACHE_CHUNK_SIZE={chunk!r}: {problem}")
+    check_buffers(options.workers, options.chunk_size,
+                  f"MODELCACHE_WORKERS={options.workers} x MODELCACHE_CHUNK_SIZE={human_bytes(options.chunk_size)}")
+    return options
 
 
 def _install_log_scrubbing(scrub: Scrubber) -> None:
@@ -120,9 +131,13 @@ def _prepare() -> tuple[Scrubber, Context, float, int]:
         parallel = int(env.get("MODELCACHE_INIT_PARALLEL") or 4)
     except ValueError:
         raise ModelcacheError("MODELCACHE_PROGRESS_INTERVAL and MODELCACHE_INIT_PARALLEL must be numbers") from None
+    if not 0.1 <= interval <= 3600 or not 1 <= parallel <= 64:
+        raise ModelcacheError("MODELCACHE_PROGRESS_INTERVAL must be 0.1 to 3600 (seconds) and "
+                              "MODELCACHE_INIT_PARALLEL 1 to 64")
     limits = ArchiveLimits.from_env(env)
     ctx = Context(
-        settings=settings, limits=limits, tracker=ProgressTracker(), options=transfer_options(env), interval=interval
+        settings=settings, limits=limits, tracker=ProgressTracker(), options=transfer_options(env),
+        interval=interval,
     )
     return scrub, ctx, interval, parallel
 

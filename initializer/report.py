@@ -76,12 +76,14 @@ class Reporter:
         total_bytes = sum(o.bytes for o in outcomes)
         files = sum(o.files for o in outcomes)
         snap = self.tracker.snapshot()
-        moved = snap.bytes_done
+        # Bytes a resumed download found on disk are done but were not transferred by this run.
+        moved = max(0, snap.bytes_done - snap.bytes_resumed)
         rate = moved / elapsed if elapsed > 0 else 0.0
         status = "done" if failed == 0 else "FAILED"
+        resumed = f", {human_bytes(snap.bytes_resumed)} resumed from an earlier run" if snap.bytes_resumed else ""
         self.info(
             f"{status}: {ok}/{ok + failed} pairs ok, {files} files, {human_bytes(total_bytes)} "
-            f"({human_bytes(moved)} transferred) in {human_duration(elapsed)} ({human_bytes(rate)}/s)"
+            f"({human_bytes(moved)} transferred{resumed}) in {human_duration(elapsed)} ({human_bytes(rate)}/s)"
         )
 
     # -- periodic progress ----------------------------------------------------------------

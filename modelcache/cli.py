@@ -1,8 +1,11 @@
 """The ``modelcache`` command: pull, ls, verify, rm, gc.
 
-Every failure is one line on stderr (``error: ...``) and a non-zero exit; ``--json`` prints
-machine-readable results on stdout. Progress goes to stderr: bars on a terminal, one plain
-line every few seconds otherwise.
+Every failure is one line on stderr (``error: ...``). Exit codes: 0 done; 1 a model failed
+(or verify found damage, or rm found nothing to remove); 2 a bad flag value or an environment
+that cannot work (a missing root, too little memory for the buffers); 130 interrupted by Ctrl-C
+(staged bytes are kept: the same command resumes). ``--json`` prints machine-readable results
+on stdout. Progress goes to stderr: bars on a terminal, one plain line every few seconds
+otherwise.
 """
 
 from __future__ import annotations
@@ -11,22 +14,31 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from modelcache.errors import ModelcacheError
 from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.redact import redact_uri, scrub_urls
+from modelcache.resources import MAX_CHUNK, MIN_CHUNK, check_buffers, chunk_size_problem
 from modelcache.sizes import parse_size
-from modelcache.store import NodeStore
+from modelcache.startup import StartupError, run_command
+from modelcache.store import DestLayout, NodeLayout, NodeStore
 from modelcache.transfer import TransferOptions
-from modelcache.uri import storage_key
+from modelcache.uri import parse_uri, storage_key
 
 DEFAULT_ROOT = "/mnt/models"
+
+
 class SizeType(click.ParamType):
     name = "size"
 
@@ -37,6 +49,13 @@ class SizeType(click.ParamType):
             return parse_size(str(value))
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
+
+
+def _chunk_size(_ctx: click.Context, _param: click.Parameter, value: int) -> int:
+    problem = chunk_size_problem(value)
+    if problem:
+        raise click.BadParameter(problem)
+    return value
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -50,7 +69,7 @@ def _emit(data: Any) -> None:
 
 def _root_option(f: Any) -> Any:
     return click.option(
-        "--root", type=click.Path(file_okay=False, path_type=Path), envvar="MODELCACHE_ROOT",
+        "--root", type=click.Path(file_okay=False, path_type=Path), envvar="MODELCACHE_ROOT", show_envvar=True,
         default=DEFAULT_ROOT, show_default=True, help="Node store root.",
     )(f)
 
@@ -70,62 +89,167 @@ def _guard(assume_unused: bool) -> Any:
     return mount_guard(assume_unused)
 
 
+def _store(root: Path, assume_unused: bool | None = None) -> NodeStore:
+    """The store of a command that reads or deletes: its root must be there (a typo in --root
+    must not answer "nothing found" or create folders). ``assume_unused`` (commands that delete):
+    the mount guard."""
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise StartupError(f"--root {root} {what}: no model store there; point --root (or MODELCACHE_ROOT) "
+                           "at the store's root")
+    return NodeStore.at(root, guard=None if assume_unused is None else _guard(assume_unused))
+
+
 def _key(arg: str) -> str:
     """Commands take a storage key or the URI it was pulled from."""
     return arg if re.fullmatch(r"[0-9a-f]{16}", arg) else storage_key(arg)
 
 
-@click.group()
-@click.option("--log-level", default="WARNING", envvar="MODELCACHE_LOG_LEVEL", show_default=True,
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.option("--log-level", default="WARNING", envvar="MODELCACHE_LOG_LEVEL", show_default=True, show_envvar=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.version_option(package_name="modelcache")
 def cli(log_level: str) -> None:
-    """Put model weights onto serving machines: fast, verified, crash-safe."""
+    """Put model weights onto serving machines: fast, verified, crash-safe.
+
+    Exit codes: 0 done; 1 a model failed, verify found damage, or rm found nothing; 2 a bad flag
+    or environment (missing root, too little memory); 130 interrupted (staged bytes are kept).
+    """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
 
 
+def _twins(uris: list[str], root: Path) -> list[str]:
+    """Notes for URIs that name a source already stored under another spelling."""
+    store = NodeStore.at(root)
+    try:
+        stored = [(e.storage_key, e.uri) for e in store.entries()] if root.is_dir() else []
+    except ModelcacheError:
+        return []
+    known: dict[tuple[str, ...], list[tuple[str, str]]] = {}
+    for key, uri in stored:
+        try:
+            known.setdefault(parse_uri(uri).identity, []).append((key, uri))
+        except ModelcacheError:
+            continue
+    notes = []
+    for uri in uris:
+        try:
+            loc = parse_uri(uri)
+        except ModelcacheError:
+            continue
+        for key, other in known.get(parse_uri(loc.display).identity, []):
+            if key != loc.storage_key:
+                notes.append(f"note: {loc.display} is the same source as {other} (stored as {key}); it is stored "
+                             "separately because KServe keys a model by the URI's exact text: use one spelling "
+                             "to keep one copy")
+    return notes
+
+
+@contextmanager
+def _interruptible() -> Iterator[tuple[threading.Event, list[int]]]:
+    """Ctrl-C (or SIGTERM) cancels the transfer cleanly: the staged bytes stay for a resume. A
+    second Ctrl-C stops at once."""
+    cancel, caught = threading.Event(), list[int]()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if caught:
+            raise KeyboardInterrupt
+        caught.append(signum)
+        cancel.set()
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield cancel, caught
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 @cli.command()
-@click.argument("uris", nargs=-1, required=True)
+@click.argument("uris", nargs=-1)
 @_root_option
 @click.option("--dest", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Write one model straight into this folder instead of the store.")
+              help="Write one model straight into this folder instead of the store (not with --root).")
 @click.option("--workers", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Parallel streams (memory: (workers + workers/2) x chunk size).")
 @click.option("--max-workers", type=click.IntRange(1, 256), default=None,
               help="Grow up to this many streams while throughput grows (servers that cap each "
-              "connection, e.g. S3); default: a fixed --workers.")
-@click.option("--chunk-size", type=SizeType(), default="16M", show_default=True,
-              help="Bytes per ranged read and per resume unit (e.g. 8M, 64MiB).")
-@click.option("--stall-timeout", type=float, default=30.0, show_default=True,
-              help="Seconds without bytes before a read is aborted and retried.")
+              "connection, e.g. S3); at least --workers; default: a fixed --workers.")
+@click.option("--chunk-size", type=SizeType(), default="16M", show_default=True, callback=_chunk_size,
+              help=f"Bytes per ranged read and per resume unit, {human_bytes(MIN_CHUNK)} to {human_bytes(MAX_CHUNK)} "
+              "(e.g. 8M, 64MiB).")
+@click.option("--stall-timeout", type=click.FloatRange(0.5, 3600), default=30.0, show_default=True,
+              help="Seconds without bytes before a read is aborted and retried (0.5 to 3600).")
 @click.option("--max-attempts", type=click.IntRange(1, 100), default=6, show_default=True,
               help="Failures in a row without progress before a read gives up.")
 @click.option("--direct-io/--no-direct-io", default=None, help="Force O_DIRECT writes on or off (default: auto).")
 @click.option("--progress", "progress_mode", type=click.Choice(["auto", "bar", "plain", "none"]), default="auto",
               show_default=True, help="Bars on a terminal, a log line every few seconds otherwise.")
-@click.option("--progress-interval", type=float, default=5.0, envvar="MODELCACHE_PROGRESS_INTERVAL",
-              show_default=True, help="Seconds between plain progress lines.")
+@click.option("--progress-interval", type=click.FloatRange(0.1, 3600), default=5.0,
+              envvar="MODELCACHE_PROGRESS_INTERVAL", show_envvar=True, show_default=True,
+              help="Seconds between plain progress lines (0.1 to 3600).")
+@click.option("--check", is_flag=True,
+              help="Download nothing: say for each model (the URIs given, else every stored one) whether its "
+              "source still matches what is stored.")
+@click.option("--refresh", is_flag=True,
+              help="Bring stored models (the URIs given, else all) up to date with their source, fetching only the "
+              "files that changed.")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON on stdout.")
 @_assume_unused_option
-def pull(uris: tuple[str, ...], root: Path, dest: Path | None, workers: int, max_workers: int | None,
-         chunk_size: int, stall_timeout: float,
-         max_attempts: int, direct_io: bool | None, progress_mode: str, progress_interval: float,
-         as_json: bool, assume_unused: bool) -> None:
-    """Download models (one per URI) into the store, verified and resumable."""
+@click.pass_context
+def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | None, workers: int,
+         max_workers: int | None, chunk_size: int, stall_timeout: float, max_attempts: int, direct_io: bool | None,
+         progress_mode: str, progress_interval: float, check: bool, refresh: bool, as_json: bool,
+         assume_unused: bool) -> None:
+    """Download models (one per URI) into the store, verified and resumable.
+
+    A stored model is answered from the store without asking its source; `--check` compares it
+    with the source (no download) and `--refresh` brings it up to date.
+    """
     from modelcache.display import show_progress
     from modelcache.pull import PullResult, pull_many
 
+    if (check or refresh) and dest is not None:
+        raise click.UsageError("--check and --refresh work on a store (--root), not on --dest")
+    if check and refresh:
+        raise click.UsageError("--check and --refresh exclude each other: --check only reports")
+    if check:
+        _check(_store(root), list(uris), root, as_json)
+        return
+    if refresh and not uris:
+        uris = tuple(_stored_uris(_store(root)))
+        if not uris:
+            click.echo(f"no models in {root}")
+            return
+    if not uris:
+        raise click.UsageError("give at least one URI to pull")
+    if dest is not None and ctx.get_parameter_source("root") == ParameterSource.COMMANDLINE:
+        raise click.UsageError("--root and --dest exclude each other: --dest writes one model straight into a "
+                               "folder, --root keeps models in a store")
+    if max_workers is not None and max_workers < workers:
+        raise click.BadParameter(f"{max_workers} is below --workers {workers}", param_hint="'--max-workers'")
+    try:
+        check_buffers(max_workers or workers, chunk_size,
+                      f"--workers {max_workers or workers} x --chunk-size {human_bytes(chunk_size)}")
+    except ModelcacheError as exc:
+        raise StartupError(str(exc)) from None
     options = TransferOptions(workers=workers, max_workers=max_workers, chunk_size=chunk_size,
                               stall_timeout=stall_timeout, max_attempts=max_attempts, direct_io=direct_io)
+    if dest is None:
+        for note in _twins(list(uris), root):
+            click.echo(note, err=True)
     tracker = ProgressTracker()
-    try:
-        with show_progress(tracker, progress_mode, progress_interval):
-            results = pull_many(list(uris), root=None if dest else root, dest=dest, options=options,
-                                progress=tracker, guard=_guard(assume_unused))
-    except ModelcacheError as exc:
-        _fail(str(exc))
-        return
+    with _interruptible() as (cancel, caught):
+        try:
+            with show_progress(tracker, progress_mode, progress_interval):
+                results = pull_many(list(uris), root=None if dest else root, dest=dest, options=options,
+                                    progress=tracker, cancel=cancel, guard=_guard(assume_unused),
+                                    refresh=refresh)
+        except ModelcacheError as exc:
+            if not caught:
+                _fail(str(exc))
+            results = []
     failed = False
     out = []
     for uri, res in zip(uris, results, strict=True):
@@ -133,9 +257,17 @@ def pull(uris: tuple[str, ...], root: Path, dest: Path | None, workers: int, max
             out.append({**asdict(res), "path": str(res.path), "ok": True})
             if not as_json:
                 how = "cached" if res.cached else f"in {res.elapsed:.1f}s"
+                if refresh:
+                    how = "up to date" if res.cached else (
+                        f"refreshed in {res.elapsed:.1f}s: {len(res.refreshed)} file(s) fetched again"
+                        + (f" ({', '.join(res.refreshed[:3])}{', ...' if len(res.refreshed) > 3 else ''})"
+                           if res.refreshed else "")
+                        + (f", {len(res.dropped)} dropped" if res.dropped else ""))
                 checked = f", {'+'.join(res.verified)} verified" if res.verified else ""
                 click.echo(f"{res.uri} -> {res.path} ({res.files} files, {human_bytes(res.bytes)}, {how}{checked})",
                            err=True)
+        elif caught:
+            continue  # one line for the interruption below, not one "cancelled" per model
         else:
             failed = True
             shown = str(res) if isinstance(res, ModelcacheError) else f"{redact_uri(uri)}: {res!r}"
@@ -144,41 +276,137 @@ def pull(uris: tuple[str, ...], root: Path, dest: Path | None, workers: int, max
             click.echo(f"error: {shown}", err=True)
     if as_json:
         _emit(out)
+    if caught:
+        _interrupted(tracker, DestLayout(dest).staging_root if dest is not None else NodeLayout(root).staging_root,
+                     caught[0])
     sys.exit(1 if failed else 0)
+
+
+def _stored_uris(store: NodeStore) -> list[str]:
+    """The URIs of the stored models. One stored without the secret part of its URI (a signed
+    query) cannot be listed again from the manifest: it is named, to be given in full."""
+    out = []
+    keys = store.keys()
+    for key in keys:
+        m = store.manifest(key)
+        if m is None:
+            continue
+        if "<redacted>" in m.uri:
+            click.echo(f"error: {key} ({m.uri}): stored without the secret part of its URI; name the URI itself "
+                       "to refresh it", err=True)
+            continue
+        out.append(m.uri)
+    return out
+
+
+def _check(store: NodeStore, args: list[str], root: Path, as_json: bool) -> None:
+    """``pull --check``: each model's source listed and compared with its manifest, nothing fetched."""
+    from modelcache.credentials import Settings
+    from modelcache.drift import CHANGED, ERROR, Drift
+    from modelcache.pull import check_drift
+
+    settings = Settings.from_env()
+    keys = store.keys()
+    targets = [(_key(a), a if not re.fullmatch(r"[0-9a-f]{16}", a) else None) for a in args] or [
+        (k, None) for k in keys]
+    out: list[Drift] = []
+    for key, uri in targets:
+        manifest = store.manifest(key)
+        shown = redact_uri(uri) if uri else key
+        if manifest is None:
+            out.append(Drift(key, shown, ERROR, message=f"not in the store at {root} (pull it first)"))
+            continue
+        listed = uri or manifest.uri
+        if uri is None and "<redacted>" in manifest.uri:
+            out.append(Drift(key, manifest.uri, ERROR, message="stored without the secret part of its URI; "
+                             "name the URI itself: modelcache pull --check URI"))
+            continue
+        try:
+            out.append(check_drift(listed, manifest, settings))
+        except ModelcacheError as exc:
+            message = scrub_urls(" ".join(str(exc).split())).removeprefix(f"{redact_uri(listed)}: ")
+            out.append(Drift(key, manifest.uri, ERROR, message=message))
+    if as_json:
+        _emit([asdict(d) for d in out])
+    else:
+        if not out:
+            click.echo(f"no models in {root}")
+        for d in out:
+            click.echo(f"{d.storage_key:16}  {d.state:8}  {d.uri}: {d.message}")
+    stale = [d for d in out if d.state == CHANGED]
+    if stale and not as_json:
+        names = " ".join(d.uri if "<redacted>" not in d.uri else d.storage_key for d in stale)
+        click.echo(f"{len(stale)} model(s) changed at the source; bring them up to date (only changed files are "
+                   f"fetched): modelcache pull --refresh --root {root} {names}", err=True)
+    if any(d.state in (CHANGED, ERROR) for d in out):
+        sys.exit(1)
+
+
+def _interrupted(tracker: ProgressTracker, staging: Path, signum: int) -> None:
+    snap = tracker.snapshot()
+    if snap.bytes_done:
+        kept = (f"{human_bytes(snap.bytes_done)} of {human_bytes(snap.bytes_total)} are staged in {staging} and "
+                "kept; run the same command again to resume from there")
+    else:
+        kept = "nothing was downloaded yet; run the same command again to start"
+    click.echo(f"error: interrupted: {kept}", err=True)
+    sys.exit(128 + signum)
 
 
 @cli.command("ls")
 @_root_option
 @click.option("--json", "as_json", is_flag=True)
 def ls_cmd(root: Path, as_json: bool) -> None:
-    """List the models in the store."""
+    """List the models in the store, and pulls in flight or interrupted (with their percentage)."""
+    from modelcache.pull import staged_pulls
+
+    store = _store(root)
     try:
-        entries = NodeStore.at(root).entries() if root.exists() else []
+        entries = store.entries()
+        staged = staged_pulls(store)
     except ModelcacheError as exc:
         _fail(str(exc))
         return
+    present = {e.storage_key for e in entries if e.present}
+    staged = [s for s in staged if s.storage_key not in present]
     if as_json:
-        _emit([asdict(e) for e in entries])
+        _emit([asdict(e) for e in entries if e.present or e.storage_key not in {s.storage_key for s in staged}]
+              + [{**asdict(s), "state": "pulling" if s.running else "interrupted", "present": False}
+                 for s in staged])
         return
-    if not entries:
+    if not entries and not staged:
         click.echo(f"no models in {root}")
         return
-    click.echo(f"{'KEY':16}  {'STATE':10}  {'SIZE':>10}  {'FILES':>5}  URI")
+    click.echo(f"{'KEY':16}  {'STATE':16}  {'SIZE':>10}  {'FILES':>5}  URI")
+    stage_keys = {s.storage_key for s in staged}
     for e in entries:
+        if e.storage_key in stage_keys:
+            continue  # shown below with its progress
         state = "present" if e.present else "incomplete"
-        click.echo(f"{e.storage_key:16}  {state:10}  {human_bytes(e.size):>10}  {e.files:>5}  {e.uri}")
+        click.echo(f"{e.storage_key:16}  {state:16}  {human_bytes(e.size):>10}  {e.files:>5}  {e.uri}")
+    for s in staged:
+        state = f"{'pulling' if s.running else 'interrupted'} {s.percent:.0f}%"
+        click.echo(f"{s.storage_key:16}  {state:16}  {human_bytes(s.bytes_total):>10}  {s.files:>5}  {s.uri}")
+    if any(not s.running for s in staged):
+        click.echo("interrupted pulls resume where they stopped: run `modelcache pull URI` again", err=True)
 
 
 @cli.command()
 @click.argument("models", nargs=-1)
 @_root_option
+@click.option("--repair", "fix", is_flag=True,
+              help="Fetch the damaged or missing files of each damaged model again (only those, at the revision "
+              "its manifest names) and put them in place; the model folder itself stays.")
+@click.option("--progress", "progress_mode", type=click.Choice(["auto", "bar", "plain", "none"]), default="auto",
+              show_default=True, help="Progress of a repair's downloads.")
 @click.option("--json", "as_json", is_flag=True)
-def verify(models: tuple[str, ...], root: Path, as_json: bool) -> None:
+def verify(models: tuple[str, ...], root: Path, fix: bool, progress_mode: str, as_json: bool) -> None:
     """Re-hash models (all by default) and compare with their manifests."""
-    store = NodeStore.at(root)
-    keys = [_key(m) for m in models] or store.keys()
+    store = _store(root)
+    given = {_key(m): m for m in models}
+    keys = list(given) or store.keys()
     report = {k: [asdict(p) for p in store.verify(k)] for k in keys}
-    if as_json:
+    if as_json and not fix:
         _emit(report)
     else:
         for k, problems in report.items():
@@ -187,9 +415,60 @@ def verify(models: tuple[str, ...], root: Path, as_json: bool) -> None:
                     click.echo(f"{k}: {p['path'] or '-'}: {p['problem']}")
             else:
                 click.echo(f"{k}: ok")
-    if any(report.values()):
-        click.echo(f"error: {sum(1 for p in report.values() if p)} model(s) failed verification", err=True)
+        if not keys:
+            click.echo(f"no models in {root}")
+    damaged = [k for k, p in report.items() if p]
+    if damaged and fix:
+        failed = [k for k in damaged if not _repair(store, k, given.get(k), progress_mode)]
+        if as_json:
+            _emit({k: [asdict(p) for p in store.verify(k)] for k in keys})
+        if failed:
+            click.echo(f"error: {len(failed)} of {len(damaged)} damaged model(s) not repaired", err=True)
+            sys.exit(1)
+        return
+    if damaged:
+        names = " ".join(given.get(k, k) for k in damaged)
+        click.echo(f"error: {len(damaged)} model(s) failed verification; fetch their damaged files again (nothing "
+                   f"else is downloaded): modelcache verify --repair --root {root} {names}", err=True)
         sys.exit(1)
+
+
+def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -> bool:
+    """``verify --repair`` of one model: the agent's in-place repair (modelcache.repair), from here."""
+    from modelcache.credentials import Settings
+    from modelcache.display import show_progress
+    from modelcache.pull import pull
+    from modelcache.repair import repair
+
+    assert isinstance(store.layout, NodeLayout)
+    manifest = store.manifest(key) or store.pinned_manifest(key)
+    uri = given if given and given != key else (manifest.uri if manifest else None)
+    if uri is None or "<redacted>" in uri:
+        why = "it has no manifest to name its URI" if manifest is None else "it was stored without the secret part " \
+            "of its URI"
+        click.echo(f"error: {key}: cannot repair: {why}; name the URI: modelcache verify --repair URI", err=True)
+        return False
+    if not store.layout.model_dir(key).is_dir():
+        click.echo(f"error: {key}: not in the store; pull it: modelcache pull {redact_uri(uri)}", err=True)
+        return False
+    settings = Settings.from_env()
+    tracker = ProgressTracker()
+
+    def pull_into(dest: Path, at: str | None, check: Any, only: Any) -> Any:
+        return pull(at or uri, dest=dest, settings=settings, progress=tracker, admit=check, only=only)
+
+    try:
+        with store.lock(key, blocking=False):
+            old = store.pin_damaged(key)  # not present for any reader until the repair is installed
+        with show_progress(tracker, progress_mode, 5.0):
+            out = repair(store, key, pull_into, [f.path for f in old.files] if old else [])
+    except ModelcacheError as exc:
+        click.echo(f"error: {key}: {scrub_urls(' '.join(str(exc).split()))}", err=True)
+        return False
+    shown = ", ".join(out.replaced[:5]) + (", ..." if len(out.replaced) > 5 else "")
+    click.echo(f"{key}: repaired in place: {len(out.replaced)} file(s) fetched again"
+               + (f" ({shown})" if shown else "") + (f", {len(out.removed)} removed" if out.removed else ""))
+    return True
 
 
 @cli.command()
@@ -199,32 +478,46 @@ def verify(models: tuple[str, ...], root: Path, as_json: bool) -> None:
 @_assume_unused_option
 def rm(models: tuple[str, ...], root: Path, as_json: bool, assume_unused: bool) -> None:
     """Remove models (by storage key or URI) from the store; never one a pod on this node mounts."""
-    store = NodeStore.at(root, guard=_guard(assume_unused))
+    store = _store(root, assume_unused)
     out = {}
     for m in models:
+        key = _key(m)
+        if not store.has(key):  # nothing to lock either: no lock file is created for a typo
+            out[m] = False
+            continue
         try:
-            out[m] = store.remove(_key(m))
+            out[m] = store.remove(key)
         except ModelcacheError as exc:
             _fail(f"{m}: {exc}")
     if as_json:
         _emit(out)
     else:
         for m, removed in out.items():
-            click.echo(f"{m}: {'removed' if removed else 'not in the store'}")
+            if removed:
+                click.echo(f"{m}: removed")
+    missing = [m for m, removed in out.items() if not removed]
+    for m in missing:
+        click.echo(f"error: {scrub_urls(redact_uri(m))}: not in the store at {root} (nothing was pulled from this "
+                   "exact URI or key; `modelcache ls` lists what is there)", err=True)
+    if missing:
+        sys.exit(1)
 
 
 @cli.command()
 @_root_option
 @click.option("--target-free", type=SizeType(), required=True, help="Evict until this much space is free.")
-@click.option("--dry-run", is_flag=True)
+@click.option("--evict-all", is_flag=True,
+              help="Evict every model not in use even if that cannot reach --target-free (else nothing is evicted).")
+@click.option("--dry-run", is_flag=True, help="Say what would be evicted, evict nothing.")
 @click.option("--json", "as_json", is_flag=True)
 @_assume_unused_option
-def gc(root: Path, target_free: int, dry_run: bool, as_json: bool, assume_unused: bool) -> None:
+def gc(root: Path, target_free: int, evict_all: bool, dry_run: bool, as_json: bool, assume_unused: bool) -> None:
     """Evict least recently used models until --target-free bytes are free (skipping mounted ones)."""
+    store = _store(root, assume_unused)
     try:
-        evicted = NodeStore.at(root, guard=_guard(assume_unused)).gc(target_free, dry_run=dry_run)
+        evicted = store.gc(target_free, dry_run=dry_run, evict_all=evict_all)
     except ModelcacheError as exc:
-        _fail(str(exc))
+        _fail(f"gc at {root}: {exc}" + (" (dry run)" if dry_run else ""))
         return
     if as_json:
         _emit({"dry_run": dry_run, "evicted": [asdict(e) for e in evicted]})
@@ -232,12 +525,17 @@ def gc(root: Path, target_free: int, dry_run: bool, as_json: bool, assume_unused
     verb = "would evict" if dry_run else "evicted"
     for e in evicted:
         click.echo(f"{verb} {e.storage_key} ({human_bytes(e.size)}) {e.uri}")
+    free = store.free_bytes() + (sum(e.size for e in evicted) if dry_run else 0)
     if not evicted:
-        click.echo(f"nothing to evict: {human_bytes(target_free)} free target already met or nothing evictable")
+        click.echo(f"nothing to evict: {human_bytes(free)} free, target {human_bytes(target_free)}")
+    elif free < target_free:
+        click.echo(f"{human_bytes(free)} free{' then' if dry_run else ''}: short of the target "
+                   f"{human_bytes(target_free)} (--evict-all)", err=True)
 
 
 @cli.command()
-@click.option("--kubeconfig", envvar="KUBECONFIG", default=None, help="Kubeconfig (default: as kubectl finds it).")
+@click.option("--kubeconfig", envvar="KUBECONFIG", show_envvar=True, default=None,
+              help="Kubeconfig (default: as kubectl finds it).")
 @click.option("--kserve-namespace", default="kserve", show_default=True,
               help="KServe's namespace (its inferenceservice-config).")
 @click.option("--credentials-namespace", default=None,
@@ -249,7 +547,6 @@ def migrate(kubeconfig: str | None, kserve_namespace: str, credentials_namespace
     when nothing blocks the switch, 1 otherwise. The procedure: deploy/README.md."""
     from modelcache.kube import migrate as mig
     from modelcache.kube.client import Kube, load_api_client
-    from modelcache.startup import StartupError
 
     try:
         api = load_api_client(kubeconfig)
@@ -266,7 +563,7 @@ def migrate(kubeconfig: str | None, kserve_namespace: str, credentials_namespace
 
 def main() -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    cli(prog_name="modelcache")
+    run_command(cli, "modelcache")
 
 
 if __name__ == "__main__":

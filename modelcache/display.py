@@ -54,8 +54,9 @@ def bar_progress(tracker: ProgressTracker, stream: TextIO) -> Iterator[None]:
 
     def refresh() -> None:
         snap = tracker.snapshot()
+        waiting = snap.waiting if snap.waiting and not snap.bytes_total else ""
         progress.update(total_task, completed=snap.bytes_done, total=snap.bytes_total or None,
-                        description=f"total ({snap.files_done}/{snap.files_total} files)")
+                        description=waiting or f"total ({snap.files_done}/{snap.files_total} files)")
         active = {f.path: f for f in snap.active if f.path}
         for path, tid in list(file_tasks.items()):
             if path not in active:

@@ -29,6 +29,10 @@ class ProgressSnapshot:
     rate: float  # bytes/s over the recent window
     elapsed: float
     active: tuple[FileProgress, ...] = field(default=())
+    #: Of ``bytes_done``, those found already on disk (a resumed download), not transferred now.
+    bytes_resumed: int = 0
+    #: What the pull waits for before it can start (another process's lock), or "".
+    waiting: str = ""
 
     @property
     def eta(self) -> float | None:
@@ -52,6 +56,12 @@ class ProgressTracker:
         self._files_total = 0
         self._samples: deque[tuple[float, int]] = deque()
         self._files: dict[str, list[int | None]] = {}  # path -> [done, total]
+        self._waiting = ""
+
+    def set_waiting(self, what: str) -> None:
+        """Say what the pull waits for (shown instead of an empty progress line); "" when it goes on."""
+        with self._lock:
+            self._waiting = what
 
     def add_total(self, nbytes: int, nfiles: int = 0) -> None:
         with self._lock:
@@ -113,6 +123,8 @@ class ProgressTracker:
                 rate=max(rate, 0.0),
                 elapsed=now - self._start,
                 active=active,
+                bytes_resumed=self._skipped,
+                waiting=self._waiting,
             )
 
 
@@ -135,6 +147,8 @@ def human_duration(seconds: float | None) -> str:
 
 def format_line(snap: ProgressSnapshot, label: str = "") -> str:
     """One log line: what `kubectl logs` shows every few seconds."""
+    if snap.waiting and not snap.bytes_total:
+        return f"{label}{snap.waiting}"
     pct = f"{100 * snap.bytes_done / snap.bytes_total:5.1f}%" if snap.bytes_total else "  -  "
     return (
         f"{label}{pct} {human_bytes(snap.bytes_done)}/{human_bytes(snap.bytes_total)} "

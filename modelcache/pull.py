@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import functools
 import json
 import logging
 import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +28,7 @@ from modelcache.archive import ArchiveLimits, single_archive, unpack_archive
 from modelcache.clock import rfc3339
 from modelcache.credentials import Settings
 from modelcache.diskio import fsync_tree
+from modelcache.drift import CURRENT, Drift, compare
 from modelcache.errors import CancelledError, InsufficientSpaceError, ModelcacheError, NotFoundError
 from modelcache.integrity import hash_file
 from modelcache.journal import Journal, JournalState
@@ -57,6 +59,9 @@ class PullResult:
     elapsed: float
     #: Source checksum algorithms the files were verified with ("sha256", ...), beyond xxh3-128.
     verified: tuple[str, ...] = ()
+    #: A refresh: the files fetched again (changed or new at the source) and those it dropped.
+    refreshed: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
     #: Files (and their bytes) that were already in the model folder and were kept (adoption).
     adopted: int = 0
     adopted_bytes: int = 0
@@ -90,6 +95,11 @@ class _Model:
     result: PullResult | None = None
     error: BaseException | None = None
     started: float = field(default_factory=time.monotonic)
+    #: (path, size) of every listed file, before ``only`` narrowed ``files`` (PullPlan.listing).
+    listed: tuple[tuple[str, int | None], ...] = ()
+    #: A refresh of a stored model: what differs, and the stored files it carries over.
+    drift: Drift | None = None
+    carry: dict[str, ManifestFile] = field(default_factory=dict)
     #: Files already in the model folder (adoption): kept, never fetched; their listing indexes.
     adopted: list[FetchedFile] = field(default_factory=list)
     skip: set[int] = field(default_factory=set)
@@ -130,6 +140,7 @@ def _name_uri(exc: BaseException, display: str) -> BaseException:
 def _plan_doc(m: _Model, chunk_size: int) -> dict[str, object]:
     return {
         "storage_key": m.key,
+        "uri": m.location.display,  # redacted; for `modelcache ls` while the pull is staged
         "resolved_uri": m.source.resolved_uri if m.source else "",
         "chunk_size": chunk_size,
         "files": [[f.path, f.size, f.version] for f in m.files],
@@ -182,7 +193,7 @@ def bytes_needed(m: _Model) -> int:
 
 
 def _listing(m: _Model) -> tuple[tuple[str, int | None], ...]:
-    return tuple((f.path, f.size) for f in m.files)
+    return m.listed or tuple((f.path, f.size) for f in m.files)
 
 
 def _check_space(m: _Model) -> None:
@@ -190,9 +201,18 @@ def _check_space(m: _Model) -> None:
     need = bytes_needed(m)
     free = shutil.disk_usage(staging).free
     if need + SPACE_MARGIN > free:
+        layout = m.store.layout
+        if isinstance(layout, NodeLayout):
+            # The exact target, rounded up to a MiB: gc then frees enough for this pull, margin included.
+            target = -(-(need + SPACE_MARGIN) // (1 << 20))
+            fix = f"free space, e.g. `modelcache gc --root {layout.root} --target-free {target}M`"
+            where = layout.root
+        else:
+            fix = "free space on that file system"
+            where = staging.parent.parent.parent
         raise InsufficientSpaceError(
-            f"{m.location.display}: insufficient space: need {human_bytes(need)}, free "
-            f"{human_bytes(max(0, free - SPACE_MARGIN))} at {staging.parent.parent}; free space or run `modelcache gc`"
+            f"{m.location.display}: insufficient space at {where}: need {human_bytes(need)} plus a "
+            f"{human_bytes(SPACE_MARGIN)} margin kept free, {human_bytes(free)} free; {fix}"
         )
 
 
@@ -202,7 +222,8 @@ def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
     for ff in sorted(fetched, key=lambda f: f.path):
         remote = by_path.get(ff.path)
         checks = {c.algo: c.value for c in (remote.checksums if remote else ()) if c.algo in ff.verified}
-        files.append(ManifestFile(path=ff.path, size=ff.size, xxh3=ff.xxh3, checksums=checks))
+        files.append(ManifestFile(path=ff.path, size=ff.size, xxh3=ff.xxh3, checksums=checks,
+                                  version=remote.version if remote else None))
     assert m.source is not None
     return Manifest(
         storage_key=m.key,
@@ -214,20 +235,56 @@ def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
     )
 
 
-def _list(m: _Model, settings: Settings) -> None:
-    m.source = open_source(m.location, settings)
-    files = m.source.list_files()
-    if m.source.applies_patterns:
+def list_source(source: Source, settings: Settings) -> list[RemoteFile]:
+    """The files a pull of ``source`` fetches: its listing, filtered as KServe filters it."""
+    location = source.location
+    files = source.list_files()
+    if source.applies_patterns:
         files = apply_patterns(files, settings)
     if not files:
-        raise NotFoundError(f"{m.location.display}: no files to download (empty, or all filtered out by "
+        raise NotFoundError(f"{location.display}: no files to download (empty, or all filtered out by "
                             "STORAGE_ALLOW_PATTERNS / STORAGE_IGNORE_PATTERNS)")
     seen: set[str] = set()
     for f in files:
         if f.path in seen:
-            raise ModelcacheError(f"{m.location.display}: the listing names '{f.path}' twice; rename one at the source")
+            raise ModelcacheError(f"{location.display}: the listing names '{f.path}' twice; rename one at the source")
         seen.add(f.path)
-    m.files = files
+    return files
+
+
+def _list(m: _Model, settings: Settings) -> None:
+    m.source = open_source(m.location, settings)
+    m.files = list_source(m.source, settings)
+
+
+def check_drift(uri: str, manifest: Manifest, settings: Settings | None = None) -> Drift:
+    """List ``uri`` (no download) and compare the listing with the stored ``manifest``."""
+    settings = settings if settings is not None else Settings.from_env()
+    with open_source(parse_uri(uri), settings) as source:
+        return compare(manifest, list_source(source, settings), source.resolved_revision)
+
+
+def _carry_over(m: _Model) -> None:
+    """A refresh: files that still match the source are linked from the stored model into the
+    staged download (same file system: no copy) and journaled as done, so the engine fetches only
+    what changed and the new model is published whole, atomically, like any pull."""
+    assert m.journal is not None
+    data = m.store.layout.staging_dir(m.key) / "data"
+    model = m.store.layout.model_dir(m.key)
+    for i, f in enumerate(m.files):
+        kept = m.carry.get(f.path)
+        if kept is None:
+            continue
+        dst = data / f.path
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.unlink(missing_ok=True)
+        try:
+            os.link(model / f.path, dst)
+        except OSError:
+            shutil.copy2(model / f.path, dst)
+        verified = tuple(sorted(kept.checksums))
+        m.resume.files[i] = (kept.xxh3, verified)
+        m.journal.file_done(i, kept.xxh3, verified)
 
 
 def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
@@ -260,6 +317,8 @@ def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
         cached=cached,
         elapsed=time.monotonic() - m.started,
         verified=tuple(sorted({a for f in (manifest.files if manifest else []) for a in f.checksums})),
+        refreshed=tuple(sorted({*m.drift.changed, *m.drift.added, *m.drift.unknown})) if m.drift and not cached else (),
+        dropped=m.drift.removed if m.drift and not cached else (),
         adopted=len(m.adopted) if not cached else 0,
         adopted_bytes=sum(f.size for f in m.adopted) if not cached else 0,
         unpacked_from=m.unpacked_from,
@@ -379,11 +438,65 @@ def _check_cancel(cancel: threading.Event | None, m: _Model) -> None:
 
 
 @contextlib.contextmanager
-def _locked(models: Sequence[_Model], cancel: threading.Event | None = None) -> Iterator[None]:
+def _locked(models: Sequence[_Model], progress: ProgressTracker, cancel: threading.Event | None = None
+            ) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for m in sorted(models, key=lambda m: str(m.store.layout.lock_path(m.key))):  # one order: no deadlock
-            stack.enter_context(m.store.lock(m.key, cancel=cancel))
+            # A pull that waits says for whom (an empty progress line looks like a hang).
+            stack.enter_context(m.store.lock(m.key, cancel=cancel,
+                                             on_wait=functools.partial(_waiting, progress, m)))
+        progress.set_waiting("")
         yield
+
+
+def _waiting(progress: ProgressTracker, m: _Model, why: str) -> None:
+    progress.set_waiting(f"{m.location.display}: {why}")
+    log.info("%s: %s", m.location.display, why)
+
+
+@dataclass(frozen=True)
+class StagedPull:
+    """A download staged in a node store: running now (another process holds its lock) or
+    interrupted (resumed by the next pull of its URI)."""
+
+    storage_key: str
+    uri: str
+    bytes_done: int
+    bytes_total: int
+    files: int
+    running: bool
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * self.bytes_done / self.bytes_total if self.bytes_total else 0.0
+
+
+def staged_pulls(store: NodeStore) -> list[StagedPull]:
+    """Every staged download of a node store, with the bytes its journal says are on disk."""
+    if not isinstance(store.layout, NodeLayout):
+        return []
+    base = store.layout.staging_root
+    out = []
+    for folder in sorted(base.iterdir()) if base.is_dir() else []:
+        if folder.name.startswith(".") or not folder.is_dir():
+            continue
+        try:
+            plan = json.loads((folder / "plan.json").read_text())
+            files = [(str(f[0]), int(f[1] or 0)) for f in plan["files"]]
+            chunk = int(plan["chunk_size"])
+        except (OSError, ValueError, TypeError, KeyError, IndexError):
+            continue  # not (yet) a staged engine download: an extraction, or one just starting
+        state = Journal(str(folder / "journal")).load()
+        done = 0
+        for i, (_path, size) in enumerate(files):
+            if i in state.files:
+                done += size
+            else:
+                done += sum(min(n, chunk) for (fi, _c), n in state.chunks.items() if fi == i)
+        total = sum(size for _p, size in files)
+        out.append(StagedPull(folder.name, str(plan.get("uri") or ""), min(done, total), total, len(files),
+                              store.busy(folder.name)))
+    return out
 
 
 def pull_many(
@@ -397,10 +510,18 @@ def pull_many(
     admit: Callable[[PullPlan], None] | None = None,
     cancel: threading.Event | None = None,
     guard: Guard | None = None,
+    refresh: bool = False,
+    only: Collection[str] | None = None,
     unpack: bool | None = None,
     peers: PeerNetwork | None = None,
 ) -> list[PullResult | ModelcacheError | BaseException]:
     """Pull several models with one worker pool; one result or error per URI, in order.
+
+    ``only``: fetch just these files of the listing (an in-place repair's damaged files; ``admit``
+    still sees the whole listing). ``refresh``: a stored model is listed again and, if its source
+    changed, brought up to date:
+    only the files that differ are fetched, the rest carried over, and the new model replaces
+    the old one whole (staged, verified, then published like any pull).
 
     ``admit`` is called once per model after its listing and before any byte is written, with
     what the download needs; it may raise (e.g. InsufficientSpaceError from the agent's
@@ -452,11 +573,11 @@ def pull_many(
     # Present models are answered without the lock: publish installs the manifest last, so a
     # present model is complete, and a read-only store (a pod's mount) can still be asked.
     for m in models.values():
-        if m.store.is_present(m.key) and not _still_archive(m):
+        if m.store.is_present(m.key) and not refresh and not _still_archive(m):
             m.store.touch(m.key)
             m.result = _finish(m, [], cached=True)
     try:
-        with _locked([m for m in models.values() if m.result is None], cancel):
+        with _locked([m for m in models.values() if m.result is None], progress, cancel):
             jobs: list[FileJob] = []
             for m in models.values():
                 if m.result is not None:
@@ -467,14 +588,27 @@ def pull_many(
                         # Stored as the archive itself (before archives were unpacked): the folder
                         # is adopted again, which keeps the archive's bytes and unpacks them.
                         m.store.layout.manifest_path(m.key).unlink()
-                    if m.store.is_present(m.key):
+                    stored = m.store.manifest(m.key) if refresh and m.store.is_present(m.key) else None
+                    if m.store.is_present(m.key) and stored is None:
                         m.store.touch(m.key)
                         m.result = _finish(m, [], cached=True)
                         continue
                     _check_cancel(cancel, m)
                     _list(m, settings)
                     assert m.source is not None
-                    _adopt(m)
+                    if only is not None and not m.source.extracts_itself:
+                        m.listed = _listing(m)
+                        m.files = [f for f in m.files if f.path in only]
+                    if stored is not None:
+                        m.drift = compare(stored, m.files, m.source.resolved_revision)
+                        if m.drift.state == CURRENT:
+                            m.store.touch(m.key)
+                            m.result = _finish(m, [], cached=True)
+                            continue
+                        by_path = {f.path: f for f in stored.files}
+                        m.carry = {p: by_path[p] for p in m.drift.keep}
+                    else:
+                        _adopt(m)  # (a stored model has our manifest: nothing to adopt)
                     if not m.in_place:  # (adoption keeps the folder: it only adds files to it)
                         m.store.check_replaceable(m.key)  # before the download, not after it
                     if admit is not None and m.source.extracts_itself:
@@ -492,6 +626,8 @@ def pull_many(
                         m.result = _finish(m, extracted, cached=False)
                         continue
                     _prepare_staging(m, options.chunk_size)
+                    if m.carry:
+                        _carry_over(m)
                     if not any(i not in m.skip for i in range(len(m.files))):
                         m.result = _finish(m, [], cached=False)  # every file adopted: nothing to fetch
                         continue
@@ -574,12 +710,15 @@ def pull(
     admit: Callable[[PullPlan], None] | None = None,
     cancel: threading.Event | None = None,
     guard: Guard | None = None,
+    refresh: bool = False,
+    only: Collection[str] | None = None,
     unpack: bool | None = None,
     peers: PeerNetwork | None = None,
 ) -> PullResult:
     """Pull one model; raises its error."""
     (result,) = pull_many([uri], root=root, dest=dest, settings=settings, options=options, progress=progress,
-                          admit=admit, cancel=cancel, guard=guard, unpack=unpack, peers=peers)
+                          admit=admit, cancel=cancel, guard=guard, refresh=refresh, only=only, unpack=unpack,
+                          peers=peers)
     if isinstance(result, BaseException):
         raise result
     return result

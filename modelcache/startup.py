@@ -22,12 +22,33 @@ from modelcache.errors import ModelcacheError
 from modelcache.redact import scrub_urls
 
 USAGE_EXIT = 2
+#: A command stopped by Ctrl-C: 128 + SIGINT, as shells report it.
+INTERRUPTED_EXIT = 130
 
 
 class StartupError(ModelcacheError):
-    """The process cannot start as configured; the message names the flag that fixes it."""
+    """The process cannot start as configured; the message names the flag that fixes it.
+
+    ``problems``: several independent faults (each field of an invalid spec file), printed one
+    ``error:`` line each before the message."""
 
     reason = "StartupError"
+
+    def __init__(self, message: str, problems: tuple[str, ...] | list[str] = ()) -> None:
+        super().__init__(message)
+        self.problems = tuple(problems)
+
+
+def env_for_every_flag(command: click.Command, prefix: str) -> click.Command:
+    """Give every option of ``command`` an environment variable (``prefix`` + its flag's name,
+    unless it has one) and show it in ``--help``: a pod's flags are set in its env as often as in
+    its args."""
+    for param in command.params:
+        if isinstance(param, click.Option) and param.opts:
+            if not param.envvar:
+                param.envvar = prefix + param.opts[0].lstrip("-").replace("-", "_").upper()
+            param.show_envvar = True
+    return command
 
 
 def run_command(command: click.Command, prog_name: str) -> None:
@@ -36,15 +57,22 @@ def run_command(command: click.Command, prog_name: str) -> None:
         code = command.main(prog_name=prog_name, standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
-    except click.Abort:
+    except click.Abort as exc:
+        if isinstance(exc.__context__ or exc.__cause__, KeyboardInterrupt):
+            click.echo("error: interrupted", err=True)
+            sys.exit(INTERRUPTED_EXIT)
         sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("error: interrupted", err=True)
+        sys.exit(INTERRUPTED_EXIT)
     except click.ClickException as exc:
         # Not click's "Usage: ... Try --help" block: one line a pod's log shows whole.
         hint = f" (see {prog_name} --help)" if isinstance(exc, click.UsageError) else ""
         click.echo(f"error: {' '.join(exc.format_message().split())}{hint}", err=True)
         sys.exit(exc.exit_code)
     except StartupError as exc:
-        click.echo(f"error: {scrub_urls(' '.join(str(exc).split()))}", err=True)
+        for line in (*exc.problems, str(exc)):
+            click.echo(f"error: {scrub_urls(' '.join(line.split()))}", err=True)
         sys.exit(USAGE_EXIT)
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -51,6 +51,9 @@ class ManifestFile:
     size: int
     xxh3: str
     checksums: dict[str, str] = field(default_factory=dict)  # source checksums the bytes matched
+    #: The source's version of the file when it was listed (ETag, generation, Last-Modified,
+    #: commit): what a drift check compares when the source offers no checksum to compare.
+    version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,9 @@ class Manifest:
 
     def to_json(self) -> str:
         doc = asdict(self)
+        for f in doc["files"]:
+            if f.get("version") is None:
+                f.pop("version", None)  # the manifests of sources without versions stay as they were
         doc["seal"] = seal_of(doc)
         return json.dumps(doc, indent=1, sort_keys=True)
 
@@ -108,9 +114,12 @@ def seal_of(doc: dict[str, object]) -> str:
 
 
 def _manifest_file(doc: object) -> ManifestFile:
-    if not isinstance(doc, dict) or set(doc) - {"path", "size", "xxh3", "checksums"}:
-        raise ValueError("manifest file entry is not an object of path, size, xxh3, checksums")
+    if not isinstance(doc, dict) or set(doc) - {"path", "size", "xxh3", "checksums", "version"}:
+        raise ValueError("manifest file entry is not an object of path, size, xxh3, checksums, version")
     path, size, xxh3 = doc.get("path"), doc.get("size"), doc.get("xxh3")
+    version = doc.get("version")
+    if version is not None and not isinstance(version, str):
+        raise ValueError(f"manifest version of {path!r} is not a string")
     checksums = doc.get("checksums", {})
     if not isinstance(path, str) or not path or "\x00" in path or "\\" in path:
         raise ValueError(f"manifest path {path!r} is not a file name")
@@ -123,7 +132,33 @@ def _manifest_file(doc: object) -> ManifestFile:
     if not isinstance(checksums, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                   for k, v in checksums.items()):
         raise ValueError(f"manifest checksums of {path!r} are not names and values")
-    return ManifestFile(path=path, size=size, xxh3=xxh3, checksums=checksums)
+    return ManifestFile(path=path, size=size, xxh3=xxh3, checksums=checksums, version=version)
+
+
+class TargetUnreachableError(StoreError):
+    """gc: even evicting every model would not free ``target`` bytes."""
+
+    reason = "TargetUnreachable"
+
+    def __init__(self, target: int, free: int, reclaimable: int, models: int) -> None:
+        from modelcache.progress import human_bytes
+
+        self.target, self.free, self.reclaimable, self.models = target, free, reclaimable, models
+        super().__init__(
+            f"--target-free {human_bytes(target)} cannot be reached: {human_bytes(free)} is free and evicting "
+            f"every model not in use ({models}, {human_bytes(reclaimable)}) would make it "
+            f"{human_bytes(free + reclaimable)}; nothing was evicted. Lower --target-free, or add --evict-all "
+            "to evict them all anyway"
+        )
+
+
+def _holder(fd: int) -> str:
+    """" (pid N)" from a lock file its holder wrote its pid into, else ""."""
+    try:
+        text = os.pread(fd, 32, 0).decode().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+    return f" (pid {text})" if text.isdigit() else ""
 
 
 @dataclass(frozen=True)
@@ -186,8 +221,13 @@ class NodeLayout(Layout):
     def manifest_path(self, key: str) -> Path:
         return self.meta / "manifests" / f"{key}.json"
 
+    @property
+    def staging_root(self) -> Path:
+        """Where every staged download of the store lives (one folder per storage key)."""
+        return self.meta / "staging"
+
     def staging_dir(self, key: str) -> Path:
-        return self.meta / "staging" / key
+        return self.staging_root / key
 
     def lock_path(self, key: str) -> Path:
         return self.meta / "locks" / f"{key}.lock"
@@ -208,7 +248,11 @@ class NodeLayout(Layout):
 
 
 class DestLayout(Layout):
-    """One model written straight into a destination folder (the init container's /mnt/models)."""
+    """Models written straight into a destination folder (the init container's /mnt/models).
+
+    Usually one; SRC DEST pairs that share a DEST put several into it (one after another, never
+    at once), so each keeps its own manifest: with one file the last pair's would replace the
+    others' and every run would download them all again."""
 
     def __init__(self, dest: Path) -> None:
         self.dest = Path(dest)
@@ -222,10 +266,14 @@ class DestLayout(Layout):
         return self.dest
 
     def manifest_path(self, key: str) -> Path:
-        return self.meta / "manifest.json"
+        return self.meta / "manifests" / f"{key}.json"
+
+    @property
+    def staging_root(self) -> Path:
+        return self.meta / "staging"
 
     def staging_dir(self, key: str) -> Path:
-        return self.meta / "staging"
+        return self.staging_root
 
     def lock_path(self, key: str) -> Path:
         return self.meta / "lock"
@@ -350,33 +398,62 @@ class NodeStore:
     # ---- locking ----------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def lock(self, key: str, blocking: bool = True, cancel: threading.Event | None = None) -> Iterator[None]:
+    def lock(self, key: str, blocking: bool = True, cancel: threading.Event | None = None,
+             on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
         """Exclusive per-model lock across processes: two pulls of one model download once.
 
         A blocking wait with ``cancel`` polls instead of sleeping in ``flock``, so setting it ends
         the wait (CancelledError): a process told to stop is never stuck behind another's pull.
+        The holder writes its pid into the lock file, so a process that must wait (``on_wait``
+        is told whom it waits for) and ``modelcache ls`` can say which process has the model.
         """
         path = self.layout.lock_path(key)
         check_exclusive(self.layout.base)  # flock that other hosts ignore would exclude nothing
+        writable = True
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             try:  # a read-only store still locks through an existing lock file (flock needs no write)
                 fd = os.open(path, os.O_RDONLY)
+                writable = False
             except OSError:
                 raise store_error(exc, str(path), "locking") from exc
         try:
             try:
-                if blocking and cancel is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as exc:
+                if not blocking:
+                    raise ModelInUseError(
+                        f"model {key} is in use by another modelcache process{_holder(fd)} (a pull or rm); "
+                        "retry when it is done"
+                    ) from exc
+                if on_wait is not None:
+                    on_wait(f"waiting for another modelcache process{_holder(fd)} that holds model {key} "
+                            "(a pull or rm of the same URI) to finish")
+                if cancel is not None:
                     _flock_until(fd, cancel, key)
                 else:
-                    fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-            except BlockingIOError as exc:
-                raise ModelInUseError(
-                    f"model {key} is in use by another modelcache process (a pull or rm); retry when it is done"
-                ) from exc
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+            if writable:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             yield
+        finally:
+            os.close(fd)
+
+    def busy(self, key: str) -> bool:
+        """Another process holds the model's lock right now (a pull in flight). Creates nothing."""
+        try:
+            fd = os.open(self.layout.lock_path(key), os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
         finally:
             os.close(fd)
 
@@ -764,15 +841,23 @@ class NodeStore:
                     shutil.rmtree(p, ignore_errors=True)
 
     def gc(self, target_free: int, dry_run: bool = False, keep: frozenset[str] = frozenset(),
-           stale_staging_after: float = 24 * 3600) -> list[StoreEntry]:
+           stale_staging_after: float = 24 * 3600, evict_all: bool = False) -> list[StoreEntry]:
         """Evict least recently used models until ``target_free`` bytes are free.
 
         Staged downloads nobody has touched for ``stale_staging_after`` seconds (abandoned: the
         URI was never pulled again) are deleted first; a running pull holds its model's lock
-        and is never touched.
+        and is never touched. A target that evicting every model would still not reach raises
+        ``TargetUnreachableError`` and evicts nothing, unless ``evict_all``: emptying a node
+        for nothing is never what a typo in the target meant.
         """
         if not isinstance(self.layout, NodeLayout):
             raise StoreError("gc needs a node store root")
+        if not evict_all:
+            free = self.free_bytes()
+            candidates = [e for e in self.entries() if e.storage_key not in keep and self._evictable(e.storage_key)]
+            reclaimable = sum(e.size for e in candidates)
+            if free < target_free and free + reclaimable < target_free:
+                raise TargetUnreachableError(target_free, free, reclaimable, len(candidates))
         if not dry_run:
             self.clear_trash()
             self._clear_stale_staging(stale_staging_after)
@@ -796,6 +881,18 @@ class NodeStore:
             evicted.append(entry)
             free += entry.size
         return evicted
+
+    def _evictable(self, key: str) -> bool:
+        """Neither a running pull (its lock) nor a pod on this node (the guard) holds the model."""
+        if self.busy(key):
+            return False
+        try:
+            self.check_replaceable(key)
+        except ModelInUseError:
+            return False
+        except StoreError:
+            pass  # the guard cannot tell: gc's eviction of it raises the guard's own message
+        return True
 
     def _clear_stale_staging(self, max_age: float) -> None:
         assert isinstance(self.layout, NodeLayout)

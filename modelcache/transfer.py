@@ -27,8 +27,9 @@ from modelcache.diskio import ALIGN, BufferPool, FileWriter, direct_io_supported
 from modelcache.errors import CancelledError, IntegrityError, ModelcacheError, RateLimitedError, TransientError
 from modelcache.integrity import MultiHasher
 from modelcache.journal import Journal, JournalState
-from modelcache.progress import ProgressTracker
+from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.remote import RangeStream, RemoteFile
+from modelcache.resources import ResourceError
 from modelcache.sources.base import Source
 from modelcache.transfer_control import SourceStats, StreamLimit, Watchdog, retry_policy
 
@@ -185,7 +186,14 @@ class TransferEngine:
             self._prepare(st)
         streams = opts.max_workers or opts.workers
         # Buffers are mmapped lazily: ones for streams never started cost address space only.
-        pool = BufferPool(streams + (opts.spare_buffers or 0), opts.chunk_size)
+        try:
+            pool = BufferPool(streams + (opts.spare_buffers or 0), opts.chunk_size)
+        except (OSError, MemoryError, OverflowError) as exc:
+            count = streams + (opts.spare_buffers or 0)
+            raise ResourceError(
+                f"cannot allocate {count} transfer buffers of {human_bytes(opts.chunk_size)} "
+                f"({getattr(exc, 'strerror', None) or type(exc).__name__}); lower the chunk size or the workers"
+            ) from None
         self._pool = pool
         self._watchdog = Watchdog(opts.stall_timeout)
         syncer_stop = threading.Event()

@@ -94,6 +94,13 @@ class Location:
         """The URI as safe to print: no query string (it may hold a SAS token or signature)."""
         return redact_uri(self.uri)
 
+    @property
+    def identity(self) -> tuple[str, ...]:
+        """What the URI points at, whatever its spelling (``/m``, ``/m/`` and ``file:///m`` are one
+        folder). KServe keys models by the raw text, so those are stored apart: this only lets
+        the CLI say so."""
+        return (self.kind, self.display.rstrip("/"))
+
 
 _LOCATION_PARSERS: list[tuple[Callable[[str], bool], Callable[[str], Location]]] = []
 
@@ -310,6 +317,10 @@ class LocalLocation(Location):
         if "\x00" in path:
             raise _invalid(uri, "the path has a NUL byte")
         return cls(uri=uri, path=os.path.normpath(path))
+
+    @property
+    def identity(self) -> tuple[str, ...]:
+        return (self.kind, self.path)
 
 
 _DIGEST_HEX_LEN = {"sha256": 64, "sha512": 128, "sha1": 40, "md5": 32}

@@ -279,3 +279,45 @@ class TestLocalContract(BackendContract):
     @pytest.fixture
     def target(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> _LocalTarget:
         return _LocalTarget(tmp_path / "src", monkeypatch)
+def test_a_folder_url_is_refused_not_saved_as_its_html_listing(nginx, tmp_path):
+    # A folder URL: nginx redirects /idx/model to /idx/model/ and answers with its HTML listing.
+    nginx.write("idx/model/w.bin", 1000)
+    nginx.set_autoindex("idx")
+    uri = nginx.url("idx/model")
+    with pytest.raises(SourceError) as exc:
+        pull(uri, root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}))
+    assert str(exc.value) == (f"{uri}: the server sent an HTML page (text/html) where a file was expected: a "
+                              "directory listing or an error page, not a model file; point the URI at the file itself")
+    assert not (tmp_path / "root" / "models").exists() or not any((tmp_path / "root" / "models").iterdir())
+    proc = subprocess.run([sys.executable, "-m", "modelcache", "pull", uri, "--root", str(tmp_path / "r2"),
+                           "--progress", "none"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [f"error: {exc.value}"]
+
+
+def test_an_error_page_sent_with_200_is_refused_but_an_html_file_is_a_file(nginx, tmp_path):
+    nginx.write("e/model.bin", b"<!DOCTYPE html><html><body>Sign in to continue</body></html>")
+    nginx.set_content_type("e/model.bin", "text/html; charset=utf-8")
+    with pytest.raises(SourceError, match=r"HTML page \(text/html\) where a file was expected"):
+        pull(nginx.url("e/model.bin"), root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}))
+    nginx.write("e/card.html", b"<html>model card</html>")
+    nginx.set_content_type("e/card.html", "text/html")
+    res = pull(nginx.url("e/card.html"), root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}))
+    assert (res.path / "card.html").read_bytes() == b"<html>model card</html>"
+    nginx.write("e/config.json", b"{}")  # any other type is fine (KServe refuses all but octet-stream)
+    nginx.set_content_type("e/config.json", "application/json")
+    assert pull(nginx.url("e/config.json"), root=tmp_path / "root", options=OPTS,
+                settings=Settings.from_env({})).files == 1
+
+
+def test_a_server_that_ignores_range_is_named_with_its_cost(nginx, tmp_path, caplog):
+    nginx.write("n/w.bin", 3 * CHUNK)
+    uri = nginx.url("n/w.bin", "norange")
+    with caplog.at_level("INFO", logger="modelcache.sources.http"):
+        pull(uri, root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}))
+    notes = [r.getMessage() for r in caplog.records if r.levelname == "INFO" and "ignores Range" in r.getMessage()]
+    assert notes == [f"{uri}: the server ignores Range (HTTP 200 to a ranged request): one stream instead of "
+                     "parallel ranged reads, and an interrupted download of its 192.0 KiB starts over from byte 0"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="modelcache.sources.http"):
+        pull(nginx.url("n/w.bin"), root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}))
+    assert not [r for r in caplog.records if "ignores Range" in r.getMessage()]

@@ -4,7 +4,7 @@ The agent's repair pulled the URI as it is now and renamed each differing file i
 running pods read: a moved revision (an ``hf://`` branch that advanced, an overwritten object)
 was installed file by file, so a pod that restarted or opened a file lazily meanwhile loaded
 half of each, and the folder ended as the new revision under pods started on the old one.
-These tests drive ``agent.repair.repair`` with a real pull, as the agent's ``_download`` does.
+These tests drive ``modelcache.repair.repair`` with a real pull, as the agent's ``_download`` does.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import pytest
 
-from agent.repair import repair
 from modelcache.credentials import Settings
 from modelcache.errors import SourceChangedError
 from modelcache.pull import PullPlan, PullResult, pull
+from modelcache.repair import repair
 from modelcache.store import NodeLayout, NodeStore
 from modelcache.transfer import TransferOptions
 from modelcache.uri import storage_key
@@ -35,13 +35,14 @@ OPTS = TransferOptions(workers=2, chunk_size=64 * 1024)
 def _puller(uri: str, settings: Settings, listings: list[PullPlan]) -> Callable[..., PullResult]:
     """The agent's ``pull_into``: the model's URI unless the repair names its pinned revision."""
 
-    def pull_into(dest: Path, at: str | None = None, check: Callable[[PullPlan], None] | None = None) -> PullResult:
+    def pull_into(dest: Path, at: str | None = None, check: Callable[[PullPlan], None] | None = None,
+                  only: Collection[str] | None = None) -> PullResult:
         def admit(plan: PullPlan) -> None:
             listings.append(plan)
             if check is not None:
                 check(plan)
 
-        return pull(at or uri, dest=dest, settings=settings, options=OPTS, admit=admit)
+        return pull(at or uri, dest=dest, settings=settings, options=OPTS, admit=admit, only=only)
 
     return pull_into
 
@@ -63,7 +64,7 @@ def _folder(store: NodeStore, key: str) -> dict[str, bytes]:
     return {p.relative_to(base).as_posix(): p.read_bytes() for p in sorted(base.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("move", ["same-size-content", "new-size", "new-file"])
+@pytest.mark.parametrize("move", ["same-size-content", "new-size", "gone"])
 def test_source_without_revisions_that_moved_is_not_installed_into_the_folder(tmp_path: Path, move: str) -> None:
     src = tmp_path / "src"
     src.mkdir()
@@ -76,7 +77,43 @@ def test_source_without_revisions_that_moved_is_not_installed_into_the_folder(tm
     store = NodeStore.at(root)
     old_files = _damage(store, key, "a.bin")
     before = _folder(store, key)
-    # The source moves on: b.bin is rewritten (or grows, or a file is added).
+    # The source moves on where the repair needs it: the damaged a.bin is rewritten, grows or goes.
+    if move == "same-size-content":
+        (src / "a.bin").write_bytes(random_bytes(200_000, seed=3))
+    elif move == "new-size":
+        (src / "a.bin").write_bytes(random_bytes(200_001, seed=3))
+    else:
+        (src / "a.bin").unlink()
+    listings: list[PullPlan] = []
+    with pytest.raises(SourceChangedError, match=r"source changed since the model was downloaded.*'a.bin'"):
+        repair(store, key, _puller(str(src), settings, listings), old_files)
+    assert _folder(store, key) == before, "files of the new revision went into the folder pods read"
+    assert store.manifest(key) is None and store.pinned_manifest(key) is not None
+    if move != "same-size-content":  # refused from the listing: nothing was downloaded
+        assert not list(NodeLayout(root).repair_dir(key).rglob("*.bin"))
+    # The source is restored: the repair goes through and only the damaged file is replaced.
+    (src / "a.bin").write_bytes(v1["a.bin"])
+    out = repair(store, key, _puller(str(src), settings, listings), old_files)
+    assert out.replaced == ["a.bin"] and out.removed == []
+    assert _folder(store, key) == v1 and store.is_present(key) and store.verify(key) == []
+    assert not store.pinned_manifest(key) is not None
+
+
+@pytest.mark.parametrize("move", ["same-size-content", "new-size", "new-file"])
+def test_a_repair_fetches_only_the_damaged_file_whatever_the_rest_of_the_source_did(
+        tmp_path: Path, move: str) -> None:
+    # Only the damaged file is fetched, held against the pinned digest, and renamed in: the folder
+    # is the pinned revision again, whatever the source did to the files that were whole.
+    src = tmp_path / "src"
+    src.mkdir()
+    v1 = {"a.bin": random_bytes(200_000, seed=1), "b.bin": random_bytes(150_000, seed=2)}
+    for name, data in v1.items():
+        (src / name).write_bytes(data)
+    root = tmp_path / "root"
+    settings = Settings.from_env({})
+    key = pull(str(src), root=root, settings=settings, options=OPTS).storage_key
+    store = NodeStore.at(root)
+    old_files = _damage(store, key, "a.bin")
     if move == "same-size-content":
         (src / "b.bin").write_bytes(random_bytes(150_000, seed=3))
     elif move == "new-size":
@@ -84,19 +121,10 @@ def test_source_without_revisions_that_moved_is_not_installed_into_the_folder(tm
     else:
         (src / "c.bin").write_bytes(b"new")
     listings: list[PullPlan] = []
-    with pytest.raises(SourceChangedError, match=r"source changed since the model was downloaded.*'[bc].bin'"):
-        repair(store, key, _puller(str(src), settings, listings), old_files)
-    assert _folder(store, key) == before, "files of the new revision went into the folder pods read"
-    assert store.manifest(key) is None and store.pinned_manifest(key) is not None
-    if move != "same-size-content":  # refused from the listing: nothing was downloaded
-        assert not list(NodeLayout(root).repair_dir(key).rglob("*.bin"))
-    # The source is restored: the repair goes through and only the damaged file is replaced.
-    (src / "b.bin").write_bytes(v1["b.bin"])
-    (src / "c.bin").unlink(missing_ok=True)
     out = repair(store, key, _puller(str(src), settings, listings), old_files)
     assert out.replaced == ["a.bin"] and out.removed == []
     assert _folder(store, key) == v1 and store.is_present(key) and store.verify(key) == []
-    assert not store.pinned_manifest(key) is not None
+    assert listings[-1].total_bytes == 200_000  # the plan fetched a.bin alone
 
 
 def test_hf_repair_pulls_the_damaged_commit_not_the_branch_head(hf_hub: HubServer, tmp_path: Path) -> None:
@@ -141,7 +169,7 @@ def test_agent_refuses_to_repair_from_a_moved_source_then_repairs_once_it_is_res
         f.seek(1000)
         f.write(bytes([v1["a.bin"][1000] ^ 0xFF]))
     damaged = (folder / "a.bin").read_bytes()
-    (src / "b.bin").write_bytes(random_bytes(150_000, seed=6))  # the source moved on meanwhile
+    (src / "a.bin").write_bytes(random_bytes(200_000, seed=6))  # the source moved on meanwhile
     agent = subprocess.Popen(agent_cmd(spec, root, "--watch", "--verify-interval", "1"), cwd=REPO,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -153,7 +181,7 @@ def test_agent_refuses_to_repair_from_a_moved_source_then_repairs_once_it_is_res
     assert status_of(spec)["modelStatus"] == {"m": "ModelDownloadError"}
     assert (folder / "b.bin").read_bytes() == v1["b.bin"] and (folder / "a.bin").read_bytes() == damaged
     # Restored, the source repairs the copy on the next start (no manifest: in place, pinned).
-    (src / "b.bin").write_bytes(v1["b.bin"])
+    (src / "a.bin").write_bytes(v1["a.bin"])
     proc = run_agent(spec, root)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "replaced=a.bin" in proc.stderr and "replaced_count=1" in proc.stderr

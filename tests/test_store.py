@@ -158,7 +158,7 @@ def test_cli_ls_verify_rm_gc_json(tmp_path):
     model.write_bytes(b"\0" * 200_000)
     v = run_cli("verify", str(src), "--root", root)
     assert v.returncode == 1 and "a.bin: xxh3-128" in v.stdout
-    g = run_cli("gc", "--root", root, "--target-free", "1T", "--dry-run", "--json")
+    g = run_cli("gc", "--root", root, "--target-free", "1T", "--evict-all", "--dry-run", "--json")
     assert [e["storage_key"] for e in json.loads(g.stdout)["evicted"]] == [storage_key(str(src))]
     assert model.exists()
     r = run_cli("rm", str(src), "--root", root, "--json")

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
+import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,6 +177,80 @@ def load_api_client(kubeconfig: str | None = None, context: str | None = None) -
         where = os.environ.get("KUBECONFIG") or "~/.kube/config"
         raise KubeConfigError(f"no cluster to talk to: not in a pod (KUBERNETES_SERVICE_HOST unset) and {where} is "
                               f"not usable ({_first_line(exc)}); pass --kubeconfig (or set KUBECONFIG)") from None
+
+
+def config_source(kubeconfig: str | None) -> str:
+    """Where ``load_api_client(kubeconfig)`` found the cluster, as a message names it."""
+    if kubeconfig:
+        return f"--kubeconfig {kubeconfig}"
+    if in_pod():
+        return "the pod's service account (in-cluster config)"
+    return f"{os.environ.get('KUBECONFIG') or '~/.kube/config'} (no --kubeconfig given)"
+
+
+class _Unreachable(Exception):
+    """Nothing answered at the API server's address (a reason on one line)."""
+
+
+def _probe(api_client: client.ApiClient, source: str, timeout: float) -> None:
+    host = api_client.configuration.host
+    try:
+        # Not decoded: any answer will do, and a strict model would refuse a partial one.
+        raw: Any = client.VersionApi(api_client).get_code(_request_timeout=timeout, _preload_content=False)
+        raw.release_conn()  # the raw response (not decoded), whatever the client's types say
+    except ApiException as exc:
+        if exc.status == 401:
+            raise KubeConfigError(
+                f"{source}: the API server {host} refused its credentials (401 Unauthorized: the token or client "
+                "certificate is not valid there, or expired); fix the credentials or point --kubeconfig "
+                "(or KUBECONFIG) at another") from None
+        # Any other answer (403 where /version is not public, 5xx) means it is there: carry on.
+    except Exception as exc:  # urllib3's MaxRetryError, SSLError, a timeout: nothing answered
+        reason = getattr(exc, "reason", None) or exc
+        text = " ".join(str(reason).split())
+        for known in ("Connection refused", "Name or service not known", "certificate verify failed",
+                      "No route to host", "timed out", "Network is unreachable"):
+            if known.lower() in text.lower():
+                text = known.lower()
+                break
+        if text == "certificate verify failed":  # no wait makes a wrong CA right
+            raise KubeConfigError(f"{source}: the API server {host} is not trusted ({text}); check the certificate "
+                                  "authority in it") from None
+        raise _Unreachable(text[:200]) from None
+
+
+def check_api_server(api_client: client.ApiClient, source: str, timeout: float = 15.0, patience: float = 0.0,
+                     stop: threading.Event | None = None) -> bool:
+    """``GET /version`` at start: a kubeconfig naming a server that is not there, or credentials
+    the server refuses, is one line naming the file now (``KubeConfigError``, exit 2) rather than
+    a traceback, or a minute of silent retries, later.
+
+    ``patience``: seconds an unreachable server is waited for, asked every 2 s (a pod on a node
+    that is still starting may not reach the API server's Service yet; a restart loop's backoff
+    would only add minutes). False if ``stop`` was set while waiting."""
+    host = api_client.configuration.host
+    deadline = time.monotonic() + patience
+    pool_log = logging.getLogger("urllib3.connectionpool")
+    level = pool_log.level
+    pool_log.setLevel(logging.ERROR)  # its retry warnings would bury the one line below
+    try:
+        while True:
+            try:
+                _probe(api_client, source, timeout)
+                return True
+            except _Unreachable as exc:
+                if time.monotonic() >= deadline:
+                    waited = f", waited {patience:.0f} s" if patience else ""
+                    raise KubeConfigError(
+                        f"{source}: cannot reach the API server {host} ({exc}{waited}); check the server address "
+                        "in it, or that the API server is up and reachable from here") from None
+                logging.getLogger(__name__).warning("cannot reach the API server %s (%s): retrying", host, exc)
+                if stop is not None and stop.wait(2.0):
+                    return False
+                if stop is None:
+                    time.sleep(2.0)
+    finally:
+        pool_log.setLevel(level)
 
 
 def _first_line(exc: BaseException) -> str:

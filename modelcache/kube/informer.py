@@ -34,7 +34,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from modelcache.kube.client import Kube, Resource
+from modelcache.kube.client import Kube, Resource, error_message
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +229,8 @@ class Informer:
         self.last_resource_version: str | None = None
         #: Counters a test or a metrics endpoint can read: lists done, watches opened, 410s seen.
         self.stats = {"lists": 0, "watches": 0, "gone": 0, "errors": 0, "relists": 0}
+        #: The last list/watch failure, one line (what a start-up that cannot sync reports).
+        self.last_error = ""
         self._handlers: list[Handler] = []
         #: Set while the cache follows the server: after a list, and while a watch is open; cleared
         #: by any failure until the next list or watch succeeds (see :attr:`current`).
@@ -302,6 +304,8 @@ class Informer:
                     self.stats["relists"] += 1
                     continue
                 self.stats["errors"] += 1
+                self.last_error = (f"HTTP {exc.status}: {' '.join(error_message(exc).split())[:300]}"
+                                   if isinstance(exc, ApiException) else f"{type(exc).__name__}: {_one_line(exc)}")
                 resumes = 0 if need_list else resumes + 1
                 if not need_list and (needs_relist(exc) or resumes >= RESUME_LIMIT):
                     # The server cannot (or, after several tries, does not) serve a watch from our

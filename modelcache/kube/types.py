@@ -252,6 +252,7 @@ class ModelDetail(Codec):
     message: str | None = None
     started_at: str | None = None
     finished_at: str | None = None
+    drift: str | None = None
     #: Peer transfer (modelcache.peers): what exactly is fetched, and where its bytes came from.
     listing_digest: str | None = None
     bytes_from_origin: int | None = None
@@ -297,6 +298,7 @@ class LocalModelNodeStatus(Codec):
     model_counts: ModelCounts | None = None
     observed_generation: int | None = None
     last_updated: str | None = None
+    conditions: list[Condition] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -1,7 +1,9 @@
 """HTTP(S) source: one file per URI, ranged GETs when the server honours Range.
 
 Listing is a HEAD (size, ETag, digest headers) and a one-byte ranged GET that tells whether
-the server honours ``Range``; a server that ignores it is read as one stream. Ranged reads
+the server honours ``Range``; a server that ignores it is read as one stream (said at INFO, with
+what it costs). An HTML page where the file should be (a folder's listing, an error page sent
+with 200) is refused: it is never a model file. Ranged reads
 send ``If-Match`` with a strong ETag so a file replaced on the server mid-download fails
 loudly instead of mixing two versions. Digest headers (RFC 9530 ``Repr-Digest``, RFC 3230
 ``Digest``, ``Content-MD5``) and a ``#sha256=<hex>`` pin in the URI become checksums.
@@ -17,6 +19,7 @@ the end: such a file is accepted only with a checksum to catch it.
 from __future__ import annotations
 
 import base64
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +29,7 @@ import urllib3
 
 from modelcache.errors import RateLimitedError, SourceError, TransientError
 from modelcache.integrity import safe_b64_to_hex
+from modelcache.progress import human_bytes
 from modelcache.remote import RangeStream
 from modelcache.sources.base import Checksum, RemoteFile, Source, safe_relpath
 from modelcache.sources.httpread import Hints, discard, int_header, make_pool, open_range, send, status_error
@@ -33,7 +37,11 @@ from modelcache.sources.ranges import changed
 from modelcache.sources.ratelimit import wait_out
 from modelcache.uri import HTTPLocation, redact_uri
 
+log = logging.getLogger(__name__)
+
 _REDIRECT_CODES = (301, 302, 303, 307, 308)
+_HTML_TYPES = ("text/html", "application/xhtml+xml")
+_HTML_NAMES = (".html", ".htm", ".xhtml")
 _MAX_REDIRECTS = 10
 
 # Digest algorithm names in HTTP headers -> our hasher names.
@@ -164,11 +172,16 @@ class HTTPSource(Source):
                 probe.close()  # don't read a whole body just to learn it ignores Range
             etag = etag or probe.headers.get("ETag")
             modified = modified or probe.headers.get("Last-Modified")
+            self._refuse_html(probe.headers.get("Content-Type"))
         return _Listing(size, etag, modified, ranged, checksums)
 
     def _probe(self) -> RemoteFile:
         seen = self._look()
         checksums = seen.checksums
+        if not seen.ranged and seen.size:
+            log.info("%s: the server ignores Range (HTTP 200 to a ranged request): one stream instead of parallel "
+                     "ranged reads, and an interrupted download of its %s starts over from byte 0",
+                     self.where, human_bytes(seen.size))
         if self.loc.pinned:
             pin = Checksum(*self.loc.pinned)
             checksums = [c for c in checksums if c.algo != pin.algo] + [pin]
@@ -191,6 +204,17 @@ class HTTPSource(Source):
         path = safe_relpath(self.loc.filename, self.where)
         return RemoteFile(path=path, size=seen.size, version=version, checksums=tuple(checksums),
                           ranged=seen.ranged and bool(seen.size))
+
+    def _refuse_html(self, content_type: str | None) -> None:
+        """A URI names one file; an HTML page in its place is a directory listing (a folder URL,
+        often after a redirect to ``.../``) or an error page sent with 200, never model bytes.
+        Any other Content-Type is accepted (KServe refuses all but octet-stream)."""
+        kind = (content_type or "").split(";", 1)[0].strip().lower()
+        if kind in _HTML_TYPES and not self.loc.filename.lower().endswith(_HTML_NAMES):
+            raise SourceError(
+                f"{self.where}: the server sent an HTML page ({kind}) where a file was expected: a directory "
+                "listing or an error page, not a model file; point the URI at the file itself"
+            )
 
     def open_range(self, file: RemoteFile, start: int, end: int | None) -> RangeStream:
         headers: dict[str, str] = {}
