@@ -38,8 +38,7 @@ test-deps: install
 	@bash tests/setup.sh
 
 # --durations: the slowest tests in every CI log, to keep the cold run inside its 45 minutes.
-test: test-deps
-	$(BIN)/ruff check .
+test: test-deps lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 
 # The chaos test for longer than in `make test` (CHAOS_SECONDS, default 15 min); CHAOS_SEED=<seed>
@@ -62,8 +61,12 @@ demo: install
 	$(BIN)/python -m tests.cluster.demo
 	$(BIN)/python -m modelcache.demo
 
+# ruff, the import rules (pyproject's [tool.importlinter]: the core never imports the roles or
+# Kubernetes code, sources never import the engine) and the type checker ([tool.mypy]).
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy
 
 bench: test-deps
 	$(BIN)/python bench/pull_http.py

@@ -15,6 +15,7 @@ import click
 from agent.config import DEFAULT_ROOT, AgentConfig
 from agent.logs import fields, setup_logging
 from modelcache.errors import ModelcacheError
+from modelcache.health import HealthServer
 from modelcache.progress import human_bytes
 from modelcache.resources import check_buffers, chunk_size_problem
 from modelcache.sizes import parse_size
@@ -163,10 +164,9 @@ env_for_every_flag(cli, "MODELCACHE_")
 def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     from agent.core import Agent
     from agent.credentials import Credentials, KubeSecretReader
-    from agent.health import HealthServer
     from agent.inuse import KubeMountChecker, NoMounts
     from agent.metrics import AgentMetrics
-    from agent.rootlock import RootLock
+    from modelcache.store import RootLock
 
     spec = _standalone_spec(cfg) if cfg.standalone is not None else None  # before anything is written
     try:
@@ -189,7 +189,7 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
 
         agent = Agent(cfg, Credentials(None, cfg.download_env), NoMounts(), metrics)
         runner = StandaloneRunner(agent, cfg.standalone, cfg.watch, spec)
-        server = _serve(cfg, HealthServer, agent.alive, agent.spec_seen.is_set, metrics.render)
+        server = _serve(cfg, agent.alive, agent.spec_seen.is_set, metrics.render)
         try:
             if not root_lock.acquire(stop):
                 return 0
@@ -226,7 +226,7 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     agent.jobs = krunner.download_jobs(cfg.job_namespace, host_path)
     agent.root_check = paths.refusal
     # Live but not ready while another agent holds the root: it neither downloads nor writes status.
-    server = _serve(cfg, HealthServer, krunner.healthy, krunner.ready, metrics.render)
+    server = _serve(cfg, krunner.healthy, krunner.ready, metrics.render)
     try:
         if not root_lock.acquire(stop):
             log.info("agent stopping before it started", extra=fields(node=cfg.node))
@@ -288,11 +288,12 @@ def _peering(cfg: AgentConfig, kube: object, agent: object, metrics: object,
         raise listen_error(exc, cfg.peer_host, cfg.peer_port, "--peer-port", "--peer-host") from None
 
 
-def _serve(cfg: AgentConfig, cls: type, healthy: object, ready: object, metrics: object) -> object | None:
+def _serve(cfg: AgentConfig, healthy: Callable[[], bool], ready: Callable[[], bool],
+           metrics: Callable[[], bytes]) -> HealthServer | None:
     if cfg.port < 0:
         return None
     try:
-        server = cls(cfg.host, cfg.port, healthy, ready, metrics).start()
+        server = HealthServer(cfg.host, cfg.port, healthy, ready, metrics, name="agent").start()
     except OSError as exc:
         raise listen_error(exc, cfg.host, cfg.port, "--port", "--host") from None
     log.info("serving health and metrics", extra=fields(port=server.port))

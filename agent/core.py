@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -28,6 +27,7 @@ from agent.inuse import MountChecker
 from agent.logs import fields
 from agent.metrics import AgentMetrics
 from agent.state import INTERRUPTED, REMOVED, STOPPING, Failure, ModelRecord, Task
+from modelcache.clock import rfc3339
 from modelcache.errors import ModelcacheError
 from modelcache.kube.types import (
     MODEL_DOWNLOAD_ERROR,
@@ -37,11 +37,12 @@ from modelcache.kube.types import (
     ModelCounts,
     NodeCapacity,
 )
+from modelcache.loop import Loop
 from modelcache.progress import format_line
 from modelcache.pull import PullPlan, pull
 from modelcache.redact import scrub_urls
-from modelcache.repair import needs_repair, pin_damaged, pin_path, repair, repair_dir
-from modelcache.store import NodeLayout, NodeStore, now_iso
+from modelcache.repair import needs_repair, repair
+from modelcache.store import NodeLayout, NodeStore
 from modelcache.transfer import TransferOptions
 from modelcache.uri import parse_uri, redact_uri, storage_key
 
@@ -65,7 +66,8 @@ class Agent:
     def __init__(self, cfg: AgentConfig, credentials: Credentials, mounts: MountChecker,
                  metrics: AgentMetrics | None = None, group_limits: dict[str, int] | None = None) -> None:
         self.cfg = cfg
-        self.store = NodeStore(NodeLayout(cfg.root))
+        self.layout = NodeLayout(cfg.root)  # read-only here: every write goes through the store
+        self.store = NodeStore(self.layout)
         self.credentials = credentials
         self.mounts = mounts
         self.metrics = metrics or AgentMetrics()
@@ -86,7 +88,7 @@ class Agent:
         #: root is not the group PV's local.path: agent/hostpath.py), else None. Cluster mode only.
         self.root_check: Callable[[str | None], str | None] | None = None
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = Loop("agent-supervisor", self.tick, 0.5, wake=self.wake, logger=log)
         self._last_removal_check = 0.0
         self._last_sweep = 0.0
         self._last_free: int | None = None
@@ -109,21 +111,11 @@ class Agent:
 
     def _on_disk(self, key: str) -> bool:
         """Anything of the model left to delete: folder, manifest, staged or repair download."""
-        layout = self.store.layout
-        return any(p.exists() for p in (layout.manifest_path(key), layout.model_dir(key), layout.staging_dir(key),
-                                         repair_dir(layout, key), pin_path(layout, key)))
+        return self.store.has(key)
 
     def _disk_keys(self) -> set[str]:
         """Every storageKey with something under the root: published, unlisted, staged or repairing."""
-        layout = self.store.layout
-        keys = set(self.store.keys())
-        for folder in (layout.meta / "staging", layout.meta / "repair"):
-            if folder.is_dir():
-                keys |= {p.name for p in folder.iterdir() if p.is_dir()}
-        suffix = pin_path(layout, "").name  # a repair's pin outlives a crash: its model is on disk too
-        if (layout.meta / "repair").is_dir():
-            keys |= {p.name.removesuffix(suffix) for p in (layout.meta / "repair").glob("*" + suffix)}
-        return {k for k in keys if STORAGE_KEY.match(k)}
+        return {k for k in self.store.disk_keys() if STORAGE_KEY.match(k)}
 
     # ---- desired state --------------------------------------------------------------------
 
@@ -131,7 +123,7 @@ class Agent:
         """An invalid spec changes nothing: the last valid one stays in force, the status says why."""
         with self.lock:
             if self.refused is None or self.refused[:2] != (problems, generation):
-                self.refused = (list(problems), generation, now_iso())
+                self.refused = (list(problems), generation, rfc3339())
         self.changed.set()
 
     def set_spec(self, entries: list[LocalModelInfo], generation: int | None = None) -> None:
@@ -206,12 +198,11 @@ class Agent:
     # ---- supervisor -----------------------------------------------------------------------
 
     def start(self) -> Agent:
-        self._thread = threading.Thread(target=self._run, name="agent-supervisor", daemon=True)
-        self._thread.start()
+        self._loop.start()
         return self
 
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._loop.alive()
 
     def stop(self) -> None:
         """Cancel the downloads and wait for them: they end "interrupted" (Pending, resumed by
@@ -222,8 +213,7 @@ class Agent:
             for rec in self.records.values():
                 if rec.task is not None:
                     rec.task.stop(STOPPING)
-        if self._thread is not None:
-            self._thread.join(10)
+        self._loop.stop(10)
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.checker.stop()
         with self.lock:
@@ -231,15 +221,6 @@ class Agent:
                 if rec.task is not None:  # submitted but never started before the pool shut down
                     rec.task, rec.note = None, INTERRUPTED
         self.changed.set()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception:
-                log.exception("supervisor tick failed")
-            self.wake.wait(0.5)
-            self.wake.clear()
 
     def tick(self) -> None:
         if not self.spec_seen.is_set() or self._stop.is_set():
@@ -268,7 +249,7 @@ class Agent:
     def _start(self, rec: ModelRecord) -> None:
         task = rec.task = Task()
         rec.attempts += 1
-        rec.started_at, rec.finished_at, rec.note = now_iso(), None, ""
+        rec.started_at, rec.finished_at, rec.note = rfc3339(), None, ""
         log.info("download started", extra=fields(storage_key=rec.key, uri=redact_uri(rec.uri), attempt=rec.attempts))
         self.changed.set()
         self.pool.submit(self._download, rec, task, rec.primary)
@@ -277,8 +258,7 @@ class Agent:
         rec.bytes_total, rec.files_total = plan.total_bytes, plan.files
         if plan.revision:
             rec.revision = plan.revision
-        layout = self.store.layout
-        staged = repair_dir(layout, rec.key) if task.repairing else layout.staging_dir(rec.key)
+        staged = self.layout.repair_dir(rec.key) if task.repairing else self.layout.staging_dir(rec.key)
         limit = self.group_limits.get(primary.node_group or "")
         self.capacity.reserve(rec.key, plan.bytes_needed, plan.total_bytes, limit, plan.location.display, staged=staged)
         log.info("download admitted", extra=fields(storage_key=rec.key, bytes_total=plan.total_bytes,
@@ -318,9 +298,9 @@ class Agent:
                 rec.bytes_total, rec.files_total = result.bytes, result.files
                 rec.failure, rec.failures, rec.next_attempt = None, 0, 0.0
                 # A repair stays visible in the status until the next change, not only in the logs.
-                rec.note = f"repaired {now_iso()}: {rec.damage}" if rec.damage else ""
+                rec.note = f"repaired {rfc3339()}: {rec.damage}" if rec.damage else ""
                 rec.damage, rec.old_files = "", []
-                rec.finished_at = now_iso()
+                rec.finished_at = rfc3339()
                 rec.last_size_check = rec.last_verify = time.monotonic()
                 self.metrics.duration.labels(scheme=scheme, outcome="ok").observe(elapsed)
                 log.info("download finished", extra=fields(
@@ -426,7 +406,7 @@ class Agent:
         delay = min(self.cfg.backoff_max, self.cfg.backoff_initial * 2 ** (rec.failures - 1))
         rec.next_attempt = time.monotonic() + delay
         rec.failure = Failure(f"{reason}: {message} (retry {rec.failures} in {delay:.0f}s)", reason)
-        rec.finished_at = now_iso()
+        rec.finished_at = rfc3339()
         self.metrics.errors.labels(reason=reason).inc()
         self.metrics.duration.labels(scheme=scheme, outcome="error").observe(elapsed)
         log.warning("download failed", extra=fields(storage_key=rec.key, uri=redact_uri(rec.uri), reason=reason,
@@ -438,7 +418,7 @@ class Agent:
         try:
             with self.store.lock(rec.key, blocking=False):
                 # Kept as the repair's pin: which revision to restore and which files were ours.
-                manifest = pin_damaged(self.store, rec.key)
+                manifest = self.store.pin_damaged(rec.key)
                 rec.old_files = [f.path for f in manifest.files] if manifest else []
         except ModelcacheError:
             return False  # someone else holds the model right now: check again later
@@ -501,9 +481,7 @@ class Agent:
 
     def _delete(self, rec: ModelRecord) -> None:
         try:
-            self.store.remove(rec.key)
-            shutil.rmtree(repair_dir(self.store.layout, rec.key), ignore_errors=True)  # an unfinished repair
-            pin_path(self.store.layout, rec.key).unlink(missing_ok=True)
+            self.store.remove(rec.key)  # an unfinished repair with it
             deleted = True
         except ModelcacheError as exc:
             log.info("removal deferred", extra=fields(storage_key=rec.key, error=_one_line(exc)))

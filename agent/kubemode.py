@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from datetime import UTC, datetime
 from typing import Any
 
 from agent.capacity import GroupLimit
@@ -20,6 +19,7 @@ from agent.downloadjob import DownloadJobs
 from agent.hostpath import Mismatch, RootPaths
 from agent.logs import fields
 from agent.publish import Publisher
+from modelcache.clock import rfc3339
 from modelcache.kube.client import (
     CLUSTER_STORAGE_CONTAINERS,
     CUSTOM_RESOURCE_DEFINITIONS,
@@ -34,6 +34,7 @@ from modelcache.kube.quantity import parse_quantity
 from modelcache.kube.status import patch_status_if_changed
 from modelcache.kube.types import LocalModelNode
 from modelcache.kube.validate import node_problems
+from modelcache.loop import Loop
 
 log = logging.getLogger("agent.kube")
 
@@ -42,10 +43,6 @@ OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGene
          "peer")
 #: The LocalModelNode CRD, whose status schema decides what the API server keeps of a status write.
 NODE_CRD = f"{LOCAL_MODEL_NODES.plural}.{LOCAL_MODEL_NODES.group}"
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class KubeRunner:
@@ -72,7 +69,7 @@ class KubeRunner:
         self.synced = threading.Event()
         self.recorder = EventRecorder(kube, "modelcache-agent", self.node)
         agent.on_event = self._event
-        self._stop = threading.Event()
+        self._resync_loop = Loop("agent-resync", self._resync, agent.cfg.resync_period, at_start=False, logger=log)
         #: The uid of the Node object this agent runs for, written as ``status.nodeUID``: the
         #: coordinator believes a status only for the Node that exists now (a machine replaced
         #: under the same name must not inherit the old one's labels).
@@ -180,7 +177,7 @@ class KubeRunner:
             new.update(ours)
             if {k: v for k, v in old.items() if k != "lastUpdated"} == new:
                 return old  # nothing changed: no write, not even a new timestamp
-            new["lastUpdated"] = _now()
+            new["lastUpdated"] = rfc3339()
             return new
 
         return desired
@@ -217,16 +214,15 @@ class KubeRunner:
         self.check_paths()
         self.agent.start()
         self.publisher.start()
-        threading.Thread(target=self._resync, name="agent-resync", daemon=True).start()
+        self._resync_loop.start()
         return self
 
     def _resync(self) -> None:
         """Level-triggered safety net: re-apply the cached spec every resync period."""
-        while not self._stop.wait(self.agent.cfg.resync_period):
-            self.refresh_node_uid()
-            obj = self.nodes.store.get(self.node)
-            if obj is not None:
-                self._apply(obj)
+        self.refresh_node_uid()
+        obj = self.nodes.store.get(self.node)
+        if obj is not None:
+            self._apply(obj)
 
     def healthy(self) -> bool:
         if not self.synced.is_set():
@@ -237,7 +233,7 @@ class KubeRunner:
         return self.synced.is_set()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._resync_loop.stop()
         self.agent.stop()
         self.publisher.stop()
         self.nodes.stop()

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import time
 from typing import Any
+
+from modelcache.clock import rfc3339
 
 
 def _logfmt_value(value: Any) -> str:
@@ -26,7 +27,7 @@ class StructuredFormatter(logging.Formatter):
         self.style_name = style
 
     def format(self, record: logging.LogRecord) -> str:
-        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+        ts = rfc3339(record.created, digits=3)
         data: dict[str, Any] = {"ts": ts, "level": record.levelname.lower(), "logger": record.name,
                                 "msg": record.getMessage()}
         data.update(getattr(record, "fields", None) or {})

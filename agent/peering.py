@@ -62,7 +62,9 @@ class TokenReviewer:
     def review(self, token: str) -> tuple[bool, str]:
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
                 "spec": {"token": token, "audiences": [AUDIENCE]}}
-        resp = self._api.create_token_review(body, _preload_content=False)
+        # A plain dict body and the raw response (no model objects): the client's types cover neither.
+        create: Any = self._api.create_token_review
+        resp = create(body, _preload_content=False)
         status = json.loads(resp.data).get("status") or {}
         user = (status.get("user") or {}).get("username", "")
         return bool(status.get("authenticated")) and AUDIENCE in (status.get("audiences") or [AUDIENCE]), user

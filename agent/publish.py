@@ -8,11 +8,11 @@ per interval.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from agent.core import Agent
+from modelcache.loop import Loop
 
 log = logging.getLogger("agent.status")
 
@@ -22,23 +22,19 @@ Sink = Callable[[dict[str, Any]], None]
 class Publisher:
     def __init__(self, agent: Agent, sink: Sink, interval: float) -> None:
         self.agent, self.sink, self.interval = agent, sink, interval
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # Woken by the agent's "changed" signal; the first write waits for a change or an interval.
+        self._loop = Loop("agent-status", self.publish, interval, wake=agent.changed, at_start=False, logger=log)
         self.failures = 0
 
     def start(self) -> Publisher:
-        self._thread = threading.Thread(target=self._run, name="agent-status", daemon=True)
-        self._thread.start()
+        self._loop.start()
         return self
 
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._loop.alive()
 
     def stop(self) -> None:
-        self._stop.set()
-        self.agent.changed.set()
-        if self._thread is not None:
-            self._thread.join(10)
+        self._loop.stop(10)
         self.publish()  # the last word: the final states
 
     def publish(self) -> None:
@@ -50,11 +46,3 @@ class Publisher:
         except Exception as exc:
             self.failures += 1
             log.warning("status write failed; retrying", extra={"fields": {"error": f"{type(exc).__name__}: {exc}"}})
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.agent.changed.wait(self.interval)
-            if self._stop.is_set():
-                return
-            self.agent.changed.clear()
-            self.publish()

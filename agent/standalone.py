@@ -18,7 +18,6 @@ import logging
 import os
 import signal
 import threading
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import yaml
 from agent.core import Agent
 from agent.logs import fields
 from agent.publish import Publisher
+from modelcache.clock import rfc3339
 from modelcache.errors import ModelcacheError
 from modelcache.kube.types import MODEL_DOWNLOADED, LocalModelNode
 from modelcache.kube.validate import node_problems
@@ -81,7 +81,7 @@ class StandaloneRunner:
             return
         self._last = ours
         obj = dict(self.obj)
-        obj["status"] = {**ours, "lastUpdated": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+        obj["status"] = {**ours, "lastUpdated": rfc3339()}
         tmp = self.out.with_name(self.out.name + ".tmp")
         tmp.write_text(yaml.safe_dump(obj, sort_keys=False))
         os.replace(tmp, self.out)

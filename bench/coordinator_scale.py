@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from kubernetes.client.exceptions import ApiException  # noqa: E402
 
+from modelcache.clock import rfc3339  # noqa: E402
 from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NODES, NODES, Kube, load_api_client  # noqa: E402
 from modelcache.kube.informer import Informer  # noqa: E402
 from tests.cluster.baseline import apply_manifests  # noqa: E402
@@ -58,7 +59,7 @@ def node_body(name: str, pool: str) -> dict[str, Any]:
                          f"registry.example.com/team-{i % 7}/serving-runtime-{i}:v{i}.0.{i % 13}"],
                "sizeBytes": 500_000_000 + i * 7_919_123} for i in range(100)]
     resources = {"cpu": "96", "memory": "1056Gi", "pods": "110", "ephemeral-storage": "3500Gi", "nvidia.com/gpu": "8"}
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    now = rfc3339()
     conditions = [{"type": t, "status": "False", "reason": f"Kubelet{t}", "message": f"kubelet has no {t}",
                    "lastHeartbeatTime": now, "lastTransitionTime": now}
                   for t in ("MemoryPressure", "DiskPressure", "PIDPressure")]

@@ -193,21 +193,10 @@ class Bench:
         return self._timed("modelcache", cmd, out)
 
     def aria2c(self, out: Path) -> RunResult:
-        listing = out.parent / f"{out.name}.aria2-list.txt"
-        listing.write_text("".join(u + "\n" for u in self.urls))
-        cmd = ["aria2c", "-x16", "-s16", "-i", str(listing), "-d", str(out), "-q",
-               "--allow-overwrite=true", "--auto-file-renaming=false", "--console-log-level=error"]
-        try:
-            return self._timed("aria2c", cmd, out)
-        finally:
-            listing.unlink(missing_ok=True)
+        return aria2c(self._timed, [(u, u.rsplit("/", 1)[1]) for u in self.urls], out)
 
     def curl(self, out: Path) -> RunResult:
-        out.mkdir(parents=True, exist_ok=True)
-        cmd = ["curl", "-sS", "--fail", "--parallel", "--parallel-max", str(len(self.urls))]
-        for u in self.urls:
-            cmd += ["-o", str(out / u.rsplit("/", 1)[1]), u]
-        return self._timed("curl", cmd, out)
+        return curl(self._timed, [(u, u.rsplit("/", 1)[1]) for u in self.urls], out)
 
     def kserve(self, out: Path) -> RunResult:
         out.mkdir(parents=True, exist_ok=True)
@@ -244,6 +233,83 @@ def ensure_kserve_venv() -> bool:
 # ---- report -------------------------------------------------------------------------------
 
 
+# ---- the peers on plain URLs, shared by the benchmarks ----------------------------------------
+
+Timed = Callable[[str, list[str], Path], RunResult]
+
+
+def aria2c(timed: Timed, files: list[tuple[str, str]], out: Path) -> RunResult:
+    """aria2c -x16 -s16 over (url, file name) pairs into ``out``."""
+    listing = out.parent / f"{out.name}.aria2-list.txt"
+    listing.write_text("".join(f"{u}\n  out={n}\n" for u, n in files))
+    cmd = ["aria2c", "-x16", "-s16", "-i", str(listing), "-d", str(out), "-q",
+           "--allow-overwrite=true", "--auto-file-renaming=false", "--console-log-level=error"]
+    try:
+        return timed("aria2c", cmd, out)
+    finally:
+        listing.unlink(missing_ok=True)
+
+
+def curl(timed: Timed, files: list[tuple[str, str]], out: Path) -> RunResult:
+    """curl, one stream per file, all at once."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = ["curl", "-sS", "--fail", "--parallel", "--parallel-max", str(len(files))]
+    for u, n in files:
+        cmd += ["-o", str(out / n), u]
+    return timed("curl", cmd, out)
+
+
+# ---- the run, shared by the benchmarks -------------------------------------------------------
+
+
+def bench_args(description: str, tools: str, tools_help: str, workdir: Path) -> argparse.ArgumentParser:
+    """The flags every pull benchmark takes; a benchmark adds its own (a server, say)."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", type=parse_size, default=parse_size("4GiB"), help="total shard bytes (default 4GiB)")
+    ap.add_argument("--shards", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tools", default=tools, help=f"comma-separated subset of {tools_help}")
+    ap.add_argument("--workdir", type=Path, default=workdir, help="data and outputs (same disk for every tool)")
+    ap.add_argument("--workers", type=int, help="pass --workers to modelcache pull")
+    ap.add_argument("--chunk-size", help="pass --chunk-size to modelcache pull")
+    ap.add_argument("--json", type=Path, help="also write the raw results here")
+    return ap
+
+
+def usable_tools(spec: str) -> list[str]:
+    """The tools of ``--tools`` that this machine has (a missing one is said and skipped)."""
+    tools = [t.strip() for t in spec.split(",") if t.strip()]
+    if "kserve-storage" in tools and not ensure_kserve_venv():
+        print("kserve-storage could not be installed; skipping it", file=sys.stderr)
+        tools.remove("kserve-storage")
+    for exe, tool in (("aria2c", "aria2c"), ("curl", "curl")):
+        if tool in tools and shutil.which(exe) is None:
+            print(f"{exe} not found (make test-deps); skipping it", file=sys.stderr)
+            tools.remove(tool)
+    return tools
+
+
+def run_rounds(tools: list[str], rounds: int, runners: dict[str, Callable[[Path], RunResult]],
+               out_root: Path) -> list[RunResult]:
+    """Every tool once per round into a fresh folder, in an order that rotates between rounds
+    (no tool always goes first)."""
+    results = []
+    for rnd in range(rounds):
+        order = tools[rnd % len(tools):] + tools[: rnd % len(tools)]
+        for tool in order:
+            out = out_root / f"{tool}-{rnd}"
+            shutil.rmtree(out, ignore_errors=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                res = runners[tool](out)
+            finally:
+                shutil.rmtree(out, ignore_errors=True)
+            results.append(res)
+            print(f"round {rnd + 1}: {res.tool:16s} {res.mbps:8.0f} MB/s  ({res.seconds:.2f} s, "
+                  f"{res.cpu_per_gib:.2f} CPU-s/GiB, peak RSS {res.peak_rss_kib / 1024:.0f} MiB)", flush=True)
+    return results
+
+
 def report(results: list[RunResult], args: argparse.Namespace) -> str:
     lines, med = results_table(
         results,
@@ -265,27 +331,9 @@ def report(results: list[RunResult], args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", type=parse_size, default=parse_size("4GiB"), help="total shard bytes (default 4GiB)")
-    ap.add_argument("--shards", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tools", default="modelcache,aria2c,curl,kserve-storage,dd",
-                    help="comma-separated subset of modelcache,aria2c,curl,kserve-storage,dd")
-    ap.add_argument("--workdir", type=Path, default=REPO / ".work" / "bench-http",
-                    help="data and outputs (same disk for every tool)")
-    ap.add_argument("--workers", type=int, help="pass --workers to modelcache pull")
-    ap.add_argument("--chunk-size", help="pass --chunk-size to modelcache pull")
-    ap.add_argument("--json", type=Path, help="also write the raw results here")
-    args = ap.parse_args(argv)
-
-    tools = [t.strip() for t in args.tools.split(",") if t.strip()]
-    if "kserve-storage" in tools and not ensure_kserve_venv():
-        print("kserve-storage could not be installed; skipping it", file=sys.stderr)
-        tools.remove("kserve-storage")
-    for exe, tool in (("aria2c", "aria2c"), ("curl", "curl")):
-        if tool in tools and shutil.which(exe) is None:
-            print(f"{exe} not found (make test-deps); skipping it", file=sys.stderr)
-            tools.remove(tool)
+    tools_all = "modelcache,aria2c,curl,kserve-storage,dd"
+    args = bench_args(__doc__ or "", tools_all, tools_all, REPO / ".work" / "bench-http").parse_args(argv)
+    tools = usable_tools(args.tools)
 
     work = args.workdir.resolve()
     data = work / f"data-{args.shards}x{args.size // args.shards}"
@@ -313,19 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             "modelcache": bench.modelcache, "aria2c": bench.aria2c, "curl": bench.curl,
             "kserve-storage": bench.kserve, "dd": bench.dd,
         }
-        for rnd in range(args.rounds):
-            order = tools[rnd % len(tools):] + tools[: rnd % len(tools)]  # rotate: no tool always goes first
-            for tool in order:
-                out = bench.out_root / f"{tool}-{rnd}"
-                shutil.rmtree(out, ignore_errors=True)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    res = runners[tool](out)
-                finally:
-                    shutil.rmtree(out, ignore_errors=True)
-                bench.results.append(res)
-                extra = f", peak RSS {res.peak_rss_kib / 1024:.0f} MiB" if tool == "modelcache" else ""
-                print(f"round {rnd + 1}: {res.tool:16s} {res.mbps:8.0f} MB/s  ({res.seconds:.2f} s{extra})", flush=True)
+        bench.results += run_rounds(tools, args.rounds, runners, bench.out_root)
     finally:
         server.stop()
         shutil.rmtree(nginx_dir, ignore_errors=True)

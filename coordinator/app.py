@@ -17,11 +17,12 @@ from kubernetes.client.exceptions import ApiException
 from coordinator import controllers, metrics
 from coordinator.admission import CacheValidator, PodMutator, ServiceDefaulter
 from coordinator.certs import CERT_FILE, ReloadingContext, generate_self_signed, load_tls
-from coordinator.httpserve import HealthServer, WebhookServer
+from coordinator.httpserve import AdmissionHandler, WebhookServer
 from coordinator.lookup import ApiLookup
 from coordinator.uninstall import UninstallHook
 from coordinator.view import ClusterView
 from coordinator.webhookcerts import YEAR, CertSettings, WebhookCerts
+from modelcache.health import HealthServer
 from modelcache.kube.client import (
     CUSTOM_RESOURCE_DEFINITIONS,
     NAMESPACES,
@@ -106,7 +107,8 @@ class Coordinator:
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> Coordinator:
         try:
-            self.health = HealthServer(self.cfg.host, self.cfg.port, self.ready).start()
+            self.health = HealthServer(self.cfg.host, self.cfg.port, lambda: True, self.ready, metrics.render,
+                                       name="coordinator").start()
         except OSError as exc:
             raise listen_error(exc, self.cfg.host, self.cfg.port, "--port", "--bind") from None
         if self.cfg.webhook_cert_secret:
@@ -203,7 +205,7 @@ class Coordinator:
             log.warning("generated a self-signed webhook certificate in %s (development only)", cert_dir)
         self.tls = load_tls(cert_dir).start()
         lookup = ApiLookup(self.kube, recheck=self.cfg.discovery_interval or 30.0)
-        routes = {
+        routes: dict[str, AdmissionHandler] = {
             "/mutate-pods": PodMutator(lookup, self.cfg.pod_rewrite, self.cfg.pod_fail_closed),
             "/mutate-services": ServiceDefaulter(lookup),
             "/validate-localmodelcaches": CacheValidator(lookup, namespaced=False),

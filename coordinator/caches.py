@@ -12,7 +12,6 @@ the entry any more, our volumes are deleted and the finalizer goes.
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import time
 from collections.abc import Mapping
@@ -24,6 +23,7 @@ from coordinator import aggregate, entries, metrics, reports, volumes
 from coordinator.membership import Member
 from coordinator.uninstall import RELEASED_ANNOTATION, released_for
 from coordinator.view import BY_CACHE, ClusterView, cache_key
+from modelcache.clock import rfc3339
 from modelcache.kube.client import (
     LOCAL_MODEL_CACHES,
     LOCAL_MODEL_NAMESPACE_CACHES,
@@ -217,12 +217,12 @@ class CacheReconciler:
             message = f"node group(s) not found: {', '.join(missing)}" if missing else "all node groups exist"
             conditions = aggregate.set_condition(
                 list(status.get("conditions") or []), GROUPS_CONDITION, not missing,
-                "NodeGroupNotFound" if missing else "NodeGroupsFound", message, _now())
+                "NodeGroupNotFound" if missing else "NodeGroupsFound", message, rfc3339())
             # Shown once a volume was refused, and from then on (True again once all exist).
             if refused or any(c.get("type") == VOLUMES_CONDITION for c in conditions):
                 conditions = aggregate.set_condition(
                     conditions, VOLUMES_CONDITION, not refused, "VolumeRefused" if refused else "VolumesCreated",
-                    "; ".join(refused) if refused else "every serving PV and PVC exists", _now())
+                    "; ".join(refused) if refused else "every serving PV and PVC exists", rfc3339())
             status["conditions"] = conditions
             return status
 
@@ -256,10 +256,6 @@ VOLUMES_CONDITION = "ServingVolumesCreated"
 REFUSED_RETRY = 60.0
 #: At most one status write per cache per this many seconds.
 STATUS_INTERVAL = 1.0
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _forget_gauges(key: str) -> None:

@@ -15,10 +15,11 @@ import logging
 import os
 import ssl
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from modelcache.loop import Loop
 
 log = logging.getLogger(__name__)
 
@@ -212,9 +213,7 @@ class ReloadingContext:
         self.context.minimum_version = ssl.TLSVersion.TLSv1_2
         self._stamp = self._mtimes()
         self.context.load_cert_chain(self.cert, self.key)
-        self._stop = threading.Event()
-        self._interval = interval
-        self._thread: threading.Thread | None = None
+        self._loop = Loop("webhook-cert-reload", self._reload_logged, interval, at_start=False, logger=log)
 
     def _mtimes(self) -> tuple[int, int, int, int]:
         # The inode too: a pair replaced by rename within one mtime tick still counts as changed.
@@ -222,12 +221,11 @@ class ReloadingContext:
         return c.st_ino, c.st_mtime_ns, k.st_ino, k.st_mtime_ns
 
     def start(self) -> ReloadingContext:
-        self._thread = threading.Thread(target=self._watch, name="webhook-cert-reload", daemon=True)
-        self._thread.start()
+        self._loop.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
+        self._loop.stop()
 
     def reload(self) -> bool:
         """Load the pair again if a file changed; True when it did."""
@@ -239,12 +237,11 @@ class ReloadingContext:
         log.info("webhook certificate reloaded")
         return True
 
-    def _watch(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                self.reload()
-            except (OSError, ssl.SSLError) as exc:
-                log.warning("webhook certificate reload failed: %s", exc)
+    def _reload_logged(self) -> None:
+        try:
+            self.reload()
+        except (OSError, ssl.SSLError) as exc:  # a pair caught half-written: the next round reads it whole
+            log.warning("webhook certificate reload failed: %s", exc)
 
 
 def load_tls(directory: Path) -> ReloadingContext:

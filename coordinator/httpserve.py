@@ -1,4 +1,4 @@
-"""The coordinator's two small HTTP servers: webhooks over HTTPS, and health + metrics.
+"""The coordinator's webhook server (HTTPS; health and metrics are modelcache.health's).
 
 Threaded stdlib servers: admission requests are short and independent, and the API reads they
 make are blocking client calls anyway.
@@ -83,41 +83,3 @@ class WebhookServer:
         self.httpd.shutdown()
         self.httpd.server_close()
 
-
-class HealthServer:
-    """``/healthz`` (the process is serving), ``/readyz`` (``ready()``), ``/metrics`` (Prometheus)."""
-
-    def __init__(self, host: str, port: int, ready: Callable[[], bool]) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, fmt: str, *args: Any) -> None:
-                log.debug("health: " + fmt, *args)
-
-            def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
-                if path == "/healthz":
-                    self._send(200, b"ok\n", "text/plain")
-                elif path == "/readyz":
-                    ok = ready()
-                    self._send(200 if ok else 503, b"ok\n" if ok else b"not ready\n", "text/plain")
-                elif path == "/metrics":
-                    self._send(200, metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
-                else:
-                    self._send(404, b"not found\n", "text/plain")
-
-            def _send(self, code: int, body: bytes, ctype: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.httpd = http_server(host, port, Handler)
-        self.port = self.httpd.server_address[1]
-
-    def start(self) -> HealthServer:
-        threading.Thread(target=self.httpd.serve_forever, name="health", daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()

@@ -57,7 +57,7 @@ def desired_models(
         member = members_of(groups).get(node)
         if member is None:
             group = (have or {}).get("nodeGroup")
-            if have is not None and group in groups and keep_missing(group):
+            if have is not None and isinstance(group, str) and group in groups and keep_missing(group):
                 return have  # its group vanished (a replace, a prune): keep the files meanwhile
             return None
         if not member.ready:

@@ -36,6 +36,7 @@ from coordinator import certs
 from modelcache.kube.client import SECRETS, Kube, Resource, error_message
 from modelcache.kube.informer import Informer
 from modelcache.kube.status import update_if_changed
+from modelcache.loop import Loop
 
 log = logging.getLogger(__name__)
 
@@ -163,12 +164,13 @@ class WebhookCerts:
         self.secret_inf = Informer(self.kube, SECRETS, s.namespace, field_selector=f"metadata.name={s.secret}")
         self.config_infs = [Informer(self.kube, res, field_selector=f"metadata.name={name}")
                             for res, name in s.configurations]
-        self._wake = threading.Event()
-        self._stop = threading.Event()
         self._served: bytes | None = None
-        self._thread: threading.Thread | None = None
+        self._first = threading.Event()  # the first pair is on disk
+        self._delay = 1.0  # the wait after a failed round: doubles to a minute
+        # A round every check interval, and at once when the Secret or a configuration changes.
+        self._loop = Loop("webhook-certs", self._round, self.settings.check_interval, logger=log)
         for inf in (self.secret_inf, *self.config_infs):
-            inf.add_handler(lambda *_: self._wake.set())
+            inf.add_handler(lambda *_: self._loop.wake.set())
 
     # -- one round -------------------------------------------------------------------------------
     def sync(self) -> Bundle:
@@ -263,32 +265,26 @@ class WebhookCerts:
         """Start the watches and the loop; returns once the first pair is on disk (or the timeout)."""
         for inf in (self.secret_inf, *self.config_infs):
             inf.start()
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(ready,), name="webhook-certs", daemon=True)
-        self._thread.start()
-        ready.wait(first_sync_timeout)
+        self._loop.start()
+        self._first.wait(first_sync_timeout)
         return self
 
     def ready(self) -> bool:
         return self._served is not None
 
-    def _run(self, ready: threading.Event) -> None:
-        delay = 1.0
-        while not self._stop.is_set():
-            self._wake.clear()
-            try:
-                self.sync()
-                ready.set()
-                delay = 1.0
-                self._wake.wait(self.settings.check_interval)
-            except Exception as exc:
-                self.stats["errors"] += 1
-                log.warning("webhook certificate: %s (retrying in %.0fs)", error_message(exc), delay)
-                self._stop.wait(delay)
-                delay = min(delay * 2, 60.0)
+    def _round(self) -> float | None:
+        try:
+            self.sync()
+        except Exception as exc:
+            self.stats["errors"] += 1
+            delay, self._delay = self._delay, min(self._delay * 2, 60.0)
+            log.warning("webhook certificate: %s (retrying in %.0fs)", error_message(exc), delay)
+            return delay
+        self._first.set()
+        self._delay = 1.0
+        return None
 
     def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
+        self._loop.stop()
         for inf in (self.secret_inf, *self.config_infs):
             inf.stop()

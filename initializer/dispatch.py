@@ -27,6 +27,7 @@ from modelcache.archive import (
 from modelcache.credentials import Settings
 from modelcache.errors import ModelcacheError, NotFoundError, UnsupportedError
 from modelcache.progress import ProgressTracker, human_bytes
+from modelcache.reserved import META_DIR
 from modelcache.sources.local import check_file_type
 from modelcache.transfer import TransferOptions
 from modelcache.uri import redact_uri
@@ -34,7 +35,7 @@ from modelcache.uri import redact_uri
 PVC_MOUNT_PREFIX = "/mnt/pvc"
 MODEL_MOUNT_DIR = "/mnt/models"
 #: Names in DEST the archive step must not overwrite: our own bookkeeping.
-RESERVED_NAMES = (".modelcache",)
+RESERVED_NAMES = (META_DIR,)
 
 
 @dataclass

@@ -19,12 +19,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
 import zlib
 from pathlib import Path
 
 from initializer.unpacked import UnpackedRecord
-from modelcache.store import META_DIR, Manifest
+from modelcache.store import DestLayout, Manifest, NodeStore
 
 XATTR_PREFIX = "user.modelcache."
 #: Errors that mean "no xattr here": not supported, no space in the inode, value too large.
@@ -68,5 +67,5 @@ def forget(dest: Path, key: str) -> None:
 def finish(dest: Path, record: UnpackedRecord) -> bool:
     """The pair succeeded: record it, then remove the bookkeeping folder from DEST."""
     marked = mark(dest, record)
-    shutil.rmtree(dest / META_DIR, ignore_errors=True)
+    NodeStore(DestLayout(dest)).clear_bookkeeping()
     return marked

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TextIO
 
 from initializer.redact import Scrubber
+from modelcache.loop import Loop
 from modelcache.progress import ProgressTracker, format_line, human_bytes, human_duration
 
 
@@ -42,9 +43,9 @@ class Reporter:
         self._out = out or sys.stdout
         self._err = err or sys.stderr
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = Loop("progress", self._progress_line, lambda: self.interval, at_start=False)
         self._start = time.monotonic()
+        self._last_done, self._last_t = 0, self._start
 
     # -- lines ----------------------------------------------------------------------------
 
@@ -88,23 +89,19 @@ class Reporter:
     # -- periodic progress ----------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
-        self._thread.start()
+        self._last_done, self._last_t = 0, time.monotonic()
+        self._loop.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
+        self._loop.stop(timeout=2)
 
-    def _run(self) -> None:
-        last_done, last_t = 0, time.monotonic()
-        while not self._stop.wait(self.interval):
-            snap = self.tracker.snapshot()
-            now = time.monotonic()
-            if snap.bytes_done == last_done:
-                continue  # nothing moved since the last line: don't spam the log
-            # The rate over the last interval: the tracker's own window needs several samples,
-            # and at one line every few seconds the first lines would all say 0 B/s.
-            rate = max(0.0, (snap.bytes_done - last_done) / max(now - last_t, 1e-3))
-            last_done, last_t = snap.bytes_done, now
-            self.info(format_line(replace(snap, rate=rate), label="progress: "))
+    def _progress_line(self) -> None:
+        snap = self.tracker.snapshot()
+        now = time.monotonic()
+        if snap.bytes_done == self._last_done:
+            return  # nothing moved since the last line: don't spam the log
+        # The rate over the last interval: the tracker's own window needs several samples,
+        # and at one line every few seconds the first lines would all say 0 B/s.
+        rate = max(0.0, (snap.bytes_done - self._last_done) / max(now - self._last_t, 1e-3))
+        self._last_done, self._last_t = snap.bytes_done, now
+        self.info(format_line(replace(snap, rate=rate), label="progress: "))

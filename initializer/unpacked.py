@@ -2,7 +2,7 @@
 
 The core pull's dest-mode manifest lists the archive it fetched; once the archive is unpacked
 and deleted that manifest no longer matches the folder, and a rerun would fetch it again. This
-record (``DEST/.modelcache/unpacked/<storageKey>.json``) lists what the archive produced; when it matches
+record (kept by the store in DEST's bookkeeping folder) lists what the archive produced; when it matches
 the folder and the manifest, the pair is complete and nothing touches the network.
 
 Order for crash safety: unpack (merge into DEST) -> write this record -> delete the archive.
@@ -20,13 +20,10 @@ from pathlib import Path
 
 from modelcache.archive import UnpackResult
 from modelcache.diskio import fsync_tree
-from modelcache.store import DestLayout
+from modelcache.store import DestLayout, NodeStore
 
-
-def record_path(dest: Path, key: str) -> Path:
-    """One record per storage key (pairs that share a DEST each keep theirs), where the store
-    keeps DEST's bookkeeping."""
-    return DestLayout(dest).unpacked_record_path(key)
+#: The store keeps it per storage key (pairs that share a DEST each keep theirs).
+RECORD = "unpacked"
 
 
 @dataclass(frozen=True)
@@ -77,20 +74,16 @@ def write(dest: Path, record: UnpackedRecord) -> None:
     # loss this record would vouch for files that are empty (sizes of 0 are caught, not every
     # file system's zeros).
     fsync_tree(dest, [rel for rel, _ in record.files] + record.links)
-    path = record_path(dest, record.storage_key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(record.to_json())
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    NodeStore(DestLayout(dest)).write_record(RECORD, record.storage_key, record.to_json())
 
 
 def load(dest: Path, key: str) -> UnpackedRecord | None:
+    text = NodeStore(DestLayout(dest)).read_record(RECORD, key)
+    if text is None:
+        return None
     try:
-        record = UnpackedRecord.from_json(record_path(dest, key).read_text())
-    except (OSError, ValueError, KeyError, TypeError):
+        record = UnpackedRecord.from_json(text)
+    except (ValueError, KeyError, TypeError):
         return None
     return record if record.storage_key == key else None
 

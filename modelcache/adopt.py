@@ -22,10 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from modelcache.clock import rfc3339
 from modelcache.errors import StoreError
 from modelcache.integrity import hash_file
 from modelcache.sources.base import RemoteFile
-from modelcache.store import META_DIR, DestLayout, Manifest, ManifestFile, NodeStore, now_iso
+from modelcache.store import Manifest, ManifestFile, NodeStore
 from modelcache.transfer import FetchedFile
 
 log = logging.getLogger(__name__)
@@ -49,11 +50,10 @@ class Adoption:
 
 def applies(store: NodeStore, key: str) -> bool:
     """A folder with content that no manifest of ours describes (checked under the model's lock)."""
-    folder = store.layout.model_dir(key)
     if store.manifest(key) is not None:
         return False
     try:
-        names = [n for n in os.listdir(folder) if not (isinstance(store.layout, DestLayout) and n == META_DIR)]
+        names = store.foreign_names(key)
     except OSError:
         return False
     return bool(names)
@@ -103,7 +103,7 @@ def record_folder(store: NodeStore, key: str, uri: str) -> Manifest:
                                   hash_file(path, size=size).local_hexdigest()))
     if not files:
         raise StoreError(f"{uri}: the download left no file in {folder}")
-    manifest = Manifest(storage_key=key, uri=uri, resolved_uri=uri, revision=None, files=files, created_at=now_iso())
+    manifest = Manifest(storage_key=key, uri=uri, resolved_uri=uri, revision=None, files=files, created_at=rfc3339())
     with store.lock(key):
         store.install_manifest(key, manifest)
     return manifest

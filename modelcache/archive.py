@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO
 
 from modelcache.compression import verified_tar
 from modelcache.errors import ModelcacheError
@@ -307,7 +307,7 @@ class _StagingWriter:
             raise self.unsafe(rel, "replaces a file of the same archive with a directory")
         os.makedirs(path, mode=0o755, exist_ok=True)
 
-    def add_file(self, rel: str, stream: BinaryIO, mode: int) -> None:
+    def add_file(self, rel: str, stream: IO[bytes], mode: int) -> None:
         path = self._prepare(rel)
         self._clear_file(path, rel)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

@@ -150,7 +150,7 @@ def _twins(uris: list[str], root: Path) -> list[str]:
 def _interruptible() -> Iterator[tuple[threading.Event, list[int]]]:
     """Ctrl-C (or SIGTERM) cancels the transfer cleanly: the staged bytes stay for a resume. A
     second Ctrl-C stops at once."""
-    cancel, caught = threading.Event(), []
+    cancel, caught = threading.Event(), list[int]()
 
     def on_signal(signum: int, _frame: Any) -> None:
         if caught:
@@ -438,10 +438,10 @@ def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -
     from modelcache.credentials import Settings
     from modelcache.display import show_progress
     from modelcache.pull import pull
-    from modelcache.repair import pin_damaged, pinned_manifest, repair
+    from modelcache.repair import repair
 
     assert isinstance(store.layout, NodeLayout)
-    manifest = store.manifest(key) or pinned_manifest(store.layout, key)
+    manifest = store.manifest(key) or store.pinned_manifest(key)
     uri = given if given and given != key else (manifest.uri if manifest else None)
     if uri is None or "<redacted>" in uri:
         why = "it has no manifest to name its URI" if manifest is None else "it was stored without the secret part " \
@@ -459,7 +459,7 @@ def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -
 
     try:
         with store.lock(key, blocking=False):
-            old = pin_damaged(store, key)  # not present for any reader until the repair is installed
+            old = store.pin_damaged(key)  # not present for any reader until the repair is installed
         with show_progress(tracker, progress_mode, 5.0):
             out = repair(store, key, pull_into, [f.path for f in old.files] if old else [])
     except ModelcacheError as exc:

@@ -55,7 +55,7 @@ class _Checked(io.RawIOBase):
     def __init__(self, inner: IO[bytes], kind: str) -> None:
         self._inner = inner
         self.kind = kind
-        self._errors = (EOFError, zlib.error, lzma.LZMAError, *_zstd_errors())
+        self._errors: tuple[type[BaseException], ...] = (EOFError, zlib.error, lzma.LZMAError, *_zstd_errors())
 
     def readable(self) -> bool:
         return True
@@ -76,13 +76,13 @@ class _Checked(io.RawIOBase):
 
 def open_decompressed(raw: IO[bytes]) -> IO[bytes]:
     """The decompressed bytes of ``raw`` (by its magic bytes), checked as they are read."""
-    buffered: Any = raw if hasattr(raw, "peek") else io.BufferedReader(raw)  # type: ignore[arg-type]
+    buffered: Any = raw if hasattr(raw, "peek") else io.BufferedReader(raw)
     kind = sniff(buffered.peek(8)[:8])
     if kind == "":
-        return buffered  # type: ignore[no-any-return]
+        return buffered
     inner: IO[bytes]
     if kind == "gzip":
-        inner = gzip.GzipFile(fileobj=buffered, mode="rb")  # checks CRC-32 and ISIZE of every member
+        inner = gzip.GzipFile(fileobj=buffered, mode="rb")  # type: ignore[assignment]  # checks CRC-32 and ISIZE
     elif kind == "xz":
         inner = lzma.LZMAFile(buffered)  # noqa: SIM115 (returned open) -- checks the stream's CRC32/CRC64/SHA-256
     elif kind == "bz2":

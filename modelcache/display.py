@@ -3,31 +3,27 @@
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
+from modelcache.loop import Loop
 from modelcache.progress import ProgressTracker, format_line
 
 
 @contextmanager
 def plain_progress(tracker: ProgressTracker, interval: float, stream: TextIO, label: str = "") -> Iterator[None]:
     """A line every ``interval`` seconds: `kubectl logs` and init-container logs are not TTYs."""
-    stop = threading.Event()
 
-    def run() -> None:
-        while not stop.wait(interval):
-            stream.write(format_line(tracker.snapshot(), label) + "\n")
-            stream.flush()
+    def line() -> None:
+        stream.write(format_line(tracker.snapshot(), label) + "\n")
+        stream.flush()
 
-    t = threading.Thread(target=run, name="modelcache-progress", daemon=True)
-    t.start()
+    loop = Loop("modelcache-progress", line, interval, at_start=False).start()
     try:
         yield
     finally:
-        stop.set()
-        t.join()
+        loop.stop(timeout=None)
 
 
 @contextmanager
@@ -38,6 +34,7 @@ def bar_progress(tracker: ProgressTracker, stream: TextIO) -> Iterator[None]:
         BarColumn,
         DownloadColumn,
         Progress,
+        TaskID,
         TextColumn,
         TimeRemainingColumn,
         TransferSpeedColumn,
@@ -52,9 +49,8 @@ def bar_progress(tracker: ProgressTracker, stream: TextIO) -> Iterator[None]:
         console=Console(file=stream),
         transient=False,
     )
-    stop = threading.Event()
     total_task = progress.add_task("total", total=None)
-    file_tasks: dict[str, int] = {}
+    file_tasks: dict[str, TaskID] = {}
 
     def refresh() -> None:
         snap = tracker.snapshot()
@@ -72,18 +68,12 @@ def bar_progress(tracker: ProgressTracker, stream: TextIO) -> Iterator[None]:
                 file_tasks[path] = progress.add_task(name, total=f.total)
             progress.update(file_tasks[path], completed=f.done, total=f.total)
 
-    def run() -> None:
-        while not stop.wait(0.2):
-            refresh()
-
     progress.start()
-    t = threading.Thread(target=run, name="modelcache-bars", daemon=True)
-    t.start()
+    loop = Loop("modelcache-bars", refresh, 0.2, at_start=False).start()
     try:
         yield
     finally:
-        stop.set()
-        t.join()
+        loop.stop(timeout=None)
         refresh()
         for tid in file_tasks.values():
             progress.remove_task(tid)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from modelcache.progress import human_bytes
 from modelcache.sources.base import RemoteFile
@@ -69,7 +70,7 @@ def compare_file(stored: ManifestFile, remote: RemoteFile) -> tuple[bool | None,
 def compare(manifest: Manifest, files: Sequence[RemoteFile], revision: str | None) -> Drift:
     """A fresh listing (``files``, pinned to ``revision`` where the source has one) against what
     the store holds."""
-    common = {"storage_key": manifest.storage_key, "uri": manifest.uri,
+    common: dict[str, Any] = {"storage_key": manifest.storage_key, "uri": manifest.uri,
               "stored_revision": manifest.revision, "source_revision": revision}
     if manifest.revision and revision == manifest.revision:
         # An immutable revision (a commit, a digest) that did not move: nothing else can differ.

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import xxhash
 
-from modelcache.sources.base import Checksum
+from modelcache.remote import Checksum
 
 LOCAL_ALGO = "xxh3-128"
 _READ_BLOCK = 8 << 20
@@ -49,8 +49,12 @@ def new_hasher(checksum: Checksum, size: int | None) -> Hasher:
     return _HASHERS[checksum.algo](checksum, size)
 
 
+def _hashlib(name: str) -> HasherFactory:
+    return lambda _c, _s: hashlib.new(name)
+
+
 for _name in ("sha256", "sha1", "md5", "sha512"):
-    register_hasher(_name)(lambda c, s, _n=_name: hashlib.new(_n))
+    register_hasher(_name)(_hashlib(_name))
 
 
 @register_hasher(LOCAL_ALGO)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import functools
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from modelcache import adopt
 from modelcache.archive import ArchiveLimits, single_archive, unpack_archive
+from modelcache.clock import rfc3339
 from modelcache.credentials import Settings
 from modelcache.diskio import fsync_tree
 from modelcache.drift import CURRENT, Drift, compare
@@ -32,7 +34,7 @@ from modelcache.integrity import hash_file
 from modelcache.journal import Journal, JournalState
 from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.sources.base import RemoteFile, Source, open_source
-from modelcache.store import DestLayout, Guard, Manifest, ManifestFile, NodeLayout, NodeStore, now_iso
+from modelcache.store import DestLayout, Guard, Manifest, ManifestFile, NodeLayout, NodeStore
 from modelcache.transfer import FetchedFile, FileJob, TransferEngine, TransferOptions
 from modelcache.uri import Location, parse_uri
 
@@ -229,7 +231,7 @@ def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
         resolved_uri=m.source.resolved_uri if m.source.resolved_revision else m.location.display,
         revision=m.source.resolved_revision,
         files=files,
-        created_at=now_iso(),
+        created_at=rfc3339(),
     )
 
 
@@ -237,7 +239,7 @@ def list_source(source: Source, settings: Settings) -> list[RemoteFile]:
     """The files a pull of ``source`` fetches: its listing, filtered as KServe filters it."""
     location = source.location
     files = source.list_files()
-    if location.kind not in ("http", "oci"):  # KServe applies the patterns to listings, not to HTTP or OCI
+    if source.applies_patterns:
         files = apply_patterns(files, settings)
     if not files:
         raise NotFoundError(f"{location.display}: no files to download (empty, or all filtered out by "
@@ -442,7 +444,7 @@ def _locked(models: Sequence[_Model], progress: ProgressTracker, cancel: threadi
         for m in sorted(models, key=lambda m: str(m.store.layout.lock_path(m.key))):  # one order: no deadlock
             # A pull that waits says for whom (an empty progress line looks like a hang).
             stack.enter_context(m.store.lock(m.key, cancel=cancel,
-                                             on_wait=lambda why, m=m: _waiting(progress, m, why)))
+                                             on_wait=functools.partial(_waiting, progress, m)))
         progress.set_waiting("")
         yield
 
@@ -593,11 +595,11 @@ def pull_many(
                         continue
                     _check_cancel(cancel, m)
                     _list(m, settings)
+                    assert m.source is not None
                     if only is not None and not m.source.extracts_itself:
                         m.listed = _listing(m)
                         m.files = [f for f in m.files if f.path in only]
                     if stored is not None:
-                        assert m.source is not None
                         m.drift = compare(stored, m.files, m.source.resolved_revision)
                         if m.drift.state == CURRENT:
                             m.store.touch(m.key)
@@ -642,7 +644,7 @@ def pull_many(
                     for i, f in enumerate(m.files):
                         if i in m.skip:
                             continue
-                        jobs.append(FileJob(m.source, f, str(data / f.path), m.journal, i, m.key, m.resume))  # type: ignore[arg-type]
+                        jobs.append(FileJob(m.source, f, str(data / f.path), m.journal, i, m.key, m.resume))
                 except BaseException as exc:
                     m.error = exc
             if jobs:
@@ -653,8 +655,8 @@ def pull_many(
                 finally:
                     if watcher is not None:
                         watcher.set()
-                for key, exc in errors.items():
-                    models[key].error = _name_uri(exc, models[key].location.display)
+                for key, failed in errors.items():
+                    models[key].error = _name_uri(failed, models[key].location.display)
                 for key, fetched in results.items():
                     m = models[key]
                     if m.error is None:

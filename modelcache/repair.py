@@ -24,20 +24,15 @@ it pulls the URI and installs nothing unless every file equals the pinned one, s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
-import shutil
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from modelcache.diskio import fsync_dir
 from modelcache.errors import SourceChangedError, StoreError
-from modelcache.integrity import hash_file
 from modelcache.pull import PullPlan, PullResult
-from modelcache.store import DestLayout, Manifest, ManifestFile, NodeLayout, NodeStore
+from modelcache.store import Manifest, NodeStore, file_matches
 
 log = logging.getLogger("modelcache.repair")
 
@@ -54,41 +49,6 @@ class RepairOutcome:
     removed: list[str]
 
 
-def repair_dir(layout: NodeLayout, key: str) -> Path:
-    return layout.meta / "repair" / key
-
-
-def pin_path(layout: NodeLayout, key: str) -> Path:
-    """The damaged model's manifest, kept until the repair is installed: what it must restore."""
-    return layout.meta / "repair" / f"{key}.pinned.json"
-
-
-def pin_damaged(store: NodeStore, key: str) -> Manifest | None:
-    """Take a damaged model's manifest away (it stops being present for every reader of the
-    store) and keep it as the repair's pin. The caller holds the model's store lock."""
-    layout = store.layout
-    assert isinstance(layout, NodeLayout)
-    manifest = store.manifest(key)
-    final = layout.manifest_path(key)
-    if manifest is None:
-        final.unlink(missing_ok=True)
-        return None
-    pin = pin_path(layout, key)
-    pin.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(final, pin)
-    fsync_dir(str(pin.parent))
-    return manifest
-
-
-def pinned_manifest(layout: NodeLayout, key: str) -> Manifest | None:
-    """The manifest a repair in progress restores (kept by ``pin_damaged``), or None."""
-    try:
-        m = Manifest.from_json(pin_path(layout, key).read_text())
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
-    return m if m.storage_key == key else None
-
-
 def _differences(pinned: Manifest, got: Manifest, only: Collection[str] | None = None) -> list[str]:
     want = {f.path: (f.size, f.xxh3) for f in pinned.files}
     have = {f.path: (f.size, f.xxh3) for f in got.files}
@@ -100,7 +60,7 @@ def damaged_files(store: NodeStore, key: str, manifest: Manifest) -> list[str]:
     """The files of the model folder that do not match ``manifest`` (missing, resized, other
     bytes): what a repair fetches. Hashes every file."""
     target = store.layout.model_dir(key)
-    return [f.path for f in manifest.files if not _matches(target / f.path, f)]
+    return [f.path for f in manifest.files if not file_matches(target / f.path, f)]
 
 
 def needs_repair(store: NodeStore, key: str, old_files: Iterable[str] = ()) -> bool:
@@ -111,80 +71,16 @@ def needs_repair(store: NodeStore, key: str, old_files: Iterable[str] = ()) -> b
     A folder that was never ours (KServe's agent filled it) is no repair: the pull adopts it
     (``modelcache.adopt``), keeping every file the source's listing and checksums vouch for.
     """
-    layout = store.layout
-    assert isinstance(layout, NodeLayout)
-    if not layout.model_dir(key).is_dir() or store.is_present(key):
+    if not store.layout.model_dir(key).is_dir() or store.is_present(key):
         return False
-    return bool(list(old_files)) or pin_path(layout, key).exists() or repair_dir(layout, key).exists()
-
-
-def _matches(path: Path, want: ManifestFile) -> bool:
-    try:
-        st = path.lstat()
-    except OSError:
-        return False
-    if not os.path.isfile(path) or os.path.islink(path) or st.st_size != want.size:
-        return False
-    return hash_file(path, size=st.st_size).local_hexdigest() == want.xxh3
-
-
-def install_in_place(store: NodeStore, key: str, staged: Path, manifest: Manifest,
-                     old_files: Iterable[str] = (), only: Collection[str] | None = None) -> tuple[list[str], list[str]]:
-    """Rename the staged files that differ into ``models/<key>``; return (replaced, removed).
-    ``only``: the files that were fetched (the others were found whole and stay untouched).
-
-    The caller holds the model's store lock. The manifest is installed last: until then the
-    model is not present, and a crash part-way leaves a folder that the next repair finishes.
-    """
-    target = store.layout.model_dir(key)
-    target.mkdir(parents=True, exist_ok=True)
-    replaced: list[str] = []
-    touched_dirs: set[Path] = set()
-    for f in manifest.files:
-        if only is not None and f.path not in only:
-            continue
-        dst = target / f.path
-        if _matches(dst, f):
-            continue
-        src = staged / f.path
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if dst.is_dir() and not dst.is_symlink():
-            shutil.rmtree(dst)  # a folder where a file belongs: never a rename target
-        os.replace(src, dst)
-        replaced.append(f.path)
-        touched_dirs.add(dst.parent)
-    wanted = {f.path for f in manifest.files}
-    removed: list[str] = []
-    for rel in sorted(set(old_files) - wanted):  # only files we published before: never a stranger's
-        with contextlib.suppress(FileNotFoundError):
-            (target / rel).unlink()
-            removed.append(rel)
-            touched_dirs.add((target / rel).parent)
-    for d in sorted(touched_dirs):
-        with contextlib.suppress(OSError):
-            fsync_dir(str(d))
-    final = store.layout.manifest_path(key)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.repair")
-    with open(tmp, "w") as out:
-        out.write(manifest.to_json())
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, final)
-    fsync_dir(str(final.parent))
-    # A publish that crashed before its manifest left one pending in staging: it describes the
-    # folder as it was then, not as repaired, and ``recover`` must never find it later.
-    shutil.rmtree(store.layout.staging_dir(key), ignore_errors=True)
-    return replaced, removed
+    return bool(list(old_files)) or store.pinned_manifest(key) is not None or store.repair_underway(key)
 
 
 def repair(store: NodeStore, key: str, pull_into: Pull, old_files: Iterable[str] = ()) -> RepairOutcome:
     """Pull the model's pinned revision into its repair folder, then fix the model in place."""
     layout = store.layout
-    assert isinstance(layout, NodeLayout)
-    staged = repair_dir(layout, key)
-    staged.mkdir(parents=True, exist_ok=True)
-    pinned = pinned_manifest(layout, key)
+    staged = store.repair_download(key)
+    pinned = store.pinned_manifest(key)
     # Sources with revisions listed the one they read in the manifest: pull exactly that.
     at_revision = pinned.resolved_uri if pinned and pinned.revision and pinned.resolved_uri != pinned.uri else None
 
@@ -208,11 +104,9 @@ def repair(store: NodeStore, key: str, pull_into: Pull, old_files: Iterable[str]
                             bytes=pinned.total_size, cached=True, elapsed=0.0)  # type: ignore[union-attr]
     else:
         result = pull_into(staged, at_revision, same_listing, only)
-    manifest_file = DestLayout(staged).manifest_path(result.storage_key)
-    try:
-        manifest = Manifest.from_json(manifest_file.read_text()) if only != [] else pinned
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise StoreError(f"{result.uri}: repair download left no manifest in {staged} ({exc})") from None
+    manifest = store.downloaded_manifest(staged, result.storage_key) if only != [] else pinned
+    if manifest is None:
+        raise StoreError(f"{result.uri}: repair download left no readable manifest in {staged}")
     assert manifest is not None
     fetched = {f.path for f in manifest.files} if only is not None else None
     if pinned is not None:
@@ -220,15 +114,14 @@ def repair(store: NodeStore, key: str, pull_into: Pull, old_files: Iterable[str]
         if only is not None and fetched is not None:
             differ = sorted({*differ, *(set(only) - fetched)})  # a damaged file the source no longer has
         if differ:  # same names and sizes, other bytes: the download is of no use
-            shutil.rmtree(staged, ignore_errors=True)
+            store.drop_repair_download(key)
             raise _moved(pinned, differ)
         manifest = pinned  # every fetched file is the pinned one: the model is the pinned model again
         old_files = {*old_files, *(f.path for f in pinned.files)}
     manifest = dataclasses.replace(manifest, storage_key=key)
     with store.lock(key):  # the node store's lock: no removal or other pull of the model meanwhile
-        replaced, removed = install_in_place(store, key, staged, manifest, old_files, fetched)
-        pin_path(layout, key).unlink(missing_ok=True)
-    shutil.rmtree(staged, ignore_errors=True)
+        replaced, removed = store.install_in_place(key, staged, manifest, old_files, fetched)
+        store.end_repair(key)
     log.info("repaired in place", extra={"fields": {"storage_key": key, "replaced": ",".join(replaced[:20]),
                                                     "replaced_count": len(replaced), "removed": len(removed)}})
     out = dataclasses.replace(result, path=layout.model_dir(key), cached=result.cached and not replaced,

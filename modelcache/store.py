@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import posixpath
 import re
@@ -28,18 +29,17 @@ import shutil
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 from modelcache.diskio import fsync_dir, store_error
 from modelcache.errors import CancelledError, ModelInUseError, StoreError
 from modelcache.integrity import hash_file
 from modelcache.lockscope import check_exclusive
+from modelcache.reserved import META_DIR
 
-#: Our bookkeeping folder, beside ``models/`` in a node root and inside DEST while an init container runs.
-META_DIR = ".modelcache"
+log = logging.getLogger(__name__)
 
 #: 2: the manifest carries ``seal``, a digest of all its other fields (1, unsealed, is still read).
 MANIFEST_VERSION = 2
@@ -135,10 +135,6 @@ def _manifest_file(doc: object) -> ManifestFile:
     return ManifestFile(path=path, size=size, xxh3=xxh3, checksums=checksums, version=version)
 
 
-def now_iso() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 class TargetUnreachableError(StoreError):
     """gc: even evicting every model would not free ``target`` bytes."""
 
@@ -184,6 +180,9 @@ class VerifyProblem:
 
 class Layout(ABC):
     """Where one model's folder, manifest, staging area and lock live."""
+
+    #: The store's bookkeeping folder (``META_DIR``): only this module builds paths in it.
+    meta: Path
 
     @abstractmethod
     def model_dir(self, key: str) -> Path: ...
@@ -235,6 +234,17 @@ class NodeLayout(Layout):
 
     def pieces_path(self, key: str) -> Path:
         return self.meta / "manifests" / f"{key}.pieces.json"
+    def repair_dir(self, key: str) -> Path:
+        """Where an in-place repair downloads the damaged files (same file system, resumable)."""
+        return self.meta / "repair" / key
+
+    def pin_path(self, key: str) -> Path:
+        """The damaged model's manifest, kept until its repair is installed: what it restores."""
+        return self.meta / "repair" / f"{key}.pinned.json"
+
+    def root_lock_path(self) -> Path:
+        """Held by the one agent that manages this root."""
+        return self.meta / "agent.lock"
 
 
 class DestLayout(Layout):
@@ -268,11 +278,90 @@ class DestLayout(Layout):
     def lock_path(self, key: str) -> Path:
         return self.meta / "lock"
 
-    def unpacked_record_path(self, key: str) -> Path:
-        """The initializer's record of what unpacking the model's archive produced."""
-        return self.meta / "unpacked" / f"{key}.json"
     def pieces_path(self, key: str) -> Path:
         return self.meta / "pieces.json"
+
+
+#: A download's piece record (peers), left in its staging folder for ``publish`` to install.
+_STAGED_PIECES = "pieces.json"
+
+
+def stage_piece_record(staging: Path, text: str) -> None:
+    """Leave a download's piece record in its staging folder (durable, renamed into place):
+    ``publish`` installs it next to the manifest, in the same step as the model."""
+    path = staging / _STAGED_PIECES
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise store_error(exc, str(path), "writing the piece record") from exc
+
+
+def file_matches(path: Path, want: ManifestFile) -> bool:
+    """The file at ``path`` is ``want``: a regular file (no link) of its size and xxh3."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    if not os.path.isfile(path) or os.path.islink(path) or st.st_size != want.size:
+        return False
+    return hash_file(path, size=st.st_size).local_hexdigest() == want.xxh3
+
+
+class RootLock:
+    """One agent per node root: ``flock`` on the root's ``agent.lock`` (released by the kernel
+    when the process ends, however it ends). Two agents for one node (a rollout with
+    ``maxSurge``, a force-deleted pod whose container still runs) would both download, delete
+    and report; the second waits politely instead, and takes over when the first exits."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.path = NodeLayout(self.root).root_lock_path()
+        self._fd: int | None = None
+
+    def holder(self) -> str:
+        """What the holding agent wrote into the lock file (its pid), for the log."""
+        try:
+            return self.path.read_text().strip() or "?"
+        except OSError:
+            return "?"
+
+    def acquire(self, stop: threading.Event, poll: float = 1.0) -> bool:
+        """Take the lock, waiting while another agent holds it; False if ``stop`` came first."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise store_error(exc, str(self.path), "locking the root") from exc
+        waiting = False
+        while not stop.is_set():
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not waiting:
+                    waiting = True
+                    log.warning("another agent is running on this root: waiting for it to stop",
+                                extra={"fields": {"root": str(self.root), "holder_pid": self.holder()}})
+                stop.wait(poll)
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            self._fd = fd
+            if waiting:
+                log.info("the other agent stopped: taking over", extra={"fields": {"root": str(self.root)}})
+            return True
+        os.close(fd)
+        return False
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
 
 
 #: ``guard(key, folder)``: raise to refuse replacing or deleting a model folder (the CLI's check
@@ -368,11 +457,6 @@ class NodeStore:
         finally:
             os.close(fd)
 
-    def has(self, key: str) -> bool:
-        """Anything of the model in the store: manifest, folder or staged download. Creates nothing."""
-        layout = self.layout
-        return any(p.exists() for p in (layout.manifest_path(key), layout.model_dir(key), layout.staging_dir(key)))
-
     # ---- reading ----------------------------------------------------------------------
 
     def manifest(self, key: str) -> Manifest | None:
@@ -419,6 +503,38 @@ class NodeStore:
         if models.is_dir():  # a dot folder is never a model (a trash folder left by a crash)
             found |= {p.name for p in models.iterdir() if p.is_dir() and not p.name.startswith(".")}
         return sorted(found)
+
+    def has(self, key: str) -> bool:
+        """Anything of the model in the store: manifest, folder, staged download, repair in
+        progress. Creates nothing."""
+        return any(p.exists() for p in self._paths_of(key))
+
+    def _paths_of(self, key: str) -> list[Path]:
+        layout = self.layout
+        paths = [layout.manifest_path(key), layout.model_dir(key), layout.staging_dir(key)]
+        if isinstance(layout, NodeLayout):
+            paths += [layout.repair_dir(key), layout.pin_path(key)]
+        return paths
+
+    def disk_keys(self) -> set[str]:
+        """Every storage key with something under the root: published, unlisted (a folder
+        without manifest), staged, or under repair (its folder or its pin)."""
+        if not isinstance(self.layout, NodeLayout):
+            raise StoreError("listing needs a node store root")
+        keys = set(self.keys())
+        for folder in (self.layout.meta / "staging", self.layout.meta / "repair"):
+            if folder.is_dir():
+                keys |= {p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")}
+        suffix = self.layout.pin_path("").name  # a repair's pin outlives a crash: its model is on disk too
+        repair = self.layout.meta / "repair"
+        if repair.is_dir():
+            keys |= {p.name.removesuffix(suffix) for p in repair.glob("*" + suffix)}
+        return keys
+
+    def foreign_names(self, key: str) -> list[str]:
+        """What the model folder holds besides the store's own bookkeeping (a DEST keeps it inside)."""
+        folder = self.layout.model_dir(key)
+        return [n for n in os.listdir(folder) if not (isinstance(self.layout, DestLayout) and n == META_DIR)]
 
     def entries(self) -> list[StoreEntry]:
         out = []
@@ -477,7 +593,7 @@ class NodeStore:
         target = self.layout.model_dir(key)
         pending = staging / "manifest.json"
         try:
-            pieces = staging / "pieces.json"
+            pieces = staging / _STAGED_PIECES
             if pieces.exists():
                 self.layout.pieces_path(key).parent.mkdir(parents=True, exist_ok=True)
                 os.replace(pieces, self.layout.pieces_path(key))
@@ -564,7 +680,148 @@ class NodeStore:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
                 removed = True
+            if isinstance(self.layout, NodeLayout):  # an unfinished repair goes with its model
+                if self.layout.repair_dir(key).exists() or self.layout.pin_path(key).exists():
+                    removed = True
+                self.end_repair(key)
         return removed
+
+    # ---- in-place repair ---------------------------------------------------------------
+    # A damaged model is fixed inside its folder (pods keep reading it): its manifest is taken
+    # away and kept as the pin (what the repair restores), the damaged files are downloaded into
+    # ``repair/<key>`` and renamed in, then the manifest goes back. Every step here survives a
+    # crash: the pin and the repair folder say what is left to do (modelcache.repair).
+
+    def _node(self) -> NodeLayout:
+        if not isinstance(self.layout, NodeLayout):
+            raise StoreError("a repair needs a node store root")
+        return self.layout
+
+    def pin_damaged(self, key: str) -> Manifest | None:
+        """Take a damaged model's manifest away (it stops being present for every reader of the
+        store) and keep it as the repair's pin. The caller holds the model's lock."""
+        layout = self._node()
+        manifest = self.manifest(key)
+        final = layout.manifest_path(key)
+        if manifest is None:
+            final.unlink(missing_ok=True)
+            return None
+        pin = layout.pin_path(key)
+        pin.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(final, pin)
+        fsync_dir(str(pin.parent))
+        return manifest
+
+    def pinned_manifest(self, key: str) -> Manifest | None:
+        """The manifest a repair in progress restores (kept by ``pin_damaged``), or None."""
+        try:
+            m = Manifest.from_json(self._node().pin_path(key).read_text())
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+        return m if m.storage_key == key else None
+
+    def repair_download(self, key: str) -> Path:
+        """The folder a repair downloads into (a destination of its own, resumable)."""
+        folder = self._node().repair_dir(key)
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def downloaded_manifest(self, folder: Path, key: str) -> Manifest | None:
+        """The manifest a pull into ``folder`` (a repair download) left there."""
+        return NodeStore(DestLayout(folder)).manifest(key)
+
+    def repair_underway(self, key: str) -> bool:
+        """A repair download was started (a crash may have interrupted it)."""
+        return self._node().repair_dir(key).exists()
+
+    def drop_repair_download(self, key: str) -> None:
+        shutil.rmtree(self._node().repair_dir(key), ignore_errors=True)
+
+    def install_in_place(self, key: str, staged: Path, manifest: Manifest, old_files: Iterable[str] = (),
+                         only: Collection[str] | None = None) -> tuple[list[str], list[str]]:
+        """Rename the staged files that differ into the model folder; return (replaced, removed).
+        ``only``: the files that were fetched (the others were found whole and stay untouched).
+
+        The caller holds the model's lock. The manifest is installed last: until then the model
+        is not present, and a crash part-way leaves a folder that the next repair finishes.
+        """
+        target = self.layout.model_dir(key)
+        target.mkdir(parents=True, exist_ok=True)
+        replaced: list[str] = []
+        touched_dirs: set[Path] = set()
+        for f in manifest.files:
+            if only is not None and f.path not in only:
+                continue
+            dst = target / f.path
+            if file_matches(dst, f):
+                continue
+            src = staged / f.path
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if dst.is_dir() and not dst.is_symlink():
+                shutil.rmtree(dst)  # a folder where a file belongs: never a rename target
+            os.replace(src, dst)
+            replaced.append(f.path)
+            touched_dirs.add(dst.parent)
+        wanted = {f.path for f in manifest.files}
+        removed: list[str] = []
+        for rel in sorted(set(old_files) - wanted):  # only files we published before: never a stranger's
+            with contextlib.suppress(FileNotFoundError):
+                (target / rel).unlink()
+                removed.append(rel)
+                touched_dirs.add((target / rel).parent)
+        for d in sorted(touched_dirs):
+            with contextlib.suppress(OSError):
+                fsync_dir(str(d))
+        final = self.layout.manifest_path(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".{final.name}.repair")
+        with open(tmp, "w") as out:
+            out.write(manifest.to_json())
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, final)
+        fsync_dir(str(final.parent))
+        # A publish that crashed before its manifest left one pending in staging: it describes the
+        # folder as it was then, not as repaired, and ``recover`` must never find it later.
+        shutil.rmtree(self.layout.staging_dir(key), ignore_errors=True)
+        return replaced, removed
+
+    def end_repair(self, key: str) -> None:
+        """The repair is installed (or abandoned with its model): its pin and download go."""
+        layout = self._node()
+        layout.pin_path(key).unlink(missing_ok=True)
+        shutil.rmtree(layout.repair_dir(key), ignore_errors=True)
+
+    # ---- records of other parts (the initializer's) ----------------------------------------
+
+    def write_record(self, kind: str, key: str, text: str) -> None:
+        """Keep ``text`` as the ``kind`` record of a model (``<meta>/<kind>/<key>.json``):
+        written whole, fsynced and renamed into place, so a reader finds the old one or this."""
+        path = self.layout.meta / kind / f"{key}.json"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            with open(tmp, "w") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+            fsync_dir(str(path.parent))
+        except OSError as exc:
+            raise store_error(exc, str(path), f"writing the {kind} record") from exc
+
+    def read_record(self, kind: str, key: str) -> str | None:
+        try:
+            return (self.layout.meta / kind / f"{key}.json").read_text()
+        except OSError:
+            return None
+
+    def clear_bookkeeping(self) -> None:
+        """Remove the store's folder from a DEST whose pair is done: runtimes that take every
+        sub-directory for a model (Triton) must not find it."""
+        if not isinstance(self.layout, DestLayout):
+            raise StoreError("only a destination store is finished by removing its bookkeeping")
+        shutil.rmtree(self.layout.meta, ignore_errors=True)
 
     def _trash_dir(self, target: Path) -> Path:
         """Where a folder goes to be deleted: out of ``models/``, which serving pods and ``ls``

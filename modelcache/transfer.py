@@ -28,8 +28,9 @@ from modelcache.errors import CancelledError, IntegrityError, ModelcacheError, R
 from modelcache.integrity import MultiHasher
 from modelcache.journal import Journal, JournalState
 from modelcache.progress import ProgressTracker, human_bytes
+from modelcache.remote import RangeStream, RemoteFile
 from modelcache.resources import ResourceError
-from modelcache.sources.base import RangeStream, RemoteFile, Source
+from modelcache.sources.base import Source
 from modelcache.transfer_control import SourceStats, StreamLimit, Watchdog, retry_policy
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class TransferEngine:
         self._cancel = threading.Event()
         self._source_stats: dict[int, SourceStats] = {}
         self._busy = 0  # workers holding a request
+        self._source_busy: dict[int, int] = {}  # id(source) -> workers holding a request to it
         self._limit = StreamLimit(self.options.workers, self.options.max_workers or self.options.workers)
         self.peak_streams = self.options.workers
 
@@ -303,11 +305,15 @@ class TransferEngine:
                 best: _FileState | None = None
                 for st in self._states:
                     runnable = st.pending and not st.finished and st.job.group not in self._failed_groups
-                    if runnable and (best is None or st.active < best.active):
+                    # A source's max_streams caps the requests open against it at once.
+                    room = self._source_busy.get(id(st.job.source), 0) < st.job.source.max_streams
+                    if runnable and room and (best is None or st.active < best.active):
                         best = st
                 if best is not None:
                     best.active += 1
                     self._busy += 1
+                    sid = id(best.job.source)
+                    self._source_busy[sid] = self._source_busy.get(sid, 0) + 1
                     first = 0
                     if not best.streamed and best.job.source.picks_chunks:
                         window = [c.start for c in best.pending[:PICK_WINDOW]]
@@ -370,6 +376,7 @@ class TransferEngine:
                 with self._cond:
                     st.active -= 1
                     self._busy -= 1
+                    self._source_busy[id(st.job.source)] -= 1
                     self._cond.notify_all()
 
     def _fail(self, st: _FileState, exc: BaseException) -> None:

@@ -16,7 +16,8 @@ from typing import Any
 from tenacity import RetryCallState, Retrying, retry_if_exception
 
 from modelcache.errors import IntegrityError, ModelcacheError, RateLimitedError
-from modelcache.sources.base import RangeStream
+from modelcache.loop import Loop
+from modelcache.remote import RangeStream
 
 log = logging.getLogger("modelcache.transfer")
 
@@ -52,9 +53,7 @@ class Watchdog:
         self.timeout = timeout
         self._lock = threading.Lock()
         self._streams: dict[int, list[Any]] = {}  # id -> [stream, last_progress, stalled]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="modelcache-watchdog", daemon=True)
-        self._thread.start()
+        self._loop = Loop("modelcache-watchdog", self._check, min(1.0, timeout / 4), at_start=False).start()
 
     def watch(self, stream: RangeStream) -> list[Any]:
         entry = [stream, time.monotonic(), False]
@@ -66,21 +65,19 @@ class Watchdog:
         with self._lock:
             self._streams.pop(id(entry), None)
 
-    def _run(self) -> None:
-        while not self._stop.wait(min(1.0, self.timeout / 4)):
-            now = time.monotonic()
-            with self._lock:
-                stalled = [e for e in self._streams.values() if not e[2] and now - e[1] > self.timeout]
-                for e in stalled:
-                    e[2] = True
+    def _check(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            stalled = [e for e in self._streams.values() if not e[2] and now - e[1] > self.timeout]
             for e in stalled:
-                self._abort(e)
+                e[2] = True
+        for e in stalled:
+            self._abort(e)
 
     @staticmethod
     def _abort(entry: list[Any]) -> None:
-        abort = getattr(entry[0], "abort", None) or entry[0].close
         try:
-            abort()
+            entry[0].abort()
         except Exception:  # the stream is being torn down either way
             pass
 
@@ -92,7 +89,7 @@ class Watchdog:
             self._abort(e)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._loop.stop(timeout=0)  # never waits: a check in flight only aborts streams
 
 
 def retryable(exc: BaseException) -> bool:

@@ -12,7 +12,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Self
 from urllib.parse import SplitResult, unquote, urlsplit
 
 from modelcache.errors import InvalidURIError, UnsupportedError
@@ -45,7 +45,9 @@ def storage_key(uri: str) -> str:
 
 def _invalid(uri: str, why: str) -> InvalidURIError:
     """The one invalid-URI error: the URI redacted, and no secret part of it in ``why`` either."""
-    forms = "; ".join(ACCEPTED_FORMS)
+    from modelcache.backends import external
+
+    forms = "; ".join((*ACCEPTED_FORMS, *(b.form for b in external())))
     why = printable(scrub_parts(why, uri))
     return InvalidURIError(f"invalid storage URI '{redact_uri(uri)}': {why}. Accepted forms: {forms}")
 
@@ -69,10 +71,19 @@ def _authority(uri: str) -> SplitResult:
 
 @dataclass(frozen=True)
 class Location:
-    """A parsed storage URI. ``kind`` selects the source class in the source registry."""
+    """A parsed storage URI. ``kind`` names its line in ``modelcache.backends``."""
 
     uri: str = field(repr=False)  # raw: may hold userinfo, a SAS query, a token (``display`` is safe)
-    kind: ClassVar[str] = ""
+    #: Where credentials written into a URI of this form belong instead (the invalid-URI error
+    #: names it); a backend with its own module sets it there.
+    credentials_hint: ClassVar[str] = ""
+
+    @property
+    def kind(self) -> str:
+        """The backend's name in ``modelcache.backends`` (the one place it is spelled)."""
+        from modelcache.backends import kind_of
+
+        return kind_of(type(self))
 
     @property
     def storage_key(self) -> str:
@@ -119,30 +130,30 @@ def _split_bucket(uri: str, scheme: str) -> tuple[str, str]:
     return bucket, prefix
 
 
-@register_location(lambda u: u.startswith("s3://"))
 @dataclass(frozen=True)
-class S3Location(Location):
+class _BucketLocation(Location):
+    """``<scheme>://bucket[/prefix]``: a bucket and a key prefix, as S3 and GCS write them."""
+
+    scheme: ClassVar[str]
     bucket: str = ""
     prefix: str = ""
-    kind: ClassVar[str] = "s3"
 
     @classmethod
-    def parse(cls, uri: str) -> S3Location:
-        bucket, prefix = _split_bucket(uri, "s3")
+    def parse(cls, uri: str) -> Self:
+        bucket, prefix = _split_bucket(uri, cls.scheme)
         return cls(uri=uri, bucket=bucket, prefix=prefix)
+
+
+@register_location(lambda u: u.startswith("s3://"))
+@dataclass(frozen=True)
+class S3Location(_BucketLocation):
+    scheme = "s3"
 
 
 @register_location(lambda u: u.startswith("gs://"))
 @dataclass(frozen=True)
-class GCSLocation(Location):
-    bucket: str = ""
-    prefix: str = ""
-    kind: ClassVar[str] = "gcs"
-
-    @classmethod
-    def parse(cls, uri: str) -> GCSLocation:
-        bucket, prefix = _split_bucket(uri, "gs")
-        return cls(uri=uri, bucket=bucket, prefix=prefix)
+class GCSLocation(_BucketLocation):
+    scheme = "gs"
 
 
 _AZURE_BLOB = re.compile(r"^https://([^./]+)\.blob\.core\.windows\.net/|^https://([^./]+)\.z[0-9]{1,2}\.blob\.storage\.azure\.net/")
@@ -152,7 +163,6 @@ _AZURE_FILE = re.compile(r"^https://([^./]+)\.file\.core\.windows\.net/|^https:/
 @register_location(lambda u: bool(_AZURE_FILE.match(u)))
 @dataclass(frozen=True)
 class AzureFileLocation(Location):
-    kind: ClassVar[str] = "azure-file"
 
     @classmethod
     def parse(cls, uri: str) -> AzureFileLocation:
@@ -170,7 +180,6 @@ class AzureBlobLocation(Location):
     container: str = ""
     prefix: str = ""
     sas: str = ""
-    kind: ClassVar[str] = "azure"
 
     @classmethod
     def parse(cls, uri: str) -> AzureBlobLocation:
@@ -200,7 +209,6 @@ class HFLocation(Location):
     repo_id: str = ""
     revision: str | None = None
     subfolder: str = ""
-    kind: ClassVar[str] = "hf"
 
     @classmethod
     def parse(cls, uri: str) -> HFLocation:
@@ -234,7 +242,6 @@ class OCILocation(Location):
     tag: str | None = None
     digest: str | None = None
     mode: str = ""  # "", "fetch", "modelcar" or "native" (from oci+<mode>://)
-    kind: ClassVar[str] = "oci"
 
     @property
     def reference(self) -> str:
@@ -270,7 +277,6 @@ class HDFSLocation(Location):
     scheme: str = "hdfs"
     namenode: str = ""  # host[:port] from the URI; empty means "from HDFS_NAMENODE"
     path: str = ""
-    kind: ClassVar[str] = "hdfs"
 
     @classmethod
     def parse(cls, uri: str) -> HDFSLocation:
@@ -287,7 +293,6 @@ class HDFSLocation(Location):
 class PVCLocation(Location):
     claim: str = ""
     path: str = ""
-    kind: ClassVar[str] = "pvc"
 
     @classmethod
     def parse(cls, uri: str) -> PVCLocation:
@@ -303,7 +308,6 @@ class PVCLocation(Location):
 @dataclass(frozen=True)
 class LocalLocation(Location):
     path: str = ""
-    kind: ClassVar[str] = "local"
 
     @classmethod
     def parse(cls, uri: str) -> LocalLocation:
@@ -332,7 +336,6 @@ class HTTPLocation(Location):
     #: (user, password) of ``http(s)://user:password@host/...``: sent as HTTP basic auth, as
     #: KServe's initializer (requests) does; never printed (``display`` redacts it).
     basic_auth: tuple[str, str] | None = field(default=None, repr=False)
-    kind: ClassVar[str] = "http"
 
     @classmethod
     def parse(cls, uri: str) -> HTTPLocation:
@@ -396,7 +399,32 @@ def _credentials_hint(scheme: str) -> str:
         "https": "Azure Blob URIs take a SAS query or the AZURE_* variables",
         "hdfs": "use the HDFS secret (HDFS_SECRET_DIR)",
         "webhdfs": "use the HDFS secret (HDFS_SECRET_DIR)",
-    }.get(scheme.lower(), "use the credentials of the storage secret or environment")
+    }.get(scheme.lower()) or _external_hint(scheme) or "use the credentials of the storage secret or environment"
+
+
+def _external_hint(scheme: str) -> str:
+    """The hint of a backend whose Location lives in its own module (its ``credentials_hint``)."""
+    from modelcache.backends import external, load
+
+    for backend in external():
+        if f"{scheme.lower()}://" in backend.prefixes:
+            return str(load(backend.location).credentials_hint)
+    return ""
+
+
+def _parse(parse: Callable[[str], Location], uri: str) -> Location:
+    try:
+        return parse(uri)
+    except InvalidURIError:
+        if not secret_parts(uri):
+            raise
+    # The reason was worded from the raw text, which has a query or fragment (a
+    # signature, a token) that may be quoted in part: word it again from the redacted URI.
+    try:
+        parse(redact_uri(uri))
+    except InvalidURIError as exc:
+        raise InvalidURIError(str(exc)) from None
+    raise _invalid(uri, "its query or fragment part is not valid here")
 
 
 def parse_uri(uri: str) -> Location:
@@ -411,18 +439,12 @@ def parse_uri(uri: str) -> Location:
     _check_generic(uri)
     for matches, parse in _LOCATION_PARSERS:
         if matches(uri):
-            try:
-                return parse(uri)
-            except InvalidURIError:
-                if not secret_parts(uri):
-                    raise
-            # The reason was worded from the raw text, which has a query or fragment (a
-            # signature, a token) that may be quoted in part: word it again from the redacted URI.
-            try:
-                parse(redact_uri(uri))
-            except InvalidURIError as exc:
-                raise InvalidURIError(str(exc)) from None
-            raise _invalid(uri, "its query or fragment part is not valid here")
+            return _parse(parse, uri)
+    from modelcache.backends import external, load
+
+    for backend in external():
+        if uri.startswith(backend.prefixes):
+            return _parse(load(backend.location).parse, uri)
     scheme = uri.split("://", 1)[0] if "://" in uri else None
     if scheme:
         raise _invalid(uri, f"unknown scheme '{scheme}://'")

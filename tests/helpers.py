@@ -104,6 +104,21 @@ def fill_up(path: Path) -> Path:
     return path
 
 
+def self_trusting_pair(folder: Path, *hosts: str) -> tuple[Path, Path]:
+    """A server certificate for ``hosts`` from a throwaway trustme CA: (chain, key). The chain
+    file holds the leaf and the CA, so a server serves it whole and a client may take the same
+    file as its CA bundle."""
+    import trustme
+
+    folder.mkdir(parents=True, exist_ok=True)
+    ca = trustme.CA(organization_name="modelcache test CA")
+    leaf = ca.issue_cert(*hosts)
+    chain, key = folder / "tls.crt", folder / "tls.key"
+    chain.write_bytes(b"".join(p.bytes() for p in leaf.cert_chain_pems) + ca.cert_pem.bytes())
+    leaf.private_key_pem.write_to_path(str(key))
+    return chain, key
+
+
 def load_script(relpath: str, name: str) -> ModuleType:
     """A script of the repo that is not in a package (bench/, image/) as a module."""
     spec = importlib.util.spec_from_file_location(name, REPO / relpath)

@@ -2,14 +2,13 @@
 
 ``GET /token?service=&scope=repository:<name>:pull[,push]`` with Basic credentials answers
 ``{"token": <JWT>}``: an RS256 JWT whose ``x5c`` header carries a self-signed certificate that
-the registry trusts (``auth.token.rootcertbundle``) and whose ``access`` claim grants the asked
+the registry trusts (a trustme CA) (``auth.token.rootcertbundle``) and whose ``access`` claim grants the asked
 actions to a known user, nothing to anyone else (the registry then answers 401).
 """
 
 from __future__ import annotations
 
 import base64
-import datetime as dt
 import json
 import threading
 import time
@@ -19,10 +18,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
+import trustme
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
-from cryptography.x509.oid import NameOID
 
 SERVICE = "modelcache-test-registry"
 ISSUER = "modelcache-test-issuer"
@@ -39,22 +38,15 @@ class TokenServer:
     requests: list[dict[str, str]] = field(default_factory=list)
 
     def start(self, folder: Path) -> TokenServer:
-        self._key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "token-signer")])
-        now = dt.datetime.now(dt.UTC)
-        self._cert = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(name)
-            .public_key(self._key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(days=1))
-            .not_valid_after(now + dt.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(self._key, hashes.SHA256())
-        )
+        # The signer is a trustme CA (RSA: the JWT is RS256); its own certificate is both the
+        # registry's trusted bundle and the token's x5c chain.
+        ca = trustme.CA(organization_name="token-signer", key_type=trustme.KeyType.RSA)
+        key = serialization.load_pem_private_key(ca.private_key_pem.bytes(), password=None)
+        assert isinstance(key, rsa.RSAPrivateKey)
+        self._key = key
+        self._cert = x509.load_pem_x509_certificate(ca.cert_pem.bytes())
         self.cert_path = folder / "token-cert.pem"
-        self.cert_path.write_bytes(self._cert.public_bytes(serialization.Encoding.PEM))
+        ca.cert_pem.write_to_path(str(self.cert_path))
         self._http = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._http.daemon_threads = True
         threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()

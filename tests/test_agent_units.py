@@ -136,7 +136,6 @@ def test_log_lines_are_structured() -> None:
 
 def test_install_in_place_renames_only_differing_files_and_drops_stale_ones(tmp_path: Path) -> None:
     from modelcache.integrity import hash_file
-    from modelcache.repair import install_in_place
     from modelcache.store import Manifest, ManifestFile, NodeStore
 
     def mf(base: Path, rel: str) -> ManifestFile:
@@ -159,7 +158,7 @@ def test_install_in_place_renames_only_differing_files_and_drops_stale_ones(tmp_
     manifest = Manifest(key, "file:///m", "file:///m", None, [mf(staged, p) for p in ("a.bin", "d/b.bin", "e.bin")],
                         "2026-01-01T00:00:00Z")
     inodes = (folder.stat().st_ino, (folder / "d").stat().st_ino, (folder / "a.bin").stat().st_ino)
-    replaced, removed = install_in_place(store, key, staged, manifest, ["a.bin", "d/b.bin", "c.bin"])
+    replaced, removed = store.install_in_place(key, staged, manifest, ["a.bin", "d/b.bin", "c.bin"])
     assert replaced == ["d/b.bin", "e.bin"] and removed == ["c.bin"]
     assert (folder.stat().st_ino, (folder / "d").stat().st_ino, (folder / "a.bin").stat().st_ino) == inodes
     assert (folder / "d" / "b.bin").read_bytes() == b"new-b" and (folder / "e.bin").read_bytes() == b"added"

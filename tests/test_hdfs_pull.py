@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from modelcache.uri import storage_key
-from tests.helpers import REPO, wait_until
-from tests.pull_helpers import error_line, journaled_bytes, model_files, pull_cmd
+from tests.contract import NetworkContract, NetworkTarget, first_match, nth_match
+from tests.helpers import REPO
+from tests.pull_helpers import error_line, model_files, pull_cmd
 from tests.webhdfs import WebHDFSServer
+from tests.webhdfs.server import Request
 
 BIG = os.urandom(1_300_000)  # two HDFS blocks (1 MiB in the test server), ~20 chunks at 64K
 FILES = {
@@ -107,36 +109,6 @@ def test_error_messages(hdfs: WebHDFSServer, tmp_path: Path) -> None:
     )
 
 
-def test_resume_after_kill_9(hdfs: WebHDFSServer, tmp_path: Path) -> None:
-    big = os.urandom(4 << 20)
-    hdfs.put("/models/big/model.bin", big)
-    hdfs.throttle_bps = 600_000  # per stream; two workers
-    uri = "hdfs://models/big"
-    proc = subprocess.Popen(
-        pull_cmd(uri, tmp_path / "root", "--chunk-size", "128K", "--workers", "2"),
-        env=_env(hdfs, tmp_path),
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        # Wait on what the client journaled, not on what the server sent: on a loaded machine
-        # loopback socket buffers can hold megabytes that never reached the disk.
-        root = tmp_path / "root"
-        wait_until(lambda: journaled_bytes(root, uri) > (3 << 19), timeout=60, what="1.5 MiB journaled")
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    assert not (tmp_path / "root/models" / storage_key(uri)).exists()
-    hdfs.throttle_bps = None
-    before = hdfs.bytes_sent
-    done = _pull(hdfs, tmp_path, uri, "--chunk-size", "128K")
-    assert done.returncode == 0, done.stderr
-    assert _model(tmp_path, uri)["model.bin"] == big
-    resent = hdfs.bytes_sent - before
-    assert resent < len(big) - (768 << 10), f"resumed pull re-fetched {resent} of {len(big)} bytes"
-
-
 def test_rate_limited_reads_and_listing_are_retried(hdfs: WebHDFSServer, tmp_path: Path) -> None:
     """429s with Retry-After from a gateway, on the listing and on chunk reads: the pull waits and completes."""
     hdfs.fail(429, retry_after=1, count=1, when=lambda r: r.op == "LISTSTATUS")
@@ -147,3 +119,71 @@ def test_rate_limited_reads_and_listing_are_retried(hdfs: WebHDFSServer, tmp_pat
     assert _model(tmp_path, uri) == FILES
     opens = [r for r in hdfs.ops("datanode") if r.op == "OPEN"]
     assert len(opens) >= 3 + 3  # every file read, plus the three refused attempts
+
+
+# ---- the backend contract (tests/contract.py; its resume after kill -9 replaced this module's) ----
+
+
+class _WebHDFSTarget(NetworkTarget):
+    """The WebHDFS test server (NameNode and DataNode): faults are its own, on the DataNode's reads."""
+
+    def __init__(self, server: WebHDFSServer, tmp: Path) -> None:
+        self.server = server
+        self.tmp = tmp
+        self.n = 0
+
+    def model(self, files: dict[str, bytes]) -> str:
+        self.n += 1
+        for rel, data in files.items():
+            self.server.put(f"/contract/m{self.n}/{rel}", data)
+        return f"hdfs://contract/m{self.n}"
+
+    def missing(self) -> str:
+        return "hdfs://contract/nothing-here"
+
+    def env(self) -> dict[str, str]:
+        folder = self.tmp / "hdfscreds"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "HDFS_NAMENODE").write_text(self.server.url)
+        return {"HDFS_SECRET_DIR": str(folder)}
+
+    def _path(self, uri: str, path: str) -> str:
+        return f"/{uri.removeprefix('hdfs://')}/{path}"
+
+    def replace(self, uri: str, path: str, data: bytes) -> None:
+        self.server.put(self._path(uri, path), data)
+
+    def _reads(self, uri: str, path: str) -> Callable[[Request], bool]:
+        return lambda r: r.node == "datanode" and r.op == "OPEN" and r.path.endswith(self._path(uri, path))
+
+    def on_read(self, uri: str, path: str, nth: int, action: Callable[[], None]) -> None:
+        seen = nth_match(self._reads(uri, path), nth)
+
+        def when(r: Request) -> bool:  # never answers: only watches
+            if seen(r):
+                action()
+            return False
+
+        self.server.fail(200, count=1, when=when)
+
+    def fail_read(self, uri: str, path: str, status: int, retry_after: int) -> Callable[[], int]:
+        when, hits = first_match(self._reads(uri, path))
+        self.server.fail(status, count=1, retry_after=retry_after, when=when)
+        return hits
+
+    def flip_read(self, uri: str, path: str) -> Callable[[], int]:
+        self.server.corrupt_reads[self._path(uri, path)] = 0
+        self.server.corrupt_once.add(self._path(uri, path))
+        return lambda: self.server.flipped
+
+    def throttle(self, bytes_per_s: int | None) -> None:
+        self.server.throttle_bps = bytes_per_s
+
+    def sent(self) -> int:
+        return self.server.bytes_sent
+
+
+class TestWebHDFSContract(NetworkContract):
+    @pytest.fixture
+    def target(self, webhdfs: WebHDFSServer, tmp_path: Path) -> _WebHDFSTarget:
+        return _WebHDFSTarget(webhdfs, tmp_path)

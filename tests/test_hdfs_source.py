@@ -136,39 +136,16 @@ def test_hdfs_checksum_matches_the_datanodes(webhdfs: WebHDFSServer, tmp_path: P
 
 
 def _client_cert(folder: Path) -> tuple[Path, Path, Path]:
-    """A client CA and a client certificate (EKU clientAuth) signed by it: (ca, cert, key)."""
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    """A client CA and a certificate signed by it (trustme; EKU clientAuth among others): (ca, cert, key)."""
+    import trustme
 
     folder.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.UTC)
-    window = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1))
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "webhdfs client CA")])
-    ca = (
-        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(window[0]).not_valid_after(window[1])
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    cert = (
-        x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "svc")]))
-        .issuer_name(ca_name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(window[0]).not_valid_after(window[1])
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
+    ca = trustme.CA(organization_name="webhdfs client CA")
+    client = ca.issue_cert("svc")
     paths = (folder / "client-ca.pem", folder / "client.pem", folder / "client.key")
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
+    ca.cert_pem.write_to_path(str(paths[0]))
+    client.cert_chain_pems[0].write_to_path(str(paths[1]))
+    client.private_key_pem.write_to_path(str(paths[2]))
     return paths
 
 

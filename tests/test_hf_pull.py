@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from modelcache.uri import storage_key
-from tests.helpers import REPO, wait_until
+from tests.contract import NetworkContract, NetworkTarget, first_match, nth_match
+from tests.helpers import REPO
 from tests.hfhub import HubServer, Request
-from tests.pull_helpers import error_line, journaled_bytes, manifest_of, model_files, pull_cmd
+from tests.pull_helpers import error_line, manifest_of, model_files, pull_cmd
 
 TOKEN = "hf_alice_token"
 BIG = os.urandom(600 * 1024 + 17)  # LFS; ~10 chunks at --chunk-size 64K
@@ -181,34 +182,6 @@ def test_rate_limited_chunks_are_retried_after_retry_after(hub: HubServer, tmp_p
     assert len(gets) >= 2 and times[-1] - times[-2] >= 1.9
 
 
-def test_resume_after_kill_9(hub: HubServer, tmp_path: Path) -> None:
-    big = os.urandom(3 << 20)
-    hub.repos["org/tiny"].commit({"model.safetensors": big})
-    hub.throttle_bps = 1.5 * (1 << 20)
-    uri = "hf://org/tiny"
-    proc = subprocess.Popen(
-        pull_cmd(uri, tmp_path / "root", "--chunk-size", "256K", "--workers", "2"),
-        env=_env(hub, tmp_path),
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        root = tmp_path / "root"
-        wait_until(lambda: journaled_bytes(root, uri) > (3 << 18), timeout=60, what="768 KiB journaled")
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    assert not (tmp_path / "root" / "models" / storage_key(uri)).exists()
-    hub.throttle_bps = None
-    sent_before = hub.body_bytes_sent
-    done = _pull(hub, tmp_path, uri, "--chunk-size", "256K")
-    assert done.returncode == 0, done.stderr
-    assert _model(tmp_path, uri)["model.safetensors"] == big
-    resent = hub.body_bytes_sent - sent_before
-    assert resent < len(big) - (512 << 10), f"resumed pull re-fetched {resent} of {len(big)} bytes"
-
-
 def test_storage_initializer_hf_into_dest(hub: HubServer, tmp_path: Path) -> None:
     """KServe's init container contract: `storage-initializer hf://owner/model:rev DEST` with HF_TOKEN."""
     from tests.initializer_util import run_initializer
@@ -227,3 +200,58 @@ def test_storage_initializer_hf_into_dest(hub: HubServer, tmp_path: Path) -> Non
     got = {p.relative_to(dest).as_posix(): p.read_bytes() for p in dest.rglob("*") if p.is_file()}
     assert {k: v for k, v in got.items() if not k.startswith(".")} == FILES
     assert TOKEN not in run.output
+
+
+# ---- the backend contract (tests/contract.py; its resume after kill -9 replaced this module's) ----
+
+
+class _HubTarget(NetworkTarget):
+    """The test Hub: one repository per model; a new commit is a new version of a file (the pull
+    is pinned to the commit it listed). Faults are the Hub's own (reads go to two listeners)."""
+
+    def __init__(self, hub: HubServer) -> None:
+        self.hub = hub
+        self.n = 0
+
+    def model(self, files: dict[str, bytes]) -> str:
+        self.n += 1
+        self.hub.create_repo(f"org/m{self.n}").commit(files, message="init")
+        return f"hf://org/m{self.n}"
+
+    def missing(self) -> str:
+        return "hf://org/nothing-here"
+
+    def env(self) -> dict[str, str]:
+        return {"HF_ENDPOINT": self.hub.url, "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+    def replace(self, uri: str, path: str, data: bytes) -> None:
+        self.hub.repos[uri.removeprefix("hf://")].commit({path: data}, message="replace")
+
+    def _reads(self, uri: str, path: str) -> Callable[[Request], bool]:
+        sha = self.hub.repos[uri.removeprefix("hf://")].file("main", path).sha256
+        return lambda r: r.method == "GET" and (r.path.endswith(f"/{path}") or r.path == f"/lfs/{sha}")
+
+    def on_read(self, uri: str, path: str, nth: int, action: Callable[[], None]) -> None:
+        self.hub.on_request(lambda r: action(), when=nth_match(self._reads(uri, path), nth))
+
+    def fail_read(self, uri: str, path: str, status: int, retry_after: int) -> Callable[[], int]:
+        when, hits = first_match(self._reads(uri, path))
+        self.hub.fail(status, retry_after=retry_after, when=when)
+        return hits
+
+    def flip_read(self, uri: str, path: str) -> Callable[[], int]:
+        sha = self.hub.repos[uri.removeprefix("hf://")].file("main", path).sha256
+        self.hub.flip_next[sha] = 1
+        return lambda: self.hub.flipped
+
+    def throttle(self, bytes_per_s: int | None) -> None:
+        self.hub.throttle_bps = bytes_per_s
+
+    def sent(self) -> int:
+        return self.hub.body_bytes_sent
+
+
+class TestHubContract(NetworkContract):
+    @pytest.fixture
+    def target(self, hf_hub: HubServer) -> _HubTarget:
+        return _HubTarget(hf_hub)

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 
 import pytest
+import urllib3
 
 from modelcache.credentials import Settings
 from modelcache.errors import (
@@ -311,21 +312,19 @@ def test_retry_after_http_date() -> None:
 
 @pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
 def test_custom_ca_and_verify_off_beat_requests_ca_bundle(nginx, tls_material, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The Hub session trusts MODELCACHE_CA_BUNDLE (or skips verification) even when the
-    process has REQUESTS_CA_BUNDLE set, which requests would otherwise let win over Session.verify."""
-    import requests
-
+    """The Hub's reads trust MODELCACHE_CA_BUNDLE (or skip verification) even when the process
+    has REQUESTS_CA_BUNDLE set, which requests would otherwise let win over Session.verify."""
     monkeypatch.setenv("REQUESTS_CA_BUNDLE", "/etc/ssl/certs/ca-certificates.crt")
     url = nginx.https_url + "/"
 
     def get(**env: str) -> int:
         src = open_source("hf://org/tiny", Settings.from_env({"HF_ENDPOINT": nginx.https_url, **env}))
         try:
-            return src.session().get(url, timeout=10).status_code  # type: ignore[attr-defined]
+            return int(src.pool.request("GET", url).status)  # type: ignore[attr-defined]
         finally:
             src.close()
 
     assert get(MODELCACHE_CA_BUNDLE=str(tls_material.ca_path)) > 0
     assert get(MODELCACHE_HTTP_VERIFY_SSL="false") > 0
-    with pytest.raises(requests.exceptions.SSLError):
+    with pytest.raises(urllib3.exceptions.SSLError):
         get()

@@ -15,7 +15,7 @@ from types import ModuleType
 import pytest
 
 from tests.fixtures.image import Image
-from tests.helpers import load_script
+from tests.helpers import load_script, self_trusting_pair
 
 #: Over the base, measured 178 MB (README.md, "Image"); each cut in image/prune-venv.sh is >= 27 MB,
 #: so losing any of them fails here.
@@ -82,9 +82,7 @@ def findings(layer_tars: Iterable[Path], ca_samples: list[bytes]) -> list[str]:
 
 def test_the_secret_scan_finds_what_it_looks_for(tmp_path: Path) -> None:
     """The scan below on a layer with one of each planted: it must report all of them."""
-    from coordinator.certs import generate_self_signed
-
-    crt, key = generate_self_signed(tmp_path / "pair", ["planted"])
+    crt, key = self_trusting_pair(tmp_path / "pair", "planted")
     files = {"opt/venv/lib/site/keys.py": b"X = '''" + key.read_bytes() + b"'''",
              "opt/venv/share/bundle.pem": crt.read_bytes(),
              "etc/ssl/certs/ca-certificates.crt": b"x",

@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.certs import generate_self_signed
 from modelcache.kube import client as kube_client
 from modelcache.kube.client import NAMESPACES, Kube, KubeConfigError, in_cluster_api_client, in_cluster_namespace
-from tests.helpers import REPO
+from tests.helpers import REPO, self_trusting_pair
 
 
 @dataclass
@@ -36,7 +35,7 @@ class FakeAPIServer:
 
 @pytest.fixture
 def apiserver(tmp_path: Path) -> Iterator[FakeAPIServer]:
-    cert, key = generate_self_signed(tmp_path / "server", ["localhost", "127.0.0.1"])
+    cert, key = self_trusting_pair(tmp_path / "server", "localhost", "127.0.0.1")
     state = FakeAPIServer(0, cert)
 
     class Handler(BaseHTTPRequestHandler):
@@ -116,7 +115,7 @@ def test_rotated_token_is_read_again(apiserver: FakeAPIServer, tmp_path: Path) -
 
 def test_an_untrusted_server_is_refused(apiserver: FakeAPIServer, tmp_path: Path) -> None:
     apiserver.token = "t"
-    other_ca, _ = generate_self_signed(tmp_path / "other", ["127.0.0.1"])
+    other_ca, _ = self_trusting_pair(tmp_path / "other", "127.0.0.1")
     sa = mount_service_account(tmp_path / "sa", "t", other_ca)
     kube = Kube(in_cluster_api_client(sa, pod_env(apiserver.port)))
     with pytest.raises(Exception, match="CERTIFICATE_VERIFY_FAILED"):

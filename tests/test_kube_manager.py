@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from modelcache.clock import rfc3339
 from modelcache.kube.client import (
     EVENTS,
     LEASES,
@@ -23,7 +24,7 @@ from modelcache.kube.client import (
 from modelcache.kube.controller import Controller, Manager, Result
 from modelcache.kube.events import WARNING, EventRecorder
 from modelcache.kube.informer import Informer
-from modelcache.kube.leader import LeaderElector, micro_time
+from modelcache.kube.leader import LeaderElector
 from modelcache.kube.types import LocalModelNamespaceCache
 from tests.fixtures.cluster import Cluster
 from tests.helpers import REPO, wait_until
@@ -87,7 +88,7 @@ def test_lost_leadership_ends_run_with_false(kube: Kube) -> None:
     assert elector.wait_for_leadership(5)
     # Someone else holds the lease now (e.g. after a partition): x cannot renew and must step down.
     lease = kube.get(LEASES, "mgr", "sys2")
-    lease["spec"].update(holderIdentity="y", renewTime=micro_time(), leaseDurationSeconds=30)
+    lease["spec"].update(holderIdentity="y", renewTime=rfc3339(digits=6), leaseDurationSeconds=30)
     kube.replace(LEASES, lease, "sys2")
     t.join(10)
     assert out == [False] and stop.is_set()

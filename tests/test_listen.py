@@ -7,9 +7,8 @@ import socket
 import urllib.request
 
 from agent.config import AgentConfig
-from agent.health import HealthServer as AgentHealth
 from coordinator.app import Config
-from coordinator.httpserve import HealthServer
+from modelcache.health import HealthServer
 from modelcache.listen import http_server
 from tests.helpers import free_port, require
 
@@ -31,15 +30,12 @@ def ipv6() -> bool:
 def test_default_binds_answer_on_ipv4_and_ipv6() -> None:
     require(ipv6(), "an IPv6 loopback address (::1)")
     assert AgentConfig(node="n").host == Config().host == Config().webhook_host == "::"
-    agent = AgentHealth(AgentConfig(node="n").host, 0, lambda: True, lambda: True, lambda: b"").start()
-    coordinator = HealthServer(Config().host, free_port(), lambda: True).start()
+    server = HealthServer(Config().host, free_port(), lambda: True, lambda: True, lambda: b"").start()
     try:
-        for port in (agent.port, coordinator.port):
-            assert get(f"http://127.0.0.1:{port}/healthz") == 200
-            assert get(f"http://[::1]:{port}/healthz") == 200
+        assert get(f"http://127.0.0.1:{server.port}/healthz") == 200
+        assert get(f"http://[::1]:{server.port}/healthz") == 200
     finally:
-        agent.stop()
-        coordinator.stop()
+        server.stop()
 
 
 def test_an_ipv4_address_binds_ipv4_only() -> None:
@@ -50,3 +46,30 @@ def test_an_ipv4_address_binds_ipv4_only() -> None:
         assert server.socket.family == socket.AF_INET
     finally:
         server.server_close()
+
+
+def test_health_server_answers_from_its_callables() -> None:
+    """The one health server (agent and coordinator): 503 while unhealthy or not ready, the
+    registry's text on /metrics, 404 elsewhere."""
+    import urllib.error
+
+    state = {"healthy": False, "ready": False}
+    server = HealthServer("127.0.0.1", 0, lambda: state["healthy"], lambda: state["ready"],
+                          lambda: b"modelcache_up 1\n").start()
+    base = f"http://127.0.0.1:{server.port}"
+
+    def code(path: str) -> int:
+        try:
+            return get(base + path)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    try:
+        assert (code("/healthz"), code("/readyz"), code("/nothing")) == (503, 503, 404)
+        state.update(healthy=True, ready=True)
+        assert (code("/healthz"), code("/readyz?verbose")) == (200, 200)
+        with urllib.request.urlopen(base + "/metrics", timeout=5) as resp:
+            assert resp.read() == b"modelcache_up 1\n"
+            assert resp.headers["Content-Type"].startswith("text/plain")
+    finally:
+        server.stop()

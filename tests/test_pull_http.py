@@ -7,6 +7,7 @@ import hashlib
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,13 @@ import pytest
 from modelcache.credentials import Settings
 from modelcache.errors import AuthError, IntegrityError, NotFoundError, SourceError
 from modelcache.pull import pull, pull_many
+from modelcache.remote import RemoteFile
 from modelcache.store import NodeStore
 from modelcache.transfer import TransferOptions
 from modelcache.uri import storage_key
+from tests.contract import BackendContract, NetworkContract, ProxyTarget, Target
+from tests.faultproxy import FaultProxy
+from tests.fixtures.http import NginxServer
 
 CHUNK = 64 * 1024
 OPTS = TransferOptions(workers=4, chunk_size=CHUNK, backoff_initial=0.01)
@@ -186,6 +191,94 @@ def test_cli_unreachable_host(tmp_path):
     ]
 
 
+# ---- the backend contract (tests/contract.py) -----------------------------------------------
+
+
+class _HTTPTarget(ProxyTarget):
+    """nginx behind a FaultProxy; a URI names one file, pinned by its sha256 (nginx sends no digest)."""
+
+    single_file = True
+
+    def __init__(self, nginx: NginxServer, proxy: FaultProxy) -> None:
+        super().__init__(proxy)
+        self.nginx = nginx
+        self.n = 0
+
+    def model(self, files: dict[str, bytes]) -> str:
+        ((name, data),) = files.items()
+        self.n += 1
+        path = self.nginx.docroot / f"m{self.n}" / name
+        path.parent.mkdir(parents=True)
+        path.write_bytes(data)
+        return self.proxy.url(f"m{self.n}/{name}") + f"#sha256={hashlib.sha256(data).hexdigest()}"
+
+    def missing(self) -> str:
+        return self.proxy.url("nothing/here.bin")
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def replace(self, uri: str, path: str, data: bytes) -> None:
+        rel = uri.split("#", 1)[0].split(f":{self.proxy.port}/", 1)[1]
+        (self.nginx.docroot / rel).write_bytes(data)
+
+    def data_path(self, uri: str, path: str) -> str:
+        return "/" + uri.split("#", 1)[0].split(f":{self.proxy.port}/", 1)[1]
+
+
+class TestHTTPContract(NetworkContract):
+    @pytest.fixture
+    def target(self, nginx: NginxServer, fault_proxy: FaultProxy) -> _HTTPTarget:
+        return _HTTPTarget(nginx, fault_proxy)
+
+
+class _LocalTarget(Target):
+    """Local files: no network, no checksums (each file is stat'ed again once copied)."""
+
+    checksums = False
+
+    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.root = root
+        self.n = 0
+        self.monkeypatch = monkeypatch
+
+    def model(self, files: dict[str, bytes]) -> str:
+        self.n += 1
+        for rel, data in files.items():
+            p = self.root / f"m{self.n}" / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(data)
+        return str(self.root / f"m{self.n}")
+
+    def missing(self) -> str:
+        return str(self.root / "nothing-here")
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def replace(self, uri: str, path: str, data: bytes) -> None:
+        (Path(uri) / path).write_bytes(data)
+
+    def on_read(self, uri: str, path: str, nth: int, action: Callable[[], None]) -> None:
+        from modelcache.sources.local import LocalSource
+
+        real = LocalSource.open_range
+        seen = [0]
+
+        def open_range(src: LocalSource, file: RemoteFile, start: int, end: int | None) -> object:
+            if file.path == path:
+                seen[0] += 1
+                if seen[0] == nth:
+                    action()
+            return real(src, file, start, end)
+
+        self.monkeypatch.setattr(LocalSource, "open_range", open_range)
+
+
+class TestLocalContract(BackendContract):
+    @pytest.fixture
+    def target(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> _LocalTarget:
+        return _LocalTarget(tmp_path / "src", monkeypatch)
 def test_a_folder_url_is_refused_not_saved_as_its_html_listing(nginx, tmp_path):
     # A folder URL: nginx redirects /idx/model to /idx/model/ and answers with its HTML listing.
     nginx.write("idx/model/w.bin", 1000)

@@ -20,8 +20,8 @@ import pytest
 from modelcache.credentials import Settings
 from modelcache.errors import SourceChangedError
 from modelcache.pull import PullPlan, PullResult, pull
-from modelcache.repair import pin_damaged, pin_path, repair
-from modelcache.store import NodeStore
+from modelcache.repair import repair
+from modelcache.store import NodeLayout, NodeStore
 from modelcache.transfer import TransferOptions
 from modelcache.uri import storage_key
 from tests.fixtures.http import random_bytes
@@ -54,7 +54,7 @@ def _damage(store: NodeStore, key: str, rel: str) -> list[str]:
     data[len(data) // 2] ^= 0xFF
     p.write_bytes(bytes(data))
     with store.lock(key):
-        manifest = pin_damaged(store, key)
+        manifest = store.pin_damaged(key)
     assert manifest is not None and not store.is_present(key)
     return [f.path for f in manifest.files]
 
@@ -88,15 +88,15 @@ def test_source_without_revisions_that_moved_is_not_installed_into_the_folder(tm
     with pytest.raises(SourceChangedError, match=r"source changed since the model was downloaded.*'a.bin'"):
         repair(store, key, _puller(str(src), settings, listings), old_files)
     assert _folder(store, key) == before, "files of the new revision went into the folder pods read"
-    assert store.manifest(key) is None and pin_path(store.layout, key).exists()  # type: ignore[arg-type]
+    assert store.manifest(key) is None and store.pinned_manifest(key) is not None
     if move != "same-size-content":  # refused from the listing: nothing was downloaded
-        assert not list((root / ".modelcache" / "repair" / key).rglob("*.bin"))
+        assert not list(NodeLayout(root).repair_dir(key).rglob("*.bin"))
     # The source is restored: the repair goes through and only the damaged file is replaced.
     (src / "a.bin").write_bytes(v1["a.bin"])
     out = repair(store, key, _puller(str(src), settings, listings), old_files)
     assert out.replaced == ["a.bin"] and out.removed == []
     assert _folder(store, key) == v1 and store.is_present(key) and store.verify(key) == []
-    assert not pin_path(store.layout, key).exists()  # type: ignore[arg-type]
+    assert not store.pinned_manifest(key) is not None
 
 
 @pytest.mark.parametrize("move", ["same-size-content", "new-size", "new-file"])

@@ -109,8 +109,6 @@ def test_recover_still_finishes_the_publish_it_is_for(tmp_path: Path) -> None:
 def test_in_place_repair_drops_a_pending_manifest_left_in_staging(tmp_path: Path) -> None:
     """The agent's repair never touched ``staging/<key>``, so the stale pending manifest stayed for
     a later ``recover`` (a CLI pull on the agent's root) to install."""
-    from modelcache.repair import install_in_place
-
     store, key, _ = _pulled(tmp_path)
     manifest = store.manifest(key)
     assert manifest is not None
@@ -120,7 +118,7 @@ def test_in_place_repair_drops_a_pending_manifest_left_in_staging(tmp_path: Path
     store.layout.manifest_path(key).unlink()  # damaged: the agent took the manifest away
     staged = tmp_path / "staged"
     shutil.copytree(store.layout.model_dir(key), staged)
-    install_in_place(store, key, staged, manifest, [f.path for f in manifest.files])
+    store.install_in_place(key, staged, manifest, [f.path for f in manifest.files])
     assert store.is_present(key)
     assert not staging.exists()
 

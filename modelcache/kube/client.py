@@ -196,7 +196,8 @@ def _probe(api_client: client.ApiClient, source: str, timeout: float) -> None:
     host = api_client.configuration.host
     try:
         # Not decoded: any answer will do, and a strict model would refuse a partial one.
-        client.VersionApi(api_client).get_code(_request_timeout=timeout, _preload_content=False).release_conn()
+        raw: Any = client.VersionApi(api_client).get_code(_request_timeout=timeout, _preload_content=False)
+        raw.release_conn()  # the raw response (not decoded), whatever the client's types say
     except ApiException as exc:
         if exc.status == 401:
             raise KubeConfigError(
@@ -301,7 +302,8 @@ def count_requests(api_client: client.ApiClient, count: Callable[[str], None]) -
         count("WATCH" if method == "GET" and "watch=" in url else method)
         return send(method, url, *args, **kwargs)
 
-    pool.request = request
+    # Wrapping the pool's bound method is the one hook the kubernetes client leaves for counting.
+    pool.request = request  # type: ignore[method-assign]
 
 
 class Kube:

@@ -7,7 +7,6 @@ recorder does, so a model that fails every minute does not flood the namespace.
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import logging
 import threading
@@ -15,6 +14,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
+from modelcache.clock import rfc3339
 from modelcache.kube.client import EVENTS, Kube
 
 log = logging.getLogger(__name__)
@@ -23,10 +23,6 @@ NORMAL = "Normal"
 WARNING = "Warning"
 #: Where Events about cluster-scoped objects (LocalModelNode, LocalModelCache) go, as kubectl expects.
 CLUSTER_EVENTS_NAMESPACE = "default"
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class EventRecorder:
@@ -48,13 +44,13 @@ class EventRecorder:
                 seen = self._seen.get(key)
             if seen is not None:
                 name, count = seen
-                self.kube.patch(EVENTS, name, {"count": count + 1, "lastTimestamp": _now()}, namespace)
+                self.kube.patch(EVENTS, name, {"count": count + 1, "lastTimestamp": rfc3339()}, namespace)
                 with self._lock:
                     self._seen[key] = (name, count + 1)
                 return
             digest = hashlib.sha256(key.encode()).hexdigest()[:10]
             name = f"{meta.get('name', 'object')}.{digest}"[:253]
-            now = _now()
+            now = rfc3339()
             try:
                 self.kube.create(EVENTS, {
                     "metadata": {"name": name, "namespace": namespace},

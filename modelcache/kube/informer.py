@@ -23,6 +23,7 @@ back in time (an etcd restore) and the informer relists.
 
 from __future__ import annotations
 
+import builtins
 import copy
 import json
 import logging
@@ -135,7 +136,7 @@ class Store:
             objs = list(self._items.values())
         return [copy.deepcopy(o) for o in objs] if copy_objects else objs
 
-    def by_index(self, name: str, value: str, copy_objects: bool = True) -> list[dict[str, Any]]:
+    def by_index(self, name: str, value: str, copy_objects: bool = True) -> builtins.list[dict[str, Any]]:
         with self._lock:
             objs = [self._items[k] for k in sorted(self._indices[name].get(value, ()))]
         return [copy.deepcopy(o) for o in objs] if copy_objects else objs
@@ -303,7 +304,7 @@ class Informer:
                     self.stats["relists"] += 1
                     continue
                 self.stats["errors"] += 1
-                self.last_error = (f"HTTP {exc.status}: {_one_line(error_message(exc))}"
+                self.last_error = (f"HTTP {exc.status}: {' '.join(error_message(exc).split())[:300]}"
                                    if isinstance(exc, ApiException) else f"{type(exc).__name__}: {_one_line(exc)}")
                 resumes = 0 if need_list else resumes + 1
                 if not need_list and (needs_relist(exc) or resumes >= RESUME_LIMIT):

@@ -10,7 +10,6 @@ it releases the lease so a successor need not wait for it to expire.
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import threading
 import time
@@ -19,15 +18,10 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
+from modelcache.clock import rfc3339
 from modelcache.kube.client import LEASES, Kube
 
 log = logging.getLogger(__name__)
-
-
-def micro_time(when: dt.datetime | None = None) -> str:
-    """Kubernetes MicroTime: RFC 3339 with microseconds, UTC."""
-    when = when or dt.datetime.now(dt.UTC)
-    return when.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class LeaderElector:
@@ -83,7 +77,7 @@ class LeaderElector:
 
     # -- one attempt ------------------------------------------------------------------------
     def _spec(self, transitions: int, acquire_time: str) -> dict[str, Any]:
-        now = micro_time()
+        now = rfc3339(digits=6)
         return {
             "holderIdentity": self.identity,
             "leaseDurationSeconds": max(1, round(self.lease_duration)),
@@ -143,7 +137,7 @@ class LeaderElector:
             spec = lease["spec"]
             spec["holderIdentity"] = None
             spec["leaseDurationSeconds"] = 1
-            spec["renewTime"] = micro_time()
+            spec["renewTime"] = rfc3339(digits=6)
             self.kube.replace(LEASES, lease, self.namespace)
             return True
         except Exception as exc:

@@ -143,7 +143,7 @@ class KubeObject(Codec):
         return out
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None):  # type: ignore[override]
+    def from_dict(cls, raw: dict[str, Any] | None):
         raw = dict(raw or {})
         raw.pop("apiVersion", None)
         raw.pop("kind", None)

@@ -34,7 +34,7 @@ from modelcache.peers.protocol import HaveReply
 from modelcache.peers.source import PeerSource
 from modelcache.peers.swarm import SwarmSession, SwarmSettings, SwarmStats
 from modelcache.sources.base import RemoteFile, Source
-from modelcache.store import NodeStore
+from modelcache.store import NodeStore, stage_piece_record
 
 log = logging.getLogger("modelcache.peers")
 
@@ -126,7 +126,7 @@ class PeerNetwork:
             self.on_change()
 
     def _write_record(self, session: SwarmSession, staging: Path) -> None:
-        """Before publish: every piece hash of the verified model into ``staging/pieces.json``.
+        """Before publish: every piece hash of the verified model, left in staging for the store.
         Pieces without a hash (fetched by a run without peers, or whose log line was lost) are
         hashed from the staged file, which passed every check by now."""
         local = session.local
@@ -146,12 +146,7 @@ class PeerNetwork:
         stats = session.stats
         record = PieceRecord(session.key, session.digest, local.piece_size, files,
                              stats.from_origin, stats.from_peers)
-        tmp = staging / "pieces.json.tmp"
-        with open(tmp, "w") as out:
-            out.write(record.to_json())
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, staging / "pieces.json")
+        stage_piece_record(staging, record.to_json())
 
     @staticmethod
     def _stats_of(digest: str, session: SwarmSession) -> ModelPeerStats:

@@ -36,7 +36,6 @@ MiB = 1 << 20
 #: Largest piece: what a receiver buffers per stream before it hands verified bytes on.
 PIECE_MAX = 4 * MiB
 PIECE_ALGO = "sha256"
-RECORD_NAME = "pieces.json"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _DIGEST = re.compile(r"[0-9a-f]{32}")
 

@@ -129,7 +129,8 @@ class PeerServer:
                     return
                 try:
                     conn.settimeout(IDLE_TIMEOUT)
-                    self.RequestHandlerClass(conn, client_address, self)
+                    # typeshed types the server argument as the base class's Self: this subclass is one.
+                    self.RequestHandlerClass(conn, client_address, self)  # type: ignore[arg-type]
                 finally:
                     with contextlib.suppress(OSError):
                         conn.close()

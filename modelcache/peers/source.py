@@ -34,7 +34,7 @@ class PeerSource(Source):
                  on_publish: Callable[[Path], None]) -> None:
         super().__init__(origin.location, origin.settings)
         self.origin, self.session = origin, session
-        self.preferred_chunk_size, self.max_streams = origin.preferred_chunk_size, origin.max_streams
+        self.max_streams = origin.max_streams  # the engine caps requests per source by it
         self._index = {f.path: i for i, f in enumerate(session.local.files)}
         self._on_close, self._on_publish = on_close, on_publish
 

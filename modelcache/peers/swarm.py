@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from modelcache.errors import TransientError
+from modelcache.loop import Loop
 from modelcache.peers.client import PeerBusy, PeerClient, PeerError, PeerGone, PeerInfo, PeerRefused
 from modelcache.peers.local import LocalPieces
 from modelcache.peers.pieces import PieceHash, hash_piece, piece_span
@@ -157,7 +158,8 @@ class SwarmSession:
         self.dropped = dropped  # shared with the network: a dropped peer stays dropped for the model
         self.formed_at = time.monotonic() + settings.formation
         self._stop = threading.Event()
-        self._refresher = threading.Thread(target=self._refresh_loop, name=f"peer-refresh-{key}", daemon=True)
+        self._refresher = Loop(f"peer-refresh-{key}", self._refresh_quietly, settings.refresh, at_start=False,
+                               logger=log)
 
     def start(self) -> SwarmSession:
         self.refresh()
@@ -166,6 +168,7 @@ class SwarmSession:
 
     def close(self) -> None:
         self._stop.set()
+        self._refresher.stop(timeout=0)  # never waits: a refresh under way sees _stop and returns
         with self.cond:
             links = list(self.links.values())
             self.links.clear()
@@ -176,12 +179,11 @@ class SwarmSession:
 
     # ---- membership ------------------------------------------------------------------------
 
-    def _refresh_loop(self) -> None:
-        while not self._stop.wait(self.settings.refresh):
-            try:
-                self.refresh()
-            except Exception:  # the directory's cache is being replaced: next round
-                log.debug("peer refresh failed", exc_info=True)
+    def _refresh_quietly(self) -> None:
+        try:
+            self.refresh()
+        except Exception:  # the directory's cache is being replaced: next round
+            log.debug("peer refresh failed", exc_info=True)
 
     def refresh(self) -> None:
         """Poll the peers the directory names for this model (same digest, or still listing)."""

@@ -8,16 +8,21 @@ query string on the URI is kept on the account URL. The identity is built from o
 apply in a pod) rather than DefaultAzureCredential itself, which would read the process
 environment instead of the settings the caller passed. Reads are pinned to the ETag seen at
 listing time with If-Match.
+
+The SDK lists and authenticates; the bytes come through the one HTTP data path (``httpread``):
+a GET per range with the URI's SAS, a read-only SAS made from the account key, or the
+identity's bearer token (the SDK's downloader buffers and copies every chunk).
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
 import time
 from typing import Any
+from urllib.parse import quote
 
-from azure.core import MatchConditions
 from azure.core.credentials import AccessToken
 from azure.core.exceptions import (
     ClientAuthenticationError,
@@ -28,7 +33,7 @@ from azure.core.exceptions import (
     ServiceResponseError,
 )
 from azure.core.pipeline.transport import RequestsTransport
-from azure.storage.blob import BlobServiceClient
+from azure.storage.blob import BlobSasPermissions, BlobServiceClient, generate_blob_sas
 
 from modelcache.credentials import AzureSettings, Settings
 from modelcache.errors import (
@@ -37,14 +42,15 @@ from modelcache.errors import (
     ModelcacheError,
     NotFoundError,
     RateLimitedError,
+    SourceChangedError,
     SourceError,
     TransientError,
 )
 from modelcache.integrity import safe_b64_to_hex
-from modelcache.sources.base import Checksum, IterStream, RangeStream, RemoteFile, Source, register_source
+from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source
+from modelcache.sources.httpread import Pool, make_pool, open_range
 from modelcache.sources.objectstore import (
     CONNECTION_POOL,
-    EmptyStream,
     check_unique,
     nothing_found,
     quiet_sdk_logs,
@@ -52,6 +58,7 @@ from modelcache.sources.objectstore import (
     scope_of,
     single_object_path,
 )
+from modelcache.sources.ratelimit import retry_after
 from modelcache.uri import AzureBlobLocation, Location
 
 quiet_sdk_logs()
@@ -63,6 +70,9 @@ logging.getLogger("azure.identity").setLevel(logging.ERROR)
 
 # Each SDK GET is buffered whole; keep the buffers small so many streams stay within memory.
 _GET_SIZE = 8 << 20
+_STORAGE_SCOPE = "https://storage.azure.com/.default"
+_SAS_LIFETIME = 3600  # seconds a read SAS made from the account key is valid
+_RENEW_BEFORE = 600  # a SAS or token this close to its expiry is renewed before a read
 _AUTH_CODES = {"AuthenticationFailed", "NoAuthenticationInformation", "InvalidAuthenticationInfo"}
 _DENIED_CODES = {
     "AuthorizationPermissionMismatch",
@@ -140,10 +150,8 @@ def make_credential(cfg: AzureSettings, account: str) -> Any:
     return None  # a SAS in the URL, or a public container
 
 
-@register_source("azure")
 class AzureBlobSource(Source):
-    preferred_chunk_size = 16 << 20
-    max_streams = 16
+    max_streams = CONNECTION_POOL
 
     def __init__(self, location: Location, settings: Settings) -> None:
         super().__init__(location, settings)
@@ -158,7 +166,10 @@ class AzureBlobSource(Source):
             self.account_url = location.account_url
             self.endpoint = location.account_url.split("?", 1)[0]
         self._service: BlobServiceClient | None = None
+        self._credential: Any = None
         self._lock = threading.Lock()  # engine threads may make the first call concurrently
+        self._pool: Pool | None = None
+        self._read_auth: dict[str, tuple[str, float]] = {}  # blob name (or "" for a token) -> (auth, until)
 
     @property
     def container(self) -> Any:
@@ -168,12 +179,12 @@ class AzureBlobSource(Source):
     def _service_client(self) -> BlobServiceClient:
         if self._service is None:
             try:
-                credential = make_credential(self.cfg, self.loc.account)
+                self._credential = make_credential(self.cfg, self.loc.account)
             except Exception as exc:
                 raise self._error(exc, self.loc.display) from None
             self._service = BlobServiceClient(
                 self.account_url,
-                credential=credential,
+                credential=self._credential,
                 transport=_pooled_transport(self.cfg),
                 max_single_get_size=_GET_SIZE,
                 max_chunk_get_size=_GET_SIZE,
@@ -205,7 +216,7 @@ class AzureBlobSource(Source):
                 try:
                     blob = container.get_blob_client(scope.single).get_blob_properties()
                 except ResourceNotFoundError as exc:
-                    if exc.error_code == "ContainerNotFound":
+                    if getattr(exc, "error_code", None) == "ContainerNotFound":
                         raise
                 else:
                     files.append(self._describe(single_object_path(scope.single, where), blob))
@@ -232,35 +243,59 @@ class AzureBlobSource(Source):
 
     # -- reads ---------------------------------------------------------------------------
 
+    def pool(self) -> Pool:
+        with self._lock:
+            if self._pool is None:
+                # verify=None: REQUESTS_CA_BUNDLE as for the SDK's listing (requests).
+                self._pool = make_pool(None, self.max_streams, self.cfg.connect_timeout, self.cfg.read_timeout)
+            return self._pool
+
+    def _authorize(self, name: str, url: str) -> tuple[str, dict[str, str]]:
+        """The blob's GET URL and the headers that authorise it, by the listing's credentials:
+        the URI's SAS, a read-only SAS from the account key (one per blob, renewed every few
+        minutes), the identity's bearer token, or nothing for a public container."""
+        with self._lock:
+            service = self._service_client()
+            headers = {"x-ms-version": service.api_version}
+            cred = self._credential
+            if self.loc.sas:
+                return f"{url}?{self.loc.sas}", headers
+            now = time.time()
+            if isinstance(cred, dict):  # account name + key
+                sas, until = self._read_auth.get(name, ("", 0.0))
+                if until - now < _RENEW_BEFORE:
+                    expiry = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=_SAS_LIFETIME)
+                    sas = generate_blob_sas(self.loc.account, self.loc.container, name, account_key=cred["account_key"],
+                                            permission=BlobSasPermissions(read=True), expiry=expiry)
+                    self._read_auth[name] = (sas, now + _SAS_LIFETIME)
+                return f"{url}?{sas}", headers
+            if cred is not None and hasattr(cred, "get_token"):
+                token, until = self._read_auth.get("", ("", 0.0))
+                if until - now < _RENEW_BEFORE:
+                    got = cred.get_token(_STORAGE_SCOPE)
+                    token, until = got.token, float(got.expires_on)
+                    self._read_auth[""] = (token, until)
+                return url, {**headers, "Authorization": f"Bearer {token}"}
+            return url, headers
+
     def open_range(self, file: RemoteFile, start: int, end: int | None) -> RangeStream:
         name = file.meta_get("name") or file.path
         where = f"blob '{name}' of {self.loc.display}"
-        stop = file.size if end is None else end
-        if stop is not None and start >= stop:
-            return EmptyStream()
-        kwargs: dict[str, Any] = {
-            "offset": start,
-            "length": None if stop is None else stop - start,
-            "max_concurrency": 1,
-        }
-        if file.meta_get("etag"):
-            kwargs.update(etag=f'"{file.meta_get("etag")}"', match_condition=MatchConditions.IfNotModified)
         try:
-            downloader = self.container.get_blob_client(name).download_blob(**kwargs)
+            url, auth = self._authorize(name, f"{self.endpoint}/{quote(self.loc.container)}/{quote(name)}")
         except Exception as exc:
             raise self._error(exc, where) from None
-        return IterStream(self._guarded(downloader.chunks(), where))
-
-    def _guarded(self, chunks: Any, where: str) -> Any:
-        try:
-            yield from chunks
-        except Exception as exc:
-            raise self._error(exc, where) from None
+        headers = {"If-Match": f'"{file.meta_get("etag")}"'} if file.meta_get("etag") else {}
+        return open_range(self.pool(), url, file, start, end, where, headers=headers, private=auth,
+                          errors=lambda resp: self._error(_Failed(resp), where))
 
     def close(self) -> None:
         if self._service is not None:
             self._service.close()
             self._service = None
+        if self._pool is not None:
+            self._pool.clear()
+            self._pool = None
 
     # -- errors --------------------------------------------------------------------------
 
@@ -330,11 +365,14 @@ class AzureBlobSource(Source):
                 "check the container name in the URI"
             )
         if isinstance(exc, ResourceModifiedError) or code == "ConditionNotMet" or status == 412:
-            return SourceError(f"{where} changed while it was being downloaded (ETag no longer matches); run again")
+            return SourceChangedError(
+                f"{where} changed while it was being downloaded (ETag no longer matches); run again"
+            )
         if isinstance(exc, ResourceNotFoundError) or status == 404:
             return NotFoundError(f"Azure blob {where} not found (deleted since listing?)")
         if status in (429, 503) or code == "ServerBusy":
-            return RateLimitedError(f"Azure Blob is throttling requests for {where}; retrying")
+            return RateLimitedError(f"Azure Blob is throttling requests for {where}; retrying",
+                                    retry_after(exc.headers) if isinstance(exc, _Failed) else None)
         if isinstance(exc, HttpResponseError) and status >= 500:
             return TransientError(f"Azure Blob server error {status} for {where}")
         if isinstance(exc, HttpResponseError):
@@ -349,3 +387,17 @@ class AzureBlobSource(Source):
                 "AZURE_TENANT_ID and AZURE_CLIENT_SECRET (or the workload identity)"
             )
         return TransientError(f"Azure Blob error for {where}: {type(exc).__name__}")
+
+
+class _Failed(HttpResponseError):
+    """A failed GET of the data path, as the SDK's error it would have raised (status and
+    ``x-ms-error-code``), for the one mapping in ``AzureBlobSource._error``."""
+
+    def __init__(self, resp: Any) -> None:
+        Exception.__init__(self, f"HTTP {resp.status}")
+        self.status_code = resp.status
+        self.error_code = resp.headers.get("x-ms-error-code") or None
+        self.headers = dict(resp.headers)
+        self.response = None
+        self.reason = None
+        self.message = f"HTTP {resp.status}"

@@ -1,4 +1,4 @@
-"""The Source interface and the registry that maps a location kind to its source class.
+"""The Source interface; ``modelcache.backends`` maps each location kind to its class.
 
 A source knows one backend: how to list a model's files (resolved once to an immutable
 revision where the backend has one) and how to read a byte range of one file. It knows
@@ -9,96 +9,57 @@ from __future__ import annotations
 
 import posixpath
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
+from modelcache.backends import BACKENDS, load
 from modelcache.errors import InvalidURIError, UnsupportedError
+from modelcache.remote import Checksum, RangeStream, RemoteFile
+from modelcache.reserved import META_DIR
 from modelcache.uri import Location, parse_uri
 
 if TYPE_CHECKING:
     from modelcache.credentials import Settings
 
-
-@dataclass(frozen=True)
-class Checksum:
-    """A digest the source vouches for. ``value`` is lower-case hex.
-
-    ``algo`` names a hasher in ``modelcache.integrity`` (sha256, md5, sha1, git-blob-sha1,
-    crc32c, s3-etag, ...). ``params`` carries what the hasher needs (e.g. an S3 part size).
-    """
-
-    algo: str
-    value: str
-    params: tuple[tuple[str, str], ...] = ()
-
-    def param(self, name: str, default: str = "") -> str:
-        return dict(self.params).get(name, default)
+# The shared data types live in modelcache.remote; named here too for a source's one import.
+__all__ = ["Checksum", "EmptyStream", "RangeStream", "RemoteFile", "Source", "empty_range",
+           "open_source", "safe_relpath", "source_class"]
 
 
-@dataclass(frozen=True)
-class RemoteFile:
-    """One file of a model, as listed by its source.
+class EmptyStream:
+    """The bytes of an empty range (the one rule: ``start >= end`` is read without a request)."""
 
-    ``path`` is relative, posix, validated (no ``..``, not absolute). ``size`` is None only
-    when the backend cannot tell before reading (an HTTP server without Content-Length).
-    ``version`` pins what is read (ETag, generation, version id, commit) so a concurrent
-    overwrite cannot mix two versions of one file. ``ranged`` is False when the backend can
-    only stream the file whole.
-    """
+    def readinto(self, buf: memoryview, /) -> int:
+        return 0
 
-    path: str
-    size: int | None
-    version: str | None = None
-    checksums: tuple[Checksum, ...] = ()
-    ranged: bool = True
-    meta: tuple[tuple[str, str], ...] = field(default=(), compare=False)
-
-    def meta_get(self, name: str, default: str = "") -> str:
-        return dict(self.meta).get(name, default)
-
-
-class RangeStream(Protocol):
-    """An open ranged read. ``readinto`` returns 0 only at the end of the range."""
-
-    def readinto(self, buf: memoryview) -> int: ...
-
-    def close(self) -> None: ...
-
-
-class IterStream:
-    """Adapts an iterator of byte chunks (what most SDKs give) to ``readinto``."""
-
-    def __init__(self, chunks: Iterable[bytes], on_close: Callable[[], None] | None = None) -> None:
-        self._it: Iterator[bytes] = iter(chunks)
-        self._pending = memoryview(b"")
-        self._on_close = on_close
-
-    def readinto(self, buf: memoryview) -> int:
-        while not self._pending:
-            nxt = next(self._it, None)
-            if nxt is None:
-                return 0
-            self._pending = memoryview(nxt)
-        n = min(len(buf), len(self._pending))
-        buf[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
-        return n
+    def abort(self) -> None:
+        pass
 
     def close(self) -> None:
-        if self._on_close is not None:
-            self._on_close()
-            self._on_close = None
+        pass
+
+
+def empty_range(file: RemoteFile, start: int, end: int | None) -> bool:
+    """Whether ``[start, end)`` of ``file`` holds no bytes (``end=None``: to its listed size)."""
+    stop = file.size if end is None else end
+    return stop is not None and start >= stop
 
 
 class Source(ABC):
-    """Base class of every backend. Subclasses register with ``@register_source(kind)``."""
+    """Base class of every backend; its line in ``modelcache.backends`` names it.
 
-    #: Chunk size this backend reads best with; the engine may override it.
-    preferred_chunk_size: int = 32 << 20
-    #: Streams worth opening at once against this backend (the engine adapts within it).
-    max_streams: int = 16
+    Behaviour that differs per backend is a class attribute here, read by the pull and the
+    engine, never a list of kinds elsewhere.
+    """
+
+    #: Requests the engine keeps open at once against one source of this backend, at most,
+    #: whatever --workers / --max-workers say (a registry or a gateway that allows few
+    #: connections per client sets it lower). Also the size of the source's connection pool.
+    max_streams: int = 32
+    #: Whether STORAGE_ALLOW_PATTERNS / STORAGE_IGNORE_PATTERNS filter the listing (KServe
+    #: applies them to listings of folders, not to a single HTTP file or an OCI image).
+    applies_patterns: bool = True
 
     def __init__(self, location: Location, settings: Settings) -> None:
         self.location = location
@@ -179,48 +140,24 @@ def safe_relpath(path: str, where: str) -> str:
     norm = posixpath.normpath(path)
     if norm.startswith("/") or norm == ".." or norm.startswith("../") or norm == ".":
         raise InvalidURIError(f"{where}: refusing file path {path!r} outside the model folder")
-    if norm.split("/")[0] == ".modelcache":
+    if norm.split("/")[0] == META_DIR:  # the store's bookkeeping: never a model's file
         raise InvalidURIError(f"{where}: refusing reserved path {path!r}")
     return norm
 
 
-_SOURCES: dict[str, type[Source]] = {}
-
-
-def register_source(kind: str) -> Callable[[type[Source]], type[Source]]:
-    def deco(cls: type[Source]) -> type[Source]:
-        _SOURCES[kind] = cls
-        return cls
-
-    return deco
-
-
-# Modules imported lazily so one backend's SDK is never loaded for another's URI.
-_SOURCE_MODULES = {
-    "http": "modelcache.sources.http",
-    "local": "modelcache.sources.local",
-    "pvc": "modelcache.sources.local",
-    "s3": "modelcache.sources.s3",
-    "gcs": "modelcache.sources.gcs",
-    "azure": "modelcache.sources.azure",
-    "hf": "modelcache.sources.hf",
-    "oci": "modelcache.sources.oci",
-    "hdfs": "modelcache.sources.hdfs",
-}
-
-
 def source_class(kind: str) -> type[Source]:
-    if kind not in _SOURCES and kind in _SOURCE_MODULES:
-        import importlib
-
-        try:
-            importlib.import_module(_SOURCE_MODULES[kind])
-        except ModuleNotFoundError as exc:
-            if exc.name != _SOURCE_MODULES[kind]:
-                raise
-    if kind not in _SOURCES:
+    backend = BACKENDS.get(kind)
+    if backend is None:
         raise UnsupportedError(f"storage backend '{kind}' is not supported yet")
-    return _SOURCES[kind]
+    try:
+        cls: type[Source] = load(backend.source)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.startswith("modelcache"):
+            raise
+        raise UnsupportedError(
+            f"storage backend '{kind}' needs the Python package '{exc.name}', which is not installed"
+        ) from exc
+    return cls
 
 
 def open_source(uri: str | Location, settings: Settings | None = None) -> Source:

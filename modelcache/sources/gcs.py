@@ -1,10 +1,10 @@
 """Google Cloud Storage (``gs://bucket/prefix``) through google-cloud-storage.
 
-The SDK lists and authenticates; bytes come from ranged media GETs on the same authorized
-session type the SDK uses (``AuthorizedSession``), pinned to the generation seen at listing
-time (``generation=``), streamed into the engine's buffers without an intermediate copy.
-The SDK's own ranged download buffers each range in memory, which a 32 MiB chunk per stream
-cannot afford. Objects carry crc32c (and md5 unless composite) in their metadata.
+The SDK lists and authenticates; bytes come from ranged media GETs through the one HTTP data
+path (``httpread``) with the credentials' bearer token, pinned to the generation seen at
+listing time (``generation=``), streamed into the engine's buffers without an intermediate
+copy. The SDK's own ranged download buffers each range in memory, which a 32 MiB chunk per
+stream cannot afford. Objects carry crc32c (and md5 unless composite) in their metadata.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import warnings
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
 
@@ -20,10 +21,9 @@ import requests
 from google.api_core import exceptions as gexc
 from google.auth.credentials import AnonymousCredentials
 from google.auth.exceptions import DefaultCredentialsError, GoogleAuthError, TransportError
-from google.auth.transport.requests import AuthorizedSession
+from google.auth.transport.requests import Request as GoogleAuthRequest
 from google.cloud import storage
 from google.cloud.storage.retry import DEFAULT_RETRY
-from requests.adapters import HTTPAdapter
 
 from modelcache.credentials import GCSSettings, Settings
 from modelcache.errors import (
@@ -32,16 +32,14 @@ from modelcache.errors import (
     ModelcacheError,
     NotFoundError,
     RateLimitedError,
-    SourceChangedError,
     SourceError,
     TransientError,
 )
 from modelcache.integrity import safe_b64_to_hex
-from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source
+from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source
+from modelcache.sources.httpread import Pool, make_pool, open_range
 from modelcache.sources.objectstore import (
     CONNECTION_POOL,
-    EmptyStream,
-    RawRangeStream,
     check_unique,
     nothing_found,
     quiet_sdk_logs,
@@ -49,7 +47,7 @@ from modelcache.sources.objectstore import (
     scope_of,
     single_object_path,
 )
-from modelcache.sources.ranges import check_length, check_total
+from modelcache.sources.ratelimit import retry_after
 from modelcache.uri import GCSLocation, Location, redact_uri
 
 quiet_sdk_logs()
@@ -104,10 +102,8 @@ def _credentials_from_file(path: str) -> Any:
     return creds
 
 
-@register_source("gcs")
 class GCSSource(Source):
-    preferred_chunk_size = 16 << 20
-    max_streams = 16
+    max_streams = CONNECTION_POOL
 
     def __init__(self, location: Location, settings: Settings) -> None:
         super().__init__(location, settings)
@@ -118,7 +114,8 @@ class GCSSource(Source):
         self._creds: Any = None
         self._project: str | None = None
         self._client: storage.Client | None = None
-        self._session: AuthorizedSession | None = None
+        self._pool: Pool | None = None
+        self._token_request: Any = None  # google-auth's transport, for token refreshes
         self._lock = threading.RLock()  # engine threads may make the first call concurrently
 
     def _credentials(self) -> Any:
@@ -139,16 +136,24 @@ class GCSSource(Source):
                 )
             return self._client
 
-    @property
-    def session(self) -> AuthorizedSession:
+    def pool(self) -> Pool:
         with self._lock:
-            if self._session is None:
-                session = AuthorizedSession(self._credentials())
-                adapter = HTTPAdapter(pool_connections=1, pool_maxsize=CONNECTION_POOL, max_retries=0)
-                session.mount("https://", adapter)
-                session.mount("http://", adapter)
-                self._session = session
-            return self._session
+            if self._pool is None:
+                # verify=None: REQUESTS_CA_BUNDLE as for the SDK's listing (requests).
+                self._pool = make_pool(None, self.max_streams, self.cfg.connect_timeout, self.cfg.read_timeout)
+            return self._pool
+
+    def _auth(self, url: str) -> dict[str, str]:
+        """The Authorization header, the token refreshed when due (one refresh at a time)."""
+        headers: dict[str, str] = {}
+        with self._lock:
+            creds = self._credentials()
+            if isinstance(creds, AnonymousCredentials):
+                return headers
+            if self._token_request is None:
+                self._token_request = GoogleAuthRequest()
+            creds.before_request(self._token_request, "GET", url, headers)
+        return headers
 
     # -- listing -------------------------------------------------------------------------
 
@@ -196,54 +201,25 @@ class GCSSource(Source):
     def open_range(self, file: RemoteFile, start: int, end: int | None) -> RangeStream:
         name = file.meta_get("name") or file.path
         where = f"gs://{self.loc.bucket}/{name}"
-        stop = file.size if end is None else end
-        if stop is not None and start >= stop:
-            return EmptyStream()
         url = f"{self.endpoint}/download/storage/v1/b/{quote(self.loc.bucket, safe='')}/o/{quote(name, safe='')}"
-        params = {"alt": "media"}
-        if file.meta_get("generation"):
-            params["generation"] = file.meta_get("generation")
-        headers = {}
-        if start or end is not None:
-            headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        url += "?alt=media" + (f"&generation={file.meta_get('generation')}" if file.meta_get("generation") else "")
         try:
-            resp = self.session.get(
-                url,
-                params=params,
-                headers=headers,
-                stream=True,
-                timeout=(self.cfg.connect_timeout, self.cfg.read_timeout),
-            )
+            private = self._auth(url)
         except Exception as exc:
             raise self._error(exc, where) from None
-        if resp.status_code not in (200, 206):
-            resp.close()
-            raise self._status_error(resp.status_code, where, file)
-        if headers and resp.status_code != 206 and start:
-            resp.close()
-            raise SourceError(f"{where}: the GCS endpoint ignored the byte range")
-        try:  # the generation pins the object; the sizes are checked all the same (cheap)
-            if resp.status_code == 206:
-                check_total(where, resp.headers.get("Content-Range"), file.size)
-            elif resp.headers.get("Content-Length") is not None:
-                check_length(where, int(resp.headers["Content-Length"]), file.size)
-        except SourceChangedError:
-            resp.close()
-            raise
-        length = resp.headers.get("Content-Length")
-        expected = int(length) if length is not None else (None if stop is None else stop - start)
-        stream = RawRangeStream(resp.raw, expected, lambda e: self._error(e, where), where)
-        stream.close = resp.close  # type: ignore[method-assign]  # also returns the connection to the pool
-        return stream
+        # The generation pins the object; the sizes are checked all the same (cheap).
+        return open_range(self.pool(), url, file, start, end, where, private=private,
+                          errors=lambda resp: self._status_error(resp.status, where, file, resp.headers))
 
     def close(self) -> None:
-        if self._session is not None:
-            self._session.close()
-            self._session = None
+        if self._pool is not None:
+            self._pool.clear()
+            self._pool = None
 
     # -- errors --------------------------------------------------------------------------
 
-    def _status_error(self, status: int, where: str, file: RemoteFile | None = None) -> ModelcacheError:
+    def _status_error(self, status: int, where: str, file: RemoteFile | None = None,
+                      headers: Mapping[str, str] | None = None) -> ModelcacheError:
         if status == 401:
             return AuthError(f"GCS rejected the credentials for {where}: check GOOGLE_APPLICATION_CREDENTIALS")
         if status == 403:
@@ -258,7 +234,8 @@ class GCSSource(Source):
                 "listing; run the pull again"
             )
         if status == 429:
-            return RateLimitedError(f"GCS is throttling requests for {where}; retrying")
+            return RateLimitedError(f"GCS is throttling requests for {where}; retrying",
+                                    retry_after(headers or {}))
         if status >= 500:
             return TransientError(f"GCS server error {status} for {where}")
         return SourceError(f"GCS error {status} for {where}")

@@ -5,22 +5,26 @@ KServe takes everything after the scheme as the path (``hdfs://user/me/model`` i
 the ``HDFS_NAMENODE`` file of the secret dir; we do the same so existing URIs keep working.
 The ``hdfs`` client lists (GETFILESTATUS, recursive LISTSTATUS), tries HA namenodes in turn
 and maps RemoteException errors; reads are WebHDFS ``OPEN`` with ``offset``/``length`` (WebHDFS
-has no HTTP Range), whose 307 to a datanode requests follows, so a big file moves as parallel
-chunks. Each read is checked to deliver exactly the bytes asked for, and each file is verified
+has no HTTP Range), so a big file moves as parallel chunks. The NameNode's answer (with Kerberos,
+proxy user and HA failover) goes through the ``hdfs`` client; its 307 to a DataNode (whose URL
+carries the delegation token) is read through the one HTTP data path (``httpread``), as is a
+gateway's direct answer. Each read is checked to deliver exactly the bytes asked for, and each file is verified
 against HDFS's own MD5-of-MD5-of-CRC32C (GETFILECHECKSUM, see ``hdfs_checksum``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import posixpath
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import requests
 from hdfs import Client, HdfsError
+from hdfs.client import _Request
 
 from modelcache.errors import (
     AccessDeniedError,
@@ -31,13 +35,13 @@ from modelcache.errors import (
     SourceError,
     TransientError,
 )
-from modelcache.sources.base import Checksum, IterStream, RangeStream, RemoteFile, Source, register_source, safe_relpath
+from modelcache.sources.base import Checksum, EmptyStream, RangeStream, RemoteFile, Source, safe_relpath
 from modelcache.sources.hdfs_checksum import checksum_from_webhdfs
+from modelcache.sources.httpread import REDIRECT_CODES, HTTPStream, discard, make_pool, send, status_error
 from modelcache.sources.kerberos import Kerberos, KerberosLogin
 from modelcache.sources.objectstore import quiet_sdk_logs
 from modelcache.sources.pinned_tls import adapter as tls_adapter
 from modelcache.sources.ratelimit import retry_after, wait_out
-from modelcache.sources.response_stream import ResponseStream
 from modelcache.uri import HDFSLocation
 
 if TYPE_CHECKING:
@@ -51,12 +55,10 @@ logging.getLogger("hdfs.client").setLevel(logging.CRITICAL)
 quiet_sdk_logs()
 
 
-@register_source("hdfs")
 class HDFSSource(Source):
-    preferred_chunk_size = 32 << 20
     max_streams = 8
 
-    def __init__(self, location: HDFSLocation, settings: Settings) -> None:  # type: ignore[override]
+    def __init__(self, location: HDFSLocation, settings: Settings) -> None:
         super().__init__(location, settings)
         self.where = location.display
         hs = settings.hdfs
@@ -90,7 +92,7 @@ class HDFSSource(Source):
         # a rate-limiting or overloaded gateway in front of WebHDFS must stay retryable, with its
         # Retry-After, so those answers are mapped here, before the client sees them.
         session.hooks["response"].append(self._gateway_status)
-        self.client = Client(
+        self.client = _Client(
             hs.namenode,
             root=hs.root_path,
             proxy=hs.user_proxy,
@@ -98,6 +100,10 @@ class HDFSSource(Source):
             session=session,
         )
         self._session = session
+        # The DataNode hop: the same TLS settings and headers, no Kerberos (its URL has the token).
+        self._pool = make_pool(verify if verify is not None else True, self.max_streams,
+                               settings.http.connect_timeout, settings.http.read_timeout,
+                               cert=session.cert if isinstance(session.cert, (str, tuple)) else None)
         self._inode_reads = True  # until a gateway shows it cannot serve /.reserved/.inodes paths
 
     # -- errors -----------------------------------------------------------------------------
@@ -223,14 +229,14 @@ class HDFSSource(Source):
         stop = size if end is None else min(end, size)
         length = max(0, stop - start)
         if length == 0:
-            return IterStream(iter(()))
+            return EmptyStream()
         # HDFS has no versions, but a file has an inode id, and replacing the file (a rewrite,
         # a rename over it) makes a new inode: reading through the listed inode's reserved path
         # reads the listed file or fails, never a newer file under the same name.
         inode = (file.meta_get("hdfs.inode") if self._inode_reads else "") or path
-        reader = self.client.read(inode, offset=start, length=length)
+        where = f"{self.where}: '{path}'"
         try:
-            raw = reader.__enter__()  # OPEN -> 307 -> datanode; errors raise here
+            first = self.client._open_0(inode, offset=start, length=length)  # the NameNode, no redirect
         except (HdfsError, requests.RequestException) as exc:
             err = self._error(exc, path)
             if isinstance(err, NotFoundError) and inode != path:
@@ -245,9 +251,26 @@ class HDFSSource(Source):
             raise err from exc
         # Exactly ``length`` bytes: a short body means the datanode stream was cut or the file
         # shrank; WebHDFS honours ``length``, so we never read past it.
-        return ResponseStream(
-            raw, f"{self.where}: '{path}'", length, on_close=lambda: reader.__exit__(None, None, None)
-        )
+        location = first.headers.get("Location")
+        if first.status_code not in REDIRECT_CODES or not location:
+            return HTTPStream(first.raw, where, length)  # a gateway (HttpFS) that answers itself
+        first.close()
+        resp, _ = send(self._pool, "GET", location, dict(self.settings.hdfs.headers), where)
+        if resp.status != 200:
+            err = self._datanode_error(resp, path, where)
+            discard(resp)
+            raise err
+        return HTTPStream(resp, where, length)
+
+    def _datanode_error(self, resp: Any, path: str, where: str) -> ModelcacheError:
+        """A DataNode's refusal: its RemoteException as the NameNode's would be mapped, else by status."""
+        if resp.status in (408, 429) or resp.status >= 500:
+            return status_error(resp.status, resp.headers, where)
+        try:
+            rex = json.loads(resp.read(64 << 10))["RemoteException"]
+            return self._error(HdfsError(str(rex.get("message", "")), exception=rex.get("exception")), path)
+        except (ValueError, KeyError, TypeError):
+            return status_error(resp.status, resp.headers, where)
 
     def _same_file(self, path: str, inode: str) -> bool:
         try:
@@ -258,6 +281,7 @@ class HDFSSource(Source):
 
     def close(self) -> None:
         self._session.close()
+        self._pool.clear()
 
 
 def _inode_path(status: dict) -> str:
@@ -265,3 +289,11 @@ def _inode_path(status: dict) -> str:
     gateway gives no fileId)."""
     file_id = status.get("fileId")
     return f"/.reserved/.inodes/{int(file_id)}" if isinstance(file_id, int) and file_id > 0 else ""
+
+
+class _Client(Client):
+    """The ``hdfs`` client with an OPEN that stops at the NameNode's redirect. Its metaclass
+    names each operation after the attribute with digits and underscores dropped, so
+    ``_open_hop0`` would be OPENHOP: the name has to reduce to ``open``."""
+
+    _open_0 = _Request("GET", stream=True, allow_redirects=False)

@@ -4,9 +4,9 @@ The revision (branch, tag or commit) is resolved to a commit sha once; the tree 
 every byte is read at that commit, so a ``main`` that moves during a pull cannot mix two
 versions. huggingface_hub does what is Hub-specific (revision info, paginated tree listing,
 URL building, error types); the bytes move as ranged GETs on ``/resolve/<commit>/<path>``
-through one pooled ``requests`` session, so the transfer engine can split big files into
-parallel chunks and resume them. LFS files are redirected to a CDN on another host; requests
-drops the Authorization header on that hop, as huggingface_hub itself does.
+through the one HTTP data path (``httpread``), so the transfer engine can split big files into
+parallel chunks and resume them. LFS files are redirected to a CDN on another host; the token
+is not sent on that hop, as huggingface_hub does.
 
 Checksums: LFS files carry their sha256 (``lfs.oid``); small files their git blob sha1.
 """
@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import posixpath
 import re
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx2
-import requests
-import urllib3
 from huggingface_hub import HfApi, hf_hub_url
 from huggingface_hub.errors import (
     DisabledRepoError,
@@ -42,26 +39,22 @@ from modelcache.errors import (
     ModelcacheError,
     NotFoundError,
     RateLimitedError,
-    SourceChangedError,
     SourceError,
     TransientError,
 )
-from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source, safe_relpath
-from modelcache.sources.pinned_tls import adapter as tls_adapter
-from modelcache.sources.ranges import check_total
+from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, safe_relpath
+from modelcache.sources.httpread import discard, make_pool, open_range, send
 from modelcache.sources.ratelimit import retry_after, wait_out
 from modelcache.uri import HFLocation, Location
 
-_USER_AGENT = "modelcache/0.1 (hf source)"
+_HEADERS = {"User-Agent": "modelcache/0.1 (hf source)"}
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 # Listing calls (revision info, the access check) answered 429 wait Retry-After (ratelimit.wait_out);
 # the tree listing is retried the same way by huggingface_hub's own backoff.
 _T = TypeVar("_T")
 
 
-@register_source("hf")
 class HFSource(Source):
-    preferred_chunk_size = 32 << 20
     max_streams = 16
 
     def __init__(self, location: Location, settings: Settings) -> None:
@@ -73,8 +66,10 @@ class HFSource(Source):
         # token=False: never fall back to a token file or env var of this process (Settings is
         # the only reader of the environment).
         self._api = HfApi(endpoint=self.endpoint, token=self.token or False, library_name="modelcache")
-        self._session_lock = threading.Lock()
-        self._session: requests.Session | None = None
+        http = settings.http
+        # A custom CA is trusted besides the system's; MODELCACHE_HTTP_VERIFY_SSL=0 turns it off.
+        verify: bool | str = http.ca_bundle or True if http.verify else False
+        self.pool = make_pool(verify, self.max_streams + 4, http.connect_timeout, http.read_timeout)
         self._commit: str | None = None
         #: repo path -> CDN URL the Hub redirected it to (signed: never logged or shown).
         self._cdn_urls: dict[str, str] = {}
@@ -198,101 +193,46 @@ class HFSource(Source):
             self.loc.repo_id, file.meta_get("repo_path", file.path), revision=commit, endpoint=self.endpoint
         )
 
-    def _headers(self, extra: Mapping[str, str] | None = None, auth: bool = True) -> dict[str, str]:
-        headers = {"User-Agent": _USER_AGENT, "Accept-Encoding": "identity", **(extra or {})}
-        if self.token and auth:
-            # Set per request, not on the session: requests strips it when a redirect leaves the host.
-            headers["Authorization"] = f"Bearer {self.token}"
-        return headers
-
-    def session(self) -> requests.Session:
-        with self._session_lock:
-            if self._session is None:
-                s = requests.Session()
-                # A custom CA or verify=False is pinned on the adapter: REQUESTS_CA_BUNDLE in the
-                # environment would otherwise replace Session.verify (see pinned_tls).
-                verify = self.settings.http.requests_verify
-                pool = tls_adapter(
-                    None if verify is True else verify,
-                    pool_connections=4,
-                    pool_maxsize=self.max_streams + 4,
-                    max_retries=0,
-                )
-                s.mount("http://", pool)
-                s.mount("https://", pool)
-                s.verify = verify
-                self._session = s
-            return self._session
-
-    def _timeout(self) -> tuple[float, float]:
-        return (self.settings.http.connect_timeout, self.settings.http.read_timeout)
+    def _auth(self) -> dict[str, str]:
+        """The token, for the Hub's host only (not for the CDN a file is redirected to)."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     def _check_access(self, file: RemoteFile) -> None:
-        try:
-            resp = self.session().head(
-                self._url(file), headers=self._headers(), allow_redirects=False, timeout=self._timeout()
-            )
-        except requests.RequestException as exc:
-            raise TransientError(
-                f"{self.loc.display}: cannot reach the Hub at {self.endpoint}: {type(exc).__name__}"
-            ) from exc
-        if resp.status_code >= 400:
-            raise self._http_error(resp.status_code, resp.headers, file)
+        resp, _ = send(self.pool, "HEAD", self._url(file), _HEADERS, self.loc.display, private=self._auth(),
+                       follow=False)
+        discard(resp)
+        if resp.status >= 400:
+            raise self._http_error(resp.status, resp.headers, file)
 
     def open_range(self, file: RemoteFile, start: int, end: int | None) -> RangeStream:
-        stop = file.size if end is None else end
-        if stop is not None and start >= stop:
-            return _HTTPRangeStream(None, 0, self, file)
-        rng = f"bytes={start}-" if end is None else f"bytes={start}-{end - 1}"
-        resp = self._get(file, rng)
-        if resp.status_code not in (200, 206):
-            resp.close()
-            raise self._http_error(resp.status_code, resp.headers, file)
-        expected = None if stop is None else stop - start
-        stream = _HTTPRangeStream(resp, expected, self, file)
-        if resp.status_code == 200 and start > 0:
-            stream.skip(start)  # a server (or proxy) that ignored Range: discard the head
-        elif resp.status_code == 206:
-            got = resp.headers.get("Content-Range", "")
-            m = re.match(r"bytes (\d+)-", got)
-            if m is None or int(m.group(1)) != start:
-                stream.close()
-                raise TransientError(f"{self.loc.display}: {file.path}: asked for {rng}, got Content-Range '{got}'")
-            try:  # pinned to a commit, but a CDN or proxy in between may be stale or broken
-                check_total(f"{self.loc.display}: {file.path}", got, file.size)
-            except SourceChangedError:
-                stream.close()
-                raise
-        return stream
-
-    def _get(self, file: RemoteFile, rng: str) -> requests.Response:
         """GET a range. An LFS file's CDN location (signed, on another host) is remembered per
         file so each chunk costs one request instead of a Hub hit plus a redirect (the Hub
         rate-limits ``/resolve``); a refused cached location falls back to the Hub once."""
         key = file.meta_get("repo_path", file.path)
+        where = f"{self.loc.display}: {file.path}"
+
+        def errors(resp: Any) -> ModelcacheError:
+            return self._http_error(resp.status, resp.headers, file)
+
         cached = self._cdn_urls.get(key)
-        try:
-            if cached is not None:
-                resp = self.session().get(
-                    cached, headers=self._headers({"Range": rng}, auth=False), stream=True, timeout=self._timeout()
-                )
-                if resp.status_code not in (401, 403, 404, 410):
-                    return resp
-                resp.close()
-                self._cdn_urls.pop(key, None)
-            url = self._url(file)
-            resp = self.session().get(url, headers=self._headers({"Range": rng}), stream=True, timeout=self._timeout())
-        except requests.RequestException as exc:
-            raise TransientError(f"{self.loc.display}: {file.path}: connection error: {type(exc).__name__}") from exc
-        if resp.history and resp.status_code in (200, 206) and _origin(resp.url) != _origin(url):
-            self._cdn_urls[key] = resp.url
-        return resp
+        if cached is not None:
+            try:
+                return open_range(self.pool, cached, file, start, end, where, headers=_HEADERS, errors=errors)
+            except (AuthError, AccessDeniedError, NotFoundError):
+                self._cdn_urls.pop(key, None)  # expired or moved: ask the Hub again
+        url = self._url(file)
+
+        def answered(final: str) -> None:
+            if _origin(final) != _origin(url):
+                self._cdn_urls[key] = final
+
+        # Pinned to a commit, but a CDN or proxy in between may be stale or broken: the sizes
+        # are held against the listing all the same.
+        return open_range(self.pool, url, file, start, end, where, headers=_HEADERS, private=self._auth(),
+                          errors=errors, answered=answered)
 
     def close(self) -> None:
-        with self._session_lock:
-            if self._session is not None:
-                self._session.close()
-                self._session = None
+        self.pool.clear()
 
     # ---- errors ------------------------------------------------------------------------
     def _repo(self) -> str:
@@ -364,45 +304,6 @@ class HFSource(Source):
         if isinstance(exc, (httpx2.TransportError, OSError)):
             return TransientError(f"{d}: cannot reach the Hub at {self.endpoint}: {type(exc).__name__}")
         return SourceError(f"{d}: unexpected error from the Hub at {self.endpoint}: {type(exc).__name__}")
-
-
-class _HTTPRangeStream:
-    """A ranged response body; stops at the expected length, maps socket errors to retryable ones."""
-
-    def __init__(self, resp: requests.Response | None, expected: int | None, src: HFSource, file: RemoteFile) -> None:
-        self._resp = resp
-        self._raw: Any = resp.raw if resp is not None else None
-        self._left = expected
-        self._where = f"{src.loc.display}: {file.path}"
-
-    def skip(self, n: int) -> None:
-        buf = memoryview(bytearray(min(n, 1 << 20)))
-        left, saved = n, self._left
-        self._left = None
-        while left:
-            got = self.readinto(buf[: min(left, len(buf))])
-            if got == 0:
-                raise TransientError(f"{self._where}: body ended while skipping to byte {n}")
-            left -= got
-        self._left = saved
-
-    def readinto(self, buf: memoryview) -> int:
-        if self._raw is None or self._left == 0:
-            return 0
-        view = buf if self._left is None else buf[: self._left]
-        try:
-            n = self._raw.readinto(view)
-        except (urllib3.exceptions.HTTPError, requests.RequestException, OSError) as exc:
-            raise TransientError(f"{self._where}: connection error while reading: {type(exc).__name__}") from exc
-        if self._left is not None:
-            self._left -= n
-        return n
-
-    def close(self) -> None:
-        if self._resp is not None:
-            self._resp.close()
-            self._resp = None
-        self._raw = None
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:

@@ -120,7 +120,7 @@ class _SerialSPNEGOAuth:
             with self._lock:
                 return inner(response, **kwargs)
 
-        self._auth.handle_response = handle_response  # type: ignore[method-assign]
+        self._auth.handle_response = handle_response
 
     def __call__(self, request: Any) -> Any:
         return self._auth(request)

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from modelcache.errors import AccessDeniedError, NotFoundError, SourceChangedError, SourceError, UnsupportedError
-from modelcache.sources.base import RemoteFile, Source, register_source, safe_relpath
+from modelcache.reserved import META_DIR
+from modelcache.sources.base import RemoteFile, Source, safe_relpath
 from modelcache.uri import LocalLocation, Location, PVCLocation
 
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
@@ -60,6 +61,9 @@ class _FileStream:
         self._pos += n
         return n
 
+    def abort(self) -> None:
+        self.close()  # preadv does not block on a regular file: closing is enough
+
     def close(self) -> None:
         # The watchdog or a cancel closes from another thread while the worker may close too:
         # the number is taken out under a lock before it is closed, so it is closed once. (Two
@@ -77,11 +81,8 @@ def resolve_local_path(location: Location, settings: Any) -> Path:
     return Path(location.path)
 
 
-@register_source("local")
-@register_source("pvc")
 class LocalSource(Source):
-    preferred_chunk_size = 64 << 20
-    max_streams = 8
+    max_streams = 16
 
     def __init__(self, location: Location, settings: Any) -> None:
         super().__init__(location, settings)
@@ -105,7 +106,7 @@ class LocalSource(Source):
             return [self._file(self.root, self.root.name, st)]
         files = []
         for dirpath, dirnames, filenames in os.walk(self.root, onerror=self._walk_error):
-            dirnames[:] = sorted(d for d in dirnames if d != ".modelcache")
+            dirnames[:] = sorted(d for d in dirnames if d != META_DIR)  # a store's bookkeeping, not the model
             for name in sorted(filenames):
                 full = Path(dirpath) / name
                 rel = full.relative_to(self.root).as_posix()

@@ -1,5 +1,5 @@
-"""What the S3, GCS and Azure Blob sources share: folder-bounded listing, checksum encodings,
-parallel per-object metadata calls, and a ranged-read stream over a raw HTTP response.
+"""What the S3, GCS and Azure Blob sources share: folder-bounded listing, parallel per-object
+metadata calls, quiet SDK logs (their bytes go through ``httpread``, as every HTTP backend's).
 
 Object stores have no folders, only keys. ``s3://b/model`` must mean the object ``model`` or
 the keys under ``model/`` -- never ``model_v2/...`` (KServe's raw-prefix bug). Keys ending in
@@ -14,9 +14,9 @@ import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
-from modelcache.errors import InvalidURIError, NotFoundError, TransientError
+from modelcache.errors import InvalidURIError, NotFoundError
 from modelcache.sources.base import safe_relpath
 
 #: HTTP connections each source keeps pooled. Above the engine's usual worker counts: a pool
@@ -106,60 +106,3 @@ def parallel_map(fn: Callable[[T], R], items: list[T], workers: int = 8) -> list
         return [fn(i) for i in items]
     with ThreadPoolExecutor(max_workers=min(workers, len(items)), thread_name_prefix="head") as pool:
         return list(pool.map(fn, items))
-
-
-class _RawBody(Protocol):
-    def readinto(self, b: memoryview) -> int: ...
-
-    def close(self) -> None: ...
-
-
-class RawRangeStream:
-    """``readinto`` straight from an HTTP response body (no copy through bytes objects).
-
-    Counts what arrives and turns a short body into a TransientError, so a dropped connection
-    can never pass for the end of the range. ``wrap`` maps transport exceptions to modelcache
-    errors (backend-specific).
-    """
-
-    def __init__(
-        self,
-        body: _RawBody,
-        expected: int | None,
-        wrap: Callable[[BaseException], Exception],
-        what: str,
-    ) -> None:
-        self._body = body
-        self._left = expected
-        self._wrap = wrap
-        self._what = what
-
-    def readinto(self, buf: memoryview) -> int:
-        if self._left is not None:
-            if self._left <= 0:
-                return 0
-            if len(buf) > self._left:
-                buf = buf[: self._left]
-        try:
-            n = self._body.readinto(buf)
-        except Exception as exc:
-            raise self._wrap(exc) from exc
-        if n == 0 and self._left:
-            raise TransientError(f"{self._what}: connection closed with {self._left} bytes of the range missing")
-        if self._left is not None:
-            self._left -= n
-        return n
-
-    def close(self) -> None:
-        try:
-            self._body.close()
-        except Exception:
-            pass
-
-
-class EmptyStream:
-    def readinto(self, buf: memoryview) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass

@@ -20,17 +20,17 @@ import platform
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import requests
 import urllib3
 
 from modelcache.errors import IntegrityError, NotFoundError, TransientError, UnsupportedError
-from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source, safe_relpath
+from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, safe_relpath
+from modelcache.sources.httpread import make_pool
 from modelcache.sources.oci_layers import DigestReader, LayerExtractor, corrupt_stream_errors, open_layer_tar
 from modelcache.sources.oci_registry import INDEX_TYPES, MANIFEST_TYPES, RegistryClient
 from modelcache.sources.ratelimit import wait_out
-from modelcache.sources.response_stream import ResponseStream
 from modelcache.uri import OCILocation
 
 if TYPE_CHECKING:
@@ -78,16 +78,17 @@ class Plan:
     layers: list[Layer] = field(default_factory=list)
 
 
-@register_source("oci")
 class OCISource(Source):
-    preferred_chunk_size = 16 << 20
     max_streams = 8
+    applies_patterns = False  # an image is pulled whole, as KServe does
 
-    def __init__(self, location: OCILocation, settings: Settings) -> None:  # type: ignore[override]
+    def __init__(self, location: OCILocation, settings: Settings) -> None:
         super().__init__(location, settings)
         self.loc = location
         self.where = location.display
         self.client = RegistryClient(location.registry, location.repository, settings, self.where)
+        http = settings.http
+        self.pool = make_pool(http.ca_bundle or True, self.max_streams, http.connect_timeout, http.read_timeout)
         self._plan: Plan | None = None
 
     # -- resolution -------------------------------------------------------------------------
@@ -176,11 +177,7 @@ class OCISource(Source):
 
     def open_range(self, file: RemoteFile, start: int, end: int | None) -> RangeStream:
         digest = file.meta_get("oci.digest") or file.version or ""
-        resp = self.client.blob(digest, start, end)
-        skip = start if resp.status_code == 200 else 0  # a registry that ignored the Range
-        stop = end if end is not None else file.size
-        length = None if stop is None else stop - start
-        return ResponseStream(resp.raw, f"{self.where}: {file.path}", length, skip, on_close=resp.close)
+        return self.client.open_blob(self.pool, file, digest, start, end, f"{self.where}: {file.path}")
 
     def extract_into(self, staging_dir: str, on_bytes: Callable[[int], None]) -> list[str] | None:
         plan = self.plan()
@@ -216,7 +213,7 @@ class OCISource(Source):
         resp = self.client.blob(layer.digest)
         try:
             reader = DigestReader(resp.raw, on_bytes)
-            with open_layer_tar(reader, layer.media_type, self.where) as tar:
+            with open_layer_tar(cast(IO[bytes], reader), layer.media_type, self.where) as tar:
                 extractor.apply(tar, layer.digest)
             reader.finish(layer.digest, layer.size, self.where)
         except (requests.RequestException, urllib3.exceptions.HTTPError) as exc:
@@ -242,3 +239,4 @@ class OCISource(Source):
 
     def close(self) -> None:
         self.client.close()
+        self.pool.clear()

@@ -23,11 +23,14 @@ from modelcache.errors import (
     AccessDeniedError,
     AuthError,
     IntegrityError,
+    ModelcacheError,
     NotFoundError,
     RateLimitedError,
     SourceError,
     TransientError,
 )
+from modelcache.remote import RangeStream, RemoteFile
+from modelcache.sources.httpread import Pool, open_range
 from modelcache.sources.ratelimit import retry_after
 
 if TYPE_CHECKING:
@@ -156,34 +159,62 @@ class RegistryClient:
 
     def check(self, resp: requests.Response, what: str) -> None:
         """Map a failed response to one clear error line."""
-        code = resp.status_code
-        if code < 400:
+        if resp.status_code < 400:
             return
         errors = _error_codes(resp)
         resp.close()
+        raise self._status_error(resp.status_code, resp.headers, errors, what)
+
+    def _status_error(self, code: int, headers: Any, errors: list[str], what: str) -> ModelcacheError:
         if code == 401:
-            raise AuthError(
+            return AuthError(
                 f"{self.where}: unauthorized at {self.registry}; put credentials for it in the docker config "
                 f"at {self._config_path} (KSERVE_OCI_DOCKER_CONFIG)"
             )
         if code == 403:
-            raise AccessDeniedError(
+            return AccessDeniedError(
                 f"{self.where}: access to {self.registry}/{self.repository} denied; check the credentials' permissions"
             )
         if code == 404:
             if "NAME_UNKNOWN" in errors:
-                raise NotFoundError(f"{self.where}: repository '{self.repository}' not found in {self.registry}")
-            raise NotFoundError(f"{self.where}: {what} not found in {self.registry}/{self.repository}")
+                return NotFoundError(f"{self.where}: repository '{self.repository}' not found in {self.registry}")
+            return NotFoundError(f"{self.where}: {what} not found in {self.registry}/{self.repository}")
         if code == 429:
-            raise RateLimitedError(
+            return RateLimitedError(
                 f"{self.where}: rate-limited by registry {self.registry} (HTTP 429) fetching {what}",
-                retry_after=retry_after(resp.headers),
+                retry_after=retry_after(headers),
             )
         if code >= 500:
-            raise TransientError(f"{self.where}: registry error {code} fetching {what}")
-        raise SourceError(
+            return TransientError(f"{self.where}: registry error {code} fetching {what}")
+        return SourceError(
             f"{self.where}: registry answered {code} fetching {what} ({', '.join(errors) or 'no detail'})"
         )
+
+    def open_blob(self, pool: Pool, file: RemoteFile, digest: str, start: int, end: int | None,
+                  where: str) -> RangeStream:
+        """A range of a blob through the one HTTP data path: the registry's token to its own
+        host only (a redirect to blob storage carries its own signature); a 401 is answered
+        with the registry's challenge once."""
+        url = f"{self.base}/blobs/{digest}"
+        challenged: list[bool] = []
+
+        def errors(resp: Any) -> ModelcacheError:
+            if resp.status == 401 and not challenged and self._answer_challenge(resp):
+                challenged.append(True)
+                return _Challenged(where)
+            try:
+                body = json.loads(resp.read(64 << 10) or b"{}")
+                codes = [str(e.get("code")) for e in body.get("errors", []) if isinstance(e, dict)]
+            except (ValueError, AttributeError):
+                codes = []
+            return self._status_error(resp.status, resp.headers, codes, f"blob {digest}")
+
+        for _ in range(2):
+            try:
+                return open_range(pool, url, file, start, end, where, private=dict(self._auth), errors=errors)
+            except _Challenged:
+                continue
+        raise AssertionError("unreachable: a second 401 is an AuthError")
 
     # -- API --------------------------------------------------------------------------------
 
@@ -220,3 +251,7 @@ def _error_codes(resp: requests.Response) -> list[str]:
         return [str(e.get("code")) for e in resp.json().get("errors", []) if isinstance(e, dict)]
     except (ValueError, AttributeError):
         return []
+
+
+class _Challenged(ModelcacheError):
+    """A 401 whose challenge was answered: the request goes again with the new credentials."""

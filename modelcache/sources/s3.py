@@ -8,6 +8,10 @@ with ``PartNumber=1``), and a multipart object's CRC is only a whole-file CRC wh
 CRC32 by default) is preferred over the ETag: MD5 costs ~1.2 CPU-s per GiB, CRC32 ~0.15.
 Reads are pinned with ``If-Match`` (and the version id on versioned buckets) so an overwrite
 during the download fails loudly instead of mixing bytes.
+
+boto3 lists, authenticates and signs; the bytes do not go through it: each GET is signed
+(SigV4, in its headers) and read by the one HTTP data path (``httpread``). Through botocore's
+response objects the bytes cost ~3 CPU-s per GiB on top of the checksum.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ import os
 import re
 import threading
 from typing import Any
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import boto3
 import botocore
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
 from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
@@ -43,11 +50,10 @@ from modelcache.errors import (
     TransientError,
 )
 from modelcache.integrity import safe_b64_to_hex
-from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, register_source
+from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source
+from modelcache.sources.httpread import Pool, make_pool, open_range
 from modelcache.sources.objectstore import (
     CONNECTION_POOL,
-    EmptyStream,
-    RawRangeStream,
     check_unique,
     nothing_found,
     parallel_map,
@@ -56,7 +62,8 @@ from modelcache.sources.objectstore import (
     scope_of,
     single_object_path,
 )
-from modelcache.sources.ranges import changed, check_length, check_total
+from modelcache.sources.ranges import changed
+from modelcache.sources.ratelimit import retry_after
 from modelcache.uri import Location, S3Location, redact_uri
 
 quiet_sdk_logs()
@@ -77,10 +84,17 @@ _AUTH_CODES = {
 }
 _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests", "503"}
 _LEGACY_GLOBAL_ENDPOINT = "https://s3.amazonaws.com"
+_XML_CODE = re.compile(r"<Code>([^<]{1,100})</Code>")
+_XML_MESSAGE = re.compile(r"<Message>([^<]{1,300})</Message>")
+# A presigned URL's signature: dropped from the URL that botocore built, whose GETs are signed
+# in their headers (moto's IAM checks, like IAM policies with conditions, want that form).
+_PRESIGN_PARAMS = {"X-Amz-Algorithm", "X-Amz-Credential", "X-Amz-Date", "X-Amz-Expires", "X-Amz-SignedHeaders",
+                   "X-Amz-Security-Token", "X-Amz-Signature", "AWSAccessKeyId", "Signature", "Expires"}
 
 
-def make_client(cfg: S3Settings, pool: int) -> Any:
-    """A boto3 S3 client configured the way KServe's initializer configures it."""
+def make_client(cfg: S3Settings, pool: int) -> tuple[Any, Any]:
+    """A boto3 S3 client configured the way KServe's initializer configures it, and the
+    credentials it signs with (None when anonymous)."""
     addressing = "virtual" if cfg.virtual_addressing else "auto"
     if cfg.endpoint_url == _LEGACY_GLOBAL_ENDPOINT and cfg.region and cfg.region != "us-east-1":
         addressing = "virtual"  # KServe: the legacy global endpoint needs virtual hosting outside us-east-1
@@ -107,13 +121,12 @@ def make_client(cfg: S3Settings, pool: int) -> Any:
             "the container; S3 needs it, other backends keep the default trust store"
         )
     verify: bool | str | None = False if not cfg.verify else (cfg.ca_bundle or None)
-    return session.client("s3", endpoint_url=cfg.endpoint_url, verify=verify, config=config)
+    client = session.client("s3", endpoint_url=cfg.endpoint_url, verify=verify, config=config)
+    return client, None if cfg.anonymous else session.get_credentials()
 
 
-@register_source("s3")
 class S3Source(Source):
-    preferred_chunk_size = 16 << 20
-    max_streams = 16
+    max_streams = CONNECTION_POOL
 
     def __init__(self, location: Location, settings: Settings) -> None:
         super().__init__(location, settings)
@@ -122,13 +135,16 @@ class S3Source(Source):
         self.cfg = settings.s3
         self._client: Any = None
         self._lock = threading.Lock()  # engine threads may make the first call concurrently
+        self._credentials: Any = None
+        self._pool: Pool | None = None
+        self._urls: dict[tuple[str, str], str] = {}  # (key, version id) -> the object's GET URL
 
     @property
     def client(self) -> Any:
         with self._lock:
             if self._client is None:
                 try:
-                    self._client = make_client(self.cfg, CONNECTION_POOL)
+                    self._client, self._credentials = make_client(self.cfg, CONNECTION_POOL)
                 except BotoCoreError as exc:
                     raise self._error(exc, self.loc.display) from None
             return self._client
@@ -221,43 +237,82 @@ class S3Source(Source):
 
     # -- reads ---------------------------------------------------------------------------
 
+    def _url(self, key: str, version_id: str) -> str:
+        """The object's GET URL as botocore builds it (addressing style, accelerate, region
+        endpoints), once per file: a presigned URL without its signature."""
+        with self._lock:
+            url = self._urls.get((key, version_id))
+        if url is not None:
+            return url
+        params = {"Bucket": self.loc.bucket, "Key": key}
+        if version_id:
+            params["VersionId"] = version_id
+        try:
+            presigned = self.client.generate_presigned_url("get_object", Params=params, ExpiresIn=60)
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error(exc, f"s3://{self.loc.bucket}/{key}") from None
+        parts = urlsplit(presigned)
+        query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k not in _PRESIGN_PARAMS]
+        url = urlunsplit(parts._replace(query=urlencode(query, quote_via=quote)))
+        with self._lock:
+            self._urls[(key, version_id)] = url
+        return url
+
+    def _sign(self, url: str) -> dict[str, str]:
+        """SigV4 headers for one GET (signed per request: credentials that rotate, an IRSA
+        session, are refreshed by botocore as for its own calls)."""
+        if self._credentials is None:
+            return {}
+        request = AWSRequest(method="GET", url=url)
+        S3SigV4Auth(self._credentials.get_frozen_credentials(), "s3",
+                    self.client.meta.region_name or "us-east-1").add_auth(request)
+        return dict(request.headers.items())
+
+    def pool(self) -> Pool:
+        with self._lock:
+            if self._pool is None:
+                cfg = self.cfg
+                self._pool = make_pool(cfg.ca_bundle or True if cfg.verify else False, self.max_streams,
+                                       cfg.connect_timeout, cfg.read_timeout)
+            return self._pool
+
     def open_range(self, file: RemoteFile, start: int, end: int | None) -> RangeStream:
         key = file.meta_get("key") or file.path
         where = f"s3://{self.loc.bucket}/{key}"
-        stop = file.size if end is None else end
-        if stop is not None and start >= stop:
-            return EmptyStream()
-        kwargs: dict[str, Any] = {"Bucket": self.loc.bucket, "Key": key}
-        if file.meta_get("etag"):
-            kwargs["IfMatch"] = f'"{file.meta_get("etag")}"'
-        if file.meta_get("version_id"):
-            kwargs["VersionId"] = file.meta_get("version_id")
-        if start or end is not None:
-            kwargs["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        listed = file.meta_get("etag")
+        headers = {"If-Match": f'"{listed}"'} if listed else {}
+
+        def check(resp: Any) -> None:  # S3-compatible stores do not all honour If-Match
+            etag = str(resp.headers.get("ETag", "")).strip('"').lower()
+            if listed and etag and etag != listed:
+                raise changed(where, f"its ETag is now {etag}, listed {listed}")
+
+        url = self._url(key, file.meta_get("version_id"))
+        # Range and If-Match go unsigned (SigV4 allows that for standard headers).
+        return open_range(self.pool(), url, file, start, end, where, headers={**self._sign(url), **headers},
+                          errors=lambda resp: self._response_error(resp, where), check=check)
+
+    def _response_error(self, resp: Any, where: str) -> ModelcacheError:
+        """A failed GET: S3's error code from its XML body, worded as for the SDK's calls."""
         try:
-            resp = self.client.get_object(**kwargs)
-        except (ClientError, BotoCoreError) as exc:
-            raise self._error(exc, where, reading=True) from None
-        if "Range" in kwargs and not str(resp.get("ContentRange", "")).startswith(f"bytes {start}-"):
-            resp["Body"].close()
-            raise SourceError(f"{where}: the S3 endpoint ignored the byte range; it does not support ranged GETs")
-        try:  # S3-compatible stores do not all honour IfMatch: hold the answer against the listing
-            etag = str(resp.get("ETag", "")).strip('"').lower()
-            if file.meta_get("etag") and etag and etag != file.meta_get("etag"):
-                raise changed(where, f"its ETag is now {etag}, listed {file.meta_get('etag')}")
-            if "Range" in kwargs:
-                check_total(where, resp.get("ContentRange"), file.size)
-            else:
-                check_length(where, int(resp["ContentLength"]), file.size)
-        except SourceChangedError:
-            resp["Body"].close()
-            raise
-        return RawRangeStream(resp["Body"], int(resp["ContentLength"]), lambda e: self._error(e, where, True), where)
+            body = resp.read(64 << 10, decode_content=True) if resp.status < 500 or resp.status == 503 else b""
+        except Exception:
+            body = b""
+        code = _XML_CODE.search(body.decode("utf-8", "replace"))
+        message = _XML_MESSAGE.search(body.decode("utf-8", "replace"))
+        err = self._code_error(code.group(1) if code else "", resp.status,
+                               message.group(1) if message else "", where)
+        if isinstance(err, RateLimitedError):
+            err.retry_after = retry_after(resp.headers)
+        return err
 
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self._pool is not None:
+            self._pool.clear()
+            self._pool = None
 
     # -- errors --------------------------------------------------------------------------
 
@@ -266,7 +321,6 @@ class S3Source(Source):
 
     def _error(self, exc: BaseException, where: str, reading: bool = False) -> ModelcacheError:
         """One line per failure kind: what failed, for which URI, and what to change."""
-        bucket = self.loc.bucket
         if isinstance(exc, ModelcacheError):
             return exc
         if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
@@ -286,39 +340,7 @@ class S3Source(Source):
             )
         if isinstance(exc, ClientError):
             err = exc.response.get("Error", {})
-            code = str(err.get("Code", ""))
-            status = _status(exc)
-            if code in _AUTH_CODES:
-                return AuthError(
-                    f"S3 rejected the credentials for {where} ({code}): check AWS_ACCESS_KEY_ID / "
-                    "AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN (or the storage-spec secret) and the region"
-                )
-            if code == "NoSuchBucket":
-                return NotFoundError(
-                    f"S3 bucket '{bucket}' does not exist ({where}): check the bucket name, the endpoint "
-                    f"({self._endpoint()}) and the region"
-                )
-            if self.cfg.anonymous and (code == "AccessDenied" or status in (401, 403)):
-                return AccessDeniedError(
-                    f"anonymous access (awsAnonymousCredential=true) to {where} was refused: the bucket is not "
-                    "public; unset awsAnonymousCredential and provide AWS credentials"
-                )
-            if code in ("AccessDenied", "AllAccessDisabled", "AccountProblem") or status == 403:
-                return AccessDeniedError(
-                    f"access denied to {where} ({code or 403}): the credentials need s3:ListBucket on bucket "
-                    f"'{bucket}' and s3:GetObject on its objects"
-                )
-            if code in ("PreconditionFailed",) or status == 412:
-                return SourceError(
-                    f"{where} changed while it was being downloaded (ETag no longer matches); run the pull again"
-                )
-            if code in ("NoSuchKey", "NoSuchVersion", "404") or status == 404:
-                return NotFoundError(f"S3 object {where} not found (deleted or replaced since listing?)")
-            if code in _THROTTLE_CODES or status in (429, 503):
-                return RateLimitedError(f"S3 is throttling requests for {where} ({code}); retrying")
-            if status >= 500 or code in ("InternalError", "RequestTimeout"):
-                return TransientError(f"S3 server error for {where} ({code or status})")
-            return SourceError(f"S3 error for {where}: {code or status} {err.get('Message', '')}".rstrip())
+            return self._code_error(str(err.get("Code", "")), _status(exc), str(err.get("Message", "")), where)
         if isinstance(exc, BotoCoreError):
             # Read timeouts, dropped streams, incomplete reads: retryable.
             return TransientError(f"S3 transfer error for {where}: {type(exc).__name__}")
@@ -329,7 +351,45 @@ class S3Source(Source):
         )
 
 
+    def _code_error(self, code: str, status: int, message: str, where: str) -> ModelcacheError:
+        """An S3 error code (from the SDK or a GET's XML body) as one line."""
+        bucket = self.loc.bucket
+        if code in _AUTH_CODES:
+            return AuthError(
+                f"S3 rejected the credentials for {where} ({code}): check AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN (or the storage-spec secret) and the region"
+            )
+        if code == "NoSuchBucket":
+            return NotFoundError(
+                f"S3 bucket '{bucket}' does not exist ({where}): check the bucket name, the endpoint "
+                f"({self._endpoint()}) and the region"
+            )
+        if self.cfg.anonymous and (code == "AccessDenied" or status in (401, 403)):
+            return AccessDeniedError(
+                f"anonymous access (awsAnonymousCredential=true) to {where} was refused: the bucket is not "
+                "public; unset awsAnonymousCredential and provide AWS credentials"
+            )
+        if code in ("AccessDenied", "AllAccessDisabled", "AccountProblem") or status == 403:
+            return AccessDeniedError(
+                f"access denied to {where} ({code or 403}): the credentials need s3:ListBucket on bucket "
+                f"'{bucket}' and s3:GetObject on its objects"
+            )
+        if code in ("PreconditionFailed",) or status == 412:
+            return SourceChangedError(
+                f"{where} changed while it was being downloaded (ETag no longer matches); run the pull again"
+            )
+        if code in ("NoSuchKey", "NoSuchVersion", "404") or status == 404:
+            return NotFoundError(f"S3 object {where} not found (deleted or replaced since listing?)")
+        if code in _THROTTLE_CODES or status in (429, 503):
+            return RateLimitedError(f"S3 is throttling requests for {where} ({code}); retrying")
+        if status >= 500 or code in ("InternalError", "RequestTimeout"):
+            return TransientError(f"S3 server error for {where} ({code or status})")
+        return SourceError(f"S3 error for {where}: {code or status} {message}".rstrip())
+
+
 def _status(exc: BaseException) -> int:
     if isinstance(exc, ClientError):
         return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
     return 0
+
+

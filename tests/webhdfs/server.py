@@ -86,6 +86,9 @@ class WebHDFSServer:
     block_size: int = 1 << 20
     #: hdfs path -> file offset whose byte OPEN flips in transit (the stored file stays good).
     corrupt_reads: dict[str, int] = field(default_factory=dict)
+    #: Paths of ``corrupt_reads`` flipped in one read only; ``flipped`` counts flipped reads.
+    corrupt_once: set[str] = field(default_factory=set)
+    flipped: int = 0
     bytes_sent: int = 0
     requests: list[Request] = field(default_factory=list)
     #: HTTPS on both nodes with this certificate chain and key (PEM paths); None: plain HTTP.
@@ -406,7 +409,12 @@ def _handler(server: WebHDFSServer, node: str) -> type[BaseHTTPRequestHandler]:
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(end - offset))
                 self.end_headers()
-                flip = server.corrupt_reads.get(hdfs_path)
+                with server._lock:
+                    flip = server.corrupt_reads.get(hdfs_path)
+                    if flip is not None and offset <= flip < end:
+                        server.flipped += 1
+                        if hdfs_path in server.corrupt_once:
+                            del server.corrupt_reads[hdfs_path]
                 with open(local, "rb") as f:
                     f.seek(offset)
                     pos = offset

@@ -1,26 +1,34 @@
-"""``/healthz``, ``/readyz`` and ``/metrics`` on a small threaded HTTP server."""
+"""The one health and metrics server of our long-running processes (the agent and the
+coordinator): ``/healthz``, ``/readyz`` and ``/metrics`` on a small threaded HTTP server that
+listens on IPv4 and IPv6 (modelcache.listen)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from modelcache.listen import http_server
 
+log = logging.getLogger(__name__)
+
 
 class HealthServer:
-    """``healthy()``: the process works (its loops are alive); ``ready()``: it has synced its spec."""
+    """``healthy()``: the process works (its loops are alive); ``ready()``: it may be sent work
+    (spec synced, leader or not); ``metrics()``: the Prometheus text of its registry."""
 
     def __init__(self, host: str, port: int, healthy: Callable[[], bool], ready: Callable[[], bool],
-                 metrics: Callable[[], bytes]) -> None:
+                 metrics: Callable[[], bytes], name: str = "health") -> None:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:  # probes every few seconds: not worth a log line
-                pass
+            def log_message(self, fmt: str, *args: Any) -> None:
+                # Probes come every few seconds: a debug line at most.
+                log.debug(f"{name}: {fmt}", *args)
 
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
@@ -45,7 +53,7 @@ class HealthServer:
         self.healthy, self.ready, self.metrics = healthy, ready, metrics
         self.server = http_server(host, port, Handler)
         self.port = self.server.server_address[1]
-        self._thread = threading.Thread(target=self.server.serve_forever, name="agent-http", daemon=True)
+        self._thread = threading.Thread(target=self.server.serve_forever, name=f"{name}-http", daemon=True)
 
     def start(self) -> HealthServer:
         self._thread.start()

@@ -1,0 +1,63 @@
+"""The one registry of storage backends: one line per backend.
+
+A line names the backend's kind (the only place it is spelled), its Source class and its
+Location class, as ``module:Class`` strings imported on first use: one backend's SDK is never
+loaded for another's URI, and this module imports nothing. A Location defined in ``uri.py`` is
+matched there, in KServe's dispatch order; a backend whose Location lives in its own module
+lists the URI prefixes it parses and the form shown in the invalid-URI error. How to add a
+backend: docs/backends.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Backend:
+    source: str  # "module:Class" of its Source
+    location: str  # "module:Class" of its Location (":Class": in the Source's module)
+    prefixes: tuple[str, ...] = ()  # URI prefixes, for a Location outside uri.py
+    form: str = ""  # the accepted URI form shown in errors (default: the first prefix)
+
+    def __post_init__(self) -> None:
+        if self.location.startswith(":"):
+            object.__setattr__(self, "location", self.source.partition(":")[0] + self.location)
+        if self.prefixes and not self.form:
+            object.__setattr__(self, "form", f"{self.prefixes[0]}...")
+
+
+BACKENDS: dict[str, Backend] = {
+    "s3": Backend("modelcache.sources.s3:S3Source", "modelcache.uri:S3Location"),
+    "gcs": Backend("modelcache.sources.gcs:GCSSource", "modelcache.uri:GCSLocation"),
+    "azure": Backend("modelcache.sources.azure:AzureBlobSource", "modelcache.uri:AzureBlobLocation"),
+    "hf": Backend("modelcache.sources.hf:HFSource", "modelcache.uri:HFLocation"),
+    "oci": Backend("modelcache.sources.oci:OCISource", "modelcache.uri:OCILocation"),
+    "hdfs": Backend("modelcache.sources.hdfs:HDFSSource", "modelcache.uri:HDFSLocation"),
+    "pvc": Backend("modelcache.sources.local:LocalSource", "modelcache.uri:PVCLocation"),
+    "local": Backend("modelcache.sources.local:LocalSource", "modelcache.uri:LocalLocation"),
+    "http": Backend("modelcache.sources.http:HTTPSource", "modelcache.uri:HTTPLocation"),
+    "modelscope": Backend("modelcache.sources.modelscope:ModelScopeSource", ":ModelScopeLocation", ("modelscope://",)),
+}
+
+
+def load(path: str) -> Any:
+    """The object a ``module:Class`` string names."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def kind_of(location_class: type[Any]) -> str:
+    """The kind whose line names this Location class ("" for none: a form that is refused)."""
+    path = f"{location_class.__module__}:{location_class.__qualname__}"
+    for kind, backend in BACKENDS.items():
+        if backend.location == path:
+            return kind
+    return ""
+
+
+def external() -> list[Backend]:
+    """The backends whose Location is parsed in their own module, not in uri.py."""
+    return [b for b in BACKENDS.values() if b.prefixes]

@@ -1,0 +1,1 @@
+"""One module per storage backend; ``modelcache.backends`` names them (docs/backends.md)."""
