@@ -35,9 +35,9 @@ from urllib.parse import urlsplit
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from agent.capacity import parse_quantity  # noqa: E402
 from coordinator.app import Config, Coordinator  # noqa: E402
 from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NODES, Kube, load_api_client  # noqa: E402
+from modelcache.sizes import parse_size  # noqa: E402
 from tests.agent_util import AgentProc, start_agent  # noqa: E402
 from tests.cluster.baseline import apply_manifests  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
@@ -190,7 +190,7 @@ def main() -> None:
     ap.add_argument("--modes", default="p2p,direct,single", help="which runs (comma-separated)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (agent logs) and print its path")
     args = ap.parse_args()
-    size, rate = parse_quantity(args.size), parse_quantity(args.origin_rate)
+    size, rate = parse_size(args.size), parse_size(args.origin_rate)
     if not size or not rate:
         ap.error("--size and --origin-rate take quantities like 256Mi, 16Mi")
     load_start = [round(x, 1) for x in os.getloadavg()]  # the machine is shared: say how loaded it was

@@ -122,3 +122,22 @@ def test_reset_removes_what_a_test_added_and_restores_the_baseline(cluster: Clus
         "labels"]
     assert "scratch" not in labels
 
+
+
+def test_reset_deletes_a_crd_whose_instance_kept_a_stopped_controllers_finalizer(cluster: Cluster) -> None:
+    """A test's KServe adds finalizers and is stopped before the reset: the API server deletes a CRD
+    only once its instances are gone, so the reset releases theirs (it timed out after 180 s)."""
+    crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+           "metadata": {"name": "widgets.scratch.example.com"},
+           "spec": {"group": "scratch.example.com", "scope": "Namespaced",
+                    "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
+                    "versions": [{"name": "v1", "served": True, "storage": True,
+                                  "schema": {"openAPIV3Schema": {"type": "object",
+                                                                 "x-kubernetes-preserve-unknown-fields": True}}}]}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(crd))
+    cluster.kubectl("wait", "--for", "condition=Established", "crd/widgets.scratch.example.com")
+    widget = {"apiVersion": "scratch.example.com/v1", "kind": "Widget",
+              "metadata": {"name": "w", "namespace": "default", "finalizers": ["scratch.example.com/held"]}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(widget))
+    cluster.reset()
+    assert cluster.kubectl("get", "crd", "widgets.scratch.example.com", check=False).returncode != 0

@@ -129,6 +129,34 @@ def _still_there(cp: ControlPlane, kind: Kind, meta: dict[str, Any]) -> bool:
     return status == 200 and json.loads(body)["metadata"]["uid"] == meta["uid"]
 
 
+def _crd(cp: ControlPlane, name: str) -> dict[str, Any] | None:
+    status, body = cp.raw(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}", timeout=10)
+    return json.loads(body) if status == 200 else None
+
+
+def _release_instances(cp: ControlPlane, crd_name: str) -> None:
+    """Release the finalizers of the instances of a CRD being deleted, and delete them."""
+    crd = _crd(cp, crd_name)
+    if crd is None:
+        return
+    spec = crd["spec"]
+    version = next((v["name"] for v in spec["versions"] if v.get("storage")), spec["versions"][0]["name"])
+    kind = Kind(spec["names"]["plural"], f"/apis/{spec['group']}/{version}", spec["scope"] == "Namespaced")
+    for item in _items(cp, kind):
+        _delete(cp, kind, item["metadata"])
+
+
+def _terminating(cp: ControlPlane, kind: Kind, meta: dict[str, Any]) -> str:
+    """What the API server says keeps a CRD (its Terminating condition), for the error."""
+    if kind.plural != "customresourcedefinitions":
+        return ""
+    crd = _crd(cp, meta["name"]) or {}
+    for cond in crd.get("status", {}).get("conditions", []):
+        if cond.get("type") == "Terminating":
+            return f" ({cond.get('reason')}: {cond.get('message')})"
+    return ""
+
+
 def reset(cp: ControlPlane, base: Baseline, timeout: float = 180) -> None:
     """Delete what tests added; re-apply the baseline manifests if any of their objects changed."""
     order = sorted(base.kinds, key=lambda k: (k.plural not in ("mutatingwebhookconfigurations",
@@ -155,10 +183,16 @@ def reset(cp: ControlPlane, base: Baseline, timeout: float = 180) -> None:
     missing = any(uid not in seen and plural in RESTORED_KINDS for uid, (plural, _) in base.objects.items())
     deadline = time.monotonic() + timeout
     for kind, meta in leftovers:
+        nudge = time.monotonic() + 5
         while _still_there(cp, kind, meta):
+            if kind.plural == "customresourcedefinitions" and time.monotonic() > nudge:
+                # The API server deletes a CRD only after every instance is gone; an instance whose
+                # controller (a test's KServe) has stopped keeps its finalizer for ever.
+                _release_instances(cp, meta["name"])
+                nudge = time.monotonic() + 5
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{kind.plural} {meta.get('namespace', '')}/{meta['name']} was not deleted "
-                                   f"within {timeout:.0f} s of the reset")
+                                   f"within {timeout:.0f} s of the reset{_terminating(cp, kind, meta)}")
             time.sleep(0.1)
     if changed or missing:
         apply_manifests(cp, exact=True)
