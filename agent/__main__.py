@@ -93,6 +93,9 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
 @click.option("--standalone", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
               help="No cluster: read a LocalModelNode from this YAML file, write FILE.status.yaml beside it.")
 @click.option("--watch", is_flag=True, help="Standalone: keep running (re-read FILE on change, retry errors).")
+@click.option("--take-root", is_flag=True,
+              help="Standalone: the first time the agent runs on a root that holds models it did not download "
+                   "(pulled with `modelcache pull`), delete those FILE does not list instead of refusing to start.")
 @click.option("--backoff-initial", envvar="MODELCACHE_BACKOFF_INITIAL", default=5.0, show_default=True, type=_POSITIVE,
               help="First retry delay of a failed model (doubles per failure).")
 @click.option("--backoff-max", envvar="MODELCACHE_BACKOFF_MAX", default=300.0, show_default=True, type=_POSITIVE,
@@ -169,6 +172,8 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     from modelcache.store import RootLock
 
     spec = _standalone_spec(cfg) if cfg.standalone is not None else None  # before anything is written
+    if spec is not None:
+        _check_first_take(cfg, spec)
     try:
         check_buffers(cfg.workers, cfg.chunk_size,
                       f"--workers {cfg.workers} x --chunk-size {human_bytes(cfg.chunk_size)}",
@@ -193,6 +198,7 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
         try:
             if not root_lock.acquire(stop):
                 return 0
+            agent.store.mark_agent_owned(f"modelcache-agent --standalone {cfg.standalone}")
             return runner.run()
         finally:
             root_lock.release()
@@ -275,6 +281,34 @@ def _standalone_spec(cfg: AgentConfig) -> dict[str, object]:
             [f"--standalone {cfg.standalone}: {p}" for p in exc.problems]) from None
     except ModelcacheError as exc:
         raise StartupError(f"--standalone: {exc}") from None
+
+
+def _check_first_take(cfg: AgentConfig, spec: dict[str, object]) -> None:
+    """The first time a standalone agent takes a root, it refuses one that holds models it did not
+    download and its file does not list (a root that `modelcache pull` filled): from then on it
+    deletes every model the file does not list. ``--take-root`` lets it."""
+    from modelcache.kube.types import LocalModelNode
+    from modelcache.store import NodeStore
+    from modelcache.uri import redact_uri, storage_key
+
+    if cfg.take_root or not cfg.root.is_dir():
+        return
+    store = NodeStore.at(cfg.root)
+    if store.agent_owned():
+        return
+    listed = {storage_key(i.source_model_uri) for i in LocalModelNode.from_dict(spec).spec.local_models}
+    found = []
+    for key in sorted(set(store.keys()) - listed):
+        manifest = store.manifest(key) or store.pinned_manifest(key)
+        if manifest is not None:
+            found.append(f"{key} ({redact_uri(manifest.uri)})")
+    if found:
+        shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        raise StartupError(
+            f"--root {cfg.root} holds {len(found)} model(s) that no agent downloaded and {cfg.standalone} does not "
+            f"list: {shown}. The standalone agent deletes every model its file does not list, so nothing was done: "
+            f"add them to the file, point --root at a folder of the agent's own, or pass --take-root to let it "
+            "delete them")
 
 
 def _peering(cfg: AgentConfig, kube: object, agent: object, metrics: object,

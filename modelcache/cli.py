@@ -105,6 +105,14 @@ def _key(arg: str) -> str:
     return arg if re.fullmatch(r"[0-9a-f]{16}", arg) else storage_key(arg)
 
 
+def _folder_name(root: Path, arg: str) -> str | None:
+    """``arg`` when it names a folder under ``<root>/models`` exactly (one not made by modelcache,
+    which only ``rm`` of its name deletes), else None."""
+    if "/" in arg or arg.startswith(".") or not arg:
+        return None
+    return arg if (root / "models" / arg).is_dir() else None
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--log-level", default="WARNING", envvar="MODELCACHE_LOG_LEVEL", show_default=True, show_envvar=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
@@ -195,12 +203,16 @@ def _interruptible() -> Iterator[tuple[threading.Event, list[int]]]:
 @click.option("--refresh", is_flag=True,
               help="Bring stored models (the URIs given, else all) up to date with their source, fetching only the "
               "files that changed.")
+# 64Mi: modelcache.pull.SPACE_MARGIN (not imported here: the CLI imports the pull only when it pulls).
+@click.option("--space-margin", type=SizeType(), default="64Mi",
+              envvar="MODELCACHE_SPACE_MARGIN", show_envvar=True, show_default=True,
+              help="Kept free on the file system besides the model (the agent's --space-margin on a node).")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON on stdout.")
 @_assume_unused_option
 @click.pass_context
 def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | None, workers: int,
          max_workers: int | None, chunk_size: int, stall_timeout: float, max_attempts: int, direct_io: bool | None,
-         progress_mode: str, progress_interval: float, check: bool, refresh: bool, as_json: bool,
+         progress_mode: str, progress_interval: float, check: bool, refresh: bool, space_margin: int, as_json: bool,
          assume_unused: bool) -> None:
     """Download models (one per URI) into the store, verified and resumable.
 
@@ -208,7 +220,7 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
     with the source (no download) and `--refresh` brings it up to date.
     """
     from modelcache.display import show_progress
-    from modelcache.pull import PullResult, pull_many
+    from modelcache.pull import PullResult, SpacePolicy, pull_many
 
     if (check or refresh) and dest is not None:
         raise click.UsageError("--check and --refresh work on a store (--root), not on --dest")
@@ -245,7 +257,7 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
             with show_progress(tracker, progress_mode, progress_interval):
                 results = pull_many(list(uris), root=None if dest else root, dest=dest, options=options,
                                     progress=tracker, cancel=cancel, guard=_guard(assume_unused),
-                                    refresh=refresh)
+                                    refresh=refresh, space=SpacePolicy(space_margin))
         except ModelcacheError as exc:
             if not caught:
                 _fail(str(exc))
@@ -369,26 +381,44 @@ def ls_cmd(root: Path, as_json: bool) -> None:
         return
     present = {e.storage_key for e in entries if e.present}
     staged = [s for s in staged if s.storage_key not in present]
+    stage_keys = {s.storage_key for s in staged}
     if as_json:
-        _emit([asdict(e) for e in entries if e.present or e.storage_key not in {s.storage_key for s in staged}]
-              + [{**asdict(s), "state": "pulling" if s.running else "interrupted", "present": False}
-                 for s in staged])
+        _emit([{**asdict(e), "state": _entry_state(e), "last_used": e.last_used_at}
+               for e in entries if e.present or e.storage_key not in stage_keys]
+              + [{**asdict(s), "state": s.state, "present": False} for s in staged])
         return
     if not entries and not staged:
         click.echo(f"no models in {root}")
         return
     click.echo(f"{'KEY':16}  {'STATE':16}  {'SIZE':>10}  {'FILES':>5}  URI")
-    stage_keys = {s.storage_key for s in staged}
     for e in entries:
         if e.storage_key in stage_keys:
             continue  # shown below with its progress
-        state = "present" if e.present else "incomplete"
-        click.echo(f"{e.storage_key:16}  {state:16}  {human_bytes(e.size):>10}  {e.files:>5}  {e.uri}")
+        uri = e.uri if e.made else "(not made by modelcache" + (
+            ": a pull of the URI with this key adopts its files)" if re.fullmatch(r"[0-9a-f]{16}", e.storage_key)
+            else ")")
+        click.echo(f"{e.storage_key:16}  {_entry_state(e):16}  {human_bytes(e.size):>10}  {e.files:>5}  {uri}")
     for s in staged:
-        state = f"{'pulling' if s.running else 'interrupted'} {s.percent:.0f}%"
+        state = f"{s.state} {s.percent:.0f}%"
         click.echo(f"{s.storage_key:16}  {state:16}  {human_bytes(s.bytes_total):>10}  {s.files:>5}  {s.uri}")
-    if any(not s.running for s in staged):
-        click.echo("interrupted pulls resume where they stopped: run `modelcache pull URI` again", err=True)
+    if any(s.state == "interrupted" for s in staged):
+        click.echo(f"interrupted pulls resume where they stopped: run `modelcache pull --root {root} URI` again",
+                   err=True)
+    for s in staged:
+        if s.state == "failed":
+            click.echo(f"{s.storage_key}: failed: {s.failure}; what it staged is kept: `modelcache pull --root "
+                       f"{root} {s.uri or 'URI'}` resumes once the cause is fixed, `modelcache rm --root {root} "
+                       f"{s.storage_key}` drops it", err=True)
+    foreign = [e.storage_key for e in entries if not e.made]
+    if foreign:
+        click.echo(f"{len(foreign)} folder(s) under {root}/models were not made by modelcache ({', '.join(foreign)}): "
+                   f"gc and the agent never delete them; `modelcache rm --root {root} NAME` deletes one", err=True)
+
+
+def _entry_state(e: Any) -> str:
+    if not e.made:
+        return "not modelcache's"
+    return "present" if e.present else "incomplete"
 
 
 @cli.command()
@@ -479,23 +509,25 @@ def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -
 def rm(models: tuple[str, ...], root: Path, as_json: bool, assume_unused: bool) -> None:
     """Remove models (by storage key or URI) from the store; never one a pod on this node mounts."""
     store = _store(root, assume_unused)
-    out = {}
+    out: dict[str, tuple[str, bool, bool]] = {}  # argument -> (key, removed, made by modelcache)
     for m in models:
-        key = _key(m)
+        key = _folder_name(root, m) or _key(m)
         if not store.has(key):  # nothing to lock either: no lock file is created for a typo
-            out[m] = False
+            out[m] = (key, False, True)
             continue
+        made = store.made(key)
         try:
-            out[m] = store.remove(key)
+            out[m] = (key, store.remove(key), made)
         except ModelcacheError as exc:
             _fail(f"{m}: {exc}")
     if as_json:
-        _emit(out)
+        _emit([{"model": redact_uri(m), "storage_key": key, "removed": removed, "made_by_modelcache": made}
+               for m, (key, removed, made) in out.items()])
     else:
-        for m, removed in out.items():
+        for m, (_, removed, made) in out.items():
             if removed:
-                click.echo(f"{m}: removed")
-    missing = [m for m, removed in out.items() if not removed]
+                click.echo(f"{m}: removed" + ("" if made else " (a folder not made by modelcache)"))
+    missing = [m for m, (_k, removed, _made) in out.items() if not removed]
     for m in missing:
         click.echo(f"error: {scrub_urls(redact_uri(m))}: not in the store at {root} (nothing was pulled from this "
                    "exact URI or key; `modelcache ls` lists what is there)", err=True)

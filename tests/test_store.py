@@ -162,7 +162,9 @@ def test_cli_ls_verify_rm_gc_json(tmp_path):
     assert [e["storage_key"] for e in json.loads(g.stdout)["evicted"]] == [storage_key(str(src))]
     assert model.exists()
     r = run_cli("rm", str(src), "--root", root, "--json")
-    assert json.loads(r.stdout) == {str(src): True} and not model.exists()
+    # A list of objects, as every other --json output (was {"<uri>": true}).
+    assert json.loads(r.stdout) == [{"model": str(src), "storage_key": storage_key(str(src)), "removed": True,
+                                     "made_by_modelcache": True}] and not model.exists()
     assert json.loads(run_cli("ls", "--root", root, "--json").stdout) == []
 
 

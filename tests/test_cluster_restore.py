@@ -1,0 +1,202 @@
+"""An etcd restore on the real control plane, as the lifecycle review ran it (issue 27; the race
+review's finding 1, ``exp6_restore.py`` and ``exp10_restore_agent_gap.py``), and the copies
+gauges of a cache deleted without its finalizer (finding 4).
+
+After a restore every resourceVersion written since the backup is gone, and the versions clients
+hold lie in the server's future. The coordinator used to miss, for good, every change written
+between the restored revision and the one it had seen (a cache created right after the restore
+got no finalizer, status or entry; a cache the restore removed stayed an entry, on disk and
+labelled) once the cluster's ordinary writes carried the revision past its own; a running agent
+kept its pre-restore spec for a minute or more."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.nodelabels import LABEL_PREFIX
+from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NODES, NODES, Kube, load_api_client
+from modelcache.uri import storage_key
+from tests.agent_util import AgentProc, start_agent
+from tests.coordinator_util import GROUP_LABEL, make_cache, make_group
+from tests.fixtures.cluster import Cluster
+from tests.fixtures.http import NginxServer
+from tests.helpers import REPO, free_port, stop_process, wait_until
+
+pytestmark = pytest.mark.timeout(420)
+
+D = "ModelDownloaded"
+#: The review's coordinator: a long lease, so it lives through the API server's restarts.
+LONG_LEASE = ("--lease-duration", "60", "--renew-deadline", "45", "--retry-period", "2")
+
+
+class Coordinator:
+    """The coordinator as its own process, as deploy/ runs it (leader election on)."""
+
+    def __init__(self, cluster: Cluster, workdir: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.log = workdir / f"coordinator-{time.monotonic_ns()}.log"
+        env = {**os.environ, "KUBECONFIG": str(cluster.coordinator_kubeconfig), "POD_NAME": f"coord-{self.port}",
+               "POD_NAMESPACE": "modelcache-system"}
+        cmd = [sys.executable, "-m", "coordinator", "--bind", "127.0.0.1", "--port", str(self.port), *extra]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def copies_gauges(self, cache: str) -> list[str]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as resp:
+            body = resp.read().decode()
+        return [ln for ln in body.splitlines() if ln.startswith("modelcache_cache_copies") and f'"{cache}"' in ln]
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+class World:
+    def __init__(self, cluster: Cluster, nginx: NginxServer, tmp_path: Path) -> None:
+        self.cluster, self.kube, self.tmp = cluster, Kube(load_api_client(str(cluster.kubeconfig))), tmp_path
+        self.uris: dict[str, str] = {}
+        for n in "cdefg":
+            nginx.write(f"fast/{n}.bin", 1 << 20, seed=ord(n))
+            self.uris[n] = nginx.url(f"fast/{n}.bin")
+        self.root = tmp_path / "root-n1"
+
+    def entries(self) -> list[str]:
+        lmn = self.kube.get_or_none(LOCAL_MODEL_NODES, "n1") or {}
+        return [e["modelName"] for e in (lmn.get("spec") or {}).get("localModels") or []]
+
+    def states(self) -> dict[str, str]:
+        lmn = self.kube.get_or_none(LOCAL_MODEL_NODES, "n1") or {}
+        return dict(((lmn.get("status") or {}).get("modelStatus")) or {})
+
+    def disk(self) -> set[str]:
+        models = self.root / "models"
+        return {p.name for p in models.iterdir()} if models.is_dir() else set()
+
+    def labels(self) -> set[str]:
+        labels = self.kube.get(NODES, "n1")["metadata"].get("labels") or {}
+        return {k.removeprefix(LABEL_PREFIX) for k in labels if k.startswith(LABEL_PREFIX)}
+
+    def keys(self, *names: str) -> set[str]:
+        return {storage_key(self.uris[n]) for n in names}
+
+    def cache(self, name: str) -> dict[str, Any]:
+        return self.kube.get_or_none(LOCAL_MODEL_CACHES, name) or {}
+
+    def wait(self, what: str, cond: Any, timeout: float, agent: AgentProc, coord: Coordinator | None) -> None:
+        try:
+            wait_until(cond, timeout=timeout, what=what)
+        except TimeoutError as exc:
+            raise AssertionError(
+                f"{exc}: entries {self.entries()} states {self.states()} disk {sorted(self.disk())} labels "
+                f"{sorted(self.labels())}\nagent log tail:\n{agent.log()[-3000:]}\ncoordinator log tail:\n"
+                f"{coord.log.read_text()[-3000:] if coord else ''}") from None
+
+
+def test_an_etcd_restore_is_followed_by_the_coordinator_and_the_agent(
+        cluster_factory: Any, nginx: NginxServer, tmp_path: Path) -> None:
+    """exp6: one node, one coordinator that lives through the restore. ``r1`` before the backup,
+    ``bk`` after it; the restore; ``bk2`` created right after; the cluster then goes on writing
+    (node annotation patches standing in for leases, Events and status writes) past the old
+    revision; then ``late``. Part F first: the gauges of a cache deleted without its finalizer."""
+    cluster = cluster_factory()
+    w = World(cluster, nginx, tmp_path)
+    kube = w.kube
+    cluster.register_node("n1", {GROUP_LABEL: "gpu"})
+    make_group(kube, "gpu", label_value="gpu")
+    coord = Coordinator(cluster, tmp_path, *LONG_LEASE)
+    agent = start_agent(cluster.agent_kubeconfig, "n1", w.root, tmp_path)
+    try:
+        # -- F: a cache whose finalizer is stripped before its delete (the usual fix for a stuck one).
+        make_cache(kube, "fin", w.uris["g"], ["gpu"])
+        w.wait("fin available", lambda: (w.cache("fin").get("status") or {}).get("copies", {}).get("available") == 1,
+               90, agent, coord)
+        assert any('state="available"} 1.0' in ln for ln in coord.copies_gauges("fin"))
+        kube.patch(LOCAL_MODEL_CACHES, "fin", {"metadata": {"finalizers": None}})
+        kube.delete(LOCAL_MODEL_CACHES, "fin")
+        w.wait("fin's entry and files gone", lambda: "fin" not in w.entries() and not w.keys("g") & w.disk(), 60,
+               agent, coord)
+        wait_until(lambda: coord.copies_gauges("fin") == [], timeout=15, what="fin's copies gauges forgotten")
+
+        # -- the restore.
+        make_cache(kube, "r1", w.uris["c"], ["gpu"])
+        w.wait("r1 downloaded", lambda: w.states().get("r1") == D, 90, agent, coord)
+        backup = cluster.cp.backup_etcd()
+        make_cache(kube, "bk", w.uris["d"], ["gpu"])
+        w.wait("bk downloaded and labelled", lambda: w.states().get("bk") == D and w.keys("d") <= w.labels(), 90,
+               agent, coord)
+        before = cluster.cp.etcd_revision()
+        cluster.cp.restore_etcd(backup)
+        after = cluster.cp.etcd_revision()
+        assert after < before, (before, after)
+        assert [c["metadata"]["name"] for c in kube.list(LOCAL_MODEL_CACHES)["items"]] == ["r1"]
+        assert coord.proc.poll() is None  # the coordinator lived through it
+        make_cache(kube, "bk2", w.uris["e"], ["gpu"])
+        for i in range(before - after + 50):  # the cluster goes on writing past the old revision
+            kube.patch(NODES, "n1", {"metadata": {"annotations": {"activity": str(i)}}})
+        assert cluster.cp.etcd_revision() > before
+        make_cache(kube, "late", w.uris["f"], ["gpu"])
+
+        want = {"r1", "bk2", "late"}
+        w.wait("the restored state followed: bk2 and late downloaded, bk gone from entries, disk and labels",
+               lambda: set(w.entries()) == want and w.disk() == w.keys("c", "e", "f")
+               and w.labels() == w.keys("c", "e", "f") and {k: w.states().get(k) for k in want} == dict.fromkeys(
+                   want, D), 120, agent, coord)
+        bk2 = w.cache("bk2")
+        assert bk2["metadata"].get("finalizers") and bk2["status"]["copies"]["available"] == 1
+        assert "bk" not in w.states()
+        assert "relisting" in coord.log.read_text()
+    finally:
+        agent.stop()
+        coord.stop()
+
+
+def test_a_running_agent_follows_a_restore_the_restarted_coordinator_writes_inside_the_gap(
+        cluster_factory: Any, nginx: NginxServer, tmp_path: Path) -> None:
+    """exp10: Kubernetes' advice after a restore (restart the controllers, leave the DaemonSet
+    running), with 300 writes between the backup and the restore, so the fresh coordinator writes
+    the node's new spec at a revision the agent's watch would filter out. The agent used to go on
+    with its pre-restore spec for about a minute: ``bk`` kept and reported, ``bk2`` not fetched."""
+    cluster = cluster_factory()
+    w = World(cluster, nginx, tmp_path)
+    kube = w.kube
+    cluster.register_node("n1", {GROUP_LABEL: "gpu"})
+    cluster.register_node("other", {GROUP_LABEL: "none"})
+    make_group(kube, "gpu", label_value="gpu")
+    coord: Coordinator | None = Coordinator(cluster, tmp_path)
+    agent = start_agent(cluster.agent_kubeconfig, "n1", w.root, tmp_path)
+    try:
+        make_cache(kube, "r1", w.uris["c"], ["gpu"])
+        w.wait("r1 downloaded", lambda: w.states().get("r1") == D, 90, agent, coord)
+        backup = cluster.cp.backup_etcd()
+        make_cache(kube, "bk", w.uris["d"], ["gpu"])
+        w.wait("bk downloaded", lambda: w.states().get("bk") == D, 90, agent, coord)
+        for i in range(300):  # the cluster's ordinary writes between the backup and the restore
+            kube.patch(NODES, "other", {"metadata": {"annotations": {"activity": str(i)}}})
+        before = cluster.cp.etcd_revision()
+        assert coord is not None
+        coord.stop()
+        coord = None
+        cluster.cp.restore_etcd(backup)
+        assert cluster.cp.etcd_revision() < before - 250
+        coord = Coordinator(cluster, tmp_path)  # a fresh coordinator lists the restored state
+        make_cache(kube, "bk2", w.uris["e"], ["gpu"])
+        t0 = time.monotonic()
+        w.wait("the agent follows the restored spec: bk deleted and not reported, bk2 downloaded",
+               lambda: set(w.states()) == {"r1", "bk2"} and set(w.states().values()) == {D}
+               and w.disk() == w.keys("c", "e"), 60, agent, coord)
+        # The review saw ~62 s; the agent's informer relists as soon as the API server answers.
+        assert time.monotonic() - t0 < 60
+        assert "relisting" in agent.log()
+        wait_until(lambda: (w.cache("bk2").get("status") or {}).get("copies", {}).get("available") == 1, timeout=30,
+                   what="bk2 counted by the fresh coordinator")
+    finally:
+        agent.stop()
+        if coord is not None:
+            coord.stop()
