@@ -76,9 +76,10 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
 @click.option("--resync-period", envvar="MODELCACHE_RESYNC_PERIOD", default=60.0, show_default=True, type=_POSITIVE,
               help="Seconds between full re-applications of the spec.")
 @click.option("--port", envvar="MODELCACHE_AGENT_PORT", default=8080, show_default=True, type=click.IntRange(-1, 65535),
-              help="Port for /healthz, /readyz and /metrics (0: any free port; -1: none).")
+              help="Port for /healthz, /readyz and /metrics (0: any free port; -1: none). Standalone: 0.")
 @click.option("--host", envvar="MODELCACHE_AGENT_HOST", default="::", show_default=True,
-              help="Address of the health server; :: is every IPv4 and IPv6 address (dual-stack).")
+              help="Address of the health server; :: is every IPv4 and IPv6 address (dual-stack). Standalone: "
+                   "127.0.0.1.")
 @click.option("--credentials-namespace", envvar=["MODELCACHE_CREDENTIALS_NAMESPACE", "POD_NAMESPACE"],
               default=lambda: _pod_namespace("kserve"), show_default="the pod's namespace, else kserve",
               help="Where download credentials are looked up (docs/install.md#credentials).")
@@ -153,9 +154,16 @@ def cli(**kw: object) -> None:
     """Node agent: fills the node's model root from its LocalModelNode and reports status."""
     setup_logging(str(kw["log_format"]), str(kw["log_level"]))
     standalone = kw["standalone"]
-    node = kw["node"] or ("standalone" if standalone else None)
+    node = kw["node"] or (_spec_name(Path(str(standalone))) if standalone else None)
     if not node:
         raise click.UsageError("--node (or NODE_NAME) is required outside --standalone")
+    if standalone:
+        # A workstation, not a node: health and metrics on loopback, on any free port (a second
+        # agent then says that another agent holds its root, not that port 8080 is taken).
+        ctx = click.get_current_context()
+        for name, value in (("port", 0), ("host", "127.0.0.1")):
+            if ctx.get_parameter_source(name) == click.core.ParameterSource.DEFAULT:
+                kw[name] = value
     host_path = kw.pop("host_path")
     cfg = AgentConfig(node=str(node), **{k: v for k, v in kw.items() if k != "node"})  # type: ignore[arg-type]
     sys.exit(run(cfg, str(host_path) if host_path else None))
@@ -264,6 +272,21 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
         if server is not None:
             server.stop()
     return 0
+
+
+def _spec_name(path: Path) -> str:
+    """``metadata.name`` of the file's LocalModelNode (what the logs name as the node), else
+    "standalone"; the file is checked properly before anything is done (``_standalone_spec``)."""
+    import yaml
+
+    try:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if isinstance(doc, dict) and doc.get("kind") == "LocalModelNode":
+                name = (doc.get("metadata") or {}).get("name")
+                return str(name) if isinstance(name, str) and name else "standalone"
+    except (OSError, yaml.YAMLError):
+        pass
+    return "standalone"
 
 
 def _standalone_spec(cfg: AgentConfig) -> dict[str, object]:

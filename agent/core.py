@@ -446,12 +446,16 @@ class Agent:
         rec.failures += 1
         delay = min(self.cfg.backoff_max, self.cfg.backoff_initial * 2 ** (rec.failures - 1))
         rec.next_attempt = time.monotonic() + delay
-        rec.failure = Failure(f"{reason}: {message} (retry {rec.failures} in {delay:.0f}s)", reason)
+        # A one-shot standalone run ends once every model is Downloaded or Error: it promises no retry.
+        one_shot = self.cfg.standalone is not None and not self.cfg.watch
+        retry = "" if one_shot else f" (retry {rec.failures} in {_seconds(delay)})"
+        rec.failure = Failure(f"{reason}: {message}{retry}", reason)
         rec.finished_at = rfc3339()
         self.metrics.errors.labels(reason=reason).inc()
         self.metrics.duration.labels(scheme=scheme, outcome="error").observe(elapsed)
+        later = {} if one_shot else {"retry_in": round(delay, 2)}
         log.warning("download failed", extra=fields(storage_key=rec.key, uri=redact_uri(rec.uri), reason=reason,
-                                                    error=message, retry_in=round(delay, 2)))
+                                                    error=message, **later))
 
     def _mark_damaged(self, rec: ModelRecord, problem: str) -> bool:
         """Withdraw a damaged model's manifest (it is not present for any reader of the store
@@ -598,10 +602,15 @@ class Agent:
         with self.lock:
             keys = sorted({r.key for r in self.records.values() if r.wanted})
             used = self._used_bytes() if self.group_limits else 0
+            # An interrupted download keeps its staged bytes: its progress is shown, not dropped.
+            paused = [r.key for r in self.records.values() if r.task is None and r.note == INTERRUPTED]
+            staged = {p.storage_key: p for p in staged_pulls(self.store) if p.storage_key in paused} if paused else {}
             for rec in self.records.values():
                 state = rec.state(self._present(rec.key))
                 for info in rec.entries:
                     d = rec.detail(state)
+                    if rec.key in staged and state != MODEL_DOWNLOADED:
+                        d.bytes_done, d.bytes_total = staged[rec.key].bytes_done, staged[rec.key].bytes_total
                     blocked = (self.root_check(info.node_group) if self.root_check and state == MODEL_DOWNLOADED
                                else None)
                     if blocked:
@@ -683,6 +692,14 @@ def _one_line(exc: BaseException | None) -> str:
     SDK's own exception may quote a signed URL)."""
     text = str(exc) if exc is not None else "failed"
     return scrub_urls(" ".join(text.split()))[:500] or type(exc).__name__
+
+
+def _seconds(delay: float) -> str:
+    """A backoff as people read it: 0.5s, 2s, 1m30s (was "0s" for any delay under half a second)."""
+    if delay < 10:
+        return f"{delay:.1f}".rstrip("0").rstrip(".") + "s"
+    minutes, seconds = divmod(round(delay), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
 def _quantity(n: int) -> str:

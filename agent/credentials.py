@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from modelcache.credentials import Settings
+from modelcache.credentials import CREDENTIALS_FROM, Settings
 from modelcache.errors import AuthError
 from modelcache.kube.types import LocalModelInfo
 
@@ -203,7 +203,8 @@ def _write_private(path: str, data: bytes) -> None:
 
 
 def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str,
-                        config: CredentialConfig | None = None) -> dict[str, str]:
+                        config: CredentialConfig | None = None, found: list[str] | None = None) -> dict[str, str]:
+    """``found``: the names of the Secrets read are appended to it (what an auth error names)."""
     config = config or CredentialConfig()
     name = info.service_account_name or "default"
     sa = reader.service_account(name)
@@ -215,6 +216,8 @@ def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str
         secret = reader.secret(str(ref.get("name", "")))
         if secret is None:
             continue  # KServe skips (and logs) a missing secret
+        if found is not None:
+            found.append(str(ref.get("name", "")))
         raw = secret_bytes(secret)
         data = secret_data(secret)
         if config.s3_secret_key_name in data:
@@ -260,11 +263,23 @@ class Credentials:
         """The download's environment (credential files in a private folder while it is open)."""
         with tempfile.TemporaryDirectory(prefix="modelcache-agent-cred-") as key_dir:
             env = dict(self.base_env)
+            where = "the agent's environment and --download-env"
             if self.reader is not None:
+                ns = getattr(self.reader, "namespace", "?")
                 if info.storage is not None and (info.storage.key or info.storage.parameters):
-                    env.update(storage_env(info, self.reader, self.reader.credential_config()))
+                    config = self.reader.credential_config()
+                    env.update(storage_env(info, self.reader, config))
+                    where = (f"Secret {ns}/{config.storage_spec_secret_name}"
+                             + (f" key '{info.storage.key}'" if info.storage.key else "") + " (the entry's storage)")
                 elif info.service_account_name:
-                    env.update(service_account_env(info, self.reader, key_dir, self.reader.credential_config()))
+                    found: list[str] = []
+                    env.update(service_account_env(info, self.reader, key_dir, self.reader.credential_config(), found))
+                    secrets = ", ".join(f"{ns}/{n}" for n in found) or "(none)"
+                    where = (f"Secret{'s' if len(found) != 1 else ''} {secrets} of ServiceAccount "
+                             f"{ns}/{info.service_account_name}")
+                else:
+                    where += " (the entry names no serviceAccountName or storage)"
+            env[CREDENTIALS_FROM] = where
             try:
                 yield env
             finally:

@@ -36,7 +36,13 @@ from modelcache.kube.client import (
 from modelcache.kube.controller import Result
 from modelcache.kube.events import NORMAL, WARNING, EventRecorder
 from modelcache.kube.status import patch_status_if_changed, update_if_changed
-from modelcache.kube.types import CACHE_FINALIZER, NAMESPACE_CACHE_FINALIZER, label_value, status_key
+from modelcache.kube.types import (
+    CACHE_FINALIZER,
+    NAMESPACE_CACHE_FINALIZER,
+    NODE_DOWNLOAD_ERROR,
+    label_value,
+    status_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -195,11 +201,14 @@ class CacheReconciler:
         skey = status_key(meta["name"], meta.get("namespace") or None)
         uri = (obj.get("spec") or {}).get("sourceModelUri") or ""
         model_states: dict[str, str | None] = {}
+        reasons: dict[str, str] = {}
         for node in members:
             lmn = self.view.lmns.store.get_raw(node)
             uid = reports.node_uid(self.view.nodes.store.get_raw(node))
             model_states[node] = reports.reported_state(lmn, uid, skey, uri)
+            reasons[node] = reports.reported_message(lmn, skey)
         node_status = aggregate.node_status(members, model_states)
+        failing = {n: reasons[n] or "no reason given" for n, st in node_status.items() if st == NODE_DOWNLOAD_ERROR}
         copies = aggregate.copies(node_status)
         isvcs, llms = self.view.services_of(key)
 
@@ -222,6 +231,12 @@ class CacheReconciler:
             conditions = aggregate.set_condition(
                 list(status.get("conditions") or []), GROUPS_CONDITION, not missing,
                 "NodeGroupNotFound" if missing else "NodeGroupsFound", message, rfc3339())
+            # Why nodes fail, where `kubectl describe` shows it (nodeStatus has only the state):
+            # shown once a node failed, and from then on (True again once none does).
+            if failing or any(c.get("type") == FAILURES_CONDITION for c in conditions):
+                conditions = aggregate.set_condition(
+                    conditions, FAILURES_CONDITION, not failing, "NodeDownloadError" if failing else "NoDownloadErrors",
+                    _failures(failing) if failing else "no node reports a download error", rfc3339())
             # Shown once a volume was refused, and from then on (True again once all exist).
             if refused or any(c.get("type") == VOLUMES_CONDITION for c in conditions):
                 conditions = aggregate.set_condition(
@@ -246,6 +261,9 @@ class CacheReconciler:
                                  f"model downloaded on {_nodes(gained)} ({summary})")
         if lost:
             self.recorder.record(obj, WARNING, "CopyLost", f"no usable copy any more on {_nodes(lost)} ({summary})")
+        newly = sorted(n for n in failing if old_status.get(n) != NODE_DOWNLOAD_ERROR)
+        if newly:
+            self.recorder.record(obj, WARNING, "DownloadFailed", _failures({n: failing[n] for n in newly}))
         return None
 
 
@@ -254,7 +272,16 @@ def _nodes(names: list[str], shown: int = 5) -> str:
     return ("node " if len(names) == 1 else "nodes ") + ", ".join(names[:shown]) + more
 
 
+def _failures(reasons: Mapping[str, str], shown: int = 3) -> str:
+    """``node n1: Unauthorized: ...; node n2: ...`` (the first few, each cut to one sentence's worth)."""
+    items = sorted(reasons.items())
+    text = "; ".join(f"node {n}: {r[:300]}" for n, r in items[:shown])
+    return text + (f"; and {len(items) - shown} more node(s)" if len(items) > shown else "")
+
+
 GROUPS_CONDITION = "NodeGroupsFound"
+#: False while a node reports a download error, naming each node and its reason.
+FAILURES_CONDITION = "NoDownloadErrors"
 VOLUMES_CONDITION = "ServingVolumesCreated"
 #: Seconds until volumes the API refused are tried again.
 REFUSED_RETRY = 60.0

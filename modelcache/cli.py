@@ -11,7 +11,6 @@ otherwise.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import signal
@@ -27,7 +26,8 @@ import click
 from click.core import ParameterSource
 
 from modelcache.errors import ModelcacheError
-from modelcache.progress import ProgressTracker, human_bytes
+from modelcache.logs import setup_cli_logging
+from modelcache.progress import ProgressTracker, human_bytes, plural
 from modelcache.redact import redact_uri, scrub_urls
 from modelcache.resources import MAX_CHUNK, MIN_CHUNK, check_buffers, chunk_size_problem
 from modelcache.sizes import parse_size
@@ -105,6 +105,11 @@ def _key(arg: str) -> str:
     return arg if re.fullmatch(r"[0-9a-f]{16}", arg) else storage_key(arg)
 
 
+def _not_stored(arg: str, root: Path) -> None:
+    click.echo(f"error: {scrub_urls(redact_uri(arg))}: not in the store at {root} (nothing was pulled from this "
+               "exact URI or key; `modelcache ls` lists what is there)", err=True)
+
+
 def _folder_name(root: Path, arg: str) -> str | None:
     """``arg`` when it names a folder under ``<root>/models`` exactly (one not made by modelcache,
     which only ``rm`` of its name deletes), else None."""
@@ -113,9 +118,23 @@ def _folder_name(root: Path, arg: str) -> str | None:
     return arg if (root / "models" / arg).is_dir() else None
 
 
+_LEVELS = click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False)
+
+
+def _set_log_level(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    # Given after the sub-command (`modelcache pull --log-level info`) it wins over the group's.
+    if value is not None and ctx.get_parameter_source(param.name or "") == ParameterSource.COMMANDLINE:
+        setup_cli_logging(value)
+
+
+def _log_level_option(f: Any) -> Any:
+    return click.option("--log-level", type=_LEVELS, default=None, expose_value=False, callback=_set_log_level,
+                        help="Log level (as `modelcache --log-level`): info shows what each step does.")(f)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--log-level", default="WARNING", envvar="MODELCACHE_LOG_LEVEL", show_default=True, show_envvar=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+              type=_LEVELS, help="Log level, before or after the sub-command.")
 @click.version_option(package_name="modelcache")
 def cli(log_level: str) -> None:
     """Put model weights onto serving machines: fast, verified, crash-safe.
@@ -123,8 +142,7 @@ def cli(log_level: str) -> None:
     Exit codes: 0 done; 1 a model failed, verify found damage, or rm found nothing; 2 a bad flag
     or environment (missing root, too little memory); 130 interrupted (staged bytes are kept).
     """
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    setup_cli_logging(log_level)
 
 
 def _twins(uris: list[str], root: Path) -> list[str]:
@@ -175,6 +193,7 @@ def _interruptible() -> Iterator[tuple[threading.Event, list[int]]]:
 
 
 @cli.command()
+@_log_level_option
 @click.argument("uris", nargs=-1)
 @_root_option
 @click.option("--dest", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -239,6 +258,11 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
     if dest is not None and ctx.get_parameter_source("root") == ParameterSource.COMMANDLINE:
         raise click.UsageError("--root and --dest exclude each other: --dest writes one model straight into a "
                                "folder, --root keeps models in a store")
+    if dest is not None and len(set(uris)) > 1:
+        raise click.UsageError(f"--dest holds one model, {len(set(uris))} URIs were given: pull several into a store "
+                               "(--root)")
+    if dest is None and ctx.get_parameter_source("root") == ParameterSource.DEFAULT and not check:
+        click.echo(f"note: no --root given (nor MODELCACHE_ROOT): pulling into the default store {root}", err=True)
     if max_workers is not None and max_workers < workers:
         raise click.BadParameter(f"{max_workers} is below --workers {workers}", param_hint="'--max-workers'")
     try:
@@ -262,6 +286,10 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
             if not caught:
                 _fail(str(exc))
             results = []
+    if dest is not None and results and all(isinstance(r, PullResult) for r in results):
+        # DEST holds the model and nothing else (as the init container leaves it): a second pull
+        # into it checks its files against the source instead of trusting a manifest.
+        NodeStore(DestLayout(dest)).clear_bookkeeping()
     failed = False
     out = []
     for uri, res in zip(uris, results, strict=True):
@@ -276,7 +304,8 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
                            if res.refreshed else "")
                         + (f", {len(res.dropped)} dropped" if res.dropped else ""))
                 checked = f", {'+'.join(res.verified)} verified" if res.verified else ""
-                click.echo(f"{res.uri} -> {res.path} ({res.files} files, {human_bytes(res.bytes)}, {how}{checked})",
+                click.echo(f"{res.uri} -> {res.path} ({plural(res.files, 'file')}, {human_bytes(res.bytes)}, {how}"
+                           f"{checked})",
                            err=True)
         elif caught:
             continue  # one line for the interruption below, not one "cancelled" per model
@@ -289,8 +318,9 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
     if as_json:
         _emit(out)
     if caught:
+        keys = {_key(u) for u in uris if _parses(u)}
         _interrupted(tracker, DestLayout(dest).staging_root if dest is not None else NodeLayout(root).staging_root,
-                     caught[0])
+                     caught[0], _resumable(root, keys) if dest is None else None)
     sys.exit(1 if failed else 0)
 
 
@@ -354,18 +384,54 @@ def _check(store: NodeStore, args: list[str], root: Path, as_json: bool) -> None
         sys.exit(1)
 
 
-def _interrupted(tracker: ProgressTracker, staging: Path, signum: int) -> None:
+#: Bytes of a download that may arrive without being journaled yet (one piece per file in flight):
+#: below this, what arrived and what can be resumed count as the same.
+_UNJOURNALED = 8 << 20
+
+
+def _parses(uri: str) -> bool:
+    try:
+        parse_uri(uri)
+    except ModelcacheError:
+        return False
+    return True
+
+
+def _resumable(root: Path, keys: set[str]) -> int | None:
+    """Bytes of these models' staged downloads that the next pull resumes from (their journals)."""
+    from modelcache.pull import staged_pulls
+
+    try:
+        return sum(s.bytes_done for s in staged_pulls(NodeStore.at(root)) if s.storage_key in keys)
+    except (OSError, ModelcacheError):
+        return None
+
+
+def _interrupted(tracker: ProgressTracker, staging: Path, signum: int, resumable: int | None) -> None:
+    """The interrupt's one line: what the next run resumes from. A file from a server that ignores
+    Range is sent whole and cannot resume: what arrived of it is not promised back."""
     snap = tracker.snapshot()
-    if snap.bytes_done:
-        kept = (f"{human_bytes(snap.bytes_done)} of {human_bytes(snap.bytes_total)} are staged in {staging} and "
-                "kept; run the same command again to resume from there")
+    arrived = snap.bytes_done
+    kept = arrived if resumable is None else min(arrived, resumable)
+    lost = arrived - kept if arrived - kept > _UNJOURNALED else 0
+    if not kept and not lost:
+        line = "nothing was downloaded yet; run the same command again to start"
+    elif not lost:
+        line = (f"{human_bytes(kept)} of {human_bytes(snap.bytes_total)} are staged in {staging} and kept; run the "
+                "same command again to resume from there")
+    elif kept:
+        line = (f"{human_bytes(kept)} of {human_bytes(snap.bytes_total)} are staged in {staging} and kept; run the "
+                f"same command again to resume from there. The other {human_bytes(lost)} that arrived start over: a "
+                "server that ignores Range requests sends a file whole, from byte 0")
     else:
-        kept = "nothing was downloaded yet; run the same command again to start"
-    click.echo(f"error: interrupted: {kept}", err=True)
+        line = (f"nothing can be resumed: the server ignores Range requests, so the next run downloads the "
+                f"{human_bytes(arrived)} that arrived again from byte 0 (a server that honours Range resumes)")
+    click.echo(f"error: interrupted: {line}", err=True)
     sys.exit(128 + signum)
 
 
 @cli.command("ls")
+@_log_level_option
 @_root_option
 @click.option("--json", "as_json", is_flag=True)
 def ls_cmd(root: Path, as_json: bool) -> None:
@@ -422,6 +488,7 @@ def _entry_state(e: Any) -> str:
 
 
 @cli.command()
+@_log_level_option
 @click.argument("models", nargs=-1)
 @_root_option
 @click.option("--repair", "fix", is_flag=True,
@@ -434,6 +501,14 @@ def verify(models: tuple[str, ...], root: Path, fix: bool, progress_mode: str, a
     """Re-hash models (all by default) and compare with their manifests."""
     store = _store(root)
     given = {_key(m): m for m in models}
+    # A key or URI with nothing in the store is a typo, not damage: said as `rm` says it, and
+    # never answered with a repair (of nothing) or a pull (of a key).
+    unknown = [m for k, m in given.items() if not store.has(k)]
+    for m in unknown:
+        _not_stored(m, root)
+    given = {k: m for k, m in given.items() if m not in unknown}
+    if unknown and not given:
+        sys.exit(1)
     keys = list(given) or store.keys()
     report = {k: [asdict(p) for p in store.verify(k)] for k in keys}
     if as_json and not fix:
@@ -455,11 +530,15 @@ def verify(models: tuple[str, ...], root: Path, fix: bool, progress_mode: str, a
         if failed:
             click.echo(f"error: {len(failed)} of {len(damaged)} damaged model(s) not repaired", err=True)
             sys.exit(1)
+        if unknown:
+            sys.exit(1)
         return
     if damaged:
         names = " ".join(given.get(k, k) for k in damaged)
         click.echo(f"error: {len(damaged)} model(s) failed verification; fetch their damaged files again (nothing "
                    f"else is downloaded): modelcache verify --repair --root {root} {names}", err=True)
+        sys.exit(1)
+    if unknown:
         sys.exit(1)
 
 
@@ -479,7 +558,8 @@ def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -
         click.echo(f"error: {key}: cannot repair: {why}; name the URI: modelcache verify --repair URI", err=True)
         return False
     if not store.layout.model_dir(key).is_dir():
-        click.echo(f"error: {key}: not in the store; pull it: modelcache pull {redact_uri(uri)}", err=True)
+        click.echo(f"error: {key}: its folder is not in the store at {store.layout.root}; pull it again: modelcache "
+                   f"pull --root {store.layout.root} {redact_uri(uri)}", err=True)
         return False
     settings = Settings.from_env()
     tracker = ProgressTracker()
@@ -502,6 +582,7 @@ def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -
 
 
 @cli.command()
+@_log_level_option
 @click.argument("models", nargs=-1, required=True)
 @_root_option
 @click.option("--json", "as_json", is_flag=True)
@@ -529,13 +610,13 @@ def rm(models: tuple[str, ...], root: Path, as_json: bool, assume_unused: bool) 
                 click.echo(f"{m}: removed" + ("" if made else " (a folder not made by modelcache)"))
     missing = [m for m, (_k, removed, _made) in out.items() if not removed]
     for m in missing:
-        click.echo(f"error: {scrub_urls(redact_uri(m))}: not in the store at {root} (nothing was pulled from this "
-                   "exact URI or key; `modelcache ls` lists what is there)", err=True)
+        _not_stored(m, root)
     if missing:
         sys.exit(1)
 
 
 @cli.command()
+@_log_level_option
 @_root_option
 @click.option("--target-free", type=SizeType(), required=True, help="Evict until this much space is free.")
 @click.option("--evict-all", is_flag=True,
@@ -566,6 +647,7 @@ def gc(root: Path, target_free: int, evict_all: bool, dry_run: bool, as_json: bo
 
 
 @cli.command()
+@_log_level_option
 @click.option("--kubeconfig", envvar="KUBECONFIG", show_envvar=True, default=None,
               help="Kubeconfig (default: as kubectl finds it).")
 @click.option("--kserve-namespace", default="kserve", show_default=True,

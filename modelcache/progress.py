@@ -36,9 +36,17 @@ class ProgressSnapshot:
 
     @property
     def eta(self) -> float | None:
-        if self.rate <= 0 or self.bytes_total <= self.bytes_done:
-            return None if self.bytes_total > self.bytes_done else 0.0
+        if self.bytes_total <= self.bytes_done:
+            return 0.0
+        # No guess from the first moments of a download (a connection opening, a listing): the
+        # agent's first progress line said "eta 2110h54m28s" from its first few kilobytes.
+        if self.rate <= 0 or self.elapsed < ETA_AFTER:
+            return None
         return (self.bytes_total - self.bytes_done) / self.rate
+
+
+#: Seconds of transfer before a time left is estimated (and shown).
+ETA_AFTER = 3.0
 
 
 class ProgressTracker:
@@ -134,6 +142,11 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 file``, ``3 files``: a count with its noun."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def human_duration(seconds: float | None) -> str:

@@ -360,7 +360,9 @@ def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
         files=len(manifest.files) if manifest else len(fetched),
         bytes=total,
         cached=cached,
-        elapsed=time.monotonic() - m.started,
+        # When this model was ready, not when the whole batch was (one pull of several URIs).
+        elapsed=(max((f.finished for f in fetched), default=time.monotonic()) if fetched else time.monotonic())
+        - m.started,
         verified=tuple(sorted({a for f in (manifest.files if manifest else []) for a in f.checksums})),
         refreshed=tuple(sorted({*m.drift.changed, *m.drift.added, *m.drift.unknown})) if m.drift and not cached else (),
         dropped=m.drift.removed if m.drift and not cached else (),

@@ -27,8 +27,8 @@ from modelcache.diskio import ALIGN, BufferPool, FileWriter, direct_io_supported
 from modelcache.errors import CancelledError, IntegrityError, ModelcacheError, RateLimitedError, TransientError
 from modelcache.integrity import MultiHasher
 from modelcache.journal import Journal, JournalState
-from modelcache.progress import ProgressTracker, human_bytes
-from modelcache.remote import RangeStream, RemoteFile
+from modelcache.progress import ProgressTracker, human_bytes, plural
+from modelcache.remote import Checksum, RangeStream, RemoteFile
 from modelcache.resources import ResourceError
 from modelcache.sources.base import Source
 from modelcache.transfer_control import SourceStats, StreamLimit, Watchdog, retry_policy
@@ -100,6 +100,8 @@ class FetchedFile:
     size: int
     xxh3: str
     verified: tuple[str, ...]  # source checksum algorithms the bytes matched
+    #: ``time.monotonic()`` when the file was complete (a model of a batch is ready when its last is).
+    finished: float = field(default_factory=time.monotonic, compare=False)
 
 
 @dataclass
@@ -112,6 +114,18 @@ class _Chunk:
     @property
     def length(self) -> int:
         return self.end - self.start
+
+
+def _mismatch_cause(expected: Checksum, got: list[str]) -> str:
+    """What a checksum that never matched most likely means, from where it came from and what
+    each attempt got."""
+    if expected.param("from") == "uri":
+        return (f"the file does not match the #{expected.algo}= pin written in the URI"
+                + (" (the server sent the same bytes every time)" if len(set(got)) == 1 and len(got) > 1 else "")
+                + ": check the digest in the URI")
+    if len(set(got)) == 1 and len(got) > 1:
+        return "the source sent the same bytes every time: the object is corrupt at the source"
+    return "the source object is corrupt or changed during download"
 
 
 class _FileState:
@@ -128,6 +142,7 @@ class _FileState:
         self.waiting: dict[int, tuple[_Chunk, Any]] = {}  # chunk start -> (chunk, parked buffer or None)
         self.hasher: MultiHasher | None = None
         self.attempts = 0
+        self.got: list[str] = []  # the digest each attempt that failed its checksum got
         self.result: FetchedFile | None = None
         self.error: BaseException | None = None
         self.lost = False  # a flush of the file failed: its bytes on disk are not trusted
@@ -635,16 +650,16 @@ class TransferEngine:
         if bad:
             expected, actual = bad[0]
             st.attempts += 1
+            st.got.append(actual)
             # A ranged file without chunks (zero bytes) has nothing to fetch again: queueing
             # it would leave it neither finished nor failed, and the workers waiting for ever.
             nothing_to_refetch = not st.streamed and not st.chunks
             if st.attempts > self.options.integrity_retries or nothing_to_refetch:
-                raise IntegrityError(
-                    f"{path}: {expected.algo} mismatch after {st.attempts} attempts: expected {expected.value}, "
-                    f"got {actual}; the source object is corrupt or changed during download"
-                )
-            log.warning("%s: %s mismatch (expected %s, got %s); fetching the file again",
-                        path, expected.algo, expected.value, actual)
+                tries = plural(st.attempts, "attempt")
+                raise IntegrityError(f"{path}: {expected.algo} mismatch after {tries}: expected {expected.value}, "
+                                     f"got {actual}; {_mismatch_cause(expected, st.got)}")
+            log.warning("%s: %s mismatch on attempt %d of %d (expected %s, got %s); fetching the file again",
+                        path, expected.algo, st.attempts, self.options.integrity_retries + 1, expected.value, actual)
             job.journal.file_reset(job.index)
             if not st.streamed:
                 self.progress.rewind(_pkey(job), st.size or 0)

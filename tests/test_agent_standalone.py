@@ -265,10 +265,11 @@ def test_first_take_of_a_root_that_modelcache_pull_filled_refuses_and_deletes_no
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     keys = [storage_key(u) for u in uris]
+    named = sorted((storage_key(u), u) for u in uris[1:])
     assert lines == [
         f"error: --root {root} holds 2 model(s) that no agent downloaded and {spec} does not list: "
-        f"{min(keys[1:])} ({dict(zip(keys, uris))[min(keys[1:])]}), {max(keys[1:])} "
-        f"({dict(zip(keys, uris))[max(keys[1:])]}). The standalone agent deletes every model its file does not "
+        f"{named[0][0]} ({named[0][1]}), {named[1][0]} ({named[1][1]}). The standalone agent deletes every model "
+        "its file does not "
         "list, so nothing was done: add them to the file, point --root at a folder of the agent's own, or pass "
         "--take-root to let it delete them"], proc.stderr
     assert all((root / "models" / k).is_dir() for k in keys)

@@ -170,9 +170,10 @@ def test_a_failed_pull_that_staged_bytes_says_why_and_how_to_resume(nginx: Nginx
     key = storage_key(uri_b)
     assert re.search(rf"^{key}\s+failed \d+%\s+6\.0 MiB\s+1\s+{re.escape(uri_b)}$", ls.stdout, re.M), ls.stdout
     assert "interrupted" not in ls.stdout + ls.stderr
-    m = re.search(rf"^{key}: failed: NotFound: .*; what it staged is kept: `modelcache pull --root {re.escape(str(root))} "
-                  rf"{re.escape(uri_b)}` resumes once the cause is fixed, `modelcache rm --root {re.escape(str(root))} "
-                  rf"{key}` drops it$", ls.stderr, re.M)
+    r = re.escape(str(root))
+    m = re.search(rf"^{key}: failed: NotFound: .*; what it staged is kept: `modelcache pull --root {r} "
+                  rf"{re.escape(uri_b)}` resumes once the cause is fixed, `modelcache rm --root {r} {key}` drops it$",
+                  ls.stderr, re.M)
     assert m, ls.stderr
     shutil.move(str(tmp_path / "b.bin"), str(nginx.docroot / "gone" / "b.bin"))
     nginx.set_limit_rate("gone", 64 * MiB)

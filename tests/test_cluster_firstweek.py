@@ -1,6 +1,7 @@
-"""An etcd restore on the real control plane, as the lifecycle review ran it (issue 27; the race
-review's finding 1, ``exp6_restore.py`` and ``exp10_restore_agent_gap.py``), and the copies
-gauges of a cache deleted without its finalizer (finding 4).
+"""The lifecycle review's findings on the real control plane (issue 27): an etcd restore, as the
+review ran it (finding 1, ``exp6_restore.py`` and ``exp10_restore_agent_gap.py``), the copies
+gauges of a cache deleted without its finalizer (finding 4), and two caches of one URI in groups
+with different storageLimits (finding 2, ``exp3_control.py G`` / ``exp2_churn.py C``).
 
 After a restore every resourceVersion written since the backup is gone, and the versions clients
 hold lie in the server's future. The coordinator used to miss, for good, every change written
@@ -22,7 +23,14 @@ from typing import Any
 import pytest
 
 from coordinator.nodelabels import LABEL_PREFIX
-from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NODES, NODES, Kube, load_api_client
+from modelcache.kube.client import (
+    LOCAL_MODEL_CACHES,
+    LOCAL_MODEL_NODE_GROUPS,
+    LOCAL_MODEL_NODES,
+    NODES,
+    Kube,
+    load_api_client,
+)
 from modelcache.uri import storage_key
 from tests.agent_util import AgentProc, start_agent
 from tests.coordinator_util import GROUP_LABEL, make_cache, make_group
@@ -200,3 +208,44 @@ def test_a_running_agent_follows_a_restore_the_restarted_coordinator_writes_insi
         agent.stop()
         if coord is not None:
             coord.stop()
+
+
+@pytest.mark.parametrize("first", ["small", "big"])
+def test_two_caches_of_one_uri_in_groups_with_different_limits_are_each_judged_in_their_own(
+        cluster: Cluster, nginx: NginxServer, tmp_path: Path, first: str) -> None:
+    """exp3 G / exp2 C on the real control plane: node n3 is in groups ``big`` (100Mi) and
+    ``small`` (3 MiB); cache p (a 4 MiB model) lists [small], cache q with the same URI [big]. The
+    first entry's group used to decide for both: p first failed q in 'big' naming 'small'; q first
+    reported p Downloaded past its group's limit."""
+    kube = Kube(load_api_client(str(cluster.kubeconfig)))
+    nginx.write("g/m.bin", 4 << 20)
+    uri = nginx.url("g/m.bin")
+    cluster.register_node("n3", {GROUP_LABEL: "both"})
+    for name, limit in (("big", "100Mi"), ("small", "3Mi")):
+        make_group(kube, name, label_value="both")
+        kube.patch(LOCAL_MODEL_NODE_GROUPS, name, {"spec": {"storageLimit": limit}})
+    coord = Coordinator(cluster, tmp_path)
+    agent = start_agent(cluster.agent_kubeconfig, "n3", tmp_path / "root", tmp_path)
+    try:
+        order = [("p", "small"), ("q", "big")] if first == "small" else [("q", "big"), ("p", "small")]
+        for name, group in order:
+            make_cache(kube, name, uri, [group], modelSize="4Mi")
+
+        def status(name: str) -> dict[str, Any]:
+            return (kube.get_or_none(LOCAL_MODEL_CACHES, name) or {}).get("status") or {}
+
+        def settled() -> bool:
+            lmn = (kube.get_or_none(LOCAL_MODEL_NODES, "n3") or {}).get("status") or {}
+            return lmn.get("modelStatus") == {"p": "ModelDownloadError", "q": D} and \
+                status("q").get("copies", {}).get("available") == 1 and status("p").get("copies", {}).get("failed") == 1
+
+        try:
+            wait_until(settled, timeout=90, what="q downloaded in 'big', p refused in 'small'")
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}: {kube.get_or_none(LOCAL_MODEL_NODES, 'n3')}\n{agent.log()[-3000:]}") from None
+        message = kube.get(LOCAL_MODEL_NODES, "n3")["status"]["modelDetails"]["p"]["message"]
+        assert "LocalModelNodeGroup 'small' has storageLimit 3.0 MiB" in message and "'big'" not in message, message
+        assert "raise spec.storageLimit of LocalModelNodeGroup 'small'" in message
+    finally:
+        agent.stop()
+        coord.stop()
