@@ -318,9 +318,8 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
     if as_json:
         _emit(out)
     if caught:
-        keys = {_key(u) for u in uris if _parses(u)}
         _interrupted(tracker, DestLayout(dest).staging_root if dest is not None else NodeLayout(root).staging_root,
-                     caught[0], _resumable(root, keys) if dest is None else None)
+                     caught[0])
     sys.exit(1 if failed else 0)
 
 
@@ -384,48 +383,24 @@ def _check(store: NodeStore, args: list[str], root: Path, as_json: bool) -> None
         sys.exit(1)
 
 
-#: Bytes of a download that may arrive without being journaled yet (one piece per file in flight):
-#: below this, what arrived and what can be resumed count as the same.
-_UNJOURNALED = 8 << 20
-
-
-def _parses(uri: str) -> bool:
-    try:
-        parse_uri(uri)
-    except ModelcacheError:
-        return False
-    return True
-
-
-def _resumable(root: Path, keys: set[str]) -> int | None:
-    """Bytes of these models' staged downloads that the next pull resumes from (their journals)."""
-    from modelcache.pull import staged_pulls
-
-    try:
-        return sum(s.bytes_done for s in staged_pulls(NodeStore.at(root)) if s.storage_key in keys)
-    except (OSError, ModelcacheError):
-        return None
-
-
-def _interrupted(tracker: ProgressTracker, staging: Path, signum: int, resumable: int | None) -> None:
+def _interrupted(tracker: ProgressTracker, staging: Path, signum: int) -> None:
     """The interrupt's one line: what the next run resumes from. A file from a server that ignores
-    Range is sent whole and cannot resume: what arrived of it is not promised back."""
+    Range is read as one stream and cannot resume: what arrived of it is not promised back."""
     snap = tracker.snapshot()
-    arrived = snap.bytes_done
-    kept = arrived if resumable is None else min(arrived, resumable)
-    lost = arrived - kept if arrived - kept > _UNJOURNALED else 0
-    if not kept and not lost:
+    lost = snap.bytes_unresumable
+    kept = snap.bytes_done - lost
+    if not snap.bytes_done:
         line = "nothing was downloaded yet; run the same command again to start"
     elif not lost:
         line = (f"{human_bytes(kept)} of {human_bytes(snap.bytes_total)} are staged in {staging} and kept; run the "
                 "same command again to resume from there")
     elif kept:
         line = (f"{human_bytes(kept)} of {human_bytes(snap.bytes_total)} are staged in {staging} and kept; run the "
-                f"same command again to resume from there. The other {human_bytes(lost)} that arrived start over: a "
-                "server that ignores Range requests sends a file whole, from byte 0")
+                f"same command again to resume from there. The other {human_bytes(lost)} that arrived start over: "
+                "the server ignores Range requests, so a file of it is read whole, from byte 0")
     else:
         line = (f"nothing can be resumed: the server ignores Range requests, so the next run downloads the "
-                f"{human_bytes(arrived)} that arrived again from byte 0 (a server that honours Range resumes)")
+                f"{human_bytes(lost)} that arrived again from byte 0 (a server that honours Range resumes)")
     click.echo(f"error: interrupted: {line}", err=True)
     sys.exit(128 + signum)
 

@@ -33,6 +33,9 @@ class ProgressSnapshot:
     bytes_resumed: int = 0
     #: What the pull waits for before it can start (another process's lock), or "".
     waiting: str = ""
+    #: Of ``bytes_done``, those of files in flight that a resume cannot keep: each is read as one
+    #: stream from byte 0 (a server that ignores Range requests).
+    bytes_unresumable: int = 0
 
     @property
     def eta(self) -> float | None:
@@ -64,6 +67,7 @@ class ProgressTracker:
         self._files_total = 0
         self._samples: deque[tuple[float, int]] = deque()
         self._files: dict[str, list[int | None]] = {}  # path -> [done, total]
+        self._streamed: set[str] = set()  # files read in one stream (not resumable)
         self._waiting = ""
 
     def set_waiting(self, what: str) -> None:
@@ -76,9 +80,12 @@ class ProgressTracker:
             self._total += nbytes
             self._files_total += nfiles
 
-    def file_started(self, path: str, total: int | None, already: int = 0) -> None:
+    def file_started(self, path: str, total: int | None, already: int = 0, resumable: bool = True) -> None:
+        """``resumable`` False: the file is read in one stream, and an interrupt loses what arrived."""
         with self._lock:
             self._files[path] = [already, total]
+            if not resumable:
+                self._streamed.add(path)
 
     def advance(self, path: str, nbytes: int) -> None:
         with self._lock:
@@ -133,6 +140,7 @@ class ProgressTracker:
                 active=active,
                 bytes_resumed=self._skipped,
                 waiting=self._waiting,
+                bytes_unresumable=sum(int(v[0] or 0) for p, v in self._files.items() if p in self._streamed),
             )
 
 

@@ -38,7 +38,7 @@ from modelcache.errors import (
 )
 from modelcache.integrity import hash_file
 from modelcache.journal import Journal, JournalState
-from modelcache.progress import ProgressTracker, human_bytes
+from modelcache.progress import ProgressTracker, human_bytes, plural
 from modelcache.sources.base import RemoteFile, Source, open_source
 from modelcache.store import DestLayout, Guard, Manifest, ManifestFile, NodeLayout, NodeStore
 from modelcache.transfer import FetchedFile, FileJob, TransferEngine, TransferOptions
@@ -405,7 +405,7 @@ def _unpack_single_archive(m: _Model, fetched: list[FetchedFile]) -> list[Fetche
             continue  # links stay in the folder, but a manifest lists files
         size = p.stat().st_size
         files.append(FetchedFile(rel, size, hash_file(p, size=size).local_hexdigest(), ()))
-    log.info("%s: unpacked %s (%d files)", m.location.display, name, len(files))
+    log.info("%s: unpacked %s (%s)", m.location.display, name, plural(len(files), "file"))
     return files
 
 
@@ -723,7 +723,7 @@ def pull_many(
                             continue
                         jobs.append(FileJob(m.source, f, str(data / f.path), m.journal, i, m.key, m.resume))
                 except BaseException as exc:
-                    m.error = exc
+                    m.error = _name_uri(exc, m.location.display)  # every error names its model
             if jobs:
                 engine = TransferEngine(options, progress)
                 watcher = _cancel_watcher(cancel, engine)

@@ -301,7 +301,8 @@ class TransferEngine:
                 self._direct[d] = direct_io_supported(d) if want is None else want
             st.writer = FileWriter(st.job.dest, st.size, self._direct[d])
             st.hasher = MultiHasher(st.job.remote.checksums, st.size)
-            self.progress.file_started(_pkey(st.job), st.size, sum(c.done for c in st.chunks))
+            self.progress.file_started(_pkey(st.job), st.size, sum(c.done for c in st.chunks),
+                                       resumable=not st.streamed)
         return st.writer
 
     # ---- scheduling ---------------------------------------------------------------------

@@ -106,9 +106,8 @@ class HTTPSource(Source):
                  if location.basic_auth is not None else
                  # KServe's variable name (<host>-headers) is not one a shell can `export`: show the
                  # `env` form that works, and basic auth in the URI, which needs no variable at all.
-                 f"""send credentials: write them into the URI ({location.url.partition('://')[0]}://USER:PASSWORD@"""
-                 f"""{location.url.partition('://')[2].split('/')[0]}/..., """
-                 f"""sent as basic auth), or set request headers in the variable '{location.host}-headers' (JSON; a """
+                 "send credentials: put USER:PASSWORD@ before the host in the URI (sent as basic auth), or set "
+                 f"""request headers in the variable '{location.host}-headers' (JSON; a """
                  f"""shell cannot export that name: env '{location.host}-headers={{"Authorization": "Bearer ..."}}' """
                  "modelcache pull ...)",
             denied="the credentials do not allow reading it",
