@@ -252,7 +252,7 @@ def _free_space_advice(store: NodeStore, key: str, root: Path, short: int, targe
         return f"free space, e.g. `modelcache gc --root {root} --target-free {-(-target // (1 << 20))}M`"
     held = ""
     if foreign:
-        held = (f"; {len(foreign)} folder(s) under {root}/models not made by modelcache hold "
+        held = (f"; {len(foreign)} folder(s) under {root}/models, not made by modelcache, hold "
                 f"{human_bytes(sum(size for _k, size in foreign))} (`modelcache ls --root {root}` names them; only "
                 "`modelcache rm` of a name deletes one)")
     if evictable:

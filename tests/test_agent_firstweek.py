@@ -109,3 +109,152 @@ def test_backoff_delays_read_as_people_read_them() -> None:
 
     assert [_seconds(d) for d in (0.2, 0.5, 1.0, 2.5, 10, 75, 300)] == [
         "0.2s", "0.5s", "1s", "2.5s", "10s", "1m15s", "5m00s"]
+
+
+def test_a_yaml_syntax_error_under_watch_is_a_spec_valid_condition_naming_the_line(nginx: Any, tmp_path: Path) -> None:
+    """C5: breaking the file with a missing `}` under --watch was only logged (`ParserError ...
+    "<unicode string>"`), and the status file had no condition, as agent.md promised."""
+    import subprocess
+
+    import yaml
+
+    from tests.agent_util import agent_cmd
+    from tests.helpers import REPO
+
+    nginx.write("w/m.bin", 1 * MiB)
+    uri = nginx.url("w/m.bin")
+    spec = write_node(tmp_path / "node.yaml", [{"modelName": "m", "sourceModelUri": uri}])
+    root = tmp_path / "root"
+    proc = subprocess.Popen(agent_cmd(spec, root, "--watch"), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: spec.with_name(spec.name + ".status.yaml").exists()
+                   and status_of(spec)["modelStatus"] == {"m": D}, timeout=30, what="downloaded")
+        spec.write_text("apiVersion: serving.kserve.io/v1alpha1\nkind: LocalModelNode\nmetadata: {name: box}\n"
+                        "spec:\n  localModels:\n  - {modelName: m, sourceModelUri: " + uri + "\n")
+
+        def condition() -> dict[str, Any] | None:
+            conds = status_of(spec).get("conditions") or []
+            return conds[0] if conds else None
+
+        wait_until(lambda: condition() is not None, timeout=30, what="a SpecValid condition")
+        cond = condition()
+        assert cond is not None and (cond["type"], cond["status"], cond["reason"]) == ("SpecValid", "False",
+                                                                                       "InvalidSpec")
+        assert "line 7, column 1: not valid YAML: expected ',' or '}'" in cond["message"], cond["message"]
+        assert "line 6, column 5" in cond["message"] and "<unicode string>" not in cond["message"]
+        assert status_of(spec)["modelStatus"] == {"m": D}  # the last valid spec stays
+        assert (root / "models" / storage_key(uri) / "m.bin").exists()
+        # Fixed again: the condition goes.
+        write_node(spec, [{"modelName": "m", "sourceModelUri": uri}])
+        wait_until(lambda: condition() is None, timeout=30, what="the condition cleared")
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "<unicode string>" not in err
+    assert yaml.safe_load(spec.read_text())["kind"] == "LocalModelNode"
+
+
+def test_a_one_shot_run_ends_with_an_error_line_per_failed_model(nginx: Any, tmp_path: Path) -> None:
+    """C13: a one-shot run with a 404 entry exited 1 after a warning with `retry_in=5.0` (no retry
+    came) and no `error:` line naming the model."""
+    nginx.write("o/ok.bin", 1 * MiB)
+    spec = write_node(tmp_path / "node.yaml", [{"modelName": "ok", "sourceModelUri": nginx.url("o/ok.bin")},
+                                                {"modelName": "gone", "sourceModelUri": nginx.url("o/gone.bin")}])
+    proc = run_agent(spec, tmp_path / "root")
+    assert proc.returncode == 1
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 2, proc.stderr
+    gone = nginx.url("o/gone.bin")
+    assert lines[0].startswith(f"error: gone: NotFound: {gone}: HTTP 404") and "retry" not in lines[0], lines[0]
+    assert lines[1] == (f"error: 1 of 2 model(s) not downloaded; status in {spec}.status.yaml; run again, or with "
+                        "--watch to retry with backoff")
+    failed = [ln for ln in proc.stderr.splitlines() if 'msg="download failed"' in ln]
+    assert failed and all("retry_in" not in ln for ln in failed)
+    assert proc.stderr.rstrip().endswith(lines[1])  # the last line the user sees
+    # The logs name the node as the file does (it said node=standalone).
+    assert "node=box" in proc.stderr and "node=standalone" not in proc.stderr
+
+
+def test_standalone_says_it_ignores_credential_fields(nginx: Any, tmp_path: Path) -> None:
+    """C4: `serviceAccountName: some-sa` was accepted without a word and ignored."""
+    nginx.write("c/m.bin", 1 * MiB)
+    spec = write_node(tmp_path / "node.yaml", [{"modelName": "m", "sourceModelUri": nginx.url("c/m.bin"),
+                                                "serviceAccountName": "some-sa"}])
+    proc = run_agent(spec, tmp_path / "root")
+    assert proc.returncode == 0, proc.stderr
+    warned = [ln for ln in proc.stderr.splitlines() if "credential fields are ignored" in ln]
+    assert len(warned) == 1 and "level=warning" in warned[0] and 'entry="m: serviceAccountName"' in warned[0], \
+        proc.stderr
+    assert "come from the agent's environment and --download-env" in warned[0]
+
+
+def test_two_standalone_agents_do_not_fight_over_a_port(nginx: Any, tmp_path: Path) -> None:
+    """C13: a second standalone agent (even for another root) died with `cannot listen on
+    127.0.0.1:8080`; the health server bound :: (every interface) by default."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    nginx.write("p/m.bin", 2 * MiB)
+    nginx.set_limit_rate("p", 256 << 10)
+    spec = write_node(tmp_path / "node.yaml", [{"modelName": "m", "sourceModelUri": nginx.url("p/m.bin")}])
+    cmd = [sys.executable, "-m", "agent", "--standalone", str(spec), "--backoff-initial", "0.5"]
+    first = subprocess.Popen([*cmd, "--root", str(tmp_path / "r1"), "--watch"], cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: (tmp_path / "r1" / ".modelcache" / "agent.lock").exists(), timeout=30, what="first agent")
+        other = subprocess.run([*cmd, "--root", str(tmp_path / "r2")], cwd=REPO, capture_output=True, text=True,
+                               timeout=90)
+        assert other.returncode == 0, other.stderr
+        assert "already in use" not in other.stderr
+        served = [ln for ln in other.stderr.splitlines() if 'msg="serving health and metrics"' in ln]
+        assert served and "port=8080" not in served[0], other.stderr
+        log = tmp_path / "same.log"
+        with open(log, "w") as out:
+            same = subprocess.Popen([*cmd, "--root", str(tmp_path / "r1")], cwd=REPO, stdout=subprocess.DEVNULL,
+                                    stderr=out, text=True)
+        try:
+            wait_until(lambda: "another agent is running on this root: waiting for it to stop" in log.read_text(),
+                       timeout=60, what="the second agent on the same root waits")
+        finally:
+            same.terminate()
+            same.wait(30)
+    finally:
+        first.terminate()
+        _, err = first.communicate(timeout=30)
+    import re
+
+    port = re.search(r'msg="serving health and metrics" port=(\d+)', err)
+    assert port and port.group(1) != "8080", err
+    import socket
+
+    # It listened on loopback only: the metrics of a workstation are not on every interface.
+    assert "host=" not in err or "host=127.0.0.1" in err
+    assert socket.getaddrinfo("127.0.0.1", 0)
+
+
+def test_sigterm_mid_download_keeps_the_staged_progress_in_the_status(nginx: Any, tmp_path: Path) -> None:
+    """Cosmetic: after SIGTERM mid-download the status kept bytesTotal but dropped bytesDone."""
+    import signal
+    import subprocess
+
+    from tests.agent_util import agent_cmd
+    from tests.helpers import REPO
+
+    nginx.write("s/m.bin", 8 * MiB)
+    nginx.set_limit_rate("s", 1 * MiB)
+    spec = write_node(tmp_path / "node.yaml", [{"modelName": "m", "sourceModelUri": nginx.url("s/m.bin")}])
+    proc = subprocess.Popen(agent_cmd(spec, tmp_path / "root", "--watch"), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: spec.with_name(spec.name + ".status.yaml").exists() and
+                   (status_of(spec)["modelDetails"]["m"].get("bytesDone") or 0) >= 3 * MiB, timeout=60,
+                   what="3 MiB downloaded")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    d = status_of(spec)["modelDetails"]["m"]
+    assert d["state"] == "ModelDownloadPending" and d["message"].startswith("interrupted"), d
+    assert d["bytesTotal"] == 8 * MiB and d["bytesDone"] >= 2 * MiB, d

@@ -60,8 +60,8 @@ def test_a_folder_modelcache_did_not_make_is_shown_kept_by_gc_and_removed_only_b
         assert re.fullmatch(
             rf"error: {re.escape(uri)}: insufficient space at {re.escape(str(small))}: need 200\.0 MiB plus a "
             r"64\.0 MiB margin kept free, [\d.]+ MiB free; no model of this store can be evicted to make room: free "
-            rf"space on the file system by other means; 1 folder\(s\) under {re.escape(str(small))}/models not made "
-            rf"by modelcache hold 100\.0 MiB \(`modelcache ls --root {re.escape(str(small))}` names them; only "
+            rf"space on the file system by other means; 1 folder\(s\) under {re.escape(str(small))}/models, not made "
+            rf"by modelcache, hold 100\.0 MiB \(`modelcache ls --root {re.escape(str(small))}` names them; only "
             r"`modelcache rm` of a name deletes one\)", line), line
         assert "modelcache gc" not in line  # a gc cannot help: nothing of ours to evict
         # A pull refused before it staged a byte leaves nothing behind (C2): no staging, no lock.
