@@ -49,13 +49,25 @@ class Coordinator:
     """The coordinator as its own process, as deploy/ runs it (leader election on)."""
 
     def __init__(self, cluster: Cluster, workdir: Path, *extra: str) -> None:
+        self.cluster, self.workdir, self.extra = cluster, workdir, extra
+        self.restarts = 0
+        self._start()
+
+    def _start(self) -> None:
         self.port = free_port()
-        self.log = workdir / f"coordinator-{time.monotonic_ns()}.log"
-        env = {**os.environ, "KUBECONFIG": str(cluster.coordinator_kubeconfig), "POD_NAME": f"coord-{self.port}",
+        self.log = self.workdir / f"coordinator-{time.monotonic_ns()}.log"
+        env = {**os.environ, "KUBECONFIG": str(self.cluster.coordinator_kubeconfig), "POD_NAME": f"coord-{self.port}",
                "POD_NAMESPACE": "modelcache-system"}
-        cmd = [sys.executable, "-m", "coordinator", "--bind", "127.0.0.1", "--port", str(self.port), *extra]
+        cmd = [sys.executable, "-m", "coordinator", "--bind", "127.0.0.1", "--port", str(self.port), *self.extra]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def reap(self) -> None:
+        """A replica that exited (a leader that could not renew its lease while the API server was
+        down exits, by design) is replaced, as its Deployment would."""
+        if self.proc.poll() is not None:
+            self.restarts += 1
+            self._start()
 
     def copies_gauges(self, cache: str) -> list[str]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as resp:
@@ -98,8 +110,13 @@ class World:
         return self.kube.get_or_none(LOCAL_MODEL_CACHES, name) or {}
 
     def wait(self, what: str, cond: Any, timeout: float, agent: AgentProc, coord: Coordinator | None) -> None:
+        def check() -> bool:
+            if coord is not None:
+                coord.reap()
+            return bool(cond())
+
         try:
-            wait_until(cond, timeout=timeout, what=what)
+            wait_until(check, timeout=timeout, what=what)
         except TimeoutError as exc:
             raise AssertionError(
                 f"{exc}: entries {self.entries()} states {self.states()} disk {sorted(self.disk())} labels "
@@ -144,7 +161,7 @@ def test_an_etcd_restore_is_followed_by_the_coordinator_and_the_agent(
         after = cluster.cp.etcd_revision()
         assert after < before, (before, after)
         assert [c["metadata"]["name"] for c in kube.list(LOCAL_MODEL_CACHES)["items"]] == ["r1"]
-        assert coord.proc.poll() is None  # the coordinator lived through it
+        assert coord.proc.poll() is None and coord.restarts == 0  # the coordinator lived through it
         make_cache(kube, "bk2", w.uris["e"], ["gpu"])
         for i in range(before - after + 50):  # the cluster goes on writing past the old revision
             kube.patch(NODES, "n1", {"metadata": {"annotations": {"activity": str(i)}}})
@@ -156,8 +173,8 @@ def test_an_etcd_restore_is_followed_by_the_coordinator_and_the_agent(
                lambda: set(w.entries()) == want and w.disk() == w.keys("c", "e", "f")
                and w.labels() == w.keys("c", "e", "f") and {k: w.states().get(k) for k in want} == dict.fromkeys(
                    want, D), 120, agent, coord)
-        bk2 = w.cache("bk2")
-        assert bk2["metadata"].get("finalizers") and bk2["status"]["copies"]["available"] == 1
+        w.wait("bk2 finalized and counted", lambda: bool(w.cache("bk2")["metadata"].get("finalizers"))
+               and (w.cache("bk2").get("status") or {}).get("copies", {}).get("available") == 1, 30, agent, coord)
         assert "bk" not in w.states()
         assert "relisting" in coord.log.read_text()
     finally:
