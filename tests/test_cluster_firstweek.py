@@ -266,3 +266,74 @@ def test_two_caches_of_one_uri_in_groups_with_different_limits_are_each_judged_i
     finally:
         agent.stop()
         coord.stop()
+
+
+def test_a_failing_node_is_explained_on_the_cache_naming_the_secret_and_service_account(
+        cluster: Cluster, moto_s3: Any, tmp_path: Path) -> None:
+    """C10: a cache whose keys (Secret modelcache-credentials/bad-s3 via ServiceAccount badsa)
+    S3 refuses. The message named AWS_* variables and "the storage-spec secret"; `kubectl
+    describe localmodelcache` showed only NodeDownloadError per node, with no reason and no event."""
+    from tests.agent_util import CRED_NS, create_secret, create_service_account
+
+    kube = Kube(load_api_client(str(cluster.kubeconfig)))
+    bucket = moto_s3.new_bucket()
+    moto_s3.client().put_object(Bucket=bucket, Key="small/w.bin", Body=b"w" * 1000)
+    host = moto_s3.endpoint.removeprefix("http://")
+    create_secret(kube, "bad-s3", {"awsAccessKeyID": "AKIAWRONGWRONGWRONG1", "awsSecretAccessKey": "wrong"},
+                  annotations={"serving.kserve.io/s3-endpoint": host, "serving.kserve.io/s3-usehttps": "0",
+                               "serving.kserve.io/s3-region": "us-east-1"})
+    create_service_account(kube, "badsa", ["bad-s3"])
+    cluster.register_node("n1", {GROUP_LABEL: "gpu"})
+    make_group(kube, "gpu", label_value="gpu")
+    coord = Coordinator(cluster, tmp_path)
+    agent = start_agent(cluster.agent_kubeconfig, "n1", tmp_path / "root", tmp_path)
+    try:
+        make_cache(kube, "small", f"s3://{bucket}/small", ["gpu"], serviceAccountName="badsa")
+
+        def condition() -> dict[str, Any] | None:
+            conds = ((kube.get_or_none(LOCAL_MODEL_CACHES, "small") or {}).get("status") or {}).get("conditions") or []
+            return next((c for c in conds if c["type"] == "NoDownloadErrors"), None)
+
+        wait_until(lambda: (condition() or {}).get("status") == "False", timeout=90, what="the failure on the cache")
+        cond = condition()
+        assert cond is not None and cond["reason"] == "NodeDownloadError"
+        want = (f"node n1: Unauthorized: S3 rejected the credentials for s3://{bucket}/small (InvalidAccessKeyId): "
+                f"check Secret {CRED_NS}/bad-s3 of ServiceAccount {CRED_NS}/badsa and the region")
+        assert cond["message"] == want, cond["message"]
+        assert "AWS_ACCESS_KEY_ID" not in cond["message"] and "(retry" not in cond["message"]
+        described = cluster.kubectl("describe", "localmodelcache", "small").stdout
+        assert "NoDownloadErrors" in described and "InvalidAccessKeyId" in described
+        events = cluster.kubectl("get", "events", "--field-selector", "involvedObject.name=small", "-o",
+                                 "jsonpath={range .items[*]}{.reason}: {.message}{'\\n'}{end}").stdout
+        assert f"DownloadFailed: {want}" in events.splitlines(), events
+    finally:
+        agent.stop()
+        coord.stop()
+
+
+def test_a_second_cache_of_the_same_source_spelled_differently_is_warned_about(
+        cluster: Cluster, coordinator_factory: Any) -> None:
+    """C16: the cluster accepted a LocalModelCache for `s3://models/llm/` beside `s3://models/llm`
+    without a word (the CLI prints a note in the same case). Allowed, as KServe allows it, with a
+    warning that kubectl prints."""
+    from tests.coordinator_util import register_webhooks
+
+    kube = Kube(load_api_client(str(cluster.kubeconfig)))
+    make_group(kube, "gpu", label_value="gpu")
+    coord = coordinator_factory(cluster)
+    register_webhooks(cluster, coord)
+
+    def cache(name: str, uri: str) -> Any:
+        body = (f"apiVersion: serving.kserve.io/v1alpha1\nkind: LocalModelCache\nmetadata: {{name: {name}}}\n"
+                f"spec: {{sourceModelUri: '{uri}', modelSize: 1Gi, nodeGroups: [gpu]}}\n")
+        return cluster.kubectl("create", "-f", "-", input=body)
+
+    first = cache("llm", "s3://models/llm")
+    assert "Warning" not in first.stderr, first.stderr
+    second = cache("llm-slash", "s3://models/llm/")
+    assert second.returncode == 0
+    assert ("Warning: LocalModelCache llm caches the same source spelled s3://models/llm: KServe keys a model by the "
+            "URI's exact text, so s3://models/llm/ is downloaded and stored again on every node; use one spelling to "
+            "keep one copy") in second.stderr, second.stderr
+    other = cache("other", "s3://models/other")
+    assert "Warning" not in other.stderr
