@@ -105,9 +105,10 @@ class Agent:
     # ---- what is on disk --------------------------------------------------------------------
 
     def _present(self, key: str) -> bool:
-        """The model's manifest is installed (it is published last, and a check that finds the
-        files damaged removes it): the on-disk half of every derived state."""
-        return self.store.layout.manifest_path(key).exists()
+        """The model's manifest is installed (it is published last), not marked damaged (a check
+        that finds the files damaged marks it) and no publish of it is under way: the on-disk half
+        of every derived state."""
+        return self.store.published(key)
 
     def _on_disk(self, key: str) -> bool:
         """Anything of the model left to delete: folder, manifest, staged or repair download."""
@@ -340,6 +341,8 @@ class Agent:
                 return pull(uri or rec.uri, settings=settings, options=self._options(), progress=task.progress,
                             admit=admit, cancel=task.cancel, only=only, peers=peers, unpack=True, **where)
 
+            with self.store.lock(rec.key, cancel=task.cancel):
+                self.store.recover(rec.key)  # a publish a crash interrupted is finished or undone first
             if needs_repair(self.store, rec.key, rec.old_files):
                 # Damaged, or left half-repaired by a crash: fix the files inside the folder that
                 # serving pods mount; a publish would swap the folder out from under them.

@@ -115,7 +115,10 @@ def test_only_missing_or_different_files_are_fetched_into_the_same_folder(moto_s
         assert (folder / rel).read_bytes() == data
     assert folder.stat().st_ino == folder_ino  # the folder a pod mounts stays
     assert {rel: (folder / rel).stat().st_ino for rel in inodes} == inodes  # kept files untouched
-    assert (folder / "extra" / "from-kserve.txt").read_bytes() == b"kept"  # not ours: left alone
+    # Not the model: moved out of the folder pods read (issue 33, F5), kept where the pull says.
+    assert not (folder / "extra" / "from-kserve.txt").exists()
+    assert result.set_aside == ("extra/from-kserve.txt",)
+    assert [p.read_bytes() for p in Path(result.set_aside_to).rglob("from-kserve.txt")] == [b"kept"]
     store = NodeStore.at(root)
     assert store.verify(storage_key(uri)) == []
     assert {f.path for f in store.manifest(storage_key(uri)).files} == set(content)
