@@ -226,10 +226,39 @@ def test_f2c_a_repair_pin_left_by_an_older_version_is_the_record_the_pull_checks
 
 
 def test_rm_takes_the_damage_mark_with_the_model(tmp_path: Path) -> None:
-    src, uri, root, folder = _origin(tmp_path)
+    _src, uri, root, folder = _origin(tmp_path)
     key = storage_key(uri)
     _flip(folder / "a.bin")
     assert run_cli("verify", "--root", str(root)).returncode == 1
     assert run_cli("rm", key, "--root", str(root)).returncode == 0
     assert not NodeStore.at(root).has(key)
     _no_repair_records(root, key)
+
+
+def test_f2b_the_agent_repairs_a_folder_whose_manifest_broke_instead_of_adopting_it(tmp_path: Path) -> None:
+    """The same folder through the agent (standalone): it takes the path the CLI takes, the store's
+    record, never sizes; where pods may read the folder it fixes the damaged file in place."""
+    from tests.agent_util import run_agent, status_of, write_node
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(random_bytes(A_SIZE, seed=1))
+    (src / "b.json").write_bytes(b'{"v": 1}')
+    uri = f"file://{src}"
+    key = storage_key(uri)
+    root = tmp_path / "root"
+    spec = write_node(tmp_path / "node.yaml", [{"modelName": "m", "sourceModelUri": uri}])
+    assert run_agent(spec, root).returncode == 0
+    folder = root / "models" / key
+    _flip(folder / "a.bin")
+    inode = (folder / "b.json").stat().st_ino
+    mpath = NodeLayout(root).manifest_path(key)
+    doc = json.loads(mpath.read_text())
+    doc["created_at"] = doc["created_at"].replace("2", "3", 1)
+    mpath.write_text(json.dumps(doc))
+    proc = run_agent(spec, root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "replaced=a.bin" in proc.stderr and "adopting" not in proc.stderr, proc.stderr
+    assert status_of(spec)["modelStatus"] == {"m": "ModelDownloaded"}
+    assert (folder / "b.json").stat().st_ino == inode
+    _healthy(root, key, src)
