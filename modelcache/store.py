@@ -590,16 +590,17 @@ class NodeStore:
             paths += [self.layout.pin_path(key), self.layout.repair_dir(key)]
         return any(os.path.lexists(p) for p in paths)
 
-    def record(self, key: str) -> Manifest | None:
+    def record(self, key: str, sealed: bool = False) -> Manifest | None:
         """What the store last recorded of the model's folder, to check the files against: a
         repair's pin (kept by an older version), else the manifest, read even if its seal broke
-        (a damaged record can only make a file fail its digest and be fetched again)."""
+        (a damaged record can only make a file fail its digest and be fetched again) unless
+        ``sealed``."""
         paths = [self.layout.manifest_path(key)]
         if isinstance(self.layout, NodeLayout):
             paths.insert(0, self.layout.pin_path(key))
         for path in paths:
             try:
-                m = Manifest.from_json(path.read_text(), sealed=False)
+                m = Manifest.from_json(path.read_text(), sealed=sealed)
             except (OSError, ValueError, TypeError, KeyError):
                 continue
             if m.storage_key == key:
@@ -968,9 +969,11 @@ class NodeStore:
         return self.record(key)
 
     def pinned_manifest(self, key: str) -> Manifest | None:
-        """The manifest a repair restores: the record of a model that is not present (damaged,
-        or its files no longer match), or None."""
-        return None if self.is_present(key) else self.record(key)
+        """The manifest a repair restores: the sealed record of a model that is not present
+        (damaged, or its files no longer match), or None. One whose seal broke may name a wrong
+        digest, which would refuse every repair: without a pin the repair fetches the model whole
+        into its download and renames in only the files that differ."""
+        return None if self.is_present(key) else self.record(key, sealed=True)
 
     def repair_download(self, key: str) -> Path:
         """The folder a repair downloads into (a destination of its own, resumable)."""

@@ -159,22 +159,35 @@ def test_verify_marks_what_it_finds_and_a_plain_pull_then_fetches_it(tmp_path: P
     _healthy(root, key, src)
 
 
-def test_f2b_a_damaged_manifest_is_never_a_reason_to_adopt_on_sizes(tmp_path: Path) -> None:
+def _break_manifest(root: Path, key: str, field: str) -> None:
+    """One character of the manifest changed (its seal no longer matches): ``created_at`` (the
+    review's case), or b.json's recorded digest (the record then names a wrong digest)."""
+    mpath = NodeLayout(root).manifest_path(key)
+    doc = json.loads(mpath.read_text())
+    if field == "created_at":
+        doc["created_at"] = doc["created_at"].replace("2", "3", 1)
+    else:
+        (entry,) = [f for f in doc["files"] if f["path"] == "b.json"]
+        entry["xxh3"] = ("1" if entry["xxh3"][0] != "1" else "2") + entry["xxh3"][1:]
+    mpath.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("field", ["created_at", "digest"])
+def test_f2b_a_damaged_manifest_is_never_a_reason_to_adopt_on_sizes(tmp_path: Path, field: str) -> None:
     """F2/B: one character of the manifest's ``created_at`` changed (the seal breaks), a.bin damaged:
     the plain pull adopted the folder and kept the damaged a.bin; ``verify`` said ok."""
     src, uri, root, folder = _origin(tmp_path)
     key = storage_key(uri)
     _flip(folder / "a.bin")
-    mpath = NodeLayout(root).manifest_path(key)
-    doc = json.loads(mpath.read_text())
-    doc["created_at"] = doc["created_at"].replace("2", "3", 1)
-    mpath.write_text(json.dumps(doc))
+    _break_manifest(root, key, field)
     store = NodeStore.at(root)
     assert store.manifest(key) is None and store.knew(key)
     again = run_cli("pull", uri, "--root", str(root), "--progress", "none", "--json")
     assert again.returncode == 0, again.stderr
     (out,) = json.loads(again.stdout)
-    assert out["adopted"] == 0 and out["refetched"] == ["a.bin"]
+    # A file is kept only if it hashes to what the record says: b.json too is fetched where its
+    # recorded digest is the damaged character.
+    assert out["adopted"] == 0 and out["refetched"] == (["a.bin"] if field == "created_at" else ["a.bin", "b.json"])
     _healthy(root, key, src)
 
 
@@ -235,7 +248,9 @@ def test_rm_takes_the_damage_mark_with_the_model(tmp_path: Path) -> None:
     _no_repair_records(root, key)
 
 
-def test_f2b_the_agent_repairs_a_folder_whose_manifest_broke_instead_of_adopting_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("field", ["created_at", "digest"])
+def test_f2b_the_agent_repairs_a_folder_whose_manifest_broke_instead_of_adopting_it(
+        tmp_path: Path, field: str) -> None:
     """The same folder through the agent (standalone): it takes the path the CLI takes, the store's
     record, never sizes; where pods may read the folder it fixes the damaged file in place."""
     from tests.agent_util import run_agent, status_of, write_node
@@ -252,10 +267,7 @@ def test_f2b_the_agent_repairs_a_folder_whose_manifest_broke_instead_of_adopting
     folder = root / "models" / key
     _flip(folder / "a.bin")
     inode = (folder / "b.json").stat().st_ino
-    mpath = NodeLayout(root).manifest_path(key)
-    doc = json.loads(mpath.read_text())
-    doc["created_at"] = doc["created_at"].replace("2", "3", 1)
-    mpath.write_text(json.dumps(doc))
+    _break_manifest(root, key, field)
     proc = run_agent(spec, root)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "replaced=a.bin" in proc.stderr and "adopting" not in proc.stderr, proc.stderr
