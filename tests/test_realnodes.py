@@ -21,20 +21,18 @@ import pytest
 import yaml
 
 from tests.cluster import cgroups
-from tests.cluster.build import CONTROL_PLANE, NODE_IMAGES, NODE_RUNTIME
+from tests.cluster.build import CONTROL_PLANE, NODE_RUNTIME
 from tests.cluster.images import static_image
 from tests.cluster.slot import STATE, Names, Slot
-from tests.helpers import require, wait_until
+from tests.helpers import wait_until
 from tests.node_util import Up, host_state, kubectl, safetensors
 
 pytestmark = pytest.mark.xdist_group("realnodes")
 
 
 @pytest.fixture(autouse=True)
-def _needs() -> None:
-    require(os.geteuid() == 0, "root (kubelets, containerd, a network namespace)")
-    for build in (CONTROL_PLANE, NODE_RUNTIME, NODE_IMAGES):
-        require(build.up_to_date(), f"{build.title} in {build.bin_dir} (tests/setup.d/50-cluster.sh)")
+def _needs(real_node_builds: None) -> None:
+    pass
 
 
 def serving_pod(name: str, node: str, model_dir: Path, model: str = "m") -> dict[str, object]:
