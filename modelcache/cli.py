@@ -11,6 +11,7 @@ otherwise.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -25,7 +26,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from modelcache.errors import ModelcacheError
+from modelcache.errors import ModelcacheError, SourceChangedError
 from modelcache.logs import setup_cli_logging
 from modelcache.progress import ProgressTracker, human_bytes, plural
 from modelcache.redact import redact_uri, scrub_urls
@@ -203,7 +204,7 @@ def _interruptible() -> Iterator[tuple[threading.Event, list[int]]]:
 @click.option("--max-workers", type=click.IntRange(1, 256), default=None,
               help="Grow up to this many streams while throughput grows (servers that cap each "
               "connection, e.g. S3); at least --workers; default: a fixed --workers.")
-@click.option("--chunk-size", type=SizeType(), default="16M", show_default=True, callback=_chunk_size,
+@click.option("--chunk-size", type=SizeType(), default="8M", show_default=True, callback=_chunk_size,
               help=f"Bytes per ranged read and per resume unit, {human_bytes(MIN_CHUNK)} to {human_bytes(MAX_CHUNK)} "
               "(e.g. 8M, 64MiB).")
 @click.option("--stall-timeout", type=click.FloatRange(0.5, 3600), default=30.0, show_default=True,
@@ -307,6 +308,8 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
                 click.echo(f"{res.uri} -> {res.path} ({plural(res.files, 'file')}, {human_bytes(res.bytes)}, {how}"
                            f"{checked})",
                            err=True)
+                for line in _pull_notes(res):
+                    click.echo(f"{res.storage_key}: {line}", err=True)
         elif caught:
             continue  # one line for the interruption below, not one "cancelled" per model
         else:
@@ -321,6 +324,26 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
         _interrupted(tracker, DestLayout(dest).staging_root if dest is not None else NodeLayout(root).staging_root,
                      caught[0])
     sys.exit(1 if failed else 0)
+
+
+def _names(paths: tuple[str, ...]) -> str:
+    return ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
+
+
+def _pull_notes(res: Any) -> list[str]:
+    """What a pull did beyond fetching: damaged stored files fetched again, files kept unverified,
+    files moved out of an adopted folder."""
+    notes = []
+    if res.refetched:
+        notes.append(f"{len(res.refetched)} stored file(s) no longer matched their digests and were fetched again "
+                     f"({_names(res.refetched)})")
+    if res.unverified and not res.cached:
+        notes.append(f"unverified: {len(res.unverified)} file(s) kept on their size alone ({_names(res.unverified)}): "
+                     "the source gives no checksum; `modelcache pull --refresh` fetches them again")
+    if res.set_aside:
+        notes.append(f"{len(res.set_aside)} file(s) the source does not list moved out of the model folder to "
+                     f"{res.set_aside_to} ({_names(res.set_aside)})")
+    return notes
 
 
 def _stored_uris(store: NodeStore) -> list[str]:
@@ -450,6 +473,13 @@ def ls_cmd(root: Path, as_json: bool) -> None:
             click.echo(f"{s.storage_key}: failed: {s.failure}; what it staged is kept: `modelcache pull --root "
                        f"{root} {s.uri or 'URI'}` resumes once the cause is fixed, `modelcache rm --root {root} "
                        f"{s.storage_key}` drops it", err=True)
+    if any(e.damaged and e.storage_key not in stage_keys for e in entries):
+        click.echo(f"damaged: `modelcache verify --repair --root {root} KEY` fixes the damaged files in place, at the "
+                   f"stored revision; `modelcache pull --root {root} URI` fetches them again at the source's current "
+                   "one", err=True)
+    if any(e.present and e.unverified for e in entries):
+        click.echo("unverified: adopted files kept on their size alone (the source gives no checksum); "
+                   f"`modelcache pull --refresh --root {root} URI` fetches them again", err=True)
     foreign = [e.storage_key for e in entries if not e.made]
     if foreign:
         click.echo(f"{len(foreign)} folder(s) under {root}/models were not made by modelcache ({', '.join(foreign)}): "
@@ -457,9 +487,13 @@ def ls_cmd(root: Path, as_json: bool) -> None:
 
 
 def _entry_state(e: Any) -> str:
+    """What ``ls`` calls a model: present (unverified: some files adopted on their size alone),
+    damaged, incomplete, or a folder modelcache did not make."""
     if not e.made:
         return "not modelcache's"
-    return "present" if e.present else "incomplete"
+    if e.present:
+        return "unverified" if e.unverified else "present"
+    return "damaged" if e.damaged else "incomplete"
 
 
 @cli.command()
@@ -484,8 +518,12 @@ def verify(models: tuple[str, ...], root: Path, fix: bool, progress_mode: str, a
     given = {k: m for k, m in given.items() if m not in unknown}
     if unknown and not given:
         sys.exit(1)
-    keys = list(given) or store.keys()
+    everything = store.keys()
+    keys = list(given) or [k for k in everything if store.made(k)]
     report = {k: [asdict(p) for p in store.verify(k)] for k in keys}
+    for k, problems in report.items():
+        if problems and store.manifest(k) is not None:
+            _mark(store, k, problems)
     if as_json and not fix:
         _emit(report)
     else:
@@ -495,6 +533,8 @@ def verify(models: tuple[str, ...], root: Path, fix: bool, progress_mode: str, a
                     click.echo(f"{k}: {p['path'] or '-'}: {p['problem']}")
             else:
                 click.echo(f"{k}: ok")
+        for k in [] if given else sorted(set(everything) - set(keys)):
+            click.echo(f"{k}: not made by modelcache: nothing to verify it against (skipped)")
         if not keys:
             click.echo(f"no models in {root}")
     damaged = [k for k, p in report.items() if p]
@@ -515,6 +555,18 @@ def verify(models: tuple[str, ...], root: Path, fix: bool, progress_mode: str, a
         sys.exit(1)
     if unknown:
         sys.exit(1)
+
+
+def _mark(store: NodeStore, key: str, problems: list[dict[str, str]]) -> None:
+    """Damage that verify found is recorded: the model stops being present, and the next pull (or
+    ``verify --repair``) fetches exactly those files again. A model another process holds, or a
+    store this user cannot write, is left as it is (the report says what is wrong either way)."""
+    reason = "; ".join(f"{p['path']}: {p['problem']}" for p in problems[:3])
+    try:
+        with store.lock(key, blocking=False):
+            store.mark_damaged(key, [p["path"] for p in problems if p["path"]], f"verify found damage: {reason}")
+    except ModelcacheError as exc:
+        logging.getLogger("modelcache.cli").info("%s: damage not recorded: %s", key, exc)
 
 
 def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -> bool:
@@ -547,6 +599,13 @@ def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -
             old = store.pin_damaged(key)  # not present for any reader until the repair is installed
         with show_progress(tracker, progress_mode, 5.0):
             out = repair(store, key, pull_into, [f.path for f in old.files] if old else [])
+    except SourceChangedError as exc:
+        click.echo(f"error: {key}: {scrub_urls(' '.join(str(exc).split()))}", err=True)
+        click.echo(f"{key}: kept as it is, marked damaged (not present); `modelcache pull --root {store.layout.base} "
+                   f"{redact_uri(uri)}` takes the source's current revision instead: the damaged and changed files "
+                   "are fetched, the others checked against their digests and kept, and the folder replaced whole",
+                   err=True)
+        return False
     except ModelcacheError as exc:
         click.echo(f"error: {key}: {scrub_urls(' '.join(str(exc).split()))}", err=True)
         return False
