@@ -50,6 +50,10 @@ def test_a_folder_modelcache_did_not_make_is_shown_kept_by_gc_and_removed_only_b
                          ls.stdout, re.M), ls.stdout
         assert (f"1 folder(s) under {small}/models were not made by modelcache (kserve-cached-abc): gc and the agent "
                 f"never delete them; `modelcache rm --root {small} NAME` deletes one") in ls.stderr
+        verify = run_cli("verify", "--root", str(small))
+        assert verify.returncode == 0 and verify.stdout.splitlines() == [
+            "kserve-cached-abc: not made by modelcache: nothing to verify it against (skipped)",
+            f"no models in {small}"], verify.stdout
         listed = json.loads(run_cli("ls", "--root", str(small), "--json").stdout)
         assert [(e["storage_key"], e["made"], e["size"], e["state"]) for e in listed] == [
             ("kserve-cached-abc", False, 100 * MiB, "not modelcache's")]

@@ -270,8 +270,8 @@ def test_progress_keeps_same_named_files_of_two_models_apart(tmp_path):
     seen: list[tuple[str, ...]] = []
     orig = tracker.file_started
 
-    def spy(key: str, total: int | None, already: int = 0) -> None:
-        orig(key, total, already)
+    def spy(key: str, total: int | None, already: int = 0, resumable: bool = True) -> None:
+        orig(key, total, already, resumable)
         seen.append(tuple(f.path for f in tracker.snapshot().active))
 
     tracker.file_started = spy  # type: ignore[method-assign]
