@@ -346,20 +346,15 @@ def stage_piece_record(staging: Path, text: str) -> None:
     """Leave a download's piece record in its staging folder (durable, renamed into place):
     ``publish`` installs it next to the manifest, in the same step as the model."""
     path = staging / _STAGED_PIECES
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "w") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
+        _write_whole(path, text)
     except OSError as exc:
         raise store_error(exc, str(path), "writing the piece record") from exc
 
 
-def regular_file_inside(base: Path, rel: str) -> os.stat_result | None:
-    """``base/rel`` as a regular file reached without following a symlink at any component
-    (``rel``'s folders included: a linked sub-folder would put the model outside the store), else None."""
+def first_stop(base: Path, rel: str) -> tuple[Path, os.stat_result] | None:
+    """Walk ``rel`` down from ``base`` without following a link: the first entry on the way that
+    is a link or not a folder, else the last one, with its ``lstat``; None where one is missing."""
     path = base
     parts = PurePosixPath(rel).parts
     for n, part in enumerate(parts):
@@ -368,9 +363,30 @@ def regular_file_inside(base: Path, rel: str) -> os.stat_result | None:
             st = os.lstat(path)
         except OSError:
             return None
-        if stat.S_ISLNK(st.st_mode) or (n < len(parts) - 1 and not stat.S_ISDIR(st.st_mode)):
-            return None
-    return st if parts and stat.S_ISREG(st.st_mode) else None
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or n == len(parts) - 1:
+            return path, st
+    return None
+
+
+def regular_file_inside(base: Path, rel: str) -> os.stat_result | None:
+    """``base/rel`` as a regular file reached without following a symlink at any component
+    (``rel``'s folders included: a linked sub-folder would put the model outside the store), else None."""
+    hit = first_stop(base, rel)
+    if hit is None or hit[0] != base.joinpath(*PurePosixPath(rel).parts) or not stat.S_ISREG(hit[1].st_mode):
+        return None
+    return hit[1]
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` durably and whole: a reader (or a crash) sees it all or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+    fsync_dir(str(path.parent))
 
 
 def file_matches(path: Path, want: ManifestFile) -> bool:
@@ -798,7 +814,7 @@ class NodeStore:
         pending = self.layout.pending_path(key)
         trash: Path | None = None
         try:
-            self._write_whole(pending, manifest.to_json())
+            _write_whole(pending, manifest.to_json())
             _step("pending")
             if isinstance(self.layout, DestLayout) or in_place:
                 (staging / "merging").touch()
@@ -834,25 +850,13 @@ class NodeStore:
         shutil.rmtree(staging, ignore_errors=True)
         return target
 
-    @staticmethod
-    def _write_whole(path: Path, text: str) -> None:
-        """Write ``text`` to ``path`` durably and whole: a reader (or a crash) sees it all or none."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-        fsync_dir(str(path.parent))
-
     def install_manifest(self, key: str, manifest: Manifest) -> None:
         """Write ``manifest`` for a folder already in place (caller holds the lock): durable, then
         renamed into place, so a reader sees no manifest or the whole one. It describes the
         folder as it is: any damage mark or repair record of an earlier one goes."""
         pending = self.layout.pending_path(key)
         try:
-            self._write_whole(pending, manifest.to_json())
+            _write_whole(pending, manifest.to_json())
             self.layout.pieces_path(key).unlink(missing_ok=True)  # an older record would describe other bytes
             self._forget_repair(key)
             self._install_manifest(key, pending)
@@ -877,7 +881,7 @@ class NodeStore:
         doc = {"files": names, "reason": reason or (old.reason if old else "damaged"),
                "since": old.since if old and old.since else rfc3339()}
         try:
-            self._write_whole(self.layout.damaged_path(key), json.dumps(doc, indent=1))
+            _write_whole(self.layout.damaged_path(key), json.dumps(doc, indent=1))
         except OSError as exc:
             raise store_error(exc, str(self.layout.damaged_path(key)), "marking the model damaged") from exc
 
@@ -1033,7 +1037,7 @@ class NodeStore:
         shutil.rmtree(self.layout.staging_dir(key), ignore_errors=True)
         # Still marked damaged while the manifest is written: a crash in between repairs again
         # (every file matches by then: only the manifest and the mark are left to do).
-        self._write_whole(self.layout.manifest_path(key), manifest.to_json())
+        _write_whole(self.layout.manifest_path(key), manifest.to_json())
         _step("repair-installed")
         self._forget_repair(key)
         return replaced, removed
@@ -1050,14 +1054,7 @@ class NodeStore:
         written whole, fsynced and renamed into place, so a reader finds the old one or this."""
         path = self.layout.meta / kind / f"{key}.json"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            with open(tmp, "w") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-            fsync_dir(str(path.parent))
+            _write_whole(path, text)
         except OSError as exc:
             raise store_error(exc, str(path), f"writing the {kind} record") from exc
 
