@@ -31,6 +31,7 @@ from modelcache.errors import ModelcacheError, NotFoundError, UnsupportedError
 from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.reserved import META_DIR
 from modelcache.sources.local import check_file_type
+from modelcache.store import first_stop
 from modelcache.transfer import TransferOptions
 from modelcache.uri import parse_uri, redact_uri
 
@@ -188,18 +189,9 @@ def _pull(uri: str, dest: Path, ctx: Context) -> PairOutcome:
 def _remove_inside(dest: Path, rel: str) -> None:
     """Remove ``rel`` from DEST without following a link: where a folder on the way is a link
     (or a file), that entry goes instead; what a link points at is never touched."""
-    path = dest
-    parts = Path(rel).parts
-    for n, part in enumerate(parts):
-        path = path / part
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return
-        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or n == len(parts) - 1:
-            if not stat.S_ISDIR(st.st_mode):
-                path.unlink()
-            return
+    hit = first_stop(dest, rel)
+    if hit is not None and not stat.S_ISDIR(hit[1].st_mode):
+        hit[0].unlink()
 
 
 def link_local(uri: str, src: Path, dest: Path, ctx: Context) -> PairOutcome:

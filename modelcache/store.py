@@ -357,20 +357,15 @@ def stage_piece_record(staging: Path, text: str) -> None:
     """Leave a download's piece record in its staging folder (durable, renamed into place):
     ``publish`` installs it next to the manifest, in the same step as the model."""
     path = staging / _STAGED_PIECES
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "w") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
+        _write_whole(path, text)
     except OSError as exc:
         raise store_error(exc, str(path), "writing the piece record") from exc
 
 
-def regular_file_inside(base: Path, rel: str) -> os.stat_result | None:
-    """``base/rel`` as a regular file reached without following a symlink at any component
-    (``rel``'s folders included: a linked sub-folder would put the model outside the store), else None."""
+def first_stop(base: Path, rel: str) -> tuple[Path, os.stat_result] | None:
+    """Walk ``rel`` down from ``base`` without following a link: the first entry on the way that
+    is a link or not a folder, else the last one, with its ``lstat``; None where one is missing."""
     path = base
     parts = PurePosixPath(rel).parts
     for n, part in enumerate(parts):
@@ -379,9 +374,30 @@ def regular_file_inside(base: Path, rel: str) -> os.stat_result | None:
             st = os.lstat(path)
         except OSError:
             return None
-        if stat.S_ISLNK(st.st_mode) or (n < len(parts) - 1 and not stat.S_ISDIR(st.st_mode)):
-            return None
-    return st if parts and stat.S_ISREG(st.st_mode) else None
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or n == len(parts) - 1:
+            return path, st
+    return None
+
+
+def regular_file_inside(base: Path, rel: str) -> os.stat_result | None:
+    """``base/rel`` as a regular file reached without following a symlink at any component
+    (``rel``'s folders included: a linked sub-folder would put the model outside the store), else None."""
+    hit = first_stop(base, rel)
+    if hit is None or hit[0] != base.joinpath(*PurePosixPath(rel).parts) or not stat.S_ISREG(hit[1].st_mode):
+        return None
+    return hit[1]
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` durably and whole: a reader (or a crash) sees it all or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+    fsync_dir(str(path.parent))
 
 
 def file_matches(path: Path, want: ManifestFile) -> bool:
@@ -810,8 +826,16 @@ class NodeStore:
             for rel in found:
                 (dest / rel).parent.mkdir(parents=True, exist_ok=True)
                 os.rename(folder / rel, dest / rel)
-            for d in sorted({str((folder / rel).parent) for rel in found}):
-                fsync_dir(d)
+            parents = {(folder / rel).parent for rel in found}
+            for d in sorted(parents, key=lambda p: len(p.parts), reverse=True):  # deepest first
+                while d != folder:
+                    try:
+                        d.rmdir()  # left empty by the moves: it goes too (a folder with anything in it stays)
+                    except OSError:
+                        break
+                    d = d.parent
+            for d in sorted({folder, *(p for p in parents if p.exists())}):
+                fsync_dir(str(d))
         except OSError as exc:
             raise store_error(exc, str(folder), "moving unlisted files out of the model folder") from exc
         log.warning("files the source does not list moved out of the model folder", extra={"fields": {
@@ -925,7 +949,7 @@ class NodeStore:
         pending = self.layout.pending_path(key)
         trash: Path | None = None
         try:
-            self._write_whole(pending, manifest.to_json())
+            _write_whole(pending, manifest.to_json())
             _step("pending")
             if isinstance(self.layout, DestLayout) or in_place:
                 (staging / "merging").touch()
@@ -961,25 +985,13 @@ class NodeStore:
         shutil.rmtree(staging, ignore_errors=True)
         return target
 
-    @staticmethod
-    def _write_whole(path: Path, text: str) -> None:
-        """Write ``text`` to ``path`` durably and whole: a reader (or a crash) sees it all or none."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-        fsync_dir(str(path.parent))
-
     def install_manifest(self, key: str, manifest: Manifest) -> None:
         """Write ``manifest`` for a folder already in place (caller holds the lock): durable, then
         renamed into place, so a reader sees no manifest or the whole one. It describes the
         folder as it is: any damage mark or repair record of an earlier one goes."""
         pending = self.layout.pending_path(key)
         try:
-            self._write_whole(pending, manifest.to_json())
+            _write_whole(pending, manifest.to_json())
             self.layout.pieces_path(key).unlink(missing_ok=True)  # an older record would describe other bytes
             self._forget_repair(key)
             self._install_manifest(key, pending)
@@ -1004,7 +1016,7 @@ class NodeStore:
         doc = {"files": names, "reason": reason or (old.reason if old else "damaged"),
                "since": old.since if old and old.since else rfc3339()}
         try:
-            self._write_whole(self.layout.damaged_path(key), json.dumps(doc, indent=1))
+            _write_whole(self.layout.damaged_path(key), json.dumps(doc, indent=1))
         except OSError as exc:
             raise store_error(exc, str(self.layout.damaged_path(key)), "marking the model damaged") from exc
 
@@ -1164,7 +1176,7 @@ class NodeStore:
         shutil.rmtree(self.layout.staging_dir(key), ignore_errors=True)
         # Still marked damaged while the manifest is written: a crash in between repairs again
         # (every file matches by then: only the manifest and the mark are left to do).
-        self._write_whole(self.layout.manifest_path(key), manifest.to_json())
+        _write_whole(self.layout.manifest_path(key), manifest.to_json())
         _step("repair-installed")
         self._forget_repair(key)
         return replaced, removed
@@ -1181,14 +1193,7 @@ class NodeStore:
         written whole, fsynced and renamed into place, so a reader finds the old one or this."""
         path = self.layout.meta / kind / f"{key}.json"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            with open(tmp, "w") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-            fsync_dir(str(path.parent))
+            _write_whole(path, text)
         except OSError as exc:
             raise store_error(exc, str(path), f"writing the {kind} record") from exc
 

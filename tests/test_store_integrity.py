@@ -299,6 +299,6 @@ def test_unpacked_archive_files_are_fsynced_before_their_record(
     run_pair(nginx.url("a/model.tar.gz"), dest, ctx)
     from modelcache.uri import storage_key
 
-    record_at = _first(events, f"/.modelcache/unpacked/{storage_key(nginx.url('a/model.tar.gz'))}.tmp")
+    record_at = _first(events, f"/.modelcache/unpacked/.{storage_key(nginx.url('a/model.tar.gz'))}.json.tmp")
     for rel in ("m/w.bin", "m/cfg.json"):
         assert _first(events, f"/dest/{rel}") < record_at, rel
