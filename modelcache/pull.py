@@ -139,6 +139,10 @@ class _Model:
     in_place: bool = False
     unpack: bool = False
     unpacked_from: str | None = None
+    #: Its files went to the transfer engine (a failure may have staged bytes worth resuming).
+    transferred: bool = False
+    #: Its staging folder was started afresh by this pull (not a resume of an earlier one).
+    fresh: bool = False
     unpacked_links: list[str] = field(default_factory=list)
 
 
@@ -197,6 +201,7 @@ def _prepare_staging(m: _Model, chunk_size: int) -> None:
         tmp = staging / "plan.json.tmp"
         tmp.write_text(json.dumps(plan))
         os.replace(tmp, plan_path)
+    m.fresh = fresh
     m.store.clear_failure(m.key)  # this attempt's outcome replaces the last one's
     m.journal = Journal(str(staging / "journal"))
     m.resume = JournalState() if fresh else m.journal.load()
@@ -556,10 +561,10 @@ def _settle_failure(m: _Model) -> None:
         return
     if m.journal is None or not m.store.layout.staging_dir(m.key).is_dir():
         return
-    state = m.journal.load()
-    # Bytes refused by their checksum (a wrong #sha256= pin, a corrupt object) are not worth
-    # resuming from: the next pull fetches them again anyway.
-    if isinstance(m.error, IntegrityError) or (not state.files and not any(state.chunks.values())):
+    # Staged afresh and refused before its transfer began (no space, the admission), or its bytes
+    # refused by their checksum (a wrong #sha256= pin, a corrupt object): nothing worth resuming
+    # from is staged. (What an earlier, interrupted pull staged stays for the next one.)
+    if (m.fresh and not m.transferred) or isinstance(m.error, IntegrityError):
         m.journal.close()
         m.store.drop_staging(m.key)
         return
@@ -797,6 +802,7 @@ def pull_many(
                             m.unpack and single_archive([f.path for f in m.files]) is not None):
                         m.source = peers.attach(m.key, m.source, m.files, data.parent, m.journal, options.chunk_size,
                                                 m.resume, options.max_workers or options.workers)
+                    m.transferred = True
                     for i, f in enumerate(m.files):
                         if i in m.skip:
                             continue
