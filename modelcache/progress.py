@@ -41,15 +41,17 @@ class ProgressSnapshot:
     def eta(self) -> float | None:
         if self.bytes_total <= self.bytes_done:
             return 0.0
-        # No guess from the first moments of a download (a connection opening, a listing): the
-        # agent's first progress line said "eta 2110h54m28s" from its first few kilobytes.
-        if self.rate <= 0 or self.elapsed < ETA_AFTER:
+        # No guess from the first moments of a download (a connection opening, a listing) unless
+        # a good part is done already: the agent's first progress line said "eta 2110h54m28s"
+        # from its first few kilobytes.
+        if self.rate <= 0 or (self.elapsed < ETA_AFTER and self.bytes_done < self.bytes_total * ETA_FRACTION):
             return None
         return (self.bytes_total - self.bytes_done) / self.rate
 
 
-#: Seconds of transfer before a time left is estimated (and shown).
+#: Seconds of transfer, or the part of the bytes done, before a time left is estimated (and shown).
 ETA_AFTER = 3.0
+ETA_FRACTION = 0.05
 
 
 class ProgressTracker:
