@@ -258,3 +258,28 @@ def test_sigterm_mid_download_keeps_the_staged_progress_in_the_status(nginx: Any
     d = status_of(spec)["modelDetails"]["m"]
     assert d["state"] == "ModelDownloadPending" and d["message"].startswith("interrupted"), d
     assert d["bytesTotal"] == 8 * MiB and d["bytesDone"] >= 2 * MiB, d
+
+
+def test_a_staged_orphan_is_named_by_its_uri_in_the_log(nginx: Any, tmp_path: Path) -> None:
+    """Cosmetic: removing a staged download no entry wants logged `uri=""`."""
+    from tests.pull_helpers import popen_cli
+
+    nginx.write("o/big.bin", 8 * MiB)
+    nginx.set_limit_rate("o", 1 * MiB)
+    nginx.write("keep/m.bin", 1 * MiB)
+    big, keep = nginx.url("o/big.bin"), nginx.url("keep/m.bin")
+    root = tmp_path / "root"
+    spec = write_node(tmp_path / "node.yaml", [{"modelName": "keep", "sourceModelUri": keep}])
+    assert run_agent(spec, root).returncode == 0  # the agent's root
+    pull = popen_cli("pull", big, "--root", str(root), "--progress", "none", "--workers", "1")
+    staging = root / ".modelcache" / "staging" / storage_key(big)
+    wait_until(lambda: (staging / "plan.json").exists(), timeout=30, what="a staged download")
+    import signal
+
+    pull.send_signal(signal.SIGINT)
+    pull.communicate(timeout=30)
+    proc = run_agent(spec, root)
+    assert proc.returncode == 0, proc.stderr
+    removing = [ln for ln in proc.stderr.splitlines() if "no entry wants: removing" in ln]
+    assert removing and f"uri={big}" in removing[0] and 'uri=""' not in proc.stderr, proc.stderr
+    assert not staging.exists()

@@ -10,13 +10,14 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from modelcache.store import NodeStore
 from modelcache.uri import storage_key
 from tests.fixtures.http import NginxServer
-from tests.helpers import mounted_tmpfs
+from tests.helpers import REPO, mounted_tmpfs
 from tests.pull_helpers import MiB, run_cli
 
 pytestmark = pytest.mark.timeout(300)
@@ -434,3 +435,29 @@ def test_bars_show_binary_rates_and_no_eta_from_the_first_moments() -> None:
     text = out.getvalue()
     assert "MiB/s" in text or "KiB/s" in text or "?" in text
     assert not re.search(r"\d MB/s", text), text
+
+
+def test_a_stored_model_is_answered_by_its_uri_text_whatever_the_endpoint(moto_s3: Any, tmp_path: Path) -> None:
+    """C16, kept on purpose and documented: `s3://models/llm` pulled from one endpoint is answered
+    `cached` when AWS_ENDPOINT_URL names another server (KServe keys a model by the URI's text);
+    `pull --check` is what compares with a source, and without the source's keys and endpoint in
+    its environment it says so (C11: the drift row of install.md now names them)."""
+    bucket = moto_s3.new_bucket()
+    moto_s3.client().put_object(Bucket=bucket, Key="llm/w.bin", Body=b"w" * 1000)
+    uri, root = f"s3://{bucket}/llm", tmp_path / "root"
+    assert run_cli("pull", uri, "--root", str(root), "--progress", "none", env=moto_s3.env()).returncode == 0
+    elsewhere = {**moto_s3.env(), "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}  # nothing listens there
+    proc = run_cli("pull", uri, "--root", str(root), "--progress", "none", env=elsewhere)
+    assert proc.returncode == 0 and proc.stderr.rstrip().endswith("cached)"), proc.stderr
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "stored model is answered from the store by its URI's text alone, as KServe keys it" in readme
+    # On a node the CLI reads its own environment, not the cluster's Secret: it says what is missing.
+    bare = {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": str(tmp_path / "none"),
+            "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_ACCESS_KEY_ID": "",
+            "AWS_SECRET_ACCESS_KEY": "", "AWS_ENDPOINT_URL": moto_s3.endpoint}
+    check = run_cli("pull", "--check", "--root", str(root), env=bare)
+    assert check.returncode == 1
+    assert re.search(rf"^{storage_key(uri)}\s+error\s+{re.escape(uri)}: no AWS credentials: set AWS_ACCESS_KEY_ID",
+                     check.stdout, re.M), check.stdout
+    install = " ".join((REPO / "docs" / "install.md").read_text().split())
+    assert "The CLI reads credentials and endpoints from its own environment, not from the cluster" in install

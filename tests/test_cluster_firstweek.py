@@ -13,6 +13,7 @@ kept its pre-restore spec for a minute or more."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -309,6 +310,13 @@ def test_a_failing_node_is_explained_on_the_cache_naming_the_secret_and_service_
     finally:
         agent.stop()
         coord.stop()
+    # The coordinator logs as the agent does (logfmt, RFC 3339 times), not in Python's default
+    # format; a line about a bound address names the address it is bound to.
+    lines = [ln for ln in coord.log.read_text().splitlines() if ln.strip()]
+    assert lines and all(ln.startswith("ts=20") and " level=" in ln for ln in lines), lines[:5]
+    assert not any(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", ln) for ln in lines)
+    serving = [ln for ln in lines if "webhooks serving on" in ln]
+    assert all("webhooks serving on 127.0.0.1:" in ln for ln in serving), serving
 
 
 def test_a_second_cache_of_the_same_source_spelled_differently_is_warned_about(
