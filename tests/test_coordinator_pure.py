@@ -170,6 +170,34 @@ def test_storage_uri_of_services() -> None:
     assert urimatch.llmisvc_model_uri({"spec": {"model": {"uri": "hf://o/m"}}}) == "hf://o/m"
 
 
+def _custom(*containers: dict[str, object], **predictor: object) -> dict[str, object]:
+    return {"spec": {"predictor": {"containers": list(containers), **predictor}}}
+
+
+def test_storage_uri_read_as_kserves_defaulter_reads_it() -> None:
+    """GetImplementation().GetStorageUri() of KServe v0.20.0 (predictor.go, predictor_custom.go)."""
+    uri = urimatch.isvc_storage_uri
+    env = [{"name": "OTHER", "value": "x"}, {"name": "STORAGE_URI", "value": "hf://org/llm"}]
+    # A custom predictor: the STORAGE_URI env of kserve-container (vLLM / TGI images).
+    assert uri(_custom({"name": "kserve-container", "image": "vllm", "env": env})) == "hf://org/llm"
+    # KServe's defaulter names a lone container, or an unnamed first one, kserve-container first.
+    assert uri(_custom({"name": "vllm", "env": env})) == "hf://org/llm"
+    assert uri(_custom({"env": env}, {"name": "sidecar"})) == "hf://org/llm"
+    assert uri(_custom({"name": "sidecar", "env": env}, {"name": "kserve-container", "env": env[:1]})) is None
+    assert uri(_custom({"name": "sidecar", "env": env}, {"name": "proxy"})) is None
+    assert uri(_custom({"name": "sidecar"}, {"name": "kserve-container", "env": env})) == "hf://org/llm"
+    # Nothing to read (no env; an env from a Secret): None, the labels are left as they are.
+    assert uri(_custom({"name": "kserve-container", "image": "x"})) is None
+    assert uri(_custom({"name": "kserve-container", "env": [
+        {"name": "STORAGE_URI", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]})) is None
+    # The first implementation set wins, in KServe's order; a framework spec before containers.
+    assert uri({"spec": {"predictor": {"sklearn": {"storageUri": "gs://a"}, "model": {"storageUri": "gs://b"}}}}) \
+        == "gs://a"
+    assert uri({"spec": {"predictor": {"xgboost": {}, "model": {"storageUri": "gs://b"}}}}) is None
+    assert uri(_custom({"name": "kserve-container", "env": env}, model={"storageUri": "s3://m"})) == "s3://m"
+    assert uri({"spec": {"predictor": {"model": {"storage": {"key": "k", "path": "p"}}}}}) is None
+
+
 def test_status_aggregation_counts_current_members_only() -> None:
     members = {
         "a": membership.Member("a", "g", True),
