@@ -28,12 +28,12 @@ from modelcache.archive import ArchiveLimits, single_archive, unpack_archive
 from modelcache.clock import rfc3339
 from modelcache.credentials import Settings
 from modelcache.diskio import fsync_tree
-from modelcache.drift import CURRENT, Drift, compare
+from modelcache.drift import CURRENT, KEPT_AS_FOUND, Drift, compare
 from modelcache.errors import CancelledError, InsufficientSpaceError, ModelcacheError, NotFoundError
 from modelcache.integrity import hash_file
 from modelcache.journal import Journal, JournalState
 from modelcache.progress import ProgressTracker, human_bytes
-from modelcache.sources.base import RemoteFile, Source, open_source
+from modelcache.sources.base import RemoteFile, Source, open_source, source_class
 from modelcache.store import DestLayout, Guard, Manifest, ManifestFile, NodeLayout, NodeStore
 from modelcache.transfer import FetchedFile, FileJob, TransferEngine, TransferOptions
 from modelcache.uri import Location, parse_uri
@@ -67,6 +67,13 @@ class PullResult:
     adopted_bytes: int = 0
     #: The single archive the model was unpacked from, if it was one.
     unpacked_from: str | None = None
+    #: Adopted AS_FOUND (modelcache.adopt): listed files kept although they differ from the source,
+    #: and listed files absent from the folder and left out; the revision the folder was verified
+    #: at when it said which one it holds; what differs from the listing (None: nothing).
+    kept_as_found: tuple[str, ...] = ()
+    absent: tuple[str, ...] = ()
+    pinned_revision: str | None = None
+    drift: Drift | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,14 @@ class _Model:
     in_place: bool = False
     unpack: bool = False
     unpacked_from: str | None = None
+    #: Adoption (modelcache.adopt): the policy, whether the folder is someone else's, the revision
+    #: it holds (when it says) and was listed at, what was kept although it differs, what was left out.
+    adoption: str = adopt.COMPLETE
+    foreign: bool = False
+    pinned: str | None = None
+    kept_as_found: set[str] = field(default_factory=set)
+    absent: tuple[str, ...] = ()
+    adoption_drift: Drift | None = None
 
 
 def _store_for(location: Location, root: Path | None, dest: Path | None, guard: Guard | None) -> NodeStore:
@@ -222,8 +237,8 @@ def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
     for ff in sorted(fetched, key=lambda f: f.path):
         remote = by_path.get(ff.path)
         checks = {c.algo: c.value for c in (remote.checksums if remote else ()) if c.algo in ff.verified}
-        files.append(ManifestFile(path=ff.path, size=ff.size, xxh3=ff.xxh3, checksums=checks,
-                                  version=remote.version if remote else None))
+        version = KEPT_AS_FOUND if ff.path in m.kept_as_found else (remote.version if remote else None)
+        files.append(ManifestFile(path=ff.path, size=ff.size, xxh3=ff.xxh3, checksums=checks, version=version))
     assert m.source is not None
     return Manifest(
         storage_key=m.key,
@@ -253,6 +268,22 @@ def list_source(source: Source, settings: Settings) -> list[RemoteFile]:
 
 
 def _list(m: _Model, settings: Settings) -> None:
+    if m.foreign:
+        # A folder someone else filled that says which revision it holds is listed at that
+        # revision: adopted as it is, never moved to the source's current one (adopt, AS_FOUND).
+        revision = source_class(m.location.kind).revision_in(m.store.layout.model_dir(m.key))
+        pinned = m.location.at_revision(revision) if revision else None
+        if pinned is not None:
+            try:
+                m.source = open_source(pinned, settings)
+                m.files = list_source(m.source, settings)
+                m.pinned = revision
+                return
+            except NotFoundError as exc:
+                log.info("%s: the revision in the folder (%s) is not at the source any more (%s); listing its "
+                         "current one", m.location.display, revision, exc)
+                if m.source is not None:
+                    m.source.close()
     m.source = open_source(m.location, settings)
     m.files = list_source(m.source, settings)
 
@@ -322,6 +353,10 @@ def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
         adopted=len(m.adopted) if not cached else 0,
         adopted_bytes=sum(f.size for f in m.adopted) if not cached else 0,
         unpacked_from=m.unpacked_from,
+        kept_as_found=tuple(sorted(m.kept_as_found)) if not cached else (),
+        absent=m.absent if not cached else (),
+        pinned_revision=m.pinned if not cached else None,
+        drift=m.adoption_drift if not cached else None,
     )
 
 
@@ -370,21 +405,64 @@ def _still_archive(m: _Model) -> bool:
     return manifest is not None and single_archive([f.path for f in manifest.files]) is not None
 
 
+#: Seconds between the "verifying" progress lines of a long adoption (hashing a big folder).
+ADOPT_PROGRESS_EVERY = 10.0
+
+
 def _adopt(m: _Model) -> None:
     """A folder already there without our manifest (a KServe node agent's, a finished init
-    container's): keep what matches the listing, fetch only the rest, install in place."""
-    if not adopt.applies(m.store, m.key):
+    container's): keep what matches the listing, and for the rest follow ``m.adoption``
+    (modelcache.adopt: fetch it, or keep it as found and report the drift); install in place."""
+    if not m.foreign:
         return
     m.in_place = True
     if m.source is not None and m.source.extracts_itself:
         return  # layers, not files: extracted again and merged into the folder
     folder = m.store.layout.model_dir(m.key)
-    found = adopt.check(folder, m.files)
-    m.adopted, m.skip = found.kept, {i for i in range(len(m.files)) if i not in set(found.fetch)}
+    as_found = m.adoption == adopt.AS_FOUND and m.pinned is None
+    listed = list(m.files)
+    total = sum(f.size or 0 for f in listed)
+    state = {"done": 0, "last": time.monotonic()}
+
+    def on_file(path: str, size: int) -> None:
+        state["done"] += size
+        now = time.monotonic()
+        if now - state["last"] >= ADOPT_PROGRESS_EVERY:
+            state["last"] = now
+            log.info("%s: verifying the folder in place: %s of %s hashed", m.location.display,
+                     human_bytes(state["done"]), human_bytes(total))
+
+    found = adopt.check(folder, m.files, on_file, keep_differing=as_found)
+    kept = [*found.kept, *(f for _i, f in found.differ)]
+    fetch = [m.files[i] for i in found.fetch]
+    if as_found:
+        # Reported complete: what is missing was added at the source since (or never part of what
+        # the other tool fetched); only empty files are created, nothing else is fetched.
+        m.absent = tuple(f.path for f in fetch if (f.size or 0) > 0)
+        m.kept_as_found = {f.path for _i, f in found.differ}
+        if not kept:
+            raise ModelcacheError(f"{m.location.display}: the folder {folder} holds none of the {len(listed)} "
+                                  "files the source lists; it is not this model's")
+        absent = set(m.absent)
+        m.files = [f for f in m.files if f.path not in absent]
+        fetch = [f for f in fetch if f.path not in absent]
+        if m.absent or m.kept_as_found:
+            assert m.source is not None
+            stored = Manifest(storage_key=m.key, uri=m.location.display, resolved_uri=m.location.display,
+                              revision=None, created_at="", files=[
+                                  ManifestFile(f.path, f.size, f.xxh3, version=KEPT_AS_FOUND
+                                               if f.path in m.kept_as_found else None) for f in kept])
+            fetched = {f.path for f in fetch}  # (empty files: fetched now, so current)
+            m.adoption_drift = compare(stored, [f for f in listed if f.path not in fetched],
+                                       m.source.resolved_revision)
+    kept_paths = {f.path for f in kept}
+    m.adopted = kept
+    m.skip = {i for i, f in enumerate(m.files) if f.path in kept_paths}
     log.info("adopting a model folder that has no manifest", extra={"fields": {
-        "uri": m.location.display, "folder": str(folder), "files": len(m.files), "kept": len(found.kept),
-        "kept_bytes": found.kept_bytes, "size_only": found.size_only, "fetch": len(found.fetch),
-        "fetch_files": ",".join(m.files[i].path for i in found.fetch[:20])}})
+        "uri": m.location.display, "folder": str(folder), "files": len(listed), "kept": len(found.kept),
+        "kept_bytes": found.kept_bytes, "size_only": found.size_only, "fetch": len(fetch),
+        "fetch_files": ",".join(f.path for f in fetch[:20]), "policy": m.adoption, "revision": m.pinned or "",
+        "kept_as_found": ",".join(sorted(m.kept_as_found)[:20]), "absent": ",".join(m.absent[:20])}})
 
 
 def _extract(m: _Model, progress: ProgressTracker, cancel: threading.Event | None = None) -> list[FetchedFile] | None:
@@ -514,6 +592,7 @@ def pull_many(
     only: Collection[str] | None = None,
     unpack: bool | None = None,
     peers: PeerNetwork | None = None,
+    adoption: str = adopt.COMPLETE,
 ) -> list[PullResult | ModelcacheError | BaseException]:
     """Pull several models with one worker pool; one result or error per URI, in order.
 
@@ -534,7 +613,9 @@ def pull_many(
     contents, as KServe's download Job does.
 
     A model folder that is there without our manifest (KServe's node agent filled it) is
-    adopted: files that match the listing are kept, only the others are fetched (``adopt``).
+    adopted: files that match the listing are kept; ``adoption`` says what happens to the others
+    (``adopt.COMPLETE``: fetched; ``adopt.AS_FOUND``, for a folder reported complete: kept as they
+    are and reported as drift), and a folder that says which revision it holds is listed at it.
     ``peers`` (the agent's) lets other nodes' agents serve pieces of the models and this node
     serve what it fetched (``modelcache.peers``); files are verified exactly as without. Not for
     a model adopted in place or unpacked from one archive: their pieces would not be the bytes
@@ -562,7 +643,8 @@ def pull_many(
             order.append(exc)
             continue
         models.setdefault(loc.storage_key, _Model(loc, store, loc.storage_key,
-                                                  unpack=unpack if unpack is not None else rootp is not None))
+                                                  unpack=unpack if unpack is not None else rootp is not None,
+                                                  adoption=adoption))
         order.append(loc.storage_key)
     if destp is not None and len(models) > 1:
         raise ModelcacheError("a destination folder holds one model: pull several URIs into a store root")
@@ -594,6 +676,7 @@ def pull_many(
                         m.result = _finish(m, [], cached=True)
                         continue
                     _check_cancel(cancel, m)
+                    m.foreign = stored is None and adopt.applies(m.store, m.key)
                     _list(m, settings)
                     assert m.source is not None
                     if only is not None and not m.source.extracts_itself:
@@ -714,11 +797,12 @@ def pull(
     only: Collection[str] | None = None,
     unpack: bool | None = None,
     peers: PeerNetwork | None = None,
+    adoption: str = adopt.COMPLETE,
 ) -> PullResult:
     """Pull one model; raises its error."""
     (result,) = pull_many([uri], root=root, dest=dest, settings=settings, options=options, progress=progress,
                           admit=admit, cancel=cancel, guard=guard, refresh=refresh, only=only, unpack=unpack,
-                          peers=peers)
+                          peers=peers, adoption=adoption)
     if isinstance(result, BaseException):
         raise result
     return result

@@ -7,6 +7,7 @@ order (Azure hosts before generic HTTPS), so a new backend is one class and one 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -93,6 +94,11 @@ class Location:
     def display(self) -> str:
         """The URI as safe to print: no query string (it may hold a SAS token or signature)."""
         return redact_uri(self.uri)
+
+    def at_revision(self, revision: str) -> Location | None:
+        """The same URI (and storage key) pinned to an immutable ``revision`` of its source, for
+        listing it there; None: this kind of source has no such revisions."""
+        return None
 
     @property
     def identity(self) -> tuple[str, ...]:
@@ -249,6 +255,9 @@ class HFLocation(Location):
         if ".." in segments[2:]:
             raise _invalid(uri, "sub-folder must not contain '..'")
         return cls(uri=uri, repo_id=repo_id, revision=revision, subfolder=sub)
+
+    def at_revision(self, revision: str) -> HFLocation | None:
+        return dataclasses.replace(self, revision=revision) if re.fullmatch(r"[0-9a-f]{40}", revision) else None
 
 
 _OCI_SCHEMES = ("oci://", "oci+fetch://", "oci+modelcar://", "oci+native://")
