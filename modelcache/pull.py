@@ -28,7 +28,7 @@ from modelcache.archive import ArchiveLimits, single_archive, unpack_archive
 from modelcache.clock import rfc3339
 from modelcache.credentials import Settings
 from modelcache.diskio import fsync_tree
-from modelcache.drift import CURRENT, KEPT_AS_FOUND, Drift, compare
+from modelcache.drift import CHANGED, CURRENT, KEPT_AS_FOUND, Drift, compare
 from modelcache.errors import CancelledError, InsufficientSpaceError, ModelcacheError, NotFoundError
 from modelcache.integrity import hash_file
 from modelcache.journal import Journal, JournalState
@@ -122,6 +122,9 @@ class _Model:
     kept_as_found: set[str] = field(default_factory=set)
     absent: tuple[str, ...] = ()
     adoption_drift: Drift | None = None
+    #: AS_FOUND of a model that is one archive: the archive is fetched to verify the folder with,
+    #: and its unpacked files are compared with the folder's, never merged into it.
+    compare_unpacked: bool = False
 
 
 def _store_for(location: Location, root: Path | None, dest: Path | None, guard: Guard | None) -> NodeStore:
@@ -394,7 +397,39 @@ def _unpack_single_archive(m: _Model, fetched: list[FetchedFile]) -> list[Fetche
         size = p.stat().st_size
         files.append(FetchedFile(rel, size, hash_file(p, size=size).local_hexdigest(), ()))
     log.info("%s: unpacked %s (%d files)", m.location.display, name, len(files))
-    return files
+    return _compare_unpacked(m, files) if m.compare_unpacked else files
+
+
+def _compare_unpacked(m: _Model, unpacked: list[FetchedFile]) -> list[FetchedFile]:
+    """AS_FOUND of a folder another tool unpacked from the archive: each of its files is held
+    against the archive's (hashed on disk). The same bytes are kept as verified by the archive;
+    others are kept as found and reported as drift, as are the archive's files the folder lacks.
+    The staged tree is dropped: nothing is merged into the folder pods read."""
+    folder = m.store.layout.model_dir(m.key)
+    data = m.store.layout.staging_dir(m.key) / "data"
+    kept: list[FetchedFile] = []
+    absent: list[str] = []
+    for f in unpacked:
+        have = adopt.as_found(folder / f.path, f.path)
+        if have is None:
+            absent.append(f.path)
+            continue
+        if (have.size, have.xxh3) != (f.size, f.xxh3):
+            m.kept_as_found.add(f.path)
+        kept.append(have)
+    shutil.rmtree(data, ignore_errors=True)
+    data.mkdir(parents=True)
+    if not kept:
+        raise ModelcacheError(f"{m.location.display}: the folder {folder} holds none of the {len(unpacked)} files of "
+                              f"{m.unpacked_from}; it is not this model's")
+    m.absent = tuple(sorted(absent))
+    if m.kept_as_found or m.absent:
+        changed = tuple(sorted(m.kept_as_found))
+        parts = [f"{len(changed)} differ from {m.unpacked_from} ({', '.join(changed[:3])})" if changed else "",
+                 f"{len(absent)} of {m.unpacked_from} missing ({', '.join(m.absent[:3])})" if absent else ""]
+        m.adoption_drift = Drift(storage_key=m.key, uri=m.location.display, state=CHANGED, changed=changed,
+                                 added=m.absent, message="kept as found: " + "; ".join(p for p in parts if p))
+    return kept
 
 
 def _still_archive(m: _Model) -> bool:
@@ -432,6 +467,11 @@ def _adopt(m: _Model) -> None:
             log.info("%s: verifying the folder in place: %s of %s hashed", m.location.display,
                      human_bytes(state["done"]), human_bytes(total))
 
+    if as_found and m.unpack and single_archive([f.path for f in listed]) is not None:
+        # The other tool unpacked the archive and deleted it (KServe does): only the archive can
+        # tell whether the files are its own, so it is fetched (its checksum verified), unpacked
+        # beside the folder and compared with it file by file (_compare_unpacked); nothing is merged.
+        as_found, m.compare_unpacked = False, True
     found = adopt.check(folder, m.files, on_file, keep_differing=as_found)
     kept = [*found.kept, *(f for _i, f in found.differ)]
     fetch = [m.files[i] for i in found.fetch]

@@ -271,3 +271,33 @@ def test_a_folder_reported_complete_that_holds_none_of_the_listed_files_is_not_a
     else:
         raise AssertionError("adopted a folder that holds none of the model's files")
     assert not NodeStore.at(root).is_present(storage_key(uri))
+
+
+def test_an_archive_model_reported_complete_is_compared_with_the_archive_not_merged(nginx, tmp_path):
+    """L1 and M3 of the v0.20 audit: KServe unpacked the archive and deleted it; the archive was
+    replaced at the source since. Only the archive can verify the folder, so it is fetched once
+    (its bytes, no more: the unpacked copy is staged beside the folder, then dropped), and each
+    file is compared: the same bytes kept as verified, the others kept as found and reported,
+    nothing renamed into the folder pods read."""
+    from modelcache.adopt import AS_FOUND
+    from modelcache.drift import KEPT_AS_FOUND
+
+    old = {"config.json": b"{}", "w.bin": os.urandom(10_000)}
+    new = {**old, "w.bin": os.urandom(10_000), "extra.txt": b"new"}
+    body = _tar_gz(new)
+    nginx.write("ka/model.tgz", body)
+    uri = nginx.url("ka/model.tgz")
+    root = tmp_path / "root"
+    folder = _kserve_fill(root, uri, old)
+    inodes = {p.name: p.stat().st_ino for p in folder.iterdir()}
+    nginx.clear_access_log()
+    result = pull(uri, root=root, adoption=AS_FOUND)
+    assert _model_bytes(nginx, "ka/model.tgz") == len(body)
+    assert {p.name: p.stat().st_ino for p in folder.iterdir()} == inodes  # nothing renamed or added
+    assert (folder / "w.bin").read_bytes() == old["w.bin"]
+    assert result.kept_as_found == ("w.bin",) and result.absent == ("extra.txt",)
+    assert result.drift is not None and "differ from model.tgz" in result.drift.message
+    store = NodeStore.at(root)
+    files = {f.path: f for f in store.manifest(storage_key(uri)).files}
+    assert set(files) == {"config.json", "w.bin"} and files["w.bin"].version == KEPT_AS_FOUND
+    assert store.verify(storage_key(uri)) == [] and not list((root / ".modelcache" / "staging").glob("*/data/*"))
