@@ -350,6 +350,16 @@ def test_the_switch_over_rehearsal_keeps_every_service_cached_and_placed(
 
         poll_while(settled, serving_unchanged, timeout=120)
         serving_unchanged()
+
+        def verified_condition(name: str) -> dict[str, Any]:
+            conditions = {c["type"]: c for c in cache_status(name).get("conditions") or []}
+            return dict(conditions.get("CopiesVerified") or {})
+
+        # The caches say it too: verified copies, and the ones counted on KServe's word.
+        wait_until(lambda: verified_condition("llama").get("status") == "True"
+                   and verified_condition("onnx").get("reason") == "Unverified", timeout=30,
+                   what="the caches' CopiesVerified conditions")
+        assert verified_condition("onnx")["status"] == "False" and "n1" in verified_condition("onnx")["message"]
         s3_bodies = {p: n for p, n in s3proxy.bytes_sent.items() if p.startswith(f"/{bucket}/llama/") and n}
         hf_gets = hf_hub.count(origin="cdn", method="GET") + hf_hub.count(origin="hub", method="GET",
                                                                           contains="/resolve/")
