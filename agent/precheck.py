@@ -97,10 +97,11 @@ def check_one(kube: Any, facts: Facts, cache: dict[str, Any], base_env: dict[str
 
 def _ambient(location: Location) -> bool:
     """A keyless download of this location uses the identity of the pod that runs it (a cloud's
-    storage without a SAS in the URI; HDFS, whose namenode and Kerberos come from the agent)."""
+    storage without a SAS in the URI; HDFS, whose namenode and Kerberos come from the agent; an
+    OCI registry, whose docker config is a file in the agent's pod)."""
     if isinstance(location, AzureBlobLocation) and location.sas:
         return False
-    return location.kind in IDENTITY_KINDS or location.kind == "hdfs"
+    return location.kind in IDENTITY_KINDS or location.kind in ("hdfs", "oci")
 
 
 def _credentials_namespace(facts: Facts, cache: dict[str, Any]) -> str:

@@ -207,7 +207,7 @@ def test_migrate_lists_every_source_as_the_agent_will_and_names_identities_and_r
         by_check.setdefault(step["check"], []).append(step)
     sources = {s["finding"].split(":", 1)[0].removeprefix("cache "): s for s in by_check.get("sources", [])}
     assert set(sources) == {"stale", "gone", "nosa"}, by_check.get("sources")
-    assert "listing" in sources["stale"]["finding"] and "Auth" in sources["stale"]["finding"]
+    assert "listing" in sources["stale"]["finding"] and "Unauthorized" in sources["stale"]["finding"]
     assert "not copied yet" in sources["stale"]["finding"]  # read where KServe keeps it
     assert "service account 'missing' not found" in sources["nosa"]["finding"]
     assert all(not s["blocking"] for s in sources.values())
