@@ -334,7 +334,9 @@ def test_the_switch_over_rehearsal_keeps_every_service_cached_and_placed(
         for pod in pods("vllm"):
             claims = {v.get("persistentVolumeClaim", {}).get("claimName") for v in pod["spec"]["volumes"]}
             assert "llama-workers" in claims, pod["spec"]["volumes"]
-        assert all((details(n).get("llama") or {}).get("verification") == "Verifying" for n in NODES)
+        # ... all while the legacy bucket's copies were not verified yet (its listing still held;
+        # a listing that times out meanwhile leaves it Unverified, counted all the same).
+        assert all((details(n).get("llama") or {}).get("verification") in ("Verifying", "Unverified") for n in NODES)
 
         s3proxy.resume()
 
