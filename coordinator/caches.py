@@ -273,7 +273,7 @@ def _verification_reason(verification: Mapping[str, str]) -> str:
 
 def _verification_message(verification: Mapping[str, str]) -> str:
     if not verification:
-        return "every copy is verified against its source"
+        return "every copy was checked against its source (what differs is each node's modelDetails drift)"
     by_state: dict[str, list[str]] = {}
     for node, state in sorted(verification.items()):
         by_state.setdefault(state, []).append(node)
