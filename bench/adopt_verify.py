@@ -8,8 +8,8 @@ what an operator plans the switch around. This measures it: N shards of random b
 nginx with their checksum in a header (``Repr-Digest: sha-256`` as the Hub's LFS files and
 RFC 9530 servers carry it; ``Content-MD5`` as S3's ETags are), laid out as KServe's download Job
 leaves them, and adopted with ``modelcache.pull(..., adoption=AS_FOUND)`` as the agent does. The
-peer, run side by side on the same files each round, is coreutils (``sha256sum`` / ``md5sum``):
-the plain cost of reading and hashing them once.
+peers, run side by side on the same files each round, are coreutils (``sha256sum`` / ``md5sum``)
+and ``openssl dgst``: the plain cost of reading and hashing them once.
 
 Each run starts with the files out of the page cache (``posix_fadvise(DONTNEED)`` on these files
 only, not the machine's cache), so the disk is read as on a node. The script prints seconds,
@@ -50,10 +50,14 @@ from tests.helpers import free_port  # noqa: E402
 
 TIB = 1 << 40
 GIB = 1 << 30
-#: The checksum header each run serves, and the coreutils tool that computes the same digest.
+#: The checksum header each run serves, and the peers that compute the same digest of the same
+#: files: coreutils, and OpenSSL (whose SHA-256 uses the CPU's SHA extensions where it has them,
+#: as Python's hashlib does; coreutils' does not).
 ALGOS = {
-    "sha256": (lambda d: {"Repr-Digest": f"sha-256=:{base64.b64encode(d.digest()).decode()}:"}, "sha256sum"),
-    "md5": (lambda d: {"Content-MD5": base64.b64encode(d.digest()).decode()}, "md5sum"),
+    "sha256": (lambda d: {"Repr-Digest": f"sha-256=:{base64.b64encode(d.digest()).decode()}:"},
+               {"sha256sum": ["sha256sum"], "openssl": ["openssl", "dgst", "-sha256"]}),
+    "md5": (lambda d: {"Content-MD5": base64.b64encode(d.digest()).decode()},
+            {"md5sum": ["md5sum"], "openssl": ["openssl", "dgst", "-md5"]}),
 }
 
 
@@ -109,20 +113,20 @@ def run_modelcache(uri: str, root: Path, files: list[Path], algo: str) -> Run:
     return Run("modelcache", algo, seconds, cpu, sum(p.stat().st_size for p in files))
 
 
-def run_coreutils(tool: str, files: list[Path], algo: str) -> Run:
+def run_peer(tool: str, argv: list[str], files: list[Path], algo: str) -> Run:
     drop_cache(files)
     t0, c0 = time.monotonic(), child_cpu()
-    subprocess.run([tool, *map(str, files)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([*argv, *map(str, files)], check=True, stdout=subprocess.DEVNULL)
     return Run(tool, algo, time.monotonic() - t0, child_cpu() - c0, sum(p.stat().st_size for p in files))
 
 
 def report(runs: list[Run], concurrency: int, load: str) -> str:
+    """Medians per tool; ``ratio`` is modelcache's time over each peer's (below 1: faster)."""
     lines = [f"load before: {load}", "",
-             f"{'algo':7} {'tool':11} {'median s':>9} {'MB/s':>8} {'CPU s/GiB':>10} {'ratio':>6} "
+             f"{'algo':7} {'tool':11} {'median s':>9} {'MB/s':>8} {'CPU s/GiB':>10} {'mc/tool':>8} "
              f"{'per TiB, 1 model':>17} {f'per TiB, {concurrency} at once':>20}"]
-    for algo in ALGOS:
-        peer = ALGOS[algo][1]
-        by_tool = {t: [r for r in runs if r.tool == t and r.algo == algo] for t in ("modelcache", peer)}
+    for algo, (_header, peers) in ALGOS.items():
+        by_tool = {t: [r for r in runs if r.tool == t and r.algo == algo] for t in ("modelcache", *peers)}
         med = {t: statistics.median(r.seconds for r in rs) for t, rs in by_tool.items() if rs}
         for tool, rs in by_tool.items():
             if not rs:
@@ -134,8 +138,8 @@ def report(runs: list[Run], concurrency: int, load: str) -> str:
             # N models at once on N cores, each hashing on one: bounded by hashing, or by the disk
             # (the single-model run's rate is a lower bound of what the disk gives).
             parallel = max(per_tib / concurrency, cpu_gib * 1024 / concurrency)
-            ratio = sec / med[peer] if tool == "modelcache" and peer in med else 1.0
-            lines.append(f"{algo:7} {tool:11} {sec:9.2f} {size / sec / 1e6:8.0f} {cpu_gib:10.2f} {ratio:6.2f} "
+            ratio = med["modelcache"] / sec if "modelcache" in med else float("nan")
+            lines.append(f"{algo:7} {tool:11} {sec:9.2f} {size / sec / 1e6:8.0f} {cpu_gib:10.2f} {ratio:8.2f} "
                          f"{per_tib / 60:14.1f} min {parallel / 60:17.1f} min")
     return "\n".join(lines)
 
@@ -163,7 +167,7 @@ def main() -> int:
         server.docroot.mkdir(parents=True)
         server.start()
         layouts = {}
-        for algo, (header, _tool) in ALGOS.items():
+        for algo, (header, _peers) in ALGOS.items():
             for p in shards:
                 digest = hashlib.new(algo)
                 with open(p, "rb") as f:
@@ -193,15 +197,16 @@ def main() -> int:
             order = list(ALGOS)
             for algo in order[rnd % len(order):] + order[:rnd % len(order)]:
                 root, uris, files = layouts[algo]
-                tool = ALGOS[algo][1]
-                pair = [("modelcache", None), (tool, None)]
-                for name, _ in pair if rnd % 2 == 0 else reversed(pair):
+                peers = ALGOS[algo][1]
+                tools = ["modelcache", *peers]
+                shift = rnd % len(tools)
+                for name in tools[shift:] + tools[:shift]:  # each tool first in turn
                     if name == "modelcache":
                         parts = [run_modelcache(u, root, [f], algo) for u, f in zip(uris, files, strict=True)]
                         runs.append(Run("modelcache", algo, sum(r.seconds for r in parts), sum(r.cpu for r in parts),
                                         sum(r.bytes for r in parts)))
                     else:
-                        runs.append(run_coreutils(tool, files, algo))
+                        runs.append(run_peer(name, peers[name], files, algo))
                     print(f"round {rnd + 1} {algo:6} {runs[-1].tool:11} {runs[-1].seconds:7.2f} s", flush=True)
         print()
         print(report(runs, args.concurrency, load))
