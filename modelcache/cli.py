@@ -176,7 +176,7 @@ def _interruptible() -> Iterator[tuple[threading.Event, list[int]]]:
 @click.option("--max-workers", type=click.IntRange(1, 256), default=None,
               help="Grow up to this many streams while throughput grows (servers that cap each "
               "connection, e.g. S3); at least --workers; default: a fixed --workers.")
-@click.option("--chunk-size", type=SizeType(), default="16M", show_default=True, callback=_chunk_size,
+@click.option("--chunk-size", type=SizeType(), default="8M", show_default=True, callback=_chunk_size,
               help=f"Bytes per ranged read and per resume unit, {human_bytes(MIN_CHUNK)} to {human_bytes(MAX_CHUNK)} "
               "(e.g. 8M, 64MiB).")
 @click.option("--stall-timeout", type=click.FloatRange(0.5, 3600), default=30.0, show_default=True,

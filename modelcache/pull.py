@@ -74,6 +74,9 @@ class PullResult:
     absent: tuple[str, ...] = ()
     pinned_revision: str | None = None
     drift: Drift | None = None
+    #: Seconds from the first byte requested to the last written (``elapsed`` adds start-up,
+    #: listing and publishing: the benchmarks' fixed cost is the difference).
+    transfer_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -784,7 +787,8 @@ def pull_many(
                     m = models[key]
                     if m.error is None:
                         try:
-                            m.result = _finish(m, fetched, cached=False)
+                            m.result = dataclasses.replace(_finish(m, fetched, cached=False),
+                                                           transfer_seconds=engine.transfer_seconds(key))
                         except BaseException as exc:  # e.g. no space for the manifest: name the URI
                             m.error = _name_uri(exc, m.location.display)
     finally:
