@@ -58,12 +58,14 @@ test-servers: install
 test: test-deps lint
 	$(PYTEST) --durations=25 $(PYTEST_ARGS)
 
-# The chaos test for longer than in `make test` (CHAOS_SECONDS, default 15 min); CHAOS_SEED=<seed>
-# replays the sequence of steps a failed run printed.
+# The chaos tests for longer than in `make test`: the cluster's (CHAOS_SECONDS, default 15 min;
+# CHAOS_SEED=<seed> replays the sequence of steps a failed run printed), then the store's kill -9
+# loop over pull/refresh/rm/gc (KILL_LOOP_RUNS, default 300; KILL_LOOP_SEED=<seed> replays one).
 chaos: install
 	bash tests/setup.d/00-base.sh
 	bash tests/setup.d/50-cluster.sh
 	CHAOS_SECONDS=$${CHAOS_SECONDS:-900} $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_chaos.py
+	KILL_LOOP_RUNS=$${KILL_LOOP_RUNS:-300} $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_kill_loop.py
 
 # The property-based fuzzers (tests marked fuzz), randomized and MODELCACHE_FUZZ_SCALE (25) times
 # longer than their bounded run in `make test`; failures are kept in .work/hypothesis and replayed first.
