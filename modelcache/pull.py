@@ -281,7 +281,9 @@ def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
         files=files,
         created_at=rfc3339(),
         # Kept on their size alone (adopted, no checksum): never compared with the source's bytes.
-        unverified=sorted(f.path for f in m.adopted if not f.verified and f.path in {ff.path for ff in fetched}),
+        # (A file kept as found is not: it is known to differ, and reported as changed.)
+        unverified=sorted(f.path for f in m.adopted if not f.verified and f.path in {ff.path for ff in fetched}
+                          and f.path not in m.kept_as_found),
     )
 
 
