@@ -376,6 +376,30 @@ def test_event_predicates_ignore_noise() -> None:
     assert not entries_or_states_changed("MODIFIED", {**keyed, "status": {**keyed["status"], "modelDetails": {
         "m": {"storageKey": "k1", "bytesDone": 9}}}}, keyed)
     assert entries_or_states_changed("MODIFIED", {**keyed, "status": {**keyed["status"], "nodeUID": "u2"}}, keyed)
+    # A copy counted on KServe's word, then verified: the caches' CopiesVerified follows.
+    verifying = {**keyed, "status": {**keyed["status"], "modelDetails": {
+        "m": {"storageKey": "k1", "verification": "Verifying"}}}}
+    assert entries_or_states_changed("MODIFIED", verifying, keyed)
+    assert entries_or_states_changed("MODIFIED", keyed, verifying)
+
+
+def test_a_cache_says_which_copies_are_counted_on_kserves_word() -> None:
+    from coordinator.caches import _verification_message, _verification_reason
+    from coordinator.reports import reported_verification
+
+    lmn = {"status": {"modelStatus": {"m": "ModelDownloaded"}, "modelDetails": {
+        "m": {"storageKey": storage_key("s3://b/m"), "verification": "Unverified"}}}}
+    assert reported_verification(lmn, None, "m", "s3://b/m") == "Unverified"
+    from coordinator.view import lmn_essentials
+
+    kept = lmn_essentials({"status": {**lmn["status"], "capacity": {"freeBytes": 1}, "modelDetails": {
+        "m": {**lmn["status"]["modelDetails"]["m"], "bytesDone": 5}}}})  # what the coordinator's informer keeps
+    assert reported_verification(kept, None, "m", "s3://b/m") == "Unverified" and "capacity" not in kept["status"]
+    assert reported_verification(lmn, None, "m", "s3://b/other") is None  # about another URI
+    assert reported_verification({"status": {"modelStatus": {"m": "ModelDownloaded"}}}, None, "m", "s3://b/m") is None
+    assert _verification_reason({"n1": "Verifying", "n2": "Unverified"}) == "Unverified"
+    assert _verification_reason({"n1": "Verifying"}) == "Verifying" and _verification_reason({}) == "Verified"
+    assert "Unverified on n2; Verifying on n1" in _verification_message({"n1": "Verifying", "n2": "Unverified"})
 
 
 @pytest.mark.parametrize("fail_closed", [False, True])
