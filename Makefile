@@ -73,10 +73,16 @@ fuzz: install
 	MODELCACHE_FUZZ=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m fuzz --timeout 3600 \
 		--hypothesis-show-statistics $(PYTEST_ARGS) tests
 
-# The main job on a local Kubernetes control plane (built from Go modules on the first run, ~10 min),
-# then the same without a cluster (CLI and standalone agent).
+# The main job on a local Kubernetes cluster whose nodes run pods (the control plane, kubelet and
+# containerd built from Go modules on the first run, ~15 min; the image with podman, ~5 min), then
+# the same without a cluster (CLI and standalone agent). Needs root (kubelets).
+DEMO_IMAGE_FLAGS := --network host -v /etc/ssl/certs:/etc/ssl/certs:ro
 demo: install
+	bash tests/setup.d/20-nodes.sh
 	bash tests/setup.d/50-cluster.sh
+	bash tests/setup.d/50-image.sh
+	CONTAINERS_CONF=$(CURDIR)/.work/image/containers.conf $(MAKE) image CONTAINER_TOOL=podman \
+	  IMAGE_BUILD_FLAGS="$(DEMO_IMAGE_FLAGS)"
 	$(BIN)/python -m tests.cluster.demo
 	$(BIN)/python -m modelcache.demo
 
