@@ -120,11 +120,13 @@ class ControlPlane:
     """One control plane in ``workdir``; `start()` returns when /readyz answers ok."""
 
     def __init__(self, workdir: Path, bin_dir: Path | None = None, node_address: str | None = None,
-                 proc_setup: Callable[[], None] | None = None) -> None:
+                 proc_setup: Callable[[], None] | None = None, apiserver_args: tuple[str, ...] = ()) -> None:
         self.workdir = workdir
         self.bin_dir = bin_dir
         self.node_address = node_address  # where real nodes reach the API server (None: no real nodes)
         self.proc_setup = proc_setup  # Proc.setup of every process (real nodes: join the run's cgroup tree)
+        #: More kube-apiserver flags (e.g. --admission-control-config-file), after ours.
+        self.apiserver_args = apiserver_args
         self.procs: dict[str, Proc] = {}
         self.pki: PKI | None = None
         self.etcd_port = self.etcd_peer_port = self.api_port = 0
@@ -287,6 +289,7 @@ class ControlPlane:
             # (no kube-proxy here).
             "--enable-aggregator-routing=true",
             "--profiling=false",
+            *self.apiserver_args,
         ]
 
     def _start_apiserver(self, timeout: float) -> None:
