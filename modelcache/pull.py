@@ -67,6 +67,9 @@ class PullResult:
     adopted_bytes: int = 0
     #: The single archive the model was unpacked from, if it was one.
     unpacked_from: str | None = None
+    #: Seconds from the first byte requested to the last written (``elapsed`` adds start-up,
+    #: listing and publishing: the benchmarks' fixed cost is the difference).
+    transfer_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -661,7 +664,8 @@ def pull_many(
                     m = models[key]
                     if m.error is None:
                         try:
-                            m.result = _finish(m, fetched, cached=False)
+                            m.result = dataclasses.replace(_finish(m, fetched, cached=False),
+                                                           transfer_seconds=engine.transfer_seconds(key))
                         except BaseException as exc:  # e.g. no space for the manifest: name the URI
                             m.error = _name_uri(exc, m.location.display)
     finally:

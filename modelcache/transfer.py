@@ -215,6 +215,8 @@ class TransferEngine:
         self._source_busy: dict[int, int] = {}  # id(source) -> workers holding a request to it
         self._limit = StreamLimit(self.options.workers, self.options.max_workers or self.options.workers)
         self.peak_streams = self.options.workers
+        #: Per model (group): monotonic time of its first request and of its last byte on disk.
+        self.windows: dict[str, list[float]] = {}
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -302,6 +304,19 @@ class TransferEngine:
             if st.result is not None and st.job.group not in self._failed_groups:
                 results.setdefault(st.job.group, []).append(st.result)
         return results, dict(self._failed_groups)
+
+    def _mark(self, st: _FileState, start: bool = False) -> None:
+        now = time.monotonic()
+        window = self.windows.setdefault(st.job.group, [now, now])  # (dict ops are atomic under the GIL)
+        if start:
+            window[0] = min(window[0], now)
+        else:
+            window[1] = max(window[1], now)
+
+    def transfer_seconds(self, group: str) -> float:
+        """From a model's first request to its last byte written (0 if nothing was fetched)."""
+        first, last = self.windows.get(group, (0.0, 0.0))
+        return max(0.0, last - first)
 
     # ---- planning -----------------------------------------------------------------------
 
@@ -630,6 +645,7 @@ class TransferEngine:
                             if slot.pos < c.length and stream is None:
                                 self._check_cancelled(st)
                                 opened = time.monotonic()
+                                self._mark(st, start=True)
                                 stream = st.job.source.open_range(st.job.remote, c.start + slot.pos, end)
                                 entry = self._watchdog.watch(stream)
                                 first_byte = 0.0
@@ -654,6 +670,7 @@ class TransferEngine:
                             if slot.written < c.length:
                                 slot.write(writer, st.job.journal, st.job.index)
                             c.done = c.length
+                            self._mark(st)
                             # The buffer goes back to the pool unless it was parked, also when
                             # completing the chunk raises (a final checksum mismatch, a failed
                             # fsync): a leaked buffer shrinks the pool for the rest of the run,
@@ -690,6 +707,7 @@ class TransferEngine:
                     total = 0
                     st.hasher = MultiHasher(st.job.remote.checksums, st.size)
                     self._check_cancelled(st)
+                    self._mark(st, start=True)
                     stream = st.job.source.open_range(st.job.remote, 0, None)
                     entry = self._watchdog.watch(stream)
                     try:
@@ -713,6 +731,7 @@ class TransferEngine:
                     if st.size is not None and total != st.size:
                         raise TransientError(f"{path}: got {total} bytes, expected {st.size} (truncated)")
             writer.truncate(total)
+            self._mark(st)
             if st.size is None:
                 st.size = total
                 self.progress.add_total(total)
