@@ -166,6 +166,40 @@ def test_install_in_place_renames_only_differing_files_and_drops_stale_ones(tmp_
     assert store.manifest(key) == manifest and store.is_present(key) and store.verify(key) == []
 
 
+def test_the_same_spec_again_is_no_status_change(tmp_path: Path) -> None:
+    """The resync re-applies the spec every --resync-period: only a spec that changes something
+    wakes the status writer, else each resync is one more progress write between two
+    --status-interval ticks."""
+    from agent.config import AgentConfig
+    from agent.core import Agent
+    from agent.inuse import NoMounts
+
+    agent = Agent(AgentConfig(node="n", root=tmp_path / "root", port=-1), Credentials(None, {}), NoMounts())
+    try:
+        spec = [LocalModelInfo(model_name="m", source_model_uri="http://h/m.bin")]
+        agent.set_spec(spec, 1)
+        assert agent.changed.is_set()  # the first spec
+        for same in ([LocalModelInfo(model_name="m", source_model_uri="http://h/m.bin")], spec):
+            agent.changed.clear()
+            agent.set_spec(same, 1)
+            assert not agent.changed.is_set()
+        for different, generation in (
+            (spec, 2),  # a new generation is reported (observedGeneration)
+            ([LocalModelInfo(model_name="m", source_model_uri="http://h/m.bin", node_group="g")], 2),  # edited
+            ([*spec, LocalModelInfo(model_name="o", source_model_uri="http://h/o.bin")], 2),  # added
+            (spec, 2),  # removed
+        ):
+            agent.changed.clear()
+            agent.set_spec(different, generation)
+            assert agent.changed.is_set(), (different, generation)
+        agent.refuse_spec(["spec.localModels[0]: bad"], 3)
+        agent.changed.clear()
+        agent.set_spec(spec, 3)
+        assert agent.changed.is_set()  # the refusal is cleared from the status
+    finally:
+        agent.stop()
+
+
 def test_retry_backoff_doubles_up_to_the_cap_and_counts_errors_by_reason(tmp_path: Path) -> None:
     import re
     import time
