@@ -57,12 +57,14 @@ test-servers: install
 test: test-deps lint
 	$(PYTEST) $(XDIST) --durations=25 $(PYTEST_ARGS)
 
-# The chaos test for longer than in `make test` (CHAOS_SECONDS, default 15 min); CHAOS_SEED=<seed>
-# replays the sequence of steps a failed run printed.
+# The chaos tests for longer than in `make test`: the cluster's (CHAOS_SECONDS, default 15 min;
+# CHAOS_SEED=<seed> replays the sequence of steps a failed run printed), then the store's kill -9
+# loop over pull/refresh/rm/gc (KILL_LOOP_RUNS, default 300; KILL_LOOP_SEED=<seed> replays one).
 chaos: install
 	bash tests/setup.d/00-base.sh
 	bash tests/setup.d/50-cluster.sh
 	CHAOS_SECONDS=$${CHAOS_SECONDS:-900} $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_chaos.py
+	KILL_LOOP_RUNS=$${KILL_LOOP_RUNS:-300} $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_kill_loop.py
 
 # The property-based fuzzers (tests marked fuzz), randomized and MODELCACHE_FUZZ_SCALE (25) times
 # longer than their bounded run in `make test`; failures are kept in .work/hypothesis and replayed first.
@@ -70,10 +72,16 @@ fuzz: install
 	MODELCACHE_FUZZ=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m fuzz --timeout 3600 \
 		--hypothesis-show-statistics $(PYTEST_ARGS) tests
 
-# The main job on a local Kubernetes control plane (built from Go modules on the first run, ~10 min),
-# then the same without a cluster (CLI and standalone agent).
+# The main job on a local Kubernetes cluster whose nodes run pods (the control plane, kubelet and
+# containerd built from Go modules on the first run, ~15 min; the image with podman, ~5 min), then
+# the same without a cluster (CLI and standalone agent). Needs root (kubelets).
+DEMO_IMAGE_FLAGS := --network host -v /etc/ssl/certs:/etc/ssl/certs:ro
 demo: install
+	bash tests/setup.d/20-nodes.sh
 	bash tests/setup.d/50-cluster.sh
+	bash tests/setup.d/50-image.sh
+	CONTAINERS_CONF=$(CURDIR)/.work/image/containers.conf $(MAKE) image CONTAINER_TOOL=podman \
+	  IMAGE_BUILD_FLAGS="$(DEMO_IMAGE_FLAGS)"
 	$(BIN)/python -m tests.cluster.demo
 	$(BIN)/python -m modelcache.demo
 

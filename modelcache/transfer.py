@@ -57,7 +57,10 @@ PICK_WINDOW = 64
 @dataclass(frozen=True)
 class TransferOptions:
     workers: int = 8  # streams at the start (and at most, unless max_workers is higher)
-    chunk_size: int = 16 * MiB
+    #: 8 MiB: a single big file on 8 streams touches (8 + spares) x chunk of buffers (16 MiB chunks
+    #: took a 1 GiB pull to 226 MiB RSS); no more CPU per GiB than 16 MiB (1.21 against 1.33
+    #: CPU-s for 1 GiB, same sitting), and it is the part size S3 clients use.
+    chunk_size: int = 8 * MiB
     spare_buffers: int | None = None  # default: workers // 2
     max_attempts: int = 6
     backoff_initial: float = 0.2
