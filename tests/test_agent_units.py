@@ -200,6 +200,32 @@ def test_the_same_spec_again_is_no_status_change(tmp_path: Path) -> None:
         agent.stop()
 
 
+def test_a_status_write_pruned_by_the_previous_crd_schema_is_not_remembered() -> None:
+    """Right after the LocalModelNode CRD changes, the API server may still prune a status write
+    with the old schema (its CRD handler switches after the watch event reaches the agent): such a
+    write must not become the agent's memory of "what the server keeps", or our fields, dropped
+    once, are never written again at rest."""
+    import yaml
+
+    from agent.kubemode import pruned_by_another_schema, status_fields
+    from tests.helpers import REPO
+
+    crd = yaml.safe_load((REPO / "deploy" / "crds" / "serving.kserve.io_localmodelnodes.yaml").read_text())
+    ours = status_fields(crd)
+    assert ours is not None and {"modelStatus", "modelDetails", "capacity", "nodeUID"} <= ours
+    kserve_like = {"modelStatus"}  # KServe's schema: every other field of ours is pruned
+    status = {"modelStatus": {"m": "ModelDownloaded"}, "modelDetails": {"m": {}}, "capacity": {}, "nodeUID": "u"}
+    only_model_status = {"modelStatus": {"m": "ModelDownloaded"}}
+    assert not pruned_by_another_schema(status, status, ours)
+    assert pruned_by_another_schema(status, only_model_status, ours)  # ours back, pruned with KServe's
+    assert not pruned_by_another_schema(status, only_model_status, kserve_like)
+    assert pruned_by_another_schema(status, status, kserve_like)  # KServe's applied, kept with ours
+    assert not pruned_by_another_schema(status, only_model_status, None)  # schema unknown: as before
+    assert status_fields(None) is None
+    assert status_fields({"spec": {"versions": [{"name": "v1alpha1", "schema": {"openAPIV3Schema": {
+        "properties": {"status": {"x-kubernetes-preserve-unknown-fields": True}}}}}]}}) is None
+
+
 def test_retry_backoff_doubles_up_to_the_cap_and_counts_errors_by_reason(tmp_path: Path) -> None:
     import re
     import time
