@@ -32,7 +32,7 @@ from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import DELETED, Informer
 from modelcache.kube.quantity import parse_quantity
 from modelcache.kube.status import patch_status_if_changed
-from modelcache.kube.types import LocalModelNode
+from modelcache.kube.types import NAMESPACE_LIMIT_ANNOTATION, LocalModelNode
 from modelcache.kube.validate import node_problems
 from modelcache.loop import Loop
 
@@ -158,10 +158,15 @@ class KubeRunner:
     def _on_group(self, event: str, obj: dict[str, Any], _old: dict[str, Any] | None) -> None:
         name = (obj.get("metadata") or {}).get("name", "")
         limit = parse_quantity((obj.get("spec") or {}).get("storageLimit"))
+        share = ((obj.get("metadata") or {}).get("annotations") or {}).get(NAMESPACE_LIMIT_ANNOTATION)
+        per_namespace = parse_quantity(share) if share else None
+        if share and per_namespace is None:
+            log.warning("LocalModelNodeGroup %s: annotation %s=%r is not a quantity: no per-namespace share",
+                        name, NAMESPACE_LIMIT_ANNOTATION, share)
         if event == DELETED or limit is None:
             self.agent.group_limits.pop(name, None)
         else:
-            self.agent.group_limits[name] = GroupLimit(limit, name)
+            self.agent.group_limits[name] = GroupLimit(limit, name, per_namespace)
         if self.synced.is_set():
             self.check_paths()
 

@@ -368,3 +368,63 @@ def test_the_peer_directory_keeps_only_what_it_reads_and_finds_holders_and_fetch
     assert set(found) == {"holder", "listing"}
     assert found["holder"].complete and found["holder"].digest == "d1" and found["holder"].port == 8443
     assert not found["listing"].complete and found["listing"].digest is None and found["listing"].zone == "z1"
+
+
+def test_a_namespace_cache_uses_only_credentials_granted_to_its_namespace(tmp_path: Path) -> None:
+    """agent/credentials.py's tenancy rule (security review H3), without a cluster."""
+    reader = Reader(
+        secrets={"storage-config": {"metadata": {"annotations": {"namespaces.modelcache.io/team-b": "team-b,other"}},
+                                    "stringData": {"team-b": '{"type": "s3"}', "default": '{"type": "s3"}'}},
+                 "b-s3": {"stringData": {"awsAccessKeyID": "AK", "awsSecretAccessKey": "SK"}}},
+        sas={"team-b": {"metadata": {"annotations": {"modelcache.io/namespaces": "team-b"}},
+                        "secrets": [{"name": "b-s3"}]},
+             "everyone": {"metadata": {"annotations": {"modelcache.io/namespaces": "*"}},
+                          "secrets": [{"name": "b-s3"}]},
+             "admins": {"secrets": [{"name": "b-s3"}]}})
+
+    def info(ns: str | None, **kw: Any) -> LocalModelInfo:
+        return LocalModelInfo(model_name="m", namespace=ns, **kw)
+
+    # Granted: the namespace is named (or "*"); a cluster cache may use everything.
+    assert "STORAGE_CONFIG" in storage_env(info("team-b", storage=StorageSpec(key="team-b")), reader)
+    assert "STORAGE_CONFIG" in storage_env(info(None, storage=StorageSpec(key="default")), reader)
+    granted = service_account_env(info("team-b", service_account_name="team-b"), reader, str(tmp_path))
+    assert granted["AWS_SECRET_ACCESS_KEY"] == "SK"
+    assert service_account_env(info("team-a", service_account_name="everyone"), reader, str(tmp_path))
+    assert service_account_env(info(None, service_account_name="admins"), reader, str(tmp_path))
+    # Not granted: another namespace, the default key nobody granted, an unannotated account.
+    with pytest.raises(AuthError, match=r"key 'team-b' of Secret 'storage-config' is not granted to namespace "
+                                        r"team-a; a cluster admin grants it with the annotation "
+                                        r"namespaces\.modelcache\.io/team-b"):
+        storage_env(info("team-a", storage=StorageSpec(key="team-b")), reader)
+    with pytest.raises(AuthError, match=r"key 'default' .* not granted to namespace team-b"):
+        storage_env(info("team-b", storage=StorageSpec(parameters={"type": "s3"})), reader)
+    with pytest.raises(AuthError, match="service account 'admins' is not granted to namespace team-b"):
+        service_account_env(info("team-b", service_account_name="admins"), reader, str(tmp_path))
+    # Parameters that would send granted credentials elsewhere: refused even when granted.
+    for param in ("endpoint_url", "ca_bundle", "verify_ssl", "Endpoint_URL"):
+        with pytest.raises(AuthError, match=r"may not set storage\.parameters"):
+            storage_env(info("team-b", storage=StorageSpec(key="team-b", parameters={param: "x"})), reader)
+    # A namespace cache's own keys in its parameters (no key of the Secret used): nothing to grant.
+    own = storage_env(info("team-a", storage=StorageSpec(key="mine", parameters={"type": "s3", "bucket": "b"})), reader)
+    assert "STORAGE_CONFIG" not in own and json.loads(own["STORAGE_OVERRIDE_CONFIG"])["bucket"] == "b"
+
+
+def test_a_namespaces_share_of_a_group_counts_its_models_and_reservations(tmp_path: Path) -> None:
+    """agent/capacity.py: the per-namespace share of a group (security review M4)."""
+    from agent.capacity import GroupLimit
+
+    used = {"team-a": 0}
+    cap = Capacity(tmp_path, margin=0, used_bytes=lambda: sum(used.values()), disk_usage=lambda _p: (10_000, 10_000),
+                   namespace_used=lambda ns: used.get(ns, 0))
+    limit = GroupLimit(1000, "workers", namespace_limit=400)
+    cap.reserve("a", 300, 300, limit, "a", owners=frozenset({"team-a"}))
+    with pytest.raises(InsufficientSpaceError, match="does not fit namespace team-a's share of node group 'workers'"):
+        cap.reserve("b", 200, 200, limit, "b", owners=frozenset({"team-a"}))  # 300 reserved + 200 > 400
+    cap.reserve("c", 200, 200, limit, "c", owners=frozenset({"team-b"}))  # another namespace's share
+    cap.reserve("d", 200, 200, limit, "d")  # a cluster cache's model: the group limit only
+    cap.release("a")
+    used["team-a"] = 350
+    with pytest.raises(InsufficientSpaceError, match="hold 350 B here already"):
+        cap.reserve("b", 100, 100, limit, "b", owners=frozenset({"team-a"}))
+    cap.reserve("b", 50, 50, limit, "b", owners=frozenset({"team-a"}))

@@ -167,7 +167,7 @@ def test_install_md_manifests_are_accepted_and_its_kubectl_get_shows_those_colum
     get localmodelcaches,localmodelnodes` output it shows has the columns kubectl prints."""
     text = (REPO / "docs" / "install.md").read_text()
     blocks = re.findall(r"^```yaml\n(.*?)^```", text, re.M | re.S)
-    assert len(blocks) == 2, blocks
+    assert len(blocks) == 3, blocks
     for block in blocks:
         cluster.kubectl("apply", "-f", "-", input=block)  # fails the test on any refused field
     cluster.kubectl("apply", "-f", "-", input="apiVersion: serving.kserve.io/v1alpha1\nkind: LocalModelNode\n"
