@@ -119,10 +119,14 @@ def kubeconfig_text(server: str, ca: Path, user: dict[str, str], namespace: str 
 class ControlPlane:
     """One control plane in ``workdir``; `start()` returns when /readyz answers ok."""
 
-    def __init__(self, workdir: Path, bin_dir: Path | None = None, node_address: str | None = None) -> None:
+    def __init__(self, workdir: Path, bin_dir: Path | None = None, node_address: str | None = None,
+                 proc_setup: Callable[[], None] | None = None, apiserver_args: tuple[str, ...] = ()) -> None:
         self.workdir = workdir
         self.bin_dir = bin_dir
         self.node_address = node_address  # where real nodes reach the API server (None: no real nodes)
+        self.proc_setup = proc_setup  # Proc.setup of every process (real nodes: join the run's cgroup tree)
+        #: More kube-apiserver flags (e.g. --admission-control-config-file), after ours.
+        self.apiserver_args = apiserver_args
         self.procs: dict[str, Proc] = {}
         self.pki: PKI | None = None
         self.etcd_port = self.etcd_peer_port = self.api_port = 0
@@ -218,7 +222,7 @@ class ControlPlane:
         return str(self.bin_dir / name)
 
     def _spawn(self, name: str, args: list[str]) -> Proc:
-        proc = Proc(name, [self._bin(name), *args], self.workdir / f"{name}.log").start()
+        proc = Proc(name, [self._bin(name), *args], self.workdir / f"{name}.log", setup=self.proc_setup).start()
         self.procs[name] = proc
         return proc
 
@@ -285,6 +289,7 @@ class ControlPlane:
             # (no kube-proxy here).
             "--enable-aggregator-routing=true",
             "--profiling=false",
+            *self.apiserver_args,
         ]
 
     def _start_apiserver(self, timeout: float) -> None:
