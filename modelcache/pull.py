@@ -640,7 +640,8 @@ def pull_many(
                     if peers is not None and not m.in_place and not (
                             m.unpack and single_archive([f.path for f in m.files]) is not None):
                         m.source = peers.attach(m.key, m.source, m.files, data.parent, m.journal, options.chunk_size,
-                                                m.resume, options.max_workers or options.workers)
+                                                m.resume, options.max_workers or options.workers,
+                                                options.stall_timeout)
                     for i, f in enumerate(m.files):
                         if i in m.skip:
                             continue

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from modelcache.journal import JournalState
 from modelcache.peers.pieces import PieceHash, PieceLog, piece_count, piece_span
-from modelcache.peers.protocol import MAX_WAIT, HaveReply
+from modelcache.peers.protocol import MAX_WAIT, Geometry, HaveReply
 from modelcache.sources.base import RemoteFile
 
 
@@ -49,6 +49,8 @@ class LocalPieces:
         self.by_path = sorted(range(len(files)), key=lambda i: files[i].path)  # ci -> li
         self.canon = {li: ci for ci, li in enumerate(self.by_path)}
         self.total_pieces = sum(piece_count(s, piece_size) for s in self.sizes)
+        #: How we cut the model, in the peers' file order: bounds every reply about it.
+        self.geometry = Geometry(piece_size, tuple(piece_count(self.sizes[li], piece_size) for li in self.by_path))
         self.cond = threading.Condition()
         self._epoch_base = secrets.token_hex(6)
         self._resets = 0

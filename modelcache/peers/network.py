@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from modelcache.journal import Journal, JournalState
@@ -67,35 +67,37 @@ class _JournalEvents:
     def file_reset(self, file_idx: int) -> None:
         # Fetched again after a checksum mismatch or a failed write-back: from the origin (peer
         # bytes may be what was wrong), and nothing of it is served until then.
-        with self.session.cond:
-            self.session.force_origin.add(file_idx)
+        self.session.file_reset(file_idx)
         self.local.file_reset(file_idx)
 
 
 class PeerNetwork:
     def __init__(self, settings: SwarmSettings, directory: Directory, client: PeerClient, store: NodeStore,
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None,
+                 on_exclude: Callable[[str, str], None] | None = None) -> None:
         self.settings, self.directory, self.client, self.store = settings, directory, client, store
         self.on_change = on_change
+        self.on_exclude = on_exclude
         self._lock = threading.Lock()
         self._sessions: dict[str, tuple[str, SwarmSession]] = {}  # storage key -> (digest, session)
-        self._dropped: dict[tuple[str, str], set[str]] = {}
+        #: Peers that served a wrong piece: never asked again, for any model (node -> why).
+        self._excluded: dict[str, str] = {}
         self._records: dict[str, tuple[int, PieceRecord | None]] = {}  # key -> (mtime_ns, record)
         self._finished: dict[str, ModelPeerStats] = {}
 
     # ---- downloads ---------------------------------------------------------------------------
 
     def attach(self, key: str, origin: Source, files: list[RemoteFile], staging: Path, journal: Journal,
-               chunk_size: int, resume: JournalState, workers: int = 8) -> PeerSource:
+               chunk_size: int, resume: JournalState, workers: int = 8, stall_timeout: float = 30.0) -> PeerSource:
         digest = listing_digest(origin.resolved_uri, files)
         psize = piece_size_for(chunk_size)
         plog = PieceLog(str(staging / "pieces"), psize, digest)
         fresh = not resume.files and not resume.chunks
         plog.open(fresh)
         local = LocalPieces(files, staging / "data", chunk_size, psize, plog, JournalState() if fresh else resume)
-        with self._lock:
-            dropped = self._dropped.setdefault((key, digest), set())
-        session = SwarmSession(self.settings, key, digest, local, self.client, self.directory, dropped, workers)
+        settings = replace(self.settings, stall_timeout=stall_timeout)
+        session = SwarmSession(settings, key, digest, local, self.client, self.directory, self.excluded, self.exclude,
+                               workers)
         journal.listener = _JournalEvents(local, session)
         with self._lock:
             self._sessions[key] = (digest, session)
@@ -125,6 +127,21 @@ class PeerNetwork:
         if self.on_change is not None:
             self.on_change()
 
+    # ---- peers excluded for good -----------------------------------------------------------
+
+    def excluded(self, node: str) -> bool:
+        with self._lock:
+            return node in self._excluded
+
+    def exclude(self, node: str, why: str) -> None:
+        """``node`` served a wrong piece: no request of any download goes to it again."""
+        with self._lock:
+            if node in self._excluded:
+                return
+            self._excluded[node] = why
+        if self.on_exclude is not None:
+            self.on_exclude(node, why)
+
     def _write_record(self, session: SwarmSession, staging: Path) -> None:
         """Before publish: every piece hash of the verified model, left in staging for the store.
         Pieces without a hash (fetched by a run without peers, or whose log line was lost) are
@@ -152,7 +169,7 @@ class PeerNetwork:
     def _stats_of(digest: str, session: SwarmSession) -> ModelPeerStats:
         s: SwarmStats = session.stats
         with session.cond:
-            alive = sum(1 for link in session.links.values() if link.alive)
+            alive = sum(1 for link in session.links.values() if link.state.alive)
             return ModelPeerStats(digest, s.from_origin, s.from_peers, alive, tuple(s.dropped))
 
     def stats(self, key: str) -> ModelPeerStats | None:
