@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -33,7 +34,15 @@ from modelcache.kube.informer import Informer
 from modelcache.kube.types import MODEL_DOWNLOAD_ERROR, MODEL_DOWNLOADED
 from modelcache.peers.client import PeerClient, PeerInfo, TokenFile
 from modelcache.peers.network import PeerNetwork
-from modelcache.peers.server import FORBIDDEN, OK, UNAUTHENTICATED, PeerServer, cert_fingerprint, server_context
+from modelcache.peers.server import (
+    FORBIDDEN,
+    OK,
+    THROTTLED,
+    UNAUTHENTICATED,
+    PeerServer,
+    cert_fingerprint,
+    server_context,
+)
 from modelcache.peers.swarm import SwarmSettings
 from modelcache.startup import StartupError
 from modelcache.store import NodeStore
@@ -43,14 +52,41 @@ log = logging.getLogger("agent.peers")
 
 AUDIENCE = "modelcache-peer"
 ZONE_LABEL = "topology.kubernetes.io/zone"
-#: Seconds a TokenReview verdict is reused (accepted / refused), and how many are kept.
+#: Seconds a TokenReview verdict is reused (accepted / refused), and how many are kept (LRU).
 REVIEW_TTL, REFUSED_TTL, REVIEW_CACHE = 60.0, 10.0, 4096
+#: TokenReviews per second at most (a burst of twice that), and at once: junk tokens from the pod
+#: network must not become API-server writes charged to the agents (answered 503: ask again).
+REVIEW_RATE, REVIEWS_AT_ONCE = 10.0, 4
+
+
+def plausible(token: str, now: float | None = None) -> bool:
+    """Whether ``token`` can be a ServiceAccount token for the peer audience at all: a JWT whose
+    (unverified) claims name our audience and have not expired. Anything else is refused without
+    a TokenReview; the review still decides for what passes (this checks no signature)."""
+    parts = token.split(".")
+    if len(parts) != 3 or not all(parts) or len(token) > 16384:
+        return False
+    try:
+        claims = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
+    except (ValueError, TypeError):
+        return False
+    if not isinstance(claims, dict):
+        return False
+    aud = claims.get("aud")
+    audiences = aud if isinstance(aud, list) else [aud]
+    exp = claims.get("exp")
+    return AUDIENCE in audiences and isinstance(exp, int | float) and exp > (time.time() if now is None else now)
 
 
 class TokenReviewer:
-    """``authorize(token)``: a TokenReview for the peer audience, the same identity as ours."""
+    """``authorize(token)``: a TokenReview for the peer audience, the same identity as ours.
 
-    def __init__(self, kube: Kube) -> None:
+    Verdicts are cached (LRU: a hit is the newest; refusals for 10 s), reviews are limited to
+    ``REVIEW_RATE`` a second and ``REVIEWS_AT_ONCE`` in flight, and a token that cannot be one of
+    ours (not a JWT of our audience, or expired) costs no review (docs/peers.md,
+    "Authentication")."""
+
+    def __init__(self, kube: Kube, rate: float = REVIEW_RATE, at_once: int = REVIEWS_AT_ONCE) -> None:
         from kubernetes import client
 
         self._api = client.AuthenticationV1Api(kube.api_client)
@@ -58,6 +94,10 @@ class TokenReviewer:
         self._cache: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._lock = threading.Lock()
         self._warned = False
+        self.rate = rate
+        self._tokens, self._stamp = 2 * rate, time.monotonic()
+        self._in_flight = threading.BoundedSemaphore(max(1, at_once))
+        self.reviews = 0
 
     def review(self, token: str) -> tuple[bool, str]:
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
@@ -67,7 +107,9 @@ class TokenReviewer:
         resp = create(body, _preload_content=False)
         status = json.loads(resp.data).get("status") or {}
         user = (status.get("user") or {}).get("username", "")
-        return bool(status.get("authenticated")) and AUDIENCE in (status.get("audiences") or [AUDIENCE]), user
+        # An empty status.audiences means "the API server's own audience" (the TokenReview API),
+        # never ours: only an explicit match counts.
+        return bool(status.get("authenticated")) and AUDIENCE in (status.get("audiences") or []), user
 
     def learn_identity(self, own_token: str) -> str:
         """Reviews our own token: its identity is the one peers must have (the agents' SA)."""
@@ -78,23 +120,45 @@ class TokenReviewer:
         self.allowed = user
         return user
 
+    def _take(self) -> bool:
+        """One review from the rate (a token bucket of ``2 * rate``)."""
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(2 * self.rate, self._tokens + (now - self._stamp) * self.rate)
+            self._stamp = now
+            if self._tokens < 1:
+                return False
+            self._tokens -= 1
+            return True
+
     def authorize(self, token: str) -> str:
         digest = hashlib.sha256(token.encode()).hexdigest()
         now = time.monotonic()
         with self._lock:
             hit = self._cache.get(digest)
             if hit is not None and hit[1] > now:
+                self._cache.move_to_end(digest)
                 return hit[0]
+        if not plausible(token):
+            return self._remember(digest, UNAUTHENTICATED)
+        if not self._take() or not self._in_flight.acquire(blocking=False):
+            return THROTTLED
         try:
+            self.reviews += 1
             ok, user = self.review(token)
         except Exception as exc:  # the API server is away: refuse, and ask again soon
             if not self._warned:
                 self._warned = True
                 log.warning("cannot review a peer's token; refusing it", extra=fields(error=f"{type(exc).__name__}"))
-            return UNAUTHENTICATED
-        verdict = OK if ok and user == self.allowed else (FORBIDDEN if ok else UNAUTHENTICATED)
+            return THROTTLED
+        finally:
+            self._in_flight.release()
+        return self._remember(digest, OK if ok and user == self.allowed else (FORBIDDEN if ok else UNAUTHENTICATED))
+
+    def _remember(self, digest: str, verdict: str) -> str:
         with self._lock:
-            self._cache[digest] = (verdict, now + (REVIEW_TTL if verdict == OK else REFUSED_TTL))
+            self._cache[digest] = (verdict, time.monotonic() + (REVIEW_TTL if verdict == OK else REFUSED_TTL))
+            self._cache.move_to_end(digest)
             while len(self._cache) > REVIEW_CACHE:
                 self._cache.popitem(last=False)
         return verdict

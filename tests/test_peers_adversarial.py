@@ -6,6 +6,10 @@ peer against real agents on the control plane: tests/test_agent_peers_adversaria
 
 from __future__ import annotations
 
+import socket
+import ssl
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +25,7 @@ from modelcache.pull import pull
 from modelcache.transfer import TransferOptions
 from modelcache.uri import storage_key
 from tests.byzantine import ByzantinePeer, Lies
+from tests.helpers import REPO
 from tests.peer_util import TOKEN, MiB, Node, check, make_source, node_factory
 
 pytestmark = pytest.mark.timeout(120)
@@ -206,3 +211,124 @@ def _rss() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+# ---- the server under hostile load ------------------------------------------------------------------
+
+
+def flood(port: int, count: int, sources: int, mode: str) -> subprocess.Popen[str]:
+    """``count`` slow unauthenticated connections from another process (tests/peer_flood.py)."""
+    proc = subprocess.Popen([sys.executable, "-m", "tests.peer_flood", "127.0.0.1", str(port), str(count),
+                             str(sources), mode], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("opened"), line
+    return proc
+
+
+def alive(proc: subprocess.Popen[str]) -> int:
+    assert proc.stdout is not None
+    return int(proc.stdout.readline().split()[1])
+
+
+@pytest.mark.parametrize("sources", [1, 10])
+def test_a_thousand_slow_unauthenticated_connections_cost_bounded_threads_and_memory(make_node, model, sources):
+    # F5: each half-sent request held a thread for ever (1,000 connections: 1,002 threads, RSS
+    # 40 -> 120 MiB); authorize() was never even called.
+    from modelcache.peers.server import MAX_CONNECTIONS, MAX_PER_CLIENT
+
+    uri, files = model
+    seed = make_node("seed")
+    timed_pull(seed, uri)
+    threads, rss = threading.active_count(), _rss()
+    proc = flood(seed.server.port, 1000, sources, "head")
+    try:
+        # Connections, and so threads, stay under the caps; memory with them.
+        cap = min(MAX_CONNECTIONS, sources * MAX_PER_CLIENT)
+        assert seed.server.gate.count() <= cap and alive(proc) <= cap
+        grown_threads, grown_rss = threading.active_count() - threads, _rss() - rss
+        assert grown_threads <= cap + 2 and grown_rss < 64 << 20, (grown_threads, grown_rss)
+        # An agent (another address) is served all the same, every byte from the peer.
+        late = make_node("late")
+        timed_pull(late, uri)
+        check(late, uri, files)
+        assert stats(late, uri).from_origin == 0
+        print(f"\n{sources} source(s): {grown_threads} threads, {grown_rss >> 20} MiB more; {alive(proc)} of 1000 "
+              f"connections open")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_request_head_dribbled_byte_by_byte_is_cut_at_its_deadline(make_node, model, monkeypatch):
+    # F5: the idle timeout was per read: a request line at one byte every 59 s held its thread for ever.
+    import modelcache.peers.server as server_mod
+
+    monkeypatch.setattr(server_mod, "HEAD_TIMEOUT", 2.0)
+    seed = make_node("seed")
+    proc = flood(seed.server.port, 20, 1, "drip")
+    try:
+        started = time.monotonic()
+        while alive(proc) and time.monotonic() - started < 10:
+            pass
+        assert alive(proc) == 0 and time.monotonic() - started < 5
+        assert seed.server.gate.count() == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_one_client_holds_at_most_half_the_upload_slots_and_a_stalled_reader_frees_its_slot(make_node, model,
+                                                                                           monkeypatch):
+    # F12: four slow readers (one node, say) held every upload slot for as long as they liked.
+    import modelcache.peers.server as server_mod
+
+    monkeypatch.setattr(server_mod, "UPLOAD_MIN_TIME", 1.0)
+    monkeypatch.setattr(server_mod, "UPLOAD_MIN_RATE", 64 << 20)
+    uri, _ = model
+    seed = make_node("seed", max_uploads=4)
+    timed_pull(seed, uri)
+    assert seed.server.take_upload("10.0.0.9") and seed.server.take_upload("10.0.0.9")
+    assert not seed.server.take_upload("10.0.0.9")  # a third for the same client: busy
+    assert seed.server.take_upload("10.0.0.8")  # another client still gets one
+    for addr in ("10.0.0.9", "10.0.0.9", "10.0.0.8"):
+        seed.server.release_upload(addr)
+    # A reader that stops reading: its upload ends by its deadline, the slot is free again.
+    key = storage_key(uri)
+    digest = seed.network.stats(key).listing_digest
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    raw = socket.create_connection(("127.0.0.1", seed.server.port))
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock = ctx.wrap_socket(raw)
+    sock.sendall(f"GET /v1/models/{key}/{digest}/files/0 HTTP/1.1\r\nHost: x\r\nRange: bytes=0-{4 * MiB - 1}\r\n"
+                 f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
+    sock.recv(100)
+    started = time.monotonic()
+    while seed.server.uploads._value < 4 and time.monotonic() - started < 10:  # type: ignore[attr-defined]
+        time.sleep(0.05)
+    assert seed.server.uploads._value == 4 and time.monotonic() - started < 5  # type: ignore[attr-defined]
+    sock.close()
+
+
+def test_the_server_follows_no_symlink_out_of_a_model_folder(make_node, model, tmp_path):
+    # F11: a.bin replaced by a link to another file was served (206 b'TOP-SECRET ...').
+    from modelcache.peers.client import PeerGone
+
+    uri, files = model
+    seed = make_node("seed")
+    timed_pull(seed, uri)
+    key = storage_key(uri)
+    digest = seed.network.stats(key).listing_digest
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"TOP-SECRET " * (len(files["a.bin"]) // 11 + 1))
+    folder = seed.root / "models" / key
+    client = PeerClient(lambda: TOKEN)
+    buf = memoryview(bytearray(16))
+    assert client.read(seed.info, key, digest, 0, 0, 16, buf, time.monotonic() + 10) == 16  # a.bin: path order 0
+    (folder / "a.bin").unlink()
+    (folder / "a.bin").symlink_to(secret)
+    with pytest.raises(PeerGone):
+        client.read(seed.info, key, digest, 0, 0, 16, buf, time.monotonic() + 10)
+    assert bytes(buf) == files["a.bin"][:16]
+    client.close()

@@ -249,11 +249,8 @@ class PeerNetwork:
         paths = sorted(record.files)
         if not 0 <= ci < len(paths):
             return None
-        path = self.store.layout.model_dir(key) / paths[ci]
-        try:
-            size = path.stat().st_size
-        except OSError:
+        manifest = self.store.manifest(key)
+        size = next((f.size for f in manifest.files if f.path == paths[ci]), None) if manifest is not None else None
+        if size is None or not 0 <= start < end <= size:
             return None
-        if not 0 <= start < end <= size or piece_count(size, record.piece_size) != len(record.files[paths[ci]]):
-            return None
-        return ServedRange(str(path), start, end)
+        return ServedRange(str(self.store.layout.model_dir(key)), paths[ci], start, end, size=size)
