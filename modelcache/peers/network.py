@@ -148,9 +148,11 @@ class PeerNetwork:
         hashed from the staged file, which passed every check by now."""
         local = session.local
         files: dict[str, list[str]] = {}
+        sources: dict[str, str] = {}
         for li, f in enumerate(local.files):
             size = local.sizes[li]
             hashes = []
+            letters = []
             path = staging / "data" / f.path
             for p in range(piece_count(size, local.piece_size)):
                 h = local.hashes.get((li, p))
@@ -159,10 +161,12 @@ class PeerNetwork:
                     with open(path, "rb") as fh:
                         h = PieceHash(hash_piece(os.pread(fh.fileno(), end - start, start)), False)
                 hashes.append(h.hex)
+                letters.append("o" if h.origin else "p")
             files[f.path] = hashes
+            sources[f.path] = "".join(letters)
         stats = session.stats
         record = PieceRecord(session.key, session.digest, local.piece_size, files,
-                             stats.from_origin, stats.from_peers)
+                             stats.from_origin, stats.from_peers, sources=sources)
         stage_piece_record(staging, record.to_json())
 
     @staticmethod
@@ -235,7 +239,7 @@ class PeerNetwork:
         record = self._published(key, digest)
         if record is None:
             return None
-        pieces = [(ci, p, h, False) for ci, path in enumerate(sorted(record.files))
+        pieces = [(ci, p, h, record.from_origin(path, p)) for ci, path in enumerate(sorted(record.files))
                   for p, h in enumerate(record.files[path])]
         return HaveReply("published", len(pieces), record.piece_size, True, True, pieces, [])
 

@@ -21,6 +21,23 @@ The rules (docs/peers.md, "How a download uses peers" and "Trust nothing from a 
    longer counts as a member nor as the reader of the pieces it claims, for this download.
 4. **While the swarm forms** (``formation`` seconds) a member still listing counts as an owner
    and a peer not yet heard may hold anything: nobody starts the origin on pieces they would own.
+
+Whose word a piece's bytes are checked against (``expected``): a peer's *vouch* for a piece is
+the sha-256 it lists for it, and whether it read the piece from the origin itself (a *witness*).
+Every vouch is heard from that node directly, over TLS pinned to the certificate its own
+LocalModelNode status names (which only that node may write): nobody speaks for another node.
+
+- Witnesses that disagree: no peer serves the piece; the origin decides (``settle``).
+- A file whose source checksum is unforgeable (``checked``): the piece must match the witness,
+  or, with none yet, the holder's own vouch; the file checksum has the last word, and a file
+  that fails it is read again from the origin and each piece compared (``settle``).
+- Any other file: ``witnesses`` nodes must have read the piece from the origin and agree, and
+  the holder's vouch must be theirs. The pieces are owned by that many members each, so a group
+  reads such files ``witnesses`` times from the origin, and one lying node cannot make another
+  accept a byte it alone vouches for.
+- Every piece we read from the origin ourselves is compared with every vouch heard for it
+  (``settle``): a peer whose vouch, or whose bytes we took, differ is excluded for good; so is a
+  peer whose bytes do not match its own vouch.
 """
 
 from __future__ import annotations
@@ -55,9 +72,16 @@ class SwarmSettings:
     refresh: float = 0.5
     #: The engine's stall timeout: a piece waits for peers at most half of it (``budget``).
     stall_timeout: float = 30.0
-    #: A peer read is given ``max(piece_min_time, bytes / min_peer_rate)`` seconds.
+    #: A peer read is given ``max(piece_min_time, bytes / min_peer_rate)`` seconds: a 4 MiB
+    #: piece 5 s, so a peer slower than ~800 KiB/s per stream gives way (the origin or another
+    #: holder is then faster), while a loaded node (TLS on a busy CPU) is not cut.
     min_peer_rate: float = float(1 << 20)
-    piece_min_time: float = 2.0
+    piece_min_time: float = 5.0
+    #: Nodes that must have read a piece from the origin, and agree on its sha-256, before its
+    #: bytes are taken from a peer, for a file whose source gives no checksum that settles it (an
+    #: unforgeable one). 1 trusts any one node's word; 2 (the default) holds against one lying node
+    #: at the cost of reading such files twice from the origin in a group.
+    witnesses: int = 2
 
     @property
     def budget(self) -> float:
@@ -76,7 +100,8 @@ class SwarmSettings:
 class Health:
     """How one peer behaved during this download (nothing here outlives it)."""
 
-    down_until: float = 0.0
+    down_until: float = 0.0  # failed, slow, refused our credential, or busy for too long
+    busy_until: float = 0.0  # its Retry-After
     busy_streak: int = 0
     slow_strikes: int = 0
     #: We waited for it to read a piece from the origin, in vain: its claims and its ownership
@@ -85,6 +110,10 @@ class Health:
     last_piece: float = float("-inf")
 
     def usable(self, now: float) -> bool:
+        return self.dependable(now) and now >= self.busy_until
+
+    def dependable(self, now: float) -> bool:
+        """Worth waiting for: not down, and not too slow (a busy peer frees a slot soon)."""
         return now >= self.down_until and self.slow_strikes < SLOW_STRIKES
 
 
@@ -141,8 +170,18 @@ class Plan:
     the session calls it under its lock. Files are numbered in path order (``ci``) throughout."""
 
     def __init__(self, settings: SwarmSettings, key: str, workers: int = 8,
-                 clock: Callable[[], float] = time.monotonic, seed: str | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, seed: str | None = None,
+                 checked: frozenset[int] = frozenset(), files: int = 0) -> None:
         self.settings, self.key = settings, key
+        self.files = files
+        #: Files (ci) whose source checksum no one can forge: the file check settles them.
+        self.checked = checked
+        #: Pieces whose bytes we took from a peer: (ci, piece) -> (peer, sha-256).
+        self.taken: dict[tuple[int, int], tuple[str, str]] = {}
+        #: Pieces taken from peers: (ci, piece) -> the nodes whose word they were taken on.
+        self.relied: dict[tuple[int, int], frozenset[str]] = {}
+        #: Pieces we read from the origin ourselves: (ci, piece) -> sha-256 (the truth).
+        self.read_from_origin: dict[tuple[int, int], str] = {}
         self.me = settings.node
         self.workers = max(1, workers)
         self.clock = clock
@@ -164,6 +203,12 @@ class Plan:
         if state is not None:
             self.forget(state)
 
+    def reset(self, ci: int) -> None:
+        """File ``ci`` is fetched again from the origin: what we took of it no longer counts."""
+        self.force_origin.add(ci)
+        for piece in [k for k in self.relied if k[0] == ci]:
+            del self.relied[piece]
+
     def forget(self, state: PeerState) -> None:
         """Everything ``state`` said it holds or fetches is void (a new epoch, an exclusion)."""
         for piece in state.have:
@@ -173,16 +218,23 @@ class Plan:
         state.have, state.fetching = {}, set()
 
     def heard(self, state: PeerState, full: bool, pieces: list[tuple[int, int, str, bool]],
-              fetching: list[tuple[int, int]], complete: bool) -> None:
-        """A poll's answer: everything (``full``) or what was added since the last one."""
+              fetching: list[tuple[int, int]], complete: bool) -> str | None:
+        """A poll's answer: everything (``full``) or what was added since the last one. Returns
+        why the peer must be excluded, if it vouches otherwise for a piece we read from the
+        origin ourselves."""
         if full:
             self.forget(state)
+        wrong = None
         for ci, piece, hexdigest, origin in pieces:
+            ours = self.read_from_origin.get((ci, piece))
+            if ours is not None and ours != hexdigest and wrong is None:
+                wrong = f"piece {piece} of file {ci} has sha-256 {ours} at the origin, {state.name} said {hexdigest}"
             state.have[(ci, piece)] = Vouch(hexdigest, origin)
             self.holders.setdefault((ci, piece), set()).add(state.name)
         state.fetching = set(fetching)
         state.complete = complete
         state.alive = state.answered = state.reachable = True
+        return wrong
 
     def lost(self, state: PeerState, reachable: bool) -> None:
         """A poll failed: it stops counting as a member (its pieces get other owners)."""
@@ -209,7 +261,7 @@ class Plan:
         state = self.peers.get(name)
         if state is not None:
             state.health.busy_streak += 1
-            state.health.down_until = max(state.health.down_until, self.clock() + retry_after)
+            state.health.busy_until = max(state.health.busy_until, self.clock() + retry_after)
 
     def slow(self, name: str) -> None:
         state = self.peers.get(name)
@@ -250,19 +302,35 @@ class Plan:
             not p.answered and p.reachable and not p.excluded and (zone is None or p.zone == zone)
             for p in self.peers.values())
 
-    def owner(self, ci: int, piece: int) -> str:
-        """Who reads the piece from the origin: the member reading it now, else the one ranked
-        highest for it."""
-        for p in self.peers.values():
-            if p.alive and not p.excluded and not p.health.missed and (ci, piece) in p.fetching:
-                return p.name
-        return max(self.members(), key=lambda n: rank(n, self.key, ci, piece))
+    def owners(self, ci: int, piece: int) -> list[str]:
+        """Who reads the piece from the origin: one node for a checked file, ``witnesses`` for any
+        other, less those that read it already; members reading it now first, then those ranked
+        highest for it. Witnesses that disagree: every member reads it (the origin decides)."""
+        witnessed = self.witnessed(ci, piece)
+        if len(witnessed) > 1:
+            return self.members()
+        # Witnesses we can read it from (a busy one soon): a slow or failed one is not waited for.
+        now = self.clock()
+        done = {n for n in next(iter(witnessed.values()), set()) if self.peers[n].alive
+                and self.peers[n].health.dependable(now)}
+        need = (1 if ci in self.checked else max(1, self.settings.witnesses)) - len(done)
+        if need <= 0:
+            return []
+        out = [p.name for p in self.peers.values() if p.name not in done and p.alive and not p.excluded
+               and not p.health.missed and (ci, piece) in p.fetching][:need]
+        if len(out) < need:
+            ranked = sorted((n for n in self.members() if n not in out and n not in done),
+                            key=lambda n: rank(n, self.key, ci, piece), reverse=True)
+            out += ranked[: need - len(out)]
+        return out
 
     def usable_holders(self, ci: int, piece: int) -> list[PeerState]:
         """Peers to ask for the piece, best first: our zone, then the fewest of our requests."""
         now = self.clock()
+        if ci not in self.checked and self.unheard():
+            return []  # whose word counts is decided once every peer had its say (or the swarm formed)
         found = [self.peers[n] for n in self.holders.get((ci, piece), ()) if n in self.peers]
-        found = [p for p in found if p.usable(now) and (ci, piece) in p.have]
+        found = [p for p in found if p.usable(now) and self.expected(p.name, ci, piece) is not None]
         zone = self.settings.zone
         found.sort(key=lambda p: (not zone or p.zone != zone, p.inflight, self.rng.random()))
         return found
@@ -273,15 +341,17 @@ class Plan:
             return True
         if self.usable_holders(ci, piece):
             return False
-        return not self.unheard() and self.owner(ci, piece) == self.me
+        return not self.unheard() and self.me in self.owners(ci, piece)
 
     # ---- origin reads ---------------------------------------------------------------------------
 
     def origin_limit(self) -> int:
         """A group reads the origin with about as many streams as one node would (``workers /
-        members`` each): with every member's window read at once, all of it would crawl in
-        together and none be passed on before the end."""
-        return max(1, -(-self.workers // len(self.members())))
+        members`` each, times the witnesses each piece needs when a file has no checksum that
+        settles it): with every member's window read at once, all of it would crawl in together
+        and none be passed on before the end."""
+        reads = 1 if len(self.checked) == self.files else max(1, self.settings.witnesses)
+        return max(1, -(-self.workers * reads // len(self.members())))
 
     def take_origin(self, force: bool = False) -> bool:
         if not force and self.origin_reads >= self.origin_limit():
@@ -308,7 +378,7 @@ class Plan:
             if self.usable_holders(ci, piece):
                 if held is None:
                     held = i
-            elif origin_free and piece not in fetching and self.owner(ci, piece) == self.me:
+            elif origin_free and piece not in fetching and self.me in self.owners(ci, piece):
                 return i
         return held if held is not None else 0
 
@@ -319,8 +389,8 @@ class Plan:
         zone = self.settings.zone
         if zone and holders and all(h.zone != zone for h in holders) and self.unheard(zone):
             holders = []  # a peer of our zone may hold it too: hear it first
-        owner = self.owner(ci, piece) if not forced else self.me
-        mine = forced or (not holders and not self.unheard() and owner == self.me)
+        owners = self.owners(ci, piece) if not forced else [self.me]
+        mine = forced or (not holders and not self.unheard() and self.me in owners)
         if mine:
             return Step(origin=True)
         now = self.clock()
@@ -331,7 +401,9 @@ class Plan:
                 h = self.peers[name].health if name in self.peers else None
                 if h is not None and h.busy_streak:
                     h.busy_streak, h.down_until = 0, max(h.down_until, now + STARVING_PAUSE)
-            return Step(origin=True, late=True, missed=owner if not holders and owner != self.me else None)
+            vouched = {n for names in self.witnessed(ci, piece).values() for n in names}
+            waited = [n for n in owners if n != self.me and n not in vouched]
+            return Step(origin=True, late=True, missed=waited[0] if not holders and waited else None)
         return Step(holders=tuple(h.name for h in holders))
 
     def missed(self, name: str) -> None:
@@ -340,7 +412,61 @@ class Plan:
             state.health.missed = True
 
     def expected(self, holder: str, ci: int, piece: int) -> str | None:
-        """The sha-256 the piece must have when ``holder`` serves it; None: do not ask it."""
+        """The sha-256 the piece must have when ``holder`` serves it; None: do not ask it (see
+        the module's rules)."""
         state = self.peers.get(holder)
         vouch = state.have.get((ci, piece)) if state is not None else None
-        return vouch.hash if vouch is not None else None
+        if vouch is None:
+            return None
+        witnessed = self.witnessed(ci, piece)
+        if len(witnessed) > 1:
+            return None  # witnesses disagree: the origin decides
+        if witnessed:
+            (value, names), = witnessed.items()
+            if vouch.hash != value:
+                return None
+            if ci in self.checked or len(names) >= max(1, self.settings.witnesses):
+                return value
+            return None
+        return vouch.hash if ci in self.checked else None
+
+    def witnessed(self, ci: int, piece: int) -> dict[str, set[str]]:
+        """The piece's sha-256 as the peers that read it from the origin say: hash -> who."""
+        out: dict[str, set[str]] = {}
+        for name in self.holders.get((ci, piece), ()):
+            state = self.peers.get(name)
+            vouch = state.have.get((ci, piece)) if state is not None and not state.excluded else None
+            if vouch is not None and vouch.origin:
+                out.setdefault(vouch.hash, set()).add(name)
+        return out
+
+    def took(self, name: str, ci: int, piece: int, value: str) -> None:
+        """We took the piece's bytes from ``name``: on its word and that of the witnesses."""
+        self.taken[(ci, piece)] = (name, value)
+        self.relied[(ci, piece)] = frozenset({name, *self.witnessed(ci, piece).get(value, ())})
+
+    def distrusted(self, ci: int, excluded: Callable[[str], bool]) -> str | None:
+        """Why file ``ci``'s bytes must be fetched again: a piece of it was taken on the word of
+        a node excluded since (None: none was)."""
+        for (f, piece), names in self.relied.items():
+            if f == ci:
+                liars = sorted(n for n in names if excluded(n) or (n in self.peers and self.peers[n].excluded))
+                if liars:
+                    return f"piece {piece} came on the word of {', '.join(liars)}, found lying since"
+        return None
+
+    def settle(self, ci: int, piece: int, value: str) -> dict[str, str]:
+        """We read the piece from the origin: its sha-256 is ``value``. Returns the peers whose
+        word or bytes said otherwise (peer -> what it said), to be excluded."""
+        self.read_from_origin[(ci, piece)] = value
+        wrong: dict[str, str] = {}
+        for name in self.holders.get((ci, piece), ()):
+            state = self.peers.get(name)
+            vouch = state.have.get((ci, piece)) if state is not None else None
+            if vouch is not None and vouch.hash != value:
+                wrong[name] = vouch.hash
+        self.relied.pop((ci, piece), None)
+        took = self.taken.pop((ci, piece), None)
+        if took is not None and took[1] != value:
+            wrong[took[0]] = took[1]
+        return wrong

@@ -6,7 +6,7 @@ one the answer is 401, with another identity's 403. No anonymous read of model w
 
 Serving never starves the node: at most ``max_uploads`` file reads run at once (more wait half
 a second for a slot, then get 503 with ``Retry-After`` and ask another holder), one client
-holds at most half of them, and ``upload_rate`` bytes/s caps all of them together.
+holds all but one of them at most, and ``upload_rate`` bytes/s caps all of them together.
 
 Anyone who reaches the port costs a bounded share of the node (docs/peers.md, "Limits and
 costs"): connections are capped in total and per client address, and a new one beyond a cap
@@ -260,7 +260,6 @@ class PeerServer:
                  max_connections: int = MAX_CONNECTIONS, max_per_client: int = MAX_PER_CLIENT) -> None:
         self.catalog, self.authorize = catalog, authorize
         self.max_uploads = max(1, max_uploads)
-        self.uploads = threading.BoundedSemaphore(self.max_uploads)
         self.bucket = TokenBucket(upload_rate)
         self.on_upload = on_upload or (lambda n: None)
         self.on_reject = on_reject or (lambda reason: None)
@@ -268,7 +267,7 @@ class PeerServer:
         self.gate = _Gate(max(1, max_connections), max(1, max_per_client))
         self.refusals = _Refusals()
         self._uploading: dict[str, int] = {}  # client address -> uploads it holds
-        self._uploading_lock = threading.Lock()
+        self._slots = threading.Condition()
         outer = self
 
         class Server(ThreadingHTTPServer):
@@ -332,25 +331,32 @@ class PeerServer:
         self.httpd.server_close()
 
     def take_upload(self, addr: str) -> bool:
-        """An upload slot for a request of ``addr``: it holds at most half of them (so one slow
-        reader, or one node, never takes every slot); waits ``SLOT_WAIT`` at most."""
-        with self._uploading_lock:
-            if self._uploading.get(addr, 0) >= max(1, self.max_uploads // 2):
-                return False
-        if not self.uploads.acquire(timeout=SLOT_WAIT):
-            return False
-        with self._uploading_lock:
+        """An upload slot for a request of ``addr``, which holds all but one of them at most (one
+        node, or one slow reader, never takes every slot); waits ``SLOT_WAIT`` at most."""
+        deadline = time.monotonic() + SLOT_WAIT
+        with self._slots:
+            while sum(self._uploading.values()) >= self.max_uploads or (
+                    self.max_uploads > 1 and self._uploading.get(addr, 0) >= self.max_uploads - 1):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._slots.wait(left)
             self._uploading[addr] = self._uploading.get(addr, 0) + 1
-        return True
+            return True
 
     def release_upload(self, addr: str) -> None:
-        with self._uploading_lock:
+        with self._slots:
             left = self._uploading.get(addr, 0) - 1
             if left > 0:
                 self._uploading[addr] = left
             else:
                 self._uploading.pop(addr, None)
-        self.uploads.release()
+            self._slots.notify_all()
+
+    @property
+    def uploads_in_flight(self) -> int:
+        with self._slots:
+            return sum(self._uploading.values())
 
 
 class _Handler(BaseHTTPRequestHandler):

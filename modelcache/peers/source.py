@@ -57,6 +57,10 @@ class PeerSource(Source):
     def check_unchanged(self, file: RemoteFile) -> None:
         self.origin.check_unchanged(file)
 
+    def distrusted(self, file: RemoteFile) -> str | None:
+        li = self._index.get(file.path)
+        return self.session.distrusted(li) if li is not None else None
+
     @property
     def resolved_uri(self) -> str:
         return self.origin.resolved_uri
@@ -161,7 +165,9 @@ class PieceStream:
             self.pos += n
         if self._opos == piece_end:
             piece = (piece_end - 1) // self.psize
-            self.session.local.record(self.li, piece, PieceHash(self._hasher.hexdigest(), origin=True))
+            value = self._hasher.hexdigest()
+            self.session.local.record(self.li, piece, PieceHash(value, origin=True))
+            self.session.settled(self.li, piece, value)
             self.session.local.unclaim(self.li, range(piece, piece + 1))
             self._claimed = range(piece + 1, self._claimed.stop)
             self._hasher = hashlib.sha256()

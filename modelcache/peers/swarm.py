@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from modelcache.errors import TransientError
+from modelcache.integrity import cryptographic
 from modelcache.loop import Loop
 from modelcache.peers.client import (
     Cancel,
@@ -125,7 +126,9 @@ class SwarmSession:
         self.me = settings.node
         self.stats = SwarmStats()
         self.cond = threading.Condition()
-        self.plan = Plan(settings, key, workers)
+        checked = frozenset(local.canon[li] for li, f in enumerate(local.files)
+                            if any(cryptographic(c.algo) for c in f.checksums))
+        self.plan = Plan(settings, key, workers, checked=checked, files=len(local.files))
         self.links: dict[str, PeerLink] = {}
         self._peer_bytes: dict[int, int] = {}  # li -> peer bytes the engine took of it
         self._stop = threading.Event()
@@ -202,10 +205,12 @@ class SwarmSession:
                                 "--chunk-size on every agent)", link.name, reply.piece_size, self.local.piece_size)
                 state.incompatible = True
                 return
-            self.plan.heard(state, reply.full or reply.epoch != link.epoch, reply.pieces, reply.fetching,
-                            reply.complete)
+            wrong = self.plan.heard(state, reply.full or reply.epoch != link.epoch, reply.pieces, reply.fetching,
+                                    reply.complete)
             link.epoch, link.seq = reply.epoch, reply.seq
             self.cond.notify_all()
+        if wrong is not None:
+            self.drop(link, wrong)
 
     def lost(self, link: PeerLink, reachable: bool) -> None:
         with self.cond:
@@ -328,7 +333,25 @@ class SwarmSession:
         self.local.record(li, piece, PieceHash(actual, origin=False))
         with self.cond:
             self.plan.delivered(link.name)
+            self.plan.took(link.name, ci, piece, actual)
         return n
+
+    def settled(self, li: int, piece: int, value: str) -> None:
+        """We read the piece from the origin (sha-256 ``value``): every peer that said, or sent,
+        otherwise is excluded for good."""
+        ci = self.local.canon[li]
+        with self.cond:
+            wrong = self.plan.settle(ci, piece, value)
+            links = {name: self.links.get(name) for name in wrong}
+        path = self.local.files[li].path
+        for name, said in wrong.items():
+            why = f"piece {piece} of {path} has sha-256 {value} at the origin, {name} said {said}"
+            link = links[name]
+            if link is not None:
+                self.drop(link, why)
+            else:
+                log.warning("peer dropped for model %s: %s", self.key, why)
+                self.on_exclude(name, why)
 
     def counted_origin(self, n: int) -> None:
         with self.cond:
@@ -343,5 +366,9 @@ class SwarmSession:
     def file_reset(self, li: int) -> None:
         """The file is fetched again, from the origin only: its peer bytes were of no use."""
         with self.cond:
-            self.plan.force_origin.add(self.local.canon[li])
+            self.plan.reset(self.local.canon[li])
             self.stats.from_peers -= self._peer_bytes.pop(li, 0)
+
+    def distrusted(self, li: int) -> str | None:
+        with self.cond:
+            return self.plan.distrusted(self.local.canon[li], self.excluded)
