@@ -23,12 +23,14 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from agent.config import AgentConfig
 from agent.logs import fields
 from agent.metrics import AgentMetrics
+from modelcache.clock import rfc3339
 from modelcache.kube.client import LOCAL_MODEL_NODES, NODES, Kube
 from modelcache.kube.informer import Informer
 from modelcache.kube.types import MODEL_DOWNLOAD_ERROR, MODEL_DOWNLOADED
@@ -54,6 +56,8 @@ AUDIENCE = "modelcache-peer"
 ZONE_LABEL = "topology.kubernetes.io/zone"
 #: Seconds a TokenReview verdict is reused (accepted / refused), and how many are kept (LRU).
 REVIEW_TTL, REFUSED_TTL, REVIEW_CACHE = 60.0, 10.0, 4096
+#: Excluded peers published in our status at most (the newest; the CRD allows 64).
+MAX_PUBLISHED = 32
 #: TokenReviews per second at most (a burst of twice that), and at once: junk tokens from the pod
 #: network must not become API-server writes charged to the agents (answered 503: ask again).
 REVIEW_RATE, REVIEWS_AT_ONCE = 10.0, 4
@@ -199,16 +203,33 @@ class Directory:
     def __init__(self, kube: Kube, me: str) -> None:
         self.me = me
         self.informer = Informer(kube, LOCAL_MODEL_NODES, transform=directory_essentials)
+        #: Nodes we excluded ourselves (set by Peering: the network's list).
+        self.excluded: Callable[[str], bool] = lambda node: False
+
+    def vetoed(self, mine: Callable[[str], bool] = lambda node: False) -> set[str]:
+        """Nodes another node excluded (its ``status.peer.excluded``: its word, which only it may
+        write): skipped by us too. The word of a node we excluded ourselves does not count. A
+        node can so make others skip a peer, which costs origin bytes, never a wrong one."""
+        out: set[str] = set()
+        for obj in self.informer.store.list(copy_objects=False):
+            name = (obj.get("metadata") or {}).get("name", "")
+            if name == self.me or mine(name):
+                continue
+            for item in ((obj.get("status") or {}).get("peer") or {}).get("excluded") or []:
+                if isinstance(item, dict) and isinstance(item.get("node"), str) and item["node"] != self.me:
+                    out.add(item["node"])
+        return out
 
     def peers(self, key: str) -> list[PeerInfo]:
         out = []
+        vetoed = self.vetoed(self.excluded)
         for obj in self.informer.store.list(copy_objects=False):
             name = (obj.get("metadata") or {}).get("name", "")
             status = obj.get("status") or {}
             peer = status.get("peer") or {}
             where = _split_endpoint(str(peer.get("endpoint") or ""))
             fingerprint = str(peer.get("certSHA256") or "")
-            if name == self.me or where is None or len(fingerprint) != 64:
+            if name == self.me or where is None or len(fingerprint) != 64 or name in vetoed:
                 continue
             details = [d for d in (status.get("modelDetails") or {}).values()
                        if isinstance(d, dict) and d.get("storageKey") == key]
@@ -228,17 +249,21 @@ class Peering:
     """Built by ``start_peering``; the agent asks it for ``network`` (its downloads) and status."""
 
     def __init__(self, cfg: AgentConfig, kube: Kube, store: NodeStore, metrics: AgentMetrics,
-                 on_change: Any) -> None:
+                 on_change: Any, on_event: Callable[[str, str, str], None] | None = None) -> None:
         self.cfg, self.kube, self.metrics = cfg, kube, metrics
+        self.on_event = on_event
         self.zone = self._zone()
         self.token = TokenFile(cfg.peer_token_file)
         self.reviewer = TokenReviewer(kube)
         cert, key = self._certificate()
         self.fingerprint = cert_fingerprint(Path(cert).read_text())
         self.directory = Directory(kube, cfg.node)
-        settings = SwarmSettings(node=cfg.node, zone=self.zone, wait=cfg.peer_wait, formation=cfg.peer_formation)
+        settings = SwarmSettings(node=cfg.node, zone=self.zone, wait=cfg.peer_wait, formation=cfg.peer_formation,
+                                 witnesses=cfg.peer_witnesses)
         self.network = PeerNetwork(settings, self.directory.peers, PeerClient(self.token, cfg.workers), store,
-                                   on_change)
+                                   on_change, self._excluded)
+        self.directory.excluded = self.network.excluded
+        self.metrics.peers_excluded.set_function(lambda: len(self.network.exclusions.items()))
         self.server = PeerServer(cfg.peer_host, cfg.peer_port, server_context(cert, key), self.network,
                                  self.reviewer.authorize, cfg.peer_max_uploads, cfg.peer_upload_rate,
                                  on_upload=self._uploaded, on_reject=self._rejected)
@@ -270,6 +295,16 @@ class Peering:
         where = _split_endpoint(value) if value.startswith("[") or value.count(":") == 1 else None
         host, port = where if where is not None else (value.strip("[]"), self.server.port)
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def _excluded(self, node: str, why: str) -> None:
+        """A peer found lying: counted, an Event on our LocalModelNode, and (status) published."""
+        self.metrics.peer_dropped.inc()
+        log.warning("peer excluded", extra=fields(peer=node, reason=why))
+        if self.on_event is not None:
+            try:
+                self.on_event("Warning", "PeerExcluded", f"peer {node} excluded for a day: {why}")
+            except Exception as exc:
+                log.warning("could not report an event", extra=fields(error=f"{type(exc).__name__}"))
 
     def _uploaded(self, n: int) -> None:
         self.metrics.peer_uploaded.inc(n)
@@ -306,12 +341,15 @@ class Peering:
             stats = self.network.stats(key)
             if stats is not None:
                 origin, peers = origin + stats.from_origin, peers + stats.from_peers
+        excluded = [{"node": e.node, "reason": e.reason, "since": rfc3339(e.since)}
+                    for e in self.network.exclusions.items()[-MAX_PUBLISHED:]]
         return {"endpoint": self.endpoint, "certSHA256": self.fingerprint, **({"zone": self.zone} if self.zone else {}),
-                "bytesFromOrigin": origin, "bytesFromPeers": peers}
+                "bytesFromOrigin": origin, "bytesFromPeers": peers, **({"excluded": excluded} if excluded else {})}
 
 
 def start_peering(cfg: AgentConfig, kube: Kube, store: NodeStore, metrics: AgentMetrics,
-                  on_change: Any, before_start: Any = None) -> Peering | None:
+                  on_change: Any, before_start: Any = None,
+                  on_event: Callable[[str, str, str], None] | None = None) -> Peering | None:
     """Peer transfer per ``--peers``: ``off``; ``on`` (a missing token is a startup error);
     ``auto`` (default: on when the token file exists)."""
     if cfg.peers == "off":
@@ -323,7 +361,7 @@ def start_peering(cfg: AgentConfig, kube: Kube, store: NodeStore, metrics: Agent
                                f"token with audience {AUDIENCE!r} there (deploy/agent), or set --peers=off")
         log.info("peer transfer off: no peer token", extra=fields(peer_token_file=str(cfg.peer_token_file)))
         return None
-    peering = Peering(cfg, kube, store, metrics, on_change)  # the port is bound: a taken one is named first
+    peering = Peering(cfg, kube, store, metrics, on_change, on_event)  # the port is bound: a taken one is named first
     if before_start is not None:
         before_start()  # e.g. the agent's check that the API server answers: start() asks it
     return peering.start()

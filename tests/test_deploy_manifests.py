@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,7 @@ from kubernetes import client
 
 from tests.deploy_util import DEPLOY, Obj, find, render
 from tests.fixtures.cluster import Cluster
-from tests.helpers import REPO
+from tests.helpers import REPO, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,26 @@ def test_server_side_apply_of_deploy_is_accepted_on_an_empty_cluster_and_idempot
         items = json.loads(cluster.kubectl("get", "-k", str(DEPLOY), "-o", "json").stdout)["items"]
         return {f"{i['kind']}/{i['metadata']['name']}": i["metadata"]["resourceVersion"] for i in items}
 
-    before = versions()
+    def checked() -> bool:
+        """The API server wrote each ValidatingAdmissionPolicy's type checking (its status)."""
+        items = json.loads(cluster.kubectl("get", "-k", str(DEPLOY), "-o", "json").stdout)["items"]
+        return all((i.get("status") or {}).get("observedGeneration") == i["metadata"].get("generation")
+                   for i in items if i["kind"] == "ValidatingAdmissionPolicy")
+
+    def settled() -> dict[str, str]:
+        """Once the controllers wrote what they write after a creation (a DaemonSet's and a
+        Deployment's status, a ValidatingAdmissionPolicy's type checking): unchanged for 2 s."""
+        wait_until(checked, timeout=60, what="the policies' type checking")
+        last, since = versions(), time.monotonic()
+        give_up = since + 60
+        while time.monotonic() - since < 2.0 and time.monotonic() < give_up:
+            time.sleep(0.5)
+            now = versions()
+            if now != last:
+                last, since = now, time.monotonic()
+        return last
+
+    before = settled()
     assert len(before) == len(rendered)
     cluster.kubectl("apply", "--server-side", "-k", str(DEPLOY))
     assert versions() == before, "a second apply must change nothing"

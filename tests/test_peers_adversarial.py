@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from modelcache.peers.client import PeerClient, PeerError, PeerInfo
+from modelcache.peers.network import PeerNetwork
 from modelcache.peers.pieces import PieceRecord, hash_piece, piece_count
 from modelcache.peers.protocol import Geometry
 from modelcache.pull import pull
@@ -204,6 +205,10 @@ def test_a_peer_serving_wrong_bytes_is_excluded_after_its_first_bad_piece_and_ne
     check(node, uri, files)
     assert byz.asked["piece"] == 1 and stats(node, uri).dropped == ("byz",)
     assert node.network.excluded("byz")
+    # Kept in the store: an agent restarted on this root still excludes it, for a day.
+    again = PeerNetwork(node.network.settings, node.network.directory, node.network.client, NodeStore.at(node.root))
+    (item,) = again.exclusions.items()
+    assert item.node == "byz" and "has sha-256" in item.reason and 23.9 * 3600 < item.until - item.since <= 24 * 3600
     # A later pull, of another model: the peer is not even polled.
     other = make_source(tmp_path / "other", {"c.bin": 3 * MiB})
     asked = dict(byz.asked)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from modelcache.journal import Journal, JournalState
 from modelcache.peers.client import PeerClient, PeerInfo
+from modelcache.peers.exclusions import Exclusions
 from modelcache.peers.local import LocalPieces, ServedRange
 from modelcache.peers.pieces import (
     PieceHash,
@@ -39,6 +40,8 @@ from modelcache.store import NodeStore, stage_piece_record
 log = logging.getLogger("modelcache.peers")
 
 Directory = Callable[[str], list[PeerInfo]]
+#: The store record (``<meta>/peers/excluded.json``) of the peers this node excluded.
+EXCLUSIONS_RECORD = "peers"
 
 
 @dataclass(frozen=True)
@@ -80,8 +83,9 @@ class PeerNetwork:
         self.on_exclude = on_exclude
         self._lock = threading.Lock()
         self._sessions: dict[str, tuple[str, SwarmSession]] = {}  # storage key -> (digest, session)
-        #: Peers that served a wrong piece: never asked again, for any model (node -> why).
-        self._excluded: dict[str, str] = {}
+        #: Peers found lying: never asked again, by any download, across restarts (exclusions.py).
+        self.exclusions = Exclusions(lambda: store.read_record(EXCLUSIONS_RECORD, "excluded"),
+                                     lambda text: store.write_record(EXCLUSIONS_RECORD, "excluded", text))
         self._records: dict[str, tuple[int, PieceRecord | None]] = {}  # key -> (mtime_ns, record)
         self._finished: dict[str, ModelPeerStats] = {}
 
@@ -130,17 +134,14 @@ class PeerNetwork:
     # ---- peers excluded for good -----------------------------------------------------------
 
     def excluded(self, node: str) -> bool:
-        with self._lock:
-            return node in self._excluded
+        return node in self.exclusions
 
     def exclude(self, node: str, why: str) -> None:
-        """``node`` served a wrong piece: no request of any download goes to it again."""
-        with self._lock:
-            if node in self._excluded:
-                return
-            self._excluded[node] = why
-        if self.on_exclude is not None:
-            self.on_exclude(node, why)
+        """``node`` lied or served a wrong piece: no request of any download goes to it again."""
+        if self.exclusions.add(node, why):
+            if self.on_exclude is not None:
+                self.on_exclude(node, why)
+            self._changed()
 
     def _write_record(self, session: SwarmSession, staging: Path) -> None:
         """Before publish: every piece hash of the verified model, left in staging for the store.

@@ -103,6 +103,7 @@ class Health:
     down_until: float = 0.0  # failed, slow, refused our credential, or busy for too long
     busy_until: float = 0.0  # its Retry-After
     busy_streak: int = 0
+    fail_streak: int = 0  # failed reads in a row (each pauses it twice as long as the last)
     slow_strikes: int = 0
     #: We waited for it to read a piece from the origin, in vain: its claims and its ownership
     #: no longer count (a member claiming every piece would otherwise cost a wait per piece).
@@ -254,7 +255,7 @@ class Plan:
     def delivered(self, name: str) -> None:
         state = self.peers.get(name)
         if state is not None:
-            state.health.busy_streak = 0
+            state.health.busy_streak = state.health.fail_streak = 0
             state.health.last_piece = self.clock()
 
     def busy(self, name: str, retry_after: float) -> None:
@@ -270,10 +271,14 @@ class Plan:
             state.health.down_until = max(state.health.down_until, self.clock() + SLOW_PAUSE)
 
     def failed(self, name: str, pause: float = FAILED_PAUSE) -> None:
+        """A read failed (a reset, a malformed reply): paused 1, 2, 4 ... up to 30 s in a row."""
         state = self.peers.get(name)
         if state is not None:
+            h = state.health
             state.alive = False
-            state.health.down_until = max(state.health.down_until, self.clock() + pause)
+            pause = min(SLOW_PAUSE, max(pause, FAILED_PAUSE * 2 ** h.fail_streak))
+            h.fail_streak += 1
+            h.down_until = max(h.down_until, self.clock() + pause)
 
     def gone(self, name: str, ci: int, piece: int) -> None:
         """It does not hold the piece (any more)."""
