@@ -20,7 +20,7 @@ BASE_IMAGE ?=
 # Extra `build` flags, e.g. --network host (see README, "Image").
 IMAGE_BUILD_FLAGS ?=
 
-.PHONY: install test test-deps demo lint bench fuzz chaos clean image image-size push lock print-image
+.PHONY: install check test test-servers test-deps demo lint bench fuzz chaos clean image image-size push lock print-image
 
 # The tests run on the versions the image ships: the lock is the venv's constraints (without its
 # hashes, which pip would otherwise demand of the test-only packages too).
@@ -37,16 +37,35 @@ install: $(STAMP)
 test-deps: install
 	@bash tests/setup.sh
 
-# --durations: the slowest tests in every CI log, to keep the cold run inside its 45 minutes.
-test: test-deps lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
+# The test tiers (tests/tiers.py marks each test from the fixtures it requests; docs/development.md):
+# `check` runs lint and the tests that need nothing but the venv; `test-servers` sets up and runs
+# everything but what is built from Go (the control plane, KServe, SeaweedFS); `test` (CI) all.
+# On every core (pytest-xdist): the cluster tests on one worker, since they share one control
+# plane; the tests of a heavy session server (MiniDFS) likewise; the image is built once (a lock).
+# (`test` still runs on one core until a whole run on both has been seen green.)
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
+TEST_WORKERS ?= auto
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
-# The chaos test for longer than in `make test` (CHAOS_SECONDS, default 15 min); CHAOS_SEED=<seed>
-# replays the sequence of steps a failed run printed.
+check: lint
+	$(PYTEST) $(XDIST) -m unit $(PYTEST_ARGS)
+
+test-servers: install
+	@bash tests/setup.sh --no-go
+	$(PYTEST) $(XDIST) -m "not go" $(PYTEST_ARGS)
+
+# --durations: the slowest tests in every CI log, to keep the cold run inside its budget.
+test: test-deps lint
+	$(PYTEST) --durations=25 $(PYTEST_ARGS)
+
+# The chaos tests for longer than in `make test`: the cluster's (CHAOS_SECONDS, default 15 min;
+# CHAOS_SEED=<seed> replays the sequence of steps a failed run printed), then the store's kill -9
+# loop over pull/refresh/rm/gc (KILL_LOOP_RUNS, default 300; KILL_LOOP_SEED=<seed> replays one).
 chaos: install
 	bash tests/setup.d/00-base.sh
 	bash tests/setup.d/50-cluster.sh
 	CHAOS_SECONDS=$${CHAOS_SECONDS:-900} $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_chaos.py
+	KILL_LOOP_RUNS=$${KILL_LOOP_RUNS:-300} $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_kill_loop.py
 
 # The property-based fuzzers (tests marked fuzz), randomized and MODELCACHE_FUZZ_SCALE (25) times
 # longer than their bounded run in `make test`; failures are kept in .work/hypothesis and replayed first.

@@ -69,7 +69,7 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               type=click.IntRange(1), help="Models downloading at once.")
 @click.option("--workers", envvar="MODELCACHE_WORKERS", default=8, show_default=True, type=click.IntRange(1),
               help="Parallel transfer workers per model.")
-@click.option("--chunk-size", envvar="MODELCACHE_CHUNK_SIZE", default="16Mi", show_default=True, callback=_chunk_size,
+@click.option("--chunk-size", envvar="MODELCACHE_CHUNK_SIZE", default="8Mi", show_default=True, callback=_chunk_size,
               help="Ranged-read chunk size (64Ki to 1Gi).")
 @click.option("--transfer-attempts", envvar="MODELCACHE_TRANSFER_ATTEMPTS", default=6, show_default=True,
               type=click.IntRange(1), help="Attempts per chunk within one download.")

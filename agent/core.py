@@ -42,7 +42,7 @@ from modelcache.progress import format_line
 from modelcache.pull import PullPlan, pull
 from modelcache.redact import scrub_urls
 from modelcache.repair import needs_repair, repair
-from modelcache.store import NodeLayout, NodeStore
+from modelcache.store import Manifest, NodeLayout, NodeStore
 from modelcache.transfer import TransferOptions
 from modelcache.uri import parse_uri, redact_uri, storage_key
 
@@ -105,9 +105,10 @@ class Agent:
     # ---- what is on disk --------------------------------------------------------------------
 
     def _present(self, key: str) -> bool:
-        """The model's manifest is installed (it is published last, and a check that finds the
-        files damaged removes it): the on-disk half of every derived state."""
-        return self.store.layout.manifest_path(key).exists()
+        """The model's manifest is installed (it is published last), not marked damaged (a check
+        that finds the files damaged marks it) and no publish of it is under way: the on-disk half
+        of every derived state."""
+        return self.store.published(key)
 
     def _on_disk(self, key: str) -> bool:
         """Anything of the model left to delete: folder, manifest, staged or repair download."""
@@ -164,6 +165,8 @@ class Agent:
                 return rec
         manifest = self.store.manifest(key)
         if manifest is None:
+            if self.store.layout.manifest_path(key).exists():  # ours, but its manifest is damaged
+                self._mark_damaged(rec, "its manifest is damaged")
             return rec
         if not self.store.is_present(key):  # restart: stats against the manifest, no re-hash
             self._mark_damaged(rec, "a file is missing or has the wrong size")
@@ -171,6 +174,7 @@ class Agent:
         rec.revision = manifest.revision or (manifest.resolved_uri if manifest.resolved_uri != manifest.uri else None)
         rec.bytes_total, rec.files_total = manifest.total_size, len(manifest.files)
         rec.finished_at = manifest.created_at
+        rec.note = _unverified(manifest)
         log.info("model present", extra=fields(storage_key=key, uri=redact_uri(uri), bytes=rec.bytes_total))
         return rec
 
@@ -298,7 +302,7 @@ class Agent:
                 rec.bytes_total, rec.files_total = result.bytes, result.files
                 rec.failure, rec.failures, rec.next_attempt = None, 0, 0.0
                 # A repair stays visible in the status until the next change, not only in the logs.
-                rec.note = f"repaired {rfc3339()}: {rec.damage}" if rec.damage else ""
+                rec.note = f"repaired {rfc3339()}: {rec.damage}" if rec.damage else _unverified(manifest)
                 rec.damage, rec.old_files = "", []
                 rec.finished_at = rfc3339()
                 rec.last_size_check = rec.last_verify = time.monotonic()
@@ -340,6 +344,8 @@ class Agent:
                 return pull(uri or rec.uri, settings=settings, options=self._options(), progress=task.progress,
                             admit=admit, cancel=task.cancel, only=only, peers=peers, unpack=True, **where)
 
+            with self.store.lock(rec.key, cancel=task.cancel):
+                self.store.recover(rec.key)  # a publish a crash interrupted is finished or undone first
             if needs_repair(self.store, rec.key, rec.old_files):
                 # Damaged, or left half-repaired by a crash: fix the files inside the folder that
                 # serving pods mount; a publish would swap the folder out from under them.
@@ -616,6 +622,13 @@ class Agent:
 def _hopeless(rec: ModelRecord) -> bool:
     """An invalid URI: retrying (even after an edit of the entry's other fields) cannot help."""
     return rec.failure is not None and rec.failure.reason == "InvalidURI"
+
+
+def _unverified(manifest: Manifest | None) -> str:
+    """The status note of a model adopted with files kept on their size alone (modelcache.adopt)."""
+    n = len(manifest.unverified) if manifest is not None else 0
+    return (f"unverified: {n} file(s) adopted on their size alone (the source gives no checksum; "
+            "`modelcache pull --refresh` on the node fetches them again)") if n else ""
 
 
 def _names(rec: ModelRecord) -> str:

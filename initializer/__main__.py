@@ -72,8 +72,8 @@ def _count(name: str, raw: str) -> int:
 
 
 #: The init container's memory is small (KServe's default limit is 1Gi, request 100Mi) and
-#: buffers are (workers + spares) x chunk: 8 MiB chunks keep a 4 GiB pull near 150 MiB peak RSS
-#: (bench/initializer_rss.py) at the same throughput as the engine's 16 MiB default.
+#: buffers are (workers + spares) x chunk: 8 MiB chunks (the engine's default too) keep a 4 GiB
+#: pull near 150 MiB peak RSS (bench/initializer_rss.py).
 INIT_CHUNK_SIZE = 8 << 20
 
 

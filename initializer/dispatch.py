@@ -8,8 +8,10 @@ path or ``file://``) are decided here; every remote scheme goes through the one 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,8 +31,11 @@ from modelcache.errors import ModelcacheError, NotFoundError, UnsupportedError
 from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.reserved import META_DIR
 from modelcache.sources.local import check_file_type
+from modelcache.store import first_stop
 from modelcache.transfer import TransferOptions
-from modelcache.uri import redact_uri
+from modelcache.uri import parse_uri, redact_uri
+
+log = logging.getLogger(__name__)
 
 PVC_MOUNT_PREFIX = "/mnt/pvc"
 MODEL_MOUNT_DIR = "/mnt/models"
@@ -108,7 +113,7 @@ def _local(uri: str, dest: Path, ctx: Context) -> PairOutcome:
 def _pvc(uri: str, dest: Path, ctx: Context) -> PairOutcome:
     # KServe's webhook mounts the claim at /mnt/pvc and rewrites pvc://claim/path to
     # /mnt/pvc/path; a pvc:// URI reaching us means the same mount, rooted at pvc_root.
-    from modelcache.uri import PVCLocation, parse_uri
+    from modelcache.uri import PVCLocation
 
     loc = parse_uri(uri)
     assert isinstance(loc, PVCLocation)
@@ -139,8 +144,12 @@ def _pull(uri: str, dest: Path, ctx: Context) -> PairOutcome:
     from modelcache.uri import storage_key
 
     key = storage_key(uri)
+    pin = parse_uri(uri).digest_pin()
     for done in (finished.load(dest, key), unpacked.load(dest, key)):
-        if done is not None and unpacked.is_complete(dest, done):
+        if done is None:
+            continue
+        bad = unpacked.problems(dest, done, pin)
+        if not bad:
             # Complete from an earlier run: no listing, no request.
             if done.archive:
                 with contextlib.suppress(FileNotFoundError):
@@ -148,6 +157,12 @@ def _pull(uri: str, dest: Path, ctx: Context) -> PairOutcome:
             finished.finish(dest, done)
             return PairOutcome("cached", len(done.files), sum(s for _, s in done.files),
                                f"{done.archive} (earlier)" if done.archive else "")
+        # Files of ours that are not what we wrote (a same-size change, zeros, a cut copy): they
+        # go, so that the pull below fetches them instead of adopting them on their size.
+        log.warning("%s: %d file(s) in %s are not what this pair wrote (%s): fetching them again",
+                    redact_uri(uri), len(bad), dest, ", ".join(bad[:5]))
+        for rel in bad:
+            _remove_inside(dest, rel)
     finished.forget(dest, key)  # DEST is about to change: no record may vouch for it meanwhile
 
     result = pull(uri, dest=dest, settings=ctx.settings, options=ctx.options, progress=ctx.tracker)
@@ -157,7 +172,7 @@ def _pull(uri: str, dest: Path, ctx: Context) -> PairOutcome:
         raise ModelcacheError(f"{redact_uri(uri)}: the download left no manifest in {dest}; run it again")
     names = [f.path for f in manifest.files]
     if single_archive(names) is None or not (dest / names[0]).is_file():
-        finished.finish(dest, finished.from_manifest(manifest))
+        finished.finish(dest, finished.from_manifest(dest, manifest))
         return outcome
     archive = dest / names[0]
     size = archive.stat().st_size
@@ -169,6 +184,14 @@ def _pull(uri: str, dest: Path, ctx: Context) -> PairOutcome:
         archive.unlink()
     finished.finish(dest, record)
     return PairOutcome(outcome.action, res.files, res.bytes, f"{names[0]} ({res.files} files)")
+
+
+def _remove_inside(dest: Path, rel: str) -> None:
+    """Remove ``rel`` from DEST without following a link: where a folder on the way is a link
+    (or a file), that entry goes instead; what a link points at is never touched."""
+    hit = first_stop(dest, rel)
+    if hit is not None and not stat.S_ISDIR(hit[1].st_mode):
+        hit[0].unlink()
 
 
 def link_local(uri: str, src: Path, dest: Path, ctx: Context) -> PairOutcome:

@@ -7,11 +7,14 @@ journal and lock live in ``DEST/.modelcache`` (a restarted container resumes fro
 nothing serves DEST yet); once the pair succeeded that folder is removed.
 
 That DEST is complete is then kept where no runtime looks: an extended attribute of DEST itself
-(``user.modelcache.<storageKey>``, the files and sizes the pair produced, compressed). A rerun
-(the pod restarted) finds it and checks the files with ``stat`` alone: no request. Where the
-file system keeps no user xattrs (tmpfs before Linux 6.6) or the list is too large for one, a
-rerun lists the source and adopts what DEST holds (``modelcache.adopt``): no download either,
-except for an archive, whose contents cannot be checked without fetching it again.
+(``user.modelcache.<storageKey>``, the files, sizes and sampled fingerprints the pair produced,
+compressed). A rerun (the pod restarted) finds it and checks each file without a request: its
+size, that it has no holes, its fingerprint (1 MiB read per file), and, when the URI pins a
+digest (``#sha256=``), the whole file against the pin (``unpacked.problems``). Files that fail
+are deleted (they are ours and wrong) and the pair runs again. Where the file system keeps no
+user xattrs (tmpfs before Linux 6.6) or the list is too large for one, a rerun lists the source
+and adopts what DEST holds (``modelcache.adopt``): no download either, except for an archive,
+whose contents cannot be checked without fetching it again.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import os
 import zlib
 from pathlib import Path
 
-from initializer.unpacked import UnpackedRecord
+from initializer.unpacked import UnpackedRecord, with_prints
 from modelcache.store import DestLayout, Manifest, NodeStore
 
 XATTR_PREFIX = "user.modelcache."
@@ -34,8 +37,9 @@ def _name(key: str) -> str:
     return XATTR_PREFIX + key
 
 
-def from_manifest(manifest: Manifest) -> UnpackedRecord:
-    return UnpackedRecord(manifest.storage_key, "", 0, [(f.path, f.size) for f in manifest.files], [])
+def from_manifest(dest: Path, manifest: Manifest) -> UnpackedRecord:
+    return with_prints(dest, UnpackedRecord(manifest.storage_key, "", 0, [(f.path, f.size) for f in manifest.files],
+                                            []))
 
 
 def mark(dest: Path, record: UnpackedRecord) -> bool:

@@ -13,14 +13,18 @@ the record moves to an extended attribute of DEST and ``.modelcache`` goes (``fi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from modelcache.archive import UnpackResult
 from modelcache.diskio import fsync_tree
-from modelcache.store import DestLayout, NodeStore
+from modelcache.filecheck import fingerprint, has_holes
+from modelcache.integrity import hash_file
+from modelcache.remote import Checksum
+from modelcache.store import DestLayout, NodeStore, regular_file_inside
 
 #: The store keeps it per storage key (pairs that share a DEST each keep theirs).
 RECORD = "unpacked"
@@ -33,28 +37,41 @@ class UnpackedRecord:
     archive_size: int
     files: list[tuple[str, int]]
     links: list[str]
+    #: Each file's sampled fingerprint (``modelcache.filecheck``), in ``files``' order; empty in
+    #: records written before there were any (sizes and holes are checked then).
+    prints: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "storage_key": self.storage_key,
-                "archive": self.archive,
-                "archive_size": self.archive_size,
-                "files": [list(f) for f in self.files],
-                "links": self.links,
-            }
-        )
+        doc: dict[str, object] = {
+            "storage_key": self.storage_key,
+            "archive": self.archive,
+            "archive_size": self.archive_size,
+            "files": [list(f) for f in self.files],
+            "links": self.links,
+        }
+        if self.prints:
+            doc["prints"] = self.prints
+        return json.dumps(doc)
 
     @classmethod
     def from_json(cls, text: str) -> UnpackedRecord:
         doc = json.loads(text)
-        return cls(
+        record = cls(
             storage_key=str(doc["storage_key"]),
             archive=str(doc["archive"]),
             archive_size=int(doc["archive_size"]),
             files=[(str(p), int(s)) for p, s in doc["files"]],
             links=[str(p) for p in doc["links"]],
+            prints=[str(p) for p in doc.get("prints", [])],
         )
+        if record.prints and len(record.prints) != len(record.files):
+            raise ValueError("fingerprints do not match the files")
+        return record
+
+
+def with_prints(dest: Path, record: UnpackedRecord) -> UnpackedRecord:
+    """``record`` with the fingerprint of each of its files as DEST holds them now."""
+    return dataclasses.replace(record, prints=[fingerprint(dest / rel) for rel, _ in record.files])
 
 
 def build(dest: Path, key: str, archive: str, archive_size: int, result: UnpackResult) -> UnpackedRecord:
@@ -66,7 +83,7 @@ def build(dest: Path, key: str, archive: str, archive_size: int, result: UnpackR
             links.append(rel)
         else:
             files.append((rel, st.st_size))
-    return UnpackedRecord(key, archive, archive_size, files, links)
+    return with_prints(dest, UnpackedRecord(key, archive, archive_size, files, links))
 
 
 def write(dest: Path, record: UnpackedRecord) -> None:
@@ -88,12 +105,21 @@ def load(dest: Path, key: str) -> UnpackedRecord | None:
     return record if record.storage_key == key else None
 
 
-def is_complete(dest: Path, record: UnpackedRecord) -> bool:
-    """Every unpacked file still there with its size, every link still there (stats only)."""
-    for rel, size in record.files:
-        try:
-            if os.lstat(dest / rel).st_size != size:
-                return False
-        except OSError:
-            return False
-    return all(os.path.islink(dest / rel) for rel in record.links)
+def problems(dest: Path, record: UnpackedRecord, pin: tuple[str, str] | None = None) -> list[str]:
+    """The files of ``record`` that DEST no longer holds as recorded (empty: complete), without a
+    request to the source: each file there, a regular file (no link on the way) of its size,
+    without holes (a preallocated, zero-filled or cut copy), and with its sampled fingerprint.
+    A URI that pins its file's digest (``#sha256=``) has that file hashed whole against the pin:
+    the one check that catches any changed byte, which the user asked for by pinning.
+    A link the record lists that is gone counts as a problem too (its name)."""
+    bad = []
+    for i, (rel, size) in enumerate(record.files):
+        st = regular_file_inside(dest, rel)
+        if st is None or st.st_size != size or has_holes(dest / rel) or (
+                record.prints and fingerprint(dest / rel) != record.prints[i]):
+            bad.append(rel)
+    if pin is not None and not record.archive and len(record.files) == 1 and not bad:
+        rel, size = record.files[0]
+        if hash_file(dest / rel, [Checksum(*pin)], size=size).mismatches():
+            bad.append(rel)
+    return bad + [rel for rel in record.links if not os.path.islink(dest / rel)]

@@ -10,7 +10,15 @@ pod that mounts it sees the old or the new file, never a partial one). The manif
 
 A file is kept on its size alone when the source has no checksum we can compute (a plain
 HTTP server, an S3 multipart upload without its part size): that is what KServe itself knows
-of a file, and the manifest records which files were verified by a checksum.
+of a file. The manifest lists such files as ``unverified`` (``ls`` and the pull say so; a
+``pull --refresh`` fetches them again), and a file with a hole (never written whole: a
+preallocated or partial copy) is fetched instead.
+
+Only a folder the store has no record of is adopted: one it knew (a manifest, damaged or not,
+a damage mark, a repair) is checked against that record by the pull instead (``NodeStore.knew``).
+Nothing is followed out of the folder: a file reached through a linked sub-folder, or a link
+itself, is fetched; and files and links the listing does not name are moved out of a node
+store's model folder (``NodeStore.set_aside_unlisted``): pods see the model and nothing else.
 """
 
 from __future__ import annotations
@@ -24,9 +32,10 @@ from pathlib import Path
 
 from modelcache.clock import rfc3339
 from modelcache.errors import StoreError
+from modelcache.filecheck import has_holes
 from modelcache.integrity import hash_file
 from modelcache.sources.base import RemoteFile
-from modelcache.store import Manifest, ManifestFile, NodeStore
+from modelcache.store import Manifest, ManifestFile, NodeStore, regular_file_inside
 from modelcache.transfer import FetchedFile
 
 log = logging.getLogger(__name__)
@@ -49,27 +58,33 @@ class Adoption:
 
 
 def applies(store: NodeStore, key: str) -> bool:
-    """A folder with content that no manifest of ours describes (checked under the model's lock)."""
-    if store.manifest(key) is not None:
+    """A real folder (not a link) with content that the store has no record of (checked under
+    the model's lock)."""
+    if store.knew(key):
         return False
+    folder = store.layout.model_dir(key)
     try:
+        if stat.S_ISLNK(os.lstat(folder).st_mode):
+            return False  # a link to a folder elsewhere: replaced by the pull, never merged into
         names = store.foreign_names(key)
     except OSError:
         return False
     return bool(names)
 
 
-def check_file(path: Path, want: RemoteFile) -> FetchedFile | None:
-    """The file at ``path`` as a fetched file, if it is the listed one; None if it must be fetched."""
-    try:
-        st = os.lstat(path)
-    except OSError:
+def check_file(folder: Path, want: RemoteFile) -> FetchedFile | None:
+    """The file ``want`` in ``folder`` as a fetched file, if it is the listed one; None if it must
+    be fetched (missing, another size or checksum, a link or under one, a hole where nothing else
+    can tell)."""
+    st = regular_file_inside(folder, want.path)
+    if st is None or want.size is None or st.st_size != want.size:
         return None
-    if not stat.S_ISREG(st.st_mode) or want.size is None or st.st_size != want.size:
-        return None
+    path = folder / want.path
     hashed = hash_file(path, want.checksums, size=st.st_size)
     if hashed.mismatches():
         return None
+    if not hashed.expected and has_holes(path):
+        return None  # sizes alone would keep a preallocated or partial copy
     return FetchedFile(want.path, st.st_size, hashed.local_hexdigest(),
                        tuple(sorted({c.algo for c in hashed.expected})))
 
@@ -78,7 +93,7 @@ def check(folder: Path, files: list[RemoteFile], on_file: Callable[[str, int], N
     """Compare ``folder`` with the listing ``files``; hashes every file whose size matches."""
     out = Adoption()
     for i, want in enumerate(files):
-        got = check_file(folder / want.path, want)
+        got = check_file(folder, want)
         if got is None:
             out.fetch.append(i)
             continue

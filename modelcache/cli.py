@@ -26,7 +26,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from modelcache.errors import ModelcacheError
+from modelcache.errors import ModelcacheError, SourceChangedError
 from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.redact import redact_uri, scrub_urls
 from modelcache.resources import MAX_CHUNK, MIN_CHUNK, check_buffers, chunk_size_problem
@@ -176,7 +176,7 @@ def _interruptible() -> Iterator[tuple[threading.Event, list[int]]]:
 @click.option("--max-workers", type=click.IntRange(1, 256), default=None,
               help="Grow up to this many streams while throughput grows (servers that cap each "
               "connection, e.g. S3); at least --workers; default: a fixed --workers.")
-@click.option("--chunk-size", type=SizeType(), default="16M", show_default=True, callback=_chunk_size,
+@click.option("--chunk-size", type=SizeType(), default="8M", show_default=True, callback=_chunk_size,
               help=f"Bytes per ranged read and per resume unit, {human_bytes(MIN_CHUNK)} to {human_bytes(MAX_CHUNK)} "
               "(e.g. 8M, 64MiB).")
 @click.option("--stall-timeout", type=click.FloatRange(0.5, 3600), default=30.0, show_default=True,
@@ -266,6 +266,8 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
                 checked = f", {'+'.join(res.verified)} verified" if res.verified else ""
                 click.echo(f"{res.uri} -> {res.path} ({res.files} files, {human_bytes(res.bytes)}, {how}{checked})",
                            err=True)
+                for line in _pull_notes(res):
+                    click.echo(f"{res.storage_key}: {line}", err=True)
         elif caught:
             continue  # one line for the interruption below, not one "cancelled" per model
         else:
@@ -280,6 +282,26 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
         _interrupted(tracker, DestLayout(dest).staging_root if dest is not None else NodeLayout(root).staging_root,
                      caught[0])
     sys.exit(1 if failed else 0)
+
+
+def _names(paths: tuple[str, ...]) -> str:
+    return ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
+
+
+def _pull_notes(res: Any) -> list[str]:
+    """What a pull did beyond fetching: damaged stored files fetched again, files kept unverified,
+    files moved out of an adopted folder."""
+    notes = []
+    if res.refetched:
+        notes.append(f"{len(res.refetched)} stored file(s) no longer matched their digests and were fetched again "
+                     f"({_names(res.refetched)})")
+    if res.unverified and not res.cached:
+        notes.append(f"unverified: {len(res.unverified)} file(s) kept on their size alone ({_names(res.unverified)}): "
+                     "the source gives no checksum; `modelcache pull --refresh` fetches them again")
+    if res.set_aside:
+        notes.append(f"{len(res.set_aside)} file(s) the source does not list moved out of the model folder to "
+                     f"{res.set_aside_to} ({_names(res.set_aside)})")
+    return notes
 
 
 def _stored_uris(store: NodeStore) -> list[str]:
@@ -382,13 +404,20 @@ def ls_cmd(root: Path, as_json: bool) -> None:
     for e in entries:
         if e.storage_key in stage_keys:
             continue  # shown below with its progress
-        state = "present" if e.present else "incomplete"
+        state = ("unverified" if e.unverified else "present") if e.present else (
+            "damaged" if e.damaged else "incomplete")
         click.echo(f"{e.storage_key:16}  {state:16}  {human_bytes(e.size):>10}  {e.files:>5}  {e.uri}")
     for s in staged:
         state = f"{'pulling' if s.running else 'interrupted'} {s.percent:.0f}%"
         click.echo(f"{s.storage_key:16}  {state:16}  {human_bytes(s.bytes_total):>10}  {s.files:>5}  {s.uri}")
     if any(not s.running for s in staged):
         click.echo("interrupted pulls resume where they stopped: run `modelcache pull URI` again", err=True)
+    if any(e.damaged and e.storage_key not in stage_keys for e in entries):
+        click.echo("damaged: `modelcache verify --repair KEY` fixes the damaged files in place, at the stored "
+                   "revision; `modelcache pull URI` fetches them again at the source's current one", err=True)
+    if any(e.present and e.unverified for e in entries):
+        click.echo("unverified: adopted files kept on their size alone (the source gives no checksum); "
+                   "`modelcache pull --refresh URI` fetches them again", err=True)
 
 
 @cli.command()
@@ -406,6 +435,9 @@ def verify(models: tuple[str, ...], root: Path, fix: bool, progress_mode: str, a
     given = {_key(m): m for m in models}
     keys = list(given) or store.keys()
     report = {k: [asdict(p) for p in store.verify(k)] for k in keys}
+    for k, problems in report.items():
+        if problems and store.manifest(k) is not None:
+            _mark(store, k, problems)
     if as_json and not fix:
         _emit(report)
     else:
@@ -431,6 +463,18 @@ def verify(models: tuple[str, ...], root: Path, fix: bool, progress_mode: str, a
         click.echo(f"error: {len(damaged)} model(s) failed verification; fetch their damaged files again (nothing "
                    f"else is downloaded): modelcache verify --repair --root {root} {names}", err=True)
         sys.exit(1)
+
+
+def _mark(store: NodeStore, key: str, problems: list[dict[str, str]]) -> None:
+    """Damage that verify found is recorded: the model stops being present, and the next pull (or
+    ``verify --repair``) fetches exactly those files again. A model another process holds, or a
+    store this user cannot write, is left as it is (the report says what is wrong either way)."""
+    reason = "; ".join(f"{p['path']}: {p['problem']}" for p in problems[:3])
+    try:
+        with store.lock(key, blocking=False):
+            store.mark_damaged(key, [p["path"] for p in problems if p["path"]], f"verify found damage: {reason}")
+    except ModelcacheError as exc:
+        logging.getLogger("modelcache.cli").info("%s: damage not recorded: %s", key, exc)
 
 
 def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -> bool:
@@ -462,6 +506,13 @@ def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -
             old = store.pin_damaged(key)  # not present for any reader until the repair is installed
         with show_progress(tracker, progress_mode, 5.0):
             out = repair(store, key, pull_into, [f.path for f in old.files] if old else [])
+    except SourceChangedError as exc:
+        click.echo(f"error: {key}: {scrub_urls(' '.join(str(exc).split()))}", err=True)
+        click.echo(f"{key}: kept as it is, marked damaged (not present); `modelcache pull --root {store.layout.base} "
+                   f"{redact_uri(uri)}` takes the source's current revision instead: the damaged and changed files "
+                   "are fetched, the others checked against their digests and kept, and the folder replaced whole",
+                   err=True)
+        return False
     except ModelcacheError as exc:
         click.echo(f"error: {key}: {scrub_urls(' '.join(str(exc).split()))}", err=True)
         return False

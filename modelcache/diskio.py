@@ -10,6 +10,7 @@ through an ordinary descriptor.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -188,25 +189,52 @@ class FileWriter:
 
 
 class BufferPool:
-    """A fixed set of page-aligned buffers: the engine's memory bound (workers + spares)."""
+    """A fixed set of page-aligned buffers: the engine's memory bound (workers + spares).
+
+    Private anonymous mappings with transparent huge pages where the kernel allows them: the
+    shared (shmem) mappings ``mmap(-1, n)`` makes cost a page fault and a shmem page-cache
+    insert per 4 KiB touched (~0.17 CPU-s per GiB pulled on 1 GiB with 12 x 16 MiB buffers,
+    perf, issue 28) and their teardown another 0.05 s; 2 MiB pages also pin faster for O_DIRECT.
+    """
 
     def __init__(self, count: int, size: int) -> None:
         self.size = size
-        self._free: list[mmap.mmap] = [mmap.mmap(-1, size) for _ in range(count)]
+        self._free: list[mmap.mmap] = [_anonymous(size) for _ in range(count)]
         self._all = list(self._free)
         self._cond = threading.Condition()
-        self.parked = 0
+        self._urgent: list[Callable[[], bool]] = []  # waiters that go first while they say so
 
-    def acquire(self) -> mmap.mmap:
+    def acquire(self, timeout: float | None = None, urgent: Callable[[], bool] | None = None) -> mmap.mmap | None:
+        """A free buffer; None if none came free within ``timeout`` seconds (None: wait).
+
+        While a caller waiting with ``urgent`` finds it true (the engine: its chunk holds the
+        file's hash cursor, and only the cursor gives parked buffers back), a released buffer
+        is its, not another waiter's."""
+        def ready() -> bool:
+            if not self._free:
+                return False
+            return (urgent is not None and urgent()) or not any(u() for u in self._urgent if u is not urgent)
+
         with self._cond:
-            while not self._free:
-                self._cond.wait()
-            return self._free.pop()
+            if urgent is not None:
+                self._urgent.append(urgent)
+            try:
+                if not self._cond.wait_for(ready, timeout):
+                    return None
+                return self._free.pop()
+            finally:
+                if urgent is not None:
+                    self._urgent.remove(urgent)
+                    self._cond.notify_all()
+
+    def available(self) -> int:
+        """Buffers free right now (a hint: another thread may take one at once)."""
+        return len(self._free)
 
     def release(self, buf: mmap.mmap) -> None:
         with self._cond:
             self._free.append(buf)
-            self._cond.notify()
+            self._cond.notify_all()
 
     def close(self) -> None:
         for b in self._all:
@@ -214,6 +242,16 @@ class BufferPool:
                 b.close()
             except BufferError:
                 pass  # a view is still alive somewhere; the GC frees it
+
+
+def _anonymous(size: int) -> mmap.mmap:
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    buf = mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):  # THP off ("never") or not built in: 4 KiB pages
+            buf.madvise(advice)
+    return buf
 
 
 def fsync_tree(root: str | os.PathLike[str], paths: Iterable[str]) -> None:

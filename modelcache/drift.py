@@ -5,7 +5,8 @@ every cache hit), so after the source changes (a branch moved, an object overwri
 keeps serving the old bytes. ``compare`` holds a fresh listing against the model's manifest:
 per file, sizes, then the checksums both sides know (sha256, md5 / ETags, crc32c, ...), then
 the source's version (generation, ETag, Last-Modified, commit) where no checksum is shared.
-A file with equal size and nothing else to compare is "unknown", never silently "current".
+A file with equal size and nothing else to compare is "unknown", never silently "current"; so is
+a file adopted on its size alone (the manifest's ``unverified``), which a refresh fetches again.
 
 Used by ``modelcache pull --check`` (report), ``pull --refresh`` (which files to fetch again:
 ``Drift.keep`` are carried over) and the agent's periodic drift check (status detail).
@@ -72,14 +73,16 @@ def compare(manifest: Manifest, files: Sequence[RemoteFile], revision: str | Non
     the store holds."""
     common: dict[str, Any] = {"storage_key": manifest.storage_key, "uri": manifest.uri,
               "stored_revision": manifest.revision, "source_revision": revision}
-    if manifest.revision and revision == manifest.revision:
+    if manifest.revision and revision == manifest.revision and not manifest.unverified:
         # An immutable revision (a commit, a digest) that did not move: nothing else can differ.
         return Drift(state=CURRENT, keep=tuple(f.path for f in manifest.files), message="up to date", **common)
     remote = {f.path: f for f in files}
     stored = {f.path: f for f in manifest.files}
     changed, unknown, keep, details = [], [], [], []
+    unverified = set(manifest.unverified)
     for path in sorted(stored.keys() & remote.keys()):
-        same, why = compare_file(stored[path], remote[path])
+        # Adopted on its size alone: nothing ever compared its bytes with the source's.
+        same, why = (None, "") if path in unverified else compare_file(stored[path], remote[path])
         if same is True:
             keep.append(path)
         elif same is False:
@@ -106,8 +109,13 @@ def compare(manifest: Manifest, files: Sequence[RemoteFile], revision: str | Non
         message = "; ".join(parts)
     elif unknown:
         state = UNKNOWN
-        message = (f"{len(unknown)} file(s) cannot be compared ({', '.join(unknown[:3])}: the source gives no "
-                   "checksum or version for them and their sizes match)")
+        adopted = [p for p in unknown if p in unverified]
+        if adopted:
+            message = (f"{len(adopted)} file(s) unverified ({', '.join(adopted[:3])}: adopted on their size alone, "
+                       "the source gives no checksum; a refresh fetches them again)")
+        else:
+            message = (f"{len(unknown)} file(s) cannot be compared ({', '.join(unknown[:3])}: the source gives no "
+                       "checksum or version for them and their sizes match)")
         if moved:
             message = f"revision {manifest.revision} -> {revision}; {message}"
     else:

@@ -9,8 +9,12 @@ itself: every mount namespace's ``/proc/<pid>/mountinfo``, for a mount whose sou
 folder or a path inside it on the same file system.
 
 It cannot see everything when it runs in its own PID namespace (a container without
-``hostPID``), or, on a node with a kubelet, without the right to read other users' processes
-(not root). It then says so and refuses, unless told to assume no pod uses the model.
+``hostPID``), or without the right to read the mount tables of the processes of pods (not root).
+It then says so and refuses, unless told to assume no pod uses the model. A process that is not
+in a pod's cgroup (``kubepods`` in ``/proc/<pid>/cgroup``, which anyone may read, under either
+kubelet cgroup driver) is not counted when it cannot be read: it cannot hold a pod's mount. (On
+some machines even root may not read PID 1's mount namespace; the earlier rule, any unreadable
+process on a machine with a /var/lib/kubelet, refused every rm there once a kubelet had run.)
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from modelcache.errors import ModelInUseError, StoreError
 from modelcache.mountinfo import fs_path, parse_mountinfo, read_mountinfo
 
 PROC = "/proc"
-#: Where a kubelet keeps its pods' mounts (its default --root-dir).
-KUBELET_DIR = "/var/lib/kubelet"
+#: In the cgroup path of every process of a pod, under the cgroupfs and the systemd drivers alike.
+POD_CGROUP = "kubepods"
 _INIT_PID_NS = 0xEFFFFFFC  # the initial PID namespace's inode number (PROC_PID_INIT_INO)
 
 
@@ -63,7 +67,7 @@ def mount_users(folder: Path) -> MountUsers:
             with open(f"{PROC}/{pid}/mountinfo") as f:
                 mounts = parse_mountinfo(f.read())
         except PermissionError:
-            denied += 1
+            denied += _in_pod(pid)
             continue
         except OSError:
             continue  # the process ended meanwhile
@@ -72,10 +76,17 @@ def mount_users(folder: Path) -> MountUsers:
             root = os.path.normpath(m.root)
             if m.device == device and (root == inside or root.startswith(inside.rstrip("/") + "/")):
                 found.append(f"{m.mount_point} (pid {pid})")
-    if denied and unknown is None and os.path.isdir(KUBELET_DIR):
-        unknown = (f"the mounts of {denied} processes cannot be read (not root), and this node runs a "
-                   "kubelet whose pods may mount it")
+    if denied and unknown is None:
+        unknown = f"the mounts of {denied} processes of pods on this node cannot be read (not root)"
     return MountUsers(found, unknown)
+
+
+def _in_pod(pid: str) -> bool:
+    try:
+        with open(f"{PROC}/{pid}/cgroup") as f:
+            return POD_CGROUP in f.read()
+    except OSError:
+        return False
 
 
 def mount_guard(assume_unused: bool) -> Callable[[str, Path], None]:

@@ -34,7 +34,16 @@ from modelcache.integrity import hash_file
 from modelcache.journal import Journal, JournalState
 from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.sources.base import RemoteFile, Source, open_source
-from modelcache.store import DestLayout, Guard, Manifest, ManifestFile, NodeLayout, NodeStore
+from modelcache.store import (
+    DestLayout,
+    Guard,
+    Manifest,
+    ManifestFile,
+    NodeLayout,
+    NodeStore,
+    file_matches,
+    regular_file_inside,
+)
 from modelcache.transfer import FetchedFile, FileJob, TransferEngine, TransferOptions
 from modelcache.uri import Location, parse_uri
 
@@ -67,6 +76,17 @@ class PullResult:
     adopted_bytes: int = 0
     #: The single archive the model was unpacked from, if it was one.
     unpacked_from: str | None = None
+    #: Stored files fetched again because their bytes no longer matched the store's record
+    #: (damaged), found when a refresh or a pull of a damaged model checked them.
+    refetched: tuple[str, ...] = ()
+    #: Files kept on their size alone (adoption, the source gives no checksum): unverified.
+    unverified: tuple[str, ...] = ()
+    #: Files the listing does not name, moved out of an adopted folder (and where to).
+    set_aside: tuple[str, ...] = ()
+    set_aside_to: str = ""
+    #: Seconds from the first byte requested to the last written (``elapsed`` adds start-up,
+    #: listing and publishing: the benchmarks' fixed cost is the difference).
+    transfer_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -97,9 +117,13 @@ class _Model:
     started: float = field(default_factory=time.monotonic)
     #: (path, size) of every listed file, before ``only`` narrowed ``files`` (PullPlan.listing).
     listed: tuple[tuple[str, int | None], ...] = ()
-    #: A refresh of a stored model: what differs, and the stored files it carries over.
+    #: A refresh of a stored model, or a pull of a folder the store knew (damaged, its manifest
+    #: broken, a repair under way): what differs, and the stored files it carries over once
+    #: their bytes hash to the store's record (the others are fetched: ``refetched``).
     drift: Drift | None = None
     carry: dict[str, ManifestFile] = field(default_factory=dict)
+    refetched: list[str] = field(default_factory=list)
+    set_aside: list[str] = field(default_factory=list)
     #: Files already in the model folder (adoption): kept, never fetched; their listing indexes.
     adopted: list[FetchedFile] = field(default_factory=list)
     skip: set[int] = field(default_factory=set)
@@ -107,6 +131,7 @@ class _Model:
     in_place: bool = False
     unpack: bool = False
     unpacked_from: str | None = None
+    unpacked_links: list[str] = field(default_factory=list)
 
 
 def _store_for(location: Location, root: Path | None, dest: Path | None, guard: Guard | None) -> NodeStore:
@@ -174,6 +199,11 @@ def _prepare_staging(m: _Model, chunk_size: int) -> None:
             m.resume.files.pop(i, None)
             for key in [k for k in m.resume.chunks if k[0] == i]:
                 del m.resume.chunks[key]
+    # Adopted files stay where they are: a staged copy left by an earlier attempt would be merged
+    # over one at publish, under the digest of the file it replaced.
+    for i in m.skip:
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            (staging / "data" / m.files[i].path).unlink()
     m.journal.open(fresh=fresh)
 
 
@@ -232,6 +262,8 @@ def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
         revision=m.source.resolved_revision,
         files=files,
         created_at=rfc3339(),
+        # Kept on their size alone (adopted, no checksum): never compared with the source's bytes.
+        unverified=sorted(f.path for f in m.adopted if not f.verified and f.path in {ff.path for ff in fetched}),
     )
 
 
@@ -264,27 +296,47 @@ def check_drift(uri: str, manifest: Manifest, settings: Settings | None = None) 
         return compare(manifest, list_source(source, settings), source.resolved_revision)
 
 
-def _carry_over(m: _Model) -> None:
-    """A refresh: files that still match the source are linked from the stored model into the
-    staged download (same file system: no copy) and journaled as done, so the engine fetches only
-    what changed and the new model is published whole, atomically, like any pull."""
+def _carry_over(m: _Model, progress: ProgressTracker) -> None:
+    """Files that still match the source are linked from the stored model into the staged
+    download (same file system: no copy) and journaled as done, so the engine fetches only what
+    changed and the new model is published whole, atomically, like any pull.
+
+    A file is carried only once its bytes hash to the store's record of it (the linked inode is
+    hashed, so what is checked is what is published): a stored file damaged since (same size,
+    other bytes) is fetched again instead of being published under a manifest that vouches for it.
+    """
     assert m.journal is not None
     data = m.store.layout.staging_dir(m.key) / "data"
     model = m.store.layout.model_dir(m.key)
-    for i, f in enumerate(m.files):
-        kept = m.carry.get(f.path)
-        if kept is None:
-            continue
-        dst = data / f.path
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.unlink(missing_ok=True)
-        try:
-            os.link(model / f.path, dst)
-        except OSError:
-            shutil.copy2(model / f.path, dst)
-        verified = tuple(sorted(kept.checksums))
-        m.resume.files[i] = (kept.xxh3, verified)
-        m.journal.file_done(i, kept.xxh3, verified)
+    carried = [(i, f, m.carry[f.path]) for i, f in enumerate(m.files) if f.path in m.carry]
+    if carried:
+        progress.set_waiting(f"{m.location.display}: checking {len(carried)} stored file(s) "
+                             f"({human_bytes(sum(k.size for _, _, k in carried))}) against their digests")
+    try:
+        for i, f, kept in carried:
+            dst = data / f.path
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.unlink(missing_ok=True)
+            if regular_file_inside(model, f.path) is not None:
+                try:
+                    os.link(model / f.path, dst, follow_symlinks=False)
+                except OSError:
+                    shutil.copyfile(model / f.path, dst, follow_symlinks=False)
+            if not file_matches(dst, kept):
+                dst.unlink(missing_ok=True)
+                m.resume.files.pop(i, None)
+                for c in [c for c in m.resume.chunks if c[0] == i]:
+                    del m.resume.chunks[c]
+                m.refetched.append(f.path)
+                continue
+            verified = tuple(sorted(kept.checksums))
+            m.resume.files[i] = (kept.xxh3, verified)
+            m.journal.file_done(i, kept.xxh3, verified)
+    finally:
+        progress.set_waiting("")
+    if m.refetched:
+        log.warning("stored files no longer match their digests: fetching them again", extra={"fields": {
+            "uri": m.location.display, "files": ",".join(m.refetched[:20]), "count": len(m.refetched)}})
 
 
 def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
@@ -300,7 +352,13 @@ def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
         assert m.source is not None
         m.source.before_publish(m.store.layout.staging_dir(m.key))
         (m.store.layout.staging_dir(m.key) / "data").mkdir(parents=True, exist_ok=True)  # all adopted: empty
-        path = m.store.publish(m.key, _manifest(m, fetched), in_place=m.in_place)
+        new = _manifest(m, fetched)
+        if m.in_place:  # an adopted folder holds the model and nothing else (what the rest is, is kept)
+            keep = {f.path for f in new.files} | set(m.unpacked_links)
+            if m.unpacked_from:
+                keep.add(m.unpacked_from)  # deleted below
+            m.set_aside = m.store.set_aside_unlisted(m.key, keep)
+        path = m.store.publish(m.key, new, in_place=m.in_place)
         if m.unpacked_from and m.unpacked_from not in {f.path for f in fetched}:
             # An archive kept from the folder, now unpacked: it is not part of the model.
             with contextlib.suppress(FileNotFoundError):
@@ -322,6 +380,10 @@ def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
         adopted=len(m.adopted) if not cached else 0,
         adopted_bytes=sum(f.size for f in m.adopted) if not cached else 0,
         unpacked_from=m.unpacked_from,
+        refetched=tuple(sorted(set(m.refetched))) if not cached else (),
+        unverified=tuple(manifest.unverified) if manifest else (),
+        set_aside=tuple(m.set_aside) if not cached else (),
+        set_aside_to=str(m.store.unlisted_dir(m.key)) if m.set_aside and not cached else "",
     )
 
 
@@ -349,13 +411,18 @@ def _unpack_single_archive(m: _Model, fetched: list[FetchedFile]) -> list[Fetche
             (staging / name_).unlink()
     shutil.rmtree(data, ignore_errors=True)
     os.replace(out, data)
+    # The unpacker streams files without fsync: durable before the manifest that vouches for them.
+    fsync_tree(data, result.paths)
     m.unpacked_from = name
     m.adopted, m.skip = [], set()  # the archive is not part of the model any more
     files = []
     for rel in sorted(result.paths):
         p = data / rel
-        if p.is_symlink() or not p.is_file():
-            continue  # links stay in the folder, but a manifest lists files
+        if p.is_symlink():
+            m.unpacked_links.append(rel)  # links stay in the folder, but a manifest lists files
+            continue
+        if not p.is_file():
+            continue
         size = p.stat().st_size
         files.append(FetchedFile(rel, size, hash_file(p, size=size).local_hexdigest(), ()))
     log.info("%s: unpacked %s (%d files)", m.location.display, name, len(files))
@@ -381,6 +448,9 @@ def _adopt(m: _Model) -> None:
     folder = m.store.layout.model_dir(m.key)
     found = adopt.check(folder, m.files)
     m.adopted, m.skip = found.kept, {i for i in range(len(m.files)) if i not in set(found.fetch)}
+    if found.size_only:
+        log.warning("adopted files kept on their size alone: the source gives no checksum", extra={"fields": {
+            "uri": m.location.display, "files": found.size_only}})
     log.info("adopting a model folder that has no manifest", extra={"fields": {
         "uri": m.location.display, "folder": str(folder), "files": len(m.files), "kept": len(found.kept),
         "kept_bytes": found.kept_bytes, "size_only": found.size_only, "fetch": len(found.fetch),
@@ -587,12 +657,11 @@ def pull_many(
                     continue
                 try:
                     m.store.recover(m.key)
-                    if _still_archive(m):
-                        # Stored as the archive itself (before archives were unpacked): the folder
-                        # is adopted again, which keeps the archive's bytes and unpacks them.
-                        m.store.layout.manifest_path(m.key).unlink()
-                    stored = m.store.manifest(m.key) if refresh and m.store.is_present(m.key) else None
-                    if m.store.is_present(m.key) and stored is None:
+                    present = m.store.is_present(m.key)
+                    # Stored as the archive itself (before archives were unpacked): its bytes are
+                    # carried over like a refresh's (checked against the manifest) and unpacked.
+                    archive = present and _still_archive(m)
+                    if present and not refresh and not archive:
                         m.store.touch(m.key)
                         m.result = _finish(m, [], cached=True)
                         continue
@@ -602,16 +671,26 @@ def pull_many(
                     if only is not None and not m.source.extracts_itself:
                         m.listed = _listing(m)
                         m.files = [f for f in m.files if f.path in only]
-                    if stored is not None:
-                        m.drift = compare(stored, m.files, m.source.resolved_revision)
-                        if m.drift.state == CURRENT:
-                            m.store.touch(m.key)
-                            m.result = _finish(m, [], cached=True)
-                            continue
-                        by_path = {f.path: f for f in stored.files}
-                        m.carry = {p: by_path[p] for p in m.drift.keep}
+                    if present or (m.store.knew(m.key) and os.path.lexists(m.store.layout.model_dir(m.key))):
+                        # A refresh, or a folder the store knew that is not present (damaged, its
+                        # manifest broken, a publish or repair interrupted): never adopted like a
+                        # folder someone else filled. Files the source still lists as they were
+                        # are kept once they hash to the store's record; every other one, and every
+                        # one known damaged, is fetched; the folder is then replaced whole.
+                        stored = m.store.manifest(m.key) if present else m.store.record(m.key)
+                        if stored is not None:
+                            m.drift = compare(stored, m.files, m.source.resolved_revision)
+                            if present and not archive and m.drift.state == CURRENT:
+                                m.store.touch(m.key)
+                                m.result = _finish(m, [], cached=True)
+                                continue
+                            damage = m.store.damage(m.key)
+                            bad = set(damage.files) if damage else set()
+                            by_path = {f.path: f for f in stored.files}
+                            m.carry = {p: by_path[p] for p in m.drift.keep if p not in bad}
+                            m.refetched = sorted(bad & {f.path for f in m.files})
                     else:
-                        _adopt(m)  # (a stored model has our manifest: nothing to adopt)
+                        _adopt(m)
                     if not m.in_place:  # (adoption keeps the folder: it only adds files to it)
                         m.store.check_replaceable(m.key)  # before the download, not after it
                     if admit is not None and m.source.extracts_itself:
@@ -630,7 +709,7 @@ def pull_many(
                         continue
                     _prepare_staging(m, options.chunk_size)
                     if m.carry:
-                        _carry_over(m)
+                        _carry_over(m, progress)
                     if not any(i not in m.skip for i in range(len(m.files))):
                         m.result = _finish(m, [], cached=False)  # every file adopted: nothing to fetch
                         continue
@@ -665,7 +744,8 @@ def pull_many(
                     m = models[key]
                     if m.error is None:
                         try:
-                            m.result = _finish(m, fetched, cached=False)
+                            m.result = dataclasses.replace(_finish(m, fetched, cached=False),
+                                                           transfer_seconds=engine.transfer_seconds(key))
                         except BaseException as exc:  # e.g. no space for the manifest: name the URI
                             m.error = _name_uri(exc, m.location.display)
     finally:

@@ -16,10 +16,13 @@ the new listing no longer has are removed, and the same renames follow.
 
 A repair restores the revision that was damaged, never a newer one: files renamed one by one
 into a folder that running pods read would otherwise mix two revisions (a pod that restarts or
-opens a file lazily meanwhile loads half of each). The damaged manifest is kept as the repair's
-pin (``.modelcache/repair/<storageKey>.pinned.json``). Where the source has revisions (an HF
-commit, an OCI digest) the repair pulls that pinned revision; otherwise (S3, GCS, HTTP, local)
-it pulls the URI and installs nothing unless every file equals the pinned one, size and digest.
+opens a file lazily meanwhile loads half of each). The damaged model keeps its manifest, marked
+damaged (``.modelcache/manifests/<storageKey>.damaged.json``): that manifest is the repair's pin.
+Where the source has revisions (an HF commit, an OCI digest) the repair pulls that pinned
+revision; otherwise (S3, GCS, HTTP, local) it pulls the URI and installs nothing unless every
+file equals the pinned one, size and digest. A refused repair leaves no download behind and the
+model marked damaged with the files it could not restore: a plain pull then fetches the source's
+current revision whole (``modelcache.pull``: every stored file checked against its digest).
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ def needs_repair(store: NodeStore, key: str, old_files: Iterable[str] = ()) -> b
     """
     if not store.layout.model_dir(key).is_dir() or store.is_present(key):
         return False
-    return bool(list(old_files)) or store.pinned_manifest(key) is not None or store.repair_underway(key)
+    return (bool(list(old_files)) or store.pinned_manifest(key) is not None or store.repair_underway(key)
+            or store.damage(key) is not None)
 
 
 def repair(store: NodeStore, key: str, pull_into: Pull, old_files: Iterable[str] = ()) -> RepairOutcome:
@@ -97,7 +101,7 @@ def repair(store: NodeStore, key: str, pull_into: Pull, old_files: Iterable[str]
         have = dict(plan.listing)
         differ = sorted(p for p in want if p not in have or have[p] not in (None, want[p]))
         if differ:
-            raise _moved(pinned, differ)
+            raise _refused(store, key, pinned, differ, only)
     if only == []:  # every file matches (a crash after they were fixed): only the manifest is missing
         result = PullResult(uri=pinned.uri, storage_key=key, path=layout.model_dir(key),  # type: ignore[union-attr]
                             resolved_uri=pinned.resolved_uri, files=len(pinned.files),  # type: ignore[union-attr]
@@ -114,8 +118,7 @@ def repair(store: NodeStore, key: str, pull_into: Pull, old_files: Iterable[str]
         if only is not None and fetched is not None:
             differ = sorted({*differ, *(set(only) - fetched)})  # a damaged file the source no longer has
         if differ:  # same names and sizes, other bytes: the download is of no use
-            store.drop_repair_download(key)
-            raise _moved(pinned, differ)
+            raise _refused(store, key, pinned, differ, only)
         manifest = pinned  # every fetched file is the pinned one: the model is the pinned model again
         old_files = {*old_files, *(f.path for f in pinned.files)}
     manifest = dataclasses.replace(manifest, storage_key=key)
@@ -129,10 +132,17 @@ def repair(store: NodeStore, key: str, pull_into: Pull, old_files: Iterable[str]
     return RepairOutcome(out, replaced, removed)
 
 
-def _moved(pinned: Manifest, differ: list[str]) -> SourceChangedError:
-    return SourceChangedError(
+def _refused(store: NodeStore, key: str, pinned: Manifest, differ: list[str],
+             damaged: Collection[str] | None) -> SourceChangedError:
+    """The repair cannot restore the pinned revision: no download stays behind, the model keeps
+    its manifest and stays marked damaged, naming its damaged files (what a pull fetches again)."""
+    error = SourceChangedError(
         f"{pinned.uri}: the source changed since the model was downloaded ({len(differ)} file(s) differ, "
         f"e.g. '{differ[0]}'), so its damaged copy is not repaired in place: that would mix two revisions "
         "under the pods using it. Restore the source, or remove the model from the node (once no pod "
         "uses it) and add it again to take the new revision"
     )
+    with store.lock(key):
+        store.drop_repair_download(key)
+        store.mark_damaged(key, damaged if damaged is not None else differ, f"repair refused: {error}")
+    return error

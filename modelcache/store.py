@@ -5,14 +5,19 @@ Layout under one root (DESIGN.md)::
     <root>/models/<storageKey>/...                 the model, exactly as serving pods see it
     <root>/.modelcache/manifests/<storageKey>.json what was published, with per-file digests
     <root>/.modelcache/manifests/<storageKey>.pieces.json  piece hashes, for peers (modelcache.peers)
+    <root>/.modelcache/manifests/<storageKey>.damaged.json the model is damaged: which files, why
     <root>/.modelcache/staging/<storageKey>/       data/ (in-flight files), plan.json, journal
     <root>/.modelcache/locks/<storageKey>.lock     flock: one writer per model per machine
 
-A model is present only when its manifest exists and the folder matches it (every file there
-with its size). Publishing renames the staged folder into place, then the manifest, so a crash
-leaves staging or an unlisted folder, never a half model that looks complete. The initializer
-uses the same code with ``DestLayout``: the model folder is the destination itself and the
-bookkeeping lives in ``<dest>/.modelcache/``.
+A model is present only when its manifest exists, no publish of it is under way (a pending
+manifest in its staging folder), it is not marked damaged, and the folder matches the manifest
+(every file there with its size). A publish writes the pending manifest first, then swaps the
+folder (or merges into it), then installs the manifest: a crash in any step leaves a model that
+is not present until ``recover`` has either put back the old state or checked the new folder
+against the pending manifest, never a manifest over other bytes. A folder the store knew (a
+manifest, damaged or not, a damage mark, a repair) is never taken for one someone else filled
+(``knew``, ``record``). The initializer uses the same code with ``DestLayout``: the model folder
+is the destination itself and the bookkeeping lives in ``<dest>/.modelcache/``.
 """
 
 from __future__ import annotations
@@ -26,13 +31,15 @@ import os
 import posixpath
 import re
 import shutil
+import stat
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
+from modelcache.clock import rfc3339
 from modelcache.diskio import fsync_dir, store_error
 from modelcache.errors import CancelledError, ModelInUseError, StoreError
 from modelcache.integrity import hash_file
@@ -65,6 +72,9 @@ class Manifest:
     files: list[ManifestFile]
     created_at: str
     version: int = MANIFEST_VERSION
+    #: Files kept on their size alone when a folder someone else filled was adopted and the source
+    #: gives no checksum: nothing compared their bytes with the source's (``ls`` says "unverified").
+    unverified: list[str] = field(default_factory=list)
 
     @property
     def total_size(self) -> int:
@@ -75,21 +85,24 @@ class Manifest:
         for f in doc["files"]:
             if f.get("version") is None:
                 f.pop("version", None)  # the manifests of sources without versions stay as they were
+        if not doc["unverified"]:
+            del doc["unverified"]  # (as are those of models verified whole)
         doc["seal"] = seal_of(doc)
         return json.dumps(doc, indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> Manifest:
-        """Parse and check a manifest; anything malformed is a ValueError (the model then counts
-        as absent and is fetched again): a damaged manifest is never trusted, and its paths never
-        name anything outside the model folder."""
+    def from_json(cls, text: str, sealed: bool = True) -> Manifest:
+        """Parse and check a manifest; anything malformed is a ValueError (the model then is not
+        present): a damaged manifest is never trusted as one, and its paths never name anything
+        outside the model folder. ``sealed=False`` reads a manifest whose seal does not match (the
+        store's record of a folder it knew: its digests decide which files are kept, never sizes)."""
         data = json.loads(text)
         if not isinstance(data, dict) or not isinstance(data.get("files"), list):
             raise ValueError("not a manifest")
         # Any damage to a sealed manifest (a flipped digit of a size or digest) is caught here;
         # a manifest of version 1 predates the seal and is only checked field by field.
         seal = data.pop("seal", None)
-        if (seal is not None or data.get("version") != 1) and seal != seal_of(data):
+        if sealed and (seal is not None or data.get("version") != 1) and seal != seal_of(data):
             raise ValueError("manifest seal does not match its contents")
         files = [_manifest_file(f) for f in data.pop("files")]
         for name in ("storage_key", "uri", "resolved_uri", "created_at"):
@@ -101,7 +114,11 @@ class Manifest:
             raise ValueError(f"manifest version {data.get('version')!r} is not 1 or {MANIFEST_VERSION}")
         if len({f.path for f in files}) != len(files):
             raise ValueError("manifest lists a path twice")
-        return cls(files=files, **data)
+        unverified = data.pop("unverified", [])
+        if not isinstance(unverified, list) or not all(isinstance(u, str) for u in unverified) \
+                or not set(unverified) <= {f.path for f in files}:
+            raise ValueError("manifest field 'unverified' is not a list of its files")
+        return cls(files=files, unverified=unverified, **data)
 
 
 _XXH3_HEX = re.compile(r"[0-9a-f]{32}")
@@ -170,12 +187,37 @@ class StoreEntry:
     created_at: str
     last_used: float
     present: bool
+    #: Marked damaged (a check or a refused repair): not present until a pull or repair fixes it.
+    damaged: bool = False
+    #: Files kept on their size alone at adoption (the source gives no checksum).
+    unverified: int = 0
 
 
 @dataclass(frozen=True)
 class VerifyProblem:
     path: str
     problem: str
+
+
+@dataclass(frozen=True)
+class Damage:
+    """What the store knows of a damaged model (``NodeStore.mark_damaged``)."""
+
+    #: Files found damaged (empty: not known which, e.g. a size check saw one differ).
+    files: tuple[str, ...]
+    reason: str
+    since: str
+
+
+#: The steps of a publish, in order. ``_step`` is called at each; crash tests kill the process
+#: exactly there (tests/crashpoints.py), so every window is tested, not only random moments.
+PUBLISH_STEPS = ("pending", "merging", "swapped", "cleared", "installed")
+#: The steps of an in-place repair's install (``install_in_place``), likewise.
+REPAIR_STEPS = ("repair-renamed", "repair-installed")
+
+
+def _step(name: str) -> None:
+    """A publish reached step ``name`` (``PUBLISH_STEPS``, ``REPAIR_STEPS``). Nothing to do: a seam for crash tests."""
 
 
 class Layout(ABC):
@@ -199,6 +241,16 @@ class Layout(ABC):
     @abstractmethod
     def pieces_path(self, key: str) -> Path:
         """The published model's piece hashes (``modelcache.peers.pieces.PieceRecord``)."""
+
+    def damaged_path(self, key: str) -> Path:
+        """The model is damaged (``Damage``): not present, whatever the sizes say, until a pull or a
+        repair has put right the files it names."""
+        return self.manifest_path(key).with_name(f"{key}.damaged.json")
+
+    def pending_path(self, key: str) -> Path:
+        """The manifest of a publish under way: from its writing until the manifest is installed
+        the model is not present, and after a crash ``recover`` decides what it describes."""
+        return self.staging_dir(key) / "manifest.json"
 
     @property
     @abstractmethod
@@ -241,6 +293,10 @@ class NodeLayout(Layout):
     def pin_path(self, key: str) -> Path:
         """The damaged model's manifest, kept until its repair is installed: what it restores."""
         return self.meta / "repair" / f"{key}.pinned.json"
+
+    def unlisted_dir(self, key: str) -> Path:
+        """Where adoption moves what a model folder held beyond the model (kept, never deleted)."""
+        return self.meta / "unlisted" / key
 
     def root_lock_path(self) -> Path:
         """Held by the one agent that manages this root."""
@@ -290,15 +346,47 @@ def stage_piece_record(staging: Path, text: str) -> None:
     """Leave a download's piece record in its staging folder (durable, renamed into place):
     ``publish`` installs it next to the manifest, in the same step as the model."""
     path = staging / _STAGED_PIECES
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "w") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
+        _write_whole(path, text)
     except OSError as exc:
         raise store_error(exc, str(path), "writing the piece record") from exc
+
+
+def first_stop(base: Path, rel: str) -> tuple[Path, os.stat_result] | None:
+    """Walk ``rel`` down from ``base`` without following a link: the first entry on the way that
+    is a link or not a folder, else the last one, with its ``lstat``; None where one is missing."""
+    path = base
+    parts = PurePosixPath(rel).parts
+    for n, part in enumerate(parts):
+        path = path / part
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return None
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or n == len(parts) - 1:
+            return path, st
+    return None
+
+
+def regular_file_inside(base: Path, rel: str) -> os.stat_result | None:
+    """``base/rel`` as a regular file reached without following a symlink at any component
+    (``rel``'s folders included: a linked sub-folder would put the model outside the store), else None."""
+    hit = first_stop(base, rel)
+    if hit is None or hit[0] != base.joinpath(*PurePosixPath(rel).parts) or not stat.S_ISREG(hit[1].st_mode):
+        return None
+    return hit[1]
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` durably and whole: a reader (or a crash) sees it all or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+    fsync_dir(str(path.parent))
 
 
 def file_matches(path: Path, want: ManifestFile) -> bool:
@@ -310,6 +398,14 @@ def file_matches(path: Path, want: ManifestFile) -> bool:
     if not os.path.isfile(path) or os.path.islink(path) or st.st_size != want.size:
         return False
     return hash_file(path, size=st.st_size).local_hexdigest() == want.xxh3
+
+
+def _discard(path: Path) -> None:
+    """Delete a folder moved to the trash; a link moved there goes as a link, never what it names."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class RootLock:
@@ -467,9 +563,10 @@ class NodeStore:
         return m if m.storage_key == key else None
 
     def is_present(self, key: str) -> bool:
-        """Manifest there and every listed file there with its size (cheap: stats only)."""
+        """Manifest there, no publish under way, not marked damaged, and every listed file there
+        with its size (cheap: stats only)."""
         m = self.manifest(key)
-        if m is None:
+        if m is None or self.layout.pending_path(key).exists() or self.layout.damaged_path(key).exists():
             return False
         base = self.layout.model_dir(key)
         for f in m.files:
@@ -479,6 +576,52 @@ class NodeStore:
             except OSError:
                 return False
         return True
+
+    def published(self, key: str) -> bool:
+        """The model's manifest is installed, not marked damaged and no publish of it is under
+        way (three stats: no manifest is read, no file of the model looked at)."""
+        return (self.layout.manifest_path(key).exists() and not self.layout.damaged_path(key).exists()
+                and not self.layout.pending_path(key).exists())
+
+    def damage(self, key: str) -> Damage | None:
+        """The model's damage mark, if it has one (an unreadable mark still marks it damaged)."""
+        try:
+            text = self.layout.damaged_path(key).read_text()
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return Damage((), "damage mark unreadable", "")
+        try:
+            doc = json.loads(text)
+            return Damage(tuple(str(f) for f in doc["files"]), str(doc["reason"]), str(doc["since"]))
+        except (ValueError, KeyError, TypeError):
+            return Damage((), "damage mark unreadable", "")
+
+    def knew(self, key: str) -> bool:
+        """The store has a record of this model's folder: a manifest (readable or not), a damage
+        mark, a repair's pin or download. Such a folder is ours: a pull checks it against
+        ``record``, never adopts it as a folder someone else filled (``modelcache.adopt``)."""
+        paths = [self.layout.manifest_path(key), self.layout.damaged_path(key)]
+        if isinstance(self.layout, NodeLayout):
+            paths += [self.layout.pin_path(key), self.layout.repair_dir(key)]
+        return any(os.path.lexists(p) for p in paths)
+
+    def record(self, key: str, sealed: bool = False) -> Manifest | None:
+        """What the store last recorded of the model's folder, to check the files against: a
+        repair's pin (kept by an older version), else the manifest, read even if its seal broke
+        (a damaged record can only make a file fail its digest and be fetched again) unless
+        ``sealed``."""
+        paths = [self.layout.manifest_path(key)]
+        if isinstance(self.layout, NodeLayout):
+            paths.insert(0, self.layout.pin_path(key))
+        for path in paths:
+            try:
+                m = Manifest.from_json(path.read_text(), sealed=sealed)
+            except (OSError, ValueError, TypeError, KeyError):
+                continue
+            if m.storage_key == key:
+                return m
+        return None
 
     def pieces_text(self, key: str) -> str | None:
         """The piece record published with the model, as stored (the peers module parses it)."""
@@ -511,9 +654,9 @@ class NodeStore:
 
     def _paths_of(self, key: str) -> list[Path]:
         layout = self.layout
-        paths = [layout.manifest_path(key), layout.model_dir(key), layout.staging_dir(key)]
+        paths = [layout.manifest_path(key), layout.model_dir(key), layout.staging_dir(key), layout.damaged_path(key)]
         if isinstance(layout, NodeLayout):
-            paths += [layout.repair_dir(key), layout.pin_path(key)]
+            paths += [layout.repair_dir(key), layout.pin_path(key), layout.unlisted_dir(key)]
         return paths
 
     def disk_keys(self) -> set[str]:
@@ -530,6 +673,46 @@ class NodeStore:
         if repair.is_dir():
             keys |= {p.name.removesuffix(suffix) for p in repair.glob("*" + suffix)}
         return keys
+
+    def unlisted_dir(self, key: str) -> Path:
+        """Where files an adopted folder held beyond its model were moved (node stores only)."""
+        return self.layout.unlisted_dir(key) if isinstance(self.layout, NodeLayout) else self.layout.meta / "unlisted"
+
+    def set_aside_unlisted(self, key: str, keep: Collection[str]) -> list[str]:
+        """Move every file and link of the model folder that is not in ``keep`` (what the model is)
+        out of it, into ``unlisted_dir`` (caller holds the lock): pods must see the model and only
+        the model, and what someone else left there is kept, not deleted. A linked sub-folder
+        goes whole (as the link). A destination folder is left alone: pairs that share it each
+        list only their own files."""
+        if not isinstance(self.layout, NodeLayout):
+            return []
+        folder = self.layout.model_dir(key)
+        found: list[str] = []
+
+        def walk(d: Path, prefix: str) -> None:
+            with os.scandir(d) as it:
+                for entry in sorted(it, key=lambda e: e.name):
+                    rel = prefix + entry.name
+                    if entry.is_dir(follow_symlinks=False):
+                        walk(Path(entry.path), rel + "/")
+                    elif rel not in keep:
+                        found.append(rel)
+
+        walk(folder, "")
+        if not found:
+            return []
+        dest = self.layout.unlisted_dir(key) / rfc3339().replace(":", "")
+        try:
+            for rel in found:
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                os.rename(folder / rel, dest / rel)
+            for d in sorted({str((folder / rel).parent) for rel in found}):
+                fsync_dir(d)
+        except OSError as exc:
+            raise store_error(exc, str(folder), "moving unlisted files out of the model folder") from exc
+        log.warning("files the source does not list moved out of the model folder", extra={"fields": {
+            "storage_key": key, "to": str(dest), "files": ",".join(found[:20]), "count": len(found)}})
+        return found
 
     def foreign_names(self, key: str) -> list[str]:
         """What the model folder holds besides the store's own bookkeeping (a DEST keeps it inside)."""
@@ -553,6 +736,8 @@ class NodeStore:
                     created_at=m.created_at if m else "",
                     last_used=used,
                     present=self.is_present(key),
+                    damaged=self.layout.damaged_path(key).exists(),
+                    unverified=len(m.unverified) if m else 0,
                 )
             )
         return out
@@ -560,23 +745,55 @@ class NodeStore:
     # ---- writing ----------------------------------------------------------------------
 
     def recover(self, key: str) -> None:
-        """Finish a publish that a crash interrupted between its two renames.
+        """Finish or undo a publish that a crash interrupted (caller holds the lock).
 
-        The pending manifest is installed only if the folder holds exactly what it lists (every
-        file hashed: this runs only after such a crash). A stale one, say from a crash before an
-        in-place repair moved the folder to another revision, would otherwise vouch for files
-        it does not describe; it is dropped, and the model is fetched again.
+        Where the folder was not touched yet (the staged data is still there), the pending
+        manifest goes: the old manifest, if any, describes the folder again, and the staged data
+        stays for a resume. An in-place merge that had started is finished (every staged file was
+        complete before the publish began). Once the folder is the new one, the pending manifest
+        is installed; if the folder does not hash to it (damage since, or a stale pending manifest
+        from before an in-place repair), it is installed marked damaged with the files that
+        differ: never present, and the next pull or repair fetches exactly those again.
         """
+        self._restore_legacy_pin(key)
         staging = self.layout.staging_dir(key)
-        pending = staging / "manifest.json"
-        if pending.exists() and not (staging / "data").exists() and self.layout.model_dir(key).exists():
-            try:
-                manifest: Manifest | None = Manifest.from_json(pending.read_text())
-            except (OSError, ValueError, TypeError, KeyError):
-                manifest = None
-            if manifest is not None and manifest.storage_key == key and not self._problems(key, manifest):
-                self._install_manifest(key, pending)
-            shutil.rmtree(staging, ignore_errors=True)
+        pending = self.layout.pending_path(key)
+        if isinstance(self.layout, NodeLayout):
+            for trash in staging.parent.glob(f".trash-{key}-*"):  # a replaced folder not deleted yet
+                _discard(trash)
+        if not pending.exists():
+            if (isinstance(self.layout, NodeLayout) and staging.is_dir() and not (staging / "data").exists()
+                    and not (staging / "extract").exists() and self.layout.manifest_path(key).exists()):
+                shutil.rmtree(staging, ignore_errors=True)  # a publish done but for its clean-up
+            return
+        try:
+            manifest: Manifest | None = Manifest.from_json(pending.read_text())
+        except (OSError, ValueError, TypeError, KeyError):
+            manifest = None
+        if manifest is not None and manifest.storage_key != key:
+            return  # another model's publish (pairs that share a DEST share its staging folder)
+        data = staging / "data"
+        target = self.layout.model_dir(key)
+        try:
+            if manifest is not None and (staging / "merging").exists() and data.exists():
+                self._merge_into(data, target)
+                shutil.rmtree(data)
+            if manifest is None or data.exists() or not target.is_dir():
+                pending.unlink()  # the folder is as it was before this publish
+                (staging / "merging").unlink(missing_ok=True)
+                fsync_dir(str(staging))
+                return
+            problems = self._problems(key, manifest)
+            self._forget_repair(key)  # the folder they described was replaced
+            if problems:
+                log.warning("an interrupted publish left files that do not match its manifest; marked damaged",
+                            extra={"fields": {"storage_key": key, "files": ",".join(p.path for p in problems[:20])}})
+                self.mark_damaged(key, [p.path for p in problems], "after an interrupted publish: "
+                                  + "; ".join(f"{p.path}: {p.problem}" for p in problems[:3]))
+            self._install_manifest(key, pending)
+        except OSError as exc:
+            raise store_error(exc, str(target), "recovering an interrupted publish") from exc
+        shutil.rmtree(staging, ignore_errors=True)
 
     def publish(self, key: str, manifest: Manifest, in_place: bool = False) -> Path:
         """Move ``staging/data`` into place and install the manifest. Caller holds the lock.
@@ -584,66 +801,111 @@ class NodeStore:
         ``in_place``: the model folder exists and holds the rest of the model (adoption): each
         staged file is renamed into it, the folder itself stays (a pod may mount it).
 
-        A piece record left in staging (``pieces.json``, by a download that peers took part in)
-        is installed next to the manifest first; without one, an older record goes: it would
-        describe other bytes.
+        The steps (``PUBLISH_STEPS``): the pending manifest is written (from then on the model is
+        not present); an in-place merge is marked as started; the folder is swapped (one rename)
+        or merged into; the damage mark and repair records of the replaced folder go; the piece
+        record (``pieces.json``, left in staging by a download that peers took part in, else the
+        older one goes: it would describe other bytes) and the manifest are installed. A crash
+        between any two is finished or undone by ``recover``.
         """
         staging = self.layout.staging_dir(key)
         data = staging / "data"
         target = self.layout.model_dir(key)
-        pending = staging / "manifest.json"
+        pending = self.layout.pending_path(key)
+        trash: Path | None = None
         try:
+            _write_whole(pending, manifest.to_json())
+            _step("pending")
+            if isinstance(self.layout, DestLayout) or in_place:
+                (staging / "merging").touch()
+                fsync_dir(str(staging))
+                _step("merging")
+                self._merge_into(data, target)
+                # Only emptied folders are left; gone, they tell ``recover`` that the files are in
+                # place if we die before the manifest is.
+                shutil.rmtree(data)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if target.exists() or target.is_symlink():  # an unlisted or damaged copy: replace it whole
+                    self.check_replaceable(key)  # (again: a pod may have mounted it meanwhile)
+                    trash = staging.parent / f".trash-{key}-{time.time_ns()}"
+                    os.rename(target, trash)
+                os.rename(data, target)
+                fsync_dir(str(target.parent))
+            _step("swapped")
+            self._forget_repair(key)
+            _step("cleared")
             pieces = staging / _STAGED_PIECES
             if pieces.exists():
                 self.layout.pieces_path(key).parent.mkdir(parents=True, exist_ok=True)
                 os.replace(pieces, self.layout.pieces_path(key))
             else:
                 self.layout.pieces_path(key).unlink(missing_ok=True)
-            pending.write_text(manifest.to_json())
-            with open(pending, "rb") as f:
-                os.fsync(f.fileno())
-            if isinstance(self.layout, DestLayout) or in_place:
-                self._merge_into(data, target)
-                # Only emptied folders are left; gone, they tell ``recover`` that the files are in
-                # place if we die before the manifest is (else the model is fetched again).
-                shutil.rmtree(data)
-            else:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                if target.exists():  # an unlisted or damaged copy: replace it whole
-                    self.check_replaceable(key)  # (again: a pod may have mounted it meanwhile)
-                    trash = staging.parent / f".trash-{key}-{time.time_ns()}"
-                    os.rename(target, trash)
-                    shutil.rmtree(trash, ignore_errors=True)
-                os.rename(data, target)
-                fsync_dir(str(target.parent))
             self._install_manifest(key, pending)
+            _step("installed")
         except OSError as exc:
             raise store_error(exc, str(target), "publishing") from exc
+        if trash is not None:  # deleted once the new folder is in place (a big model takes a while)
+            _discard(trash)
         shutil.rmtree(staging, ignore_errors=True)
         return target
 
     def install_manifest(self, key: str, manifest: Manifest) -> None:
         """Write ``manifest`` for a folder already in place (caller holds the lock): durable, then
-        renamed into place, so a reader sees no manifest or the whole one."""
-        staging = self.layout.staging_dir(key)
-        staging.mkdir(parents=True, exist_ok=True)
-        pending = staging / "manifest.json"
+        renamed into place, so a reader sees no manifest or the whole one. It describes the
+        folder as it is: any damage mark or repair record of an earlier one goes."""
+        pending = self.layout.pending_path(key)
         try:
-            with open(pending, "w") as out:
-                out.write(manifest.to_json())
-                out.flush()
-                os.fsync(out.fileno())
+            _write_whole(pending, manifest.to_json())
             self.layout.pieces_path(key).unlink(missing_ok=True)  # an older record would describe other bytes
+            self._forget_repair(key)
             self._install_manifest(key, pending)
         except OSError as exc:
             raise store_error(exc, str(pending), "writing the manifest") from exc
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(self.layout.staging_dir(key), ignore_errors=True)
 
     def _install_manifest(self, key: str, pending: Path) -> None:
         final = self.layout.manifest_path(key)
         final.parent.mkdir(parents=True, exist_ok=True)
         os.rename(pending, final)
         fsync_dir(str(final.parent))
+
+    # ---- damage ------------------------------------------------------------------------
+
+    def mark_damaged(self, key: str, files: Iterable[str] = (), reason: str = "") -> None:
+        """Mark the model damaged (``Damage``): it stops being present for every reader, its
+        manifest stays as the record of what it was (what a repair restores, what a pull checks
+        the folder against). Files already marked stay marked."""
+        old = self.damage(key)
+        names = sorted({*(old.files if old else ()), *files})
+        doc = {"files": names, "reason": reason or (old.reason if old else "damaged"),
+               "since": old.since if old and old.since else rfc3339()}
+        try:
+            _write_whole(self.layout.damaged_path(key), json.dumps(doc, indent=1))
+        except OSError as exc:
+            raise store_error(exc, str(self.layout.damaged_path(key)), "marking the model damaged") from exc
+
+    def _forget_repair(self, key: str) -> None:
+        """The folder they described is gone or fixed: its damage mark and repair records go too."""
+        self.layout.damaged_path(key).unlink(missing_ok=True)
+        if isinstance(self.layout, NodeLayout):
+            self.layout.pin_path(key).unlink(missing_ok=True)
+            shutil.rmtree(self.layout.repair_dir(key), ignore_errors=True)
+
+    def _restore_legacy_pin(self, key: str) -> None:
+        """An older version took a damaged model's manifest away as the repair's pin; today the
+        manifest stays, marked damaged. A pin left without a manifest goes back (caller holds the lock)."""
+        if not isinstance(self.layout, NodeLayout):
+            return
+        pin = self.layout.pin_path(key)
+        final = self.layout.manifest_path(key)
+        if pin.exists() and not final.exists():
+            self.mark_damaged(key, (), "a repair was under way")
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(pin, final)
+            fsync_dir(str(final.parent))
+        elif pin.exists():
+            pin.unlink()
 
     @staticmethod
     def _merge_into(data: Path, target: Path) -> None:
@@ -671,54 +933,51 @@ class NodeStore:
                 removed = True
             self.layout.pieces_path(key).unlink(missing_ok=True)
             target = self.layout.model_dir(key)
-            if target.exists():
+            if os.path.lexists(target):
                 trash = self._trash_dir(target) / f".trash-{key}-{time.time_ns()}"
                 os.rename(target, trash)
-                shutil.rmtree(trash, ignore_errors=True)
+                _discard(trash)
                 removed = True
             staging = self.layout.staging_dir(key)
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
                 removed = True
-            if isinstance(self.layout, NodeLayout):  # an unfinished repair goes with its model
-                if self.layout.repair_dir(key).exists() or self.layout.pin_path(key).exists():
-                    removed = True
-                self.end_repair(key)
+            if isinstance(self.layout, NodeLayout) and self.layout.unlisted_dir(key).exists():
+                shutil.rmtree(self.layout.unlisted_dir(key), ignore_errors=True)  # removed by name: with it
+                removed = True
+            # An unfinished repair and the damage mark go with their model.
+            if self.layout.damaged_path(key).exists() or (isinstance(self.layout, NodeLayout) and (
+                    self.layout.repair_dir(key).exists() or self.layout.pin_path(key).exists())):
+                removed = True
+            self._forget_repair(key)
         return removed
 
     # ---- in-place repair ---------------------------------------------------------------
-    # A damaged model is fixed inside its folder (pods keep reading it): its manifest is taken
-    # away and kept as the pin (what the repair restores), the damaged files are downloaded into
-    # ``repair/<key>`` and renamed in, then the manifest goes back. Every step here survives a
-    # crash: the pin and the repair folder say what is left to do (modelcache.repair).
+    # A damaged model is fixed inside its folder (pods keep reading it): it is marked damaged
+    # (not present for any reader; its manifest stays as the pin, what the repair restores), the
+    # damaged files are downloaded into ``repair/<key>`` and renamed in, then the manifest is
+    # written again and the mark goes. Every step here survives a crash: the mark and the repair
+    # folder say what is left to do (modelcache.repair). A repair that is refused (the source
+    # moved on) leaves the model marked damaged, its manifest in place and no download behind.
 
     def _node(self) -> NodeLayout:
         if not isinstance(self.layout, NodeLayout):
             raise StoreError("a repair needs a node store root")
         return self.layout
 
-    def pin_damaged(self, key: str) -> Manifest | None:
-        """Take a damaged model's manifest away (it stops being present for every reader of the
-        store) and keep it as the repair's pin. The caller holds the model's lock."""
-        layout = self._node()
-        manifest = self.manifest(key)
-        final = layout.manifest_path(key)
-        if manifest is None:
-            final.unlink(missing_ok=True)
-            return None
-        pin = layout.pin_path(key)
-        pin.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(final, pin)
-        fsync_dir(str(pin.parent))
-        return manifest
+    def pin_damaged(self, key: str, files: Iterable[str] = (), reason: str = "") -> Manifest | None:
+        """Mark a damaged model (it stops being present for every reader of the store) and return
+        its manifest, kept as the repair's pin. The caller holds the model's lock."""
+        self._node()
+        self.mark_damaged(key, files, reason)
+        return self.record(key)
 
     def pinned_manifest(self, key: str) -> Manifest | None:
-        """The manifest a repair in progress restores (kept by ``pin_damaged``), or None."""
-        try:
-            m = Manifest.from_json(self._node().pin_path(key).read_text())
-        except (OSError, ValueError, TypeError, KeyError):
-            return None
-        return m if m.storage_key == key else None
+        """The manifest a repair restores: the sealed record of a model that is not present
+        (damaged, or its files no longer match), or None. One whose seal broke may name a wrong
+        digest, which would refuse every repair: without a pin the repair fetches the model whole
+        into its download and renames in only the files that differ."""
+        return None if self.is_present(key) else self.record(key, sealed=True)
 
     def repair_download(self, key: str) -> Path:
         """The folder a repair downloads into (a destination of its own, resumable)."""
@@ -772,25 +1031,21 @@ class NodeStore:
         for d in sorted(touched_dirs):
             with contextlib.suppress(OSError):
                 fsync_dir(str(d))
-        final = self.layout.manifest_path(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f".{final.name}.repair")
-        with open(tmp, "w") as out:
-            out.write(manifest.to_json())
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, final)
-        fsync_dir(str(final.parent))
+        _step("repair-renamed")
         # A publish that crashed before its manifest left one pending in staging: it describes the
         # folder as it was then, not as repaired, and ``recover`` must never find it later.
         shutil.rmtree(self.layout.staging_dir(key), ignore_errors=True)
+        # Still marked damaged while the manifest is written: a crash in between repairs again
+        # (every file matches by then: only the manifest and the mark are left to do).
+        _write_whole(self.layout.manifest_path(key), manifest.to_json())
+        _step("repair-installed")
+        self._forget_repair(key)
         return replaced, removed
 
     def end_repair(self, key: str) -> None:
-        """The repair is installed (or abandoned with its model): its pin and download go."""
-        layout = self._node()
-        layout.pin_path(key).unlink(missing_ok=True)
-        shutil.rmtree(layout.repair_dir(key), ignore_errors=True)
+        """The repair is installed (or abandoned with its model): its mark, pin and download go."""
+        self._node()
+        self._forget_repair(key)
 
     # ---- records of other parts (the initializer's) ----------------------------------------
 
@@ -799,14 +1054,7 @@ class NodeStore:
         written whole, fsynced and renamed into place, so a reader finds the old one or this."""
         path = self.layout.meta / kind / f"{key}.json"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            with open(tmp, "w") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-            fsync_dir(str(path.parent))
+            _write_whole(path, text)
         except OSError as exc:
             raise store_error(exc, str(path), f"writing the {kind} record") from exc
 
@@ -838,7 +1086,7 @@ class NodeStore:
         for folder in (self.layout.meta / "staging", self.layout.root / "models"):
             if folder.is_dir():
                 for p in folder.glob(".trash-*"):
-                    shutil.rmtree(p, ignore_errors=True)
+                    _discard(p)
 
     def gc(self, target_free: int, dry_run: bool = False, keep: frozenset[str] = frozenset(),
            stale_staging_after: float = 24 * 3600, evict_all: bool = False) -> list[StoreEntry]:

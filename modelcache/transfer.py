@@ -4,10 +4,18 @@ It knows nothing about backends. Files are cut into chunks (aligned for O_DIRECT
 pool of workers takes chunks, preferring the file with the fewest workers on it so that with
 many shards each worker streams one file in order. A worker reads its chunk into a pooled
 buffer, writing pieces to disk as they arrive and journaling them, and retries the rest of the
-chunk with backoff on connection errors, 5xx, short reads and stalls. Each file is hashed in
-order (xxh3-128 plus the source's checksums) from the buffers as chunks complete; a chunk that
-finishes ahead of its predecessor keeps its buffer if a spare one is free, else it is read
-back from disk when its turn comes. Memory is bounded by (workers + spares) x chunk size.
+chunk with backoff on connection errors, 5xx, short reads and stalls.
+
+One pass over the bytes: each file is hashed in order (xxh3-128 plus the source's checksums)
+from the buffers the bytes arrived in, never read back from disk on the normal path. The worker
+whose chunk holds the file's hash cursor hashes each read as it lands, spreading the hashing
+over the workers instead of one thread at a chunk's end; a chunk that completes ahead of the
+cursor keeps (parks) its buffer until the cursor reaches it, and its worker takes another buffer
+for its next chunk. No lock is held while hashing: the cursor's owner alone touches the hasher.
+Memory is bounded by (workers + spares) x chunk size: a worker that finds no free buffer waits
+for the cursor to catch up; only after SPILL_AFTER seconds (a stalled cursor chunk) is the
+parked buffer furthest ahead let go, its chunk hashed from disk when its turn comes. A source
+that picks its own chunk order (peers) parks only while a buffer is free and spills otherwise.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from tenacity import Retrying
 
@@ -37,7 +45,11 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 PIECE = 4 * MiB  # written and journaled as it arrives: what a kill -9 can lose per chunk
-READ_SIZE = 1 * MiB
+READ_SIZE = 1 * MiB  # at most per read (one recv on the HTTP path), hashed right after it
+#: Seconds a worker waits for a free buffer before the parked buffer furthest ahead of its file's
+#: hash cursor is spilled (hashed from disk later). Chunks of one file complete at about the same
+#: time, so the wait is short when the cursor's stream is healthy; this bounds it when it is not.
+SPILL_AFTER = 0.5
 #: Pending chunks of a file a source that picks its own order (peer transfer) chooses among.
 PICK_WINDOW = 64
 
@@ -45,7 +57,10 @@ PICK_WINDOW = 64
 @dataclass(frozen=True)
 class TransferOptions:
     workers: int = 8  # streams at the start (and at most, unless max_workers is higher)
-    chunk_size: int = 16 * MiB
+    #: 8 MiB: a single big file on 8 streams touches (8 + spares) x chunk of buffers (16 MiB chunks
+    #: took a 1 GiB pull to 226 MiB RSS); no more CPU per GiB than 16 MiB (1.21 against 1.33
+    #: CPU-s for 1 GiB, same sitting), and it is the part size S3 clients use.
+    chunk_size: int = 8 * MiB
     spare_buffers: int | None = None  # default: workers // 2
     max_attempts: int = 6
     backoff_initial: float = 0.2
@@ -114,6 +129,49 @@ class _Chunk:
         return self.end - self.start
 
 
+class _Slot:
+    """A chunk's bytes in a pooled buffer, which holds chunk bytes ``base`` to ``base + window``.
+
+    A chunk whose worker owns the file's hash cursor from its start is written and hashed as it
+    arrives, so its buffer is reused from the start every PIECE (``window``): eight shards on
+    eight streams touch 8 x 4 MiB of buffers instead of 8 x 16 (first touches cost ~1.5 ms per
+    MiB in this VM, perf: clear_page and faults). Any other chunk fills its whole buffer, which
+    may have to wait (parked) for the cursor.
+    """
+
+    __slots__ = ("base", "buf", "chunk", "hashed", "pos", "view", "window", "written")
+
+    def __init__(self, chunk: _Chunk, buf: Any) -> None:
+        self.chunk = chunk
+        self.buf = buf
+        self.view = memoryview(buf)[: chunk.length]
+        self.base = 0
+        self.window = chunk.length
+        self.pos = self.written = self.hashed = 0  # chunk offsets: received, on disk, hashed
+
+    def space(self) -> memoryview:
+        """Where the next read goes: at most READ_SIZE, never past the chunk or the window."""
+        stop = min(self.chunk.length, self.pos + READ_SIZE, self.base + self.window)
+        return self.view[self.pos - self.base : stop - self.base]
+
+    def hash_into(self, hasher: MultiHasher) -> None:
+        """Hash what arrived since the last call (all of it once the cursor reached the chunk)."""
+        assert self.hashed >= self.base, "bytes left the window unhashed"
+        if self.pos > self.hashed:
+            hasher.update(self.view[self.hashed - self.base : self.pos - self.base])
+            self.hashed = self.pos
+
+    def write(self, writer: FileWriter, journal: Journal, index: int) -> None:
+        """Write what arrived (aligned for O_DIRECT unless the chunk is complete) and journal it."""
+        c = self.chunk
+        upto = self.pos if self.pos == c.length else self.pos - self.pos % ALIGN
+        writer.write(c.start + self.written, self.view[self.written - self.base : upto - self.base])
+        self.written = upto
+        journal.chunk(index, c.index, upto)
+        if self.window < c.length and self.pos == upto == self.hashed:
+            self.base = upto  # written and hashed: the window starts over at the buffer's start
+
+
 class _FileState:
     def __init__(self, job: FileJob, chunk_size: int) -> None:
         self.job = job
@@ -124,8 +182,11 @@ class _FileState:
         self.chunks = self._plan(chunk_size)
         self.pending: list[_Chunk] = []
         self.active = 0
-        self.cursor = 0
-        self.waiting: dict[int, tuple[_Chunk, Any]] = {}  # chunk start -> (chunk, parked buffer or None)
+        self.chunk_size = chunk_size
+        self.cursor = 0  # bytes hashed, in order
+        #: The chunk the cursor is in: its worker hashes each read as it arrives (see the module doc).
+        self.hash_owner: _Chunk | None = self.chunks[0] if self.chunks and not self.streamed else None
+        self.waiting: dict[int, tuple[_Chunk, Any]] = {}  # chunk start -> (chunk, parked buffer or None: spilled)
         self.hasher: MultiHasher | None = None
         self.attempts = 0
         self.result: FetchedFile | None = None
@@ -157,6 +218,8 @@ class TransferEngine:
         self._source_busy: dict[int, int] = {}  # id(source) -> workers holding a request to it
         self._limit = StreamLimit(self.options.workers, self.options.max_workers or self.options.workers)
         self.peak_streams = self.options.workers
+        #: Per model (group): monotonic time of its first request and of its last byte on disk.
+        self.windows: dict[str, list[float]] = {}
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -245,6 +308,19 @@ class TransferEngine:
                 results.setdefault(st.job.group, []).append(st.result)
         return results, dict(self._failed_groups)
 
+    def _mark(self, st: _FileState, start: bool = False) -> None:
+        now = time.monotonic()
+        window = self.windows.setdefault(st.job.group, [now, now])  # (dict ops are atomic under the GIL)
+        if start:
+            window[0] = min(window[0], now)
+        else:
+            window[1] = max(window[1], now)
+
+    def transfer_seconds(self, group: str) -> float:
+        """From a model's first request to its last byte written (0 if nothing was fetched)."""
+        first, last = self.windows.get(group, (0.0, 0.0))
+        return max(0.0, last - first)
+
     # ---- planning -----------------------------------------------------------------------
 
     def _prepare(self, st: _FileState) -> None:
@@ -291,43 +367,70 @@ class TransferEngine:
 
     # ---- scheduling ---------------------------------------------------------------------
 
-    def _next(self) -> tuple[_FileState, list[_Chunk]] | None:
-        """The next request: a run of consecutive fresh chunks of the least-served file."""
-        with self._cond:
+    def _next(self) -> tuple[_FileState, list[_Chunk], Any] | None:
+        """The next request: a run of consecutive fresh chunks of the least-served file, and the
+        buffer for its first chunk.
+
+        The buffer is taken before the chunk: a chunk handed out in file order then always has
+        one, so the cursor's chunk never waits for buffers that chunks after it hold parked
+        (only the cursor's owner gives those back)."""
+        buf: Any = None
+        try:
             while True:
-                if self._cancel.is_set():
-                    return None
-                if self._busy >= self._limit.limit:  # more threads than allowed streams: wait
-                    if all(st.finished or st.job.group in self._failed_groups for st in self._states):
+                with self._cond:
+                    task = self._take(buf)
+                    if task == "done":
                         return None
-                    self._cond.wait(0.5)
-                    continue
-                best: _FileState | None = None
-                for st in self._states:
-                    runnable = st.pending and not st.finished and st.job.group not in self._failed_groups
-                    # A source's max_streams caps the requests open against it at once.
-                    room = self._source_busy.get(id(st.job.source), 0) < st.job.source.max_streams
-                    if runnable and room and (best is None or st.active < best.active):
-                        best = st
-                if best is not None:
-                    best.active += 1
-                    self._busy += 1
-                    sid = id(best.job.source)
-                    self._source_busy[sid] = self._source_busy.get(sid, 0) + 1
-                    first = 0
-                    if not best.streamed and best.job.source.picks_chunks:
-                        window = [c.start for c in best.pending[:PICK_WINDOW]]
-                        first = min(max(0, best.job.source.pick_chunk(best.job.remote, window)), len(window) - 1)
-                    run = [best.pending.pop(first)]
-                    if not best.streamed and run[0].done == 0 and first == 0:
-                        limit = self._stats(best.job.source).run_length
-                        while (len(run) < limit and best.pending and best.pending[0].done == 0
-                               and best.pending[0].start == run[-1].end):
-                            run.append(best.pending.pop(0))
-                    return best, run
-                if all(st.finished or st.job.group in self._failed_groups for st in self._states):
+                    if task is not None:
+                        buf = None  # handed out with the task
+                        return task
+                buf = self._free_buffer()
+                if buf is None:
                     return None
+        finally:
+            if buf is not None:
+                self._pool.release(buf)
+
+    def _take(self, buf: Any) -> tuple[_FileState, list[_Chunk], Any] | Literal["done"] | None:
+        """Under the engine's lock: a task, "done", or None (a chunk is waiting for a buffer)."""
+        while True:
+            if self._cancel.is_set():
+                return "done"
+            if self._busy >= self._limit.limit:  # more threads than allowed streams: wait
+                if all(st.finished or st.job.group in self._failed_groups for st in self._states):
+                    return "done"
                 self._cond.wait(0.5)
+                continue
+            best: _FileState | None = None
+            for st in self._states:
+                runnable = st.pending and not st.finished and st.job.group not in self._failed_groups
+                # A source's max_streams caps the requests open against it at once.
+                room = self._source_busy.get(id(st.job.source), 0) < st.job.source.max_streams
+                if runnable and room and (best is None or st.active < best.active):
+                    best = st
+            if best is not None:
+                if buf is None:
+                    buf = self._pool.acquire(0)
+                    if buf is None:
+                        return None
+                best.active += 1
+                self._busy += 1
+                sid = id(best.job.source)
+                self._source_busy[sid] = self._source_busy.get(sid, 0) + 1
+                first = 0
+                if not best.streamed and best.job.source.picks_chunks:
+                    window = [c.start for c in best.pending[:PICK_WINDOW]]
+                    first = min(max(0, best.job.source.pick_chunk(best.job.remote, window)), len(window) - 1)
+                run = [best.pending.pop(first)]
+                if not best.streamed and run[0].done == 0 and first == 0:
+                    limit = self._stats(best.job.source).run_length
+                    while (len(run) < limit and best.pending and best.pending[0].done == 0
+                           and best.pending[0].start == run[-1].end):
+                        run.append(best.pending.pop(0))
+                return best, run, buf
+            if all(st.finished or st.job.group in self._failed_groups for st in self._states):
+                return "done"
+            self._cond.wait(0.5)
 
     def _adapt_loop(self, stop: threading.Event) -> None:
         """Every ``adapt_interval``: feed the throughput to the stream limit (hill climb)."""
@@ -358,18 +461,17 @@ class TransferEngine:
             task = self._next()
             if task is None:
                 return
-            st, run = task
+            st, run, buf = task
             try:
                 with st.lock:
                     writer = self._open_writer(st)
                 if st.streamed:
-                    buf = self._pool.acquire()
                     try:
                         self._fetch_stream(st, writer, buf)
                     finally:
                         self._pool.release(buf)
                 else:
-                    self._fetch_run(st, run, writer)
+                    self._fetch_run(st, run, writer, buf)
             except BaseException as exc:
                 self._fail(st, exc)
             finally:
@@ -384,8 +486,8 @@ class TransferEngine:
             st.error = exc
             self._failed_groups.setdefault(st.job.group, exc)
             self._cond.notify_all()
-        # Spare buffers parked for the failed model's in-order hashing go back to the pool, or
-        # the models still running would lose them. Lock order as in _chunk_done: file, engine.
+        # Buffers parked for the failed model's in-order hashing go back to the pool, or the
+        # models still running would lose them.
         for other in self._states:
             if other.job.group != st.job.group:
                 continue
@@ -393,11 +495,66 @@ class TransferEngine:
                 held = [(start, c, b) for start, (c, b) in other.waiting.items() if b is not None]
                 for start, c, _ in held:
                     other.waiting[start] = (c, None)
-            if held:
-                with self._cond:
-                    self._pool.parked -= len(held)
-                for _, _, b in held:
-                    self._pool.release(b)
+            for _, _, b in held:
+                self._pool.release(b)
+
+    # ---- buffers ------------------------------------------------------------------------
+
+    def _free_buffer(self) -> Any:
+        """Wait for a buffer (no chunk taken yet); spill a parked one after SPILL_AFTER."""
+        waited = 0.0
+        while not self._cancel.is_set():
+            buf = self._pool.acquire(0.05)
+            if buf is not None:
+                return buf
+            waited += 0.05
+            if waited >= SPILL_AFTER:
+                self._spill_one()
+                waited = 0.0
+            if all(st.finished or st.job.group in self._failed_groups for st in self._states):
+                return None
+        return None
+
+    def _acquire(self, st: _FileState, chunk: _Chunk) -> Any:
+        """A buffer for the next chunk of a run whose last one was parked.
+
+        Only the cursor's owner gives parked buffers back, so once ``chunk`` holds the cursor its
+        worker has the first claim on a released buffer (the owner releases the one it hashed
+        after handing the cursor on) and spills if none comes; any other waits up to
+        SPILL_AFTER for the owner to catch up."""
+        def owner() -> bool:
+            return st.hash_owner is chunk
+
+        waited = 0.0
+        while True:
+            buf = self._pool.acquire(0.05, urgent=owner)
+            if buf is not None:
+                return buf
+            self._check_cancelled(st)
+            waited += 0.05
+            if (owner() and waited >= 0.2) or waited >= SPILL_AFTER:
+                self._spill_one()
+                waited = 0.0
+
+    def _spill_one(self) -> None:
+        """Let go of the parked buffer furthest ahead of its file's hash cursor (needed last)."""
+        best: tuple[int, _FileState, int] | None = None
+        for other in self._states:
+            with other.lock:
+                for start, (_c, held) in other.waiting.items():
+                    if held is not None and (best is None or start - other.cursor > best[0]):
+                        best = (start - other.cursor, other, start)
+        if best is None:
+            return
+        _, other, start = best
+        with other.lock:
+            entry = other.waiting.get(start)
+            if entry is None or entry[1] is None:
+                return  # hashed (or spilled) meanwhile: the pool has a buffer again
+            other.waiting[start] = (entry[0], None)
+        log.debug("%s: no free buffer for %.1fs; bytes %d+ will be hashed from disk",
+                  other.job.remote.path, SPILL_AFTER, start)
+        self._pool.release(entry[1])
 
     # ---- fetching -----------------------------------------------------------------------
 
@@ -438,31 +595,33 @@ class TransferEngine:
         entry[1] = time.monotonic()
         return n
 
-    def _fetch_run(self, st: _FileState, run: list[_Chunk], writer: FileWriter) -> None:
-        """Fetch consecutive chunks through as few requests as possible, one buffer per chunk.
+    def _begin(self, st: _FileState, c: _Chunk, writer: FileWriter, buf: Any = None) -> _Slot:
+        slot = _Slot(c, buf if buf is not None else self._acquire(st, c))
+        if c.done:
+            # On disk from an earlier run: in-order hashing needs it in memory.
+            if writer.read(c.start, slot.view[: c.done]) != c.done:
+                c.done = 0
+            slot.pos = slot.written = c.done
+        elif st.hash_owner is c:  # stays ours until the chunk is done: only its owner moves it
+            slot.window = PIECE
+        return slot
+
+    def _fetch_run(self, st: _FileState, run: list[_Chunk], writer: FileWriter, buf: Any) -> None:
+        """Fetch consecutive chunks through as few requests as possible, one buffer per chunk
+        (``buf`` for the first; one hashed at once is reused for the next).
 
         Bytes already in a buffer survive a failed attempt: the retry asks only for the rest.
         """
         path = st.job.remote.path
+        key = _pkey(st.job)
         stats = self._stats(st.job.source)
         end = run[-1].end
         i = 0
-        buf: Any = None
-        view = memoryview(b"")
-        pos = written = 0
+        slot: _Slot | None = None
         stream: RangeStream | None = None
         entry: list[Any] = []
         opened = first_byte = 0.0
         got = 0
-
-        def begin(c: _Chunk) -> None:
-            nonlocal buf, view, pos, written
-            buf = self._pool.acquire()
-            view = memoryview(buf)[: c.length]
-            # On disk from an earlier run: in-order hashing needs it in memory.
-            if c.done and writer.read(c.start, view[: c.done]) != c.done:
-                c.done = 0
-            pos = written = c.done
 
         def close_stream() -> None:
             nonlocal stream
@@ -471,65 +630,73 @@ class TransferEngine:
                 stream.close()
                 stream = None
 
-        begin(run[0])
-        try:
-            def position() -> int:
-                return run[i].start + pos if i < len(run) else end
+        def position() -> int:
+            return run[i].start + (slot.pos if slot is not None else 0) if i < len(run) else end
 
+        try:
+            slot = self._begin(st, run[0], writer, buf)
+        except BaseException:
+            self._pool.release(buf)
+            raise
+        try:
             for attempt in self._retrying(f"{path} bytes {run[0].start}-{end}", position):
                 with attempt:
                     try:
                         while i < len(run):
                             c = run[i]
-                            if pos < c.length and stream is None:
+                            assert slot is not None
+                            if slot.pos < c.length and stream is None:
                                 self._check_cancelled(st)
                                 opened = time.monotonic()
-                                stream = st.job.source.open_range(st.job.remote, c.start + pos, end)
+                                self._mark(st, start=True)
+                                stream = st.job.source.open_range(st.job.remote, c.start + slot.pos, end)
                                 entry = self._watchdog.watch(stream)
                                 first_byte = 0.0
                                 got = 0
-                            while pos < c.length:
+                            while slot.pos < c.length:
                                 assert stream is not None
-                                n = self._read_into(st, stream, view[pos : min(c.length, pos + READ_SIZE)], entry)
+                                n = self._read_into(st, stream, slot.space(), entry)
                                 if n == 0:
                                     raise TransientError(
-                                        f"{path}: short read at byte {c.start + pos} (expected up to {end})"
+                                        f"{path}: short read at byte {c.start + slot.pos} (expected up to {end})"
                                     )
                                 if not got:
                                     first_byte = time.monotonic()
                                 got += n
-                                pos += n
-                                self.progress.advance(_pkey(st.job), n)
-                                if pos - written >= PIECE and pos < c.length:
-                                    upto = pos - (pos % ALIGN)
-                                    writer.write(c.start + written, view[written:upto])
-                                    written = upto
-                                    st.job.journal.chunk(st.job.index, c.index, written)
-                            if written < c.length:
-                                writer.write(c.start + written, view[written : c.length])
-                                st.job.journal.chunk(st.job.index, c.index, c.length)
-                                written = c.length
+                                slot.pos += n
+                                if st.hash_owner is c:  # the cursor is here: hash while in cache
+                                    assert st.hasher is not None
+                                    slot.hash_into(st.hasher)
+                                self.progress.advance(key, n)
+                                if slot.pos - slot.written >= PIECE and slot.pos < c.length:
+                                    slot.write(writer, st.job.journal, st.job.index)
+                            if slot.written < c.length:
+                                slot.write(writer, st.job.journal, st.job.index)
                             c.done = c.length
+                            self._mark(st)
                             # The buffer goes back to the pool unless it was parked, also when
                             # completing the chunk raises (a final checksum mismatch, a failed
                             # fsync): a leaked buffer shrinks the pool for the rest of the run,
-                            # and once spares + 1 are lost a worker waits in acquire() for ever.
-                            held, buf, parked = buf, None, False
+                            # and once spares + 1 are lost a worker waits for buffers for ever.
+                            done, slot, parked = slot, None, False
+                            reuse = None
                             try:
-                                parked = self._chunk_done(st, c, held)
+                                parked = self._chunk_done(st, done)
+                                if not parked and i + 1 < len(run):
+                                    reuse = done.buf
                             finally:
-                                if not parked:
-                                    self._pool.release(held)
+                                if not parked and reuse is None:
+                                    self._pool.release(done.buf)
                             i += 1
                             if i < len(run):
-                                begin(run[i])
+                                slot = self._begin(st, run[i], writer, reuse)
                         if stream is not None and got:
                             stats.observe(first_byte - opened, got, time.monotonic() - first_byte)
                     finally:
                         close_stream()
         finally:
-            if buf is not None:
-                self._pool.release(buf)
+            if slot is not None:
+                self._pool.release(slot.buf)
 
     def _fetch_stream(self, st: _FileState, writer: FileWriter, buf: Any) -> None:
         """A file the backend cannot range: one sequential stream, hashed inline, restarted on error."""
@@ -543,19 +710,20 @@ class TransferEngine:
                     total = 0
                     st.hasher = MultiHasher(st.job.remote.checksums, st.size)
                     self._check_cancelled(st)
+                    self._mark(st, start=True)
                     stream = st.job.source.open_range(st.job.remote, 0, None)
                     entry = self._watchdog.watch(stream)
                     try:
                         while True:
                             fill = 0
                             while fill < len(view):
-                                n = self._read_into(st, stream, view[fill:], entry)
+                                n = self._read_into(st, stream, view[fill : fill + READ_SIZE], entry)
                                 if n == 0:
                                     break
+                                st.hasher.update(view[fill : fill + n])  # while in cache
                                 fill += n
                                 self.progress.advance(_pkey(st.job), n)
                             if fill:
-                                st.hasher.update(view[:fill])
                                 writer.write(total, view[:fill])
                                 total += fill
                             if fill < len(view):
@@ -566,6 +734,7 @@ class TransferEngine:
                     if st.size is not None and total != st.size:
                         raise TransientError(f"{path}: got {total} bytes, expected {st.size} (truncated)")
             writer.truncate(total)
+            self._mark(st)
             if st.size is None:
                 st.size = total
                 self.progress.add_total(total)
@@ -575,39 +744,57 @@ class TransferEngine:
 
     # ---- in-order hashing and completion ------------------------------------------------
 
-    def _chunk_done(self, st: _FileState, chunk: _Chunk, buf: Any) -> bool:
-        """Hash what is now contiguous; returns True if ``buf`` was parked for later hashing."""
-        parked = False
+    def _chunk_done(self, st: _FileState, slot: _Slot) -> bool:
+        """A chunk is on disk: hash it if the cursor is in it, else park its buffer (True)."""
+        chunk = slot.chunk
         with st.lock:
-            if chunk.start != st.cursor:
-                with self._cond:
-                    spare = self._pool.parked < (self.options.spare_buffers or 0)
-                    if spare and st.job.group not in self._failed_groups:
-                        self._pool.parked += 1
-                        parked = True
-                st.waiting[chunk.start] = (chunk, buf if parked else None)
+            if st.hash_owner is not chunk:
+                # A failed model's file is never hashed further: its buffer goes back at once
+                # (checked under the lock that _fail takes after marking the model failed). A
+                # source that picks its own order (peers) may fill the pool with chunks far
+                # ahead: those park only while a buffer is free, so its workers never wait.
+                parked = st.job.group not in self._failed_groups and (
+                    not st.job.source.picks_chunks or self._pool.available() > 0)
+                st.waiting[chunk.start] = (chunk, slot.buf if parked else None)
                 return parked
-            assert st.hasher is not None
-            st.hasher.update(memoryview(buf)[: chunk.length])
-            st.cursor = chunk.end
-            self._drain(st)
-            complete = st.size is not None and st.cursor >= st.size
-        if complete:
-            self._finish_file(st)
+        assert st.hasher is not None
+        slot.hash_into(st.hasher)
+        self._advance(st, chunk.end)
         return False
 
-    def _drain(self, st: _FileState) -> None:
-        assert st.hasher is not None and st.writer is not None
-        while st.cursor in st.waiting:
-            c, held = st.waiting.pop(st.cursor)
-            if held is not None:
-                st.hasher.update(memoryview(held)[: c.length])
-                with self._cond:
-                    self._pool.parked -= 1
-                self._pool.release(held)
-            else:
-                self._hash_from_disk(st, c)
-            st.cursor = c.end
+    def _advance(self, st: _FileState, cursor: int) -> None:
+        """Move the hash cursor past chunks that completed ahead of it, then hand it to the chunk
+        it stops in (whose worker hashes from there as its bytes arrive). Run by the cursor's
+        owner only, so the hasher is never touched by two threads and never under a lock. A
+        hashed buffer goes back to the pool only after the cursor moved on: the next owner may
+        be waiting for it (BufferPool's urgent waiters)."""
+        spent: Any = None
+        try:
+            while True:
+                with st.lock:
+                    st.cursor = cursor
+                    if st.size is not None and cursor >= st.size:
+                        st.hash_owner = None
+                        break
+                    ahead = st.waiting.pop(cursor, None)
+                    st.hash_owner = st.chunks[cursor // st.chunk_size] if ahead is None else ahead[0]
+                if spent is not None:
+                    self._pool.release(spent)
+                    spent = None
+                if ahead is None:
+                    return
+                c, held = ahead
+                assert st.hasher is not None
+                if held is not None:
+                    spent = held
+                    st.hasher.update(memoryview(held)[: c.length])
+                else:
+                    self._hash_from_disk(st, c)
+                cursor = c.end
+        finally:
+            if spent is not None:
+                self._pool.release(spent)
+        self._finish_file(st)
 
     def _hash_from_disk(self, st: _FileState, c: _Chunk) -> None:
         assert st.hasher is not None and st.writer is not None
@@ -658,6 +845,7 @@ class TransferEngine:
                 self.progress.rewind(_pkey(job), st.size or 0)
                 st.hasher = MultiHasher(job.remote.checksums, st.size)
                 st.cursor = 0
+                st.hash_owner = st.chunks[0]
                 st.waiting.clear()
                 for c in st.chunks:
                     c.done = 0

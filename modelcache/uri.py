@@ -94,6 +94,10 @@ class Location:
         """The URI as safe to print: no query string (it may hold a SAS token or signature)."""
         return redact_uri(self.uri)
 
+    def digest_pin(self) -> tuple[str, str] | None:
+        """(algo, hex) the URI itself pins the model's one file to, if it does (``#sha256=``)."""
+        return None
+
     @property
     def identity(self) -> tuple[str, ...]:
         """What the URI points at, whatever its spelling (``/m``, ``/m/`` and ``file:///m`` are one
@@ -336,6 +340,9 @@ class HTTPLocation(Location):
     #: (user, password) of ``http(s)://user:password@host/...``: sent as HTTP basic auth, as
     #: KServe's initializer (requests) does; never printed (``display`` redacts it).
     basic_auth: tuple[str, str] | None = field(default=None, repr=False)
+
+    def digest_pin(self) -> tuple[str, str] | None:
+        return self.pinned
 
     @classmethod
     def parse(cls, uri: str) -> HTTPLocation:

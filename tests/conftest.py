@@ -1,16 +1,27 @@
-"""Loads every fixture module under tests/fixtures/ as a pytest plugin.
+"""Loads every fixture module under tests/fixtures/ as a pytest plugin, and the test tiers.
 
 Each backend keeps its server fixtures in its own module there, so adding a backend never
-edits a shared file.
+edits a shared file. Each such module says what its fixtures need (``TIER``, ``GO_BUILD``), and
+tests/tiers.py marks every test ``unit``, ``servers`` or ``cluster`` (and ``go``) from the
+fixtures it requests: `make check` runs the unit tier, `make test-servers` everything that needs
+no Go build, `make test` all of it (docs/development.md).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-pytest_plugins = sorted(
-    f"tests.fixtures.{p.stem}" for p in (Path(__file__).parent / "fixtures").glob("*.py") if p.stem != "__init__"
-)
+import pytest
+
+# Fixture modules import each other's types (s3.py the TLS pair): rewrite their asserts whichever
+# is imported first.
+pytest.register_assert_rewrite("tests.fixtures")
+
+pytest_plugins = [
+    "tests.tiers",
+    *sorted(f"tests.fixtures.{p.stem}" for p in (Path(__file__).parent / "fixtures").glob("*.py")
+            if p.stem != "__init__"),
+]
 
 
 def _large(value: object) -> bool:

@@ -120,3 +120,19 @@ def _ready(port: int) -> bool:
             return bool(resp.status == 200)
     except OSError:
         return False
+
+
+def image_overlay(folder: Path, ref: str) -> Path:
+    """A kustomize overlay of deploy/ that only sets the image reference (to ``ref``, an image a
+    test built), as a user's overlay for a private registry does: `kubectl apply -k` it. The tag is
+    not `latest`, so the pull policy stays IfNotPresent and a node that has the image runs it."""
+    shipped = next(i for i in yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["images"])
+    name, _, tag = ref.rpartition(":")
+    assert name and tag and tag != "latest", f"{ref}: an image reference with a tag other than latest"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(DEPLOY, folder)],
+        "images": [{"name": shipped["newName"], "newName": name, "newTag": tag}],
+    }))
+    return folder

@@ -9,7 +9,9 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -41,6 +43,30 @@ def require_tool(name: str, *extra_dirs: str) -> str:
     require(path is not None, f"'{name}'")
     assert path is not None
     return path
+
+
+def venv_bin(name: str) -> Path:
+    """A console script of the venv the tests run in (moto_server, gcp-storage-emulator, ...)."""
+    return Path(sys.executable).parent / name
+
+
+def unique(prefix: str) -> str:
+    """A name no other test of the session uses (buckets, containers, users)."""
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def start_logged(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """A server process in a session of its own, its output to ``log``."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop_server(proc: subprocess.Popen[bytes], port: int) -> None:
+    """Stop ``proc`` and wait (up to 5 s) for its port to close, so it can be taken again."""
+    stop_process(proc)
+    deadline = time.monotonic() + 5
+    while port_open(port) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def wait_until(check: Callable[[], bool], timeout: float = 20.0, what: str = "server") -> None:

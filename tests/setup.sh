@@ -4,7 +4,16 @@
 # the background, and everything else (package installs, downloads, a debootstrap: mostly waiting
 # on the network and the disk) one after another in the foreground. Each script's time is printed;
 # the build lane's output comes at the end, whole.
+#
+# `tests/setup.sh --no-go` (`make test-servers`) leaves the Go builds out: what every test but
+# those marked `go` needs (tests/tiers.py).
 set -uo pipefail
+go=1
+case "${1:-}" in
+  --no-go) go=0 ;;
+  "") ;;
+  *) echo "usage: tests/setup.sh [--no-go]" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 mkdir -p .work
 log=.work/setup-build-lane.log
@@ -21,7 +30,11 @@ run() {
 
 build=() other=()
 for script in tests/setup.d/*.sh; do
-  if grep -q '^# lane: build' "$script"; then build+=("$script"); else other+=("$script"); fi
+  if grep -q '^# lane: build' "$script"; then
+    ((go)) && build+=("$script")
+  else
+    other+=("$script")
+  fi
 done
 
 ( for script in "${build[@]}"; do run "$script" || exit 1; done ) >"$log" 2>&1 &

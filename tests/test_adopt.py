@@ -115,7 +115,10 @@ def test_only_missing_or_different_files_are_fetched_into_the_same_folder(moto_s
         assert (folder / rel).read_bytes() == data
     assert folder.stat().st_ino == folder_ino  # the folder a pod mounts stays
     assert {rel: (folder / rel).stat().st_ino for rel in inodes} == inodes  # kept files untouched
-    assert (folder / "extra" / "from-kserve.txt").read_bytes() == b"kept"  # not ours: left alone
+    # Not the model: moved out of the folder pods read (issue 33, F5), kept where the pull says.
+    assert not (folder / "extra" / "from-kserve.txt").exists()
+    assert result.set_aside == ("extra/from-kserve.txt",)
+    assert [p.read_bytes() for p in Path(result.set_aside_to).rglob("from-kserve.txt")] == [b"kept"]
     store = NodeStore.at(root)
     assert store.verify(storage_key(uri)) == []
     assert {f.path for f in store.manifest(storage_key(uri)).files} == set(content)
@@ -204,3 +207,114 @@ def test_a_folder_kserve_unpacked_from_an_archive_gets_the_archive_once_and_stay
     assert _model_bytes(nginx, "k/model.tgz") == len(body)
     assert folder.stat().st_ino == ino and sorted(p.name for p in folder.iterdir()) == ["config.json", "w.bin"]
     assert NodeStore.at(root).is_present(storage_key(uri))
+
+
+# ---- what an adopted folder holds beyond the model, and links out of it (issue 33, F5) -----------
+
+
+def _cli_json(*args: str) -> list[dict[str, object]]:
+    from tests.pull_helpers import run_cli
+
+    out = run_cli(*args, "--json")
+    assert out.returncode == 0, out.stderr
+    import json
+
+    return json.loads(out.stdout)
+
+
+def test_f5_unlisted_files_leave_the_folder_and_a_linked_sub_folder_is_never_followed(tmp_path: Path) -> None:
+    """F5: a ``file://`` origin (model.safetensors, sub/tok.json) and a pre-filled folder with the
+    right model.safetensors, an extra pytorch_model.bin, and ``sub`` a link to a folder outside the
+    store holding a same-size wrong tok.json: the pull kept the extra file where pods see it and
+    adopted the wrong tok.json through the link (size alone); ``verify`` said ok."""
+    from tests.pull_helpers import run_cli
+
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    weights = os.urandom(200_000)
+    (src / "model.safetensors").write_bytes(weights)
+    (src / "sub" / "tok.json").write_bytes(b'{"tok": "right"}')
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "tok.json").write_bytes(b'{"tok": "wrong"}')  # same size
+    uri = f"file://{src}"
+    root = tmp_path / "root"
+    folder = _kserve_fill(root, uri, {"model.safetensors": weights, "pytorch_model.bin": b"stale weights"})
+    os.symlink(outside, folder / "sub")
+    inode = (folder / "model.safetensors").stat().st_ino
+
+    (res,) = _cli_json("pull", uri, "--root", str(root), "--progress", "none")
+    assert res["adopted"] == 1 and res["set_aside"] == ["pytorch_model.bin", "sub"]
+    assert (folder / "model.safetensors").stat().st_ino == inode  # adopted in place
+    assert not (folder / "sub").is_symlink() and (folder / "sub" / "tok.json").read_bytes() == b'{"tok": "right"}'
+    assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors", "sub"]
+    assert (outside / "tok.json").read_bytes() == b'{"tok": "wrong"}'  # nothing written through the link
+    aside = Path(str(res["set_aside_to"]))
+    assert [p.read_bytes() for p in aside.rglob("pytorch_model.bin")] == [b"stale weights"]
+    assert [p for p in aside.rglob("sub") if p.is_symlink()], "the link itself is kept, not what it names"
+    assert run_cli("verify", "--root", str(root)).returncode == 0
+    # Kept on its size alone (file:// gives no checksum): said so, and a refresh fetches it again.
+    listing = run_cli("ls", "--root", str(root))
+    assert f"{storage_key(uri)}  unverified" in listing.stdout, listing.stdout
+    check = run_cli("pull", "--check", uri, "--root", str(root))
+    assert "unknown" in check.stdout and "model.safetensors: adopted on their size alone" in check.stdout
+    (again,) = _cli_json("pull", "--refresh", uri, "--root", str(root), "--progress", "none")
+    assert again["refreshed"] == ["model.safetensors"] and again["unverified"] == []
+    assert f"{storage_key(uri)}  present" in run_cli("ls", "--root", str(root)).stdout
+    # rm by name takes what was set aside with the model.
+    assert run_cli("rm", storage_key(uri), "--root", str(root)).returncode == 0
+    assert not aside.exists()
+
+
+def test_f5_a_model_folder_that_is_a_link_out_of_the_store_is_replaced_not_merged_into(tmp_path: Path) -> None:
+    from tests.pull_helpers import run_cli
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(os.urandom(100_000))
+    uri = f"file://{src}"
+    root = tmp_path / "root"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "w.bin").write_bytes(os.urandom(100_000))  # same size, other bytes
+    before = (elsewhere / "w.bin").read_bytes()
+    (root / "models").mkdir(parents=True)
+    os.symlink(elsewhere, root / "models" / storage_key(uri))
+    (res,) = _cli_json("pull", uri, "--root", str(root), "--progress", "none")
+    folder = root / "models" / storage_key(uri)
+    assert res["adopted"] == 0 and not folder.is_symlink()
+    assert (folder / "w.bin").read_bytes() == (src / "w.bin").read_bytes()
+    assert (elsewhere / "w.bin").read_bytes() == before  # what the link named is untouched
+    assert run_cli("verify", "--root", str(root)).returncode == 0
+
+
+def test_a_file_with_holes_is_not_adopted_on_its_size(tmp_path: Path) -> None:
+    """A right-sized file that was never written whole (``truncate -s``, a preallocated or cut copy)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(os.urandom(300_000))
+    uri = f"file://{src}"
+    root = tmp_path / "root"
+    _kserve_fill(root, uri, {"w.bin": 300_000})
+    (res,) = _cli_json("pull", uri, "--root", str(root), "--progress", "none")
+    assert res["adopted"] == 0
+    assert (root / "models" / storage_key(uri) / "w.bin").read_bytes() == (src / "w.bin").read_bytes()
+
+
+def test_an_agent_that_adopts_files_on_their_size_says_so_in_its_status(tmp_path: Path) -> None:
+    """Issue 33, point 1: sizes alone only where nothing else exists, and then said in status."""
+    from tests.agent_util import run_agent, status_of, write_node
+
+    src = tmp_path / "src"
+    src.mkdir()
+    weights = os.urandom(100_000)
+    (src / "w.bin").write_bytes(weights)
+    uri = f"file://{src}"
+    root = tmp_path / "root"
+    _kserve_fill(root, uri, {"w.bin": weights})
+    spec = write_node(tmp_path / "node.yaml", [{"modelName": "m", "sourceModelUri": uri}])
+    proc = run_agent(spec, root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    detail = status_of(spec)["modelDetails"]["m"]
+    assert detail["state"] == "ModelDownloaded"
+    assert detail["message"].startswith("unverified: 1 file(s) adopted on their size alone"), detail

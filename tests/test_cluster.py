@@ -37,10 +37,8 @@ def _children_of(pid: int) -> set[int]:
     return found
 
 
-def test_up_runs_a_real_control_plane_with_ready_nodes_and_stops_everything(tmp_path: Path) -> None:
-    from tests.fixtures.cluster import require_binaries
-
-    require_binaries()
+def test_up_runs_a_real_control_plane_with_ready_nodes_and_stops_everything(tmp_path: Path,
+                                                                            kube_binaries: Path) -> None:
     workdir = tmp_path / "cp"
     proc = subprocess.Popen([sys.executable, "-m", "tests.cluster", "up", str(workdir), "--nodes", "2"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

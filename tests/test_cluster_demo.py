@@ -8,14 +8,12 @@ import sys
 
 import pytest
 
-from tests.fixtures.cluster import require_binaries
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_cluster_demo_fills_two_nodes_and_places_the_pod_on_one_of_them(tmp_path):
-    require_binaries()
+def test_cluster_demo_fills_two_nodes_and_places_the_pod_on_one_of_them(tmp_path, kube_binaries):
     env = {**os.environ, "MODELCACHE_DEMO_DIR": str(tmp_path), "MODELCACHE_DEMO_SHARDS": "2",
            "MODELCACHE_DEMO_SHARD_MB": "2"}
     proc = subprocess.run([sys.executable, "-m", "tests.cluster.demo"], cwd=REPO, env=env, capture_output=True,

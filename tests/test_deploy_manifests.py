@@ -20,7 +20,7 @@ from tests.helpers import REPO, wait_until
 
 
 @pytest.fixture(scope="module")
-def rendered() -> list[Obj]:
+def rendered(kube_binaries: Path) -> list[Obj]:
     return render()
 
 
@@ -328,7 +328,7 @@ def test_coordinator_deployment_service_and_webhooks_line_up(rendered: list[Obj]
     ])
 
 
-def test_the_cert_manager_component_swaps_the_certificate_source(tmp_path: Path) -> None:
+def test_the_cert_manager_component_swaps_the_certificate_source(tmp_path: Path, kube_binaries: Path) -> None:
     overlay = tmp_path / "my-install"
     overlay.mkdir()
     base = os.path.relpath(DEPLOY, overlay)

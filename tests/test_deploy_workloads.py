@@ -14,10 +14,9 @@ import pytest
 import yaml
 
 from modelcache.kube.client import PODS
-from tests.cluster.build import BIN
 from tests.cluster.controlplane import ControlPlane
 from tests.deploy_util import DEPLOY, NAMESPACE, find, render
-from tests.fixtures.cluster import Cluster, require_binaries
+from tests.fixtures.cluster import Cluster
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -46,9 +45,8 @@ class RestrictedByDefault(ControlPlane):
 
 
 @pytest.fixture
-def restricted(tmp_path: Path) -> Iterator[Cluster]:
-    require_binaries()
-    cp = RestrictedByDefault(tmp_path / "cp", bin_dir=BIN).start()
+def restricted(tmp_path: Path, kube_binaries: Path) -> Iterator[Cluster]:
+    cp = RestrictedByDefault(tmp_path / "cp", bin_dir=kube_binaries).start()
     try:
         yield Cluster(cp, tmp_path)
     finally:

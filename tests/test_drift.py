@@ -12,7 +12,7 @@ import pytest
 from modelcache.store import NodeStore
 from modelcache.uri import storage_key
 from tests.fixtures.http import NginxServer
-from tests.fixtures.objectstores import S3Server
+from tests.fixtures.s3 import S3Server
 from tests.hfhub import HubServer
 from tests.pull_helpers import run_cli
 

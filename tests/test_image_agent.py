@@ -25,7 +25,7 @@ from tests.agent_util import CRED_NS, create_node, entry, model_files, wait_stat
 from tests.fixtures.cluster import AGENT_SA, Cluster
 from tests.fixtures.http import NginxServer
 from tests.fixtures.image import Container, Image, Mount
-from tests.fixtures.objectstores import S3Server
+from tests.fixtures.s3 import S3Server
 from tests.helpers import free_port, wait_until
 from tests.image_pods import (
     SA_PATH,

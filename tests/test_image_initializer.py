@@ -16,7 +16,7 @@ from tests.archive_util import make_tar, tar_file
 from tests.fixtures.hdfs import SecureHDFS
 from tests.fixtures.http import NginxServer
 from tests.fixtures.image import Image, emptydir
-from tests.fixtures.objectstores import S3Server
+from tests.fixtures.s3 import S3Server
 from tests.initializer_util import run_initializer
 from tests.objectstore_data import model_tree
 

@@ -8,6 +8,8 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from initializer import finished
 from modelcache.uri import storage_key
 from tests.archive_util import make_tar, tar_file
@@ -67,3 +69,74 @@ def test_without_the_record_a_rerun_adopts_dest_with_no_download(nginx: NginxSer
     assert r.code == 0, r.output
     assert _model_bytes(nginx, "w/model.bin") == 0
     assert _tree(dest) == ["model.bin"] and finished.load(dest, storage_key(uri)) is not None
+
+
+# ---- a rerun checks what its record vouches for (issue 33, F4) -----------------------------------
+
+
+def _pinned(nginx: NginxServer, size: int) -> tuple[str, bytes]:
+    import hashlib
+
+    nginx.write("p/model.bin", size)
+    data = (nginx.docroot / "p" / "model.bin").read_bytes()
+    return nginx.url("p/model.bin") + "#sha256=" + hashlib.sha256(data).hexdigest(), data
+
+
+def _rerun_restores(nginx: NginxServer, uri: str, dest: Path, data: bytes) -> None:
+    nginx.clear_access_log()
+    r = run_initializer(uri, dest)
+    assert r.code == 0, r.output
+    assert (dest / "model.bin").read_bytes() == data and _tree(dest) == ["model.bin"]
+    assert _model_bytes(nginx, "p/model.bin") == len(data), "the file was not fetched again"
+
+
+def test_f4_a_pinned_rerun_hashes_the_file_and_fetches_a_same_size_change_again(
+        nginx: NginxServer, tmp_path: Path) -> None:
+    """F4: DEST/model.bin with one byte flipped (same size) and the record xattr there: the rerun
+    said "1/1 pairs ok ... 0 B transferred" and the wrong bytes stayed, the URI's pin unused."""
+    uri, data = _pinned(nginx, 3 << 20)
+    dest = tmp_path / "d"
+    assert run_initializer(uri, dest).code == 0
+    assert finished.load(dest, storage_key(uri)) is not None
+    with open(dest / "model.bin", "r+b") as f:  # between the fingerprint's samples: only the pin sees it
+        f.seek(200_000)
+        f.write(bytes([data[200_000] ^ 1]))
+    _rerun_restores(nginx, uri, dest, data)
+
+
+def test_f4_a_zero_filled_file_of_the_right_size_is_fetched_again(nginx: NginxServer, tmp_path: Path) -> None:
+    """F4: ``truncate -s`` to the right size (what a preallocating or cut copy leaves) was kept."""
+    uri, data = _pinned(nginx, 3 << 20)
+    dest = tmp_path / "d"
+    assert run_initializer(uri, dest).code == 0
+    (dest / "model.bin").unlink()
+    os.truncate(os.open(dest / "model.bin", os.O_CREAT | os.O_WRONLY, 0o644), len(data))
+    _rerun_restores(nginx, uri, dest, data)
+
+
+@pytest.mark.parametrize("damage", ["written-zeros", "cut-copy", "first-byte"])
+def test_f4_without_a_pin_the_fingerprint_catches_zeros_and_cut_copies(
+        nginx: NginxServer, tmp_path: Path, damage: str) -> None:
+    """No pin, no xattr-less fallback: the record's sampled fingerprint (1 MiB read per file)."""
+    uri, data = _pinned(nginx, 3 << 20)
+    uri = uri.partition("#")[0]
+    dest = tmp_path / "d"
+    assert run_initializer(uri, dest).code == 0
+    if damage == "written-zeros":  # real zeros, no holes: sizes and SEEK_HOLE cannot tell
+        (dest / "model.bin").write_bytes(bytes(len(data)))
+    elif damage == "cut-copy":  # the first 2 MiB right, the rest zeros
+        (dest / "model.bin").write_bytes(data[: 2 << 20] + bytes(len(data) - (2 << 20)))
+    else:
+        (dest / "model.bin").write_bytes(bytes([data[0] ^ 1]) + data[1:])
+    _rerun_restores(nginx, uri, dest, data)
+
+
+def test_f4_an_intact_pinned_rerun_still_makes_no_request(nginx: NginxServer, tmp_path: Path) -> None:
+    uri, _data = _pinned(nginx, 3 << 20)
+    dest = tmp_path / "d"
+    assert run_initializer(uri, dest).code == 0
+    nginx.clear_access_log()
+    r = run_initializer(uri, dest)
+    assert r.code == 0 and "cached:" in r.out, r.output
+    time.sleep(0.2)  # nginx logs a request when it ends
+    assert nginx.access_log() == []

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.azure import AzureServer
+from tests.fixtures.gcs import GCSServer
 from tests.fixtures.http import NginxServer
-from tests.fixtures.objectstores import AzureServer, GCSServer, S3Server
 from tests.fixtures.oci import LAYER_TAR, OCIRegistry
 from tests.fixtures.oci import make_tar as oci_make_tar
+from tests.fixtures.s3 import S3Server
 from tests.hfhub import HubServer
 from tests.initializer_util import run_initializer
 from tests.webhdfs import WebHDFSServer

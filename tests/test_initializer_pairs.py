@@ -16,7 +16,7 @@ from initializer.redact import Scrubber
 from initializer.report import PairOutcome, Reporter
 from initializer.run import Pair, run_pairs
 from tests.fixtures.http import NginxServer
-from tests.fixtures.objectstores import S3Server
+from tests.fixtures.s3 import S3Server
 from tests.initializer_util import run_initializer
 
 #: Generous: only reached when the property under test is broken (or the machine is stalled).

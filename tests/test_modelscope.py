@@ -18,7 +18,7 @@ from modelcache.pull import pull
 from modelcache.sources.base import open_source
 from modelcache.uri import parse_uri
 from tests.contract import NetworkContract, NetworkTarget, first_match, nth_match
-from tests.helpers import REPO, require
+from tests.helpers import REPO
 from tests.modelscopehub import MSHub, MSRequest
 from tests.pull_helpers import error_line, model_files, pull_cmd
 
@@ -30,10 +30,10 @@ def _env(hub: MSHub, **extra: str) -> dict[str, str]:
     return {"MODELSCOPE_ENDPOINT": hub.url, **extra}
 
 
-def test_the_official_client_downloads_from_the_test_hub(ms_hub: MSHub, tmp_path: Path) -> None:
+def test_the_official_client_downloads_from_the_test_hub(ms_hub: MSHub, modelscope_client: None,
+                                                         tmp_path: Path) -> None:
     """The test Hub is ModelScope-shaped: modelscope's own snapshot_download reads it (listing,
     sha256 checks, the redirect to object storage), also for a private model with a token."""
-    require(_has_client(), "the modelscope client (tests/setup.d/45-modelscope.sh)")
     ms_hub.create_model("org/tiny", FILES)
     ms_hub.create_model("org/secret", {"a.bin": b"private bytes"}, private=True)
     ms_hub.tokens.add(TOKEN)
@@ -53,14 +53,6 @@ def test_the_official_client_downloads_from_the_test_hub(ms_hub: MSHub, tmp_path
                if p.is_file() and not p.relative_to(out).as_posix().startswith(".")}
         assert got == expected
     assert any(r.origin == "storage" for r in ms_hub.requests)  # the big file came from object storage
-
-
-def _has_client() -> bool:
-    try:
-        import modelscope  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize(

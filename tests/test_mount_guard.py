@@ -137,3 +137,41 @@ def test_cli_that_cannot_see_the_nodes_mounts_says_why_and_needs_assume_unused(
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert not (root / "models" / key).exists()
+
+
+def test_an_unreadable_process_counts_only_if_it_is_a_pods(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process whose mount table cannot be read hides mounts only if it may be a pod's: one in a
+    kubelet's pod cgroup (``kubepods``, under either cgroup driver). On some machines even root may
+    not read PID 1's namespaces; any unreadable process on a machine with /var/lib/kubelet used to
+    make every ``rm`` refuse once a kubelet had run there (issue 24, item 9)."""
+    from modelcache import mountusers
+
+    require(os.geteuid() == 0, "root (to make cgroups)")
+    from tests.cluster import cgroups
+
+    tree = f"/modelcache-test-guard-{os.getpid()}/kubepods/besteffort/pod1"
+    cgroups.make(tree)
+    in_pod = subprocess.Popen(["sleep", "600"], preexec_fn=lambda: cgroups.join(tree))
+    outside = subprocess.Popen(["sleep", "600"])
+    try:
+        folder = tmp_path / "models" / "k"
+        folder.mkdir(parents=True)
+        real_readlink = os.readlink
+        hidden: set[int] = set()
+
+        def readlink(path: str) -> str:
+            if any(path == f"/proc/{pid}/ns/mnt" for pid in hidden):
+                raise PermissionError(13, "Permission denied", path)
+            return real_readlink(path)
+
+        monkeypatch.setattr(mountusers.os, "readlink", readlink)
+        hidden = {outside.pid}
+        assert mountusers.mount_users(folder).unknown is None
+        hidden = {outside.pid, in_pod.pid}
+        unknown = mountusers.mount_users(folder).unknown
+        assert unknown == "the mounts of 1 processes of pods on this node cannot be read (not root)"
+    finally:
+        for proc in (in_pod, outside):
+            proc.kill()
+            proc.wait()
+        cgroups.remove(tree.split("/kubepods")[0])

@@ -17,15 +17,12 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures.objectstores import (
-    AzureServer,
-    EntraTokenServer,
-    GCSAuthFront,
-    GCSServer,
-    S3Server,
-    TLSPair,
-    unique,
-)
+from tests.fixtures.azure import AzureServer
+from tests.fixtures.entra import EntraTokenServer
+from tests.fixtures.gcs import GCSAuthFront, GCSServer
+from tests.fixtures.s3 import S3Server
+from tests.fixtures.tls import TLSPair
+from tests.helpers import unique
 from tests.objectstore_cli import SECRETS, fails_with, pull
 from tests.objectstore_data import model_tree
 from tests.pull_helpers import assert_store_correct

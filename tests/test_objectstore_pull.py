@@ -19,8 +19,9 @@ import pytest
 
 from tests.contract import NetworkContract, ProxyTarget
 from tests.faultproxy import Fault, FaultProxy
-from tests.fixtures.objectstores import AzureServer, GCSServer, S3Server
-from tests.helpers import require
+from tests.fixtures.azure import AzureServer
+from tests.fixtures.gcs import GCSServer
+from tests.fixtures.s3 import S3Server
 from tests.objectstore_cli import CAPTURED, CHUNK, SECRETS, clean_env, errors_only, fails_with, pull, record
 from tests.objectstore_data import model_tree
 from tests.pull_helpers import MiB, assert_store_correct, cli_cmd, journaled_bytes, model_dir, one_error_line
@@ -92,7 +93,14 @@ def _azure(server: AzureServer) -> Backend:
     )
 
 
-@pytest.fixture(params=["s3", "seaweedfs", "gcs", "azure"])
+# These fixtures pick their server at run time (getfixturevalue), which the tiers cannot see in
+# the fixtures a test requests: each param says what it needs (tests/tiers.py).
+SERVER = pytest.mark.servers
+BUILT = (pytest.mark.servers, pytest.mark.go)  # SeaweedFS is built from Go
+
+
+@pytest.fixture(params=[pytest.param("s3", marks=SERVER), pytest.param("seaweedfs", marks=BUILT),
+                        pytest.param("gcs", marks=SERVER), pytest.param("azure", marks=SERVER)])
 def backend(request: pytest.FixtureRequest) -> Backend:
     """Every object store; S3 twice: moto (IAM, ACLs) and SeaweedFS (a production server)."""
     make = {
@@ -105,7 +113,7 @@ def backend(request: pytest.FixtureRequest) -> Backend:
     return build(request.getfixturevalue(fixture))
 
 
-@pytest.fixture(params=["moto", "seaweedfs"])
+@pytest.fixture(params=[pytest.param("moto", marks=SERVER), pytest.param("seaweedfs", marks=BUILT)])
 def s3_server(request: pytest.FixtureRequest) -> S3Server:
     return request.getfixturevalue({"moto": "moto_s3", "seaweedfs": "seaweedfs_s3"}[request.param])
 
@@ -404,12 +412,17 @@ def test_azure_sas_uri_pull_keeps_the_sas_out_of_output_and_store(
             assert sig.encode() not in data and unquote(sig).encode() not in data, f"SAS signature written to {f}"
 
 
-# --- last: nothing secret was ever printed -----------------------------------------------------
+# --- after the module: nothing secret was ever printed ------------------------------------------
 
 
-def test_zz_no_secret_in_any_output() -> None:
-    require(bool(CAPTURED), "output captured by this module's earlier tests (run the whole module)")
-    assert SECRETS
+@pytest.fixture(scope="module", autouse=True)
+def _no_secret_in_any_output() -> Iterator[None]:
+    """After this module's tests, whichever of them ran here (a lane, an xdist worker): no output
+    they captured holds any secret, also one first seen after that output (``record`` checks each
+    output against the secrets known when it is captured)."""
+    yield
+    if CAPTURED:
+        assert SECRETS
     for out in CAPTURED:
         for s in SECRETS:
             assert s not in out

@@ -88,9 +88,13 @@ def test_source_without_revisions_that_moved_is_not_installed_into_the_folder(tm
     with pytest.raises(SourceChangedError, match=r"source changed since the model was downloaded.*'a.bin'"):
         repair(store, key, _puller(str(src), settings, listings), old_files)
     assert _folder(store, key) == before, "files of the new revision went into the folder pods read"
-    assert store.manifest(key) is None and store.pinned_manifest(key) is not None
-    if move != "same-size-content":  # refused from the listing: nothing was downloaded
-        assert not list(NodeLayout(root).repair_dir(key).rglob("*.bin"))
+    # Issue 27: a refused repair keeps the model's manifest, marked damaged (not present), and
+    # leaves no download behind (none is of any use: the next repair or pull starts over).
+    damage = store.damage(key)
+    assert store.manifest(key) is not None and not store.is_present(key)
+    assert damage is not None and damage.files == ("a.bin",) and "repair refused" in damage.reason
+    assert store.pinned_manifest(key) == store.manifest(key)
+    assert not NodeLayout(root).repair_dir(key).exists()
     # The source is restored: the repair goes through and only the damaged file is replaced.
     (src / "a.bin").write_bytes(v1["a.bin"])
     out = repair(store, key, _puller(str(src), settings, listings), old_files)

@@ -8,7 +8,7 @@ import pytest
 
 from modelcache.errors import AuthError, NotFoundError, TransientError
 from modelcache.sources.base import open_source
-from tests.fixtures.objectstores import GCSServer
+from tests.fixtures.gcs import GCSServer
 from tests.helpers import free_port, wait_until
 from tests.objectstore_data import crc32c_hex, model_tree, read_range, settings
 

@@ -10,7 +10,7 @@ from boto3.s3.transfer import TransferConfig
 
 from modelcache.errors import AccessDeniedError, AuthError, NotFoundError, SourceError, TransientError
 from modelcache.sources.base import open_source
-from tests.fixtures.objectstores import S3Server
+from tests.fixtures.s3 import S3Server
 from tests.helpers import free_port
 from tests.objectstore_data import crc32_hex, md5_hex, model_tree, read_range, settings
 

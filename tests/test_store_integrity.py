@@ -84,8 +84,10 @@ def _pulled(tmp_path: Path) -> tuple[NodeStore, str, Path]:
 def test_recover_never_installs_a_pending_manifest_that_does_not_describe_the_folder(tmp_path: Path) -> None:
     """A publish crashed before its manifest (pending manifest A in staging); then an in-place
     repair moved the folder to revision B with files of the same sizes, and B's manifest was lost
-    too. ``recover`` installed A over B's files: "present", with wrong digests and revision."""
-    store, key, _ = _pulled(tmp_path)
+    too. ``recover`` installed A over B's files: "present", with wrong digests and revision.
+    Now A stays the store's record of the folder, marked damaged with the file that differs (never
+    present, never a reason to adopt the folder on sizes), and the next pull fetches that file."""
+    store, key, src = _pulled(tmp_path)
     staging = store.layout.staging_dir(key)
     staging.mkdir(parents=True)
     os.rename(store.layout.manifest_path(key), staging / "manifest.json")  # manifest A, pending
@@ -93,8 +95,14 @@ def test_recover_never_installs_a_pending_manifest_that_does_not_describe_the_fo
     (folder / "w.bin").write_bytes(random_bytes(300_000, seed=2))  # revision B, same size
     assert not store.is_present(key)
     store.recover(key)
-    assert store.manifest(key) is None and not store.is_present(key)
-    assert not staging.exists(), "the stale pending manifest is dropped, not left for the next recover"
+    assert not store.is_present(key)
+    damage = store.damage(key)
+    assert damage is not None and damage.files == ("w.bin",)
+    assert not staging.exists(), "the stale pending manifest is not left for the next recover"
+    res = pull(str(src), root=store.layout.base, options=OPTS, settings=Settings.from_env({}))
+    assert res.refetched == ("w.bin",) and not res.cached
+    assert (folder / "w.bin").read_bytes() == (src / "w.bin").read_bytes()
+    assert store.is_present(key) and store.verify(key) == [] and store.damage(key) is None
 
 
 def test_recover_still_finishes_the_publish_it_is_for(tmp_path: Path) -> None:
@@ -250,7 +258,26 @@ def test_oci_modelcar_files_are_fsynced_before_the_manifest(
     env = {"KSERVE_OCI_INSECURE_REGISTRY": "true", "KSERVE_OCI_DOCKER_CONFIG": str(tmp_path / "none.json")}
     events = _fsyncs(monkeypatch)
     res = pull(uri, root=tmp_path / "root", settings=Settings.from_env(env), options=OPTS)
-    manifest_at = _first(events, f"/staging/{res.storage_key}/manifest.json")
+    manifest_at = _first(events, f"/staging/{res.storage_key}/.manifest.json.tmp")  # the pending manifest
+    for rel in files:
+        assert _first(events, f"/staging/{res.storage_key}/data/{rel}") < manifest_at, rel
+
+
+def test_an_archive_unpacked_into_a_store_root_is_fsynced_before_the_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 33, F6: ``pull file://.../m.tar --root`` fsynced the manifest and never the unpacked
+    files (the review wrapped os.fsync the same way and saw only the manifest)."""
+    from tests.archive_util import make_tar, tar_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {"m/w.bin": random_bytes(200_000, seed=7), "m/c.json": b'{"c": 1}'}
+    make_tar(src / "m.tar", [tar_file(rel, data) for rel, data in files.items()], "w")
+    events = _fsyncs(monkeypatch)
+    res = pull(f"file://{src}/m.tar", root=tmp_path / "root", settings=Settings.from_env({}), options=OPTS)
+    assert res.unpacked_from == "m.tar"
+    manifest_at = _first(events, f"/staging/{res.storage_key}/.manifest.json.tmp")
     for rel in files:
         assert _first(events, f"/staging/{res.storage_key}/data/{rel}") < manifest_at, rel
 
@@ -272,6 +299,6 @@ def test_unpacked_archive_files_are_fsynced_before_their_record(
     run_pair(nginx.url("a/model.tar.gz"), dest, ctx)
     from modelcache.uri import storage_key
 
-    record_at = _first(events, f"/.modelcache/unpacked/{storage_key(nginx.url('a/model.tar.gz'))}.tmp")
+    record_at = _first(events, f"/.modelcache/unpacked/.{storage_key(nginx.url('a/model.tar.gz'))}.json.tmp")
     for rel in ("m/w.bin", "m/cfg.json"):
         assert _first(events, f"/dest/{rel}") < record_at, rel

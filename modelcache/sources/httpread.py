@@ -51,7 +51,8 @@ MAX_REDIRECTS = 10
 # recv), so one 1 MiB read blocks until the whole MiB arrived: on a link slower than 1 MiB per
 # stall timeout the watchdog saw "no data" although bytes flowed, and a read it aborted lost
 # everything it had received. At most this much per call bounds both (the recv calls are the
-# same; only Python-level calls grow, ~4k/s at 1 GB/s).
+# same; only Python-level calls grow, ~4k/s at 1 GB/s). Bodies with a Content-Length read one
+# recv per call instead (HTTPStream._read); this bounds the others (chunked, coded, unframed).
 MAX_READ = 256 << 10
 
 
@@ -243,9 +244,8 @@ class HTTPStream:
         self._raw = raw if isinstance(raw, http.client.HTTPResponse) and not coded else None
 
     def readinto(self, buf: memoryview, /) -> int:
-        buf = buf[:MAX_READ]
         if self._left is None:
-            return self._read(buf)
+            return self._read(buf[:MAX_READ])
         if self._left == 0:
             return 0
         n = self._read(buf[: self._left])
@@ -260,10 +260,22 @@ class HTTPStream:
         return n
 
     def _read(self, buf: memoryview) -> int:
+        raw = self._raw
         try:
-            if self._raw is not None:
-                return self._raw.readinto(buf)
-            return self._resp.readinto(buf)
+            if raw is None:
+                return self._resp.readinto(buf[:MAX_READ])
+            if raw.chunked or not raw.length or raw.fp is None:
+                return raw.readinto(buf[:MAX_READ])
+            # One recv straight into the caller's buffer (after what the header parse left
+            # buffered): it returns what has arrived, so each call is as large as the socket
+            # allows (~200-700 KiB here against 256 KiB capped) and never waits for more,
+            # which also keeps the stall watchdog's view of progress per recv.
+            n = raw.fp.readinto1(buf[: raw.length])
+            if n:
+                raw.length -= n
+                if not raw.length:
+                    raw.read()  # http.client's end of body: it frees the connection for reuse
+            return n
         except (ProtocolError, ReadTimeoutError, Urllib3Timeout, http.client.HTTPException) as exc:
             raise TransientError(f"{self._where}: connection broken while reading: {type(exc).__name__}") from exc
         except (OSError, HTTPError, ValueError) as exc:

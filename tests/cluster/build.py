@@ -4,7 +4,10 @@
 module and its replace lines) into an ignored bin folder, skipped while a stamp of the pins (go.mod,
 go.sum, our Go files, the link flags) matches; the Go build cache makes a rebuild after a pin change
 incremental. `CONTROL_PLANE` is the one next to this file: kube-apiserver, kube-controller-manager,
-kube-scheduler, kubectl and etcd in `.work/cluster/bin/`; tests/kserve/build.py is another.
+kube-scheduler, kubectl, etcd, and a node's kubelet and kube-proxy in `.work/cluster/bin/`;
+`NODE_RUNTIME` (containerd, its runc shim, ctr) and `NODE_IMAGES` (the static programs that become
+the nodes' pause and serving images) are built from tests/cluster/runtime/; tests/kserve/build.py is
+another.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class GoCommands:
     pin_files: tuple[str, ...]  # relative to module: any change means a rebuild
     ldflags: Callable[[], str] = lambda: "-s -w"
     cold_build: str = "several minutes"  # what a first build on a fresh 2-core machine costs
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # e.g. CGO_ENABLED=0 for static programs
 
     def pinned_version(self, module: str) -> str:
         """The version go.mod requires for ``module`` (e.g. ``k8s.io/kubernetes`` -> ``v1.37.2``)."""
@@ -48,6 +52,8 @@ class GoCommands:
 
     def stamp(self) -> str:
         h = hashlib.sha256(self.ldflags().encode() + b"\0")
+        for key, value in sorted(self.env.items()):
+            h.update(f"{key}={value}".encode() + b"\0")
         for name in self.pin_files:
             h.update(name.encode() + b"\0" + (self.module / name).read_bytes() + b"\0")
         return h.hexdigest()
@@ -69,7 +75,7 @@ class GoCommands:
         say(f"building {self.title} from Go modules into {self.bin_dir} "
             f"(the first build on a fresh machine takes {self.cold_build} on 2 cores; later runs reuse it)")
         cmd = [go, "build", "-ldflags", self.ldflags(), "-o", str(self.bin_dir) + os.sep, *self.commands.values()]
-        env = {**os.environ, "GOTOOLCHAIN": os.environ.get("GOTOOLCHAIN", "local")}
+        env = {**os.environ, "GOTOOLCHAIN": os.environ.get("GOTOOLCHAIN", "local"), **self.env}
         started = time.monotonic()
         done = threading.Event()
 
@@ -112,12 +118,41 @@ CONTROL_PLANE = GoCommands(
         "kube-controller-manager": "k8s.io/kubernetes/cmd/kube-controller-manager",
         "kube-scheduler": "k8s.io/kubernetes/cmd/kube-scheduler",
         "kubectl": "k8s.io/kubernetes/cmd/kubectl",
+        # A real node (tests/cluster/node.py): the same release as the control plane.
+        "kubelet": "k8s.io/kubernetes/cmd/kubelet",
+        "kube-proxy": "k8s.io/kubernetes/cmd/kube-proxy",
     },
     pin_files=("go.mod", "go.sum", "tools.go", "cmd/etcd/main.go"),
     ldflags=_kubernetes_ldflags,
     cold_build="about 10 minutes",
 )
 COMMANDS = CONTROL_PLANE.commands
+RUNTIME_MODULE = MODULE / "runtime"
+NODE_RUNTIME = GoCommands(
+    title="the nodes' container runtime (containerd)",
+    module=RUNTIME_MODULE,
+    bin_dir=REPO / ".work" / "cluster" / "runtime",
+    commands={
+        "containerd": "github.com/containerd/containerd/v2/cmd/containerd",
+        "containerd-shim-runc-v2": "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2",
+        "ctr": "github.com/containerd/containerd/v2/cmd/ctr",
+    },
+    pin_files=("go.mod", "go.sum", "tools.go"),
+    # What containerd's own release build stamps in: the CRI reports it, `kubectl get nodes` shows it.
+    ldflags=lambda: "-s -w -X github.com/containerd/containerd/v2/version.Version=" + NODE_RUNTIME.pinned_version(
+        "github.com/containerd/containerd/v2").lstrip("v"),
+    cold_build="about 3 minutes",
+)
+#: Programs that run in the nodes' images, which hold nothing else: linked statically.
+NODE_IMAGES = GoCommands(
+    title="the nodes' pause and serving programs",
+    module=RUNTIME_MODULE,
+    bin_dir=REPO / ".work" / "cluster" / "images",
+    commands={"pause": "./cmd/pause", "serve": "./cmd/serve"},
+    pin_files=("go.mod", "cmd/pause/main.go", "cmd/serve/main.go"),
+    cold_build="a few seconds",
+    env={"CGO_ENABLED": "0"},
+)
 
 
 def pinned_version(module: str) -> str:

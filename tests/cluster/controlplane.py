@@ -4,14 +4,19 @@ kube-scheduler, built from upstream modules (tests/cluster/build.py) and started
 - The API server serves its secure port only, authenticates client certificates and
   service-account tokens (TokenRequest works), authorizes with Node,RBAC, and runs the
   admission plugins a real cluster enables by default plus NodeRestriction (what kubeadm adds).
+  It reaches kubelets (logs, exec, port-forward) at their InternalIP with the admin's certificate.
 - The controller manager runs every default controller with per-controller service-account
-  credentials, except the node lifecycle controller: there are no kubelets, so no Node would ever
-  post a heartbeat, and that controller would mark every Node unreachable after its grace period
-  and evict what is bound there. Nodes are objects whose Ready condition the tests set directly
-  (see `register_node`); garbage collection, namespace deletion, the PV binder, service-account
-  and root-CA publishing, pod GC all run as in any cluster.
-- The scheduler binds pods to those Nodes as it would in any cluster (they stay Pending: nothing
-  runs them).
+  credentials. Without real nodes (`node_address=None`) the node lifecycle controller is off: no
+  Node would ever renew its Lease, and that controller would mark every Node unreachable after its
+  grace period and evict what is bound there; Nodes are objects whose Ready condition the tests set
+  directly (see `register_node`). With real nodes (tests/cluster/realnodes.py) it runs, as in any
+  cluster: it lifts a new Node's not-ready taint and marks a Node whose kubelet stopped NotReady.
+  Garbage collection, namespace deletion, the PV binder, service-account and root-CA publishing,
+  pod GC all run as in any cluster.
+- The scheduler binds pods to Nodes as it would in any cluster; on API-only Nodes they stay
+  Pending (nothing runs them), on real nodes their kubelet runs them.
+- With real nodes the API server also listens on the nodes' link (`node_address`, where pods and
+  kubelets reach it) and publishes that address as the `kubernetes` Service's endpoint.
 
 Every child process gets PR_SET_PDEATHSIG, so nothing outlives the Python process that started
 it, even when that one is killed.
@@ -41,8 +46,10 @@ from tests.cluster.pki import PKI, make_pki
 
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 SERVICE_CIDR = "10.96.0.0/16"
-#: The node lifecycle controller is off (see the module docstring).
+#: Without real nodes the node lifecycle controller is off (see the module docstring).
 CONTROLLERS = "*,-node-lifecycle-controller"
+#: With real nodes: a stopped kubelet's Node turns NotReady after this (the default is 50 s).
+NODE_GRACE = "20s"
 #: Label of the pods that stand in for a component the tests run as a process (``stand_in_pod``).
 STAND_IN_LABEL = "modelcache.test/stand-in"
 
@@ -77,11 +84,18 @@ class Proc:
     log_path: Path
     env: dict[str, str] | None = field(default=None, repr=False)  # None: this process's environment
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    #: Run in the child before exec, after PR_SET_PDEATHSIG (enter a network namespace, join cgroups).
+    setup: Callable[[], None] | None = field(default=None, repr=False)
 
     def start(self) -> Proc:
+        def before_exec() -> None:
+            _die_with_parent()
+            if self.setup is not None:
+                self.setup()
+
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=self.env, preexec_fn=_die_with_parent)
+                                          env=self.env, preexec_fn=before_exec)
         return self
 
     def alive(self) -> bool:
@@ -118,9 +132,10 @@ def kubeconfig_text(server: str, ca: Path, user: dict[str, str], namespace: str 
 class ControlPlane:
     """One control plane in ``workdir``; `start()` returns when /readyz answers ok."""
 
-    def __init__(self, workdir: Path, bin_dir: Path | None = None) -> None:
+    def __init__(self, workdir: Path, bin_dir: Path | None = None, node_address: str | None = None) -> None:
         self.workdir = workdir
         self.bin_dir = bin_dir
+        self.node_address = node_address  # where real nodes reach the API server (None: no real nodes)
         self.procs: dict[str, Proc] = {}
         self.pki: PKI | None = None
         self.etcd_port = self.etcd_peer_port = self.api_port = 0
@@ -187,7 +202,7 @@ class ControlPlane:
         started = time.monotonic()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.bin_dir = ensure_binaries() if self.bin_dir is None else self.bin_dir
-        self.pki = make_pki(self.workdir / "pki")
+        self.pki = make_pki(self.workdir / "pki", [self.node_address] if self.node_address else [])
         self.etcd_port, self.etcd_peer_port, self.api_port = free_port(), free_port(), free_port()
         try:
             self._start_etcd(timeout)
@@ -254,12 +269,22 @@ class ControlPlane:
 
     def _apiserver_args(self) -> list[str]:
         assert self.pki is not None
-        return [
-            "--etcd-servers", self.etcd_url,
-            "--bind-address", "127.0.0.1", "--secure-port", str(self.api_port),
-            "--advertise-address", "127.0.0.1",
+        if self.node_address:
+            # Loopback for the tests, the nodes' link for kubelets and pods (whose kube-proxy sends
+            # the `kubernetes` Service to the endpoint published here).
+            where = ["--bind-address", "0.0.0.0", "--advertise-address", self.node_address,
+                     "--endpoint-reconciler-type", "lease"]
+        else:
             # No kube-proxy routes the `kubernetes` Service here; do not publish loopback endpoints.
-            "--endpoint-reconciler-type", "none",
+            where = ["--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1",
+                     "--endpoint-reconciler-type", "none"]
+        return [
+            "--etcd-servers", self.etcd_url, "--secure-port", str(self.api_port), *where,
+            # Logs, exec, port-forward: the kubelet is reached at its InternalIP (there is no DNS for
+            # Node names) and authenticates the API server by the admin's client certificate.
+            "--kubelet-client-certificate", str(self.pki.clients["admin"].cert),
+            "--kubelet-client-key", str(self.pki.clients["admin"].key),
+            "--kubelet-preferred-address-types", "InternalIP,Hostname",
             "--tls-cert-file", str(self.pki.server.cert), "--tls-private-key-file", str(self.pki.server.key),
             "--client-ca-file", str(self.pki.ca),
             "--service-account-issuer", SERVICE_ACCOUNT_ISSUER,
@@ -291,7 +316,8 @@ class ControlPlane:
             "--root-ca-file", str(self.pki.ca),
             "--cluster-signing-cert-file", str(self.pki.server.cert),
             "--cluster-signing-key-file", str(self.pki.server.key),
-            "--controllers", CONTROLLERS,
+            *(["--controllers", "*", "--node-monitor-grace-period", NODE_GRACE, "--node-monitor-period", "2s"]
+              if self.node_address else ["--controllers", CONTROLLERS]),
         ])
         sched = str(self._client_kubeconfig("scheduler"))
         self._spawn("kube-scheduler", [

@@ -92,10 +92,16 @@ def wait_established(cluster: Any, docs: list[dict[str, Any]]) -> None:
                         *(f"crd/{n}" for n in names))
 
 
-def config_map(mode: str = "Standard", local_model: bool = True) -> dict[str, Any]:
+def config_map(mode: str = "Standard", local_model: bool = True, storage_initializer: str | None = None
+               ) -> dict[str, Any]:
     """KServe's inferenceservice-config with the deployment mode and `localModel.enabled` set, and
-    Istio's VirtualService off as KServe's own event advises on a cluster without Istio."""
+    Istio's VirtualService off as KServe's own event advises on a cluster without Istio;
+    ``storage_initializer``: the image of the init container KServe puts in predictor pods (ours,
+    to drop it in)."""
     (cm,) = docs_of("config/configmap/inferenceservice.yaml")
+    if storage_initializer is not None:
+        cm["data"]["storageInitializer"] = json.dumps({**json.loads(cm["data"]["storageInitializer"]),
+                                                       "image": storage_initializer})
     cm["metadata"]["namespace"] = NAMESPACE
     cm["data"]["ingress"] = json.dumps({**json.loads(cm["data"]["ingress"]), "disableIstioVirtualHost": True})
     cm["data"]["deploy"] = json.dumps({**json.loads(cm["data"]["deploy"]), "defaultDeploymentMode": mode})
@@ -122,14 +128,16 @@ def runtime(cluster: Any, name: str = "kserve-sklearnserver") -> dict[str, Any]:
     return dict(doc)
 
 
-def install(cluster: Any, local_model: bool = True, components: tuple[Component, ...] = (MANAGER,)) -> None:
+def install(cluster: Any, local_model: bool = True, components: tuple[Component, ...] = (MANAGER,),
+            storage_initializer: str | None = None) -> None:
     """KServe's CRDs, namespaces, the components' RBAC, the config map and the sklearn runtime."""
     crds = docs_of(*SERVING_CRDS)
     apply(cluster, crds)
     wait_established(cluster, crds)
     namespaces = [NAMESPACE, *(ns for c in components for ns in c.namespaces)]
     apply(cluster, [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}} for ns in namespaces])
-    apply(cluster, [*(doc for c in components for doc in rbac(c)), config_map(local_model=local_model)])
+    apply(cluster, [*(doc for c in components for doc in rbac(c)),
+                    config_map(local_model=local_model, storage_initializer=storage_initializer)])
     apply(cluster, [runtime(cluster)])
 
 

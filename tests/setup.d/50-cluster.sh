@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The real Kubernetes control plane (kube-apiserver, controller-manager, scheduler, kubectl, etcd)
+# The real Kubernetes control plane (kube-apiserver, controller-manager, scheduler, kubectl, etcd),
+# a node's kubelet and kube-proxy, and the nodes' containerd (tests/cluster/runtime/go.mod),
 # built from its published Go modules into .work/cluster/bin (tests/cluster/go.mod pins the versions).
 # Rebuilt only when the pins change; the first build on a fresh machine takes ~10 minutes on 2 cores.
 # lane: build
