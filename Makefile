@@ -42,7 +42,6 @@ test-deps: install
 # everything but what is built from Go (the control plane, KServe, SeaweedFS); `test` (CI) all.
 # On every core (pytest-xdist): the cluster tests on one worker, since they share one control
 # plane; the tests of a heavy session server (MiniDFS) likewise; the image is built once (a lock).
-# (`test` still runs on one core until a whole run on both has been seen green.)
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
 TEST_WORKERS ?= auto
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
@@ -56,7 +55,7 @@ test-servers: install
 
 # --durations: the slowest tests in every CI log, to keep the cold run inside its budget.
 test: test-deps lint
-	$(PYTEST) --durations=25 $(PYTEST_ARGS)
+	$(PYTEST) $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 # The chaos tests for longer than in `make test`: the cluster's (CHAOS_SECONDS, default 15 min;
 # CHAOS_SEED=<seed> replays the sequence of steps a failed run printed), then the store's kill -9
@@ -73,10 +72,16 @@ fuzz: install
 	MODELCACHE_FUZZ=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m fuzz --timeout 3600 \
 		--hypothesis-show-statistics $(PYTEST_ARGS) tests
 
-# The main job on a local Kubernetes control plane (built from Go modules on the first run, ~10 min),
-# then the same without a cluster (CLI and standalone agent).
+# The main job on a local Kubernetes cluster whose nodes run pods (the control plane, kubelet and
+# containerd built from Go modules on the first run, ~15 min; the image with podman, ~5 min), then
+# the same without a cluster (CLI and standalone agent). Needs root (kubelets).
+DEMO_IMAGE_FLAGS := --network host -v /etc/ssl/certs:/etc/ssl/certs:ro
 demo: install
+	bash tests/setup.d/20-nodes.sh
 	bash tests/setup.d/50-cluster.sh
+	bash tests/setup.d/50-image.sh
+	CONTAINERS_CONF=$(CURDIR)/.work/image/containers.conf $(MAKE) image CONTAINER_TOOL=podman \
+	  IMAGE_BUILD_FLAGS="$(DEMO_IMAGE_FLAGS)"
 	$(BIN)/python -m tests.cluster.demo
 	$(BIN)/python -m modelcache.demo
 

@@ -27,18 +27,17 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-import tarfile
-import uuid
-import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-from modelcache.compression import verified_tar
 from modelcache.errors import ModelcacheError
+
+if TYPE_CHECKING:
+    import tarfile
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst", ".tzst")
 ZIP_SUFFIXES = (".zip",)
@@ -145,6 +144,12 @@ def unpack_archive(
     error ``dest`` is left exactly as it was (the archive included) and an ``ArchiveError``
     naming the archive is raised. ``on_bytes(n)`` is called as unpacked bytes are written.
     """
+    # Imported here, not at the top: every pull asks single_archive() about its listing, few
+    # unpack, and tarfile, zipfile and the compressors cost every CLI start ~10 ms (issue 28).
+    import tarfile
+    import uuid
+    import zipfile
+
     limits = limits or ArchiveLimits()
     kind = archive_kind(archive.name)
     if kind is None:
@@ -389,6 +394,8 @@ def _unpack_tar(archive: Path, w: _StagingWriter) -> None:
     # Stream mode: one pass, no seeking, bounded memory even for a 100 GiB .tar.gz. The stream
     # is read to its end after the last entry, so the gzip CRC/ISIZE (or xz/zstd/bzip2 check)
     # is verified before anything is moved into place; bytes after the tar count against the caps.
+    from modelcache.compression import verified_tar
+
     with open(archive, "rb") as raw, verified_tar(raw, on_trailing=w.add_trailing) as tf:
         for member in _iter_tar(tf):
             w.count_entry()
@@ -424,6 +431,8 @@ def _iter_tar(tf: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
 
 
 def _unpack_zip(archive: Path, w: _StagingWriter) -> None:
+    import zipfile
+
     with zipfile.ZipFile(archive) as zf:
         infos = zf.infolist()
         if not infos:

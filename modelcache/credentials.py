@@ -412,6 +412,15 @@ _SPEC_ENV: dict[str, dict[str, str]] = {
     },
 }
 _SPEC_TYPE_ALIASES = {"gcs": "gs", "azure_blob": "azure", "azureblob": "azure"}
+#: Storage-spec keys that decide where credentials go and whom they trust: a tenant laying them over
+#: credentials someone else owns (a LocalModelNamespaceCache's storage.parameters) could send those
+#: to its own server (security review H3). Refused there by the cache webhook and the agent.
+REDIRECTING_PARAMETERS = ("endpoint_url", "ca_bundle", "verify_ssl")
+
+
+def redirecting(parameters: Mapping[str, object] | None) -> list[str]:
+    """The keys of ``parameters`` (a storage spec's) among :data:`REDIRECTING_PARAMETERS`."""
+    return sorted(k for k in parameters or {} if k.lower() in REDIRECTING_PARAMETERS)
 
 
 def _load_json_object(env: Mapping[str, str], name: str) -> dict[str, object]:

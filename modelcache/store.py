@@ -706,8 +706,16 @@ class NodeStore:
             for rel in found:
                 (dest / rel).parent.mkdir(parents=True, exist_ok=True)
                 os.rename(folder / rel, dest / rel)
-            for d in sorted({str((folder / rel).parent) for rel in found}):
-                fsync_dir(d)
+            parents = {(folder / rel).parent for rel in found}
+            for d in sorted(parents, key=lambda p: len(p.parts), reverse=True):  # deepest first
+                while d != folder:
+                    try:
+                        d.rmdir()  # left empty by the moves: it goes too (a folder with anything in it stays)
+                    except OSError:
+                        break
+                    d = d.parent
+            for d in sorted({folder, *(p for p in parents if p.exists())}):
+                fsync_dir(str(d))
         except OSError as exc:
             raise store_error(exc, str(folder), "moving unlisted files out of the model folder") from exc
         log.warning("files the source does not list moved out of the model folder", extra={"fields": {

@@ -239,12 +239,14 @@ def test_f5_unlisted_files_leave_the_folder_and_a_linked_sub_folder_is_never_fol
     (outside / "tok.json").write_bytes(b'{"tok": "wrong"}')  # same size
     uri = f"file://{src}"
     root = tmp_path / "root"
-    folder = _kserve_fill(root, uri, {"model.safetensors": weights, "pytorch_model.bin": b"stale weights"})
+    folder = _kserve_fill(root, uri, {"model.safetensors": weights, "pytorch_model.bin": b"stale weights",
+                                      ".cache/huggingface/download/model.safetensors.metadata": b"meta"})
     os.symlink(outside, folder / "sub")
     inode = (folder / "model.safetensors").stat().st_ino
 
     (res,) = _cli_json("pull", uri, "--root", str(root), "--progress", "none")
-    assert res["adopted"] == 1 and res["set_aside"] == ["pytorch_model.bin", "sub"]
+    assert res["adopted"] == 1 and res["set_aside"] == [
+        ".cache/huggingface/download/model.safetensors.metadata", "pytorch_model.bin", "sub"]
     assert (folder / "model.safetensors").stat().st_ino == inode  # adopted in place
     assert not (folder / "sub").is_symlink() and (folder / "sub" / "tok.json").read_bytes() == b'{"tok": "right"}'
     assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors", "sub"]

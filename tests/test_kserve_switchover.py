@@ -96,6 +96,9 @@ def test_a_node_root_kserve_filled_is_adopted_with_zero_origin_bytes(cluster, mo
         assert store.is_present(storage_key(uri)) and store.verify(storage_key(uri)) == []
     # Verified by the sources' checksums (S3 MD5 ETags, the HTTP Repr-Digest, HF sha256/git sha1).
     assert all(f.checksums for uri in (s3_uri, http_uri, hf_uri) for f in store.manifest(storage_key(uri)).files)
-    assert (hf_folder / ".cache" / "huggingface").is_dir()  # not ours: left alone
+    # Not the model (huggingface_hub's download metadata): moved out of the folder pods read, kept.
+    assert not (hf_folder / ".cache").exists()
+    moved = list((root / ".modelcache" / "unlisted" / storage_key(hf_uri)).rglob("config.json.metadata"))
+    assert [p.read_bytes() for p in moved] == [b"abc\n123\n"]
     assert status["modelDetails"]["llama"]["bytesTotal"] == sum(len(v) for v in S3_FILES.values())
     assert agent.log().count('msg="adopting a model folder that has no manifest"') == 3

@@ -132,10 +132,13 @@ def kubeconfig_text(server: str, ca: Path, user: dict[str, str], namespace: str 
 class ControlPlane:
     """One control plane in ``workdir``; `start()` returns when /readyz answers ok."""
 
-    def __init__(self, workdir: Path, bin_dir: Path | None = None, node_address: str | None = None) -> None:
+    def __init__(self, workdir: Path, bin_dir: Path | None = None, node_address: str | None = None,
+                 apiserver_args: tuple[str, ...] = ()) -> None:
         self.workdir = workdir
         self.bin_dir = bin_dir
         self.node_address = node_address  # where real nodes reach the API server (None: no real nodes)
+        #: More kube-apiserver flags (e.g. --admission-control-config-file), after ours.
+        self.apiserver_args = apiserver_args
         self.procs: dict[str, Proc] = {}
         self.pki: PKI | None = None
         self.etcd_port = self.etcd_peer_port = self.api_port = 0
@@ -298,6 +301,7 @@ class ControlPlane:
             # (no kube-proxy here).
             "--enable-aggregator-routing=true",
             "--profiling=false",
+            *self.apiserver_args,
         ]
 
     def _start_apiserver(self, timeout: float) -> None:

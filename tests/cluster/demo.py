@@ -1,26 +1,30 @@
-"""`make demo`, cluster part: modelcache's main job on a real (local) Kubernetes control plane.
+"""`make demo`, cluster part: modelcache's main job on a local Kubernetes cluster whose nodes run pods.
 
-1. Start the control plane (built from Go modules on the first run) with three Nodes.
-2. `kubectl apply -k deploy/` as shipped; the webhooks are pointed at the coordinator's port (no
-   kube-proxy here: see tests/cluster/webhooks.py).
-3. Start the coordinator and one agent per node as processes, each with its ServiceAccount's token
-   and deploy/'s RBAC, each agent with a root folder of its own standing in for its node's disk.
-4. Create S3 credentials as KServe takes them (a Secret with the S3 endpoint annotation, a
-   ServiceAccount), a LocalModelNodeGroup (node-1, node-2) and a LocalModelCache of one multi-file
-   model (safetensors shards and json) in a local S3 server (moto), and print
-   `kubectl get localmodelcaches,localmodelnodes` as the copies arrive.
-5. Create the InferenceService's predictor pod as KServe would: it is placed by the coordinator's
-   webhook and bound by the real scheduler to a node that holds the model.
-6. Stop everything.
+1. Start the control plane and two real nodes (a kubelet and a containerd each, built from Go
+   modules on the first run: tests/cluster/realnodes.py) and a third, API-only Node; the project
+   image (`make image`) and our serving image loaded into the nodes.
+2. `kubectl apply -k` deploy/ through an overlay that only sets the image reference: the agent
+   DaemonSet's pods run on the two labelled nodes, the coordinator's two replicas beside them, the
+   webhooks are called through their Service.
+3. Create S3 credentials as KServe takes them, a LocalModelNodeGroup and a LocalModelCache of one
+   multi-file model (safetensors shards and json) in a local S3 server (moto) that pods reach at
+   this machine's link address, and print `kubectl get localmodelcaches,localmodelnodes` as the
+   agent pods fill their nodes' /models.
+4. Create an InferenceService (KServe's CRD; KServe itself is not installed here) and its
+   predictor pod as KServe makes it after its local-model rewrite: the serving container reads the
+   model from the cache's PVC. Our webhook pins it to a node that holds the model, the scheduler
+   binds it, the kubelet runs it; it is Ready once it read every file, and its log says what it read.
+5. Stop everything and leave the machine as it was.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,8 +32,10 @@ from typing import Any
 import yaml
 
 from modelcache.demo import make_model
-from tests.cluster.controlplane import ControlPlane, Proc, free_port
-from tests.cluster.webhooks import register_webhooks
+from modelcache.uri import storage_key
+from tests.cluster.controlplane import ControlPlane, free_port
+from tests.cluster.images import podman_archive, project_image, static_image
+from tests.cluster.realnodes import RealNodes
 
 REPO = Path(__file__).resolve().parents[2]
 WORK = Path(os.environ.get("MODELCACHE_DEMO_DIR", REPO / ".work" / "demo")).resolve() / "cluster"
@@ -59,8 +65,8 @@ def wait(what: str, check: Any, timeout: float = 120) -> None:
         time.sleep(0.5)
 
 
-def model_in_s3(folder: Path) -> tuple[Any, str, int]:
-    """The sample model (safetensors shards + json) uploaded to a local S3 server (moto)."""
+def model_in_s3(folder: Path, host: str) -> tuple[Any, str, int, list[str]]:
+    """The sample model (safetensors shards + json) uploaded to a local S3 server (moto) on ``host``."""
     import logging
 
     import boto3
@@ -72,9 +78,9 @@ def model_in_s3(folder: Path) -> tuple[Any, str, int]:
     src = folder / "llm"
     names = make_model(src)
     port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server = ThreadedMotoServer(ip_address=host, port=port, verbose=False)
     server.start()
-    s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
+    s3 = boto3.client("s3", endpoint_url=f"http://{host}:{port}", region_name="us-east-1",
                       aws_access_key_id=S3_KEY[0], aws_secret_access_key=S3_KEY[1])
     s3.create_bucket(Bucket="models")
     size = 0
@@ -83,61 +89,47 @@ def model_in_s3(folder: Path) -> tuple[Any, str, int]:
             s3.put_object(Bucket="models", Key=f"llm/{name}", Body=body)
         size += (src / name).stat().st_size
     print(f"a model of {len(names)} files ({size >> 20} MiB: safetensors shards + json) in s3://models/llm "
-          f"on a local S3 server (moto) at 127.0.0.1:{port}")
-    return server, f"127.0.0.1:{port}", size
+          f"on a local S3 server (moto) at {host}:{port}, where pods reach this machine")
+    return server, f"{host}:{port}", size, names
 
 
-def start_process(name: str, args: list[str], env: dict[str, str]) -> Proc:
-    proc = Proc(name, [sys.executable, *args], WORK / f"{name}.log")
-    proc.log_path.unlink(missing_ok=True)
-    with open(proc.log_path, "ab") as log:
-        proc.popen = subprocess.Popen(proc.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-    return proc
+def overlay(ref: str) -> Path:
+    """deploy/ with the image reference set to the image built here (nothing else changes)."""
+    from tests.deploy_util import image_overlay
+
+    return image_overlay(Path(tempfile.mkdtemp(prefix="overlay-", dir=WORK)), ref)
 
 
 def main() -> int:
     WORK.mkdir(parents=True, exist_ok=True)
-    say("a real control plane: etcd, kube-apiserver, controller-manager, scheduler (Kubernetes from Go modules)")
+    say("a local cluster: control plane, two real nodes (kubelet + containerd) and an API-only Node")
     started = time.monotonic()
-    shutil.rmtree(WORK / "cp", ignore_errors=True)  # the previous run's etcd data and certificates
-    cp = ControlPlane(WORK / "cp")
-    processes: list[Proc] = []
+    shutil.rmtree(WORK / "run", ignore_errors=True)  # the previous run's data, certificates and logs
+    ref = os.environ.get("IMAGE") or project_image()
+    run = RealNodes(WORK / "run", nodes=3, kubelets=2, images=[podman_archive(ref)])
     server = None
     try:
-        cp.start()
-        for i in (1, 2, 3):
-            cp.register_node(f"node-{i}", {GROUP_LABEL[0]: GROUP_LABEL[1]} if i < 3 else None)
+        run.start()
+        cp = run.cp
+        assert cp is not None
+        for node in ("node-1", "node-2"):
+            cp.kubectl("label", "node", node, f"{GROUP_LABEL[0]}={GROUP_LABEL[1]}")
         print(f"ready in {time.monotonic() - started:.1f} s; kubeconfig: {cp.kubeconfig}")
         kubectl_shown(cp, "version")
-        kubectl_shown(cp, "get", "nodes", "-L", GROUP_LABEL[0])
+        kubectl_shown(cp, "get", "nodes", "-o", "wide", "-L", GROUP_LABEL[0])
 
-        say("install: kubectl apply --server-side -k deploy/")
-        cp.kubectl("apply", "--server-side", "-k", str(REPO / "deploy"))
+        say(f"install: kubectl apply --server-side -k <deploy/ with the image {ref}>")
+        cp.kubectl("apply", "--server-side", "-k", str(overlay(ref)))
         # KServe itself is not installed here: its InferenceService CRD stands in (a minimal schema).
         cp.kubectl("apply", "--server-side", "-f", str(REPO / "tests" / "cluster" / "crds"))
         cp.kubectl("wait", "--for", "condition=Established", "crd", "--all", "--timeout", "60s")
-        print("applied: CRDs, namespace, RBAC, webhooks, DaemonSet and Deployment (no kubelet runs their pods "
-              "here: the coordinator and the agents run as processes below, with the same ServiceAccounts)")
+        cp.kubectl("rollout", "status", "-n", SA_NAMESPACE, "daemonset/modelcache-agent", "--timeout=300s",
+                   timeout=330)
+        cp.kubectl("rollout", "status", "-n", SA_NAMESPACE, "deployment/modelcache-coordinator",
+                   "--timeout=300s", timeout=330)
+        kubectl_shown(cp, "get", "pods", "-n", SA_NAMESPACE, "-o", "wide")
 
-        say("the coordinator and one agent per node, each with its ServiceAccount token")
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBECONFIG", "AWS_"))}
-        hook_port, cert_dir = free_port(), WORK / "webhook-certs"
-        coordinator_kc = cp.kubeconfig_for(SA_NAMESPACE, "modelcache-coordinator")
-        processes.append(start_process("coordinator", [
-            "-m", "coordinator", "--kubeconfig", str(coordinator_kc), "--bind", "127.0.0.1", "--port", "0",
-            "--webhook-port", str(hook_port), "--webhook-cert-dir", str(cert_dir), "--self-signed",
-            "--pod-rewrite", "on", "--identity", "coordinator-0"], env))
-        wait("the coordinator's certificate", lambda: (cert_dir / "tls.crt").exists(), 60)
-        register_webhooks(cp, hook_port, cert_dir / "tls.crt")
-        agent_kc = cp.kubeconfig_for(SA_NAMESPACE, "modelcache-agent")
-        for i in (1, 2, 3):
-            processes.append(start_process(f"agent-node-{i}", [
-                "-m", "agent", "--node", f"node-{i}", "--root", str(WORK / "nodes" / f"node-{i}"),
-                "--kubeconfig", str(agent_kc), "--credentials-namespace", CREDENTIALS_NAMESPACE, "--port", "-1",
-                "--status-interval", "1", "--space-margin", "64Mi"], env))
-        print(f"coordinator and 3 agents running; logs in {WORK}")
-
-        server, endpoint, size = model_in_s3(WORK)
+        server, endpoint, size, _ = model_in_s3(WORK, run.host_ip)
         uri = "s3://models/llm"
         say(f"credentials as KServe takes them, a node group, and a LocalModelCache of {uri}")
         secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {
@@ -156,7 +148,7 @@ def main() -> int:
                      "storageLimit": "10Gi",
                      "persistentVolumeSpec": {
                          "accessModes": ["ReadWriteOnce"], "volumeMode": "Filesystem", "capacity": {"storage": "10Gi"},
-                         "local": {"path": "/mnt/models"}, "persistentVolumeReclaimPolicy": "Delete",
+                         "local": {"path": "/models"}, "persistentVolumeReclaimPolicy": "Delete",
                          "storageClassName": "local-storage",
                          "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
                              {"key": GROUP_LABEL[0], "operator": "In", "values": [GROUP_LABEL[1]]}]}]}}},
@@ -168,7 +160,7 @@ def main() -> int:
                           "serviceAccountName": "demo-models"}}
         kubectl_shown(cp, "apply", "-f", "-", input=yaml.safe_dump_all([group, cache]))
 
-        say("kubectl get localmodelcaches,localmodelnodes  (as the copies arrive)")
+        say("kubectl get localmodelcaches,localmodelnodes  (as the agent pods fill their nodes)")
         last = ""
 
         def shown_until_available() -> bool:
@@ -182,7 +174,7 @@ def main() -> int:
 
         wait("two copies available", shown_until_available, 300)
 
-        say("a predictor pod of an InferenceService that uses the cache, created as KServe creates it")
+        say("an InferenceService that uses the cache, and its predictor pod as KServe makes it")
         kubectl_shown(cp, "create", "namespace", "demo")
         isvc = {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
                 "metadata": {"name": "llm", "namespace": "demo"},
@@ -190,29 +182,38 @@ def main() -> int:
         cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(isvc))
         wait("the default ServiceAccount of the namespace",
              lambda: cp.kubectl("get", "sa", "default", "-n", "demo", check=False).returncode == 0, 60)
+        wait("the cache's serving PVC llm-workers, made by the coordinator", lambda: cp.kubectl(
+            "get", "pvc", "llm-workers", "-n", "demo", check=False).returncode == 0, 60)
+        key = storage_key(uri)
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
             "name": "llm-predictor-0", "namespace": "demo",
             "labels": {"serving.kserve.io/inferenceservice": "llm", "internal.serving.kserve.io/localmodel": "llm"},
             "annotations": {"internal.serving.kserve.io/storage-initializer-sourceuri": uri}},
-            "spec": {"containers": [{"name": "kserve-container", "image": "kserve/huggingfaceserver",
-                                     "env": [{"name": "STORAGE_URI", "value": uri}]}]}}
+            "spec": {"containers": [{
+                "name": "kserve-container", "image": static_image("serve").ref,
+                "args": ["--model-name=llm", "--model-dir=/mnt/models", "--digest=none"],
+                "readinessProbe": {"httpGet": {"path": "/v1/models/llm", "port": 8080}, "periodSeconds": 1},
+                "volumeMounts": [{"name": "kserve-pvc-source", "mountPath": "/mnt/models", "readOnly": True,
+                                  "subPath": f"models/{key}/"}]}],
+                "volumes": [{"name": "kserve-pvc-source", "persistentVolumeClaim": {"claimName": "llm-workers",
+                                                                                    "readOnly": True}}]}}
         kubectl_shown(cp, "create", "-f", "-", input=yaml.safe_dump(pod))
-        wait("the pod bound to a node", lambda: cp.kubectl(
-            "get", "pod", "llm-predictor-0", "-n", "demo", "-o", "jsonpath={.spec.nodeName}").stdout != "", 120)
+        wait("the predictor pod Ready", lambda: cp.kubectl(
+            "get", "pod", "llm-predictor-0", "-n", "demo", "-o",
+            "jsonpath={.status.conditions[?(@.type=='Ready')].status}").stdout == "True", 180)
         kubectl_shown(cp, "get", "pod", "llm-predictor-0", "-n", "demo", "-o", "wide")
         node = cp.kubectl("get", "pod", "llm-predictor-0", "-n", "demo", "-o", "jsonpath={.spec.nodeName}").stdout
-        kubectl_shown(cp, "get", "pod", "llm-predictor-0", "-n", "demo", "-o",
-                      "jsonpath={.spec.affinity.nodeAffinity}{'\\n'}")
-        print(f"bound to {node}, whose agent reports the model Downloaded "
-              f"(files under {WORK / 'nodes' / node / 'models'}); node-3 is outside the group and has no copy")
+        kubectl_shown(cp, "logs", "llm-predictor-0", "-n", "demo")
+        on_disk = json.loads(cp.kubectl("get", "localmodelnode", node, "-o", "json").stdout)
+        state = (on_disk.get("status") or {}).get("modelStatus", {}).get("llm")
+        print(f"running on {node}, whose agent reports the model {state} (files under its /models/models/{key}); "
+              f"node-3 is outside the group and has no copy")
         return 0
     finally:
-        say("stopping the agents, the coordinator and the control plane")
-        for proc in reversed(processes):
-            proc.stop()
+        say("stopping the pods, the nodes and the control plane")
         if server is not None:
             server.stop()
-        cp.stop()
+        run.stop()
         print("stopped")
 
 

@@ -1,0 +1,142 @@
+"""deploy/ runs as pods on real nodes (issue 24, item 2): `kubectl apply -k` an overlay that only sets
+the image reference, and the kubelets run what the manifests say.
+
+- The agent DaemonSet's pods are Ready on both labelled nodes: its prepare-root init container
+  handed the node's /models (hostPath, DirectoryOrCreate) to uid 1000, the agent reached the API
+  server through the `kubernetes` Service (in-cluster config, kube-proxy), its projected peer
+  token passed the TokenReview it makes at start, and it published its peer endpoint (the pod IP).
+- Two coordinator replicas: one holds the Lease; deleting its pod hands the Lease to the other.
+- The webhooks are called by the API server through the Service modelcache-coordinator-webhook:
+  the API server resolves the Service to its endpoints (`--enable-aggregator-routing`: what a
+  cluster without a route to ClusterIPs from the control plane uses) and dials the pod IP, which
+  this machine routes to the nodes' network namespace; the CA in the configurations is the one
+  the coordinator made and patched in.
+- Probes pass (Ready, no restarts), root file systems are read-only, Pod Security holds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.deploy_util import image_overlay
+from tests.fixtures.image import Image
+from tests.fixtures.realnodes import NodeCluster
+from tests.helpers import wait_until
+
+pytestmark = [pytest.mark.xdist_group("realnodes"), pytest.mark.timeout(900)]
+NS = "modelcache-system"
+AGENT = "app.kubernetes.io/name=modelcache-agent"
+COORDINATOR = "app.kubernetes.io/name=modelcache-coordinator"
+
+
+def pods(cluster: NodeCluster, selector: str, namespace: str = NS) -> list[dict[str, Any]]:
+    out = cluster.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json").stdout
+    return list(json.loads(out)["items"])
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", []))
+
+
+def lease_holder(cluster: NodeCluster) -> str:
+    out = cluster.kubectl("get", "lease", "modelcache-coordinator", "-n", NS, "-o", "json", check=False)
+    return str(json.loads(out.stdout)["spec"].get("holderIdentity") or "") if out.returncode == 0 else ""
+
+
+def install(cluster: NodeCluster, image: Image, tmp_path: Path) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-k", str(image_overlay(tmp_path / "overlay",
+                                                                                          image.ref)))
+    cluster.kubectl("rollout", "status", "-n", NS, "daemonset/modelcache-agent", "--timeout=300s", timeout=330)
+    cluster.kubectl("rollout", "status", "-n", NS, "deployment/modelcache-coordinator", "--timeout=300s",
+                    timeout=330)
+
+
+def test_deploy_runs_as_pods(real_nodes: NodeCluster, image: Image, tmp_path: Path) -> None:
+    install(real_nodes, image, tmp_path)
+    agents = pods(real_nodes, AGENT)
+    assert sorted(p["spec"]["nodeName"] for p in agents) == ["node-1", "node-2"]
+    assert all(ready(p) for p in agents)
+    for pod in agents:
+        node = real_nodes.node(pod["spec"]["nodeName"])
+        root = node.host_path("/models")
+        # prepare-root: the hostPath and its models/ are the agent's (uid 1000), not recursively.
+        assert (root.stat().st_uid, root.stat().st_gid) == (1000, 1000)
+        assert (root / "models").stat().st_uid == 1000
+        log = real_nodes.kubectl("logs", "-n", NS, pod["metadata"]["name"], "-c", "agent").stdout
+        assert "peer transfer on" in log, log[-3000:]  # the projected token passed its TokenReview
+
+    coordinators = pods(real_nodes, COORDINATOR)
+    assert len(coordinators) == 2 and all(ready(p) for p in coordinators)
+    names = {p["metadata"]["name"] for p in coordinators}
+    wait_until(lambda: lease_holder(real_nodes) in names, timeout=60, what="a coordinator pod holds the Lease")
+    leader = lease_holder(real_nodes)
+
+    # A write checked by the validating webhook through the Service: the second cache of one URI is
+    # refused by our webhook (the API server called the coordinator pod).
+    hooks = json.loads(real_nodes.kubectl("get", "validatingwebhookconfiguration", "-o", "json").stdout)["items"]
+    ours = [h for cfg in hooks for h in cfg["webhooks"] if h["name"].endswith("modelcache.serving.kserve.io")]
+    assert ours and all(h["clientConfig"]["service"]["name"] == "modelcache-coordinator-webhook" and
+                        h["clientConfig"].get("caBundle") for h in ours)
+    group = {"apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelNodeGroup",
+             "metadata": {"name": "workers"}, "spec": {"storageLimit": "1Gi", "persistentVolumeSpec": {
+                 "accessModes": ["ReadWriteOnce"], "capacity": {"storage": "1Gi"}, "local": {"path": "/models"},
+                 "storageClassName": "local-storage", "nodeAffinity": {"required": {"nodeSelectorTerms": [
+                     {"matchExpressions": [{"key": "kserve/localmodel", "operator": "In",
+                                            "values": ["worker"]}]}]}}},
+                 "persistentVolumeClaimSpec": {"accessModes": ["ReadWriteOnce"],
+                                               "resources": {"requests": {"storage": "1Gi"}}}}}
+
+    def cache(name: str) -> dict[str, Any]:
+        return {"apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelCache", "metadata": {"name": name},
+                "spec": {"sourceModelUri": "s3://models/none", "modelSize": "1Mi", "nodeGroups": ["workers"]}}
+
+    real_nodes.kubectl("apply", "-f", "-", input=yaml.safe_dump(group))
+    real_nodes.kubectl("create", "-f", "-", input=yaml.safe_dump(cache("first")))
+    dup = real_nodes.kubectl("create", "-f", "-", input=yaml.safe_dump(cache("second")), check=False)
+    assert dup.returncode != 0 and "LocalModelCache first has the same StorageURI" in dup.stderr, dup.stderr
+
+    # The coordinator gave each node of the group its LocalModelNode; each agent pod publishes its
+    # peer endpoint there: its pod IP (downward API) and port.
+    for pod in agents:
+        def endpoint(node: str = pod["spec"]["nodeName"]) -> str:
+            out = real_nodes.kubectl("get", "localmodelnode", node, "-o", "json", check=False)
+            status = json.loads(out.stdout).get("status") or {} if out.returncode == 0 else {}
+            return str((status.get("peer") or {}).get("endpoint", ""))
+
+        expected = f"{pod['status']['podIP']}:8443"
+        wait_until(lambda expected=expected: endpoint() == expected, timeout=90,  # type: ignore[misc]
+                   what=f"the peer endpoint of {pod['metadata']['name']}")
+
+    # Probes: still Ready a while later, no container restarted (liveness passes too).
+    time.sleep(25)
+    for pod in pods(real_nodes, AGENT) + pods(real_nodes, COORDINATOR):
+        assert ready(pod), pod["metadata"]["name"]
+        assert all(c["restartCount"] == 0 for c in pod["status"]["containerStatuses"]), pod["status"]
+
+    # Read-only root file systems: only the emptyDir /tmp and the model root are writable.
+    agent = agents[0]["metadata"]["name"]
+    denied = real_nodes.kubectl("exec", "-n", NS, agent, "-c", "agent", "--", "python", "-c",
+                                "open('/written-by-test', 'w')", check=False)
+    assert denied.returncode != 0 and "Read-only file system" in denied.stderr, denied
+    assert real_nodes.kubectl("exec", "-n", NS, agent, "-c", "agent", "--", "python", "-c",
+                              "open('/tmp/x', 'w').write('ok'); import os; print(os.getuid())").stdout.strip() == "1000"
+
+    # Pod Security: the credentials namespace is `restricted`; an agent-like pod is refused there.
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "root-host", "namespace": "modelcache-credentials"},
+           "spec": {"containers": [{"name": "c", "image": image.ref, "volumeMounts": [{"name": "h",
+                                                                                       "mountPath": "/h"}]}],
+                    "volumes": [{"name": "h", "hostPath": {"path": "/models"}}]}}
+    refused = real_nodes.kubectl("create", "-f", "-", input=yaml.safe_dump(pod), check=False)
+    assert refused.returncode != 0 and 'violates PodSecurity "restricted:latest"' in refused.stderr, refused.stderr
+
+    # Leader election between real pods: the leader's pod goes, the other replica takes the Lease.
+    real_nodes.kubectl("delete", "pod", "-n", NS, leader, "--wait=false")
+    wait_until(lambda: lease_holder(real_nodes) not in ("", leader), timeout=120,
+               what="the other coordinator takes the Lease")
+    assert lease_holder(real_nodes) in names
