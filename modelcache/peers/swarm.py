@@ -259,7 +259,7 @@ class SwarmSession:
         Returns within the piece's budget (plus a read begun before it ran out)."""
         ci = self.local.canon[li]
         start, end = piece_span(self.local.sizes[li], self.local.piece_size, piece)
-        started = time.monotonic()
+        started = self.plan.clock()  # the plan's clock: what its budgets are measured on
         while True:
             if stop.is_set() or self._stop.is_set():
                 raise TransientError(f"{self.local.files[li].path}: read aborted")
@@ -271,7 +271,7 @@ class SwarmSession:
                         if step.missed is not None:
                             self.plan.missed(step.missed)
                         log.info("piece %d of %s: no peer delivered it in %.0fs; reading it from the origin",
-                                 piece, self.local.files[li].path, time.monotonic() - started)
+                                 piece, self.local.files[li].path, self.plan.clock() - started)
                     return -1
                 holders = [self.links[n] for n in step.holders if n in self.links]
             for link in holders:
@@ -292,7 +292,9 @@ class SwarmSession:
             link.state.inflight += 1
         path = self.local.files[li].path
         try:
-            deadline = self.settings.read_deadline(time.monotonic(), started, end - start)
+            # The socket's deadline is monotonic time; the plan's clock is that too but in a simulator.
+            now = time.monotonic()
+            deadline = now + self.settings.read_deadline(self.plan.clock(), started, end - start) - self.plan.clock()
             n = self.client.read(link.info, self.key, self.digest, ci, start, end, view, deadline, cancel)
         except PeerCancelled:
             raise TransientError(f"{path}: read aborted") from None
