@@ -228,7 +228,7 @@ def check_container_hardening(pod: Obj, container: Obj) -> None:
     res = container["resources"]
     assert res["requests"]["cpu"] and res["requests"]["memory"] and res["limits"]["memory"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+    for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
         get = container[probe]["httpGet"]
         assert get["path"] == path and get["port"] in ports
     mounts = {m["mountPath"] for m in container["volumeMounts"]}

@@ -133,10 +133,11 @@ class ControlPlane:
     """One control plane in ``workdir``; `start()` returns when /readyz answers ok."""
 
     def __init__(self, workdir: Path, bin_dir: Path | None = None, node_address: str | None = None,
-                 apiserver_args: tuple[str, ...] = ()) -> None:
+                 proc_setup: Callable[[], None] | None = None, apiserver_args: tuple[str, ...] = ()) -> None:
         self.workdir = workdir
         self.bin_dir = bin_dir
         self.node_address = node_address  # where real nodes reach the API server (None: no real nodes)
+        self.proc_setup = proc_setup  # Proc.setup of every process (real nodes: join the run's cgroup tree)
         #: More kube-apiserver flags (e.g. --admission-control-config-file), after ours.
         self.apiserver_args = apiserver_args
         self.procs: dict[str, Proc] = {}
@@ -234,7 +235,7 @@ class ControlPlane:
         return str(self.bin_dir / name)
 
     def _spawn(self, name: str, args: list[str]) -> Proc:
-        proc = Proc(name, [self._bin(name), *args], self.workdir / f"{name}.log").start()
+        proc = Proc(name, [self._bin(name), *args], self.workdir / f"{name}.log", setup=self.proc_setup).start()
         self.procs[name] = proc
         return proc
 
