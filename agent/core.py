@@ -319,7 +319,7 @@ class Agent:
 
     def _options(self) -> TransferOptions:
         return TransferOptions(workers=self.cfg.workers, chunk_size=self.cfg.chunk_size,
-                               max_attempts=self.cfg.transfer_attempts,
+                               max_attempts=self.cfg.transfer_attempts, stall_timeout=self.cfg.stall_timeout,
                                backoff_max=min(10.0, max(0.5, self.cfg.backoff_max)))
 
     def _download(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> None:
@@ -465,7 +465,6 @@ class Agent:
             return {}
         self.metrics.model_bytes.labels(storage_key=key, source="origin").inc(stats.from_origin)
         self.metrics.model_bytes.labels(storage_key=key, source="peer").inc(stats.from_peers)
-        self.metrics.peer_dropped.inc(len(stats.dropped))
         return {"bytes_from_origin": stats.from_origin, "bytes_from_peers": stats.from_peers}
 
     def _emit(self, event: tuple[str, str, str] | None) -> None:
