@@ -12,11 +12,14 @@ and its running task every time it is called (agent/state.py): nothing stored ca
 from __future__ import annotations
 
 import logging
+import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from agent.capacity import Capacity
@@ -181,6 +184,10 @@ class Agent:
                     reported: Mapping[str, str]) -> ModelRecord:
         rec = ModelRecord(key=key, uri=uri, entries=infos)
         rec.carried = self._carried(key, infos, reported)
+        if rec.carried:
+            # What the copy takes on disk counts against the node group's storageLimit (and shows in
+            # the status) from now on, not only once verified.
+            rec.files_total, rec.bytes_total = _folder_size(self.store.layout.model_dir(key))
         try:
             parse_uri(uri)
         except ModelcacheError as exc:
@@ -580,13 +587,14 @@ class Agent:
 
     def _used_bytes(self) -> int:
         with self.lock:
-            return sum(r.bytes_total or 0 for r in self.records.values() if not r.deleting and self._present(r.key))
+            return sum(r.bytes_total or 0 for r in self.records.values()
+                       if not r.deleting and (self._present(r.key) or r.carried))
 
     def _namespace_used(self, namespace: str) -> int:
         """Bytes of the models on this node that count against ``namespace``'s share of its group."""
         with self.lock:
             return sum(r.bytes_total or 0 for r in self.records.values()
-                       if not r.deleting and namespace in owners(r.entries) and self._present(r.key))
+                       if not r.deleting and namespace in owners(r.entries) and (self._present(r.key) or r.carried))
 
     def _log_progress(self, now: float) -> None:
         """One progress line per download every few seconds, the first as soon as its size is known."""
@@ -722,6 +730,20 @@ class Agent:
                 if not rec.wanted and not rec.mounted_by:
                     return False
             return True
+
+
+def _folder_size(folder: Path) -> tuple[int, int]:
+    """(files, bytes) of the regular files under ``folder``, links not followed (stats only)."""
+    files = size = 0
+    for base, _dirs, names in os.walk(folder):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(base, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                files, size = files + 1, size + st.st_size
+    return files, size
 
 
 def _hopeless(rec: ModelRecord) -> bool:
