@@ -8,6 +8,20 @@
   ``serving.kserve.io/s3-*`` annotations, the GCS key file, Azure keys, ``https-host`` +
   ``headers``, ``HF_TOKEN``, the HDFS secret's keys as files of a private secret dir).
 
+Tenants (a LocalModelNamespaceCache's entry carries its namespace): the credential namespace is
+shared, so a namespace cache may use only what a cluster admin granted to its namespace (the
+security review's H3: a tenant named another team's key and sent it to its own endpoint):
+
+- a ServiceAccount (and the Secrets attached to it) with the annotation
+  ``modelcache.io/namespaces: "team-a,team-b"`` (or ``"*"``) naming the cache's namespace;
+- a key ``K`` of the storage-spec Secret with the annotation ``namespaces.modelcache.io/K`` on
+  that Secret, the same way (also the ``default`` key a cache without ``storage.key`` gets);
+- and never with ``storage.parameters`` that send the credentials elsewhere or loosen TLS
+  (``endpoint_url``, ``ca_bundle``, ``verify_ssl``): ``REDIRECTING_PARAMETERS``, refused for
+  namespace caches here and by the cache webhook.
+
+A cluster cache (only cluster admins create those) may use every credential, as in KServe.
+
 The result is an environment *dict* handed to ``Settings.from_env`` for that download only:
 the agent's own environment is never read or changed, and nothing here is logged. A GCS key
 file is written to a private temporary file that is deleted when the download ends.
@@ -25,7 +39,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from modelcache.credentials import CREDENTIALS_FROM, Settings
+from modelcache.credentials import CREDENTIALS_FROM, Settings, redirecting
 from modelcache.errors import AuthError
 from modelcache.kube.types import LocalModelInfo
 
@@ -40,6 +54,18 @@ ANNOTATION_PREFIX = "serving.kserve.io/"
 IRSA_ANNOTATION = "eks.amazonaws.com/role-arn"
 #: KServe's ConfigMap (``namespace/name``) whose ``credentials`` block sets cluster-wide defaults.
 KSERVE_CONFIG = "kserve/inferenceservice-config"
+#: The namespaces whose caches may use a ServiceAccount ("a,b" or "*").
+SA_NAMESPACES_ANNOTATION = "modelcache.io/namespaces"
+#: Prefix of the annotation, on the storage-spec Secret, naming the namespaces of a key (the suffix).
+KEY_NAMESPACES_PREFIX = "namespaces.modelcache.io/"
+
+
+def granted(annotation: str | None, namespace: str) -> bool:
+    """Whether an annotation value ("a,b", "*") names ``namespace``."""
+    names = {n.strip() for n in (annotation or "").split(",")}
+    return "*" in names or namespace in names
+
+
 
 
 @dataclass(frozen=True)
@@ -147,6 +173,8 @@ def storage_env(info: LocalModelInfo, reader: SecretReader, config: CredentialCo
     if not key:
         typed = f"default_{params['type']}" if params.get("type") else ""
         key = typed if typed in data else "default"
+    if info.namespace:
+        _tenant_may_use_key(info, name, key if key in data else None, secret)
     env: dict[str, str] = {}
     if key in data:
         env["STORAGE_CONFIG"] = data[key]
@@ -158,23 +186,44 @@ def storage_env(info: LocalModelInfo, reader: SecretReader, config: CredentialCo
     return env
 
 
+def _tenant_may_use_key(info: LocalModelInfo, secret_name: str, key: str | None, secret: Mapping[str, Any]) -> None:
+    """Refuse a namespace cache's redirecting parameters, and a key (None: none of the Secret's
+    is used) not granted to its namespace."""
+    ns = str(info.namespace)
+    params = dict(info.storage.parameters or {}) if info.storage else {}
+    if bad := redirecting(params):
+        raise AuthError(f"model {info.status_key}: a LocalModelNamespaceCache may not set storage.parameters "
+                        f"{', '.join(bad)} (they would send the credentials of Secret '{secret_name}' elsewhere); "
+                        "put the endpoint in the Secret's key, or use a LocalModelCache")
+    if key is not None and not granted(_annotations(secret).get(KEY_NAMESPACES_PREFIX + key), ns):
+        raise AuthError(f"model {info.status_key}: key '{key}' of Secret '{secret_name}' is not granted to namespace "
+                        f"{ns}; a cluster admin grants it with the annotation {KEY_NAMESPACES_PREFIX}{key}: \"{ns}\" "
+                        f"on that Secret in the credentials namespace")
+
+
 def s3_env(annotations: Mapping[str, str], data: Mapping[str, str] | None, config: CredentialConfig,
            fallback_annotations: Mapping[str, str] | None = None) -> dict[str, str]:
     """S3 settings by KServe's precedence: annotation, secret data key, ``credentials.s3``.
 
-    ``fallback_annotations`` (the service account's) come after the secret's own annotations
-    and data (KServe ignores them there; they fill what the secret leaves unset).
+    ``fallback_annotations`` (an IRSA service account's) fill only what the secret and the config
+    leave unset: KServe builds them first and lets the secret's settings, config defaults
+    included, override them (``utils.MergeEnvs``, service_account_credentials.go).
     """
+    def annotated(source: Mapping[str, str], opt: S3Option) -> str | None:
+        for name in (opt.annotation, *ANNOTATION_ALIASES.get(opt.annotation, ())):
+            if ANNOTATION_PREFIX + name in source:
+                return source[ANNOTATION_PREFIX + name]
+        return None
+
     def value(opt: S3Option) -> str:
-        for source in (annotations, None, fallback_annotations):
-            if source is None:
-                if data is not None and opt.env in data:
-                    return data[opt.env]
-                continue
-            for name in (opt.annotation, *ANNOTATION_ALIASES.get(opt.annotation, ())):
-                if ANNOTATION_PREFIX + name in source:
-                    return source[ANNOTATION_PREFIX + name]
-        return config.s3.get(opt.config, "")
+        found = annotated(annotations, opt)
+        if found is None and data is not None and opt.env in data:
+            found = data[opt.env]
+        if found is None and opt.config in config.s3:
+            found = config.s3[opt.config]
+        if found is None and fallback_annotations is not None:
+            found = annotated(fallback_annotations, opt)
+        return found or ""
 
     env: dict[str, str] = {}
     values = {opt.env: value(opt).strip() for opt in S3_OPTIONS}
@@ -211,6 +260,11 @@ def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str
     if sa is None:
         raise AuthError(f"model {info.status_key}: service account '{name}' not found in the credentials namespace")
     sa_annotations = _annotations(sa)
+    irsa = IRSA_ANNOTATION in sa_annotations
+    if info.namespace and not granted(sa_annotations.get(SA_NAMESPACES_ANNOTATION), info.namespace):
+        raise AuthError(f"model {info.status_key}: service account '{name}' is not granted to namespace "
+                        f"{info.namespace}; a cluster admin grants it with the annotation {SA_NAMESPACES_ANNOTATION}: "
+                        f"\"{info.namespace}\" on that ServiceAccount in the credentials namespace")
     env: dict[str, str] = {}
     for ref in sa.get("secrets") or []:
         secret = reader.secret(str(ref.get("name", "")))
@@ -223,7 +277,7 @@ def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str
         if config.s3_secret_key_name in data:
             env["AWS_ACCESS_KEY_ID"] = data.get(config.s3_access_key_name, "")
             env["AWS_SECRET_ACCESS_KEY"] = data[config.s3_secret_key_name]
-            env.update(s3_env(_annotations(secret), data, config, sa_annotations))
+            env.update(s3_env(_annotations(secret), data, config, sa_annotations if irsa else None))
         if config.gcs_credential_file_name in raw:
             path = os.path.join(key_dir, GCS_KEY_FILE)
             _write_private(path, raw[config.gcs_credential_file_name])
@@ -243,10 +297,9 @@ def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str
         for k in PLAIN_KEYS:
             if data.get(k):
                 env[k] = data[k]
-    if "AWS_SECRET_ACCESS_KEY" not in env and (
-            IRSA_ANNOTATION in sa_annotations
-            or any(k.startswith(ANNOTATION_PREFIX + "s3-") for k in sa_annotations)):
+    if "AWS_SECRET_ACCESS_KEY" not in env and irsa:
         # IRSA: no static keys; the S3 settings come from the service account and the config.
+        # (KServe reads a service account's s3-* annotations only when it has the IRSA one.)
         env.update(s3_env(sa_annotations, None, config))
     return env
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator import podmutate
+from coordinator import cachepolicy, podmutate
 from coordinator.lookup import ApiLookup
 from coordinator.urimatch import (
     defaulter_metadata,
@@ -150,10 +150,12 @@ def metadata_json_patch(obj: dict[str, Any], labels: dict[str, str | None],
 @dataclass
 class ServiceDefaulter:
     """KServe's InferenceService / LLMInferenceService defaulter for the local-model metadata, at
-    admission (CREATE and UPDATE), as KServe applies it: the cache label and annotations of the
-    first matching cache, or none of them. Set only when the service is admitted, so a cache
-    created or deleted later never changes a running service (its labels reach the pod template:
-    a change would roll it out, which KServe never does)."""
+    admission (CREATE and UPDATE), as KServe applies it: the URI read where KServe's defaulter reads
+    it (custom containers' ``STORAGE_URI`` included: ``urimatch.isvc_storage_uri``), then the cache
+    label and annotations of the first matching cache, or none of them; no URI, no change. Set
+    only when the service is admitted, so a cache created or deleted later never changes a
+    running service (its labels reach the pod template: a change would roll it out, which KServe
+    never does)."""
 
     lookup: ApiLookup
 
@@ -163,6 +165,11 @@ class ServiceDefaulter:
         kind = (req.get("kind") or {}).get("kind") or obj.get("kind") or ""
         namespace = req.get("namespace") or (obj.get("metadata") or {}).get("namespace") or "default"
         uri = llmisvc_model_uri(obj) if kind == "LLMInferenceService" else isvc_storage_uri(obj)
+        if uri is None:
+            # No URI we can read (a custom container without STORAGE_URI, a storage: spec): as
+            # KServe's defaulter, leave the labels as they are. This webhook runs after KServe's,
+            # so removing them here would undo what KServe's own defaulter just decided.
+            return response(review, True)
         try:
             match = select_cache(uri, namespace, (obj.get("metadata") or {}).get("annotations") or {},
                                  *self.lookup.cache_refs(namespace))
@@ -230,6 +237,8 @@ class CacheValidator:
         if old and (old.get("spec") or {}).get("sourceModelUri") != uri:
             return "StorageUri is immutable"
         name = str(meta.get("name") or "")
+        if why := cachepolicy.refusal(self.kind, name, spec, self.namespaced):
+            return why
         if not old and len(name) > MAX_LABEL_VALUE:
             return (f"{self.kind} name {name} has {len(name)} characters; at most {MAX_LABEL_VALUE}: the "
                     f"InferenceServices using a cache are labelled {LOCALMODEL_LABEL}=<its name> (KServe's "
@@ -243,6 +252,9 @@ class CacheValidator:
         for group in spec.get("nodeGroups") or []:
             if not self.lookup.group_exists(group):
                 return f"NodeGroup {group} not found: create the LocalModelNodeGroup first"
+        if self.namespaced:
+            ns = str(meta.get("namespace") or req.get("namespace") or "")
+            return cachepolicy.share_refusal(name, ns, spec, self.lookup.namespace_caches(ns), self.lookup.group)
         return None
 
     def _delete(self, req: Review) -> str | None:

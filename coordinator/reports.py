@@ -49,3 +49,13 @@ def reported_message(lmn: Mapping[str, Any] | None, skey: str) -> str:
 
 
 _RETRY = re.compile(r" \(retry \d+ in [^)]*\)$")
+
+
+def reported_verification(lmn: Mapping[str, Any] | None, uid: str | None, skey: str, uri: str) -> str | None:
+    """``Verifying`` / ``Unverified`` while the agent counts a copy KServe's agent downloaded on its
+    word (``modelDetails[skey].verification``, agent/state.py); None once verified, or not reported."""
+    if reported_state(lmn, uid, skey, uri) is None:
+        return None
+    detail = ((((lmn or {}).get("status") or {}).get("modelDetails") or {}).get(skey)) or {}
+    value = detail.get("verification")
+    return str(value) if value else None

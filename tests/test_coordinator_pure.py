@@ -170,6 +170,34 @@ def test_storage_uri_of_services() -> None:
     assert urimatch.llmisvc_model_uri({"spec": {"model": {"uri": "hf://o/m"}}}) == "hf://o/m"
 
 
+def _custom(*containers: dict[str, object], **predictor: object) -> dict[str, object]:
+    return {"spec": {"predictor": {"containers": list(containers), **predictor}}}
+
+
+def test_storage_uri_read_as_kserves_defaulter_reads_it() -> None:
+    """GetImplementation().GetStorageUri() of KServe v0.20.0 (predictor.go, predictor_custom.go)."""
+    uri = urimatch.isvc_storage_uri
+    env = [{"name": "OTHER", "value": "x"}, {"name": "STORAGE_URI", "value": "hf://org/llm"}]
+    # A custom predictor: the STORAGE_URI env of kserve-container (vLLM / TGI images).
+    assert uri(_custom({"name": "kserve-container", "image": "vllm", "env": env})) == "hf://org/llm"
+    # KServe's defaulter names a lone container, or an unnamed first one, kserve-container first.
+    assert uri(_custom({"name": "vllm", "env": env})) == "hf://org/llm"
+    assert uri(_custom({"env": env}, {"name": "sidecar"})) == "hf://org/llm"
+    assert uri(_custom({"name": "sidecar", "env": env}, {"name": "kserve-container", "env": env[:1]})) is None
+    assert uri(_custom({"name": "sidecar", "env": env}, {"name": "proxy"})) is None
+    assert uri(_custom({"name": "sidecar"}, {"name": "kserve-container", "env": env})) == "hf://org/llm"
+    # Nothing to read (no env; an env from a Secret): None, the labels are left as they are.
+    assert uri(_custom({"name": "kserve-container", "image": "x"})) is None
+    assert uri(_custom({"name": "kserve-container", "env": [
+        {"name": "STORAGE_URI", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]})) is None
+    # The first implementation set wins, in KServe's order; a framework spec before containers.
+    assert uri({"spec": {"predictor": {"sklearn": {"storageUri": "gs://a"}, "model": {"storageUri": "gs://b"}}}}) \
+        == "gs://a"
+    assert uri({"spec": {"predictor": {"xgboost": {}, "model": {"storageUri": "gs://b"}}}}) is None
+    assert uri(_custom({"name": "kserve-container", "env": env}, model={"storageUri": "s3://m"})) == "s3://m"
+    assert uri({"spec": {"predictor": {"model": {"storage": {"key": "k", "path": "p"}}}}}) is None
+
+
 def test_status_aggregation_counts_current_members_only() -> None:
     members = {
         "a": membership.Member("a", "g", True),
@@ -348,6 +376,30 @@ def test_event_predicates_ignore_noise() -> None:
     assert not entries_or_states_changed("MODIFIED", {**keyed, "status": {**keyed["status"], "modelDetails": {
         "m": {"storageKey": "k1", "bytesDone": 9}}}}, keyed)
     assert entries_or_states_changed("MODIFIED", {**keyed, "status": {**keyed["status"], "nodeUID": "u2"}}, keyed)
+    # A copy counted on KServe's word, then verified: the caches' CopiesVerified follows.
+    verifying = {**keyed, "status": {**keyed["status"], "modelDetails": {
+        "m": {"storageKey": "k1", "verification": "Verifying"}}}}
+    assert entries_or_states_changed("MODIFIED", verifying, keyed)
+    assert entries_or_states_changed("MODIFIED", keyed, verifying)
+
+
+def test_a_cache_says_which_copies_are_counted_on_kserves_word() -> None:
+    from coordinator.caches import _verification_message, _verification_reason
+    from coordinator.reports import reported_verification
+
+    lmn = {"status": {"modelStatus": {"m": "ModelDownloaded"}, "modelDetails": {
+        "m": {"storageKey": storage_key("s3://b/m"), "verification": "Unverified"}}}}
+    assert reported_verification(lmn, None, "m", "s3://b/m") == "Unverified"
+    from coordinator.view import lmn_essentials
+
+    kept = lmn_essentials({"status": {**lmn["status"], "capacity": {"freeBytes": 1}, "modelDetails": {
+        "m": {**lmn["status"]["modelDetails"]["m"], "bytesDone": 5}}}})  # what the coordinator's informer keeps
+    assert reported_verification(kept, None, "m", "s3://b/m") == "Unverified" and "capacity" not in kept["status"]
+    assert reported_verification(lmn, None, "m", "s3://b/other") is None  # about another URI
+    assert reported_verification({"status": {"modelStatus": {"m": "ModelDownloaded"}}}, None, "m", "s3://b/m") is None
+    assert _verification_reason({"n1": "Verifying", "n2": "Unverified"}) == "Unverified"
+    assert _verification_reason({"n1": "Verifying"}) == "Verifying" and _verification_reason({}) == "Verified"
+    assert "Unverified on n2; Verifying on n1" in _verification_message({"n1": "Verifying", "n2": "Unverified"})
 
 
 @pytest.mark.parametrize("fail_closed", [False, True])
@@ -382,3 +434,34 @@ def test_condition_keeps_its_time_while_unchanged() -> None:
                                       "missing g", "t3")
     assert flipped == [{"type": "NodeGroupsFound", "status": "False", "reason": "NodeGroupNotFound",
                         "message": "missing g", "lastTransitionTime": "t3"}, {"type": "Other"}]
+
+
+def test_cache_specs_the_webhook_refuses() -> None:
+    """coordinator/cachepolicy.py (security review H3, M4, L2, L3)."""
+    from coordinator.cachepolicy import refusal, share_refusal
+
+    leaky = "https://alice:pw@h.example/m.bin?X-Amz-Signature=S&sv=1&sig=T&download=true"
+    why = refusal("LocalModelCache", "leaky", {"sourceModelUri": leaky}, namespaced=False)
+    assert why and "carries credentials (userinfo, query parameter X-Amz-Signature, query parameter sig)" in why
+    assert "pw" not in why.replace("put the", "") and "=S" not in why
+    for uri in ("s3://b/m", "hf://org/m", "https://h/m.bin?download=true", "oci://reg/repo@sha256:" + "a" * 64,
+                "https://h/m.bin#sha256=" + "b" * 64):
+        assert refusal("LocalModelCache", "ok", {"sourceModelUri": uri}, namespaced=False) is None, uri
+    params = {"sourceModelUri": "s3://b/m", "storage": {"key": "k", "parameters": {"endpoint_url": "http://x"}}}
+    assert refusal("LocalModelCache", "c", params, namespaced=False) is None  # a cluster admin's choice
+    assert "may not set endpoint_url in a namespace cache" in (refusal("LocalModelNamespaceCache", "c", params,
+                                                                       namespaced=True) or "")
+
+    def group(name: str) -> dict[str, Any] | None:
+        return {"metadata": {"annotations": {"modelcache.io/namespace-storage-limit": "1Gi"}}} if name == "g" else {}
+
+    def cache(name: str, uri: str, size: str, groups: list[str]) -> dict[str, Any]:
+        return {"metadata": {"name": name}, "spec": {"sourceModelUri": uri, "modelSize": size, "nodeGroups": groups}}
+
+    others = [cache("a", "s3://b/a", "600Mi", ["g"]), cache("a2", "s3://b/a", "600Mi", ["g"]),  # one URI, once
+              cache("x", "s3://b/x", "900Mi", ["other"])]
+    assert share_refusal("new", "t", cache("new", "s3://b/n", "400Mi", ["g"])["spec"], others, group) is None
+    why = share_refusal("new", "t", cache("new", "s3://b/n", "500Mi", ["g", "other"])["spec"], others, group)
+    assert why and "would declare 1.1 GiB (modelSize) on node group g, over its share of 1.0 GiB" in why, why
+    # The cache itself, edited, counts once (its old spec is among the others).
+    assert share_refusal("a", "t", cache("a", "s3://b/a", "1Gi", ["g"])["spec"], others, group) is None
