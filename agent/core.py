@@ -136,14 +136,21 @@ class Agent:
         self.changed.set()
 
     def set_spec(self, entries: list[LocalModelInfo], generation: int | None = None) -> None:
+        """Apply a valid spec. The status is written at once only if this changed something: the
+        resync re-applies the same spec every --resync-period, and a write for it would be a
+        progress write between two --status-interval ticks."""
         desired = group_entries(entries)
         with self.lock:
+            changed = self.refused is not None or not self.spec_seen.is_set() or generation != self.generation
             self.refused = None
             for key, (uri, infos) in desired.items():
                 rec = self.records.get(key)
                 if rec is None:
                     self.records[key] = self._new_record(key, uri, infos)
+                    changed = True
                     continue
+                if rec.entries != infos or rec.uri != uri:
+                    changed = True
                 if rec.entries != infos and not _hopeless(rec):
                     # Edited (say, its credentials) or back in the spec: a failed model retries now.
                     rec.next_attempt, rec.failures = 0.0, 0
@@ -154,12 +161,14 @@ class Agent:
             for key, rec in self.records.items():
                 if key not in desired and rec.wanted:
                     self._mark_removing(rec)
+                    changed = True
             if not self.spec_seen.is_set():
                 self._adopt_orphans()
                 self._last_sweep = time.monotonic()
             self.generation = generation
         self.spec_seen.set()
-        self.changed.set()
+        if changed:
+            self.changed.set()
         self.wake.set()
 
     def _new_record(self, key: str, uri: str, infos: list[LocalModelInfo]) -> ModelRecord:

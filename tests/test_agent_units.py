@@ -166,6 +166,66 @@ def test_install_in_place_renames_only_differing_files_and_drops_stale_ones(tmp_
     assert store.manifest(key) == manifest and store.is_present(key) and store.verify(key) == []
 
 
+def test_the_same_spec_again_is_no_status_change(tmp_path: Path) -> None:
+    """The resync re-applies the spec every --resync-period: only a spec that changes something
+    wakes the status writer, else each resync is one more progress write between two
+    --status-interval ticks."""
+    from agent.config import AgentConfig
+    from agent.core import Agent
+    from agent.inuse import NoMounts
+
+    agent = Agent(AgentConfig(node="n", root=tmp_path / "root", port=-1), Credentials(None, {}), NoMounts())
+    try:
+        spec = [LocalModelInfo(model_name="m", source_model_uri="http://h/m.bin")]
+        agent.set_spec(spec, 1)
+        assert agent.changed.is_set()  # the first spec
+        for same in ([LocalModelInfo(model_name="m", source_model_uri="http://h/m.bin")], spec):
+            agent.changed.clear()
+            agent.set_spec(same, 1)
+            assert not agent.changed.is_set()
+        for different, generation in (
+            (spec, 2),  # a new generation is reported (observedGeneration)
+            ([LocalModelInfo(model_name="m", source_model_uri="http://h/m.bin", node_group="g")], 2),  # edited
+            ([*spec, LocalModelInfo(model_name="o", source_model_uri="http://h/o.bin")], 2),  # added
+            (spec, 2),  # removed
+        ):
+            agent.changed.clear()
+            agent.set_spec(different, generation)
+            assert agent.changed.is_set(), (different, generation)
+        agent.refuse_spec(["spec.localModels[0]: bad"], 3)
+        agent.changed.clear()
+        agent.set_spec(spec, 3)
+        assert agent.changed.is_set()  # the refusal is cleared from the status
+    finally:
+        agent.stop()
+
+
+def test_a_status_write_pruned_by_the_previous_crd_schema_is_not_remembered() -> None:
+    """Right after the LocalModelNode CRD changes, the API server may still prune a status write
+    with the old schema (its CRD handler switches after the watch event reaches the agent): such a
+    write must not become the agent's memory of "what the server keeps", or our fields, dropped
+    once, are never written again at rest."""
+    import yaml
+
+    from agent.kubemode import pruned_by_another_schema, status_fields
+    from tests.helpers import REPO
+
+    crd = yaml.safe_load((REPO / "deploy" / "crds" / "serving.kserve.io_localmodelnodes.yaml").read_text())
+    ours = status_fields(crd)
+    assert ours is not None and {"modelStatus", "modelDetails", "capacity", "nodeUID"} <= ours
+    kserve_like = {"modelStatus"}  # KServe's schema: every other field of ours is pruned
+    status = {"modelStatus": {"m": "ModelDownloaded"}, "modelDetails": {"m": {}}, "capacity": {}, "nodeUID": "u"}
+    only_model_status = {"modelStatus": {"m": "ModelDownloaded"}}
+    assert not pruned_by_another_schema(status, status, ours)
+    assert pruned_by_another_schema(status, only_model_status, ours)  # ours back, pruned with KServe's
+    assert not pruned_by_another_schema(status, only_model_status, kserve_like)
+    assert pruned_by_another_schema(status, status, kserve_like)  # KServe's applied, kept with ours
+    assert not pruned_by_another_schema(status, only_model_status, None)  # schema unknown: as before
+    assert status_fields(None) is None
+    assert status_fields({"spec": {"versions": [{"name": "v1alpha1", "schema": {"openAPIV3Schema": {
+        "properties": {"status": {"x-kubernetes-preserve-unknown-fields": True}}}}}]}}) is None
+
+
 def test_retry_backoff_doubles_up_to_the_cap_and_counts_errors_by_reason(tmp_path: Path) -> None:
     import re
     import time
