@@ -22,6 +22,17 @@ class AgentMetrics:
         self.errors = Counter("modelcache_agent_errors", "Failed download attempts and checks, by reason",
                               ["reason"], registry=r)
         self.free = Gauge("modelcache_agent_free_bytes", "Free bytes on the model root's file system", registry=r)
+        # Size, stored bytes and the node group's limit: what the "root near full" and "over the
+        # group's storageLimit" alerts compare (monitoring/alerts.yaml).
+        self.size = Gauge("modelcache_agent_root_size_bytes", "Size of the model root's file system", registry=r)
+        self.stored = Gauge("modelcache_agent_stored_bytes", "Bytes of the models published on this node (what "
+                            "counts against a node group's storageLimit)", registry=r)
+        self.limit = Gauge("modelcache_agent_storage_limit_bytes", "storageLimit of each node group this node's "
+                           "models belong to", ["node_group"], registry=r)
+        self.drifted = Gauge("modelcache_agent_drifted_models", "Models whose source changed since they were "
+                             "downloaded (a drift check; the copy is left as it is)", registry=r)
+        self.status_published = Gauge("modelcache_agent_status_published_timestamp_seconds",
+                                      "When the agent last wrote (or confirmed) its status report", registry=r)
         self.reserved = Gauge("modelcache_agent_reserved_bytes", "Bytes reserved by downloads in flight", registry=r)
         self.removals_waiting = Gauge("modelcache_agent_removals_waiting",
                                       "Models out of the spec kept because a running pod mounts them", registry=r)
@@ -34,6 +45,7 @@ class AgentMetrics:
                                      "(unauthenticated, forbidden, busy, tls)", ["reason"], registry=r)
         self.peer_dropped = Counter("modelcache_agent_peer_dropped", "Peers dropped for a model after a wrong piece",
                                     registry=r)
+        self._limit_groups: set[str] = set()
         for state in MODEL_STATES:
             if state:
                 self.models.labels(state=state)
@@ -42,6 +54,14 @@ class AgentMetrics:
         for state in MODEL_STATES:
             if state:
                 self.models.labels(state=state).set(counts.get(state, 0))
+
+    def set_limits(self, limits: dict[str, int]) -> None:
+        """The storageLimit of each node group this node serves now (a group that left: no series)."""
+        for group in self._limit_groups - limits.keys():
+            self.limit.remove(group)
+        for group, limit in limits.items():
+            self.limit.labels(node_group=group).set(limit)
+        self._limit_groups = set(limits)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
