@@ -1,14 +1,15 @@
-"""kill -9 loop over pull / refresh / rm / gc on one store (issue 33; the integrity review's loop).
+"""kill -9 loop over pull / refresh / adoption / rm / gc on one store (issue 33; the review's loop).
 
 Four ``file://`` models: two folders (one nested), one bigger file (a longer transfer to land
 in), and one single tar, stored unpacked. Each run picks an operation at random: a pull, a
 ``pull --refresh`` after one origin file was rewritten with the same size (a new revision), an
-``rm``, or ``gc --target-free 100T --evict-all``; the CLI is killed either at a random moment or
-exactly at one publish step (``modelcache.store.PUBLISH_STEPS``, in turn: the windows a random
-kill almost never hits). After every run, and again after a plain pull of all four ("heal"):
-every model ``ls`` calls present hashes to its manifest, equals one origin revision byte for byte
-(no mix of two, no file of another) and holds nothing else; the heal pull succeeds and leaves all
-four present.
+adoption (the model removed and its files put back as KServe's agent leaves them, then a pull),
+an ``rm``, or ``gc --target-free 100T --evict-all``; the CLI is killed either at a random moment
+or, mostly when the operation publishes, exactly at one publish step
+(``modelcache.store.PUBLISH_STEPS``, in turn: the windows a random kill almost never hits).
+After every run, and again after a plain pull of all four ("heal"): every model ``ls`` calls
+present hashes to its manifest, equals one origin revision byte for byte (no mix of two, no file
+of another) and holds nothing else; the heal pull succeeds and leaves all four present.
 
 ``KILL_LOOP_RUNS`` (12 here; ``make chaos`` runs 300) and ``KILL_LOOP_SEED`` (printed first)
 replay a sequence; ``KILL_LOOP_KMAX`` is the latest random kill, in seconds after the start.
@@ -99,6 +100,12 @@ def _new_revision(model: Model, rng: random.Random) -> None:
     _write(model, files)
 
 
+def _kserve_fill(folder: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(data)
+
+
 def _folder(folder: Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes()
             for p in sorted(folder.rglob("*")) if p.is_file() or p.is_symlink()}
@@ -146,22 +153,30 @@ def test_kill9_loop_over_pull_refresh_rm_gc(tmp_path: Path) -> None:
     first = run_cli("pull", *(m.uri for m in models), *base, *quiet, timeout=180)
     assert first.returncode == 0, first.stderr
     problems: list[str] = []
-    killed: dict[str, int] = {}
+    killed: dict[str, int] = {}  # per operation
+    landed: dict[str, int] = {}  # per kind of kill ("at swapped", "at random")
     aimed = 0
     for run in range(RUNS):
-        op = rng.choice(["pull", "refresh", "rm", "gc"])
+        op = rng.choice(["pull", "refresh", "adopt", "rm", "gc"])
         model = rng.choice(models)
+        store = NodeStore.at(root)
+        publishes = op in ("refresh", "adopt") or (op == "pull" and not store.is_present(model.key))
         if op == "pull":
             args = ["pull", model.uri, *base, *quiet, "--chunk-size", "1M"]
         elif op == "refresh":
             _new_revision(model, rng)
             args = ["pull", "--refresh", model.uri, *base, *quiet, "--chunk-size", "1M"]
+        elif op == "adopt":  # what KServe's agent leaves: the model's files, no record of ours
+            store.remove(model.key)
+            _kserve_fill(root / "models" / model.key, model.revisions[-1])
+            args = ["pull", model.uri, *base, *quiet, "--chunk-size", "1M"]
         elif op == "rm":
             args = ["rm", model.key, *base]
         else:
             args = ["gc", "--target-free", "100T", "--evict-all", *base]
-        if run % 2 == 0:  # aimed at each publish step in turn
-            step = PUBLISH_STEPS[aimed % len(PUBLISH_STEPS)]
+        if publishes and rng.random() < 0.7:  # aimed at each publish step in turn
+            steps = PUBLISH_STEPS if op == "adopt" else tuple(s for s in PUBLISH_STEPS if s != "merging")
+            step = steps[aimed % len(steps)]
             aimed += 1
             code = crashpoints.run(step, *args).returncode
             how = f"at {step}"
@@ -170,6 +185,7 @@ def test_kill9_loop_over_pull_refresh_rm_gc(tmp_path: Path) -> None:
             how = "at random"
         if code == -signal.SIGKILL:
             killed[op] = killed.get(op, 0) + 1
+            landed[how] = landed.get(how, 0) + 1
         where = f"run {run} ({op} {model.key}, killed {how}: rc {code})"
         problems += _check(root, models, where)
         heal = run_cli("pull", *(m.uri for m in models), *base, *quiet, timeout=180)
@@ -177,5 +193,5 @@ def test_kill9_loop_over_pull_refresh_rm_gc(tmp_path: Path) -> None:
             problems.append(f"{where}: the heal pull failed: {heal.stderr.strip()[-600:]}")
         problems += _check(root, models, f"{where}, after the heal pull", must_be_present=True)
         assert not problems, f"KILL_LOOP_SEED={seed}:\n" + "\n".join(problems)
-    print(f"{RUNS} runs, killed mid-operation: {killed}")
+    print(f"{RUNS} runs, killed mid-operation: {killed}; where: {landed}")
     assert sum(killed.values()) >= RUNS // 4, f"too few kills landed ({killed}): the loop tests little"
