@@ -74,7 +74,11 @@ def test_service_account_secrets_map_like_kserve(tmp_path: Path) -> None:
     env = service_account_env(LocalModelInfo(model_name="m", service_account_name="sa"), reader, str(tmp_path))
     assert env["AWS_ACCESS_KEY_ID"] == "AK" and env["AWS_SECRET_ACCESS_KEY"] == "SK"
     assert env["S3_ENDPOINT"] == "minio:9000" and env["S3_USE_HTTPS"] == "0"
-    assert env["AWS_DEFAULT_REGION"] == "eu-west-1"  # from the service account's annotation
+    # The service account's s3-* annotations count only with IRSA's, as KServe reads them (L5).
+    assert "AWS_DEFAULT_REGION" not in env
+    reader.sas["sa"]["metadata"]["annotations"]["eks.amazonaws.com/role-arn"] = "arn:aws:iam::1:role/r"
+    env = service_account_env(LocalModelInfo(model_name="m", service_account_name="sa"), reader, str(tmp_path))
+    assert env["AWS_DEFAULT_REGION"] == "eu-west-1"  # an IRSA service account's annotation
     key_file = Path(env["GOOGLE_APPLICATION_CREDENTIALS"])
     assert json.loads(key_file.read_text()) == {"type": "service_account"}
     assert oct(key_file.stat().st_mode & 0o777) == "0o600"
@@ -301,6 +305,9 @@ def test_s3_settings_follow_kserves_precedence_and_endpoint_rule() -> None:
     assert env["AWS_DEFAULT_REGION"] == "data-region"  # data beats the service account and the config
     assert env["awsAnonymousCredential"] == "true"  # the service account fills what the secret leaves unset
     assert env["S3_VERIFY_SSL"] == "0"  # the config fills the rest
+    # KServe lets the secret's settings, config defaults included, override the service account's.
+    assert s3_env({}, {}, cfg, sa)["AWS_DEFAULT_REGION"] == "cfg-region"
+    assert s3_env({}, {}, CredentialConfig(), sa)["AWS_DEFAULT_REGION"] == "sa-region"
     only_cfg = s3_env({}, {}, cfg)
     assert (only_cfg["S3_ENDPOINT"], only_cfg["AWS_ENDPOINT_URL"]) == ("cfg:1", "http://cfg:1")
     assert s3_env({}, {"S3_ENDPOINT": "h:9"}, CredentialConfig())["AWS_ENDPOINT_URL"] == "https://h:9"
