@@ -332,6 +332,7 @@ class Agent:
     def _download(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> None:
         t0 = time.monotonic()
         scheme = "job" if self._job_container(rec.uri) is not None else _scheme(rec.uri)
+        self.metrics.download_started(scheme)
         error: BaseException | None = None
         result = None
         try:

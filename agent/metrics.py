@@ -58,6 +58,15 @@ class AgentMetrics:
             if state:
                 self.models.labels(state=state).set(counts.get(state, 0))
 
+    def download_started(self, scheme: str) -> None:
+        """The series of a scheme's downloads exist, at 0, from its first attempt on: Prometheus'
+        ``rate``/``increase`` need a sample before a counter moves, else the first failures (what
+        ModelcacheDownloadsFailing counts) and the first finished download (the dashboard's download
+        times) are invisible to them."""
+        self.bytes.labels(scheme=scheme)
+        for outcome in ("ok", "error"):
+            self.duration.labels(scheme=scheme, outcome=outcome)
+
     def set_limits(self, limits: dict[str, int]) -> None:
         """The storageLimit of each node group this node serves now (a group that left: no series)."""
         for group in self._limit_groups - limits.keys():
