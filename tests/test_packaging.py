@@ -93,10 +93,14 @@ def test_wheel_and_sdist_install_in_a_fresh_venv(dist: Path, tmp_path: Path) -> 
     pinned = ["-c", str(constraints)] if constraints.exists() else []
     proc = subprocess.run([*pip, *pinned, str(wheel)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for script in ("modelcache", "storage-initializer", "modelcache-agent", "modelcache-coordinator"):
+    for script in ("modelcache", "modelcache-agent", "modelcache-coordinator"):
         run = subprocess.run([str(venv / "bin" / script), "--help"], capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, f"{script} --help: {run.stderr[-2000:]}"
         assert "Usage:" in run.stdout
+    # KServe's initializer contract: positional pairs only; its usage, on stderr, for anything else.
+    run = subprocess.run([str(venv / "bin" / "storage-initializer"), "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode != 0 and run.stderr.startswith("Usage: initializer-entrypoint src_uri_0 dest_path_0")
     version = subprocess.run([str(venv / "bin" / "modelcache"), "--version"], capture_output=True, text=True)
     assert version.stdout.strip() == f"modelcache, version {VERSION}"
     # The sdist builds and installs too (over the wheel's dependencies, already there).
