@@ -448,7 +448,8 @@ def test_a_stored_model_is_answered_by_its_uri_text_whatever_the_endpoint(moto_s
     assert run_cli("pull", uri, "--root", str(root), "--progress", "none", env=moto_s3.env()).returncode == 0
     elsewhere = {**moto_s3.env(), "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}  # nothing listens there
     proc = run_cli("pull", uri, "--root", str(root), "--progress", "none", env=elsewhere)
-    assert proc.returncode == 0 and re.search(r"\(1 file, 1000 B, cached[,)]", proc.stderr.splitlines()[-1]), proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"\(1 file, 1000 B, cached[,)]", proc.stderr.splitlines()[-1]), proc.stderr
     readme = " ".join((REPO / "README.md").read_text().split())
     assert "stored model is answered from the store by its URI's text alone, as KServe keys it" in readme
     # On a node the CLI reads its own environment, not the cluster's Secret: it says what is missing.
