@@ -12,11 +12,14 @@ and its running task every time it is called (agent/state.py): nothing stored ca
 from __future__ import annotations
 
 import logging
+import os
 import re
+import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from agent.capacity import Capacity
@@ -26,7 +29,8 @@ from agent.credentials import Credentials
 from agent.inuse import MountChecker
 from agent.logs import fields
 from agent.metrics import AgentMetrics
-from agent.state import INTERRUPTED, REMOVED, STOPPING, Failure, ModelRecord, Task
+from agent.state import INTERRUPTED, REMOVED, STOPPING, UNVERIFIED, Failure, ModelRecord, Task
+from modelcache import adopt
 from modelcache.clock import rfc3339
 from modelcache.errors import ModelcacheError
 from modelcache.kube.types import (
@@ -118,6 +122,8 @@ class Agent:
         #: Optional sink for notable transitions (cluster mode: Kubernetes Events on the LocalModelNode):
         #: on_event(type "Normal"|"Warning", reason, message). Called without the lock held.
         self.on_event: Callable[[str, str, str], None] | None = None
+        #: When the first model still carried over was seen (ModelsVerified's transition time).
+        self._carried_since: str | None = None
         #: The last spec refused as invalid (modelcache.kube.validate), until a valid one comes:
         #: (problems, its generation, when it was refused). Reported as a SpecValid=False condition.
         self.refused: tuple[list[str], int | None, str] | None = None
@@ -150,15 +156,25 @@ class Agent:
                 self.refused = (list(problems), generation, rfc3339())
         self.changed.set()
 
-    def set_spec(self, entries: list[LocalModelInfo], generation: int | None = None) -> None:
+    def set_spec(self, entries: list[LocalModelInfo], generation: int | None = None,
+                 reported: Mapping[str, str] | None = None) -> None:
+        """Apply a valid spec. The status is written at once only if this changed something: the
+        resync re-applies the same spec every --resync-period, and a write for it would be a
+        progress write between two --status-interval ticks. ``reported``: the ``modelStatus``
+        persisted in the LocalModelNode (KServe's agent's, before the switch): a folder it
+        reported ``ModelDownloaded`` is carried over (agent/state.py)."""
         desired = group_entries(entries)
         with self.lock:
+            changed = self.refused is not None or not self.spec_seen.is_set() or generation != self.generation
             self.refused = None
             for key, (uri, infos) in desired.items():
                 rec = self.records.get(key)
                 if rec is None:
-                    self.records[key] = self._new_record(key, uri, infos)
+                    self.records[key] = self._new_record(key, uri, infos, reported or {})
+                    changed = True
                     continue
+                if rec.entries != infos or rec.uri != uri:
+                    changed = True
                 if rec.entries != infos and not _hopeless(rec):
                     # Edited (say, its credentials) or back in the spec: a failed model retries now.
                     rec.next_attempt, rec.failures = 0.0, 0
@@ -169,23 +185,34 @@ class Agent:
             for key, rec in self.records.items():
                 if key not in desired and rec.wanted:
                     self._mark_removing(rec)
+                    changed = True
             if not self.spec_seen.is_set():
                 self._adopt_orphans()
                 self._last_sweep = time.monotonic()
             self.generation = generation
             self._last_entry_check = -ENTRY_CHECK  # new or changed entries are checked at the next tick
         self.spec_seen.set()
-        self.changed.set()
+        if changed:
+            self.changed.set()
         self.wake.set()
 
-    def _new_record(self, key: str, uri: str, infos: list[LocalModelInfo]) -> ModelRecord:
+    def _new_record(self, key: str, uri: str, infos: list[LocalModelInfo],
+                    reported: Mapping[str, str]) -> ModelRecord:
         rec = ModelRecord(key=key, uri=uri, entries=infos)
+        rec.carried = self._carried(key, infos, reported)
+        if rec.carried:
+            # What the copy takes on disk counts against the node group's storageLimit (and shows in
+            # the status) from now on, not only once verified.
+            rec.files_total, rec.bytes_total = _folder_size(self.store.layout.model_dir(key))
         try:
             parse_uri(uri)
         except ModelcacheError as exc:
             if self._job_container(uri) is None:  # (a download-Job container may read it)
                 rec.failure = Failure(f"{exc.reason}: {exc}", exc.reason)
                 rec.next_attempt = float("inf")  # a bad URI does not get better by retrying
+                if rec.carried:
+                    log.warning("a copy KServe downloaded of a URI modelcache does not read: served unverified",
+                                extra=fields(storage_key=key, uri=redact_uri(uri), error=_one_line(exc)))
                 return rec
         manifest = self.store.manifest(key)
         if manifest is None:
@@ -201,6 +228,24 @@ class Agent:
         rec.note = _unverified(manifest)
         log.info("model present", extra=fields(storage_key=key, uri=redact_uri(uri), bytes=rec.bytes_total))
         return rec
+
+    def _carried(self, key: str, infos: list[LocalModelInfo], reported: Mapping[str, str]) -> str:
+        """Why the node counts this model before verifying it ("": it does not): the persisted
+        status says ``ModelDownloaded`` for one of its entries (KServe's agent wrote it, or ours
+        while carrying it over before a restart), and the folder holds a copy our store never
+        knew (no manifest, no pin or repair of ours: a folder the store knew is never taken on
+        anyone's word)."""
+        names = [i.status_key for i in infos if reported.get(i.status_key) == MODEL_DOWNLOADED]
+        if not names:
+            return ""
+        try:
+            if not adopt.applies(self.store, key):  # (False for a folder the store knew: NodeStore.knew)
+                return ""
+        except (OSError, ModelcacheError):
+            return ""
+        log.info("a model folder reported ModelDownloaded: counted as downloaded while it is verified in place",
+                 extra=fields(storage_key=key, entries=",".join(names)))
+        return "reported ModelDownloaded before the switch"
 
     def _mark_removing(self, rec: ModelRecord) -> None:
         rec.former, rec.entries = rec.entries, []
@@ -300,7 +345,7 @@ class Agent:
 
     def _options(self) -> TransferOptions:
         return TransferOptions(workers=self.cfg.workers, chunk_size=self.cfg.chunk_size,
-                               max_attempts=self.cfg.transfer_attempts,
+                               max_attempts=self.cfg.transfer_attempts, stall_timeout=self.cfg.stall_timeout,
                                backoff_max=min(10.0, max(0.5, self.cfg.backoff_max)))
 
     def _download(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> None:
@@ -323,7 +368,15 @@ class Agent:
         event = None
         with self.lock:
             rec.task = None
+            carried = rec.carried
             if error is None and result is not None:
+                rec.carried = ""
+                if carried:
+                    drift = getattr(result, "drift", None)
+                    rec.drift = drift.message if drift is not None and drift.drifted else ""
+                    # Verified at the revision the folder holds: whether the source moved since is
+                    # the drift check's to say, now rather than an interval from now.
+                    rec.last_drift_check = float("-inf")
                 manifest = self.store.manifest(rec.key)
                 resolved = result.resolved_uri if result.resolved_uri != redact_uri(rec.uri) else None
                 rec.revision = (manifest.revision if manifest else None) or resolved
@@ -338,7 +391,10 @@ class Agent:
                 log.info("download finished", extra=fields(
                     storage_key=rec.key, uri=redact_uri(rec.uri), bytes=result.bytes, files=result.files,
                     seconds=round(elapsed, 2), cached=result.cached, revision=rec.revision or "", **origin_peers))
-                if rec.wanted:
+                if rec.wanted and carried:
+                    event = ("Normal", "Verified", f"{_names(rec)}: the copy KServe downloaded was verified in place "
+                             f"({rec.bytes_total or 0} bytes" + (f"; drift: {rec.drift}" if rec.drift else "") + ")")
+                elif rec.wanted:
                     event = ("Normal", "Downloaded", f"{_names(rec)}: downloaded {rec.bytes_total or 0} bytes")
             elif task.why == STOPPING:
                 # Not a failure: the staged data stays, and the next agent resumes from it.
@@ -349,7 +405,10 @@ class Agent:
                                                                       else ""), extra=fields(storage_key=rec.key))
             else:
                 self._failed(rec, error, elapsed, scheme)
-                if rec.wanted:
+                if rec.wanted and rec.carried:
+                    event = ("Warning", "Unverified", f"{_names(rec)}: serving the copy KServe downloaded, unverified: "
+                             f"{_one_line(error)}")
+                elif rec.wanted:
                     event = ("Warning", "DownloadFailed", f"{_names(rec)}: {rec.failure.reason}: {_one_line(error)}"
                              if rec.failure else f"{_names(rec)}: {_one_line(error)}")
         self.changed.set()
@@ -359,7 +418,8 @@ class Agent:
     def _pull_model(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> Any:
         """Our own download: the core pull (adoption, archives unpacked), or an in-place repair."""
         with self.credentials.settings_for(primary) as settings:
-            def pull_into(dest: Any = None, uri: str | None = None, check: Any = None, only: Any = None) -> Any:
+            def pull_into(dest: Any = None, uri: str | None = None, check: Any = None, only: Any = None,
+                          adoption: str = adopt.COMPLETE) -> Any:
                 where: dict[str, Any] = {"dest": dest} if dest is not None else {"root": self.cfg.root}
 
                 def admit(plan: PullPlan) -> None:
@@ -370,7 +430,8 @@ class Agent:
                 peers = self.peering.network if self.peering is not None and dest is None else None
                 # unpack: a repair's folder holds the model as the store does (archives unpacked).
                 return pull(uri or rec.uri, settings=settings, options=self._options(), progress=task.progress,
-                            admit=admit, cancel=task.cancel, only=only, peers=peers, unpack=True, **where)
+                            admit=admit, cancel=task.cancel, only=only, peers=peers, unpack=True,
+                            adoption=adoption, **where)
 
             with self.store.lock(rec.key, cancel=task.cancel):
                 self.store.recover(rec.key)  # a publish a crash interrupted is finished or undone first
@@ -379,7 +440,14 @@ class Agent:
                 # serving pods mount; a publish would swap the folder out from under them.
                 task.repairing = True
                 return repair(self.store, rec.key, pull_into, rec.old_files).result
-            return pull_into()
+            if rec.carried and not adopt.applies(self.store, rec.key):
+                with self.lock:
+                    rec.carried = ""  # the copy KServe left is gone: an ordinary download from here
+                log.warning("the folder counted on KServe's word is gone: downloading the model",
+                            extra=fields(storage_key=rec.key))
+                self.changed.set()
+            # A copy reported complete is adopted as found: pods are reading it (adopt, AS_FOUND).
+            return pull_into(adoption=adopt.AS_FOUND if rec.carried else adopt.COMPLETE)
 
     def containers_changed(self) -> None:
         """KServe's download containers changed: a URI one of them now reads is no longer an
@@ -423,7 +491,6 @@ class Agent:
             return {}
         self.metrics.model_bytes.labels(storage_key=key, source="origin").inc(stats.from_origin)
         self.metrics.model_bytes.labels(storage_key=key, source="peer").inc(stats.from_peers)
-        self.metrics.peer_dropped.inc(len(stats.dropped))
         return {"bytes_from_origin": stats.from_origin, "bytes_from_peers": stats.from_peers}
 
     def _emit(self, event: tuple[str, str, str] | None) -> None:
@@ -561,13 +628,14 @@ class Agent:
 
     def _used_bytes(self) -> int:
         with self.lock:
-            return sum(r.bytes_total or 0 for r in self.records.values() if not r.deleting and self._present(r.key))
+            return sum(r.bytes_total or 0 for r in self.records.values()
+                       if not r.deleting and (self._present(r.key) or r.carried))
 
     def _namespace_used(self, namespace: str) -> int:
         """Bytes of the models on this node that count against ``namespace``'s share of its group."""
         with self.lock:
             return sum(r.bytes_total or 0 for r in self.records.values()
-                       if not r.deleting and namespace in owners(r.entries) and self._present(r.key))
+                       if not r.deleting and namespace in owners(r.entries) and (self._present(r.key) or r.carried))
 
     def _log_progress(self, now: float) -> None:
         """One progress line per download every few seconds, the first as soon as its size is known."""
@@ -649,17 +717,46 @@ class Agent:
         }
         if self.generation is not None:
             out["observedGeneration"] = self.generation
+        conditions = self._verified_condition()
+        if conditions:
+            out["conditions"] = conditions
         if self.refused is not None:
             problems, generation, since = self.refused
-            out["conditions"] = [Condition(
+            out.setdefault("conditions", []).append(Condition(
                 type="SpecValid", status="False", reason="InvalidSpec", last_transition_time=since,
                 observed_generation=generation,
                 message=_one_line(ValueError(f"{len(problems)} problem(s), nothing applied or deleted until "
                                              "they are fixed: " + "; ".join(problems))),
-            ).to_dict()]
+            ).to_dict())
         if self.peering is not None:
             out["peer"] = self.peering.status(keys)
         return out
+
+    def _verified_condition(self) -> list[dict[str, Any]]:
+        """``ModelsVerified=False`` while copies are carried over (counted on KServe's word), naming
+        them; absent otherwise. Its time is when the first of them was seen, so it is stable."""
+        with self.lock:
+            carried = sorted((rec for rec in self.records.values() if rec.wanted and rec.carried),
+                             key=lambda r: _names(r))
+            if not carried:
+                self._carried_since = None
+                return []
+            if self._carried_since is None:
+                self._carried_since = rfc3339()
+            unverified = [r for r in carried if r.verification == UNVERIFIED]
+            verifying = [r for r in carried if r.verification != UNVERIFIED]
+        parts = []
+        if unverified:
+            parts.append(f"{len(unverified)} unverified (the source cannot be listed): " + "; ".join(
+                f"{_names(r)}: {r.failure.reason if r.failure else ''}" for r in unverified[:10]))
+        if verifying:
+            parts.append(f"{len(verifying)} verifying in place: " + ", ".join(_names(r) for r in verifying[:10]))
+        return [Condition(
+            type="ModelsVerified", status="False", reason="Unverified" if unverified else "Verifying",
+            last_transition_time=self._carried_since,
+            message=_one_line(ValueError(f"{len(carried)} copies KServe's agent downloaded are counted as downloaded "
+                                         "on its word: " + "; ".join(parts))),
+        ).to_dict()]
 
     def _peer_fields(self, key: str) -> dict[str, Any]:
         return self.peering.model_fields(key) if self.peering is not None else {}
@@ -678,6 +775,20 @@ class Agent:
                 if not rec.wanted and not rec.mounted_by:
                     return False
             return True
+
+
+def _folder_size(folder: Path) -> tuple[int, int]:
+    """(files, bytes) of the regular files under ``folder``, links not followed (stats only)."""
+    files = size = 0
+    for base, _dirs, names in os.walk(folder):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(base, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                files, size = files + 1, size + st.st_size
+    return files, size
 
 
 def _hopeless(rec: ModelRecord) -> bool:

@@ -220,19 +220,25 @@ def s3_env(annotations: Mapping[str, str], data: Mapping[str, str] | None, confi
            fallback_annotations: Mapping[str, str] | None = None) -> dict[str, str]:
     """S3 settings by KServe's precedence: annotation, secret data key, ``credentials.s3``.
 
-    ``fallback_annotations`` (the service account's) come after the secret's own annotations
-    and data (KServe ignores them there; they fill what the secret leaves unset).
+    ``fallback_annotations`` (an IRSA service account's) fill only what the secret and the config
+    leave unset: KServe builds them first and lets the secret's settings, config defaults
+    included, override them (``utils.MergeEnvs``, service_account_credentials.go).
     """
+    def annotated(source: Mapping[str, str], opt: S3Option) -> str | None:
+        for name in (opt.annotation, *ANNOTATION_ALIASES.get(opt.annotation, ())):
+            if ANNOTATION_PREFIX + name in source:
+                return source[ANNOTATION_PREFIX + name]
+        return None
+
     def value(opt: S3Option) -> str:
-        for source in (annotations, None, fallback_annotations):
-            if source is None:
-                if data is not None and opt.env in data:
-                    return data[opt.env]
-                continue
-            for name in (opt.annotation, *ANNOTATION_ALIASES.get(opt.annotation, ())):
-                if ANNOTATION_PREFIX + name in source:
-                    return source[ANNOTATION_PREFIX + name]
-        return config.s3.get(opt.config, "")
+        found = annotated(annotations, opt)
+        if found is None and data is not None and opt.env in data:
+            found = data[opt.env]
+        if found is None and opt.config in config.s3:
+            found = config.s3[opt.config]
+        if found is None and fallback_annotations is not None:
+            found = annotated(fallback_annotations, opt)
+        return found or ""
 
     env: dict[str, str] = {}
     values = {opt.env: value(opt).strip() for opt in S3_OPTIONS}
@@ -268,6 +274,7 @@ def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str
     if sa is None:
         raise AuthError(f"model {info.status_key}: service account '{name}' not found in the credentials namespace")
     sa_annotations = _annotations(sa)
+    irsa = IRSA_ANNOTATION in sa_annotations
     _tenant_may_use_account(info, name, sa)
     env: dict[str, str] = {}
     for ref in sa.get("secrets") or []:
@@ -279,7 +286,7 @@ def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str
         if config.s3_secret_key_name in data:
             env["AWS_ACCESS_KEY_ID"] = data.get(config.s3_access_key_name, "")
             env["AWS_SECRET_ACCESS_KEY"] = data[config.s3_secret_key_name]
-            env.update(s3_env(_annotations(secret), data, config, sa_annotations))
+            env.update(s3_env(_annotations(secret), data, config, sa_annotations if irsa else None))
         if config.gcs_credential_file_name in raw:
             path = os.path.join(key_dir, GCS_KEY_FILE)
             _write_private(path, raw[config.gcs_credential_file_name])
@@ -299,10 +306,9 @@ def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str
         for k in PLAIN_KEYS:
             if data.get(k):
                 env[k] = data[k]
-    if "AWS_SECRET_ACCESS_KEY" not in env and (
-            IRSA_ANNOTATION in sa_annotations
-            or any(k.startswith(ANNOTATION_PREFIX + "s3-") for k in sa_annotations)):
+    if "AWS_SECRET_ACCESS_KEY" not in env and irsa:
         # IRSA: no static keys; the S3 settings come from the service account and the config.
+        # (KServe reads a service account's s3-* annotations only when it has the IRSA one.)
         env.update(s3_env(sa_annotations, None, config))
     return env
 

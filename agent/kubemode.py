@@ -45,6 +45,28 @@ OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGene
 NODE_CRD = f"{LOCAL_MODEL_NODES.plural}.{LOCAL_MODEL_NODES.group}"
 
 
+def status_fields(crd: dict[str, Any] | None) -> set[str] | None:
+    """The status fields the LocalModelNode CRD keeps in the version we write, from the CRD object;
+    None if unknown (no CRD seen yet, no schema) or if it keeps any field."""
+    for version in ((crd or {}).get("spec") or {}).get("versions") or []:
+        if version.get("name") != LOCAL_MODEL_NODES.version:
+            continue
+        schema = ((version.get("schema") or {}).get("openAPIV3Schema") or {}).get("properties") or {}
+        status = schema.get("status")
+        if not isinstance(status, dict) or status.get("x-kubernetes-preserve-unknown-fields"):
+            return None
+        return set(status.get("properties") or {})
+    return None
+
+
+def pruned_by_another_schema(ours: dict[str, Any], kept: dict[str, Any], fields: set[str] | None) -> bool:
+    """Whether what the server kept of our status write is not what the schema we know keeps: a
+    field of ours it has dropped, or one it kept that the schema has not."""
+    if fields is None:
+        return False
+    return any((k in kept) != (k in fields) for k, v in ours.items() if v is not None)
+
+
 class KubeRunner:
     def __init__(self, agent: Agent, kube: Kube, paths: RootPaths | None = None) -> None:
         self.agent, self.kube = agent, kube
@@ -120,7 +142,11 @@ class KubeRunner:
                 self._event("Warning", "InvalidSpec", f"{len(problems)} problem(s), nothing applied or deleted: "
                             + "; ".join(problems))
             return
-        self.agent.set_spec(lmn.spec.local_models, lmn.generation or None)
+        # The persisted modelStatus: before the switch, KServe's agent's (copies it reported
+        # ModelDownloaded are carried over while they are verified: agent/state.py).
+        reported = (obj.get("status") or {}).get("modelStatus") or {}
+        self.agent.set_spec(lmn.spec.local_models, lmn.generation or None,
+                            {str(k): str(v) for k, v in reported.items()} if isinstance(reported, dict) else {})
 
     def download_jobs(self, namespace: str, host_path: str | None) -> DownloadJobs:
         """KServe's download-Job containers for this node, run in ``namespace``."""
@@ -195,8 +221,18 @@ class KubeRunner:
             ours = {**ours, "nodeUID": self.node_uid}
         written = patch_status_if_changed(self.kube, LOCAL_MODEL_NODES, self.node, self._desired(ours),
                                           current=current)
-        if written is not None:
-            self._kept = (copy.deepcopy(ours), dict(written.get("status") or {}))
+        if written is None:
+            return
+        kept = dict(written.get("status") or {})
+        if pruned_by_another_schema(ours, kept, status_fields(self.schema.store.get(NODE_CRD))):
+            # The CRD's watch event can reach us before the API server's own handler switches to
+            # the new schema: a write made at once was pruned with the old one (3 of 20 such
+            # writes, at load 25). Not remembered, so the next --status-interval writes again.
+            log.info("status written under the LocalModelNode CRD's previous schema; writing again",
+                     extra=fields(node=self.node))
+            self._kept = None
+            return
+        self._kept = (copy.deepcopy(ours), kept)
 
     def start(self, timeout: float = 60.0) -> KubeRunner:
         # Containers first: whether a URI none of our sources reads is a download Job's or

@@ -148,10 +148,12 @@ def metadata_json_patch(obj: dict[str, Any], labels: dict[str, str | None],
 @dataclass
 class ServiceDefaulter:
     """KServe's InferenceService / LLMInferenceService defaulter for the local-model metadata, at
-    admission (CREATE and UPDATE), as KServe applies it: the cache label and annotations of the
-    first matching cache, or none of them. Set only when the service is admitted, so a cache
-    created or deleted later never changes a running service (its labels reach the pod template:
-    a change would roll it out, which KServe never does)."""
+    admission (CREATE and UPDATE), as KServe applies it: the URI read where KServe's defaulter reads
+    it (custom containers' ``STORAGE_URI`` included: ``urimatch.isvc_storage_uri``), then the cache
+    label and annotations of the first matching cache, or none of them; no URI, no change. Set
+    only when the service is admitted, so a cache created or deleted later never changes a
+    running service (its labels reach the pod template: a change would roll it out, which KServe
+    never does)."""
 
     lookup: ApiLookup
 
@@ -161,6 +163,11 @@ class ServiceDefaulter:
         kind = (req.get("kind") or {}).get("kind") or obj.get("kind") or ""
         namespace = req.get("namespace") or (obj.get("metadata") or {}).get("namespace") or "default"
         uri = llmisvc_model_uri(obj) if kind == "LLMInferenceService" else isvc_storage_uri(obj)
+        if uri is None:
+            # No URI we can read (a custom container without STORAGE_URI, a storage: spec): as
+            # KServe's defaulter, leave the labels as they are. This webhook runs after KServe's,
+            # so removing them here would undo what KServe's own defaulter just decided.
+            return response(review, True)
         try:
             match = select_cache(uri, namespace, (obj.get("metadata") or {}).get("annotations") or {},
                                  *self.lookup.cache_refs(namespace))

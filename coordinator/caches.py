@@ -214,10 +214,14 @@ class CacheReconciler:
         skey = status_key(meta["name"], meta.get("namespace") or None)
         uri = (obj.get("spec") or {}).get("sourceModelUri") or ""
         model_states: dict[str, str | None] = {}
+        verification: dict[str, str] = {}
         for node in members:
             lmn = self.view.lmns.store.get_raw(node)
             uid = reports.node_uid(self.view.nodes.store.get_raw(node))
             model_states[node] = reports.reported_state(lmn, uid, skey, uri)
+            found = reports.reported_verification(lmn, uid, skey, uri)
+            if found:
+                verification[node] = found
         node_status = aggregate.node_status(members, model_states)
         copies = aggregate.copies(node_status)
         isvcs, llms = self.view.services_of(key)
@@ -246,6 +250,11 @@ class CacheReconciler:
                 conditions = aggregate.set_condition(
                     conditions, VOLUMES_CONDITION, not refused, "VolumeRefused" if refused else "VolumesCreated",
                     "; ".join(refused) if refused else "every serving PV and PVC exists", rfc3339())
+            # Shown once a copy is counted on KServe's word (the switch-over), True once all are verified.
+            if verification or any(c.get("type") == VERIFIED_CONDITION for c in conditions):
+                conditions = aggregate.set_condition(
+                    conditions, VERIFIED_CONDITION, not verification, _verification_reason(verification),
+                    _verification_message(verification), rfc3339())
             status["conditions"] = conditions
             return status
 
@@ -275,6 +284,26 @@ def _nodes(names: list[str], shown: int = 5) -> str:
 
 GROUPS_CONDITION = "NodeGroupsFound"
 VOLUMES_CONDITION = "ServingVolumesCreated"
+#: False while a node counts a copy KServe's agent downloaded on its word (agent/state.py, carried over).
+VERIFIED_CONDITION = "CopiesVerified"
+
+
+def _verification_reason(verification: Mapping[str, str]) -> str:
+    if not verification:
+        return "Verified"
+    return "Unverified" if "Unverified" in verification.values() else "Verifying"
+
+
+def _verification_message(verification: Mapping[str, str]) -> str:
+    if not verification:
+        return "every copy was checked against its source (what differs is each node's modelDetails drift)"
+    by_state: dict[str, list[str]] = {}
+    for node, state in sorted(verification.items()):
+        by_state.setdefault(state, []).append(node)
+    parts = [f"{state} on {', '.join(nodes[:10])}" + (f" and {len(nodes) - 10} more" if len(nodes) > 10 else "")
+             for state, nodes in sorted(by_state.items())]
+    return ("copies KServe's agent downloaded, counted as available on its word: " + "; ".join(parts)
+            + " (the node's modelDetails say why)")
 #: Seconds until volumes the API refused are tried again.
 REFUSED_RETRY = 60.0
 #: At most one status write per cache per this many seconds.

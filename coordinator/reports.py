@@ -37,3 +37,13 @@ def reported_state(lmn: Mapping[str, Any] | None, uid: str | None, skey: str, ur
     if detail.get("storageKey") and detail["storageKey"] != storage_key(uri):
         return None  # about another URI that an entry of this name had before
     return str(state)
+
+
+def reported_verification(lmn: Mapping[str, Any] | None, uid: str | None, skey: str, uri: str) -> str | None:
+    """``Verifying`` / ``Unverified`` while the agent counts a copy KServe's agent downloaded on its
+    word (``modelDetails[skey].verification``, agent/state.py); None once verified, or not reported."""
+    if reported_state(lmn, uid, skey, uri) is None:
+        return None
+    detail = ((((lmn or {}).get("status") or {}).get("modelDetails") or {}).get(skey)) or {}
+    value = detail.get("verification")
+    return str(value) if value else None

@@ -592,7 +592,11 @@ def gc(root: Path, target_free: int, evict_all: bool, dry_run: bool, as_json: bo
 @click.option("--credentials-namespace", default=None,
               help="Where our agent reads credentials (default: its DaemonSet's setting, else modelcache-credentials).")
 @click.option("--json", "as_json", is_flag=True, help="The steps as JSON.")
-def migrate(kubeconfig: str | None, kserve_namespace: str, credentials_namespace: str | None, as_json: bool) -> None:
+@click.option("--no-list", "no_list", is_flag=True,
+              help="Do not list the caches' sources (by default each is listed from here with the credentials "
+                   "the agent will use, and every one that fails is named).")
+def migrate(kubeconfig: str | None, kserve_namespace: str, credentials_namespace: str | None, as_json: bool,
+            no_list: bool) -> None:
     """Check a cluster for switching from KServe's local model cache to modelcache (before and after),
     and print what to do, in order: comment lines say why, every other line is a command. Exit 0
     when nothing blocks the switch, 1 otherwise. The procedure: deploy/README.md."""
@@ -601,7 +605,14 @@ def migrate(kubeconfig: str | None, kserve_namespace: str, credentials_namespace
 
     try:
         api = load_api_client(kubeconfig)
-        steps = mig.plan(mig.gather(Kube(api), kserve_namespace, credentials_namespace))
+        kube = Kube(api)
+        facts = mig.gather(kube, kserve_namespace, credentials_namespace)
+        if not no_list:
+            # The agent's own credential code (agent/precheck.py), so the listing is the agent's.
+            from agent.precheck import check_sources
+
+            facts.sources = check_sources(kube, facts, mig.agent_plain_env(facts.our_agent))
+        steps = mig.plan(facts)
     except StartupError as exc:  # no usable kubeconfig: one line naming the file and the fix
         _fail(str(exc), 2)
         return

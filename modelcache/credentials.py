@@ -128,6 +128,10 @@ class Settings:
     s3: S3Settings = field(default_factory=lambda: S3Settings())
     gcs: GCSSettings = field(default_factory=lambda: GCSSettings())
     azure: AzureSettings = field(default_factory=lambda: AzureSettings())
+    #: List a checksum no one can forge (md5 or better) where the source has one beside a CRC: set
+    #: by a pull with peer transfer, where the file checksum settles what other nodes sent (a CRC
+    #: would not: whoever knows the file can make other bytes with its CRC). Costs ~1.2 CPU-s/GiB.
+    forgery_proof: bool = False
     #: The environment snapshot these settings were built from, for backends that read more.
     env: Mapping[str, str] = field(default_factory=dict, repr=False)
 

@@ -28,12 +28,12 @@ from modelcache.archive import ArchiveLimits, single_archive, unpack_archive
 from modelcache.clock import rfc3339
 from modelcache.credentials import Settings
 from modelcache.diskio import fsync_tree
-from modelcache.drift import CURRENT, Drift, compare
+from modelcache.drift import CHANGED, CURRENT, KEPT_AS_FOUND, Drift, compare
 from modelcache.errors import CancelledError, InsufficientSpaceError, ModelcacheError, NotFoundError
 from modelcache.integrity import hash_file
 from modelcache.journal import Journal, JournalState
 from modelcache.progress import ProgressTracker, human_bytes
-from modelcache.sources.base import RemoteFile, Source, open_source
+from modelcache.sources.base import RemoteFile, Source, open_source, source_class
 from modelcache.store import (
     DestLayout,
     Guard,
@@ -84,6 +84,13 @@ class PullResult:
     #: Files the listing does not name, moved out of an adopted folder (and where to).
     set_aside: tuple[str, ...] = ()
     set_aside_to: str = ""
+    #: Adopted AS_FOUND (modelcache.adopt): listed files kept although they differ from the source,
+    #: and listed files absent from the folder and left out; the revision the folder was verified
+    #: at when it said which one it holds; what differs from the listing (None: nothing).
+    kept_as_found: tuple[str, ...] = ()
+    absent: tuple[str, ...] = ()
+    pinned_revision: str | None = None
+    drift: Drift | None = None
     #: Seconds from the first byte requested to the last written (``elapsed`` adds start-up,
     #: listing and publishing: the benchmarks' fixed cost is the difference).
     transfer_seconds: float = 0.0
@@ -132,6 +139,17 @@ class _Model:
     unpack: bool = False
     unpacked_from: str | None = None
     unpacked_links: list[str] = field(default_factory=list)
+    #: Adoption (modelcache.adopt): the policy, whether the folder is someone else's, the revision
+    #: it holds (when it says) and was listed at, what was kept although it differs, what was left out.
+    adoption: str = adopt.COMPLETE
+    foreign: bool = False
+    pinned: str | None = None
+    kept_as_found: set[str] = field(default_factory=set)
+    absent: tuple[str, ...] = ()
+    adoption_drift: Drift | None = None
+    #: AS_FOUND of a model that is one archive: the archive is fetched to verify the folder with,
+    #: and its unpacked files are compared with the folder's, never merged into it.
+    compare_unpacked: bool = False
 
 
 def _store_for(location: Location, root: Path | None, dest: Path | None, guard: Guard | None) -> NodeStore:
@@ -252,8 +270,8 @@ def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
     for ff in sorted(fetched, key=lambda f: f.path):
         remote = by_path.get(ff.path)
         checks = {c.algo: c.value for c in (remote.checksums if remote else ()) if c.algo in ff.verified}
-        files.append(ManifestFile(path=ff.path, size=ff.size, xxh3=ff.xxh3, checksums=checks,
-                                  version=remote.version if remote else None))
+        version = KEPT_AS_FOUND if ff.path in m.kept_as_found else (remote.version if remote else None)
+        files.append(ManifestFile(path=ff.path, size=ff.size, xxh3=ff.xxh3, checksums=checks, version=version))
     assert m.source is not None
     return Manifest(
         storage_key=m.key,
@@ -263,7 +281,9 @@ def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
         files=files,
         created_at=rfc3339(),
         # Kept on their size alone (adopted, no checksum): never compared with the source's bytes.
-        unverified=sorted(f.path for f in m.adopted if not f.verified and f.path in {ff.path for ff in fetched}),
+        # (A file kept as found is not: it is known to differ, and reported as changed.)
+        unverified=sorted(f.path for f in m.adopted if not f.verified and f.path in {ff.path for ff in fetched}
+                          and f.path not in m.kept_as_found),
     )
 
 
@@ -285,6 +305,22 @@ def list_source(source: Source, settings: Settings) -> list[RemoteFile]:
 
 
 def _list(m: _Model, settings: Settings) -> None:
+    if m.foreign:
+        # A folder someone else filled that says which revision it holds is listed at that
+        # revision: adopted as it is, never moved to the source's current one (adopt, AS_FOUND).
+        revision = source_class(m.location.kind).revision_in(m.store.layout.model_dir(m.key))
+        pinned = m.location.at_revision(revision) if revision else None
+        if pinned is not None:
+            try:
+                m.source = open_source(pinned, settings)
+                m.files = list_source(m.source, settings)
+                m.pinned = revision
+                return
+            except NotFoundError as exc:
+                log.info("%s: the revision in the folder (%s) is not at the source any more (%s); listing its "
+                         "current one", m.location.display, revision, exc)
+                if m.source is not None:
+                    m.source.close()
     m.source = open_source(m.location, settings)
     m.files = list_source(m.source, settings)
 
@@ -384,6 +420,10 @@ def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
         unverified=tuple(manifest.unverified) if manifest else (),
         set_aside=tuple(m.set_aside) if not cached else (),
         set_aside_to=str(m.store.unlisted_dir(m.key)) if m.set_aside and not cached else "",
+        kept_as_found=tuple(sorted(m.kept_as_found)) if not cached else (),
+        absent=m.absent if not cached else (),
+        pinned_revision=m.pinned if not cached else None,
+        drift=m.adoption_drift if not cached else None,
     )
 
 
@@ -426,7 +466,39 @@ def _unpack_single_archive(m: _Model, fetched: list[FetchedFile]) -> list[Fetche
         size = p.stat().st_size
         files.append(FetchedFile(rel, size, hash_file(p, size=size).local_hexdigest(), ()))
     log.info("%s: unpacked %s (%d files)", m.location.display, name, len(files))
-    return files
+    return _compare_unpacked(m, files) if m.compare_unpacked else files
+
+
+def _compare_unpacked(m: _Model, unpacked: list[FetchedFile]) -> list[FetchedFile]:
+    """AS_FOUND of a folder another tool unpacked from the archive: each of its files is held
+    against the archive's (hashed on disk). The same bytes are kept as verified by the archive;
+    others are kept as found and reported as drift, as are the archive's files the folder lacks.
+    The staged tree is dropped: nothing is merged into the folder pods read."""
+    folder = m.store.layout.model_dir(m.key)
+    data = m.store.layout.staging_dir(m.key) / "data"
+    kept: list[FetchedFile] = []
+    absent: list[str] = []
+    for f in unpacked:
+        have = adopt.as_found(folder, f.path)
+        if have is None:
+            absent.append(f.path)
+            continue
+        if (have.size, have.xxh3) != (f.size, f.xxh3):
+            m.kept_as_found.add(f.path)
+        kept.append(have)
+    shutil.rmtree(data, ignore_errors=True)
+    data.mkdir(parents=True)
+    if not kept:
+        raise ModelcacheError(f"{m.location.display}: the folder {folder} holds none of the {len(unpacked)} files of "
+                              f"{m.unpacked_from}; it is not this model's")
+    m.absent = tuple(sorted(absent))
+    if m.kept_as_found or m.absent:
+        changed = tuple(sorted(m.kept_as_found))
+        parts = [f"{len(changed)} differ from {m.unpacked_from} ({', '.join(changed[:3])})" if changed else "",
+                 f"{len(absent)} of {m.unpacked_from} missing ({', '.join(m.absent[:3])})" if absent else ""]
+        m.adoption_drift = Drift(storage_key=m.key, uri=m.location.display, state=CHANGED, changed=changed,
+                                 added=m.absent, message="kept as found: " + "; ".join(p for p in parts if p))
+    return kept
 
 
 def _still_archive(m: _Model) -> bool:
@@ -437,24 +509,72 @@ def _still_archive(m: _Model) -> bool:
     return manifest is not None and single_archive([f.path for f in manifest.files]) is not None
 
 
+#: Seconds between the "verifying" progress lines of a long adoption (hashing a big folder).
+ADOPT_PROGRESS_EVERY = 10.0
+
+
 def _adopt(m: _Model) -> None:
     """A folder already there without our manifest (a KServe node agent's, a finished init
-    container's): keep what matches the listing, fetch only the rest, install in place."""
-    if not adopt.applies(m.store, m.key):
+    container's): keep what matches the listing, and for the rest follow ``m.adoption``
+    (modelcache.adopt: fetch it, or keep it as found and report the drift); install in place."""
+    if not m.foreign:
         return
     m.in_place = True
     if m.source is not None and m.source.extracts_itself:
         return  # layers, not files: extracted again and merged into the folder
     folder = m.store.layout.model_dir(m.key)
-    found = adopt.check(folder, m.files)
-    m.adopted, m.skip = found.kept, {i for i in range(len(m.files)) if i not in set(found.fetch)}
+    as_found = m.adoption == adopt.AS_FOUND and m.pinned is None
+    listed = list(m.files)
+    total = sum(f.size or 0 for f in listed)
+    state = {"done": 0, "last": time.monotonic()}
+
+    def on_file(path: str, size: int) -> None:
+        state["done"] += size
+        now = time.monotonic()
+        if now - state["last"] >= ADOPT_PROGRESS_EVERY:
+            state["last"] = now
+            log.info("%s: verifying the folder in place: %s of %s hashed", m.location.display,
+                     human_bytes(state["done"]), human_bytes(total))
+
+    if as_found and m.unpack and single_archive([f.path for f in listed]) is not None:
+        # The other tool unpacked the archive and deleted it (KServe does): only the archive can
+        # tell whether the files are its own, so it is fetched (its checksum verified), unpacked
+        # beside the folder and compared with it file by file (_compare_unpacked); nothing is merged.
+        as_found, m.compare_unpacked = False, True
+    found = adopt.check(folder, m.files, on_file, keep_differing=as_found)
+    kept = [*found.kept, *(f for _i, f in found.differ)]
+    fetch = [m.files[i] for i in found.fetch]
+    if as_found:
+        # Reported complete: what is missing was added at the source since (or never part of what
+        # the other tool fetched); only empty files are created, nothing else is fetched.
+        m.absent = tuple(f.path for f in fetch if (f.size or 0) > 0)
+        m.kept_as_found = {f.path for _i, f in found.differ}
+        if not kept:
+            raise ModelcacheError(f"{m.location.display}: the folder {folder} holds none of the {len(listed)} "
+                                  "files the source lists; it is not this model's")
+        absent = set(m.absent)
+        m.files = [f for f in m.files if f.path not in absent]
+        fetch = [f for f in fetch if f.path not in absent]
+        if m.absent or m.kept_as_found:
+            assert m.source is not None
+            stored = Manifest(storage_key=m.key, uri=m.location.display, resolved_uri=m.location.display,
+                              revision=None, created_at="", files=[
+                                  ManifestFile(f.path, f.size, f.xxh3, version=KEPT_AS_FOUND
+                                               if f.path in m.kept_as_found else None) for f in kept])
+            fetched = {f.path for f in fetch}  # (empty files: fetched now, so current)
+            m.adoption_drift = compare(stored, [f for f in listed if f.path not in fetched],
+                                       m.source.resolved_revision)
+    kept_paths = {f.path for f in kept}
+    m.adopted = kept
+    m.skip = {i for i, f in enumerate(m.files) if f.path in kept_paths}
     if found.size_only:
         log.warning("adopted files kept on their size alone: the source gives no checksum", extra={"fields": {
             "uri": m.location.display, "files": found.size_only}})
     log.info("adopting a model folder that has no manifest", extra={"fields": {
-        "uri": m.location.display, "folder": str(folder), "files": len(m.files), "kept": len(found.kept),
-        "kept_bytes": found.kept_bytes, "size_only": found.size_only, "fetch": len(found.fetch),
-        "fetch_files": ",".join(m.files[i].path for i in found.fetch[:20])}})
+        "uri": m.location.display, "folder": str(folder), "files": len(listed), "kept": len(found.kept),
+        "kept_bytes": found.kept_bytes, "size_only": found.size_only, "fetch": len(fetch),
+        "fetch_files": ",".join(f.path for f in fetch[:20]), "policy": m.adoption, "revision": m.pinned or "",
+        "kept_as_found": ",".join(sorted(m.kept_as_found)[:20]), "absent": ",".join(m.absent[:20])}})
 
 
 def _extract(m: _Model, progress: ProgressTracker, cancel: threading.Event | None = None) -> list[FetchedFile] | None:
@@ -584,6 +704,7 @@ def pull_many(
     only: Collection[str] | None = None,
     unpack: bool | None = None,
     peers: PeerNetwork | None = None,
+    adoption: str = adopt.COMPLETE,
 ) -> list[PullResult | ModelcacheError | BaseException]:
     """Pull several models with one worker pool; one result or error per URI, in order.
 
@@ -604,7 +725,9 @@ def pull_many(
     contents, as KServe's download Job does.
 
     A model folder that is there without our manifest (KServe's node agent filled it) is
-    adopted: files that match the listing are kept, only the others are fetched (``adopt``).
+    adopted: files that match the listing are kept; ``adoption`` says what happens to the others
+    (``adopt.COMPLETE``: fetched; ``adopt.AS_FOUND``, for a folder reported complete: kept as they
+    are and reported as drift), and a folder that says which revision it holds is listed at it.
     ``peers`` (the agent's) lets other nodes' agents serve pieces of the models and this node
     serve what it fetched (``modelcache.peers``); files are verified exactly as without. Not for
     a model adopted in place or unpacked from one archive: their pieces would not be the bytes
@@ -632,13 +755,17 @@ def pull_many(
             order.append(exc)
             continue
         models.setdefault(loc.storage_key, _Model(loc, store, loc.storage_key,
-                                                  unpack=unpack if unpack is not None else rootp is not None))
+                                                  unpack=unpack if unpack is not None else rootp is not None,
+                                                  adoption=adoption))
         order.append(loc.storage_key)
     if destp is not None and len(models) > 1:
         raise ModelcacheError("a destination folder holds one model: pull several URIs into a store root")
     if not models:
         return [item for item in order if isinstance(item, BaseException)]
     settings = settings if settings is not None else Settings.from_env()
+    if peers is not None and not settings.forgery_proof:
+        # Pieces from other nodes are settled by each file's checksum: one no peer can forge.
+        settings = dataclasses.replace(settings, forgery_proof=True)
 
     # Present models are answered without the lock: publish installs the manifest last, so a
     # present model is complete, and a read-only store (a pod's mount) can still be asked.
@@ -663,6 +790,8 @@ def pull_many(
                         m.result = _finish(m, [], cached=True)
                         continue
                     _check_cancel(cancel, m)
+                    # A folder someone else filled (adopt.applies: the store has no record of it).
+                    m.foreign = not present and adopt.applies(m.store, m.key)
                     _list(m, settings)
                     assert m.source is not None
                     if only is not None and not m.source.extracts_itself:
@@ -719,7 +848,8 @@ def pull_many(
                     if peers is not None and not m.in_place and not (
                             m.unpack and single_archive([f.path for f in m.files]) is not None):
                         m.source = peers.attach(m.key, m.source, m.files, data.parent, m.journal, options.chunk_size,
-                                                m.resume, options.max_workers or options.workers)
+                                                m.resume, options.max_workers or options.workers,
+                                                options.stall_timeout)
                     for i, f in enumerate(m.files):
                         if i in m.skip:
                             continue
@@ -794,11 +924,12 @@ def pull(
     only: Collection[str] | None = None,
     unpack: bool | None = None,
     peers: PeerNetwork | None = None,
+    adoption: str = adopt.COMPLETE,
 ) -> PullResult:
     """Pull one model; raises its error."""
     (result,) = pull_many([uri], root=root, dest=dest, settings=settings, options=options, progress=progress,
                           admit=admit, cancel=cancel, guard=guard, refresh=refresh, only=only, unpack=unpack,
-                          peers=peers)
+                          peers=peers, adoption=adoption)
     if isinstance(result, BaseException):
         raise result
     return result

@@ -29,6 +29,7 @@ from modelcache.kube.client import (
     SERVICE_ACCOUNTS,
     Kube,
 )
+from tests.cluster.controlplane import on_node
 from tests.helpers import REPO, stop_process, wait_until
 
 #: deploy/'s credential namespace: the only one whose Secrets the agent's RBAC lets it read.
@@ -85,7 +86,9 @@ def start_agent(kubeconfig: Path | None, node: str, root: Path, workdir: Path, *
     cmd = [sys.executable, "-m", "agent", "--node", node, "--root", str(root), "--port", "0",
            "--credentials-namespace", CRED_NS, *FAST_FLAGS, *extra]
     if kubeconfig is not None:
-        cmd += ["--kubeconfig", str(kubeconfig)]
+        # A ServiceAccount's kubeconfig: its token bound to a pod on the node, as the DaemonSet's
+        # pod has (deploy/policies/node-status.yaml lets only that write the node's status).
+        cmd += ["--kubeconfig", str(on_node(kubeconfig, node))]
     penv = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "KUBECONFIG"))}
     penv.update(env or {})
     with open(log_path, "wb") as out:

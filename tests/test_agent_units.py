@@ -74,7 +74,11 @@ def test_service_account_secrets_map_like_kserve(tmp_path: Path) -> None:
     env = service_account_env(LocalModelInfo(model_name="m", service_account_name="sa"), reader, str(tmp_path))
     assert env["AWS_ACCESS_KEY_ID"] == "AK" and env["AWS_SECRET_ACCESS_KEY"] == "SK"
     assert env["S3_ENDPOINT"] == "minio:9000" and env["S3_USE_HTTPS"] == "0"
-    assert env["AWS_DEFAULT_REGION"] == "eu-west-1"  # from the service account's annotation
+    # The service account's s3-* annotations count only with IRSA's, as KServe reads them (L5).
+    assert "AWS_DEFAULT_REGION" not in env
+    reader.sas["sa"]["metadata"]["annotations"]["eks.amazonaws.com/role-arn"] = "arn:aws:iam::1:role/r"
+    env = service_account_env(LocalModelInfo(model_name="m", service_account_name="sa"), reader, str(tmp_path))
+    assert env["AWS_DEFAULT_REGION"] == "eu-west-1"  # an IRSA service account's annotation
     key_file = Path(env["GOOGLE_APPLICATION_CREDENTIALS"])
     assert json.loads(key_file.read_text()) == {"type": "service_account"}
     assert oct(key_file.stat().st_mode & 0o777) == "0o600"
@@ -166,6 +170,66 @@ def test_install_in_place_renames_only_differing_files_and_drops_stale_ones(tmp_
     assert store.manifest(key) == manifest and store.is_present(key) and store.verify(key) == []
 
 
+def test_the_same_spec_again_is_no_status_change(tmp_path: Path) -> None:
+    """The resync re-applies the spec every --resync-period: only a spec that changes something
+    wakes the status writer, else each resync is one more progress write between two
+    --status-interval ticks."""
+    from agent.config import AgentConfig
+    from agent.core import Agent
+    from agent.inuse import NoMounts
+
+    agent = Agent(AgentConfig(node="n", root=tmp_path / "root", port=-1), Credentials(None, {}), NoMounts())
+    try:
+        spec = [LocalModelInfo(model_name="m", source_model_uri="http://h/m.bin")]
+        agent.set_spec(spec, 1)
+        assert agent.changed.is_set()  # the first spec
+        for same in ([LocalModelInfo(model_name="m", source_model_uri="http://h/m.bin")], spec):
+            agent.changed.clear()
+            agent.set_spec(same, 1)
+            assert not agent.changed.is_set()
+        for different, generation in (
+            (spec, 2),  # a new generation is reported (observedGeneration)
+            ([LocalModelInfo(model_name="m", source_model_uri="http://h/m.bin", node_group="g")], 2),  # edited
+            ([*spec, LocalModelInfo(model_name="o", source_model_uri="http://h/o.bin")], 2),  # added
+            (spec, 2),  # removed
+        ):
+            agent.changed.clear()
+            agent.set_spec(different, generation)
+            assert agent.changed.is_set(), (different, generation)
+        agent.refuse_spec(["spec.localModels[0]: bad"], 3)
+        agent.changed.clear()
+        agent.set_spec(spec, 3)
+        assert agent.changed.is_set()  # the refusal is cleared from the status
+    finally:
+        agent.stop()
+
+
+def test_a_status_write_pruned_by_the_previous_crd_schema_is_not_remembered() -> None:
+    """Right after the LocalModelNode CRD changes, the API server may still prune a status write
+    with the old schema (its CRD handler switches after the watch event reaches the agent): such a
+    write must not become the agent's memory of "what the server keeps", or our fields, dropped
+    once, are never written again at rest."""
+    import yaml
+
+    from agent.kubemode import pruned_by_another_schema, status_fields
+    from tests.helpers import REPO
+
+    crd = yaml.safe_load((REPO / "deploy" / "crds" / "serving.kserve.io_localmodelnodes.yaml").read_text())
+    ours = status_fields(crd)
+    assert ours is not None and {"modelStatus", "modelDetails", "capacity", "nodeUID"} <= ours
+    kserve_like = {"modelStatus"}  # KServe's schema: every other field of ours is pruned
+    status = {"modelStatus": {"m": "ModelDownloaded"}, "modelDetails": {"m": {}}, "capacity": {}, "nodeUID": "u"}
+    only_model_status = {"modelStatus": {"m": "ModelDownloaded"}}
+    assert not pruned_by_another_schema(status, status, ours)
+    assert pruned_by_another_schema(status, only_model_status, ours)  # ours back, pruned with KServe's
+    assert not pruned_by_another_schema(status, only_model_status, kserve_like)
+    assert pruned_by_another_schema(status, status, kserve_like)  # KServe's applied, kept with ours
+    assert not pruned_by_another_schema(status, only_model_status, None)  # schema unknown: as before
+    assert status_fields(None) is None
+    assert status_fields({"spec": {"versions": [{"name": "v1alpha1", "schema": {"openAPIV3Schema": {
+        "properties": {"status": {"x-kubernetes-preserve-unknown-fields": True}}}}}]}}) is None
+
+
 def test_retry_backoff_doubles_up_to_the_cap_and_counts_errors_by_reason(tmp_path: Path) -> None:
     import re
     import time
@@ -241,6 +305,9 @@ def test_s3_settings_follow_kserves_precedence_and_endpoint_rule() -> None:
     assert env["AWS_DEFAULT_REGION"] == "data-region"  # data beats the service account and the config
     assert env["awsAnonymousCredential"] == "true"  # the service account fills what the secret leaves unset
     assert env["S3_VERIFY_SSL"] == "0"  # the config fills the rest
+    # KServe lets the secret's settings, config defaults included, override the service account's.
+    assert s3_env({}, {}, cfg, sa)["AWS_DEFAULT_REGION"] == "cfg-region"
+    assert s3_env({}, {}, CredentialConfig(), sa)["AWS_DEFAULT_REGION"] == "sa-region"
     only_cfg = s3_env({}, {}, cfg)
     assert (only_cfg["S3_ENDPOINT"], only_cfg["AWS_ENDPOINT_URL"]) == ("cfg:1", "http://cfg:1")
     assert s3_env({}, {"S3_ENDPOINT": "h:9"}, CredentialConfig())["AWS_ENDPOINT_URL"] == "https://h:9"

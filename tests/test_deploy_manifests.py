@@ -48,12 +48,22 @@ def test_server_side_apply_of_deploy_is_accepted_on_an_empty_cluster_and_idempot
     assert len(first) == len(rendered) and all(line.endswith(" serverside-applied") for line in first), first
 
     def versions() -> dict[str, str]:
-        # A ValidatingAdmissionPolicy by its generation: the API server's type checker applies its
-        # status as a field manager of its own, and v1.37 then rewrites the managedFields (only
-        # their order and time) on every apply of the unchanged policy; its spec is what must stay.
+        """Each object's resourceVersion, or for one with a spec its generation with its labels and
+        annotations: controllers write the status of Deployments, DaemonSets and budgets (and a
+        Deployment's revision annotation) after a creation, seconds later on a busy machine; the
+        API server applies a ValidatingAdmissionPolicy's status as a field manager of its own, and
+        v1.37 then rewrites the managedFields (only their order and time) on every apply of the
+        unchanged policy."""
         items = json.loads(cluster.kubectl("get", "-k", str(DEPLOY), "-o", "json").stdout)["items"]
-        return {f"{i['kind']}/{i['metadata']['name']}": str(i["metadata"]["generation"])
-                if i["kind"] == "ValidatingAdmissionPolicy" else i["metadata"]["resourceVersion"] for i in items}
+        out = {}
+        for i in items:
+            meta = i["metadata"]
+            ours = {k: v for k, v in (meta.get("annotations") or {}).items()
+                    if not k.startswith("deployment.kubernetes.io/")}  # the revision, the controller's
+            out[f"{i['kind']}/{meta['name']}"] = json.dumps(
+                [meta["generation"], meta.get("labels"), ours], sort_keys=True
+            ) if "generation" in meta else meta["resourceVersion"]
+        return out
 
     # The API server writes each admission policy's status (its type checking) once after creating it.
     from tests.helpers import wait_until
@@ -218,7 +228,7 @@ def check_container_hardening(pod: Obj, container: Obj) -> None:
     res = container["resources"]
     assert res["requests"]["cpu"] and res["requests"]["memory"] and res["limits"]["memory"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+    for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
         get = container[probe]["httpGet"]
         assert get["path"] == path and get["port"] in ports
     mounts = {m["mountPath"] for m in container["volumeMounts"]}

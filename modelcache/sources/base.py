@@ -85,6 +85,13 @@ class Source(ABC):
         an HTTP server without ETag or Last-Modified) looks at the file again here.
         """
 
+    def distrusted(self, file: RemoteFile) -> str | None:
+        """Called with ``check_unchanged``: why the bytes read for ``file`` must not be kept (the
+        file is fetched again, as after a checksum mismatch), or None. A source reads its own
+        bytes: None. One that passes on other nodes' bytes (``modelcache.peers``) names a node
+        whose word some of them were taken on and which it has since found lying."""
+        return None
+
     def extract_into(self, staging_dir: str, on_bytes: Callable[[int], None]) -> list[str] | None:
         """Hook for layouts that are not one remote object per file (an OCI modelcar image's
         tar layers): write the model tree into ``staging_dir`` directly, call ``on_bytes(n)``
@@ -107,6 +114,13 @@ class Source(ABC):
         """Called once every file is fetched and verified, before the model is published: a
         source may leave a record in ``staging_dir`` that publish installs next to the manifest
         (peer transfer leaves its piece hashes)."""
+
+    @classmethod
+    def revision_in(cls, folder: Path) -> str | None:
+        """The revision of this source a folder that another tool filled says it holds (the
+        tool's own records in it), for adopting the folder at that revision; None: it does not
+        say (adoption then lists the source's current one)."""
+        return None
 
     @property
     def extracts_itself(self) -> bool:

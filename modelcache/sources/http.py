@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import base64
 import logging
+import mimetypes
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import urllib3
 
+from modelcache.archive import archive_kind, archive_suffix
 from modelcache.errors import RateLimitedError, SourceError, TransientError
 from modelcache.integrity import safe_b64_to_hex
 from modelcache.progress import human_bytes
@@ -216,7 +219,7 @@ class HTTPSource(Source):
             version = f"last-modified {modified}" + (f" {etag}" if etag else "")
         else:
             version = None
-        path = safe_relpath(self.loc.filename, self.where)
+        path = safe_relpath(listed_name(self.loc), self.where)
         return RemoteFile(path=path, size=seen.size, version=version, checksums=tuple(checksums),
                           ranged=seen.ranged and bool(seen.size))
 
@@ -307,3 +310,15 @@ def _opaque(etag: str) -> str:
     """The tag without its weak marker: RFC 9110's weak comparison (a changed file gets a new tag
     either way; a cache may mark a strong one weak)."""
     return etag[2:] if etag.startswith("W/") else etag
+
+
+def listed_name(loc: HTTPLocation) -> str:
+    """The file's name: the URL path's last segment. KServe takes an archive's type from the query
+    when the path has no type of its own (``https://h/download?file=model.tar.gz``: its initializer
+    unpacks it, kserve_storage.py ``_download_from_uri``); the name then gets that suffix, so the
+    model is unpacked here as well, whatever the server calls the file."""
+    parts = urlsplit(loc.url)
+    if not parts.query or mimetypes.guess_type(parts.path)[0] is not None:
+        return loc.filename
+    suffix = archive_suffix(parts.query)
+    return loc.filename + suffix if suffix and archive_kind(loc.filename) is None else loc.filename
