@@ -230,3 +230,40 @@ def test_migrate_lists_every_source_as_the_agent_will_and_names_identities_and_r
     assert annotations["eks.amazonaws.com/role-arn"] == role and annotations["iam.gke.io/gcp-service-account"] == gsa
     assert "identity" not in {s["check"] for s in json.loads(_migrate(cluster, "--json", "--no-list").stdout)[
         "steps"]}
+
+
+def test_identity_steps_for_each_cloud_and_the_uris_modelcache_does_not_read() -> None:
+    """The checks as functions of what migrate read (no cluster): Azure Workload Identity gets the
+    annotation, the pod-template label and the federated credential; keyless S3 caches with no IRSA
+    annotation on KServe's job identity are named (EKS Pod Identity, instance roles: not visible in
+    the cluster); an identity already bound to the agent is no step; a refused URI is a warning."""
+    from modelcache.kube import migrate as mig
+
+    f = mig.Facts()
+    f.caches = [{"metadata": {"name": "s3"}, "spec": {"sourceModelUri": "s3://Legacy_Bucket/llm"}},
+                {"metadata": {"name": "az", "namespace": "team"},
+                 "spec": {"sourceModelUri": "https://acct.privatelink.blob.core.windows.net/c/m"}},
+                {"metadata": {"name": "sas"},  # its own credential: no identity needed
+                 "spec": {"sourceModelUri": "https://acct.blob.core.windows.net/c/m?sv=2024&sig=abc"}},
+                {"metadata": {"name": "keyed"},  # names its credentials
+                 "spec": {"sourceModelUri": "https://acct.blob.core.windows.net/c/k", "serviceAccountName": "x"}},
+                {"metadata": {"name": "dots"}, "spec": {"sourceModelUri": "s3://b/a/../m"}}]
+    f.job_identity = {"metadata": {"annotations": {"azure.workload.identity/client-id": "cid"}}}
+    steps = mig.plan(f)
+    identity = [s for s in steps if s.check == "identity"]
+    azure = next(s for s in identity if s.finding.startswith("Azure Workload Identity"))
+    assert "(team/az)" in azure.finding and azure.blocking
+    assert azure.commands[0] == ("kubectl -n modelcache-system annotate serviceaccount modelcache-agent "
+                                 "azure.workload.identity/client-id=cid --overwrite")
+    assert '"azure.workload.identity/use": "true"' in azure.commands[1]
+    assert azure.commands[-1] == "kubectl -n modelcache-system rollout restart daemonset modelcache-agent"
+    assert "--subject system:serviceaccount:modelcache-system:modelcache-agent" in azure.notes[0]
+    aws = next(s for s in identity if s.finding.startswith("keyless S3 caches"))
+    assert "(s3)" in aws.finding and not aws.blocking and "create-pod-identity-association" in aws.notes[0]
+    (dots,) = [s for s in steps if s.check == "uris"]
+    assert "cache dots" in dots.finding and not dots.blocking
+    text = mig.render(steps, "h")
+    assert "#    az identity federated-credential create" in text and "(a warning: it does not block" in text
+    # Bound to the agent already: nothing to do for Azure.
+    f.agent_account = {"metadata": {"annotations": {"azure.workload.identity/client-id": "cid"}}}
+    assert not [s for s in mig.plan(f) if s.finding.startswith("Azure Workload Identity")]

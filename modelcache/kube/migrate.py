@@ -440,9 +440,12 @@ def _identity(f: Facts) -> list[Step]:
         if not keyless(c):
             continue
         try:
-            kind = parse_uri(str((c.get("spec") or {}).get("sourceModelUri") or "")).kind
+            location = parse_uri(str((c.get("spec") or {}).get("sourceModelUri") or ""))
         except ModelcacheError:
             continue
+        kind = location.kind
+        if getattr(location, "sas", ""):
+            continue  # an Azure URI with a SAS carries its own credential
         if kind in IDENTITY_KINDS:
             clouds.setdefault(IDENTITY_KINDS[kind], []).append(cache_name(c))
     if not clouds:
