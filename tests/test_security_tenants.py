@@ -28,7 +28,7 @@ from modelcache.kube.client import (
     SERVICE_ACCOUNTS,
 )
 from modelcache.uri import storage_key
-from tests.agent_util import CRED_NS, node_status, start_agent, wait_states
+from tests.agent_util import CRED_NS, start_agent, wait_states
 from tests.coordinator_util import agent_report, entries_of, make_cache, make_group
 from tests.deploy_util import serve_webhooks
 from tests.fixtures.cluster import Cluster
@@ -124,9 +124,12 @@ def test_a_namespace_cache_uses_only_credentials_granted_to_its_namespace(cluste
                 assert out.returncode == 0, out.stderr
             wait_until(lambda: origin.seen("Credential=AKIATEAMB/") and origin.seen("Credential=AKIASAB/"),
                        timeout=60, what=f"tenant-b's downloads at the origin\n{agent.log()[-3000:]}")
-            details = node_status(admin, NODE)["modelDetails"]
-            assert "not granted to namespace tenant-a" in details["tenant-a/steal-key"]["message"]
-            assert "not granted to namespace tenant-a" in details["tenant-a/steal-sa-s3"]["message"]
+            # Still refused: each refusal is retried after its backoff (an admin may grant it), so
+            # the entry is Downloading for a moment each time; in between, an error saying why.
+            status = wait_states(admin, NODE, {"tenant-a/steal-key": err, "tenant-a/steal-sa-s3": err}, agent=agent)
+            details = status["modelDetails"]
+            assert "not granted to namespace tenant-a" in details["tenant-a/steal-key"]["message"], details
+            assert "not granted to namespace tenant-a" in details["tenant-a/steal-sa-s3"]["message"], details
         finally:
             agent.stop()
 
