@@ -351,6 +351,7 @@ class Agent:
     def _download(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> None:
         t0 = time.monotonic()
         scheme = "job" if self._job_container(rec.uri) is not None else _scheme(rec.uri)
+        self.metrics.download_started(scheme)
         error: BaseException | None = None
         result = None
         try:
@@ -658,9 +659,16 @@ class Agent:
         for state in status["modelStatus"].values():
             counts[state] = counts.get(state, 0) + 1
         self.metrics.set_states(counts)
-        _total, free = self.capacity.disk()
+        total, free = self.capacity.disk()
         self.metrics.free.set(free)
+        self.metrics.size.set(total)
         self.metrics.reserved.set(self.capacity.reserved_bytes)
+        self.metrics.stored.set(self._used_bytes())
+        with self.lock:
+            groups = {info.node_group for r in self.records.values() for info in r.entries if info.node_group}
+            drifted = sum(1 for r in self.records.values() if r.wanted and r.drift)
+        self.metrics.set_limits({g: int(self.group_limits[g]) for g in groups if g in self.group_limits})
+        self.metrics.drifted.set(drifted)
 
     def _reported_free(self) -> tuple[int, int]:
         """Free bytes for the status, held until they move by ``FREE_REPORT_STEP`` (or 1% of the

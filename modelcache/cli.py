@@ -26,6 +26,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from modelcache.clock import rfc3339
 from modelcache.errors import ModelcacheError, SourceChangedError
 from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.redact import redact_uri, scrub_urls
@@ -621,6 +622,47 @@ def migrate(kubeconfig: str | None, kserve_namespace: str, credentials_namespace
     else:
         click.echo(mig.render(steps, api.configuration.host))
     sys.exit(1 if any(s.blocking for s in steps) else 0)
+
+
+@cli.command()
+@click.option("--kubeconfig", envvar="KUBECONFIG", show_envvar=True, default=None,
+              help="Kubeconfig (default: as kubectl finds it).")
+@click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="json: the same as one JSON object (one a line with --watch).")
+@click.option("-w", "--watch", is_flag=True, help="Print it again every --interval until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(min=0.5), default=2.0, show_default=True,
+              help="Seconds between two prints with --watch.")
+def status(kubeconfig: str | None, output: str, watch: bool, interval: float) -> None:
+    """The fleet at a glance, from the cluster's LocalModelCaches and LocalModelNodes: per cache its
+    copies by node group, per node free space, models and what is in flight (rate, ETA), and every
+    failure with its cause."""
+    import time
+
+    from modelcache.kube.client import Kube, load_api_client
+    from modelcache.kube.fleet import gather, render
+
+    try:
+        kube = Kube(load_api_client(kubeconfig))
+    except StartupError as exc:  # no usable kubeconfig: one line naming the file and the fix
+        _fail(str(exc), 2)
+        return
+    while True:
+        try:
+            fleet = gather(kube)
+        except Exception as exc:
+            _fail(f"cannot read the fleet from {kube.api_client.configuration.host}: {exc}".splitlines()[0], 2)
+            return
+        if output == "json":
+            data = {"time": rfc3339(), **fleet.to_dict()}
+            click.echo(json.dumps(data, default=str) if watch else json.dumps(data, indent=1, default=str))
+        else:
+            if watch:
+                click.clear()
+                click.echo(f"{rfc3339()}  every {interval:g}s  (Ctrl-C to stop)\n")
+            click.echo(render(fleet))
+        if not watch:
+            return
+        time.sleep(interval)
 
 
 def main() -> None:

@@ -264,6 +264,40 @@ def test_retry_backoff_doubles_up_to_the_cap_and_counts_errors_by_reason(tmp_pat
         agent.stop()
 
 
+def test_a_download_s_series_exist_at_zero_from_its_first_attempt(tmp_path: Path) -> None:
+    """rate()/increase() need a sample before the counter moves: the first failed attempt must find
+    its series already scraped at 0 (ModelcacheDownloadsFailing), and so must the first success."""
+    from agent.config import AgentConfig
+    from agent.core import Agent
+    from agent.inuse import NoMounts
+    from agent.state import ModelRecord, Task
+    from modelcache.errors import TransientError
+
+    cfg = AgentConfig(node="n", root=tmp_path / "root", port=-1)
+    agent = Agent(cfg, Credentials(None, {}), NoMounts())
+    rendered: list[str] = []
+
+    def pull(*_args: object) -> None:  # what a scrape during the attempt sees, then the failure
+        rendered.append(agent.metrics.render().decode())
+        raise TransientError("http://h/m.bin: HTTP 503")
+
+    agent._pull_model = pull  # type: ignore[method-assign]
+    try:
+        rec = ModelRecord(key="0123456789abcdef", uri="http://h/m.bin",
+                          entries=[LocalModelInfo(model_name="m", source_model_uri="http://h/m.bin")])
+        agent._download(rec, Task(), rec.entries[0])
+        (during,) = rendered
+        for outcome in ("error", "ok"):
+            assert f'modelcache_agent_download_duration_seconds_count{{outcome="{outcome}",scheme="http"}} 0.0' \
+                in during
+        assert 'modelcache_agent_downloaded_bytes_total{scheme="http"} 0.0' in during
+        after = agent.metrics.render().decode()
+        assert 'modelcache_agent_download_duration_seconds_count{outcome="error",scheme="http"} 1.0' in after
+        assert 'modelcache_agent_download_duration_seconds_count{outcome="ok",scheme="http"} 0.0' in after
+    finally:
+        agent.stop()
+
+
 def test_every_setting_has_a_flag_and_an_environment_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from click.testing import CliRunner
 

@@ -16,7 +16,9 @@ from tests.helpers import REPO
 DOCS = [REPO / "README.md", REPO / "deploy" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
 _INLINE = re.compile(r"`([^`\n]+)`")
-_COMMAND = re.compile(r"(?<![\w/.$-])(modelcache-agent|modelcache-coordinator|modelcache)(?=[ \t]|$)(.*)$", re.M)
+# `helm install modelcache ...` (and upgrade, rollback, uninstall, history) names a Helm release.
+_COMMAND = re.compile(r"(?<![\w/.$-])(?<!install )(?<!upgrade )(?<!rollback )(?<!history )"
+                      r"(modelcache-agent|modelcache-coordinator|modelcache)(?=[ \t]|$)(.*)$", re.M)
 _FLAG = re.compile(r"^--[a-z][a-z0-9-]*")
 
 
@@ -98,8 +100,8 @@ def test_the_check_catches_a_flag_or_sub_command_that_does_not_exist() -> None:
     commands = _commands()
     assert _check("x.md", "modelcache", " pull URI --no-such-flag", commands) == [
         "x.md: `modelcache pull URI --no-such-flag`: no flag --no-such-flag"]
-    assert "x.md: `modelcache status --root DIR`: no sub-command 'status'" in _check(
-        "x.md", "modelcache", " status --root DIR", commands)
+    assert "x.md: `modelcache stats --root DIR`: no sub-command 'stats'" in _check(
+        "x.md", "modelcache", " stats --root DIR", commands)
     assert _check("x.md", "modelcache-agent", " --standalone F --root D [--watch]", commands) == []
 
 
