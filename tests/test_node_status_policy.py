@@ -140,8 +140,8 @@ def test_the_reviews_forged_model_status_is_refused(cluster: Cluster) -> None:
     assert status == 200, doc  # node-2's own agent
     forged = {"status": {"nodeUID": uid2, "modelStatus": {"victim": "ModelDownloaded"},
                          "modelDetails": {"victim": {"state": "ModelDownloaded"}}}}
-    for token, who in ((cluster.cp.token(NS, SA), "has a token bound to no node"),
-                       (cluster.cp.token(NS, SA, pod=scheduled_pod(cluster, "node-1", "agent-1")), "runs on Node node-1")):
+    token_1 = cluster.cp.token(NS, SA, pod=scheduled_pod(cluster, "node-1", "agent-1"))
+    for token, who in ((cluster.cp.token(NS, SA), "has a token bound to no node"), (token_1, "runs on Node node-1")):
         status, doc = as_token(cluster, token, path, "PATCH", forged)
         assert status == 403, doc
         assert ("LocalModelNode node-2: its status is written only from a pod on Node node-2; "
