@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy_util import image_overlay
 from tests.fixtures.image import Image
 from tests.fixtures.realnodes import NodeCluster
 from tests.helpers import wait_until
+from tests.realnodes_util import install
 
 pytestmark = [pytest.mark.xdist_group("realnodes"), pytest.mark.timeout(900)]
 NS = "modelcache-system"
@@ -49,16 +49,8 @@ def lease_holder(cluster: NodeCluster) -> str:
     return str(json.loads(out.stdout)["spec"].get("holderIdentity") or "") if out.returncode == 0 else ""
 
 
-def install(cluster: NodeCluster, image: Image, tmp_path: Path) -> None:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-k", str(image_overlay(tmp_path / "overlay",
-                                                                                          image.ref)))
-    cluster.kubectl("rollout", "status", "-n", NS, "daemonset/modelcache-agent", "--timeout=300s", timeout=330)
-    cluster.kubectl("rollout", "status", "-n", NS, "deployment/modelcache-coordinator", "--timeout=300s",
-                    timeout=330)
-
-
 def test_deploy_runs_as_pods(real_nodes: NodeCluster, image: Image, tmp_path: Path) -> None:
-    install(real_nodes, image, tmp_path)
+    install(real_nodes, image.ref, tmp_path / "overlay")
     agents = pods(real_nodes, AGENT)
     assert sorted(p["spec"]["nodeName"] for p in agents) == ["node-1", "node-2"]
     assert all(ready(p) for p in agents)
