@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from modelcache.credentials import Settings, redirecting
-from modelcache.errors import AuthError
+from modelcache.errors import AuthError, ModelcacheError
 from modelcache.kube.types import LocalModelInfo
 
 log = logging.getLogger("agent.credentials")
@@ -301,6 +302,48 @@ def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str
     return env
 
 
+#: The two spellings of an S3 Secret's keys in use with KServe: its code's default (what applies
+#: without the ``inferenceservice-config`` ConfigMap, i.e. no KServe installed) and what KServe's
+#: shipped ConfigMap sets.
+S3_KEY_SPELLINGS = ((S3_ACCESS_KEY_NAME, S3_SECRET_KEY_NAME), ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"))
+
+
+def misnamed_s3_keys(info: LocalModelInfo, reader: SecretReader, config: CredentialConfig) -> str | None:
+    """What to say when a Secret of the entry's service account holds S3 keys under the other
+    spelling than the credentials config reads, else None.
+
+    KServe skips such a Secret silently (its endpoint annotations too), and so do we: a node's
+    instance role or EKS Pod Identity may be what the user relies on. But when the download then
+    fails, this names the cause (seen on real nodes: a Secret written for KServe's shipped
+    ConfigMap, on a cluster without KServe, failed with "no AWS credentials")."""
+    name = info.service_account_name or "default"
+    sa = reader.service_account(name)
+    if sa is None or IRSA_ANNOTATION in _annotations(sa):
+        return None
+    for ref in sa.get("secrets") or []:
+        secret = reader.secret(str(ref.get("name", "")))
+        data = secret_data(secret) if secret is not None else {}
+        if config.s3_secret_key_name in data:
+            return None  # read as configured
+        for access, secret_key in S3_KEY_SPELLINGS:
+            if secret_key in data and secret_key != config.s3_secret_key_name:
+                origin = (f"ConfigMap {KSERVE_CONFIG}'s credentials.s3" if "s3SecretAccessKeyName" in config.s3
+                          else f"KServe's default: ConfigMap {KSERVE_CONFIG} sets no credentials.s3")
+                return (f"Secret '{ref.get('name')}' of service account '{name}' holds its S3 keys as "
+                        f"{access}/{secret_key}, but the credentials config reads "
+                        f"{config.s3_access_key_name}/{config.s3_secret_key_name} ({origin}), so it was skipped "
+                        "as KServe skips it: rename the Secret's keys or set s3AccessKeyIDName/"
+                        "s3SecretAccessKeyName there")
+    return None
+
+
+def with_hint(exc: ModelcacheError, hint: str) -> ModelcacheError:
+    """``exc`` (same class and attributes, so retries behave the same) with ``hint`` appended."""
+    out = copy.copy(exc)
+    out.args = (f"{exc}; {hint}",)
+    return out
+
+
 class Credentials:
     """Builds the ``Settings`` of one download; ``reader`` None means no cluster (standalone)."""
 
@@ -313,13 +356,21 @@ class Credentials:
         """The download's environment (credential files in a private folder while it is open)."""
         with tempfile.TemporaryDirectory(prefix="modelcache-agent-cred-") as key_dir:
             env = dict(self.base_env)
+            hint = None
             if self.reader is not None:
                 if info.storage is not None and (info.storage.key or info.storage.parameters):
                     env.update(storage_env(info, self.reader, self.reader.credential_config()))
                 elif info.service_account_name:
-                    env.update(service_account_env(info, self.reader, key_dir, self.reader.credential_config()))
+                    config = self.reader.credential_config()
+                    env.update(service_account_env(info, self.reader, key_dir, config))
+                    if "AWS_SECRET_ACCESS_KEY" not in env:
+                        hint = misnamed_s3_keys(info, self.reader, config)
             try:
                 yield env
+            except ModelcacheError as exc:
+                if hint is None:
+                    raise
+                raise with_hint(exc, hint) from exc
             finally:
                 env.clear()
 

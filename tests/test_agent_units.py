@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from agent.capacity import Capacity
-from agent.credentials import CredentialConfig, Credentials, service_account_env, storage_env
+from agent.credentials import CredentialConfig, Credentials, misnamed_s3_keys, service_account_env, storage_env
 from agent.inuse import subpath_key
-from modelcache.errors import AuthError, InsufficientSpaceError
+from modelcache.errors import AuthError, InsufficientSpaceError, RateLimitedError
 from modelcache.kube.quantity import parse_quantity
 from modelcache.kube.types import LocalModelInfo, StorageSpec
 
@@ -88,6 +88,49 @@ def test_service_account_secrets_map_like_kserve(tmp_path: Path) -> None:
     assert (hdfs / "HDFS_NAMENODE").read_text() == "http://nn:9870" and (hdfs / "USER_PROXY").read_text() == "alice"
     with pytest.raises(AuthError, match="service account 'nope' not found"):
         service_account_env(LocalModelInfo(model_name="m", service_account_name="nope"), reader, str(tmp_path))
+
+
+def test_s3_keys_under_the_other_spelling_are_skipped_as_kserve_skips_them_and_named_when_it_fails(
+        tmp_path: Path) -> None:
+    """KServe's shipped ConfigMap names the keys AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, its code's
+    default (no ConfigMap: no KServe installed) awsAccessKeyID/awsSecretAccessKey. A Secret of the
+    other spelling is skipped, as KServe skips it (an instance role may be what the user relies on),
+    but a download that then fails says why (on real nodes it failed with "no AWS credentials")."""
+    shipped = {"stringData": {"AWS_ACCESS_KEY_ID": "AK", "AWS_SECRET_ACCESS_KEY": "SK"}}
+    reader = Reader(secrets={"s3": shipped}, sas={"sa": {"secrets": [{"name": "s3"}]},
+                                                  "irsa": {"metadata": {"annotations": {
+                                                      "eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/r"}},
+                                                      "secrets": [{"name": "s3"}]}})
+    info = LocalModelInfo(model_name="m", service_account_name="sa")
+    assert "AWS_SECRET_ACCESS_KEY" not in service_account_env(info, reader, str(tmp_path))
+    hint = misnamed_s3_keys(info, reader, CredentialConfig())
+    assert hint is not None and hint.startswith(
+        "Secret 's3' of service account 'sa' holds its S3 keys as AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, but the "
+        "credentials config reads awsAccessKeyID/awsSecretAccessKey (KServe's default")
+    credentials = Credentials(reader, {})
+    with pytest.raises(AuthError) as caught, credentials.env_for(info):
+        raise AuthError("no AWS credentials for s3://b/m: set AWS_ACCESS_KEY_ID")
+    assert str(caught.value) == f"no AWS credentials for s3://b/m: set AWS_ACCESS_KEY_ID; {hint}"
+    with pytest.raises(RateLimitedError) as limited, credentials.env_for(info):
+        raise RateLimitedError("slow down", retry_after=3)
+    assert limited.value.retry_after == 3  # the same error otherwise (retries behave the same)
+    # Under KServe's shipped ConfigMap the same Secret is what it reads: nothing to say.
+    config = CredentialConfig(s3={"s3AccessKeyIDName": "AWS_ACCESS_KEY_ID",
+                                  "s3SecretAccessKeyName": "AWS_SECRET_ACCESS_KEY"})
+    env = service_account_env(info, reader, str(tmp_path), config)
+    assert env["AWS_ACCESS_KEY_ID"] == "AK" and env["AWS_SECRET_ACCESS_KEY"] == "SK"
+    assert misnamed_s3_keys(info, reader, config) is None
+    # ... and the other way round, named after the ConfigMap.
+    reader.secrets["s3"] = {"stringData": {"awsAccessKeyID": "AK", "awsSecretAccessKey": "SK"}}
+    assert "reads AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (ConfigMap " in str(misnamed_s3_keys(info, reader, config))
+    # IRSA needs no keys: nothing to say; nor when the keys were read.
+    reader.secrets["s3"] = shipped
+    assert misnamed_s3_keys(LocalModelInfo(model_name="m", service_account_name="irsa"), reader,
+                            CredentialConfig()) is None
+    reader.secrets["s3"] = {"stringData": {"awsAccessKeyID": "AK", "awsSecretAccessKey": "SK"}}
+    with pytest.raises(AuthError) as plain, credentials.env_for(info):
+        raise AuthError("denied")
+    assert str(plain.value) == "denied"
 
 
 def test_storage_spec_key_defaults_and_overrides() -> None:

@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy_util import image_overlay
 from tests.fixtures.image import Image
 from tests.fixtures.realnodes import NodeCluster
 from tests.helpers import wait_until
+from tests.realnodes_util import install
 
 pytestmark = [pytest.mark.xdist_group("realnodes"), pytest.mark.timeout(900)]
 NS = "modelcache-system"
@@ -48,14 +48,6 @@ def ready(pod: dict[str, Any]) -> bool:
 def lease_holder(cluster: NodeCluster) -> str:
     out = cluster.kubectl("get", "lease", "modelcache-coordinator", "-n", NS, "-o", "json", check=False)
     return str(json.loads(out.stdout)["spec"].get("holderIdentity") or "") if out.returncode == 0 else ""
-
-
-def install(cluster: NodeCluster, image: Image, tmp_path: Path) -> None:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-k", str(image_overlay(tmp_path / "overlay",
-                                                                                          image.ref)))
-    cluster.kubectl("rollout", "status", "-n", NS, "daemonset/modelcache-agent", "--timeout=300s", timeout=330)
-    cluster.kubectl("rollout", "status", "-n", NS, "deployment/modelcache-coordinator", "--timeout=300s",
-                    timeout=330)
 
 
 #: Run in an agent container: PATCH another LocalModelNode's status with the pod's own token (the
@@ -87,7 +79,7 @@ def patch_status_from(cluster: NodeCluster, pod: dict[str, Any], node: str) -> t
 
 
 def test_deploy_runs_as_pods(real_nodes: NodeCluster, image: Image, tmp_path: Path) -> None:
-    install(real_nodes, image, tmp_path)
+    install(real_nodes, image.ref, tmp_path / "overlay")
     agents = pods(real_nodes, AGENT)
     assert sorted(p["spec"]["nodeName"] for p in agents) == ["node-1", "node-2"]
     assert all(ready(p) for p in agents)
