@@ -35,6 +35,7 @@ from modelcache.clock import rfc3339
 from modelcache.errors import ModelcacheError
 from modelcache.kube.types import (
     MODEL_DOWNLOAD_ERROR,
+    MODEL_DOWNLOAD_PENDING,
     MODEL_DOWNLOADED,
     Condition,
     LocalModelInfo,
@@ -55,14 +56,20 @@ log = logging.getLogger("agent")
 STORAGE_KEY = re.compile(r"^[0-9a-f]{16}$")
 #: Free space in the status changes only in steps of this size (the metric is exact).
 FREE_REPORT_STEP = 1 << 30
+#: Seconds between checks that each namespace cache's entry may use its model (Agent._check_entries).
+ENTRY_CHECK = 10.0
 
 
 def group_entries(entries: Iterable[LocalModelInfo]) -> dict[str, tuple[str, list[LocalModelInfo]]]:
-    """storageKey -> (uri, entries), in spec order; the first entry of a key leads (KServe's dedup)."""
+    """storageKey -> (uri, entries), in spec order; the first entry of a key leads (KServe's dedup),
+    a cluster cache's before any namespace cache's: its credentials are a cluster admin's choice,
+    and a tenant's entry is served that folder only if it names the same (agent/credentials.py)."""
     out: dict[str, tuple[str, list[LocalModelInfo]]] = {}
     for info in entries:
         key = storage_key(info.source_model_uri)
         out.setdefault(key, (info.source_model_uri, []))[1].append(info)
+    for _uri, infos in out.values():
+        infos.sort(key=lambda i: bool(i.namespace))  # stable: spec order otherwise
     return out
 
 
@@ -99,6 +106,14 @@ class Agent:
         #: root_check(nodeGroup) -> why a model of that group must not be reported Downloaded (the
         #: root is not the group PV's local.path: agent/hostpath.py), else None. Cluster mode only.
         self.root_check: Callable[[str | None], str | None] | None = None
+        #: status key -> why that namespace cache's entry is not served its record's model (other
+        #: credentials than the entry that downloads it, or ones not granted to its namespace):
+        #: refreshed every ENTRY_CHECK seconds from the credential namespace's objects.
+        self.entry_refusals: dict[str, str] = {}
+        #: (status key, record key) pairs checked so far: until then a namespace entry is not
+        #: reported Downloaded (the coordinator may give its namespace a serving claim on that word).
+        self._entries_checked: set[tuple[str, str]] = set()
+        self._last_entry_check = -ENTRY_CHECK
         self._stop = threading.Event()
         self._loop = Loop("agent-supervisor", self.tick, 0.5, wake=self.wake, logger=log)
         self._last_removal_check = 0.0
@@ -175,6 +190,7 @@ class Agent:
                 self._adopt_orphans()
                 self._last_sweep = time.monotonic()
             self.generation = generation
+            self._last_entry_check = -ENTRY_CHECK  # new or changed entries are checked at the next tick
         self.spec_seen.set()
         if changed:
             self.changed.set()
@@ -296,6 +312,9 @@ class Agent:
                 elif present:
                     self.checker.maybe_check(rec, now)
         self._removals(now)
+        if now - self._last_entry_check >= ENTRY_CHECK:
+            self._last_entry_check = now
+            self._check_entries()
         if self.cfg.sweep_interval > 0 and now - self._last_sweep >= self.cfg.sweep_interval:
             self._sweep(now)
         self._log_progress(now)
@@ -586,6 +605,28 @@ class Agent:
 
     # ---- reporting ------------------------------------------------------------------------
 
+    def _check_entries(self) -> None:
+        """Which namespace caches' entries may not be served their record's model (security review
+        H3: caches of one URI share one folder)."""
+        with self.lock:
+            pairs = [(info, rec.primary, rec.key) for rec in self.records.values() if rec.wanted
+                     for info in rec.entries if info.namespace]
+        refusals, checked = {}, set()
+        for info, primary, key in pairs:
+            checked.add((info.status_key, key))
+            try:
+                why = self.credentials.entry_refusal(info, primary)
+            except Exception as exc:  # the API server unreachable a moment: keep what we knew
+                log.warning("credential check failed", extra=fields(model=info.status_key, error=str(exc)))
+                why = self.entry_refusals.get(info.status_key)
+            if why:
+                refusals[info.status_key] = why
+        with self.lock:
+            changed = refusals != self.entry_refusals or checked != self._entries_checked
+            self.entry_refusals, self._entries_checked = refusals, checked
+        if changed:
+            self.changed.set()
+
     def _used_bytes(self) -> int:
         with self.lock:
             return sum(r.bytes_total or 0 for r in self.records.values()
@@ -656,10 +697,14 @@ class Agent:
                 for info in rec.entries:
                     d = rec.detail(state)
                     blocked = (self.root_check(info.node_group) if self.root_check and state == MODEL_DOWNLOADED
-                               else None)
+                               else None) or self.entry_refusals.get(info.status_key)
                     if blocked:
-                        # Downloaded here, but not where the node group's PV points serving pods.
+                        # Downloaded here, but not where the node group's PV points serving pods; or
+                        # not for this namespace cache (its credentials).
                         d.state, d.message = MODEL_DOWNLOAD_ERROR, blocked
+                    elif (info.namespace and state == MODEL_DOWNLOADED
+                          and (info.status_key, rec.key) not in self._entries_checked):
+                        d.state, d.message = MODEL_DOWNLOAD_PENDING, "checking the credentials it names"
                     model_status[info.status_key] = d.state
                     details[info.status_key] = {**d.to_dict(), **self._peer_fields(rec.key)}
                 for info in rec.former:

@@ -170,10 +170,7 @@ def storage_env(info: LocalModelInfo, reader: SecretReader, config: CredentialCo
         raise AuthError(f"model {info.status_key}: secret '{name}' not found in the credentials "
                         "namespace; create it or drop the entry's storage field")
     data = secret_data(secret)
-    key = info.storage.key
-    if not key:
-        typed = f"default_{params['type']}" if params.get("type") else ""
-        key = typed if typed in data else "default"
+    key = _spec_key(info, data)
     if info.namespace:
         _tenant_may_use_key(info, name, key if key in data else None, secret)
     env: dict[str, str] = {}
@@ -185,6 +182,24 @@ def storage_env(info: LocalModelInfo, reader: SecretReader, config: CredentialCo
     if params:
         env["STORAGE_OVERRIDE_CONFIG"] = json.dumps(params)
     return env
+
+
+def _spec_key(info: LocalModelInfo, data: Mapping[str, str]) -> str:
+    """The storage-spec Secret's key an entry reads: ``storage.key``, else ``default_<type>`` when the
+    parameters name a type and that key exists, else ``default`` (KServe's)."""
+    assert info.storage is not None
+    if info.storage.key:
+        return info.storage.key
+    params = info.storage.parameters or {}
+    typed = f"default_{params['type']}" if params.get("type") else ""
+    return typed if typed in data else "default"
+
+
+def _tenant_may_use_account(info: LocalModelInfo, name: str, sa: Mapping[str, Any]) -> None:
+    if info.namespace and not granted(_annotations(sa).get(SA_NAMESPACES_ANNOTATION), info.namespace):
+        raise AuthError(f"model {info.status_key}: service account '{name}' is not granted to namespace "
+                        f"{info.namespace}; a cluster admin grants it with the annotation {SA_NAMESPACES_ANNOTATION}: "
+                        f"\"{info.namespace}\" on that ServiceAccount in the credentials namespace")
 
 
 def _tenant_may_use_key(info: LocalModelInfo, secret_name: str, key: str | None, secret: Mapping[str, Any]) -> None:
@@ -261,10 +276,7 @@ def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str
         raise AuthError(f"model {info.status_key}: service account '{name}' not found in the credentials namespace")
     sa_annotations = _annotations(sa)
     irsa = IRSA_ANNOTATION in sa_annotations
-    if info.namespace and not granted(sa_annotations.get(SA_NAMESPACES_ANNOTATION), info.namespace):
-        raise AuthError(f"model {info.status_key}: service account '{name}' is not granted to namespace "
-                        f"{info.namespace}; a cluster admin grants it with the annotation {SA_NAMESPACES_ANNOTATION}: "
-                        f"\"{info.namespace}\" on that ServiceAccount in the credentials namespace")
+    _tenant_may_use_account(info, name, sa)
     env: dict[str, str] = {}
     for ref in sa.get("secrets") or []:
         secret = reader.secret(str(ref.get("name", "")))
@@ -300,6 +312,25 @@ def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str
         # (KServe reads a service account's s3-* annotations only when it has the IRSA one.)
         env.update(s3_env(sa_annotations, None, config))
     return env
+
+
+def _named(info: LocalModelInfo) -> tuple[str | None, Any]:
+    """The credentials an entry names (what the agent would download it with)."""
+    storage = info.storage
+    spec = None if storage is None else (storage.key or None, dict(storage.parameters or {}) or None)
+    return info.service_account_name or None, spec if spec != (None, None) else None
+
+
+def shared_folder_refusal(info: LocalModelInfo, primary: LocalModelInfo) -> str | None:
+    """Why a namespace cache's entry may not use a model folder it shares with ``primary`` (the entry
+    whose credentials download it: caches of one URI share one folder, KServe's contract): it names
+    other credentials. Otherwise a tenant could name the URI of someone's private model, with no
+    credentials or its own, and read the folder downloaded with theirs."""
+    if not info.namespace or info is primary or _named(info) == _named(primary):
+        return None
+    return (f"model {info.status_key}: its URI is also cached with other credentials on this node; a "
+            "LocalModelNamespaceCache shares that folder only when it names the same serviceAccountName and "
+            "storage (granted to its namespace): name those, or cache another URI")
 
 
 #: The two spellings of an S3 Secret's keys in use with KServe: its code's default (what applies
@@ -350,6 +381,20 @@ class Credentials:
     def __init__(self, reader: SecretReader | None, base_env: Mapping[str, str]) -> None:
         self.reader = reader
         self.base_env = dict(base_env)
+
+    def entry_refusal(self, info: LocalModelInfo, primary: LocalModelInfo) -> str | None:
+        """Why a namespace cache's entry may not be served the model its record holds: it names
+        other credentials than the entry that downloads it, or credentials not granted to its
+        namespace (checked on the objects' metadata; nothing is read from a Secret's data)."""
+        if not info.namespace or self.reader is None:
+            return None
+        if why := shared_folder_refusal(info, primary):
+            return why
+        try:
+            grant_check(info, self.reader)
+        except AuthError as exc:
+            return str(exc)
+        return None
 
     @contextlib.contextmanager
     def env_for(self, info: LocalModelInfo) -> Iterator[dict[str, str]]:
@@ -414,3 +459,23 @@ class KubeSecretReader:
 
     def service_account(self, name: str) -> dict[str, Any] | None:
         return self.kube.get_or_none(self._sas, name, self.namespace)
+
+
+def grant_check(info: LocalModelInfo, reader: SecretReader) -> None:
+    """Raise AuthError when a namespace cache's entry names credentials not granted to its
+    namespace (the rule storage_env and service_account_env apply, without building anything)."""
+    if not info.namespace:
+        return
+    if info.storage is not None and (info.storage.key or info.storage.parameters):
+        name = reader.credential_config().storage_spec_secret_name
+        secret = reader.secret(name)
+        if secret is None:
+            raise AuthError(f"model {info.status_key}: secret '{name}' not found in the credentials namespace")
+        key = _spec_key(info, secret_data(secret))
+        _tenant_may_use_key(info, name, key if key in secret_data(secret) else None, secret)
+    elif info.service_account_name:
+        sa = reader.service_account(info.service_account_name)
+        if sa is None:
+            raise AuthError(f"model {info.status_key}: service account '{info.service_account_name}' not found "
+                            "in the credentials namespace")
+        _tenant_may_use_account(info, info.service_account_name, sa)

@@ -76,7 +76,9 @@ POINTS: tuple[Point, ...] = (
           "LocalModelNodeGroups' persistentVolumeSpec.local.path: serving pods read the files through that PV. "
           "KServe's kustomize uses /models, its Helm chart /mnt/models."),
     Point("agent.nodeSelector", *AGENT, (*AGENT_POD, "nodeSelector"),
-          "Where the agent runs: KServe's label for local-model nodes by default.", block=True),
+          "Where the agent runs: KServe's label for local-model nodes by default. Helm merges a map given here "
+          "over this one (--set agent.nodeSelector.gpu=a100 adds a label); set a default label to null to drop it.",
+          block=True),
     Point("agent.tolerations", *AGENT, (*AGENT_POD, "tolerations"),
           "Every taint by default: model nodes are tainted GPU nodes, and the nodeSelector alone decides.",
           block=True),

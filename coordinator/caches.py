@@ -36,7 +36,13 @@ from modelcache.kube.client import (
 from modelcache.kube.controller import Result
 from modelcache.kube.events import NORMAL, WARNING, EventRecorder
 from modelcache.kube.status import patch_status_if_changed, update_if_changed
-from modelcache.kube.types import CACHE_FINALIZER, NAMESPACE_CACHE_FINALIZER, label_value, status_key
+from modelcache.kube.types import (
+    CACHE_FINALIZER,
+    MODEL_DOWNLOADED,
+    NAMESPACE_CACHE_FINALIZER,
+    label_value,
+    status_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +73,7 @@ class CacheReconciler:
         spec = obj.get("spec") or {}
         groups = self.view.group_map()
         members = self.view.members(list(spec.get("nodeGroups") or []))
-        refused = self.sync_volumes(key, obj, groups)
+        refused = self.sync_volumes(key, obj, groups, create=not self.namespaced or self.entitled(obj, members))
         missing = [g for g in spec.get("nodeGroups") or [] if g not in groups]
         wait = self.sync_status(key, obj, members, missing, refused)
         # A quota raised or a LimitRange changed wakes nothing of ours: try again in a while.
@@ -122,10 +128,27 @@ class CacheReconciler:
         return Result()
 
     # -- serving volumes -------------------------------------------------------------------------
-    def sync_volumes(self, key: str, obj: dict[str, Any], groups: dict[str, dict[str, Any]]) -> list[str]:
+    def entitled(self, obj: dict[str, Any], members: Mapping[str, Member]) -> bool:
+        """May a namespace cache's namespace get its serving claim now? Only once an agent reports
+        this cache's own entry downloaded. A claim reads the folder of the URI's storage key, which
+        caches of one URI share (KServe's contract): a tenant naming the URI of someone else's
+        private model must not read the folder downloaded with their credentials, and an agent
+        reports a namespace cache's entry downloaded only when it names the credentials the folder
+        was downloaded with, granted to its namespace (agent/credentials.py). Waiting for that even
+        for a URI no other cache has yet closes the order where the tenant's claim comes first.
+        Serving pods wait for a copy anyway (pod placement)."""
+        meta = obj["metadata"]
+        uri = (obj.get("spec") or {}).get("sourceModelUri") or ""
+        skey = status_key(meta["name"], meta.get("namespace") or None)
+        return any(reports.reported_state(self.view.lmns.store.get_raw(node),
+                                          reports.node_uid(self.view.nodes.store.get_raw(node)), skey, uri)
+                   == MODEL_DOWNLOADED for node in members)
+
+    def sync_volumes(self, key: str, obj: dict[str, Any], groups: dict[str, dict[str, Any]],
+                     create: bool = True) -> list[str]:
         """Create and delete serving PVs/PVCs; returns the creations the API refused (a namespace's
         ResourceQuota or LimitRange, an invalid group spec), each as one line, also recorded as a
-        Warning Event on the cache."""
+        Warning Event on the cache. ``create`` False: none is created yet (``entitled``)."""
         isvcs, llms = self.view.services_of(key)
         uses = [volumes.Use(s["metadata"]["namespace"], (s["metadata"].get("annotations") or {}))
                 for s in [*isvcs, *llms] if not s["metadata"].get("deletionTimestamp")]
@@ -135,7 +158,7 @@ class CacheReconciler:
         have_pvcs = {(c["metadata"]["namespace"], c["metadata"]["name"]): c
                      for c in self.view.pvcs.store.by_index(BY_CACHE, key, copy_objects=False)}
         refused: list[str] = []
-        for pair in pairs.values():
+        for pair in pairs.values() if create else ():
             group = groups[pair.group]
             try:
                 if pair.pv_name not in have_pvs:
