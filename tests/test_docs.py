@@ -126,16 +126,45 @@ def test_every_modelcache_variable_in_the_docs_is_read_somewhere() -> None:
     assert sorted(f"{d}: {v}" for d, v in mentioned if v not in sources and not v.endswith("_")) == []
 
 
-def test_every_relative_link_in_the_docs_resolves() -> None:
+def _anchors(doc) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings (lower case, punctuation dropped, spaces
+    to dashes, a repeated heading numbered -1, -2, ...) and its `<a id="...">` tags."""
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", _FENCE.sub("", doc.read_text()), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out | set(re.findall(r'<a id="([^"]+)"', doc.read_text()))
+
+
+def _broken_links(doc) -> list[str]:
     broken = []
-    for doc in DOCS:
-        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
-            if re.match(r"[a-z]+:", target) or target.startswith("#"):
-                continue
-            path = target.split("#", 1)[0]
-            if not (doc.parent / path).exists():
-                broken.append(f"{doc.name}: {target}")
-    assert broken == []
+    for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (doc.parent / path) if path else doc
+        if not dest.exists():
+            broken.append(f"{doc.name}: {target}")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(f"{doc.name}: {target} (no such heading)")
+    return broken
+
+
+def test_every_relative_link_in_the_docs_resolves() -> None:
+    """Every relative link names a file a clone has and, for a Markdown file, a heading it has."""
+    assert [b for doc in DOCS for b in _broken_links(doc)] == []
+
+
+def test_the_link_check_catches_a_missing_file_and_a_missing_heading(tmp_path) -> None:
+    (tmp_path / "b.md").write_text("# Title\n\n## The CLI: flags, `exit` codes\n\n## Again\n\n## Again\n")
+    doc = tmp_path / "a.md"
+    doc.write_text("[ok](b.md#the-cli-flags-exit-codes) [ok](b.md#again-1) [ok](#here) [x](c.md) "
+                   "[x](b.md#the-cli) [x](#nowhere) [ok](#set)\n\n## Here\n\n<a id=\"set\"></a>text\n")
+    assert _broken_links(doc) == ["a.md: c.md", "a.md: b.md#the-cli (no such heading)",
+                                  "a.md: #nowhere (no such heading)"]
 
 
 @pytest.mark.parametrize("prog", ["modelcache-agent", "modelcache-coordinator", "modelcache"])
@@ -232,3 +261,35 @@ def test_every_test_the_docs_name_exists() -> None:
             if not source.exists() or not re.search(rf"^\s*(?:def|class) {name}\b", source.read_text(), re.M):
                 missing.append(f"{doc.name}: {path}::{name}")
     assert missing == []
+
+
+def _bench_rows(text: str, results: str) -> dict[str, tuple[int, list[int]]]:
+    """The table after the link to ``results`` in benchmarks.md: tool -> (median, runs) in MB/s."""
+    after = text[text.index(f"]({results})"):]
+    table = re.search(r"^\|.*\n\|[-:| ]+\n((?:\|.*\n)+)", after, re.M)
+    assert table, f"no table after the link to {results}"
+    rows = {}
+    for line in table.group(1).splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = (int(cells[1]), [int(r) for r in cells[2].split(", ")])
+    return rows
+
+
+def test_benchmark_tables_are_their_raw_results() -> None:
+    """Each raw result in bench/results/ is linked from docs/benchmarks.md, and the table after the
+    link shows its runs and medians (durable MB/s, 1 MB = 10^6 B, the order the runs were taken)."""
+    import json
+    import statistics
+
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    results = sorted((REPO / "bench" / "results").glob("*.json"))
+    assert results
+    for path in results:
+        runs: dict[str, list[int]] = {}
+        for run in json.loads(path.read_text()):
+            runs.setdefault(run["tool"], []).append(round(run["bytes"] / run["seconds"] / 1e6))
+        shown = _bench_rows(text, f"../bench/results/{path.name}")
+        assert len(shown) == len(runs), (path.name, shown)
+        for tool, got in runs.items():
+            (row,) = [v for k, v in shown.items() if k == tool or k.startswith(tool + " ")]
+            assert row == (round(statistics.median(got)), got), (path.name, tool)
