@@ -42,7 +42,6 @@ test-deps: install
 # everything but what is built from Go (the control plane, KServe, SeaweedFS); `test` (CI) all.
 # On every core (pytest-xdist): the cluster tests on one worker, since they share one control
 # plane; the tests of a heavy session server (MiniDFS) likewise; the image is built once (a lock).
-# (`test` still runs on one core until a whole run on both has been seen green.)
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
 TEST_WORKERS ?= auto
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
@@ -56,7 +55,7 @@ test-servers: install
 
 # --durations: the slowest tests in every CI log, to keep the cold run inside its budget.
 test: test-deps lint
-	$(PYTEST) --durations=25 $(PYTEST_ARGS)
+	$(PYTEST) $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 # The chaos tests for longer than in `make test`: the cluster's (CHAOS_SECONDS, default 15 min;
 # CHAOS_SEED=<seed> replays the sequence of steps a failed run printed), then the store's kill -9

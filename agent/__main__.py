@@ -73,6 +73,9 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
               help="Ranged-read chunk size (64Ki to 1Gi).")
 @click.option("--transfer-attempts", envvar="MODELCACHE_TRANSFER_ATTEMPTS", default=6, show_default=True,
               type=click.IntRange(1), help="Attempts per chunk within one download.")
+@click.option("--stall-timeout", envvar="MODELCACHE_STALL_TIMEOUT", default=30.0, show_default=True,
+              type=click.FloatRange(0.5, 3600), help="Seconds a stream may deliver nothing before it is cut and "
+              "retried; a piece waits for peers at most half of it.")
 @click.option("--resync-period", envvar="MODELCACHE_RESYNC_PERIOD", default=60.0, show_default=True, type=_POSITIVE,
               help="Seconds between full re-applications of the spec.")
 @click.option("--port", envvar="MODELCACHE_AGENT_PORT", default=8080, show_default=True, type=click.IntRange(-1, 65535),
@@ -146,6 +149,10 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
 @click.option("--peer-formation", envvar="MODELCACHE_PEER_FORMATION", default=3.0, show_default=True,
               type=_NON_NEGATIVE, help="Seconds after a download starts in which nodes still listing the model "
               "count as members of its swarm.")
+@click.option("--peer-witnesses", envvar="MODELCACHE_PEER_WITNESSES", default=2, show_default=True,
+              type=click.IntRange(1), help="Nodes that must have read a piece from the origin, and agree on its "
+              "hash, before it is taken from a peer, for files whose source gives no unforgeable checksum "
+              "(1: any one node's word; docs/peers.md).")
 def cli(**kw: object) -> None:
     """Node agent: fills the node's model root from its LocalModelNode and reports status."""
     setup_logging(str(kw["log_format"]), str(kw["log_level"]))
@@ -283,7 +290,7 @@ def _peering(cfg: AgentConfig, kube: object, agent: object, metrics: object,
 
     try:
         return start_peering(cfg, kube, agent.store, metrics, agent.changed.set,  # type: ignore[arg-type,attr-defined]
-                             before_start)
+                             before_start, lambda *event: agent._emit(event))  # type: ignore[attr-defined]
     except OSError as exc:
         raise listen_error(exc, cfg.peer_host, cfg.peer_port, "--peer-port", "--peer-host") from None
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelcache.errors import InsufficientSpaceError
+from modelcache.kube.types import NAMESPACE_LIMIT_ANNOTATION
 from modelcache.progress import human_bytes
 
 
@@ -36,15 +37,29 @@ def allocated_bytes(folder: Path) -> int:
     return total
 
 
+
+
 class GroupLimit(int):
-    """A node group's ``storageLimit`` in bytes, knowing its group (for the refusal's message)."""
+    """A node group's ``storageLimit`` in bytes, knowing its group (for the refusal's message) and
+    its per-namespace share (``namespace_limit``, None: none)."""
 
     group: str = ""
+    namespace_limit: int | None = None
 
-    def __new__(cls, value: int, group: str = "") -> GroupLimit:
+    def __new__(cls, value: int, group: str = "", namespace_limit: int | None = None) -> GroupLimit:
         obj = super().__new__(cls, value)
         obj.group = group
+        obj.namespace_limit = namespace_limit
         return obj
+
+
+def namespace_limit_refusal(what: str, namespace: str, model_bytes: int, limit: int, group: str, used: int,
+                            reserved: int) -> str:
+    return (f"{what}: does not fit namespace {namespace}'s share of node group '{group}': the model is "
+            f"{human_bytes(model_bytes)}, the group's annotation {NAMESPACE_LIMIT_ANNOTATION} allows "
+            f"{human_bytes(limit)} per namespace on each node and namespace {namespace}'s caches hold "
+            f"{human_bytes(used)} here already ({human_bytes(reserved)} more reserved by downloads in flight); "
+            f"delete a LocalModelNamespaceCache of {namespace}, or ask a cluster admin to raise the annotation")
 
 
 def storage_limit_refusal(what: str, model_bytes: int, limit: int, used: int, reserved: int) -> str:
@@ -72,6 +87,8 @@ class Reservation:
     #: still has to allocate; None counts ``disk_bytes`` whole.
     staged: Path | None = None
     staged_at_admission: int = 0
+    #: The namespaces whose share of the group it counts against (empty: a cluster cache wants it).
+    owners: frozenset[str] = frozenset()
 
     def outstanding(self) -> int:
         """Bytes this download will still take from the file system's free space."""
@@ -83,10 +100,13 @@ class Reservation:
 
 class Capacity:
     def __init__(self, root: Path, margin: int, used_bytes: Callable[[], int],
-                 disk_usage: Callable[[Path], tuple[int, int]] | None = None) -> None:
+                 disk_usage: Callable[[Path], tuple[int, int]] | None = None,
+                 namespace_used: Callable[[str], int] | None = None) -> None:
         self.root = root
         self.margin = margin
         self.used_bytes = used_bytes  # bytes of published models in the store
+        #: bytes of published models that count against a namespace's share
+        self.namespace_used = namespace_used or (lambda _ns: 0)
         self._disk_usage = disk_usage or (lambda p: (lambda u: (u.total, u.free))(shutil.disk_usage(p)))
         self._lock = threading.Lock()
         self._reserved: dict[str, Reservation] = {}
@@ -106,11 +126,12 @@ class Capacity:
         return sum(r.outstanding() for r in reservations)
 
     def reserve(self, key: str, disk_bytes: int, model_bytes: int, limit: int | None, what: str,
-                staged: Path | None = None) -> None:
+                staged: Path | None = None, owners: frozenset[str] = frozenset()) -> None:
         """Reserve or raise InsufficientSpaceError; a second reserve for ``key`` replaces the first.
 
         ``staged``: the folder the download allocates its files in; from then on only what it
-        has not allocated yet counts against the other downloads.
+        has not allocated yet counts against the other downloads. ``owners``: the namespaces whose
+        share of the group (``limit.namespace_limit``) it also must fit.
         """
         with self._lock:
             others = [r for k, r in self._reserved.items() if k != key]
@@ -125,8 +146,15 @@ class Capacity:
                 used, reserved = self.used_bytes(), sum(r.model_bytes for r in others)
                 if model_bytes > max(0, limit - used - reserved):
                     raise InsufficientSpaceError(storage_limit_refusal(what, model_bytes, limit, used, reserved))
+            share: int | None = getattr(limit, "namespace_limit", None)
+            for ns in sorted(owners) if share is not None else ():
+                assert share is not None
+                used, reserved = self.namespace_used(ns), sum(r.model_bytes for r in others if ns in r.owners)
+                if model_bytes > max(0, share - used - reserved):
+                    raise InsufficientSpaceError(namespace_limit_refusal(
+                        what, ns, model_bytes, share, getattr(limit, "group", "") or "?", used, reserved))
             self._reserved[key] = Reservation(key, disk_bytes, model_bytes, staged,
-                                              allocated_bytes(staged) if staged is not None else 0)
+                                              allocated_bytes(staged) if staged is not None else 0, owners)
 
     def release(self, key: str) -> None:
         with self._lock:

@@ -18,6 +18,9 @@ class AgentConfig:
     chunk_size: int = 16 << 20
     #: Attempts per chunk inside one download (the engine's own retries).
     transfer_attempts: int = 6
+    #: Seconds a stream may deliver nothing before it is cut and retried; a piece waits for peers
+    #: at most half of it (docs/peers.md).
+    stall_timeout: float = 30.0
     #: Full resync of the LocalModelNode (level-triggered safety net).
     resync_period: float = 60.0
     #: Health and metrics port (0: pick a free one; -1: no server).
@@ -70,3 +73,6 @@ class AgentConfig:
     #: formation window (seconds).
     peer_wait: float = 20.0
     peer_formation: float = 3.0
+    #: Nodes that must have read a piece from the origin, and agree, before it is taken from a
+    #: peer, for files without an unforgeable source checksum (docs/peers.md).
+    peer_witnesses: int = 2

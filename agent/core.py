@@ -62,6 +62,14 @@ def group_entries(entries: Iterable[LocalModelInfo]) -> dict[str, tuple[str, lis
     return out
 
 
+def owners(entries: list[LocalModelInfo]) -> frozenset[str]:
+    """The namespaces whose share of a node group a model counts against: those of the namespace
+    caches that want it, none when a cluster cache wants it too (a cluster admin's choice)."""
+    if any(not e.namespace for e in entries):
+        return frozenset()
+    return frozenset(str(e.namespace) for e in entries)
+
+
 class Agent:
     def __init__(self, cfg: AgentConfig, credentials: Credentials, mounts: MountChecker,
                  metrics: AgentMetrics | None = None, group_limits: dict[str, int] | None = None) -> None:
@@ -79,7 +87,7 @@ class Agent:
         self.wake = threading.Event()
         self.spec_seen = threading.Event()
         self.generation: int | None = None
-        self.capacity = Capacity(cfg.root, cfg.space_margin, self._used_bytes)
+        self.capacity = Capacity(cfg.root, cfg.space_margin, self._used_bytes, namespace_used=self._namespace_used)
         self.pool = ThreadPoolExecutor(max_workers=max(1, cfg.max_concurrent_models), thread_name_prefix="download")
         self.checker = Checker(self)
         #: KServe's download-Job containers, in cluster mode (agent/downloadjob.py); None: none.
@@ -128,14 +136,21 @@ class Agent:
         self.changed.set()
 
     def set_spec(self, entries: list[LocalModelInfo], generation: int | None = None) -> None:
+        """Apply a valid spec. The status is written at once only if this changed something: the
+        resync re-applies the same spec every --resync-period, and a write for it would be a
+        progress write between two --status-interval ticks."""
         desired = group_entries(entries)
         with self.lock:
+            changed = self.refused is not None or not self.spec_seen.is_set() or generation != self.generation
             self.refused = None
             for key, (uri, infos) in desired.items():
                 rec = self.records.get(key)
                 if rec is None:
                     self.records[key] = self._new_record(key, uri, infos)
+                    changed = True
                     continue
+                if rec.entries != infos or rec.uri != uri:
+                    changed = True
                 if rec.entries != infos and not _hopeless(rec):
                     # Edited (say, its credentials) or back in the spec: a failed model retries now.
                     rec.next_attempt, rec.failures = 0.0, 0
@@ -146,12 +161,14 @@ class Agent:
             for key, rec in self.records.items():
                 if key not in desired and rec.wanted:
                     self._mark_removing(rec)
+                    changed = True
             if not self.spec_seen.is_set():
                 self._adopt_orphans()
                 self._last_sweep = time.monotonic()
             self.generation = generation
         self.spec_seen.set()
-        self.changed.set()
+        if changed:
+            self.changed.set()
         self.wake.set()
 
     def _new_record(self, key: str, uri: str, infos: list[LocalModelInfo]) -> ModelRecord:
@@ -264,7 +281,8 @@ class Agent:
             rec.revision = plan.revision
         staged = self.layout.repair_dir(rec.key) if task.repairing else self.layout.staging_dir(rec.key)
         limit = self.group_limits.get(primary.node_group or "")
-        self.capacity.reserve(rec.key, plan.bytes_needed, plan.total_bytes, limit, plan.location.display, staged=staged)
+        self.capacity.reserve(rec.key, plan.bytes_needed, plan.total_bytes, limit, plan.location.display, staged=staged,
+                              owners=owners(rec.entries))
         log.info("download admitted", extra=fields(storage_key=rec.key, bytes_total=plan.total_bytes,
                                                    bytes_needed=plan.bytes_needed, files=plan.files,
                                                    revision=plan.revision or ""))
@@ -272,7 +290,7 @@ class Agent:
 
     def _options(self) -> TransferOptions:
         return TransferOptions(workers=self.cfg.workers, chunk_size=self.cfg.chunk_size,
-                               max_attempts=self.cfg.transfer_attempts,
+                               max_attempts=self.cfg.transfer_attempts, stall_timeout=self.cfg.stall_timeout,
                                backoff_max=min(10.0, max(0.5, self.cfg.backoff_max)))
 
     def _download(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> None:
@@ -395,7 +413,6 @@ class Agent:
             return {}
         self.metrics.model_bytes.labels(storage_key=key, source="origin").inc(stats.from_origin)
         self.metrics.model_bytes.labels(storage_key=key, source="peer").inc(stats.from_peers)
-        self.metrics.peer_dropped.inc(len(stats.dropped))
         return {"bytes_from_origin": stats.from_origin, "bytes_from_peers": stats.from_peers}
 
     def _emit(self, event: tuple[str, str, str] | None) -> None:
@@ -512,6 +529,12 @@ class Agent:
     def _used_bytes(self) -> int:
         with self.lock:
             return sum(r.bytes_total or 0 for r in self.records.values() if not r.deleting and self._present(r.key))
+
+    def _namespace_used(self, namespace: str) -> int:
+        """Bytes of the models on this node that count against ``namespace``'s share of its group."""
+        with self.lock:
+            return sum(r.bytes_total or 0 for r in self.records.values()
+                       if not r.deleting and namespace in owners(r.entries) and self._present(r.key))
 
     def _log_progress(self, now: float) -> None:
         """One progress line per download every few seconds, the first as soon as its size is known."""

@@ -8,6 +8,20 @@
   ``serving.kserve.io/s3-*`` annotations, the GCS key file, Azure keys, ``https-host`` +
   ``headers``, ``HF_TOKEN``, the HDFS secret's keys as files of a private secret dir).
 
+Tenants (a LocalModelNamespaceCache's entry carries its namespace): the credential namespace is
+shared, so a namespace cache may use only what a cluster admin granted to its namespace (the
+security review's H3: a tenant named another team's key and sent it to its own endpoint):
+
+- a ServiceAccount (and the Secrets attached to it) with the annotation
+  ``modelcache.io/namespaces: "team-a,team-b"`` (or ``"*"``) naming the cache's namespace;
+- a key ``K`` of the storage-spec Secret with the annotation ``namespaces.modelcache.io/K`` on
+  that Secret, the same way (also the ``default`` key a cache without ``storage.key`` gets);
+- and never with ``storage.parameters`` that send the credentials elsewhere or loosen TLS
+  (``endpoint_url``, ``ca_bundle``, ``verify_ssl``): ``REDIRECTING_PARAMETERS``, refused for
+  namespace caches here and by the cache webhook.
+
+A cluster cache (only cluster admins create those) may use every credential, as in KServe.
+
 The result is an environment *dict* handed to ``Settings.from_env`` for that download only:
 the agent's own environment is never read or changed, and nothing here is logged. A GCS key
 file is written to a private temporary file that is deleted when the download ends.
@@ -25,7 +39,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from modelcache.credentials import Settings
+from modelcache.credentials import Settings, redirecting
 from modelcache.errors import AuthError
 from modelcache.kube.types import LocalModelInfo
 
@@ -40,6 +54,18 @@ ANNOTATION_PREFIX = "serving.kserve.io/"
 IRSA_ANNOTATION = "eks.amazonaws.com/role-arn"
 #: KServe's ConfigMap (``namespace/name``) whose ``credentials`` block sets cluster-wide defaults.
 KSERVE_CONFIG = "kserve/inferenceservice-config"
+#: The namespaces whose caches may use a ServiceAccount ("a,b" or "*").
+SA_NAMESPACES_ANNOTATION = "modelcache.io/namespaces"
+#: Prefix of the annotation, on the storage-spec Secret, naming the namespaces of a key (the suffix).
+KEY_NAMESPACES_PREFIX = "namespaces.modelcache.io/"
+
+
+def granted(annotation: str | None, namespace: str) -> bool:
+    """Whether an annotation value ("a,b", "*") names ``namespace``."""
+    names = {n.strip() for n in (annotation or "").split(",")}
+    return "*" in names or namespace in names
+
+
 
 
 @dataclass(frozen=True)
@@ -147,6 +173,8 @@ def storage_env(info: LocalModelInfo, reader: SecretReader, config: CredentialCo
     if not key:
         typed = f"default_{params['type']}" if params.get("type") else ""
         key = typed if typed in data else "default"
+    if info.namespace:
+        _tenant_may_use_key(info, name, key if key in data else None, secret)
     env: dict[str, str] = {}
     if key in data:
         env["STORAGE_CONFIG"] = data[key]
@@ -156,6 +184,21 @@ def storage_env(info: LocalModelInfo, reader: SecretReader, config: CredentialCo
     if params:
         env["STORAGE_OVERRIDE_CONFIG"] = json.dumps(params)
     return env
+
+
+def _tenant_may_use_key(info: LocalModelInfo, secret_name: str, key: str | None, secret: Mapping[str, Any]) -> None:
+    """Refuse a namespace cache's redirecting parameters, and a key (None: none of the Secret's
+    is used) not granted to its namespace."""
+    ns = str(info.namespace)
+    params = dict(info.storage.parameters or {}) if info.storage else {}
+    if bad := redirecting(params):
+        raise AuthError(f"model {info.status_key}: a LocalModelNamespaceCache may not set storage.parameters "
+                        f"{', '.join(bad)} (they would send the credentials of Secret '{secret_name}' elsewhere); "
+                        "put the endpoint in the Secret's key, or use a LocalModelCache")
+    if key is not None and not granted(_annotations(secret).get(KEY_NAMESPACES_PREFIX + key), ns):
+        raise AuthError(f"model {info.status_key}: key '{key}' of Secret '{secret_name}' is not granted to namespace "
+                        f"{ns}; a cluster admin grants it with the annotation {KEY_NAMESPACES_PREFIX}{key}: \"{ns}\" "
+                        f"on that Secret in the credentials namespace")
 
 
 def s3_env(annotations: Mapping[str, str], data: Mapping[str, str] | None, config: CredentialConfig,
@@ -210,6 +253,10 @@ def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str
     if sa is None:
         raise AuthError(f"model {info.status_key}: service account '{name}' not found in the credentials namespace")
     sa_annotations = _annotations(sa)
+    if info.namespace and not granted(sa_annotations.get(SA_NAMESPACES_ANNOTATION), info.namespace):
+        raise AuthError(f"model {info.status_key}: service account '{name}' is not granted to namespace "
+                        f"{info.namespace}; a cluster admin grants it with the annotation {SA_NAMESPACES_ANNOTATION}: "
+                        f"\"{info.namespace}\" on that ServiceAccount in the credentials namespace")
     env: dict[str, str] = {}
     for ref in sa.get("secrets") or []:
         secret = reader.secret(str(ref.get("name", "")))

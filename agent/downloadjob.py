@@ -16,7 +16,8 @@ group's download PVC, which we do not create); the Jobs run in their own namespa
 deploy/'s ``modelcache-jobs``, KServe's ``kserve-localmodel-jobs``); the download credentials our
 agent would use go to the container as environment variables from a Secret the Job owns (KServe
 injects them as environment variables too); file credentials (a GCS key file, an HDFS secret
-directory) are not passed.
+directory) are not passed. The Job is exactly what deploy/policies/agent-jobs.yaml lets an agent
+create (its own node, the one host directory, no privileges, no ServiceAccount token).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from kubernetes.client.exceptions import ApiException
 
 from agent.logs import fields
 from modelcache.errors import ModelcacheError
-from modelcache.kube.client import SECRETS, Kube, Resource
+from modelcache.kube.client import SECRETS, Kube, Resource, error_message
 from modelcache.kube.types import LocalModelInfo
 
 log = logging.getLogger("agent.downloadjob")
@@ -87,13 +88,23 @@ def job_labels(info: LocalModelInfo, node: str) -> dict[str, str]:
     return labels
 
 
+def secret_keys(names: Iterable[str]) -> dict[str, str]:
+    """Environment variable -> the key of the Job's Secret that holds its value. Secret keys allow
+    only ``[-._a-zA-Z0-9]``; a variable such as ``<https-host>-headers`` (KServe's, with the host's
+    ``:port``) is no valid key, so every value goes under a key of its own making."""
+    return {name: f"env-{i}" for i, name in enumerate(sorted(names))}
+
+
 def job_body(csc: Mapping[str, Any], info: LocalModelInfo, node: str, key: str, host_path: str,
-             owner: Mapping[str, Any] | None, env_secret: str | None) -> dict[str, Any]:
+             owner: Mapping[str, Any] | None, env_secret: str | None, env_names: Iterable[str] = ()) -> dict[str, Any]:
+    """The Job as deploy/policies/agent-jobs.yaml admits it from an agent (and nothing more)."""
     container = dict((csc.get("spec") or {}).get("container") or {})
     container["args"] = [info.source_model_uri, MOUNT_PATH]
     container["volumeMounts"] = [{"name": VOLUME, "mountPath": MOUNT_PATH, "subPath": f"models/{key}"}]
     if env_secret:
-        container["envFrom"] = [*(container.get("envFrom") or []), {"secretRef": {"name": env_secret}}]
+        container["env"] = [*(container.get("env") or []), *(
+            {"name": name, "valueFrom": {"secretKeyRef": {"name": env_secret, "key": ref}}}
+            for name, ref in secret_keys(env_names).items())]
     container.setdefault("name", "kserve-localmodel-download")
     labels = {**job_labels(info, node), "app.kubernetes.io/managed-by": "modelcache-agent"}
     meta: dict[str, Any] = {"generateName": f"{info.model_name}-{node}", "labels": labels}
@@ -105,6 +116,8 @@ def job_body(csc: Mapping[str, Any], info: LocalModelInfo, node: str, key: str, 
             "nodeSelector": {"kubernetes.io/hostname": node},
             "restartPolicy": "Never",
             "securityContext": {"fsGroup": FS_GROUP},
+            # It talks to no API: no ServiceAccount token in it.
+            "automountServiceAccountToken": False,
             "containers": [container],
             "volumes": [{"name": VOLUME, "hostPath": {"path": host_path, "type": "Directory"}}],
         }},
@@ -190,7 +203,8 @@ class DownloadJobs:
         # here so that the Job can name its credentials Secret before that exists.
         name = f"{info.model_name}-{self.node}"[:57] + secrets.token_hex(3)[:5]
         passed = {k: v for k, v in env.items() if k not in _FILE_ENV}
-        body = job_body(csc, info, self.node, key, str(self.host_path), self.owner(), name if passed else None)
+        body = job_body(csc, info, self.node, key, str(self.host_path), self.owner(), name if passed else None,
+                        passed)
         body["metadata"].pop("generateName")
         body["metadata"]["name"] = name
         job = self.kube.create(JOBS, body, self.namespace)
@@ -198,11 +212,16 @@ class DownloadJobs:
             # The download's credentials, as KServe injects them into its Job: environment variables,
             # here from a Secret owned by the Job (the garbage collector deletes it with the Job). Its
             # pod waits for it (CreateContainerConfigError) if it starts first.
-            self.kube.create(SECRETS, {"metadata": {"name": name, "labels": job_labels(info, self.node),
-                                                    "ownerReferences": [{
-                                                        "apiVersion": "batch/v1", "kind": "Job", "name": name,
-                                                        "uid": job["metadata"]["uid"], "controller": True}]},
-                                       "stringData": dict(passed)}, self.namespace)
+            secret = {"metadata": {"name": name, "labels": job_labels(info, self.node), "ownerReferences": [{
+                          "apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": job["metadata"]["uid"],
+                          "controller": True}]},
+                      "type": "Opaque", "stringData": {ref: passed[env] for env, ref in secret_keys(passed).items()}}
+            try:
+                self.kube.create(SECRETS, secret, self.namespace)
+            except ApiException as exc:
+                self._delete(name)  # a Job whose Secret never comes would wait for ever
+                raise DownloadJobError(f"download Job {self.namespace}/{name}: its credentials Secret was refused "
+                                       f"({error_message(exc)}); the Job is deleted") from None
         log.info("download Job created", extra=fields(job=name, namespace=self.namespace, storage_key=key,
                                                       container=(csc.get("metadata") or {}).get("name")))
         return job

@@ -32,7 +32,7 @@ from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import DELETED, Informer
 from modelcache.kube.quantity import parse_quantity
 from modelcache.kube.status import patch_status_if_changed
-from modelcache.kube.types import LocalModelNode
+from modelcache.kube.types import NAMESPACE_LIMIT_ANNOTATION, LocalModelNode
 from modelcache.kube.validate import node_problems
 from modelcache.loop import Loop
 
@@ -43,6 +43,28 @@ OWNED = ("modelStatus", "modelDetails", "capacity", "modelCounts", "observedGene
          "peer")
 #: The LocalModelNode CRD, whose status schema decides what the API server keeps of a status write.
 NODE_CRD = f"{LOCAL_MODEL_NODES.plural}.{LOCAL_MODEL_NODES.group}"
+
+
+def status_fields(crd: dict[str, Any] | None) -> set[str] | None:
+    """The status fields the LocalModelNode CRD keeps in the version we write, from the CRD object;
+    None if unknown (no CRD seen yet, no schema) or if it keeps any field."""
+    for version in ((crd or {}).get("spec") or {}).get("versions") or []:
+        if version.get("name") != LOCAL_MODEL_NODES.version:
+            continue
+        schema = ((version.get("schema") or {}).get("openAPIV3Schema") or {}).get("properties") or {}
+        status = schema.get("status")
+        if not isinstance(status, dict) or status.get("x-kubernetes-preserve-unknown-fields"):
+            return None
+        return set(status.get("properties") or {})
+    return None
+
+
+def pruned_by_another_schema(ours: dict[str, Any], kept: dict[str, Any], fields: set[str] | None) -> bool:
+    """Whether what the server kept of our status write is not what the schema we know keeps: a
+    field of ours it has dropped, or one it kept that the schema has not."""
+    if fields is None:
+        return False
+    return any((k in kept) != (k in fields) for k, v in ours.items() if v is not None)
 
 
 class KubeRunner:
@@ -136,10 +158,15 @@ class KubeRunner:
     def _on_group(self, event: str, obj: dict[str, Any], _old: dict[str, Any] | None) -> None:
         name = (obj.get("metadata") or {}).get("name", "")
         limit = parse_quantity((obj.get("spec") or {}).get("storageLimit"))
+        share = ((obj.get("metadata") or {}).get("annotations") or {}).get(NAMESPACE_LIMIT_ANNOTATION)
+        per_namespace = parse_quantity(share) if share else None
+        if share and per_namespace is None:
+            log.warning("LocalModelNodeGroup %s: annotation %s=%r is not a quantity: no per-namespace share",
+                        name, NAMESPACE_LIMIT_ANNOTATION, share)
         if event == DELETED or limit is None:
             self.agent.group_limits.pop(name, None)
         else:
-            self.agent.group_limits[name] = GroupLimit(limit, name)
+            self.agent.group_limits[name] = GroupLimit(limit, name, per_namespace)
         if self.synced.is_set():
             self.check_paths()
 
@@ -190,8 +217,18 @@ class KubeRunner:
             ours = {**ours, "nodeUID": self.node_uid}
         written = patch_status_if_changed(self.kube, LOCAL_MODEL_NODES, self.node, self._desired(ours),
                                           current=current)
-        if written is not None:
-            self._kept = (copy.deepcopy(ours), dict(written.get("status") or {}))
+        if written is None:
+            return
+        kept = dict(written.get("status") or {})
+        if pruned_by_another_schema(ours, kept, status_fields(self.schema.store.get(NODE_CRD))):
+            # The CRD's watch event can reach us before the API server's own handler switches to
+            # the new schema: a write made at once was pruned with the old one (3 of 20 such
+            # writes, at load 25). Not remembered, so the next --status-interval writes again.
+            log.info("status written under the LocalModelNode CRD's previous schema; writing again",
+                     extra=fields(node=self.node))
+            self._kept = None
+            return
+        self._kept = (copy.deepcopy(ours), kept)
 
     def start(self, timeout: float = 60.0) -> KubeRunner:
         # Containers first: whether a URI none of our sources reads is a download Job's or

@@ -31,8 +31,11 @@ class AgentMetrics:
         self.peer_uploaded = Counter("modelcache_agent_peer_uploaded_bytes", "Bytes served to other agents",
                                      registry=r)
         self.peer_rejected = Counter("modelcache_agent_peer_rejected", "Peer requests refused, by reason "
-                                     "(unauthenticated, forbidden, busy, tls)", ["reason"], registry=r)
-        self.peer_dropped = Counter("modelcache_agent_peer_dropped", "Peers dropped for a model after a wrong piece",
+                                     "(unauthenticated, forbidden, throttled, busy, tls, connections)", ["reason"],
+                                     registry=r)
+        self.peer_dropped = Counter("modelcache_agent_peer_dropped", "Peers excluded after a wrong piece, or a "
+                                    "hash the origin contradicts (docs/peers.md)", registry=r)
+        self.peers_excluded = Gauge("modelcache_agent_peers_excluded", "Peers excluded now (for a day each)",
                                     registry=r)
         for state in MODEL_STATES:
             if state:

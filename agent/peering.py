@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -22,18 +23,28 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from agent.config import AgentConfig
 from agent.logs import fields
 from agent.metrics import AgentMetrics
+from modelcache.clock import rfc3339
 from modelcache.kube.client import LOCAL_MODEL_NODES, NODES, Kube
 from modelcache.kube.informer import Informer
 from modelcache.kube.types import MODEL_DOWNLOAD_ERROR, MODEL_DOWNLOADED
 from modelcache.peers.client import PeerClient, PeerInfo, TokenFile
 from modelcache.peers.network import PeerNetwork
-from modelcache.peers.server import FORBIDDEN, OK, UNAUTHENTICATED, PeerServer, cert_fingerprint, server_context
+from modelcache.peers.server import (
+    FORBIDDEN,
+    OK,
+    THROTTLED,
+    UNAUTHENTICATED,
+    PeerServer,
+    cert_fingerprint,
+    server_context,
+)
 from modelcache.peers.swarm import SwarmSettings
 from modelcache.startup import StartupError
 from modelcache.store import NodeStore
@@ -43,14 +54,43 @@ log = logging.getLogger("agent.peers")
 
 AUDIENCE = "modelcache-peer"
 ZONE_LABEL = "topology.kubernetes.io/zone"
-#: Seconds a TokenReview verdict is reused (accepted / refused), and how many are kept.
+#: Seconds a TokenReview verdict is reused (accepted / refused), and how many are kept (LRU).
 REVIEW_TTL, REFUSED_TTL, REVIEW_CACHE = 60.0, 10.0, 4096
+#: Excluded peers published in our status at most (the newest; the CRD allows 64).
+MAX_PUBLISHED = 32
+#: TokenReviews per second at most (a burst of twice that), and at once: junk tokens from the pod
+#: network must not become API-server writes charged to the agents (answered 503: ask again).
+REVIEW_RATE, REVIEWS_AT_ONCE = 10.0, 4
+
+
+def plausible(token: str, now: float | None = None) -> bool:
+    """Whether ``token`` can be a ServiceAccount token for the peer audience at all: a JWT whose
+    (unverified) claims name our audience and have not expired. Anything else is refused without
+    a TokenReview; the review still decides for what passes (this checks no signature)."""
+    parts = token.split(".")
+    if len(parts) != 3 or not all(parts) or len(token) > 16384:
+        return False
+    try:
+        claims = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
+    except (ValueError, TypeError):
+        return False
+    if not isinstance(claims, dict):
+        return False
+    aud = claims.get("aud")
+    audiences = aud if isinstance(aud, list) else [aud]
+    exp = claims.get("exp")
+    return AUDIENCE in audiences and isinstance(exp, int | float) and exp > (time.time() if now is None else now)
 
 
 class TokenReviewer:
-    """``authorize(token)``: a TokenReview for the peer audience, the same identity as ours."""
+    """``authorize(token)``: a TokenReview for the peer audience, the same identity as ours.
 
-    def __init__(self, kube: Kube) -> None:
+    Verdicts are cached (LRU: a hit is the newest; refusals for 10 s), reviews are limited to
+    ``REVIEW_RATE`` a second and ``REVIEWS_AT_ONCE`` in flight, and a token that cannot be one of
+    ours (not a JWT of our audience, or expired) costs no review (docs/peers.md,
+    "Authentication")."""
+
+    def __init__(self, kube: Kube, rate: float = REVIEW_RATE, at_once: int = REVIEWS_AT_ONCE) -> None:
         from kubernetes import client
 
         self._api = client.AuthenticationV1Api(kube.api_client)
@@ -58,6 +98,10 @@ class TokenReviewer:
         self._cache: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._lock = threading.Lock()
         self._warned = False
+        self.rate = rate
+        self._tokens, self._stamp = 2 * rate, time.monotonic()
+        self._in_flight = threading.BoundedSemaphore(max(1, at_once))
+        self.reviews = 0
 
     def review(self, token: str) -> tuple[bool, str]:
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
@@ -67,7 +111,9 @@ class TokenReviewer:
         resp = create(body, _preload_content=False)
         status = json.loads(resp.data).get("status") or {}
         user = (status.get("user") or {}).get("username", "")
-        return bool(status.get("authenticated")) and AUDIENCE in (status.get("audiences") or [AUDIENCE]), user
+        # An empty status.audiences means "the API server's own audience" (the TokenReview API),
+        # never ours: only an explicit match counts.
+        return bool(status.get("authenticated")) and AUDIENCE in (status.get("audiences") or []), user
 
     def learn_identity(self, own_token: str) -> str:
         """Reviews our own token: its identity is the one peers must have (the agents' SA)."""
@@ -78,23 +124,45 @@ class TokenReviewer:
         self.allowed = user
         return user
 
+    def _take(self) -> bool:
+        """One review from the rate (a token bucket of ``2 * rate``)."""
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(2 * self.rate, self._tokens + (now - self._stamp) * self.rate)
+            self._stamp = now
+            if self._tokens < 1:
+                return False
+            self._tokens -= 1
+            return True
+
     def authorize(self, token: str) -> str:
         digest = hashlib.sha256(token.encode()).hexdigest()
         now = time.monotonic()
         with self._lock:
             hit = self._cache.get(digest)
             if hit is not None and hit[1] > now:
+                self._cache.move_to_end(digest)
                 return hit[0]
+        if not plausible(token):
+            return self._remember(digest, UNAUTHENTICATED)
+        if not self._take() or not self._in_flight.acquire(blocking=False):
+            return THROTTLED
         try:
+            self.reviews += 1
             ok, user = self.review(token)
         except Exception as exc:  # the API server is away: refuse, and ask again soon
             if not self._warned:
                 self._warned = True
                 log.warning("cannot review a peer's token; refusing it", extra=fields(error=f"{type(exc).__name__}"))
-            return UNAUTHENTICATED
-        verdict = OK if ok and user == self.allowed else (FORBIDDEN if ok else UNAUTHENTICATED)
+            return THROTTLED
+        finally:
+            self._in_flight.release()
+        return self._remember(digest, OK if ok and user == self.allowed else (FORBIDDEN if ok else UNAUTHENTICATED))
+
+    def _remember(self, digest: str, verdict: str) -> str:
         with self._lock:
-            self._cache[digest] = (verdict, now + (REVIEW_TTL if verdict == OK else REFUSED_TTL))
+            self._cache[digest] = (verdict, time.monotonic() + (REVIEW_TTL if verdict == OK else REFUSED_TTL))
+            self._cache.move_to_end(digest)
             while len(self._cache) > REVIEW_CACHE:
                 self._cache.popitem(last=False)
         return verdict
@@ -135,16 +203,33 @@ class Directory:
     def __init__(self, kube: Kube, me: str) -> None:
         self.me = me
         self.informer = Informer(kube, LOCAL_MODEL_NODES, transform=directory_essentials)
+        #: Nodes we excluded ourselves (set by Peering: the network's list).
+        self.excluded: Callable[[str], bool] = lambda node: False
+
+    def vetoed(self, mine: Callable[[str], bool] = lambda node: False) -> set[str]:
+        """Nodes another node excluded (its ``status.peer.excluded``: its word, which only it may
+        write): skipped by us too. The word of a node we excluded ourselves does not count. A
+        node can so make others skip a peer, which costs origin bytes, never a wrong one."""
+        out: set[str] = set()
+        for obj in self.informer.store.list(copy_objects=False):
+            name = (obj.get("metadata") or {}).get("name", "")
+            if name == self.me or mine(name):
+                continue
+            for item in ((obj.get("status") or {}).get("peer") or {}).get("excluded") or []:
+                if isinstance(item, dict) and isinstance(item.get("node"), str) and item["node"] != self.me:
+                    out.add(item["node"])
+        return out
 
     def peers(self, key: str) -> list[PeerInfo]:
         out = []
+        vetoed = self.vetoed(self.excluded)
         for obj in self.informer.store.list(copy_objects=False):
             name = (obj.get("metadata") or {}).get("name", "")
             status = obj.get("status") or {}
             peer = status.get("peer") or {}
             where = _split_endpoint(str(peer.get("endpoint") or ""))
             fingerprint = str(peer.get("certSHA256") or "")
-            if name == self.me or where is None or len(fingerprint) != 64:
+            if name == self.me or where is None or len(fingerprint) != 64 or name in vetoed:
                 continue
             details = [d for d in (status.get("modelDetails") or {}).values()
                        if isinstance(d, dict) and d.get("storageKey") == key]
@@ -164,17 +249,21 @@ class Peering:
     """Built by ``start_peering``; the agent asks it for ``network`` (its downloads) and status."""
 
     def __init__(self, cfg: AgentConfig, kube: Kube, store: NodeStore, metrics: AgentMetrics,
-                 on_change: Any) -> None:
+                 on_change: Any, on_event: Callable[[str, str, str], None] | None = None) -> None:
         self.cfg, self.kube, self.metrics = cfg, kube, metrics
+        self.on_event = on_event
         self.zone = self._zone()
         self.token = TokenFile(cfg.peer_token_file)
         self.reviewer = TokenReviewer(kube)
         cert, key = self._certificate()
         self.fingerprint = cert_fingerprint(Path(cert).read_text())
         self.directory = Directory(kube, cfg.node)
-        settings = SwarmSettings(node=cfg.node, zone=self.zone, wait=cfg.peer_wait, formation=cfg.peer_formation)
+        settings = SwarmSettings(node=cfg.node, zone=self.zone, wait=cfg.peer_wait, formation=cfg.peer_formation,
+                                 witnesses=cfg.peer_witnesses)
         self.network = PeerNetwork(settings, self.directory.peers, PeerClient(self.token, cfg.workers), store,
-                                   on_change)
+                                   on_change, self._excluded)
+        self.directory.excluded = self.network.excluded
+        self.metrics.peers_excluded.set_function(lambda: len(self.network.exclusions.items()))
         self.server = PeerServer(cfg.peer_host, cfg.peer_port, server_context(cert, key), self.network,
                                  self.reviewer.authorize, cfg.peer_max_uploads, cfg.peer_upload_rate,
                                  on_upload=self._uploaded, on_reject=self._rejected)
@@ -206,6 +295,16 @@ class Peering:
         where = _split_endpoint(value) if value.startswith("[") or value.count(":") == 1 else None
         host, port = where if where is not None else (value.strip("[]"), self.server.port)
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def _excluded(self, node: str, why: str) -> None:
+        """A peer found lying: counted, an Event on our LocalModelNode, and (status) published."""
+        self.metrics.peer_dropped.inc()
+        log.warning("peer excluded", extra=fields(peer=node, reason=why))
+        if self.on_event is not None:
+            try:
+                self.on_event("Warning", "PeerExcluded", f"peer {node} excluded for a day: {why}")
+            except Exception as exc:
+                log.warning("could not report an event", extra=fields(error=f"{type(exc).__name__}"))
 
     def _uploaded(self, n: int) -> None:
         self.metrics.peer_uploaded.inc(n)
@@ -242,12 +341,15 @@ class Peering:
             stats = self.network.stats(key)
             if stats is not None:
                 origin, peers = origin + stats.from_origin, peers + stats.from_peers
+        excluded = [{"node": e.node, "reason": e.reason, "since": rfc3339(e.since)}
+                    for e in self.network.exclusions.items()[-MAX_PUBLISHED:]]
         return {"endpoint": self.endpoint, "certSHA256": self.fingerprint, **({"zone": self.zone} if self.zone else {}),
-                "bytesFromOrigin": origin, "bytesFromPeers": peers}
+                "bytesFromOrigin": origin, "bytesFromPeers": peers, **({"excluded": excluded} if excluded else {})}
 
 
 def start_peering(cfg: AgentConfig, kube: Kube, store: NodeStore, metrics: AgentMetrics,
-                  on_change: Any, before_start: Any = None) -> Peering | None:
+                  on_change: Any, before_start: Any = None,
+                  on_event: Callable[[str, str, str], None] | None = None) -> Peering | None:
     """Peer transfer per ``--peers``: ``off``; ``on`` (a missing token is a startup error);
     ``auto`` (default: on when the token file exists)."""
     if cfg.peers == "off":
@@ -259,7 +361,7 @@ def start_peering(cfg: AgentConfig, kube: Kube, store: NodeStore, metrics: Agent
                                f"token with audience {AUDIENCE!r} there (deploy/agent), or set --peers=off")
         log.info("peer transfer off: no peer token", extra=fields(peer_token_file=str(cfg.peer_token_file)))
         return None
-    peering = Peering(cfg, kube, store, metrics, on_change)  # the port is bound: a taken one is named first
+    peering = Peering(cfg, kube, store, metrics, on_change, on_event)  # the port is bound: a taken one is named first
     if before_start is not None:
         before_start()  # e.g. the agent's check that the API server answers: start() asks it
     return peering.start()

@@ -35,6 +35,11 @@ from modelcache.startup import env_for_every_flag, run_command
               help="directory with tls.crt and tls.key (cert-manager's Secret volume); with --webhook-cert-secret: "
                    "where the pair is written (default: a private temporary directory)")
 @click.option("--webhook-port", type=click.IntRange(0, 65535), default=9443)
+@click.option("--webhook-client-ca", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="mutual TLS: the CA (PEM) of the API server's client certificate for webhooks "
+                   "(kube-apiserver --admission-control-config-file); callers without one are refused")
+@click.option("--webhook-client-name", "webhook_client_names", multiple=True,
+              help="with --webhook-client-ca: the common or DNS name the client certificate must carry; repeatable")
 @click.option("--self-signed/--no-self-signed", default=False,
               help="generate a self-signed pair into --webhook-cert-dir if none is there (development)")
 @click.option("--bind", "host", default="::",
@@ -71,7 +76,8 @@ from modelcache.startup import env_for_every_flag, run_command
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def cli(kubeconfig: str | None, webhook_cert_secret: str | None, webhook_service: str,
          webhook_cert_hosts: tuple[str, ...], webhook_cert_validity: float, webhook_ca_validity: float,
-         webhook_cert_check: float, webhook_cert_dir: Path | None, webhook_port: int, self_signed: bool,
+         webhook_cert_check: float, webhook_cert_dir: Path | None, webhook_port: int, webhook_client_ca: Path | None,
+         webhook_client_names: tuple[str, ...], self_signed: bool,
          host: str, port: int, leader_election: bool, lease_name: str, lease_namespace: str, identity: str,
          lease_duration: float, renew_deadline: float, retry_period: float, mutate_isvc: bool,
          pod_rewrite: str, pod_failure_policy: str, workers: int, discovery_interval: float,
@@ -83,7 +89,7 @@ def cli(kubeconfig: str | None, webhook_cert_secret: str | None, webhook_service
         webhook_service=webhook_service, webhook_cert_hosts=webhook_cert_hosts, webhook_host=host,
         webhook_cert_validity=dt.timedelta(seconds=webhook_cert_validity),
         webhook_ca_validity=dt.timedelta(seconds=webhook_ca_validity), webhook_cert_check=webhook_cert_check,
-        webhook_port=webhook_port,
+        webhook_port=webhook_port, webhook_client_ca=webhook_client_ca, webhook_client_names=webhook_client_names,
         self_signed=self_signed, host=host, port=port, leader_election=leader_election, lease_name=lease_name,
         lease_namespace=lease_namespace, identity=identity, mutate_isvc=mutate_isvc, pod_rewrite=pod_rewrite == "on",
         pod_fail_closed=pod_failure_policy == "Fail", workers=workers, discovery_interval=discovery_interval,

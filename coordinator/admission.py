@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator import podmutate
+from coordinator import cachepolicy, podmutate
 from coordinator.lookup import ApiLookup
 from coordinator.urimatch import (
     defaulter_metadata,
@@ -201,6 +201,8 @@ class CacheValidator:
         if old and (old.get("spec") or {}).get("sourceModelUri") != uri:
             return "StorageUri is immutable"
         name = str(meta.get("name") or "")
+        if why := cachepolicy.refusal(self.kind, name, spec, self.namespaced):
+            return why
         if not old and len(name) > MAX_LABEL_VALUE:
             return (f"{self.kind} name {name} has {len(name)} characters; at most {MAX_LABEL_VALUE}: the "
                     f"InferenceServices using a cache are labelled {LOCALMODEL_LABEL}=<its name> (KServe's "
@@ -214,6 +216,9 @@ class CacheValidator:
         for group in spec.get("nodeGroups") or []:
             if not self.lookup.group_exists(group):
                 return f"NodeGroup {group} not found: create the LocalModelNodeGroup first"
+        if self.namespaced:
+            ns = str(meta.get("namespace") or req.get("namespace") or "")
+            return cachepolicy.share_refusal(name, ns, spec, self.lookup.namespace_caches(ns), self.lookup.group)
         return None
 
     def _delete(self, req: Review) -> str | None:

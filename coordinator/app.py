@@ -20,6 +20,8 @@ from coordinator.certs import CERT_FILE, ReloadingContext, generate_self_signed,
 from coordinator.httpserve import AdmissionHandler, WebhookServer
 from coordinator.lookup import ApiLookup
 from coordinator.uninstall import UninstallHook
+from coordinator.uninstallpath import PREFIX as UNINSTALL_PREFIX
+from coordinator.uninstallpath import UninstallPath
 from coordinator.view import ClusterView
 from coordinator.webhookcerts import YEAR, CertSettings, WebhookCerts
 from modelcache.health import HealthServer
@@ -61,6 +63,10 @@ class Config:
     webhook_cert_check: float = 3600.0
     webhook_host: str = "::"
     webhook_port: int = 9443
+    #: Mutual TLS: the CA of the API server's webhook client certificate; callers without one
+    #: fail the handshake. With ``webhook_client_names``, only certificates for those names.
+    webhook_client_ca: Path | None = None
+    webhook_client_names: tuple[str, ...] = ()
     self_signed: bool = False
     host: str = "::"
     port: int = 8080
@@ -93,6 +99,7 @@ class Coordinator:
         self.manager: Manager | None = None
         self.wiring: controllers.Wiring | None = None
         self.webhooks: WebhookServer | None = None
+        self.uninstall_path: UninstallPath | None = None
         self.tls: ReloadingContext | None = None
         self.certs: WebhookCerts | None = None
         self._tls_lock = threading.Lock()
@@ -106,6 +113,9 @@ class Coordinator:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> Coordinator:
+        if self.cfg.webhook_client_names and self.cfg.webhook_client_ca is None:
+            raise StartupError("--webhook-client-name needs --webhook-client-ca (the CA that signs the API "
+                               "server's webhook client certificate)")
         try:
             self.health = HealthServer(self.cfg.host, self.cfg.port, lambda: True, self.ready, metrics.render,
                                        name="coordinator").start()
@@ -203,18 +213,27 @@ class Coordinator:
                     f"--webhook-cert-dir {cert_dir}: cannot write a self-signed pair there ({exc.strerror or exc}); "
                     "point --webhook-cert-dir at a writable directory") from None
             log.warning("generated a self-signed webhook certificate in %s (development only)", cert_dir)
-        self.tls = load_tls(cert_dir).start()
+        self.tls = load_tls(cert_dir, self.cfg.webhook_client_ca).start()
         lookup = ApiLookup(self.kube, recheck=self.cfg.discovery_interval or 30.0)
         routes: dict[str, AdmissionHandler] = {
             "/mutate-pods": PodMutator(lookup, self.cfg.pod_rewrite, self.cfg.pod_fail_closed),
             "/mutate-services": ServiceDefaulter(lookup),
             "/validate-localmodelcaches": CacheValidator(lookup, namespaced=False),
             "/validate-localmodelnamespacecaches": CacheValidator(lookup, namespaced=True),
-            "/uninstall": UninstallHook(self.kube, self.cfg.lease_namespace),
         }
+        # The one route with side effects: at the secret path only (coordinator/uninstallpath.py).
+        uninstall = UninstallHook(self.kube, self.cfg.lease_namespace)
+        self.uninstall_path = guard = UninstallPath(self.kube, watch_timeout=self.cfg.watch_timeout).start()
+
+        def route(path: str) -> AdmissionHandler | None:
+            token = path[len(UNINSTALL_PREFIX) + 1:] if path.startswith(UNINSTALL_PREFIX + "/") else None
+            if token is not None:
+                return uninstall if guard.accepts(token) else None
+            return routes.get(path)
+
         try:
-            self.webhooks = WebhookServer(self.cfg.webhook_host, self.cfg.webhook_port, routes,
-                                          self.tls.context).start()
+            self.webhooks = WebhookServer(self.cfg.webhook_host, self.cfg.webhook_port, route,
+                                          self.tls.context, client_names=self.cfg.webhook_client_names).start()
         except OSError as exc:
             raise listen_error(exc, self.cfg.webhook_host, self.cfg.webhook_port, "--webhook-port", "--bind") from None
         log.info("webhooks serving on :%d", self.webhooks.port)
@@ -307,6 +326,8 @@ class Coordinator:
         for server in (self.webhooks, self.health):
             if server is not None:
                 server.stop()
+        if self.uninstall_path is not None:
+            self.uninstall_path.stop()
         if self.tls is not None:
             self.tls.stop()
 

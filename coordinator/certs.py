@@ -207,10 +207,14 @@ def generate_self_signed(directory: Path, hosts: list[str], days: int = 365) -> 
 class ReloadingContext:
     """A server SSLContext that picks up a rotated pair (secret volumes update in place)."""
 
-    def __init__(self, directory: Path, interval: float = 30.0) -> None:
+    def __init__(self, directory: Path, interval: float = 30.0, client_ca: Path | None = None) -> None:
         self.cert, self.key = directory / CERT_FILE, directory / KEY_FILE
         self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if client_ca is not None:
+            # Mutual TLS: a caller without a certificate signed by this CA fails the handshake.
+            self.context.verify_mode = ssl.CERT_REQUIRED
+            self.context.load_verify_locations(cafile=str(client_ca))
         self._stamp = self._mtimes()
         self.context.load_cert_chain(self.cert, self.key)
         self._loop = Loop("webhook-cert-reload", self._reload_logged, interval, at_start=False, logger=log)
@@ -244,9 +248,9 @@ class ReloadingContext:
             log.warning("webhook certificate reload failed: %s", exc)
 
 
-def load_tls(directory: Path) -> ReloadingContext:
-    """The webhook's TLS context from ``directory``; a missing or bad pair is one line naming
-    the file and the flag."""
+def load_tls(directory: Path, client_ca: Path | None = None) -> ReloadingContext:
+    """The webhook's TLS context from ``directory`` (requiring client certificates signed by
+    ``client_ca``, if given); a missing or bad file is one line naming the file and the flag."""
     from modelcache.startup import StartupError
 
     flag = f"--webhook-cert-dir {directory}"
@@ -254,8 +258,15 @@ def load_tls(directory: Path) -> ReloadingContext:
         if not (directory / name).is_file():
             raise StartupError(f"{flag}: {name} not found; mount the webhook certificate secret there "
                                "(tls.crt and tls.key), or pass --self-signed for development")
+    if client_ca is not None:
+        try:
+            ssl.create_default_context(cafile=str(client_ca))
+        except (OSError, ssl.SSLError) as exc:
+            why = getattr(exc, "strerror", None) or exc
+            raise StartupError(f"--webhook-client-ca {client_ca}: cannot load it ({why}); it must be the PEM CA "
+                               "that signs the API server's webhook client certificate") from None
     try:
-        return ReloadingContext(directory)
+        return ReloadingContext(directory, client_ca=client_ca)
     except (OSError, ssl.SSLError) as exc:
         raise StartupError(f"{flag}: cannot load {CERT_FILE} and {KEY_FILE} ({exc.strerror or exc}); they must be "
                            "a PEM certificate and its private key") from None

@@ -41,7 +41,13 @@ class ApiLookup:
         return live(ns_items), live(self.cluster_caches())
 
     def group_exists(self, name: str) -> bool:
-        return self.kube.get_or_none(LOCAL_MODEL_NODE_GROUPS, name) is not None
+        return self.group(name) is not None
+
+    def group(self, name: str) -> dict[str, Any] | None:
+        return self.kube.get_or_none(LOCAL_MODEL_NODE_GROUPS, name)
+
+    def namespace_caches(self, namespace: str) -> list[dict[str, Any]]:
+        return list(self.kube.list(LOCAL_MODEL_NAMESPACE_CACHES, namespace).get("items") or [])
 
     def service_resources(self) -> list[Resource]:
         """InferenceService and the served LLMInferenceService version: checked once when both are

@@ -29,6 +29,7 @@ from coordinator.volumes import MANAGED_SELECTOR, cache_of
 from modelcache.kube.client import (
     LOCAL_MODEL_CACHES,
     LOCAL_MODEL_NAMESPACE_CACHES,
+    NAMESPACES,
     PERSISTENT_VOLUME_CLAIMS,
     PERSISTENT_VOLUMES,
     Kube,
@@ -99,7 +100,13 @@ class UninstallHook:
         req = review.get("request") or {}
         if req.get("operation") != "DELETE" or req.get("name") != self.namespace or req.get("dryRun"):
             return response(review, True)
-        uid = str(((req.get("oldObject") or {}).get("metadata") or {}).get("uid") or "")
+        # The uid that marks released caches is read from the API, never taken from the request.
+        try:
+            uid = str(((self.kube.get(NAMESPACES, self.namespace).get("metadata") or {}).get("uid")) or "")
+        except ApiException as exc:
+            log.warning("uninstall: cannot read namespace %s (%s): finalizers kept", self.namespace,
+                        error_message(exc))
+            return response(review, True)
         done: dict[str, Any] = {}
 
         def run() -> None:

@@ -17,12 +17,16 @@ from typing import Any
 
 from coordinator.urimatch import serving_pvc_name
 from modelcache.kube.types import API_VERSION, NODEGROUP_ANNOTATION, label_value
+from modelcache.uri import storage_key
 
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "modelcache-coordinator"
 CACHE_LABEL = "modelcache.io/cache"
 CACHE_NAMESPACE_LABEL = "modelcache.io/cache-namespace"
 GROUP_LABEL = "modelcache.io/node-group"
+#: The storage key of the cache's model: deploy/policies/serving-volumes.yaml holds every mount of a
+#: serving claim to read-only models/<this key> (a tenant reads its own models, writes none).
+STORAGE_KEY_LABEL = "modelcache.io/storage-key"
 #: The cache's whole name: the labels hold names of up to 63 characters, longer ones hashed.
 CACHE_ANNOTATION = "modelcache.io/cache"
 MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
@@ -84,7 +88,8 @@ def desired_pairs(
 
 def _labels(cache: Mapping[str, Any], group: str) -> dict[str, str]:
     meta = cache.get("metadata") or {}
-    labels = {MANAGED_BY_LABEL: MANAGED_BY, CACHE_LABEL: label_value(meta["name"]), GROUP_LABEL: label_value(group)}
+    labels = {MANAGED_BY_LABEL: MANAGED_BY, CACHE_LABEL: label_value(meta["name"]), GROUP_LABEL: label_value(group),
+              STORAGE_KEY_LABEL: storage_key(str((cache.get("spec") or {}).get("sourceModelUri") or ""))}
     if meta.get("namespace"):
         labels[CACHE_NAMESPACE_LABEL] = meta["namespace"]
     return labels

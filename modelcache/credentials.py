@@ -128,6 +128,10 @@ class Settings:
     s3: S3Settings = field(default_factory=lambda: S3Settings())
     gcs: GCSSettings = field(default_factory=lambda: GCSSettings())
     azure: AzureSettings = field(default_factory=lambda: AzureSettings())
+    #: List a checksum no one can forge (md5 or better) where the source has one beside a CRC: set
+    #: by a pull with peer transfer, where the file checksum settles what other nodes sent (a CRC
+    #: would not: whoever knows the file can make other bytes with its CRC). Costs ~1.2 CPU-s/GiB.
+    forgery_proof: bool = False
     #: The environment snapshot these settings were built from, for backends that read more.
     env: Mapping[str, str] = field(default_factory=dict, repr=False)
 
@@ -408,6 +412,15 @@ _SPEC_ENV: dict[str, dict[str, str]] = {
     },
 }
 _SPEC_TYPE_ALIASES = {"gcs": "gs", "azure_blob": "azure", "azureblob": "azure"}
+#: Storage-spec keys that decide where credentials go and whom they trust: a tenant laying them over
+#: credentials someone else owns (a LocalModelNamespaceCache's storage.parameters) could send those
+#: to its own server (security review H3). Refused there by the cache webhook and the agent.
+REDIRECTING_PARAMETERS = ("endpoint_url", "ca_bundle", "verify_ssl")
+
+
+def redirecting(parameters: Mapping[str, object] | None) -> list[str]:
+    """The keys of ``parameters`` (a storage spec's) among :data:`REDIRECTING_PARAMETERS`."""
+    return sorted(k for k in parameters or {} if k.lower() in REDIRECTING_PARAMETERS)
 
 
 def _load_json_object(env: Mapping[str, str], name: str) -> dict[str, object]:

@@ -31,11 +31,17 @@ class Hasher(Protocol):
 
 HasherFactory = Callable[[Checksum, int | None], Hasher]
 _HASHERS: dict[str, HasherFactory] = {}
+_CRYPTOGRAPHIC: set[str] = set()
 
 
-def register_hasher(algo: str) -> Callable[[HasherFactory], HasherFactory]:
+def register_hasher(algo: str, cryptographic: bool = False) -> Callable[[HasherFactory], HasherFactory]:
+    """``cryptographic``: no one can make other bytes with the same digest (sha-2, sha-1, md5 and
+    what is built on them); CRCs and xxh3 are not, whoever knows the file can forge one."""
+
     def deco(factory: HasherFactory) -> HasherFactory:
         _HASHERS[algo] = factory
+        if cryptographic:
+            _CRYPTOGRAPHIC.add(algo)
         return factory
 
     return deco
@@ -43,6 +49,12 @@ def register_hasher(algo: str) -> Callable[[HasherFactory], HasherFactory]:
 
 def supported(algo: str) -> bool:
     return algo in _HASHERS
+
+
+def cryptographic(algo: str) -> bool:
+    """Whether a digest of ``algo`` also holds against someone who forges bytes on purpose (a
+    lying peer): only then does a file's source checksum settle what peers sent (peers.md)."""
+    return algo in _CRYPTOGRAPHIC
 
 
 def new_hasher(checksum: Checksum, size: int | None) -> Hasher:
@@ -53,8 +65,9 @@ def _hashlib(name: str) -> HasherFactory:
     return lambda _c, _s: hashlib.new(name)
 
 
+# Second preimages: none known even for md5 and sha1 (their collisions need both files chosen).
 for _name in ("sha256", "sha1", "md5", "sha512"):
-    register_hasher(_name)(_hashlib(_name))
+    register_hasher(_name, cryptographic=True)(_hashlib(_name))
 
 
 @register_hasher(LOCAL_ALGO)
@@ -62,7 +75,7 @@ def _xxh3(_c: Checksum, _s: int | None) -> Hasher:
     return xxhash.xxh3_128()
 
 
-@register_hasher("git-blob-sha1")
+@register_hasher("git-blob-sha1", cryptographic=True)
 def _git_blob(_c: Checksum, size: int | None) -> Hasher:
     """Git's object id of a file: sha1 over ``blob <size>\\0`` + content (HF small files)."""
     if size is None:
@@ -137,7 +150,7 @@ class _S3MultipartEtag:
         return f"{hashlib.md5(b''.join(digests)).hexdigest()}-{len(digests)}"
 
 
-@register_hasher("s3-etag")
+@register_hasher("s3-etag", cryptographic=True)
 def _s3_etag(c: Checksum, _s: int | None) -> Hasher:
     part = int(c.param("part_size", "0"))
     if part <= 0:

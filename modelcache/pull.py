@@ -639,6 +639,9 @@ def pull_many(
     if not models:
         return [item for item in order if isinstance(item, BaseException)]
     settings = settings if settings is not None else Settings.from_env()
+    if peers is not None and not settings.forgery_proof:
+        # Pieces from other nodes are settled by each file's checksum: one no peer can forge.
+        settings = dataclasses.replace(settings, forgery_proof=True)
 
     # Present models are answered without the lock: publish installs the manifest last, so a
     # present model is complete, and a read-only store (a pod's mount) can still be asked.
@@ -719,7 +722,8 @@ def pull_many(
                     if peers is not None and not m.in_place and not (
                             m.unpack and single_archive([f.path for f in m.files]) is not None):
                         m.source = peers.attach(m.key, m.source, m.files, data.parent, m.journal, options.chunk_size,
-                                                m.resume, options.max_workers or options.workers)
+                                                m.resume, options.max_workers or options.workers,
+                                                options.stall_timeout)
                     for i, f in enumerate(m.files):
                         if i in m.skip:
                             continue

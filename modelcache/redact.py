@@ -116,3 +116,29 @@ def scrub_parts(text: str, uri: str) -> str:
     for part in secret_parts(uri):
         text = text.replace(part, REDACTED)
     return text
+
+
+#: Query parameters that carry a credential: S3/GCS presigned URLs (SigV4, SigV2, Google V4), Azure
+#: SAS tokens (``sig``), and the usual token names of HTTP APIs. Compared case-insensitively.
+CREDENTIAL_PARAMETERS = frozenset({
+    "x-amz-signature", "x-amz-credential", "x-amz-security-token", "signature", "awsaccesskeyid",
+    "x-goog-signature", "x-goog-credential", "sig", "token", "access_token", "api_key", "apikey", "password",
+})
+
+
+def credentials_in(uri: str) -> list[str]:
+    """What of ``uri`` is a credential, named for a message (never the value): ``userinfo`` and
+    each credential query parameter. [] for a URI that carries none."""
+    m = _SCHEME.match(uri)
+    if not m or _drive_path(m):
+        return []
+    rest = m.group(2).partition("#")[0]
+    rest, _q, query = rest.partition("?")
+    found = []
+    if rest.startswith("//") and split_userinfo(rest[2:])[0] is not None:
+        found.append("userinfo")
+    for pair in query.split("&"):
+        name = pair.partition("=")[0]
+        if name.lower() in CREDENTIAL_PARAMETERS and f"query parameter {name}" not in found:
+            found.append(f"query parameter {name}")
+    return found

@@ -819,19 +819,27 @@ class TransferEngine:
         # within this run (its listing, size and version are pinned); the next pull lists it anew.
         job.source.check_unchanged(job.remote)
         bad = st.hasher.mismatches()
-        if bad:
-            expected, actual = bad[0]
+        # Bytes taken on the word of a peer since found lying (peer transfer): as a mismatch.
+        distrust = None if bad else job.source.distrusted(job.remote)
+        if bad or distrust:
             st.attempts += 1
             # A ranged file without chunks (zero bytes) has nothing to fetch again: queueing
             # it would leave it neither finished nor failed, and the workers waiting for ever.
             nothing_to_refetch = not st.streamed and not st.chunks
             if st.attempts > self.options.integrity_retries or nothing_to_refetch:
+                if not bad:
+                    raise IntegrityError(f"{path}: {distrust}, after {st.attempts} attempts")
+                expected, actual = bad[0]
                 raise IntegrityError(
                     f"{path}: {expected.algo} mismatch after {st.attempts} attempts: expected {expected.value}, "
                     f"got {actual}; the source object is corrupt or changed during download"
                 )
-            log.warning("%s: %s mismatch (expected %s, got %s); fetching the file again",
-                        path, expected.algo, expected.value, actual)
+            if bad:
+                expected, actual = bad[0]
+                log.warning("%s: %s mismatch (expected %s, got %s); fetching the file again",
+                            path, expected.algo, expected.value, actual)
+            else:
+                log.warning("%s: %s; fetching the file again", path, distrust)
             job.journal.file_reset(job.index)
             if not st.streamed:
                 self.progress.rewind(_pkey(job), st.size or 0)

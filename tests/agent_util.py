@@ -29,6 +29,7 @@ from modelcache.kube.client import (
     SERVICE_ACCOUNTS,
     Kube,
 )
+from tests.cluster.controlplane import on_node
 from tests.helpers import REPO, stop_process, wait_until
 
 #: deploy/'s credential namespace: the only one whose Secrets the agent's RBAC lets it read.
@@ -85,7 +86,9 @@ def start_agent(kubeconfig: Path | None, node: str, root: Path, workdir: Path, *
     cmd = [sys.executable, "-m", "agent", "--node", node, "--root", str(root), "--port", "0",
            "--credentials-namespace", CRED_NS, *FAST_FLAGS, *extra]
     if kubeconfig is not None:
-        cmd += ["--kubeconfig", str(kubeconfig)]
+        # A ServiceAccount's kubeconfig: its token bound to a pod on the node, as the DaemonSet's
+        # pod has (deploy/policies/node-status.yaml lets only that write the node's status).
+        cmd += ["--kubeconfig", str(on_node(kubeconfig, node))]
     penv = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "KUBECONFIG"))}
     penv.update(env or {})
     with open(log_path, "wb") as out:
@@ -239,3 +242,53 @@ def run_agent(spec: Path, root: Path, *extra: str) -> subprocess.CompletedProces
 
 def status_of(spec: Path) -> dict[str, Any]:
     return yaml.safe_load(spec.with_name(spec.name + ".status.yaml").read_text())["status"]
+
+
+# ---- the agent as its DaemonSet pod is ------------------------------------------------------
+
+
+def apply_agent_daemonset(cluster: Any, host_path: str) -> None:
+    """deploy/'s agent DaemonSet with its hostroot volume at ``host_path``: the DaemonSet controller
+    makes a pod for each model node and the scheduler binds it (nothing runs it here). The download
+    Job policy (deploy/policies/agent-jobs.yaml) reads the host directory from it."""
+    import copy
+
+    from tests.deploy_util import find, render
+
+    ds = copy.deepcopy(find(render(), "DaemonSet", "modelcache-agent"))
+    for v in ds["spec"]["template"]["spec"]["volumes"]:
+        if v["name"] == "hostroot":
+            v["hostPath"]["path"] = host_path
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(ds))
+
+
+def agent_kubeconfig_on(cluster: Any, node: str) -> Path:
+    """The agent's kubeconfig as its DaemonSet pod on ``node`` has it: a token bound to that pod,
+    so the API server knows the node it speaks for (authentication.kubernetes.io/node-name).
+    Needs the DaemonSet (``apply_agent_daemonset``) and ``node`` labelled a model node."""
+    import json
+
+    from tests.cluster.controlplane import kubeconfig_text
+    from tests.fixtures.cluster import AGENT_SA
+
+    admin = Kube(cluster.api_client())
+    found: list[dict[str, Any]] = []
+
+    def bound() -> bool:
+        found[:] = [p for p in admin.list(PODS, AGENT_SA[0], label_selector="app.kubernetes.io/name=modelcache-agent")
+                    .get("items") or [] if p["spec"].get("nodeName") == node]
+        return bool(found)
+
+    wait_until(bound, timeout=60, what=f"the agent DaemonSet's pod bound to {node}")
+    pod = found[0]["metadata"]
+    status, body = cluster.cp.raw(f"/api/v1/namespaces/{AGENT_SA[0]}/serviceaccounts/{AGENT_SA[1]}/token", "POST", {
+        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {
+            "expirationSeconds": 3600,
+            "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": pod["name"], "uid": pod["uid"]}}})
+    if status != 201:
+        raise AssertionError(f"TokenRequest bound to pod {pod['name']} answered {status}: {body}")
+    path = Path(cluster.workdir) / f"agent-on-{node}.kubeconfig"
+    path.write_text(kubeconfig_text(cluster.server, cluster.ca_file, {"token": json.loads(body)["status"]["token"]},
+                                    AGENT_SA[0]))
+    path.chmod(0o600)
+    return path

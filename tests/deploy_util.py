@@ -122,6 +122,20 @@ def _ready(port: int) -> bool:
         return False
 
 
+def serve_webhooks(cluster: Cluster, workdir: Path, *extra: str) -> CoordinatorProc:
+    """deploy/'s webhook Service and configurations on a cluster with the baseline, and its
+    coordinator serving them (the API server calls it through the Service, with the CA the
+    coordinator patches in). Stop the returned process."""
+    cluster.kubectl("apply", "-f", str(DEPLOY / "coordinator" / "service.yaml"), "-f", str(DEPLOY / "webhooks"))
+    coordinator = start_deployed_coordinator(cluster, workdir, *extra)
+    try:
+        publish_webhook_endpoint(cluster, coordinator.webhook_port)
+    except BaseException:
+        coordinator.stop()
+        raise
+    return coordinator
+
+
 def image_overlay(folder: Path, ref: str) -> Path:
     """A kustomize overlay of deploy/ that only sets the image reference (to ``ref``, an image a
     test built), as a user's overlay for a private registry does: `kubectl apply -k` it. The tag is

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.cluster import cgroups
-from tests.cluster.slot import DATA, FIXED_PATHS, STATE
+from tests.cluster.slot import DATA, FIXED_PATHS, SLOTS, STATE, Names
 from tests.helpers import REPO
 
 
@@ -28,16 +28,36 @@ class HostState:
     fixed_paths: frozenset[str]
     slot_dirs: frozenset[str]
 
-    def differences(self, other: HostState) -> list[str]:
+    def differences(self, other: HostState, slot: int | None = None) -> list[str]:
+        """What changed; with ``slot``, what other runs' slots made meanwhile is not counted (another
+        worktree's or worker's run may start or stop during a test), nor the shared mount points."""
         out = []
         for name in ("links", "routes", "mounts", "cgroups", "fixed_paths", "slot_dirs"):
             before, after = getattr(self, name), getattr(other, name)
+            if slot is not None:
+                if name == "fixed_paths":
+                    continue
+                before, after = _own(before, slot), _own(after, slot)
             if before != after:
                 out.append(f"{name}: added {sorted(after - before)}, removed {sorted(before - after)}")
         for name in ("iptables", "nftables", "ip_forward"):
             if getattr(self, name) != getattr(other, name):
                 out.append(f"{name} changed:\n{getattr(self, name)}\n--- now ---\n{getattr(other, name)}")
         return out
+
+
+def _own(entries: frozenset[str], slot: int) -> frozenset[str]:
+    """Entries that are not another slot's (tests/cluster/slot.py names everything after its slot)."""
+    others = [Names(n) for n in range(SLOTS) if n != slot]
+    keys = [k for o in others for k in (o.host_veth, o.cgroup.strip("/"), str(o.run_dir), str(o.data_dir),
+                                         f"slot-{o.n}", str(o.link.network_address), str(o.pods.network_address))]
+    return frozenset(e for e in entries if not any(_names(e, k) for k in keys))
+
+
+def _names(entry: str, key: str) -> bool:
+    import re
+
+    return re.search(rf"(^|[\s:/]){re.escape(key)}($|[\s/])", entry) is not None
 
 
 def _lines(*cmd: str) -> list[str]:

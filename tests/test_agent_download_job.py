@@ -18,6 +18,8 @@ from modelcache.store import NodeStore
 from modelcache.uri import storage_key
 from tests.agent_util import (
     CRED_NS,
+    agent_kubeconfig_on,
+    apply_agent_daemonset,
     create_node,
     create_secret,
     entry,
@@ -83,7 +85,8 @@ def test_a_custom_download_container_runs_as_a_job_on_the_node(cluster, tmp_path
     uri, bad_uri = "private://models/llama-7b", "corp+vault://models/broken"
     root = tmp_path / "root"
     create_node(kube, "gpu-1", [entry("llama", uri, storage={"key": "corp"}), entry("broken", bad_uri)])
-    agent = start_agent(cluster.agent_kubeconfig, "gpu-1", root, tmp_path, "--host-path", str(root),
+    apply_agent_daemonset(cluster, str(root))  # deploy/policies/agent-jobs.yaml reads the host path there
+    agent = start_agent(agent_kubeconfig_on(cluster, "gpu-1"), "gpu-1", root, tmp_path, "--host-path", str(root),
                         "--job-namespace", JOBS_NS)
     try:
         pod = _job_pod(kube, "llama", agent)
@@ -104,9 +107,11 @@ def test_a_custom_download_container_runs_as_a_job_on_the_node(cluster, tmp_path
         (owner,) = kube.get(JOBS, job, JOBS_NS)["metadata"]["ownerReferences"]
         assert (owner["kind"], owner["name"]) == ("LocalModelNode", "gpu-1")  # as KServe's Jobs
         # The download's credentials (its storage spec), as environment variables from a Secret of
-        # the Job's name: never in the Job itself.
-        assert c["envFrom"] == [{"secretRef": {"name": job}}]
-        assert "STORAGE_CONFIG" in (kube.get(SECRETS, job, JOBS_NS).get("data") or {})
+        # the Job's name: never in the Job itself. Each under a key of its own (a variable such as
+        # "<host>:<port>-headers" is no valid Secret key).
+        (ref,) = [e["valueFrom"]["secretKeyRef"] for e in c["env"] if e["name"] == "STORAGE_CONFIG"]
+        assert ref["name"] == job and ref["key"] in (kube.get(SECRETS, job, JOBS_NS).get("data") or {})
+        assert "envFrom" not in c and spec["automountServiceAccountToken"] is False
         assert "AK1" not in str(pod)
         assert node_status(kube, "gpu-1")["modelStatus"]["llama"] == "ModelDownloading"
 
@@ -136,7 +141,8 @@ def test_without_a_matching_container_an_unknown_scheme_is_an_error_until_one_ap
     cluster.register_node("gpu-1", {"kserve/localmodel": "worker"})
     kube = kube_for(cluster)
     create_node(kube, "gpu-1", [entry("m", "private://models/m")])
-    agent = start_agent(cluster.agent_kubeconfig, "gpu-1", tmp_path / "root", tmp_path, "--host-path",
+    apply_agent_daemonset(cluster, str(tmp_path / "root"))
+    agent = start_agent(agent_kubeconfig_on(cluster, "gpu-1"), "gpu-1", tmp_path / "root", tmp_path, "--host-path",
                         str(tmp_path / "root"), "--job-namespace", JOBS_NS)
     try:
         status = wait_states(kube, "gpu-1", {"m": "ModelDownloadError"}, agent=agent)

@@ -156,13 +156,15 @@ def test_removal_waits_for_the_mounting_pod(cluster, kube, nginx, tmp_path):
         agent.stop()
 
 
-def test_two_agents_two_nodes_two_roots(cluster, kube, nginx, tmp_path):
+def test_two_agents_two_nodes_two_roots(cluster, kube, nginx, own_fs, tmp_path):
     nginx.write("x/model.bin", 1 << 20)
     nginx.write("y/model.bin", 1 << 20)
     ux, uy = nginx.url("x/model.bin"), nginx.url("y/model.bin")
     create_node(kube, "node-a", [entry("x", ux)])
     create_node(kube, "node-b", [entry("y", uy)])
-    ra, rb = tmp_path / "ra", tmp_path / "rb"
+    # Roots on a file system of the test's own: "no more writes" below must not see a write
+    # caused by another process moving the free bytes of a shared disk (tests/fixtures/filesystems.py).
+    ra, rb = own_fs / "ra", own_fs / "rb"
     a = start_agent(cluster.agent_kubeconfig, "node-a", ra, tmp_path)
     b = start_agent(cluster.agent_kubeconfig, "node-b", rb, tmp_path)
     try:
@@ -237,7 +239,7 @@ def test_restarted_agent_keeps_downloaded_models_without_fetching(cluster, kube,
 
 
 def test_status_written_on_change_and_progress_at_most_once_per_interval(cluster, kube, nginx, fault_proxy,
-                                                                         tmp_path):
+                                                                         own_fs, tmp_path):
     from modelcache.kube.informer import Informer
 
     nginx.write("p/model.bin", 3 << 20)
@@ -257,7 +259,11 @@ def test_status_written_on_change_and_progress_at_most_once_per_interval(cluster
     watcher = Informer(kube, LOCAL_MODEL_NODES, field_selector="metadata.name=node-a")
     watcher.add_handler(seen)
     watcher.start()
-    agent = start_agent(cluster.agent_kubeconfig, "node-a", tmp_path / "root", tmp_path, "--status-interval", "2")
+    # The root on a file system of its own: the status carries its free bytes, written again when
+    # they move by 1 GiB; on the shared disk other work moved them that much within this test and
+    # "Downloaded" was written twice (tests/fixtures/filesystems.py).
+    root = own_fs / "root"
+    agent = start_agent(cluster.agent_kubeconfig, "node-a", root, tmp_path, "--status-interval", "2")
     try:
         def metric(name: str) -> float:
             m = re.search(rf"^{name} (\S+)$", agent.get("/metrics")[1], re.M)
@@ -268,7 +274,7 @@ def test_status_written_on_change_and_progress_at_most_once_per_interval(cluster
         wait_until(lambda: any(w[1] == "ModelDownloading" and w[2] > 0 for w in writes), timeout=60,
                    what="download under way")
         fault_proxy.pause()
-        staged = tmp_path / "root" / ".modelcache" / "staging" / storage_key(uri)
+        staged = root / ".modelcache" / "staging" / storage_key(uri)
         try:
             wait_until(lambda: metric("modelcache_agent_reserved_bytes") + allocated_bytes(staged) >= 3 << 20,
                        timeout=20, what="reserved gauge")

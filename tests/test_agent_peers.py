@@ -223,6 +223,8 @@ def test_only_the_clusters_agents_may_read_and_only_the_pinned_certificate_is_tr
     import urllib3
 
     from modelcache.peers.client import PeerClient, PeerError, PeerInfo, PeerRefused
+    from modelcache.peers.pieces import piece_count
+    from modelcache.peers.protocol import Geometry
 
     agent = seed(cluster, kube, tmp_path, origin, "node-a")
     try:
@@ -256,11 +258,13 @@ def test_only_the_clusters_agents_may_read_and_only_the_pinned_certificate_is_tr
         # request, and so before the token, is sent.
         client = PeerClient(lambda: peer_token(cluster.cp, tmp_path / "tokens").read_text())
         impostor = PeerInfo("node-a", host, int(port), "0" * 64)
+        geometry = Geometry(1 << 20, tuple(piece_count(len(origin.files[p]), 1 << 20) for p in sorted(origin.files)))
         with pytest.raises(PeerError) as caught:
-            client.have(impostor, origin.key, digest, len(origin.files), "-", 0, 0)
+            client.have(impostor, origin.key, digest, geometry, "-", 0, 0)
         assert not isinstance(caught.value, PeerRefused) and "fingerprint" in str(caught.value).lower()
         genuine = PeerInfo("node-a", host, int(port), peer["certSHA256"])
-        assert client.have(genuine, origin.key, digest, len(origin.files), "-", 0, 0).complete
+        reply = client.have(genuine, origin.key, digest, geometry, "-", 0, 0)
+        assert reply.complete and len(reply.pieces) == sum(geometry.counts)  # --chunk-size 1Mi: pieces of 1 MiB
     finally:
         agent.stop()
 

@@ -166,6 +166,66 @@ def test_install_in_place_renames_only_differing_files_and_drops_stale_ones(tmp_
     assert store.manifest(key) == manifest and store.is_present(key) and store.verify(key) == []
 
 
+def test_the_same_spec_again_is_no_status_change(tmp_path: Path) -> None:
+    """The resync re-applies the spec every --resync-period: only a spec that changes something
+    wakes the status writer, else each resync is one more progress write between two
+    --status-interval ticks."""
+    from agent.config import AgentConfig
+    from agent.core import Agent
+    from agent.inuse import NoMounts
+
+    agent = Agent(AgentConfig(node="n", root=tmp_path / "root", port=-1), Credentials(None, {}), NoMounts())
+    try:
+        spec = [LocalModelInfo(model_name="m", source_model_uri="http://h/m.bin")]
+        agent.set_spec(spec, 1)
+        assert agent.changed.is_set()  # the first spec
+        for same in ([LocalModelInfo(model_name="m", source_model_uri="http://h/m.bin")], spec):
+            agent.changed.clear()
+            agent.set_spec(same, 1)
+            assert not agent.changed.is_set()
+        for different, generation in (
+            (spec, 2),  # a new generation is reported (observedGeneration)
+            ([LocalModelInfo(model_name="m", source_model_uri="http://h/m.bin", node_group="g")], 2),  # edited
+            ([*spec, LocalModelInfo(model_name="o", source_model_uri="http://h/o.bin")], 2),  # added
+            (spec, 2),  # removed
+        ):
+            agent.changed.clear()
+            agent.set_spec(different, generation)
+            assert agent.changed.is_set(), (different, generation)
+        agent.refuse_spec(["spec.localModels[0]: bad"], 3)
+        agent.changed.clear()
+        agent.set_spec(spec, 3)
+        assert agent.changed.is_set()  # the refusal is cleared from the status
+    finally:
+        agent.stop()
+
+
+def test_a_status_write_pruned_by_the_previous_crd_schema_is_not_remembered() -> None:
+    """Right after the LocalModelNode CRD changes, the API server may still prune a status write
+    with the old schema (its CRD handler switches after the watch event reaches the agent): such a
+    write must not become the agent's memory of "what the server keeps", or our fields, dropped
+    once, are never written again at rest."""
+    import yaml
+
+    from agent.kubemode import pruned_by_another_schema, status_fields
+    from tests.helpers import REPO
+
+    crd = yaml.safe_load((REPO / "deploy" / "crds" / "serving.kserve.io_localmodelnodes.yaml").read_text())
+    ours = status_fields(crd)
+    assert ours is not None and {"modelStatus", "modelDetails", "capacity", "nodeUID"} <= ours
+    kserve_like = {"modelStatus"}  # KServe's schema: every other field of ours is pruned
+    status = {"modelStatus": {"m": "ModelDownloaded"}, "modelDetails": {"m": {}}, "capacity": {}, "nodeUID": "u"}
+    only_model_status = {"modelStatus": {"m": "ModelDownloaded"}}
+    assert not pruned_by_another_schema(status, status, ours)
+    assert pruned_by_another_schema(status, only_model_status, ours)  # ours back, pruned with KServe's
+    assert not pruned_by_another_schema(status, only_model_status, kserve_like)
+    assert pruned_by_another_schema(status, status, kserve_like)  # KServe's applied, kept with ours
+    assert not pruned_by_another_schema(status, only_model_status, None)  # schema unknown: as before
+    assert status_fields(None) is None
+    assert status_fields({"spec": {"versions": [{"name": "v1alpha1", "schema": {"openAPIV3Schema": {
+        "properties": {"status": {"x-kubernetes-preserve-unknown-fields": True}}}}}]}}) is None
+
+
 def test_retry_backoff_doubles_up_to_the_cap_and_counts_errors_by_reason(tmp_path: Path) -> None:
     import re
     import time
@@ -308,3 +368,63 @@ def test_the_peer_directory_keeps_only_what_it_reads_and_finds_holders_and_fetch
     assert set(found) == {"holder", "listing"}
     assert found["holder"].complete and found["holder"].digest == "d1" and found["holder"].port == 8443
     assert not found["listing"].complete and found["listing"].digest is None and found["listing"].zone == "z1"
+
+
+def test_a_namespace_cache_uses_only_credentials_granted_to_its_namespace(tmp_path: Path) -> None:
+    """agent/credentials.py's tenancy rule (security review H3), without a cluster."""
+    reader = Reader(
+        secrets={"storage-config": {"metadata": {"annotations": {"namespaces.modelcache.io/team-b": "team-b,other"}},
+                                    "stringData": {"team-b": '{"type": "s3"}', "default": '{"type": "s3"}'}},
+                 "b-s3": {"stringData": {"awsAccessKeyID": "AK", "awsSecretAccessKey": "SK"}}},
+        sas={"team-b": {"metadata": {"annotations": {"modelcache.io/namespaces": "team-b"}},
+                        "secrets": [{"name": "b-s3"}]},
+             "everyone": {"metadata": {"annotations": {"modelcache.io/namespaces": "*"}},
+                          "secrets": [{"name": "b-s3"}]},
+             "admins": {"secrets": [{"name": "b-s3"}]}})
+
+    def info(ns: str | None, **kw: Any) -> LocalModelInfo:
+        return LocalModelInfo(model_name="m", namespace=ns, **kw)
+
+    # Granted: the namespace is named (or "*"); a cluster cache may use everything.
+    assert "STORAGE_CONFIG" in storage_env(info("team-b", storage=StorageSpec(key="team-b")), reader)
+    assert "STORAGE_CONFIG" in storage_env(info(None, storage=StorageSpec(key="default")), reader)
+    granted = service_account_env(info("team-b", service_account_name="team-b"), reader, str(tmp_path))
+    assert granted["AWS_SECRET_ACCESS_KEY"] == "SK"
+    assert service_account_env(info("team-a", service_account_name="everyone"), reader, str(tmp_path))
+    assert service_account_env(info(None, service_account_name="admins"), reader, str(tmp_path))
+    # Not granted: another namespace, the default key nobody granted, an unannotated account.
+    with pytest.raises(AuthError, match=r"key 'team-b' of Secret 'storage-config' is not granted to namespace "
+                                        r"team-a; a cluster admin grants it with the annotation "
+                                        r"namespaces\.modelcache\.io/team-b"):
+        storage_env(info("team-a", storage=StorageSpec(key="team-b")), reader)
+    with pytest.raises(AuthError, match=r"key 'default' .* not granted to namespace team-b"):
+        storage_env(info("team-b", storage=StorageSpec(parameters={"type": "s3"})), reader)
+    with pytest.raises(AuthError, match="service account 'admins' is not granted to namespace team-b"):
+        service_account_env(info("team-b", service_account_name="admins"), reader, str(tmp_path))
+    # Parameters that would send granted credentials elsewhere: refused even when granted.
+    for param in ("endpoint_url", "ca_bundle", "verify_ssl", "Endpoint_URL"):
+        with pytest.raises(AuthError, match=r"may not set storage\.parameters"):
+            storage_env(info("team-b", storage=StorageSpec(key="team-b", parameters={param: "x"})), reader)
+    # A namespace cache's own keys in its parameters (no key of the Secret used): nothing to grant.
+    own = storage_env(info("team-a", storage=StorageSpec(key="mine", parameters={"type": "s3", "bucket": "b"})), reader)
+    assert "STORAGE_CONFIG" not in own and json.loads(own["STORAGE_OVERRIDE_CONFIG"])["bucket"] == "b"
+
+
+def test_a_namespaces_share_of_a_group_counts_its_models_and_reservations(tmp_path: Path) -> None:
+    """agent/capacity.py: the per-namespace share of a group (security review M4)."""
+    from agent.capacity import GroupLimit
+
+    used = {"team-a": 0}
+    cap = Capacity(tmp_path, margin=0, used_bytes=lambda: sum(used.values()), disk_usage=lambda _p: (10_000, 10_000),
+                   namespace_used=lambda ns: used.get(ns, 0))
+    limit = GroupLimit(1000, "workers", namespace_limit=400)
+    cap.reserve("a", 300, 300, limit, "a", owners=frozenset({"team-a"}))
+    with pytest.raises(InsufficientSpaceError, match="does not fit namespace team-a's share of node group 'workers'"):
+        cap.reserve("b", 200, 200, limit, "b", owners=frozenset({"team-a"}))  # 300 reserved + 200 > 400
+    cap.reserve("c", 200, 200, limit, "c", owners=frozenset({"team-b"}))  # another namespace's share
+    cap.reserve("d", 200, 200, limit, "d")  # a cluster cache's model: the group limit only
+    cap.release("a")
+    used["team-a"] = 350
+    with pytest.raises(InsufficientSpaceError, match="hold 350 B here already"):
+        cap.reserve("b", 100, 100, limit, "b", owners=frozenset({"team-a"}))
+    cap.reserve("b", 50, 50, limit, "b", owners=frozenset({"team-a"}))

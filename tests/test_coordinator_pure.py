@@ -382,3 +382,34 @@ def test_condition_keeps_its_time_while_unchanged() -> None:
                                       "missing g", "t3")
     assert flipped == [{"type": "NodeGroupsFound", "status": "False", "reason": "NodeGroupNotFound",
                         "message": "missing g", "lastTransitionTime": "t3"}, {"type": "Other"}]
+
+
+def test_cache_specs_the_webhook_refuses() -> None:
+    """coordinator/cachepolicy.py (security review H3, M4, L2, L3)."""
+    from coordinator.cachepolicy import refusal, share_refusal
+
+    leaky = "https://alice:pw@h.example/m.bin?X-Amz-Signature=S&sv=1&sig=T&download=true"
+    why = refusal("LocalModelCache", "leaky", {"sourceModelUri": leaky}, namespaced=False)
+    assert why and "carries credentials (userinfo, query parameter X-Amz-Signature, query parameter sig)" in why
+    assert "pw" not in why.replace("put the", "") and "=S" not in why
+    for uri in ("s3://b/m", "hf://org/m", "https://h/m.bin?download=true", "oci://reg/repo@sha256:" + "a" * 64,
+                "https://h/m.bin#sha256=" + "b" * 64):
+        assert refusal("LocalModelCache", "ok", {"sourceModelUri": uri}, namespaced=False) is None, uri
+    params = {"sourceModelUri": "s3://b/m", "storage": {"key": "k", "parameters": {"endpoint_url": "http://x"}}}
+    assert refusal("LocalModelCache", "c", params, namespaced=False) is None  # a cluster admin's choice
+    assert "may not set endpoint_url in a namespace cache" in (refusal("LocalModelNamespaceCache", "c", params,
+                                                                       namespaced=True) or "")
+
+    def group(name: str) -> dict[str, Any] | None:
+        return {"metadata": {"annotations": {"modelcache.io/namespace-storage-limit": "1Gi"}}} if name == "g" else {}
+
+    def cache(name: str, uri: str, size: str, groups: list[str]) -> dict[str, Any]:
+        return {"metadata": {"name": name}, "spec": {"sourceModelUri": uri, "modelSize": size, "nodeGroups": groups}}
+
+    others = [cache("a", "s3://b/a", "600Mi", ["g"]), cache("a2", "s3://b/a", "600Mi", ["g"]),  # one URI, once
+              cache("x", "s3://b/x", "900Mi", ["other"])]
+    assert share_refusal("new", "t", cache("new", "s3://b/n", "400Mi", ["g"])["spec"], others, group) is None
+    why = share_refusal("new", "t", cache("new", "s3://b/n", "500Mi", ["g", "other"])["spec"], others, group)
+    assert why and "would declare 1.1 GiB (modelSize) on node group g, over its share of 1.0 GiB" in why, why
+    # The cache itself, edited, counts once (its old spec is among the others).
+    assert share_refusal("a", "t", cache("a", "s3://b/a", "1Gi", ["g"])["spec"], others, group) is None

@@ -48,9 +48,31 @@ def test_server_side_apply_of_deploy_is_accepted_on_an_empty_cluster_and_idempot
     assert len(first) == len(rendered) and all(line.endswith(" serverside-applied") for line in first), first
 
     def versions() -> dict[str, str]:
+        """Each object's resourceVersion, or for one with a spec its generation with its labels and
+        annotations: controllers write the status of Deployments, DaemonSets and budgets (and a
+        Deployment's revision annotation) after a creation, seconds later on a busy machine; the
+        API server applies a ValidatingAdmissionPolicy's status as a field manager of its own, and
+        v1.37 then rewrites the managedFields (only their order and time) on every apply of the
+        unchanged policy."""
         items = json.loads(cluster.kubectl("get", "-k", str(DEPLOY), "-o", "json").stdout)["items"]
-        return {f"{i['kind']}/{i['metadata']['name']}": i["metadata"]["resourceVersion"] for i in items}
+        out = {}
+        for i in items:
+            meta = i["metadata"]
+            ours = {k: v for k, v in (meta.get("annotations") or {}).items()
+                    if not k.startswith("deployment.kubernetes.io/")}  # the revision, the controller's
+            out[f"{i['kind']}/{meta['name']}"] = json.dumps(
+                [meta["generation"], meta.get("labels"), ours], sort_keys=True
+            ) if "generation" in meta else meta["resourceVersion"]
+        return out
 
+    # The API server writes each admission policy's status (its type checking) once after creating it.
+    from tests.helpers import wait_until
+
+    def type_checked() -> bool:
+        items = json.loads(cluster.kubectl("get", "validatingadmissionpolicies", "-o", "json").stdout)["items"]
+        return all((p.get("status") or {}).get("observedGeneration") == p["metadata"]["generation"] for p in items)
+
+    wait_until(type_checked, timeout=60, what="admission policies type-checked")
     before = versions()
     assert len(before) == len(rendered)
     cluster.kubectl("apply", "--server-side", "-k", str(DEPLOY))
@@ -206,7 +228,7 @@ def check_container_hardening(pod: Obj, container: Obj) -> None:
     res = container["resources"]
     assert res["requests"]["cpu"] and res["requests"]["memory"] and res["limits"]["memory"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+    for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
         get = container[probe]["httpGet"]
         assert get["path"] == path and get["port"] in ports
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
@@ -364,3 +386,73 @@ def test_kserve_config_is_readable_by_name_only(rendered: list[Obj]) -> None:
     """KServe's inferenceservice-config (credentials defaults, localModel.enabled): get, by name."""
     assert rules(rendered, "ClusterRole", "modelcache-kserve-config") == [
         ("", "configmaps", {"get"}, ("inferenceservice-config",))]
+
+
+# --- NetworkPolicies ----------------------------------------------------------------------------
+
+
+def _selects(selector: Obj, labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector  # what ours use
+    return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+
+
+def test_network_policies_select_our_pods_and_name_their_ports(rendered: list[Obj], cluster: Cluster) -> None:
+    """deploy/network/: each policy selects the pods it is written for and names ports those pods
+    declare (no plugin enforces NetworkPolicies here; the API server validates them, and what they
+    select is checked against the pod templates)."""
+    workloads = {d["metadata"]["name"]: d for d in rendered if d["kind"] in ("DaemonSet", "Deployment")}
+    policies = {d["metadata"]["name"]: d for d in rendered if d["kind"] == "NetworkPolicy"}
+    assert set(policies) == {"modelcache-agent", "modelcache-coordinator", "modelcache-download-jobs"}
+    for name in ("modelcache-agent", "modelcache-coordinator"):
+        policy, template = policies[name]["spec"], workloads[name]["spec"]["template"]
+        assert policies[name]["metadata"]["namespace"] == workloads[name]["metadata"]["namespace"]
+        assert _selects(policy["podSelector"], template["metadata"]["labels"])
+        assert not _selects(policy["podSelector"], workloads[({*workloads} - {name}).pop()]["spec"]["template"]
+                            ["metadata"]["labels"])
+        assert policy["policyTypes"] == ["Ingress"]  # egress (origins, the API server, peers) stays open
+        declared = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports") or []}
+        allowed = {p["port"] for rule in policy["ingress"] for p in rule["ports"]}
+        assert allowed == set(declared), (name, allowed, declared)  # every port it serves, by name, no other
+    # The peer port only from agents; health/metrics and webhooks from anywhere (the API server and
+    # the kubelet are not pods).
+    (peer,) = [r for r in policies["modelcache-agent"]["spec"]["ingress"] if r["ports"][0]["port"] == "peer"]
+    assert [_selects(f["podSelector"], workloads["modelcache-agent"]["spec"]["template"]["metadata"]["labels"])
+            for f in peer["from"]] == [True]
+    jobs = policies["modelcache-download-jobs"]
+    assert jobs["metadata"]["namespace"] == "modelcache-jobs" and jobs["spec"] == {"podSelector": {},
+                                                                                   "policyTypes": ["Ingress"]}
+    # The API server takes them as written.
+    out = cluster.kubectl("apply", "--dry-run=server", "-f", str(DEPLOY / "network" / "policies.yaml"))
+    assert out.stdout.count("(server dry run)") == 3, out.stdout
+
+
+def test_every_admission_policy_type_checks_clean(cluster: Cluster) -> None:
+    """deploy/policies/ (in the test baseline): the API server type-checks each CEL expression against
+    the schemas of the kinds it matches and its parameter kind; a warning there would mean an
+    expression that errs (and, failing closed, denies) at admission time."""
+    from tests.helpers import wait_until
+
+    def policies() -> list[Obj]:
+        out = cluster.kubectl("get", "validatingadmissionpolicies", "-l", "app.kubernetes.io/part-of=modelcache",
+                              "-o", "json").stdout
+        return list(json.loads(out)["items"])
+
+    def checked() -> bool:
+        return all((p.get("status") or {}).get("observedGeneration") == p["metadata"]["generation"]
+                   for p in policies())
+
+    wait_until(checked, timeout=60, what="the API server's type checking of our policies")
+    names = {p["metadata"]["name"] for p in policies()}
+    assert {"modelcache-agent-download-jobs", "modelcache-agent-download-job-root", "modelcache-agent-job-secrets",
+            "modelcache-serving-volumes",
+            "modelcache-coordinator-webhooks", "modelcache-coordinator-nodes", "modelcache-coordinator-volumes",
+            "modelcache-coordinator-events", "modelcache-coordinator-secrets", "modelcache-coordinator-leases",
+            "modelcache-coordinator-caches", "modelcache-coordinator-serving-pvs"} <= names, names
+    warnings = {p["metadata"]["name"]: [w for w in p["status"]["typeChecking"]["expressionWarnings"]
+                                        # v1.37's checker types core `events` as events.k8s.io/v1 (no
+                                        # involvedObject there), matchPolicy Exact notwithstanding: the
+                                        # expression itself is run by tests/test_security_coordinator.py.
+                                        if not w["warning"].startswith("events.k8s.io/v1, Kind=Event: ")]
+                for p in policies() if ((p.get("status") or {}).get("typeChecking") or {}).get("expressionWarnings")}
+    warnings = {k: v for k, v in warnings.items() if v}
+    assert warnings == {}, json.dumps(warnings, indent=1)

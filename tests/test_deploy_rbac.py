@@ -114,3 +114,27 @@ def test_nothing_is_granted_beyond_the_table(cluster: Cluster) -> None:
             documented = {(r.resource, name, verb) for r in rows if r.who == who and r.may
                           and r.namespace in ("—", "*", ns) for verb in r.verbs for name in r.names or ("",)}
             assert granted(cluster, who, ns) - granted(cluster, "anyone", ns) == documented, f"{who} in {ns}"
+
+
+_LISTED = re.compile(r"^```\n\$ (kubectl auth can-i --list [^\n]+)\n(.*?)^```", re.M | re.S)
+
+
+def _rows(text: str) -> list[list[str]]:
+    """The rows of `kubectl auth can-i --list` output, each as its columns (whitespace-separated)."""
+    return sorted(line.split() for line in text.strip().splitlines()[1:] if line.strip())
+
+
+def test_can_i_list_of_each_service_account_is_what_the_docs_show(cluster: Cluster) -> None:
+    """docs/operations.md shows `kubectl auth can-i --list` of both ServiceAccounts, verbatim: the
+    API server's authorizer answers exactly that (a grant added or dropped fails here)."""
+    text = DOC.read_text()
+    blocks = _LISTED.findall(text)
+    who = {line.split("--as=")[1].split()[0] for line, _ in blocks}
+    assert who == {SA["agent"], SA["coordinator"]}, who
+    for line, shown in blocks:
+        command, _, pipe = line.partition(" | ")
+        got = cluster.kubectl(*command.split()[1:]).stdout  # after `kubectl`
+        if pipe:
+            assert pipe == "grep -v '^ '", pipe  # the rows of non-resource URLs (their first column is empty)
+            got = "\n".join(ln for ln in got.splitlines() if not ln.startswith(" "))
+        assert _rows(got) == _rows(shown), f"{line}\n--- the API server:\n{got}"

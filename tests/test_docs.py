@@ -167,7 +167,7 @@ def test_install_md_manifests_are_accepted_and_its_kubectl_get_shows_those_colum
     get localmodelcaches,localmodelnodes` output it shows has the columns kubectl prints."""
     text = (REPO / "docs" / "install.md").read_text()
     blocks = re.findall(r"^```yaml\n(.*?)^```", text, re.M | re.S)
-    assert len(blocks) == 2, blocks
+    assert len(blocks) == 3, blocks
     for block in blocks:
         cluster.kubectl("apply", "-f", "-", input=block)  # fails the test on any refused field
     cluster.kubectl("apply", "-f", "-", input="apiVersion: serving.kserve.io/v1alpha1\nkind: LocalModelNode\n"
@@ -178,3 +178,36 @@ def test_install_md_manifests_are_accepted_and_its_kubectl_get_shows_those_colum
     assert len(shown) == 4 and all(h in headers for h in shown), (shown, headers)
     rows = [ln.split() for ln in got.splitlines() if ln.startswith("localmodelcache")]
     assert rows and rows[0][:2] == ["localmodelcache.serving.kserve.io/llm", "s3://models/llm"], got
+
+
+def test_development_md_describes_every_set_up_script_and_its_lane() -> None:
+    """docs/development.md's table has one row per tests/setup.d script, and says `go` exactly for
+    the scripts `make test-servers` leaves out (the build lane, tests/setup.sh)."""
+    text = (REPO / "docs" / "development.md").read_text()
+    rows = dict(re.findall(r"^\| `(\d\d-[a-z0-9-]+\.sh)` \|(?:[^|\n]*\|){2} (servers|go) \|", text, re.M))
+    scripts = sorted((REPO / "tests" / "setup.d").glob("*.sh"))
+    assert sorted(rows) == [p.name for p in scripts]
+    for p in scripts:
+        built = bool(re.search(r"^# lane: build", p.read_text(), re.M))
+        assert rows[p.name] == ("go" if built else "servers"), p.name
+
+
+def test_development_md_names_every_tier_and_lane() -> None:
+    from tests import tiers
+
+    text = (REPO / "docs" / "development.md").read_text()
+    for mark in tiers.MARKERS:
+        assert f"`{mark}`" in text, mark
+    for lane in ("make check", "make test-servers", "make test"):
+        assert f"`{lane}`" in text, lane
+
+
+def test_every_test_the_docs_name_exists() -> None:
+    """A test (or class) named as `tests/x.py::name` (how to run one) is one of that file."""
+    missing = []
+    for doc in DOCS:
+        for path, name in re.findall(r"(tests/[a-z0-9_/]+\.py)::([A-Za-z0-9_]+)", doc.read_text()):
+            source = REPO / path
+            if not source.exists() or not re.search(rf"^\s*(?:def|class) {name}\b", source.read_text(), re.M):
+                missing.append(f"{doc.name}: {path}::{name}")
+    assert missing == []

@@ -35,6 +35,8 @@ def test_cli_pull_with_userinfo_is_basic_auth_and_never_shown(nginx: NginxServer
     assert BASIC_AUTH[1] not in proc.stdout + proc.stderr and quote(BASIC_AUTH[1], safe="") not in proc.stdout
     manifests = _everything_written(tmp_path / "root")
     assert "<redacted>@" in manifests and "sesame" not in manifests
+    # Over plain http:// the password is readable on the way (security review L5): said once.
+    assert proc.stderr.count("as HTTP basic auth over plain http://") == 1, proc.stderr
 
     # The wrong password: one line naming the (redacted) URI, the 401, no secret.
     bad = run_cli("pull", _uri(nginx, "basic/m/model.bin", password="nope-XYZ"), "--root", str(tmp_path / "r2"),
@@ -57,6 +59,7 @@ def test_initializer_and_agent_send_userinfo_as_basic_auth(nginx: NginxServer, t
     assert r.code == 0, r.output
     assert (tmp_path / "dest" / "weights.bin").read_bytes() == data
     assert "sesame" not in r.output and "<redacted>@" in r.output
+    assert "plain http://" not in r.output  # https: nothing to warn about
 
     spec = write_node(tmp_path / "node.yaml", [{"modelName": "w", "sourceModelUri": uri}])
     proc = run_agent(spec, tmp_path / "root", "--download-env", f"MODELCACHE_CA_BUNDLE={nginx.ca_path}")

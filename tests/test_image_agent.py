@@ -60,22 +60,33 @@ def prepare_root(image: Image, host_root: Path) -> subprocess.CompletedProcess[s
                      caps=ctx["capabilities"]["add"])
 
 
-@pytest.mark.parametrize("start", ["fresh", "someone-elses", "prepared-before"])
+@pytest.mark.parametrize("start", ["fresh", "someone-elses", "prepared-before", "a-link", "a-dangling-link"])
 def test_prepare_root_hands_the_host_path_to_the_agent(start: str, image: Image, tmp_path: Path) -> None:
-    """A fresh hostPath (root's), one another uid owns 0755 (finding #13 of DEPLOY-REVIEW.md), and
-    a restart on a root already handed over: root with CHOWN alone must manage all three."""
+    """A fresh hostPath (root's), one another uid owns 0755 (finding #13 of DEPLOY-REVIEW.md), a
+    restart on a root already handed over: root with CHOWN alone must manage all three. And a
+    models/ that a writer of the host directory made a symbolic link (security review L4): the
+    link is removed, never followed (its target kept its owner), and the init container does not
+    fail on a dangling one (the agent would never start on that node)."""
     host_root = tmp_path / "models"
     host_root.mkdir(mode=0o755)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
     if start == "someone-elses":
         os.chown(host_root, 2000, 2000)
     elif start == "prepared-before":
         (host_root / "models" / "key").mkdir(parents=True)
         for p in (host_root, host_root / "models", host_root / "models" / "key"):
             os.chown(p, 1000, 1000)
+    elif start == "a-link":
+        (host_root / "models").symlink_to(elsewhere)
+    elif start == "a-dangling-link":
+        (host_root / "models").symlink_to("/proc/1/root/nowhere")
     r = prepare_root(image, host_root)
     assert r.returncode == 0, r.stderr
     for p in (host_root, host_root / "models"):
         assert (p.stat().st_uid, p.stat().st_gid) == (1000, 1000)
+    assert not (host_root / "models").is_symlink()
+    assert (elsewhere.stat().st_uid, elsewhere.stat().st_gid) == (os.getuid(), os.getgid())
     if start == "prepared-before":
         assert (host_root / "models" / "key").stat().st_uid == 1000
 

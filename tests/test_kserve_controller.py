@@ -25,6 +25,7 @@ from modelcache.kube.client import (
     LOCAL_MODEL_CACHES,
     NODES,
     PERSISTENT_VOLUME_CLAIMS,
+    PERSISTENT_VOLUMES,
     PODS,
     Kube,
 )
@@ -97,6 +98,11 @@ def test_kserve_rewrites_the_predictor_to_the_cache_and_the_scheduler_binds_it_w
     # Our coordinator makes the serving PV and PVC that KServe's rewrite names; the PV controller binds them.
     wait_until(lambda: (kube.get_or_none(PERSISTENT_VOLUME_CLAIMS, "iris-workers", NS) or {}).get(
         "status", {}).get("phase") == "Bound", timeout=60, what="serving PVC iris-workers bound")
+    # Labelled with the cache's storage key: deploy/policies/serving-volumes.yaml (in this cluster's
+    # baseline) then admits a pod mounting the claim only read-only under models/<key>, and KServe's
+    # rewrite below is such a pod.
+    pv = kube.get(PERSISTENT_VOLUMES, f"iris-workers-{NS}")
+    assert pv["metadata"]["labels"]["modelcache.io/storage-key"] == key
 
     # KServe's controller makes the predictor Deployment; the controller-manager its ReplicaSet and
     # Pod. Both mutators ran on the pod: KServe's mounts the cache PVC instead of downloading, ours

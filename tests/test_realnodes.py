@@ -107,7 +107,7 @@ def test_up_with_a_kubelet_runs_pods_and_leaves_the_host_as_it_was(tmp_path: Pat
         code = up.stop()
     assert code == 0, up.stderr()
     after = host_state((tmp_path,))
-    assert before.differences(after) == []
+    assert before.differences(after, slot.n) == []
 
 
 def test_a_killed_run_is_swept_by_the_next_one(tmp_path: Path) -> None:
@@ -147,7 +147,7 @@ def test_a_killed_run_is_swept_by_the_next_one(tmp_path: Path) -> None:
         wait_until(lambda: not any(_alive(pid) for pid in left), timeout=10, what="the left processes gone")
     finally:
         taken.release()
-    assert before.differences(host_state((tmp_path,))) == []
+    assert before.differences(host_state((tmp_path,)), slot.n) == []
 
 
 def _alive(pid: int) -> bool:

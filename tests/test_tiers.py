@@ -97,17 +97,15 @@ def test_a_test_that_reaches_more_than_its_fixtures_show_fails_with_the_fix(proj
 
 
 def test_cluster_tests_share_one_xdist_worker(project: pytest.Pytester) -> None:
-    """The group is the mark xdist's ``--dist loadgroup`` reads (one control plane, reset after
-    each test, cannot serve two tests at once)."""
-    from tests import tiers
-
-    items = project.getitems("""
-def test_a(control_plane):
-    pass
-
-def test_b(bucket):
-    pass
-""")
-    tiers.mark(items)
-    groups = {item.name: [m.args for m in item.iter_markers("xdist_group")] for item in items}
-    assert groups == {"test_a": [("cluster",)], "test_b": []}
+    """Under ``--dist loadgroup`` every cluster test runs on one worker (one control plane, reset
+    after each test, cannot serve two tests at once); the others go wherever there is room."""
+    result = project.runpytest("-p", "tests.tiers", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-v",
+                               "-k", "pure or hub or bucket or cluster")
+    result.assert_outcomes(passed=4)
+    workers = {}
+    for line in result.outlines:
+        if " PASSED " in line:
+            worker, nodeid = line.split()[0], line.split()[-1]
+            workers[nodeid] = worker
+    assert set(workers) == {"test_x.py::test_pure", "test_x.py::test_hub", "test_x.py::test_bucket",
+                            "test_x.py::test_cluster@cluster"}, result.outlines

@@ -192,6 +192,27 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects and before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     mark(items)
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        for item in items:
+            group_nodeid(item)
+
+
+def group_nodeid(item: pytest.Item) -> None:
+    """Put an item's xdist group into its node id (``<id>@<group>``), which is all the
+    controller's loadgroup scheduler sees. xdist does this itself by setting ``Item._nodeid``,
+    which pytest 9.2 no longer reads (the id is ``Item._id``), so with pytest 9.2 and xdist 3.8
+    no group is kept together; this sets it where pytest reads it."""
+    groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                     for m in item.iter_markers("xdist_group")})
+    if not groups or "@" in item.nodeid.rsplit("]", 1)[-1]:
+        return
+    nodeid = f"{item.nodeid}@{'_'.join(groups)}"
+    if hasattr(item, "_id"):
+        from _pytest.nodeid import coerce_node_id  # pytest >= 9.2
+
+        item._id = coerce_node_id(nodeid)
+    else:
+        item._nodeid = nodeid
 
 
 @pytest.hookimpl(wrapper=True)

@@ -60,6 +60,10 @@ LOCALMODEL_SOURCEURI_ANNOTATION = "internal.serving.kserve.io/localmodel-sourceu
 LOCALMODEL_PVC_ANNOTATION = "internal.serving.kserve.io/localmodel-pvc-name"
 DISABLE_LOCALMODEL_ANNOTATION = "serving.kserve.io/disable-localmodel"
 NODEGROUP_ANNOTATION = "serving.kserve.io/nodegroup"
+#: On a LocalModelNodeGroup: the most bytes the LocalModelNamespaceCaches of any one namespace may
+#: hold on each node of the group (a quantity). Ours, not KServe's: without it, one tenant can fill
+#: the group's storageLimit on every node with one namespace cache (security review M4).
+NAMESPACE_LIMIT_ANNOTATION = "modelcache.io/namespace-storage-limit"
 #: The longest label value Kubernetes accepts.
 MAX_LABEL_VALUE = 63
 

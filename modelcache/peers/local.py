@@ -13,8 +13,10 @@ in path order (``ci``, what peers say: their listing may come in another order).
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -22,19 +24,50 @@ from pathlib import Path
 
 from modelcache.journal import JournalState
 from modelcache.peers.pieces import PieceHash, PieceLog, piece_count, piece_span
-from modelcache.peers.protocol import MAX_WAIT, HaveReply
+from modelcache.peers.protocol import MAX_WAIT, Geometry, HaveReply
 from modelcache.sources.base import RemoteFile
 
 
 @dataclass(frozen=True)
 class ServedRange:
-    """Bytes a peer may read: ``[start, end)`` of the file at ``path``."""
+    """Bytes a peer may read: ``[start, end)`` of the file ``rel`` under the folder ``root``
+    (opened by ``open_beneath``: nothing outside ``root`` is ever read for a peer)."""
 
-    path: str
+    root: str
+    rel: str
     start: int
     end: int
     #: Flushes the file first where it holds bytes written since its last flush (None: durable).
     make_durable: object = None
+    #: The file's size as recorded (a published model's manifest): any other size is not served.
+    size: int | None = None
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.root, self.rel)
+
+
+def open_beneath(root: str, rel: str) -> int:
+    """A read-only descriptor of the regular file ``rel`` under ``root``, following no symlink
+    on the way (each component is opened with ``O_NOFOLLOW`` from its parent's descriptor): a
+    link planted in a model folder cannot make the peer server read another file. OSError if
+    anything on the way is a link, missing, or not a regular file."""
+    parts = [p for p in rel.split("/") if p]
+    if not parts or any(p in (".", "..") for p in parts):
+        raise OSError(errno.EINVAL, f"not a path inside the model: {rel!r}")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        out = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(os.fstat(out).st_mode):
+        os.close(out)
+        raise OSError(errno.EINVAL, f"{rel!r} is not a regular file")
+    return out
 
 
 class LocalPieces:
@@ -49,6 +82,8 @@ class LocalPieces:
         self.by_path = sorted(range(len(files)), key=lambda i: files[i].path)  # ci -> li
         self.canon = {li: ci for ci, li in enumerate(self.by_path)}
         self.total_pieces = sum(piece_count(s, piece_size) for s in self.sizes)
+        #: How we cut the model, in the peers' file order: bounds every reply about it.
+        self.geometry = Geometry(piece_size, tuple(piece_count(self.sizes[li], piece_size) for li in self.by_path))
         self.cond = threading.Condition()
         self._epoch_base = secrets.token_hex(6)
         self._resets = 0
@@ -182,7 +217,8 @@ class LocalPieces:
             newest = max(self.written.get((li, p), 0.0) for p in range(first, last + 1))
             fresh = newest > self.synced.get(li, -1.0)
         path = str(self.data_dir / self.files[li].path)
-        return ServedRange(path, start, end, (lambda: self._flush(li, path, newest)) if fresh else None)
+        return ServedRange(str(self.data_dir), self.files[li].path, start, end,
+                           (lambda: self._flush(li, path, newest)) if fresh else None)
 
     def _flush(self, li: int, path: str, newest: float) -> None:
         with self.cond:

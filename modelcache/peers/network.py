@@ -14,11 +14,12 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from modelcache.journal import Journal, JournalState
 from modelcache.peers.client import PeerClient, PeerInfo
+from modelcache.peers.exclusions import Exclusions
 from modelcache.peers.local import LocalPieces, ServedRange
 from modelcache.peers.pieces import (
     PieceHash,
@@ -39,6 +40,8 @@ from modelcache.store import NodeStore, stage_piece_record
 log = logging.getLogger("modelcache.peers")
 
 Directory = Callable[[str], list[PeerInfo]]
+#: The store record (``<meta>/peers/excluded.json``) of the peers this node excluded.
+EXCLUSIONS_RECORD = "peers"
 
 
 @dataclass(frozen=True)
@@ -67,35 +70,38 @@ class _JournalEvents:
     def file_reset(self, file_idx: int) -> None:
         # Fetched again after a checksum mismatch or a failed write-back: from the origin (peer
         # bytes may be what was wrong), and nothing of it is served until then.
-        with self.session.cond:
-            self.session.force_origin.add(file_idx)
+        self.session.file_reset(file_idx)
         self.local.file_reset(file_idx)
 
 
 class PeerNetwork:
     def __init__(self, settings: SwarmSettings, directory: Directory, client: PeerClient, store: NodeStore,
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None,
+                 on_exclude: Callable[[str, str], None] | None = None) -> None:
         self.settings, self.directory, self.client, self.store = settings, directory, client, store
         self.on_change = on_change
+        self.on_exclude = on_exclude
         self._lock = threading.Lock()
         self._sessions: dict[str, tuple[str, SwarmSession]] = {}  # storage key -> (digest, session)
-        self._dropped: dict[tuple[str, str], set[str]] = {}
+        #: Peers found lying: never asked again, by any download, across restarts (exclusions.py).
+        self.exclusions = Exclusions(lambda: store.read_record(EXCLUSIONS_RECORD, "excluded"),
+                                     lambda text: store.write_record(EXCLUSIONS_RECORD, "excluded", text))
         self._records: dict[str, tuple[int, PieceRecord | None]] = {}  # key -> (mtime_ns, record)
         self._finished: dict[str, ModelPeerStats] = {}
 
     # ---- downloads ---------------------------------------------------------------------------
 
     def attach(self, key: str, origin: Source, files: list[RemoteFile], staging: Path, journal: Journal,
-               chunk_size: int, resume: JournalState, workers: int = 8) -> PeerSource:
+               chunk_size: int, resume: JournalState, workers: int = 8, stall_timeout: float = 30.0) -> PeerSource:
         digest = listing_digest(origin.resolved_uri, files)
         psize = piece_size_for(chunk_size)
         plog = PieceLog(str(staging / "pieces"), psize, digest)
         fresh = not resume.files and not resume.chunks
         plog.open(fresh)
         local = LocalPieces(files, staging / "data", chunk_size, psize, plog, JournalState() if fresh else resume)
-        with self._lock:
-            dropped = self._dropped.setdefault((key, digest), set())
-        session = SwarmSession(self.settings, key, digest, local, self.client, self.directory, dropped, workers)
+        settings = replace(self.settings, stall_timeout=stall_timeout)
+        session = SwarmSession(settings, key, digest, local, self.client, self.directory, self.excluded, self.exclude,
+                               workers)
         journal.listener = _JournalEvents(local, session)
         with self._lock:
             self._sessions[key] = (digest, session)
@@ -125,15 +131,29 @@ class PeerNetwork:
         if self.on_change is not None:
             self.on_change()
 
+    # ---- peers excluded for good -----------------------------------------------------------
+
+    def excluded(self, node: str) -> bool:
+        return node in self.exclusions
+
+    def exclude(self, node: str, why: str) -> None:
+        """``node`` lied or served a wrong piece: no request of any download goes to it again."""
+        if self.exclusions.add(node, why):
+            if self.on_exclude is not None:
+                self.on_exclude(node, why)
+            self._changed()
+
     def _write_record(self, session: SwarmSession, staging: Path) -> None:
         """Before publish: every piece hash of the verified model, left in staging for the store.
         Pieces without a hash (fetched by a run without peers, or whose log line was lost) are
         hashed from the staged file, which passed every check by now."""
         local = session.local
         files: dict[str, list[str]] = {}
+        sources: dict[str, str] = {}
         for li, f in enumerate(local.files):
             size = local.sizes[li]
             hashes = []
+            letters = []
             path = staging / "data" / f.path
             for p in range(piece_count(size, local.piece_size)):
                 h = local.hashes.get((li, p))
@@ -142,17 +162,19 @@ class PeerNetwork:
                     with open(path, "rb") as fh:
                         h = PieceHash(hash_piece(os.pread(fh.fileno(), end - start, start)), False)
                 hashes.append(h.hex)
+                letters.append("o" if h.origin else "p")
             files[f.path] = hashes
+            sources[f.path] = "".join(letters)
         stats = session.stats
         record = PieceRecord(session.key, session.digest, local.piece_size, files,
-                             stats.from_origin, stats.from_peers)
+                             stats.from_origin, stats.from_peers, sources=sources)
         stage_piece_record(staging, record.to_json())
 
     @staticmethod
     def _stats_of(digest: str, session: SwarmSession) -> ModelPeerStats:
         s: SwarmStats = session.stats
         with session.cond:
-            alive = sum(1 for link in session.links.values() if link.alive)
+            alive = sum(1 for link in session.links.values() if link.state.alive)
             return ModelPeerStats(digest, s.from_origin, s.from_peers, alive, tuple(s.dropped))
 
     def stats(self, key: str) -> ModelPeerStats | None:
@@ -218,7 +240,7 @@ class PeerNetwork:
         record = self._published(key, digest)
         if record is None:
             return None
-        pieces = [(ci, p, h, False) for ci, path in enumerate(sorted(record.files))
+        pieces = [(ci, p, h, record.from_origin(path, p)) for ci, path in enumerate(sorted(record.files))
                   for p, h in enumerate(record.files[path])]
         return HaveReply("published", len(pieces), record.piece_size, True, True, pieces, [])
 
@@ -232,11 +254,8 @@ class PeerNetwork:
         paths = sorted(record.files)
         if not 0 <= ci < len(paths):
             return None
-        path = self.store.layout.model_dir(key) / paths[ci]
-        try:
-            size = path.stat().st_size
-        except OSError:
+        manifest = self.store.manifest(key)
+        size = next((f.size for f in manifest.files if f.path == paths[ci]), None) if manifest is not None else None
+        if size is None or not 0 <= start < end <= size:
             return None
-        if not 0 <= start < end <= size or piece_count(size, record.piece_size) != len(record.files[paths[ci]]):
-            return None
-        return ServedRange(str(path), start, end)
+        return ServedRange(str(self.store.layout.model_dir(key)), paths[ci], start, end, size=size)

@@ -167,6 +167,13 @@ class PieceRecord:
     algo: str = PIECE_ALGO
     version: int = 1
     extra: dict[str, int] = field(default_factory=dict, compare=False)
+    #: path -> one letter per piece: ``o`` this node read it from the origin (it witnesses its
+    #: hash to others), ``p`` it came from a peer, checked. Absent (older records): all ``p``.
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def from_origin(self, path: str, piece: int) -> bool:
+        letters = self.sources.get(path, "")
+        return piece < len(letters) and letters[piece] == "o"
 
     def to_json(self) -> str:
         doc = asdict(self)
@@ -196,4 +203,9 @@ class PieceRecord:
         for name in ("bytes_from_origin", "bytes_from_peers"):
             if type(doc.get(name)) is not int:
                 raise ValueError(f"piece record field {name} is not a byte count")
+        sources = doc.get("sources", {})
+        if not isinstance(sources, dict) or not all(
+                isinstance(v, str) and set(v) <= {"o", "p"} and len(v) == len(files.get(k, ()))
+                for k, v in sources.items()):
+            raise ValueError("piece record sources are not one letter (o, p) per piece")
         return cls(**doc)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,25 @@ def parse_range(value: str | None) -> tuple[int, int] | None:
     return (start, last + 1) if last >= start else None
 
 
+@dataclass(frozen=True)
+class Geometry:
+    """How a model is cut: the piece size, and the piece count of each file in path order."""
+
+    piece_size: int
+    counts: tuple[int, ...]
+
+    @property
+    def pieces(self) -> int:
+        return sum(self.counts)
+
+
+def max_have_bytes(pieces: int) -> int:
+    """The largest ``have`` reply a model of ``pieces`` pieces can need: each piece listed once
+    (``[f,p,"<64 hex>",o],``: at most 96 bytes with 9-digit indices) and claimed once, plus the
+    envelope. A larger reply is refused before it is read."""
+    return 4096 + pieces * (96 + 24)
+
+
 @dataclass
 class HaveReply:
     """What a node holds of one model. ``pieces``: (file, piece, sha-256 hex, read from the origin
@@ -88,8 +108,11 @@ class HaveReply:
         }, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, body: bytes, files: int) -> HaveReply:
-        """Strict: a malformed reply is a ValueError (the peer is then not used)."""
+    def from_json(cls, body: bytes, geometry: Geometry) -> HaveReply:
+        """Strict: a malformed reply is a ValueError (the peer is then not used). ``geometry``
+        (ours) bounds every index: a peer cannot make us hold more entries than the model has
+        pieces. A reply in another piece size is returned without its pieces (the caller refuses
+        the peer: its pieces are not ours)."""
         doc: Any = json.loads(body)
         if not isinstance(doc, dict):
             raise ValueError("have reply is not an object")
@@ -98,18 +121,22 @@ class HaveReply:
             raise ValueError("have reply without epoch or sequence")
         if type(size) is not int or size <= 0:
             raise ValueError("have reply without a piece size")
+        complete, full = doc.get("complete") is True, doc.get("full") is not False
+        if size != geometry.piece_size:
+            return cls(epoch, seq, size, complete, full)
+        counts = geometry.counts
         pieces: list[tuple[int, int, str, bool]] = []
         for item in _list(doc.get("pieces")):
-            if (not isinstance(item, list) or len(item) != 4 or not _index(item[0], files) or not _index(item[1])
+            if (not isinstance(item, list) or len(item) != 4 or not _piece(item[0], item[1], counts)
                     or not isinstance(item[2], str) or not valid_hash(item[2]) or item[3] not in (0, 1)):
-                raise ValueError(f"have reply piece {item!r} is malformed")
+                raise ValueError(f"have reply piece {str(item)[:200]} is malformed")
             pieces.append((item[0], item[1], item[2], bool(item[3])))
         fetching: list[tuple[int, int]] = []
         for item in _list(doc.get("fetching")):
-            if not isinstance(item, list) or len(item) != 2 or not _index(item[0], files) or not _index(item[1]):
-                raise ValueError(f"have reply claim {item!r} is malformed")
+            if not isinstance(item, list) or len(item) != 2 or not _piece(item[0], item[1], counts):
+                raise ValueError(f"have reply claim {str(item)[:200]} is malformed")
             fetching.append((item[0], item[1]))
-        return cls(epoch, seq, size, doc.get("complete") is True, doc.get("full") is not False, pieces, fetching)
+        return cls(epoch, seq, size, complete, full, pieces, fetching)
 
 
 def _list(value: object) -> list[Any]:
@@ -120,8 +147,8 @@ def _list(value: object) -> list[Any]:
     return value
 
 
-def _index(value: object, below: int | None = None) -> bool:
-    return type(value) is int and value >= 0 and (below is None or value < below)
+def _piece(file: object, piece: object, counts: Sequence[int]) -> bool:
+    return type(file) is int and 0 <= file < len(counts) and type(piece) is int and 0 <= piece < counts[file]
 
 
 def check_key_digest(key: str, digest: str) -> bool:

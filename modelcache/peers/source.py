@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from modelcache.errors import TransientError
+from modelcache.peers.client import Cancel
 from modelcache.peers.pieces import PieceHash, piece_span
 from modelcache.peers.swarm import SwarmSession
 from modelcache.sources.base import RangeStream, RemoteFile, Source
@@ -55,6 +56,10 @@ class PeerSource(Source):
 
     def check_unchanged(self, file: RemoteFile) -> None:
         self.origin.check_unchanged(file)
+
+    def distrusted(self, file: RemoteFile) -> str | None:
+        li = self._index.get(file.path)
+        return self.session.distrusted(li) if li is not None else None
 
     @property
     def resolved_uri(self) -> str:
@@ -94,6 +99,7 @@ class PieceStream:
         self._claimed = range(0)
         self._origin_read = False  # holds one of the swarm's origin reads
         self._stop = threading.Event()
+        self._cancel = Cancel()  # cuts a peer read in flight
 
     def _buffer(self) -> memoryview:
         if self._buf is None:
@@ -107,6 +113,7 @@ class PieceStream:
                 n = min(len(view), hi - self.pos, self.end - self.pos)
                 view[:n] = self._buffer()[self.pos - lo : self.pos - lo + n]
                 self.pos += n
+                self.session.counted_peer(self.li, n)
                 return n
             if self._origin is not None and self._opos < self._oend:
                 n = self._read_origin(view)
@@ -120,7 +127,7 @@ class PieceStream:
     def _next(self) -> None:
         """Decide where the piece at ``pos`` comes from (a peer may fill it right here)."""
         piece = self.pos // self.psize
-        n = self.session.acquire(self.li, piece, self._buffer(), self._stop)
+        n = self.session.acquire(self.li, piece, self._buffer(), self._stop, self._cancel)
         if n >= 0:
             start = piece * self.psize
             self._have = (start, start + n)
@@ -158,7 +165,9 @@ class PieceStream:
             self.pos += n
         if self._opos == piece_end:
             piece = (piece_end - 1) // self.psize
-            self.session.local.record(self.li, piece, PieceHash(self._hasher.hexdigest(), origin=True))
+            value = self._hasher.hexdigest()
+            self.session.local.record(self.li, piece, PieceHash(value, origin=True))
+            self.session.settled(self.li, piece, value)
             self.session.local.unclaim(self.li, range(piece, piece + 1))
             self._claimed = range(piece + 1, self._claimed.stop)
             self._hasher = hashlib.sha256()
@@ -181,8 +190,10 @@ class PieceStream:
             self.session.release_origin()
 
     def abort(self) -> None:
-        """The engine's watchdog or a cancel: wake a wait for a peer, cut an origin read."""
+        """The engine's watchdog or a cancel: wake a wait for a peer, cut a peer's or the
+        origin's read in flight (its socket is shut down: a blocked read returns at once)."""
         self._stop.set()
+        self._cancel.cancel()
         origin = self._origin
         if origin is not None:
             with contextlib.suppress(Exception):

@@ -85,6 +85,13 @@ class Source(ABC):
         an HTTP server without ETag or Last-Modified) looks at the file again here.
         """
 
+    def distrusted(self, file: RemoteFile) -> str | None:
+        """Called with ``check_unchanged``: why the bytes read for ``file`` must not be kept (the
+        file is fetched again, as after a checksum mismatch), or None. A source reads its own
+        bytes: None. One that passes on other nodes' bytes (``modelcache.peers``) names a node
+        whose word some of them were taken on and which it has since found lying."""
+        return None
+
     def extract_into(self, staging_dir: str, on_bytes: Callable[[int], None]) -> list[str] | None:
         """Hook for layouts that are not one remote object per file (an OCI modelcar image's
         tar layers): write the model tree into ``staging_dir`` directly, call ``on_bytes(n)``

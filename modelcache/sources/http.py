@@ -84,6 +84,19 @@ def _basic_auth(user: str, password: str) -> str:
     return "Basic " + base64.b64encode(enc(user) + b":" + enc(password)).decode("ascii")
 
 
+_warned_hosts: set[str] = set()
+
+
+def _warn_clear_text(host: str, where: str) -> None:
+    """Basic auth over http:// is the user's choice (KServe sends it too), but it is readable by
+    anyone on the path: said once per host and process."""
+    if host in _warned_hosts:
+        return
+    _warned_hosts.add(host)
+    log.warning("%s: the user and password in the URI go to %s as HTTP basic auth over plain http://, "
+                "readable by anyone on the network path; use https://", where, host)
+
+
 class HTTPSource(Source):
     applies_patterns = False  # one file, named by the URI
 
@@ -98,6 +111,8 @@ class HTTPSource(Source):
             # As requests (KServe's initializer) does with a URL's userinfo: basic auth, which
             # wins over a configured Authorization header; private to the URL's host (send()).
             self.headers["Authorization"] = _basic_auth(*location.basic_auth)
+            if location.url.startswith("http://"):
+                _warn_clear_text(location.host, self.where)
         # A CA or verify=False applies to every hop; without one, the system's CAs.
         verify: bool | str = http.ca_bundle or True if http.verify else False
         self.pool = make_pool(verify, self.max_streams, http.connect_timeout, http.read_timeout)

@@ -49,7 +49,7 @@ from modelcache.errors import (
     SourceError,
     TransientError,
 )
-from modelcache.integrity import safe_b64_to_hex
+from modelcache.integrity import cryptographic, safe_b64_to_hex
 from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source
 from modelcache.sources.httpread import Pool, make_pool, open_range
 from modelcache.sources.objectstore import (
@@ -209,8 +209,9 @@ class S3Source(Source):
                 value = head.get(name)
                 if value and "-" not in value and (hexval := safe_b64_to_hex(value)):
                     out.append(Checksum(algo, hexval))
-        # A full-object CRC/SHA already proves the bytes; MD5 would add ~1.2 CPU-s per GiB for nothing.
-        if out:
+        # A full-object CRC/SHA already proves the bytes; MD5 would add ~1.2 CPU-s per GiB for nothing,
+        # unless bytes may be forged on purpose (peer transfer): against that a CRC proves nothing.
+        if out and (not self.settings.forgery_proof or any(cryptographic(c.algo) for c in out)):
             return out
         # The ETag is an MD5 only without SSE-KMS / SSE-C (their ETags are opaque).
         if head.get("ServerSideEncryption", "").startswith("aws:kms") or head.get("SSECustomerAlgorithm"):

@@ -21,13 +21,15 @@ from tests.cluster.controlplane import ControlPlane
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
-BASELINE_MANIFESTS = (DEPLOY / "namespace.yaml", DEPLOY / "crds", DEPLOY / "rbac", REPO / "tests" / "cluster" / "crds")
+BASELINE_MANIFESTS = (DEPLOY / "namespace.yaml", DEPLOY / "crds", DEPLOY / "rbac", DEPLOY / "policies",
+                      REPO / "tests" / "cluster" / "crds")
 #: Namespaces a fresh cluster has, plus ours.
 SYSTEM_NAMESPACES = frozenset({"default", "kube-system", "kube-public", "kube-node-lease", "modelcache-system",
                                "modelcache-credentials"})
 #: Kinds whose baseline objects are put back by re-applying the manifests when they change.
 RESTORED_KINDS = frozenset({"customresourcedefinitions", "clusterroles", "clusterrolebindings", "roles",
-                            "rolebindings", "serviceaccounts", "namespaces"})
+                            "rolebindings", "serviceaccounts", "namespaces", "validatingadmissionpolicies",
+                            "validatingadmissionpolicybindings"})
 #: Objects controllers create by themselves in every namespace; they go with their namespace.
 _AUTOMATIC = {("configmaps", "kube-root-ca.crt"), ("serviceaccounts", "default")}
 _NOT_RESET = frozenset({"apiservices", "flowschemas", "prioritylevelconfigurations", "clustertrustbundles",

@@ -50,6 +50,19 @@ SERVICE_CIDR = "10.96.0.0/16"
 CONTROLLERS = "*,-node-lifecycle-controller"
 #: With real nodes: a stopped kubelet's Node turns NotReady after this (the default is 50 s).
 NODE_GRACE = "20s"
+#: Label of the pods that stand in for a component the tests run as a process (``stand_in_pod``).
+STAND_IN_LABEL = "modelcache.test/stand-in"
+
+
+#: ServiceAccount kubeconfig files (``ControlPlane.kubeconfig_for``) -> how to make one bound to a node.
+_ON_NODE: dict[str, Callable[[str], Path]] = {}
+
+
+def on_node(kubeconfig: Path, node: str) -> Path:
+    """The kubeconfig a component on ``node`` has: for a ServiceAccount's (``kubeconfig_for``),
+    one whose token is bound to a pod on that node, as a DaemonSet pod's is; others unchanged."""
+    make = _ON_NODE.get(str(kubeconfig))
+    return make(node) if make is not None else kubeconfig
 
 
 def free_port() -> int:
@@ -119,10 +132,14 @@ def kubeconfig_text(server: str, ca: Path, user: dict[str, str], namespace: str 
 class ControlPlane:
     """One control plane in ``workdir``; `start()` returns when /readyz answers ok."""
 
-    def __init__(self, workdir: Path, bin_dir: Path | None = None, node_address: str | None = None) -> None:
+    def __init__(self, workdir: Path, bin_dir: Path | None = None, node_address: str | None = None,
+                 proc_setup: Callable[[], None] | None = None, apiserver_args: tuple[str, ...] = ()) -> None:
         self.workdir = workdir
         self.bin_dir = bin_dir
         self.node_address = node_address  # where real nodes reach the API server (None: no real nodes)
+        self.proc_setup = proc_setup  # Proc.setup of every process (real nodes: join the run's cgroup tree)
+        #: More kube-apiserver flags (e.g. --admission-control-config-file), after ours.
+        self.apiserver_args = apiserver_args
         self.procs: dict[str, Proc] = {}
         self.pki: PKI | None = None
         self.etcd_port = self.etcd_peer_port = self.api_port = 0
@@ -218,7 +235,7 @@ class ControlPlane:
         return str(self.bin_dir / name)
 
     def _spawn(self, name: str, args: list[str]) -> Proc:
-        proc = Proc(name, [self._bin(name), *args], self.workdir / f"{name}.log").start()
+        proc = Proc(name, [self._bin(name), *args], self.workdir / f"{name}.log", setup=self.proc_setup).start()
         self.procs[name] = proc
         return proc
 
@@ -285,6 +302,7 @@ class ControlPlane:
             # (no kube-proxy here).
             "--enable-aggregator-routing=true",
             "--profiling=false",
+            *self.apiserver_args,
         ]
 
     def _start_apiserver(self, timeout: float) -> None:
@@ -379,12 +397,16 @@ class ControlPlane:
         return proc
 
     def token(self, namespace: str, service_account: str, seconds: int = 3600,
-              audiences: list[str] | None = None) -> str:
+              audiences: list[str] | None = None, pod: dict[str, Any] | None = None) -> str:
         """A bound token for the ServiceAccount (TokenRequest), as the kubelet projects one into pods
-        (for ``audiences``, as a projected ``serviceAccountToken`` volume with an ``audience``)."""
+        (for ``audiences``, as a projected ``serviceAccountToken`` volume with an ``audience``;
+        with ``pod``, bound to it and so to its node, as the kubelet's are)."""
         spec: dict[str, Any] = {"expirationSeconds": seconds}
         if audiences:
             spec["audiences"] = audiences
+        if pod is not None:
+            spec["boundObjectRef"] = {"kind": "Pod", "apiVersion": "v1", "name": pod["metadata"]["name"],
+                                      "uid": pod["metadata"]["uid"]}
         status, body = self.raw(f"/api/v1/namespaces/{namespace}/serviceaccounts/{service_account}/token",
                                 method="POST", body={"apiVersion": "authentication.k8s.io/v1",
                                                      "kind": "TokenRequest", "spec": spec})
@@ -393,13 +415,52 @@ class ControlPlane:
         return str(json.loads(body)["status"]["token"])
 
     def kubeconfig_for(self, namespace: str, service_account: str, seconds: int = 3600) -> Path:
-        """A kubeconfig that authenticates as the ServiceAccount with a fresh bound token."""
+        """A kubeconfig that authenticates as the ServiceAccount with a fresh bound token (bound to
+        no pod); ``on_node(path, node)``: one whose token is bound to a pod on that Node, as a
+        DaemonSet's pod has (tests.agent_util.start_agent asks for it)."""
         path = self.workdir / "sa" / f"{namespace}.{service_account}.kubeconfig"
         path.parent.mkdir(exist_ok=True)
         path.write_text(kubeconfig_text(self.server, self.ca_file,
                                         {"token": self.token(namespace, service_account, seconds)}, namespace))
         path.chmod(0o600)
+        _ON_NODE[str(path)] = lambda node: self.kubeconfig_on_node(namespace, service_account, node, seconds)
         return path
+
+    def kubeconfig_on_node(self, namespace: str, service_account: str, node: str, seconds: int = 3600) -> Path:
+        """A kubeconfig for the ServiceAccount whose token is bound to a pod on ``node``."""
+        path = self.workdir / "sa" / f"{namespace}.{service_account}.{node}.kubeconfig"
+        path.parent.mkdir(exist_ok=True)
+        token = self.token(namespace, service_account, seconds, pod=self.stand_in_pod(namespace, service_account, node))
+        path.write_text(kubeconfig_text(self.server, self.ca_file, {"token": token}, namespace))
+        path.chmod(0o600)
+        return path
+
+    def stand_in_pod(self, namespace: str, service_account: str, node: str) -> dict[str, Any]:
+        """A pod of the ServiceAccount bound to ``node``, whose token then carries the node as a
+        DaemonSet pod's does (``authentication.kubernetes.io/node-name`` in the user's extra),
+        for a component the tests run as a process. It never runs: with no kubelet nothing would,
+        and a real kubelet refuses it at admission (its nodeSelector matches no node). The Node
+        is registered if missing: the pod GC deletes pods of unknown nodes after 40 s, and with
+        the pod every token bound to it."""
+        status, _ = self.raw(f"/api/v1/nodes/{node}")
+        if status == 404:
+            self.register_node(node)
+        name = f"{service_account}-on-{node}"
+        path = f"/api/v1/namespaces/{namespace}/pods"
+        status, text = self.raw(f"{path}/{name}")
+        if status == 200:
+            return dict(json.loads(text))
+        body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace,
+                                                                "labels": {STAND_IN_LABEL: "true"}},
+                "spec": {"nodeName": node, "serviceAccountName": service_account,
+                         "automountServiceAccountToken": False, "nodeSelector": {STAND_IN_LABEL: "never"},
+                         "containers": [{"name": "stand-in", "image": "localhost/modelcache-stand-in:never"}]}}
+        status, text = self.raw(path, "POST", body)
+        if status == 409:
+            status, text = self.raw(f"{path}/{name}")
+        if status not in (200, 201):
+            raise RuntimeError(f"creating the stand-in pod {namespace}/{name} answered {status}: {text}")
+        return dict(json.loads(text))
 
     def register_node(self, name: str, labels: dict[str, str] | None = None, ready: bool = True,
                       taints: list[dict[str, str]] | None = None) -> dict[str, Any]:
@@ -411,7 +472,10 @@ class ControlPlane:
             "kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
             **(labels or {})}}}
         status, text = self.raw("/api/v1/nodes", "POST", body)
-        if status != 201:
+        if status == 409:  # registered already (a stand-in pod's node): these labels, as if new
+            status, text = self.raw(f"/api/v1/nodes/{name}", "PATCH",
+                                    {"metadata": {"labels": body["metadata"]["labels"]}})
+        if status not in (200, 201):
             raise RuntimeError(f"creating Node {name} answered {status}: {text}")
         status, text = self.raw(f"/api/v1/nodes/{name}", "PATCH", {"spec": {"taints": taints or None}})
         if status != 200:

@@ -4,10 +4,10 @@ the real-node fixtures start.
 1. Claim a machine-wide slot (tests/cluster/slot.py), sweeping what a killed run left in it.
 2. The run's network namespace, linked to the host (tests/cluster/podnet.py).
 3. The control plane, also listening on the link, with the node lifecycle controller on.
-4. kube-proxy (one for the namespace: every node of the run shares it), so that pods reach the
-   API server through the `kubernetes` Service as in any cluster.
-5. K real nodes (tests/cluster/node.py): containerd with the images loaded, then the kubelet;
+4. K real nodes (tests/cluster/node.py): containerd with the images loaded, then the kubelet;
    `start()` returns when every one is Ready and its not-ready taint lifted.
+5. kube-proxy (one for the namespace: every node of the run shares it), so that pods reach the
+   API server through the `kubernetes` Service as in any cluster.
 6. N - K API-only Nodes, whose Leases are renewed here as a kubelet renews its own (the node
    lifecycle controller would otherwise mark them unreachable).
 
@@ -17,6 +17,7 @@ the real-node fixtures start.
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -89,9 +90,12 @@ class RealNodes:
         cgroups.make(daemons_cgroup(names))
         self.timings["host"] = time.monotonic() - mark
         mark = time.monotonic()
-        self.cp = ControlPlane(self.workdir, bin_dir=BIN, node_address=names.host_ip).start()
+        # In the run's cgroup tree too: a killed run's sweep ends them (a kube-apiserver whose etcd went
+        # with its parent was seen to hang in its graceful shutdown for good).
+        tree = daemons_cgroup(names)
+        self.cp = ControlPlane(self.workdir, bin_dir=BIN, node_address=names.host_ip,
+                               proc_setup=lambda: cgroups.join(tree)).start()
         self.timings["control plane"] = time.monotonic() - mark
-        self._start_kube_proxy()
         mark = time.monotonic()
         self.nodes = [RealNode(f"node-{i}", i, names, self.workdir / f"node-{i}", self.cp, self.pause.ref)
                       for i in range(1, self.kubelets + 1)]
@@ -108,6 +112,9 @@ class RealNodes:
         for node in self.nodes:
             node.wait_ready()
         self.timings["kubelets ready"] = time.monotonic() - mark
+        # After the Nodes exist: kube-proxy exits when its Node's addresses change ("NodeIPs changed",
+        # for its DaemonSet to restart it), which a Node registering after its start is.
+        self._start_kube_proxy()
         for i in range(self.kubelets + 1, self.count + 1):
             self.register_api_node(f"node-{i}", self.labels)
         self._heartbeat = threading.Thread(target=self._renew_leases, daemon=True)
@@ -138,6 +145,14 @@ class RealNodes:
         }))
         self.kube_proxy = Proc("kube-proxy", [str(BIN / "kube-proxy"), "--config", str(config), "--v", "1"],
                                self.workdir / "kube-proxy.log", setup=in_node(names)).start()
+        # Ready once the `kubernetes` Service answers from inside the namespace (its rules are in).
+        deadline = time.monotonic() + 120
+        probe = ["nsenter", f"--net={names.netns}", "curl", "-sk", "--max-time", "3", "https://10.96.0.1/readyz"]
+        while subprocess.run(probe, capture_output=True, text=True).stdout != "ok":
+            if not self.kube_proxy.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"kube-proxy did not route the kubernetes Service; its log ends:\n"
+                                   f"{self.kube_proxy.log_tail()}")
+            time.sleep(0.5)
 
     # ---- API-only Nodes --------------------------------------------------------------------
 

@@ -1,0 +1,477 @@
+"""Where each piece of a model comes from: the swarm's decisions, apart from sockets and threads.
+
+``SwarmSession`` (swarm.py) polls the peers and reads pieces; this module decides, from what the
+peers said, whom to ask for a piece, who reads it from the origin, how long to wait, and which
+peer no longer deserves a request. It does no I/O and reads the time only through ``clock``,
+so the same code can be driven by a simulated clock (a swarm simulator) or tested alone.
+
+The rules (docs/peers.md, "How a download uses peers" and "Trust nothing from a peer"):
+
+1. **A peer that holds the piece**, in our zone first, then the one with the fewest of our
+   requests in flight. A holder that answers "busy" (503) is skipped until its ``Retry-After``;
+   one still busy when the piece's budget runs out is left alone for ``STARVING_PAUSE``. A read
+   that misses its deadline (a slow or trickling peer) costs that peer a strike and a pause; two
+   strikes and it is not asked again during this download.
+2. **Else the origin, if we own the piece**: owners are spread by rendezvous hashing of (node,
+   piece) over the members still downloading; a member reading the piece right now owns it.
+3. **Else wait for the owner**, but never longer than the piece's budget: ``wait`` seconds and
+   at most half the stall timeout, so that the engine's stall watchdog never fires on a piece
+   that waits for peers. A piece past its budget is read from the origin whoever holds or owns
+   it (even beyond the group's share of origin streams), and an owner we waited for in vain no
+   longer counts as a member nor as the reader of the pieces it claims, for this download.
+4. **While the swarm forms** (``formation`` seconds) a member still listing counts as an owner
+   and a peer not yet heard may hold anything: nobody starts the origin on pieces they would own.
+
+Whose word a piece's bytes are checked against (``expected``): a peer's *vouch* for a piece is
+the sha-256 it lists for it, and whether it read the piece from the origin itself (a *witness*).
+Every vouch is heard from that node directly, over TLS pinned to the certificate its own
+LocalModelNode status names (which only that node may write): nobody speaks for another node.
+
+- Witnesses that disagree: no peer serves the piece; the origin decides (``settle``).
+- A file whose source checksum is unforgeable (``checked``): the piece must match the witness,
+  or, with none yet, the holder's own vouch; the file checksum has the last word, and a file
+  that fails it is read again from the origin and each piece compared (``settle``).
+- Any other file: ``witnesses`` nodes must have read the piece from the origin and agree, and
+  the holder's vouch must be theirs. The pieces are owned by that many members each, so a group
+  reads such files ``witnesses`` times from the origin, and one lying node cannot make another
+  accept a byte it alone vouches for.
+- Every piece we read from the origin ourselves is compared with every vouch heard for it
+  (``settle``): a peer whose vouch, or whose bytes we took, differ is excluded for good; so is a
+  peer whose bytes do not match its own vouch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+#: Read-from-a-peer strikes (deadline missed) after which a peer is not asked again this download.
+SLOW_STRIKES = 2
+#: Seconds a peer is left alone after a slow read, a refused credential, a piece that went past
+#: its budget while the peer answered "busy", and after a failed read.
+SLOW_PAUSE, REFUSED_PAUSE, STARVING_PAUSE, FAILED_PAUSE = 30.0, 30.0, 30.0, 1.0
+
+
+@dataclass(frozen=True)
+class SwarmSettings:
+    node: str
+    zone: str = ""
+    #: Longest wait for a piece that another member should read from the origin.
+    wait: float = 20.0
+    #: Seconds after the start during which members still listing count as owners.
+    formation: float = 3.0
+    #: Long-poll length, and the shortest time between two polls of one peer.
+    poll_wait: float = 5.0
+    poll_gap: float = 0.2
+    #: Peers polled per model at most (same zone first).
+    max_peers: int = 16
+    #: How often the directory is asked who the peers are.
+    refresh: float = 0.5
+    #: The engine's stall timeout: a piece waits for peers at most half of it (``budget``).
+    stall_timeout: float = 30.0
+    #: A peer read is given ``max(piece_min_time, bytes / min_peer_rate)`` seconds: a 4 MiB
+    #: piece 5 s, so a peer slower than ~800 KiB/s per stream gives way (the origin or another
+    #: holder is then faster), while a loaded node (TLS on a busy CPU) is not cut.
+    min_peer_rate: float = float(1 << 20)
+    piece_min_time: float = 5.0
+    #: Nodes that must have read a piece from the origin, and agree on its sha-256, before its
+    #: bytes are taken from a peer, for a file whose source gives no checksum that settles it (an
+    #: unforgeable one). 1 trusts any one node's word; 2 (the default) holds against one lying node
+    #: at the cost of reading such files twice from the origin in a group.
+    witnesses: int = 2
+
+    @property
+    def budget(self) -> float:
+        """How long a piece may wait for peers before it is read from the origin."""
+        return max(0.0, min(self.wait, self.stall_timeout / 2))
+
+    def read_deadline(self, now: float, started: float, size: int) -> float:
+        """When a read of ``size`` bytes from a peer, begun ``now`` for a piece first asked for
+        at ``started``, is given up: slow peers give way, and never past 0.8 of the stall
+        timeout after the piece was first asked for (the origin then still has the rest)."""
+        return min(now + max(self.piece_min_time, size / max(1.0, self.min_peer_rate)),
+                   started + self.stall_timeout * 0.8)
+
+
+@dataclass
+class Health:
+    """How one peer behaved during this download (nothing here outlives it)."""
+
+    down_until: float = 0.0  # failed, slow, refused our credential, or busy for too long
+    busy_until: float = 0.0  # its Retry-After
+    busy_streak: int = 0
+    fail_streak: int = 0  # failed reads in a row (each pauses it twice as long as the last)
+    slow_strikes: int = 0
+    #: We waited for it to read a piece from the origin, in vain: its claims and its ownership
+    #: no longer count (a member claiming every piece would otherwise cost a wait per piece).
+    missed: bool = False
+    last_piece: float = float("-inf")
+
+    def usable(self, now: float) -> bool:
+        return self.dependable(now) and now >= self.busy_until
+
+    def dependable(self, now: float) -> bool:
+        """Worth waiting for: not down, and not too slow (a busy peer frees a slot soon)."""
+        return now >= self.down_until and self.slow_strikes < SLOW_STRIKES
+
+
+@dataclass(frozen=True)
+class Vouch:
+    """A peer's word about a piece: its sha-256, and whether the peer read it from the origin."""
+
+    hash: str
+    origin: bool
+
+
+@dataclass
+class PeerState:
+    """What one peer told us about the model, and how it behaved."""
+
+    name: str
+    zone: str = ""
+    #: Its directory entry says it holds the whole model (Downloaded).
+    listed_complete: bool = False
+    have: dict[tuple[int, int], Vouch] = field(default_factory=dict)
+    fetching: set[tuple[int, int]] = field(default_factory=set)
+    alive: bool = False  # its last poll succeeded
+    answered: bool = False  # it answered a poll, even "not held" (a 404: it is still listing)
+    reachable: bool = True  # its last poll did not fail to connect, time out or break
+    complete: bool = False  # it said it holds every piece
+    excluded: bool = False  # it lied or served wrong bytes: never asked again
+    incompatible: bool = False  # another piece size
+    inflight: int = 0
+    health: Health = field(default_factory=Health)
+
+    def usable(self, now: float) -> bool:
+        return self.alive and not self.excluded and not self.incompatible and self.health.usable(now)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What to do next for a piece: read it from the origin, ask ``holders`` (in order), or wait."""
+
+    origin: bool = False
+    #: Past its budget: read from the origin even beyond the group's share of origin streams.
+    late: bool = False
+    holders: tuple[str, ...] = ()
+    #: The owner we waited for in vain (late, nobody held it): it is marked ``missed``.
+    missed: str | None = None
+
+
+def rank(node: str, key: str, ci: int, piece: int) -> int:
+    """Rendezvous weight of ``node`` for a piece: the member with the highest reads it."""
+    return int.from_bytes(hashlib.blake2b(f"{node}\0{key}\0{ci}\0{piece}".encode(), digest_size=8).digest(), "big")
+
+
+class Plan:
+    """One model's swarm as data: the peers, who holds what, and the decisions. Not thread-safe:
+    the session calls it under its lock. Files are numbered in path order (``ci``) throughout."""
+
+    def __init__(self, settings: SwarmSettings, key: str, workers: int = 8,
+                 clock: Callable[[], float] = time.monotonic, seed: str | None = None,
+                 checked: frozenset[int] = frozenset(), files: int = 0) -> None:
+        self.settings, self.key = settings, key
+        self.files = files
+        #: Files (ci) whose source checksum no one can forge: the file check settles them.
+        self.checked = checked
+        #: Pieces whose bytes we took from a peer: (ci, piece) -> (peer, sha-256).
+        self.taken: dict[tuple[int, int], tuple[str, str]] = {}
+        #: Pieces taken from peers: (ci, piece) -> the nodes whose word they were taken on.
+        self.relied: dict[tuple[int, int], frozenset[str]] = {}
+        #: Pieces we read from the origin ourselves: (ci, piece) -> sha-256 (the truth).
+        self.read_from_origin: dict[tuple[int, int], str] = {}
+        self.me = settings.node
+        self.workers = max(1, workers)
+        self.clock = clock
+        self.rng = random.Random(seed if seed is not None else self.me)
+        self.formed_at = clock() + settings.formation
+        self.peers: dict[str, PeerState] = {}
+        self.holders: dict[tuple[int, int], set[str]] = {}
+        self.origin_reads = 0
+        #: Files (ci) read from the origin only (fetched again after a checksum mismatch).
+        self.force_origin: set[int] = set()
+
+    # ---- what the peers say -------------------------------------------------------------------
+
+    def add(self, state: PeerState) -> None:
+        self.peers[state.name] = state
+
+    def remove(self, name: str) -> None:
+        state = self.peers.pop(name, None)
+        if state is not None:
+            self.forget(state)
+
+    def reset(self, ci: int) -> None:
+        """File ``ci`` is fetched again from the origin: what we took of it no longer counts."""
+        self.force_origin.add(ci)
+        for piece in [k for k in self.relied if k[0] == ci]:
+            del self.relied[piece]
+
+    def forget(self, state: PeerState) -> None:
+        """Everything ``state`` said it holds or fetches is void (a new epoch, an exclusion)."""
+        for piece in state.have:
+            names = self.holders.get(piece)
+            if names is not None:
+                names.discard(state.name)
+        state.have, state.fetching = {}, set()
+
+    def heard(self, state: PeerState, full: bool, pieces: list[tuple[int, int, str, bool]],
+              fetching: list[tuple[int, int]], complete: bool) -> str | None:
+        """A poll's answer: everything (``full``) or what was added since the last one. Returns
+        why the peer must be excluded, if it vouches otherwise for a piece we read from the
+        origin ourselves."""
+        if full:
+            self.forget(state)
+        wrong = None
+        for ci, piece, hexdigest, origin in pieces:
+            ours = self.read_from_origin.get((ci, piece))
+            if ours is not None and ours != hexdigest and wrong is None:
+                wrong = f"piece {piece} of file {ci} has sha-256 {ours} at the origin, {state.name} said {hexdigest}"
+            state.have[(ci, piece)] = Vouch(hexdigest, origin)
+            self.holders.setdefault((ci, piece), set()).add(state.name)
+        state.fetching = set(fetching)
+        state.complete = complete
+        state.alive = state.answered = state.reachable = True
+        return wrong
+
+    def lost(self, state: PeerState, reachable: bool) -> None:
+        """A poll failed: it stops counting as a member (its pieces get other owners)."""
+        state.alive = False
+        state.fetching = set()
+        state.answered = state.answered or reachable
+        state.reachable = reachable
+
+    def exclude(self, name: str) -> None:
+        state = self.peers.get(name)
+        if state is not None and not state.excluded:
+            state.excluded = True
+            self.forget(state)
+
+    # ---- how they behave -------------------------------------------------------------------------
+
+    def delivered(self, name: str) -> None:
+        state = self.peers.get(name)
+        if state is not None:
+            state.health.busy_streak = state.health.fail_streak = 0
+            state.health.last_piece = self.clock()
+
+    def busy(self, name: str, retry_after: float) -> None:
+        state = self.peers.get(name)
+        if state is not None:
+            state.health.busy_streak += 1
+            state.health.busy_until = max(state.health.busy_until, self.clock() + retry_after)
+
+    def slow(self, name: str) -> None:
+        state = self.peers.get(name)
+        if state is not None:
+            state.health.slow_strikes += 1
+            state.health.down_until = max(state.health.down_until, self.clock() + SLOW_PAUSE)
+
+    def failed(self, name: str, pause: float = FAILED_PAUSE) -> None:
+        """A read failed (a reset, a malformed reply): paused 1, 2, 4 ... up to 30 s in a row."""
+        state = self.peers.get(name)
+        if state is not None:
+            h = state.health
+            state.alive = False
+            pause = min(SLOW_PAUSE, max(pause, FAILED_PAUSE * 2 ** h.fail_streak))
+            h.fail_streak += 1
+            h.down_until = max(h.down_until, self.clock() + pause)
+
+    def gone(self, name: str, ci: int, piece: int) -> None:
+        """It does not hold the piece (any more)."""
+        state = self.peers.get(name)
+        if state is not None:
+            state.have.pop((ci, piece), None)
+        self.holders.get((ci, piece), set()).discard(name)
+
+    # ---- membership and ownership -------------------------------------------------------------------
+
+    def members(self) -> list[str]:
+        """Nodes still downloading the model, among which pieces are owned."""
+        forming = self.clock() < self.formed_at
+        out = [self.me]
+        for p in self.peers.values():
+            if p.excluded or p.incompatible or p.listed_complete or p.complete or p.health.missed:
+                continue
+            if p.alive or (forming and p.reachable):
+                out.append(p.name)
+        return out
+
+    def unheard(self, zone: str | None = None) -> bool:
+        """While the swarm forms, a peer not yet polled may hold anything: no origin read is
+        decided before it answered (or could not be reached); with ``zone``, only that zone's."""
+        return self.clock() < self.formed_at and any(
+            not p.answered and p.reachable and not p.excluded and (zone is None or p.zone == zone)
+            for p in self.peers.values())
+
+    def owners(self, ci: int, piece: int) -> list[str]:
+        """Who reads the piece from the origin: one node for a checked file, ``witnesses`` for any
+        other, less those that read it already; members reading it now first, then those ranked
+        highest for it. Witnesses that disagree: every member reads it (the origin decides)."""
+        witnessed = self.witnessed(ci, piece)
+        if len(witnessed) > 1:
+            return self.members()
+        # Witnesses we can read it from (a busy one soon): a slow or failed one is not waited for.
+        now = self.clock()
+        done = {n for n in next(iter(witnessed.values()), set()) if self.peers[n].alive
+                and self.peers[n].health.dependable(now)}
+        need = (1 if ci in self.checked else max(1, self.settings.witnesses)) - len(done)
+        if need <= 0:
+            return []
+        out = [p.name for p in self.peers.values() if p.name not in done and p.alive and not p.excluded
+               and not p.health.missed and (ci, piece) in p.fetching][:need]
+        if len(out) < need:
+            ranked = sorted((n for n in self.members() if n not in out and n not in done),
+                            key=lambda n: rank(n, self.key, ci, piece), reverse=True)
+            out += ranked[: need - len(out)]
+        return out
+
+    def usable_holders(self, ci: int, piece: int) -> list[PeerState]:
+        """Peers to ask for the piece, best first: our zone, then the fewest of our requests."""
+        now = self.clock()
+        if ci not in self.checked and self.unheard():
+            return []  # whose word counts is decided once every peer had its say (or the swarm formed)
+        found = [self.peers[n] for n in self.holders.get((ci, piece), ()) if n in self.peers]
+        found = [p for p in found if p.usable(now) and self.expected(p.name, ci, piece) is not None]
+        zone = self.settings.zone
+        found.sort(key=lambda p: (not zone or p.zone != zone, p.inflight, self.rng.random()))
+        return found
+
+    def owns(self, ci: int, piece: int) -> bool:
+        """Read this piece from the origin now? (No holder, and ours to read.)"""
+        if ci in self.force_origin:
+            return True
+        if self.usable_holders(ci, piece):
+            return False
+        return not self.unheard() and self.me in self.owners(ci, piece)
+
+    # ---- origin reads ---------------------------------------------------------------------------
+
+    def origin_limit(self) -> int:
+        """A group reads the origin with about as many streams as one node would (``workers /
+        members`` each, times the witnesses each piece needs when a file has no checksum that
+        settles it): with every member's window read at once, all of it would crawl in together
+        and none be passed on before the end."""
+        reads = 1 if len(self.checked) == self.files else max(1, self.settings.witnesses)
+        return max(1, -(-self.workers * reads // len(self.members())))
+
+    def take_origin(self, force: bool = False) -> bool:
+        if not force and self.origin_reads >= self.origin_limit():
+            return False
+        self.origin_reads += 1
+        return True
+
+    def release_origin(self) -> None:
+        self.origin_reads -= 1
+
+    # ---- the decisions -------------------------------------------------------------------------------
+
+    def pick(self, ci: int, pieces: list[int], fetching: set[int]) -> int:
+        """The engine's next piece of a file, among ``pieces`` (its next pending ones, in order;
+        ``fetching``: those we read from the origin already): one of ours to read from the
+        origin while an origin read is free (the origin is the bottleneck: it must never wait
+        until the engine's order reaches our pieces), else one a peer holds, else the first
+        (which may wait for its owner)."""
+        if ci in self.force_origin or self.unheard():
+            return 0
+        origin_free = self.origin_reads < self.origin_limit()
+        held = None
+        for i, piece in enumerate(pieces):
+            if self.usable_holders(ci, piece):
+                if held is None:
+                    held = i
+            elif origin_free and piece not in fetching and self.me in self.owners(ci, piece):
+                return i
+        return held if held is not None else 0
+
+    def step(self, ci: int, piece: int, started: float) -> Step:
+        """The next step for a piece first asked for at ``started`` (see the module's rules)."""
+        forced = ci in self.force_origin
+        holders = [] if forced else self.usable_holders(ci, piece)
+        zone = self.settings.zone
+        if zone and holders and all(h.zone != zone for h in holders) and self.unheard(zone):
+            holders = []  # a peer of our zone may hold it too: hear it first
+        owners = self.owners(ci, piece) if not forced else [self.me]
+        mine = forced or (not holders and not self.unheard() and self.me in owners)
+        if mine:
+            return Step(origin=True)
+        now = self.clock()
+        if now >= started + self.settings.budget:
+            # Holders busy all along (a seed whose slots others hold, or one that says "busy" to
+            # everyone for ever) are left alone for a while: the next pieces do not wait for them.
+            for name in self.holders.get((ci, piece), ()):
+                h = self.peers[name].health if name in self.peers else None
+                if h is not None and h.busy_streak:
+                    h.busy_streak, h.down_until = 0, max(h.down_until, now + STARVING_PAUSE)
+            vouched = {n for names in self.witnessed(ci, piece).values() for n in names}
+            waited = [n for n in owners if n != self.me and n not in vouched]
+            return Step(origin=True, late=True, missed=waited[0] if not holders and waited else None)
+        return Step(holders=tuple(h.name for h in holders))
+
+    def missed(self, name: str) -> None:
+        state = self.peers.get(name)
+        if state is not None:
+            state.health.missed = True
+
+    def expected(self, holder: str, ci: int, piece: int) -> str | None:
+        """The sha-256 the piece must have when ``holder`` serves it; None: do not ask it (see
+        the module's rules)."""
+        state = self.peers.get(holder)
+        vouch = state.have.get((ci, piece)) if state is not None else None
+        if vouch is None:
+            return None
+        witnessed = self.witnessed(ci, piece)
+        if len(witnessed) > 1:
+            return None  # witnesses disagree: the origin decides
+        if witnessed:
+            (value, names), = witnessed.items()
+            if vouch.hash != value:
+                return None
+            if ci in self.checked or len(names) >= max(1, self.settings.witnesses):
+                return value
+            return None
+        return vouch.hash if ci in self.checked else None
+
+    def witnessed(self, ci: int, piece: int) -> dict[str, set[str]]:
+        """The piece's sha-256 as the peers that read it from the origin say: hash -> who."""
+        out: dict[str, set[str]] = {}
+        for name in self.holders.get((ci, piece), ()):
+            state = self.peers.get(name)
+            vouch = state.have.get((ci, piece)) if state is not None and not state.excluded else None
+            if vouch is not None and vouch.origin:
+                out.setdefault(vouch.hash, set()).add(name)
+        return out
+
+    def took(self, name: str, ci: int, piece: int, value: str) -> None:
+        """We took the piece's bytes from ``name``: on its word and that of the witnesses."""
+        self.taken[(ci, piece)] = (name, value)
+        self.relied[(ci, piece)] = frozenset({name, *self.witnessed(ci, piece).get(value, ())})
+
+    def distrusted(self, ci: int, excluded: Callable[[str], bool]) -> str | None:
+        """Why file ``ci``'s bytes must be fetched again: a piece of it was taken on the word of
+        a node excluded since (None: none was)."""
+        for (f, piece), names in self.relied.items():
+            if f == ci:
+                liars = sorted(n for n in names if excluded(n) or (n in self.peers and self.peers[n].excluded))
+                if liars:
+                    return f"piece {piece} came on the word of {', '.join(liars)}, found lying since"
+        return None
+
+    def settle(self, ci: int, piece: int, value: str) -> dict[str, str]:
+        """We read the piece from the origin: its sha-256 is ``value``. Returns the peers whose
+        word or bytes said otherwise (peer -> what it said), to be excluded."""
+        self.read_from_origin[(ci, piece)] = value
+        wrong: dict[str, str] = {}
+        for name in self.holders.get((ci, piece), ()):
+            state = self.peers.get(name)
+            vouch = state.have.get((ci, piece)) if state is not None else None
+            if vouch is not None and vouch.hash != value:
+                wrong[name] = vouch.hash
+        self.relied.pop((ci, piece), None)
+        took = self.taken.pop((ci, piece), None)
+        if took is not None and took[1] != value:
+            wrong[took[0]] = took[1]
+        return wrong

@@ -1,0 +1,130 @@
+"""The swarm's decisions (modelcache/peers/plan.py) on a clock of the test's own, without a socket
+or a thread: what a swarm simulator drives. Whose word counts, who reads the origin, how long a
+piece waits, and what a misbehaving peer costs."""
+
+from __future__ import annotations
+
+from modelcache.peers.plan import STARVING_PAUSE, PeerState, Plan, SwarmSettings
+
+H1, H2 = "a" * 64, "b" * 64
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def plan(clock: Clock, *peers: str, checked: bool = False, **settings: float) -> Plan:
+    p = Plan(SwarmSettings(node="me", formation=0.0, **settings), "key", workers=4, clock=clock,  # type: ignore[arg-type]
+             checked=frozenset({0}) if checked else frozenset(), files=1)
+    for name in peers:
+        state = PeerState(name)
+        p.add(state)
+        p.heard(state, True, [], [], complete=False)
+    return p
+
+
+def vouch(p: Plan, name: str, value: str, origin: bool = True, complete: bool = True) -> None:
+    p.heard(p.peers[name], False, [(0, 0, value, origin)], [], complete=complete)
+
+
+def test_a_file_without_checksum_takes_a_piece_only_on_two_agreeing_witnesses():
+    clock = Clock()
+    p = plan(clock, "x", "y", "z")
+    vouch(p, "x", H1)
+    assert p.expected("x", 0, 0) is None and p.usable_holders(0, 0) == []  # one node's word
+    vouch(p, "y", H1, origin=False)
+    assert p.expected("y", 0, 0) is None  # a relay is no witness
+    vouch(p, "z", H1)
+    assert p.expected("y", 0, 0) == H1 and {h.name for h in p.usable_holders(0, 0)} == {"x", "y", "z"}
+    vouch(p, "y", H2)  # now a witness that disagrees: nobody's word counts, the origin decides
+    assert p.usable_holders(0, 0) == [] and "me" in p.owners(0, 0)
+    assert p.settle(0, 0, H1) == {"y": H2}
+
+
+def test_a_checked_file_takes_the_holders_word_the_file_check_having_the_last():
+    clock = Clock()
+    p = plan(clock, "x", checked=True)
+    vouch(p, "x", H1, origin=False)
+    assert p.expected("x", 0, 0) == H1
+    p.took("x", 0, 0, H1)
+    assert p.distrusted(0, lambda n: False) is None
+    p.exclude("x")
+    assert p.distrusted(0, lambda n: False) == "piece 0 came on the word of x, found lying since"
+
+
+def test_unchecked_pieces_are_owned_by_two_members_and_a_witness_counts_as_one():
+    clock = Clock()
+    p = plan(clock, "x", "y", "z")
+    owners = p.owners(0, 0)
+    assert len(owners) == 2 and len(set(owners)) == 2
+    first = owners[0]
+    vouch(p, first, H1, complete=False)
+    assert len(p.owners(0, 0)) == 1 and first not in p.owners(0, 0)
+    assert plan(clock, "x", checked=True).owners(0, 0) in (["me"], ["x"])
+
+
+def test_a_piece_waits_for_its_owner_at_most_half_the_stall_timeout_and_the_owner_then_owns_nothing():
+    clock = Clock()
+    p = plan(clock, "x", witnesses=1, wait=20.0, stall_timeout=8.0)
+    p.peers["x"].fetching = {(0, p_) for p_ in range(100)}  # claims every piece, delivers none
+    started = clock()
+    assert p.step(0, 0, started).holders == () and not p.step(0, 0, started).origin
+    clock.now += 3.9
+    assert not p.step(0, 0, started).origin
+    clock.now += 0.1  # 4 s: half the stall timeout (not the 20 s of --peer-wait)
+    step = p.step(0, 0, started)
+    assert step.origin and step.late and step.missed == "x"
+    p.missed("x")
+    assert p.owners(0, 1) == ["me"] and p.members() == ["me"]
+
+
+def test_a_busy_holder_is_asked_again_after_retry_after_and_left_alone_once_a_budget_ran_out():
+    clock = Clock()
+    p = plan(clock, "x", checked=True, stall_timeout=10.0)
+    vouch(p, "x", H1)
+    started = clock()
+    p.busy("x", 1.0)
+    assert p.usable_holders(0, 0) == [] and not p.step(0, 0, started).origin  # its witness still counts
+    clock.now += 1.0
+    assert [h.name for h in p.usable_holders(0, 0)] == ["x"]
+    p.busy("x", 1.0)
+    clock.now += 5.0
+    assert p.step(0, 0, started).late
+    assert p.peers["x"].health.down_until == clock() + STARVING_PAUSE
+    assert p.owners(0, 1) == ["me"]  # down: its word is not waited for
+
+
+def test_a_slow_peer_has_two_strikes_and_failures_pause_it_longer_each_time():
+    clock = Clock()
+    p = plan(clock, "x", checked=True)
+    vouch(p, "x", H1)
+    p.slow("x")
+    clock.now += 31
+    assert [h.name for h in p.usable_holders(0, 0)] == ["x"]
+    p.slow("x")
+    clock.now += 1000
+    assert p.usable_holders(0, 0) == []
+    q = plan(clock, "y", checked=True)
+    vouch(q, "y", H1)
+    pauses = []
+    for _ in range(4):
+        q.failed("y")
+        pauses.append(q.peers["y"].health.down_until - clock())
+        q.heard(q.peers["y"], False, [], [], complete=True)
+    assert pauses == [1.0, 2.0, 4.0, 8.0]
+    clock.now += 10
+    q.delivered("y")
+    q.failed("y")
+    assert q.peers["y"].health.down_until - clock() == 1.0
+
+
+def test_a_vouch_heard_after_we_read_the_piece_ourselves_is_checked_too():
+    clock = Clock()
+    p = plan(clock, "x")
+    assert p.settle(0, 0, H1) == {}
+    why = p.heard(p.peers["x"], False, [(0, 0, H2, True)], [], complete=True)
+    assert why is not None and f"sha-256 {H1} at the origin, x said {H2}" in why
