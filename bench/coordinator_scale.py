@@ -8,7 +8,8 @@ by one watcher that marks every entry ModelDownloaded (one status patch per chan
 LocalModelNode). Two phases, one control plane, one after the other:
 
 1. **Baseline**: a plain client (no informers of its own state, no coordinator logic) at the
-   coordinator's concurrency (``--workers`` threads) writes exactly what the state needs: each
+   coordinator's concurrency (``--workers`` threads in all, one queue, as the coordinator's node
+   controller) writes exactly what the state needs: each
    node's LocalModelNode with all its entries (one POST), then, once the simulated agent reports
    the models, the node's ``downloaded.modelcache.io/*`` labels (one PATCH). Timed from the first
    write to the last label. Then everything it wrote is removed (untimed).
@@ -218,9 +219,10 @@ class Counter:
 
 def baseline(kubeconfig: str, agents: Agents, nodes: int, groups: int, caches: int, workers: int,
              timeout: float) -> dict[str, Any]:
-    """The fewest writes the converged state needs, by a plain client at ``workers`` concurrency:
-    each node's LocalModelNode with all its entries, then its downloaded-model labels once the
-    (simulated) agent reports the models."""
+    """The fewest writes the converged state needs, by a plain client at ``workers`` concurrency
+    (``workers`` threads in all, as the coordinator's node controller): each node's
+    LocalModelNode with all its entries, then its downloaded-model labels once the (simulated)
+    agent reports the models."""
     api = load_api_client(kubeconfig)
     counter = Counter()
     count_requests(api, counter)
@@ -228,13 +230,15 @@ def baseline(kubeconfig: str, agents: Agents, nodes: int, groups: int, caches: i
     group_entries = {g: [desired_entry({"metadata": {"name": cache_name(c)}, "spec": {"sourceModelUri": cache_uri(c)}},
                                        f"g{g}") for c in range(g, caches, groups)] for g in range(groups)}
     labels = {g: {model_label(e["sourceModelUri"]): LABEL_VALUE for e in group_entries[g]} for g in range(groups)}
-    ready: queue.Queue[str | None] = queue.Queue()
+    # One queue and ``workers`` threads, as the coordinator's node controller (whose workers write
+    # both): every node's LocalModelNode first, then each node's labels as its agent reports.
+    work: queue.Queue[tuple[str, str] | None] = queue.Queue()
     labelled: set[str] = set()
     lock = threading.Lock()
 
     def reported(_e: str, obj: dict[str, Any], _old: dict[str, Any] | None) -> None:
         if obj.get("spec") and ((obj.get("status") or {}).get("modelStatus") or {}) == wanted_states(obj):
-            ready.put(obj["metadata"]["name"])
+            work.put(("label", obj["metadata"]["name"]))
 
     # What the agents report is read from the agents' own watch (a read, not a write: nothing is
     # counted against the baseline's client for it). Removed again by ``undo_baseline``.
@@ -242,39 +246,39 @@ def baseline(kubeconfig: str, agents: Agents, nodes: int, groups: int, caches: i
     done = threading.Event()
     last = [0.0]
 
-    def label_worker() -> None:
+    def worker() -> None:
         while True:
-            name = ready.get()
-            if name is None:
+            item = work.get()
+            if item is None:
                 return
+            what, name = item
+            group = int(name.split("-")[1]) % groups
+            if what == "create":
+                retried(f"LocalModelNode {name}", lambda n=name, g=group: kube.create(LOCAL_MODEL_NODES, {
+                    "metadata": {"name": n}, "spec": {"localModels": group_entries[g]}}))
+                continue
             with lock:
                 if name in labelled:
                     continue
                 labelled.add(name)
-            group = int(name.split("-")[1]) % groups
             retried(f"label {name}", lambda n=name, g=group: kube.patch(NODES, n, {"metadata": {"labels": labels[g]}}))
             with lock:
                 last[0] = time.monotonic()
                 if len(labelled) == nodes:
                     done.set()
 
-    labellers = [threading.Thread(target=label_worker, daemon=True) for _ in range(workers)]
-    for t in labellers:
-        t.start()
     load = os.getloadavg()[0]
     start = time.monotonic()
-
-    def create(n: int) -> None:
-        retried(f"LocalModelNode {node_name(n)}", lambda: kube.create(LOCAL_MODEL_NODES, {
-            "metadata": {"name": node_name(n)}, "spec": {"localModels": group_entries[n % groups]}}))
-
-    with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(create, range(nodes)))
+    for n in range(nodes):
+        work.put(("create", node_name(n)))
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(workers)]
+    for t in threads:
+        t.start()
     if not done.wait(timeout):
         raise SystemExit(f"baseline: {len(labelled)} of {nodes} nodes labelled in {timeout:.0f} s")
     seconds = last[0] - start
-    for _ in labellers:
-        ready.put(None)
+    for _ in threads:
+        work.put(None)
     return {"seconds": round(seconds, 1), "requests": dict(sorted(counter.by_verb.items())),
             "load_average": [round(load, 1), round(os.getloadavg()[0], 1)]}
 

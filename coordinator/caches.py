@@ -184,9 +184,12 @@ class CacheReconciler:
         """Write the status if it changed; returns the seconds to wait instead while the pacer
         (coordinator/pacing.py) holds it back: 500 members reporting one by one make one write
         per interval, not 500, and 200 caches reporting at once share one pace. Whether members
-        are still reporting is read from an index (no walk over the members) so that a paced
+        are still reporting is read from indexes (no walk over the members) so that a paced
         reconcile costs nothing."""
-        wait = self.pacer.wait(key, progress=self.view.lmns.store.count(PENDING, key) > 0)
+        store = self.view.lmns.store
+        # Members still to report: an entry not reported done or failed, or not written yet.
+        reporting = store.count(PENDING, key) > 0 or store.count(BY_CACHE, key) < len(members)
+        wait = self.pacer.wait(key, progress=reporting)
         if wait > 0:
             return wait
         meta = obj["metadata"]
