@@ -49,6 +49,13 @@ RUN /opt/build/bin/pip wheel -q --no-deps --no-build-isolation -w /tmp/dist . \
       "$sp/modelcache" "$sp/initializer" "$sp/agent" "$sp/coordinator"
 
 FROM ${BASE_IMAGE}
+# The release, as `modelcache --version` reports it (pyproject.toml's version; `make image` passes
+# it, tests/test_packaging.py keeps this default equal to it).
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="modelcache" \
+      org.opencontainers.image.description="Model weights onto serving nodes: fast, verified, crash-safe; a drop-in for KServe's storage initializer and local model cache" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1

@@ -14,13 +14,16 @@ KUSTOMIZATION ?= deploy/kustomization.yaml
 IMAGE_NAME := $(shell sed -n 's/^ *newName: *//p' $(KUSTOMIZATION))
 IMAGE_TAG := $(shell sed -n 's/^ *newTag: *//p' $(KUSTOMIZATION))
 IMAGE ?= $(IMAGE_NAME):$(IMAGE_TAG)
+# The release: pyproject.toml's version, also the image's org.opencontainers.image.version label.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 CONTAINER_TOOL ?= $(shell command -v podman >/dev/null && echo podman || echo docker)
 # Empty: the Dockerfile's default (the public python:3.11-slim).
 BASE_IMAGE ?=
 # Extra `build` flags, e.g. --network host (see README, "Image").
 IMAGE_BUILD_FLAGS ?=
 
-.PHONY: install check test test-servers test-deps demo lint bench fuzz chaos clean image image-size push lock print-image
+.PHONY: install check test test-servers test-deps demo lint bench fuzz chaos clean image image-size push lock print-image \
+	chart ops-check
 
 # The tests run on the versions the image ships: the lock is the venv's constraints (without its
 # hashes, which pip would otherwise demand of the test-only packages too).
@@ -92,6 +95,21 @@ lint: install
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/mypy
 
+# The Helm chart is rendered from deploy/ (charts/generate.py): run after every change to deploy/ or
+# monitoring/alerts.yaml and commit the result (tests/test_chart.py fails on a stale chart).
+chart: install
+	$(BIN)/python charts/generate.py
+
+# The offline operations checks: the chart (not stale, helm lint, helm template = kubectl kustomize
+# with default values and with each component), the alert rules (promtool check and test rules),
+# the dashboard's queries, and `promtool check metrics` on a scraped agent and coordinator (and a
+# real Prometheus firing an alert through them) on the local control plane. Needs Helm, promtool
+# and the control plane built (`make test-deps`, or tests/setup.d/35-prometheus.sh,
+# 50-cluster.sh and 56-helm.sh).
+OPS_TESTS := tests/test_chart.py tests/test_alerts.py tests/test_dashboard.py tests/test_prometheus.py
+ops-check: install
+	$(PYTEST) $(OPS_TESTS) $(PYTEST_ARGS)
+
 bench: test-deps
 	$(BIN)/python bench/pull_http.py
 
@@ -99,7 +117,8 @@ clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
 
 image: $(LOCK) $(BUILD_LOCK) $(SRC_LOCK)
-	$(CONTAINER_TOOL) build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) $(IMAGE_BUILD_FLAGS) -t $(IMAGE) .
+	$(CONTAINER_TOOL) build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) --build-arg VERSION=$(VERSION) \
+	  $(IMAGE_BUILD_FLAGS) -t $(IMAGE) .
 
 # Size over the base and the five biggest contributors (podman; README.md, "Image").
 image-size:

@@ -12,25 +12,30 @@ and its running task every time it is called (agent/state.py): nothing stored ca
 from __future__ import annotations
 
 import logging
+import os
 import re
+import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
-from agent.capacity import Capacity
+from agent.capacity import Capacity, storage_limit_refusal
 from agent.checks import Checker
 from agent.config import AgentConfig
 from agent.credentials import Credentials
 from agent.inuse import MountChecker
 from agent.logs import fields
 from agent.metrics import AgentMetrics
-from agent.state import INTERRUPTED, REMOVED, STOPPING, Failure, ModelRecord, Task
+from agent.state import INTERRUPTED, REMOVED, STOPPING, UNVERIFIED, Failure, ModelRecord, Task
+from modelcache import adopt
 from modelcache.clock import rfc3339
 from modelcache.errors import ModelcacheError
 from modelcache.kube.types import (
     MODEL_DOWNLOAD_ERROR,
+    MODEL_DOWNLOAD_PENDING,
     MODEL_DOWNLOADED,
     Condition,
     LocalModelInfo,
@@ -39,7 +44,7 @@ from modelcache.kube.types import (
 )
 from modelcache.loop import Loop
 from modelcache.progress import format_line
-from modelcache.pull import PullPlan, pull
+from modelcache.pull import PullPlan, SpacePolicy, pull, staged_pulls
 from modelcache.redact import scrub_urls
 from modelcache.repair import needs_repair, repair
 from modelcache.store import Manifest, NodeLayout, NodeStore
@@ -51,14 +56,20 @@ log = logging.getLogger("agent")
 STORAGE_KEY = re.compile(r"^[0-9a-f]{16}$")
 #: Free space in the status changes only in steps of this size (the metric is exact).
 FREE_REPORT_STEP = 1 << 30
+#: Seconds between checks that each namespace cache's entry may use its model (Agent._check_entries).
+ENTRY_CHECK = 10.0
 
 
 def group_entries(entries: Iterable[LocalModelInfo]) -> dict[str, tuple[str, list[LocalModelInfo]]]:
-    """storageKey -> (uri, entries), in spec order; the first entry of a key leads (KServe's dedup)."""
+    """storageKey -> (uri, entries), in spec order; the first entry of a key leads (KServe's dedup),
+    a cluster cache's before any namespace cache's: its credentials are a cluster admin's choice,
+    and a tenant's entry is served that folder only if it names the same (agent/credentials.py)."""
     out: dict[str, tuple[str, list[LocalModelInfo]]] = {}
     for info in entries:
         key = storage_key(info.source_model_uri)
         out.setdefault(key, (info.source_model_uri, []))[1].append(info)
+    for _uri, infos in out.values():
+        infos.sort(key=lambda i: bool(i.namespace))  # stable: spec order otherwise
     return out
 
 
@@ -95,14 +106,26 @@ class Agent:
         #: root_check(nodeGroup) -> why a model of that group must not be reported Downloaded (the
         #: root is not the group PV's local.path: agent/hostpath.py), else None. Cluster mode only.
         self.root_check: Callable[[str | None], str | None] | None = None
+        #: status key -> why that namespace cache's entry is not served its record's model (other
+        #: credentials than the entry that downloads it, or ones not granted to its namespace):
+        #: refreshed every ENTRY_CHECK seconds from the credential namespace's objects.
+        self.entry_refusals: dict[str, str] = {}
+        #: (status key, record key) pairs checked so far: until then a namespace entry is not
+        #: reported Downloaded (the coordinator may give its namespace a serving claim on that word).
+        self._entries_checked: set[tuple[str, str]] = set()
+        self._last_entry_check = -ENTRY_CHECK
         self._stop = threading.Event()
         self._loop = Loop("agent-supervisor", self.tick, 0.5, wake=self.wake, logger=log)
         self._last_removal_check = 0.0
         self._last_sweep = 0.0
         self._last_free: int | None = None
+        #: Folders not made by modelcache already named in the log (each is said once).
+        self._told_foreign: set[str] = set()
         #: Optional sink for notable transitions (cluster mode: Kubernetes Events on the LocalModelNode):
         #: on_event(type "Normal"|"Warning", reason, message). Called without the lock held.
         self.on_event: Callable[[str, str, str], None] | None = None
+        #: When the first model still carried over was seen (ModelsVerified's transition time).
+        self._carried_since: str | None = None
         #: The last spec refused as invalid (modelcache.kube.validate), until a valid one comes:
         #: (problems, its generation, when it was refused). Reported as a SpecValid=False condition.
         self.refused: tuple[list[str], int | None, str] | None = None
@@ -135,10 +158,13 @@ class Agent:
                 self.refused = (list(problems), generation, rfc3339())
         self.changed.set()
 
-    def set_spec(self, entries: list[LocalModelInfo], generation: int | None = None) -> None:
+    def set_spec(self, entries: list[LocalModelInfo], generation: int | None = None,
+                 reported: Mapping[str, str] | None = None) -> None:
         """Apply a valid spec. The status is written at once only if this changed something: the
         resync re-applies the same spec every --resync-period, and a write for it would be a
-        progress write between two --status-interval ticks."""
+        progress write between two --status-interval ticks. ``reported``: the ``modelStatus``
+        persisted in the LocalModelNode (KServe's agent's, before the switch): a folder it
+        reported ``ModelDownloaded`` is carried over (agent/state.py)."""
         desired = group_entries(entries)
         with self.lock:
             changed = self.refused is not None or not self.spec_seen.is_set() or generation != self.generation
@@ -146,7 +172,7 @@ class Agent:
             for key, (uri, infos) in desired.items():
                 rec = self.records.get(key)
                 if rec is None:
-                    self.records[key] = self._new_record(key, uri, infos)
+                    self.records[key] = self._new_record(key, uri, infos, reported or {})
                     changed = True
                     continue
                 if rec.entries != infos or rec.uri != uri:
@@ -166,19 +192,29 @@ class Agent:
                 self._adopt_orphans()
                 self._last_sweep = time.monotonic()
             self.generation = generation
+            self._last_entry_check = -ENTRY_CHECK  # new or changed entries are checked at the next tick
         self.spec_seen.set()
         if changed:
             self.changed.set()
         self.wake.set()
 
-    def _new_record(self, key: str, uri: str, infos: list[LocalModelInfo]) -> ModelRecord:
+    def _new_record(self, key: str, uri: str, infos: list[LocalModelInfo],
+                    reported: Mapping[str, str]) -> ModelRecord:
         rec = ModelRecord(key=key, uri=uri, entries=infos)
+        rec.carried = self._carried(key, infos, reported)
+        if rec.carried:
+            # What the copy takes on disk counts against the node group's storageLimit (and shows in
+            # the status) from now on, not only once verified.
+            rec.files_total, rec.bytes_total = _folder_size(self.store.layout.model_dir(key))
         try:
             parse_uri(uri)
         except ModelcacheError as exc:
             if self._job_container(uri) is None:  # (a download-Job container may read it)
                 rec.failure = Failure(f"{exc.reason}: {exc}", exc.reason)
                 rec.next_attempt = float("inf")  # a bad URI does not get better by retrying
+                if rec.carried:
+                    log.warning("a copy KServe downloaded of a URI modelcache does not read: served unverified",
+                                extra=fields(storage_key=key, uri=redact_uri(uri), error=_one_line(exc)))
                 return rec
         manifest = self.store.manifest(key)
         if manifest is None:
@@ -195,6 +231,24 @@ class Agent:
         log.info("model present", extra=fields(storage_key=key, uri=redact_uri(uri), bytes=rec.bytes_total))
         return rec
 
+    def _carried(self, key: str, infos: list[LocalModelInfo], reported: Mapping[str, str]) -> str:
+        """Why the node counts this model before verifying it ("": it does not): the persisted
+        status says ``ModelDownloaded`` for one of its entries (KServe's agent wrote it, or ours
+        while carrying it over before a restart), and the folder holds a copy our store never
+        knew (no manifest, no pin or repair of ours: a folder the store knew is never taken on
+        anyone's word)."""
+        names = [i.status_key for i in infos if reported.get(i.status_key) == MODEL_DOWNLOADED]
+        if not names:
+            return ""
+        try:
+            if not adopt.applies(self.store, key):  # (False for a folder the store knew: NodeStore.knew)
+                return ""
+        except (OSError, ModelcacheError):
+            return ""
+        log.info("a model folder reported ModelDownloaded: counted as downloaded while it is verified in place",
+                 extra=fields(storage_key=key, entries=",".join(names)))
+        return "reported ModelDownloaded before the switch"
+
     def _mark_removing(self, rec: ModelRecord) -> None:
         rec.former, rec.entries = rec.entries, []
         if rec.task is not None:
@@ -204,11 +258,22 @@ class Agent:
     def _adopt_orphans(self) -> None:
         """Files of models no entry wants (left while the agent was not running, or by a crash
         mid-download or mid-repair) become records without entries: the removal deletes them
-        like any model that left the spec, mounted ones only once no pod uses them."""
-        for key in sorted(self._disk_keys() - self.records.keys()):
-            manifest = self.store.manifest(key)
-            self.records[key] = ModelRecord(key=key, uri=manifest.uri if manifest else "", entries=[])
-            log.info("files of a model no entry wants: removing", extra=fields(storage_key=key))
+        like any model that left the spec, mounted ones only once no pod uses them. Only what
+        this store made: a folder someone else put under ``models/`` stays (said once)."""
+        orphans = sorted(self._disk_keys() - self.records.keys())
+        staged = {s.storage_key: s.uri for s in staged_pulls(self.store)} if orphans else {}
+        for key in orphans:
+            known = self.store.manifest(key) or self.store.pinned_manifest(key)
+            uri = known.uri if known else staged.get(key, "")
+            self.records[key] = ModelRecord(key=key, uri=uri, entries=[])
+            log.info("files of a model no entry wants: removing",
+                     extra=fields(storage_key=key, **({"uri": redact_uri(uri)} if uri else {})))
+        for name in sorted(set(self.store.foreign()) - self._told_foreign - self.records.keys()):
+            self._told_foreign.add(name)
+            log.warning("a folder under the root was not made by modelcache: kept (the agent never deletes it); "
+                        "delete it by name if it is not needed", extra=fields(
+                            folder=str(self.layout.model_dir(name)),
+                            command=f"modelcache rm --root {self.cfg.root} {name}"))
 
     def _sweep(self, now: float) -> None:
         self._last_sweep = now
@@ -260,6 +325,9 @@ class Agent:
                 elif present:
                     self.checker.maybe_check(rec, now)
         self._removals(now)
+        if now - self._last_entry_check >= ENTRY_CHECK:
+            self._last_entry_check = now
+            self._check_entries()
         if self.cfg.sweep_interval > 0 and now - self._last_sweep >= self.cfg.sweep_interval:
             self._sweep(now)
         self._log_progress(now)
@@ -280,13 +348,37 @@ class Agent:
         if plan.revision:
             rec.revision = plan.revision
         staged = self.layout.repair_dir(rec.key) if task.repairing else self.layout.staging_dir(rec.key)
-        limit = self.group_limits.get(primary.node_group or "")
-        self.capacity.reserve(rec.key, plan.bytes_needed, plan.total_bytes, limit, plan.location.display, staged=staged,
-                              owners=owners(rec.entries))
+        self.capacity.reserve(rec.key, plan.bytes_needed, plan.total_bytes, self._admitting_limit(rec),
+                              plan.location.display, staged=staged, owners=owners(rec.entries),
+                              advice=self._space_advice())
         log.info("download admitted", extra=fields(storage_key=rec.key, bytes_total=plan.total_bytes,
                                                    bytes_needed=plan.bytes_needed, files=plan.files,
                                                    revision=plan.revision or ""))
         self.changed.set()
+
+    def _admitting_limit(self, rec: ModelRecord) -> int | None:
+        """The storageLimit a download is admitted against: entries sharing a URI share one
+        folder, and each is judged in its own node group, so the model is fetched if any wanting
+        group has room (the most generous limit; None if one sets none). An entry whose own
+        group has no room is reported failed, naming its group (``_group_refusal``)."""
+        limits = [self.group_limits.get(info.node_group or "") for info in rec.entries] or [None]
+        return None if any(limit is None for limit in limits) else max(limits, key=lambda x: int(x or 0))
+
+    def _group_refusal(self, rec: ModelRecord, info: LocalModelInfo, used: int) -> str | None:
+        """Why a downloaded model does not fit ``info``'s own node group (its storageLimit), or None.
+        ``used``: bytes of every model on the node, this one included."""
+        limit = self.group_limits.get(info.node_group or "")
+        size = rec.bytes_total or 0
+        if limit is None or size <= max(0, limit - (used - size)):
+            return None
+        return storage_limit_refusal(redact_uri(rec.uri), size, limit, used - size, 0)
+
+    def _space_advice(self) -> str:
+        """What a refusal for lack of disk advises: never a gc of the agent's root, which holds what
+        the spec lists (the agent would download the evicted models again)."""
+        fewer = ("remove entries from " + str(self.cfg.standalone) if self.cfg.standalone is not None
+                 else "take caches off this node's node groups")
+        return f"the root holds the models its spec lists: {fewer}, give --root a larger disk, or lower --space-margin"
 
     def _options(self) -> TransferOptions:
         return TransferOptions(workers=self.cfg.workers, chunk_size=self.cfg.chunk_size,
@@ -296,6 +388,7 @@ class Agent:
     def _download(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> None:
         t0 = time.monotonic()
         scheme = "job" if self._job_container(rec.uri) is not None else _scheme(rec.uri)
+        self.metrics.download_started(scheme)
         error: BaseException | None = None
         result = None
         try:
@@ -313,7 +406,15 @@ class Agent:
         event = None
         with self.lock:
             rec.task = None
+            carried = rec.carried
             if error is None and result is not None:
+                rec.carried = ""
+                if carried:
+                    drift = getattr(result, "drift", None)
+                    rec.drift = drift.message if drift is not None and drift.drifted else ""
+                    # Verified at the revision the folder holds: whether the source moved since is
+                    # the drift check's to say, now rather than an interval from now.
+                    rec.last_drift_check = float("-inf")
                 manifest = self.store.manifest(rec.key)
                 resolved = result.resolved_uri if result.resolved_uri != redact_uri(rec.uri) else None
                 rec.revision = (manifest.revision if manifest else None) or resolved
@@ -328,7 +429,10 @@ class Agent:
                 log.info("download finished", extra=fields(
                     storage_key=rec.key, uri=redact_uri(rec.uri), bytes=result.bytes, files=result.files,
                     seconds=round(elapsed, 2), cached=result.cached, revision=rec.revision or "", **origin_peers))
-                if rec.wanted:
+                if rec.wanted and carried:
+                    event = ("Normal", "Verified", f"{_names(rec)}: the copy KServe downloaded was verified in place "
+                             f"({rec.bytes_total or 0} bytes" + (f"; drift: {rec.drift}" if rec.drift else "") + ")")
+                elif rec.wanted:
                     event = ("Normal", "Downloaded", f"{_names(rec)}: downloaded {rec.bytes_total or 0} bytes")
             elif task.why == STOPPING:
                 # Not a failure: the staged data stays, and the next agent resumes from it.
@@ -339,7 +443,10 @@ class Agent:
                                                                       else ""), extra=fields(storage_key=rec.key))
             else:
                 self._failed(rec, error, elapsed, scheme)
-                if rec.wanted:
+                if rec.wanted and rec.carried:
+                    event = ("Warning", "Unverified", f"{_names(rec)}: serving the copy KServe downloaded, unverified: "
+                             f"{_one_line(error)}")
+                elif rec.wanted:
                     event = ("Warning", "DownloadFailed", f"{_names(rec)}: {rec.failure.reason}: {_one_line(error)}"
                              if rec.failure else f"{_names(rec)}: {_one_line(error)}")
         self.changed.set()
@@ -349,7 +456,8 @@ class Agent:
     def _pull_model(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> Any:
         """Our own download: the core pull (adoption, archives unpacked), or an in-place repair."""
         with self.credentials.settings_for(primary) as settings:
-            def pull_into(dest: Any = None, uri: str | None = None, check: Any = None, only: Any = None) -> Any:
+            def pull_into(dest: Any = None, uri: str | None = None, check: Any = None, only: Any = None,
+                          adoption: str = adopt.COMPLETE) -> Any:
                 where: dict[str, Any] = {"dest": dest} if dest is not None else {"root": self.cfg.root}
 
                 def admit(plan: PullPlan) -> None:
@@ -359,8 +467,11 @@ class Agent:
 
                 peers = self.peering.network if self.peering is not None and dest is None else None
                 # unpack: a repair's folder holds the model as the store does (archives unpacked).
+                # One margin: the agent's --space-margin, which its admission (above) has checked.
+                space = SpacePolicy(self.cfg.space_margin, self._space_advice())
                 return pull(uri or rec.uri, settings=settings, options=self._options(), progress=task.progress,
-                            admit=admit, cancel=task.cancel, only=only, peers=peers, unpack=True, **where)
+                            admit=admit, cancel=task.cancel, only=only, peers=peers, unpack=True, space=space,
+                            adoption=adoption, **where)
 
             with self.store.lock(rec.key, cancel=task.cancel):
                 self.store.recover(rec.key)  # a publish a crash interrupted is finished or undone first
@@ -369,7 +480,14 @@ class Agent:
                 # serving pods mount; a publish would swap the folder out from under them.
                 task.repairing = True
                 return repair(self.store, rec.key, pull_into, rec.old_files).result
-            return pull_into()
+            if rec.carried and not adopt.applies(self.store, rec.key):
+                with self.lock:
+                    rec.carried = ""  # the copy KServe left is gone: an ordinary download from here
+                log.warning("the folder counted on KServe's word is gone: downloading the model",
+                            extra=fields(storage_key=rec.key))
+                self.changed.set()
+            # A copy reported complete is adopted as found: pods are reading it (adopt, AS_FOUND).
+            return pull_into(adoption=adopt.AS_FOUND if rec.carried else adopt.COMPLETE)
 
     def containers_changed(self) -> None:
         """KServe's download containers changed: a URI one of them now reads is no longer an
@@ -397,6 +515,7 @@ class Agent:
         from modelcache.adopt import record_folder
         from modelcache.pull import PullResult
 
+        self.store.claim(rec.key)  # the container fills the folder: until its manifest, a folder of ours
         with self.credentials.env_for(primary) as env:
             passed = {k: v for k, v in env.items() if self.credentials.base_env.get(k) != v}
             job = self.jobs.run(primary, rec.key, self.store.layout.model_dir(rec.key), task.cancel, passed)
@@ -428,12 +547,16 @@ class Agent:
         rec.failures += 1
         delay = min(self.cfg.backoff_max, self.cfg.backoff_initial * 2 ** (rec.failures - 1))
         rec.next_attempt = time.monotonic() + delay
-        rec.failure = Failure(f"{reason}: {message} (retry {rec.failures} in {delay:.0f}s)", reason)
+        # A one-shot standalone run ends once every model is Downloaded or Error: it promises no retry.
+        one_shot = self.cfg.standalone is not None and not self.cfg.watch
+        retry = "" if one_shot else f" (retry {rec.failures} in {_seconds(delay)})"
+        rec.failure = Failure(f"{reason}: {message}{retry}", reason)
         rec.finished_at = rfc3339()
         self.metrics.errors.labels(reason=reason).inc()
         self.metrics.duration.labels(scheme=scheme, outcome="error").observe(elapsed)
+        later = {} if one_shot else {"retry_in": round(delay, 2)}
         log.warning("download failed", extra=fields(storage_key=rec.key, uri=redact_uri(rec.uri), reason=reason,
-                                                    error=message, retry_in=round(delay, 2)))
+                                                    error=message, **later))
 
     def _mark_damaged(self, rec: ModelRecord, problem: str) -> bool:
         """Withdraw a damaged model's manifest (it is not present for any reader of the store
@@ -512,7 +635,9 @@ class Agent:
         with self.lock:
             rec.deleting = False
             if deleted:
-                log.info("model deleted", extra=fields(storage_key=rec.key, uri=redact_uri(rec.uri)))
+                # Every deletion is a warning: files went, and the log says which and why.
+                log.warning("model deleted: no entry of the spec wants it", extra=fields(
+                    storage_key=rec.key, **({"uri": redact_uri(rec.uri)} if rec.uri else {})))
                 # Nothing of the old copy is true any more: a re-added entry starts from scratch.
                 rec.mounted_by, rec.failure, rec.failures, rec.next_attempt = [], None, 0, 0.0
                 rec.note, rec.damage, rec.old_files, rec.revision = "", "", [], None
@@ -526,15 +651,38 @@ class Agent:
 
     # ---- reporting ------------------------------------------------------------------------
 
+    def _check_entries(self) -> None:
+        """Which namespace caches' entries may not be served their record's model (security review
+        H3: caches of one URI share one folder)."""
+        with self.lock:
+            pairs = [(info, rec.primary, rec.key) for rec in self.records.values() if rec.wanted
+                     for info in rec.entries if info.namespace]
+        refusals, checked = {}, set()
+        for info, primary, key in pairs:
+            checked.add((info.status_key, key))
+            try:
+                why = self.credentials.entry_refusal(info, primary)
+            except Exception as exc:  # the API server unreachable a moment: keep what we knew
+                log.warning("credential check failed", extra=fields(model=info.status_key, error=str(exc)))
+                why = self.entry_refusals.get(info.status_key)
+            if why:
+                refusals[info.status_key] = why
+        with self.lock:
+            changed = refusals != self.entry_refusals or checked != self._entries_checked
+            self.entry_refusals, self._entries_checked = refusals, checked
+        if changed:
+            self.changed.set()
+
     def _used_bytes(self) -> int:
         with self.lock:
-            return sum(r.bytes_total or 0 for r in self.records.values() if not r.deleting and self._present(r.key))
+            return sum(r.bytes_total or 0 for r in self.records.values()
+                       if not r.deleting and (self._present(r.key) or r.carried))
 
     def _namespace_used(self, namespace: str) -> int:
         """Bytes of the models on this node that count against ``namespace``'s share of its group."""
         with self.lock:
             return sum(r.bytes_total or 0 for r in self.records.values()
-                       if not r.deleting and namespace in owners(r.entries) and self._present(r.key))
+                       if not r.deleting and namespace in owners(r.entries) and (self._present(r.key) or r.carried))
 
     def _log_progress(self, now: float) -> None:
         """One progress line per download every few seconds, the first as soon as its size is known."""
@@ -557,9 +705,16 @@ class Agent:
         for state in status["modelStatus"].values():
             counts[state] = counts.get(state, 0) + 1
         self.metrics.set_states(counts)
-        _total, free = self.capacity.disk()
+        total, free = self.capacity.disk()
         self.metrics.free.set(free)
+        self.metrics.size.set(total)
         self.metrics.reserved.set(self.capacity.reserved_bytes)
+        self.metrics.stored.set(self._used_bytes())
+        with self.lock:
+            groups = {info.node_group for r in self.records.values() for info in r.entries if info.node_group}
+            drifted = sum(1 for r in self.records.values() if r.wanted and r.drift)
+        self.metrics.set_limits({g: int(self.group_limits[g]) for g in groups if g in self.group_limits})
+        self.metrics.drifted.set(drifted)
 
     def _reported_free(self) -> tuple[int, int]:
         """Free bytes for the status, held until they move by ``FREE_REPORT_STEP`` (or 1% of the
@@ -583,15 +738,29 @@ class Agent:
         removing: dict[str, Any] = {}
         with self.lock:
             keys = sorted({r.key for r in self.records.values() if r.wanted})
+            used = self._used_bytes() if self.group_limits else 0
+            # An interrupted download keeps its staged bytes: its progress is shown, not dropped.
+            paused = [r.key for r in self.records.values() if r.task is None and r.note == INTERRUPTED]
+            staged = {p.storage_key: p for p in staged_pulls(self.store) if p.storage_key in paused} if paused else {}
             for rec in self.records.values():
                 state = rec.state(self._present(rec.key))
                 for info in rec.entries:
                     d = rec.detail(state)
+                    if rec.key in staged and state != MODEL_DOWNLOADED:
+                        d.bytes_done, d.bytes_total = staged[rec.key].bytes_done, staged[rec.key].bytes_total
                     blocked = (self.root_check(info.node_group) if self.root_check and state == MODEL_DOWNLOADED
-                               else None)
+                               else None) or self.entry_refusals.get(info.status_key)
                     if blocked:
-                        # Downloaded here, but not where the node group's PV points serving pods.
+                        # Downloaded here, but not where the node group's PV points serving pods; or
+                        # not for this namespace cache (its credentials).
                         d.state, d.message = MODEL_DOWNLOAD_ERROR, blocked
+                    elif (info.namespace and state == MODEL_DOWNLOADED
+                          and (info.status_key, rec.key) not in self._entries_checked):
+                        d.state, d.message = MODEL_DOWNLOAD_PENDING, "checking the credentials it names"
+                    over = self._group_refusal(rec, info, used) if state == MODEL_DOWNLOADED else None
+                    if over and not blocked:
+                        # Downloaded for another entry's group; this entry's own group has no room.
+                        d.state, d.message = MODEL_DOWNLOAD_ERROR, f"InsufficientSpace: {over}"
                     model_status[info.status_key] = d.state
                     details[info.status_key] = {**d.to_dict(), **self._peer_fields(rec.key)}
                 for info in rec.former:
@@ -612,17 +781,46 @@ class Agent:
         }
         if self.generation is not None:
             out["observedGeneration"] = self.generation
+        conditions = self._verified_condition()
+        if conditions:
+            out["conditions"] = conditions
         if self.refused is not None:
             problems, generation, since = self.refused
-            out["conditions"] = [Condition(
+            out.setdefault("conditions", []).append(Condition(
                 type="SpecValid", status="False", reason="InvalidSpec", last_transition_time=since,
                 observed_generation=generation,
                 message=_one_line(ValueError(f"{len(problems)} problem(s), nothing applied or deleted until "
                                              "they are fixed: " + "; ".join(problems))),
-            ).to_dict()]
+            ).to_dict())
         if self.peering is not None:
             out["peer"] = self.peering.status(keys)
         return out
+
+    def _verified_condition(self) -> list[dict[str, Any]]:
+        """``ModelsVerified=False`` while copies are carried over (counted on KServe's word), naming
+        them; absent otherwise. Its time is when the first of them was seen, so it is stable."""
+        with self.lock:
+            carried = sorted((rec for rec in self.records.values() if rec.wanted and rec.carried),
+                             key=lambda r: _names(r))
+            if not carried:
+                self._carried_since = None
+                return []
+            if self._carried_since is None:
+                self._carried_since = rfc3339()
+            unverified = [r for r in carried if r.verification == UNVERIFIED]
+            verifying = [r for r in carried if r.verification != UNVERIFIED]
+        parts = []
+        if unverified:
+            parts.append(f"{len(unverified)} unverified (the source cannot be listed): " + "; ".join(
+                f"{_names(r)}: {r.failure.reason if r.failure else ''}" for r in unverified[:10]))
+        if verifying:
+            parts.append(f"{len(verifying)} verifying in place: " + ", ".join(_names(r) for r in verifying[:10]))
+        return [Condition(
+            type="ModelsVerified", status="False", reason="Unverified" if unverified else "Verifying",
+            last_transition_time=self._carried_since,
+            message=_one_line(ValueError(f"{len(carried)} copies KServe's agent downloaded are counted as downloaded "
+                                         "on its word: " + "; ".join(parts))),
+        ).to_dict()]
 
     def _peer_fields(self, key: str) -> dict[str, Any]:
         return self.peering.model_fields(key) if self.peering is not None else {}
@@ -641,6 +839,20 @@ class Agent:
                 if not rec.wanted and not rec.mounted_by:
                     return False
             return True
+
+
+def _folder_size(folder: Path) -> tuple[int, int]:
+    """(files, bytes) of the regular files under ``folder``, links not followed (stats only)."""
+    files = size = 0
+    for base, _dirs, names in os.walk(folder):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(base, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                files, size = files + 1, size + st.st_size
+    return files, size
 
 
 def _hopeless(rec: ModelRecord) -> bool:
@@ -671,6 +883,14 @@ def _one_line(exc: BaseException | None) -> str:
     SDK's own exception may quote a signed URL)."""
     text = str(exc) if exc is not None else "failed"
     return scrub_urls(" ".join(text.split()))[:500] or type(exc).__name__
+
+
+def _seconds(delay: float) -> str:
+    """A backoff as people read it: 0.5s, 2s, 1m30s (was "0s" for any delay under half a second)."""
+    if delay < 10:
+        return f"{delay:.1f}".rstrip("0").rstrip(".") + "s"
+    minutes, seconds = divmod(round(delay), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
 def _quantity(n: int) -> str:

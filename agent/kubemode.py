@@ -142,7 +142,11 @@ class KubeRunner:
                 self._event("Warning", "InvalidSpec", f"{len(problems)} problem(s), nothing applied or deleted: "
                             + "; ".join(problems))
             return
-        self.agent.set_spec(lmn.spec.local_models, lmn.generation or None)
+        # The persisted modelStatus: before the switch, KServe's agent's (copies it reported
+        # ModelDownloaded are carried over while they are verified: agent/state.py).
+        reported = (obj.get("status") or {}).get("modelStatus") or {}
+        self.agent.set_spec(lmn.spec.local_models, lmn.generation or None,
+                            {str(k): str(v) for k, v in reported.items()} if isinstance(reported, dict) else {})
 
     def download_jobs(self, namespace: str, host_path: str | None) -> DownloadJobs:
         """KServe's download-Job containers for this node, run in ``namespace``."""

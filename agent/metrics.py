@@ -22,6 +22,17 @@ class AgentMetrics:
         self.errors = Counter("modelcache_agent_errors", "Failed download attempts and checks, by reason",
                               ["reason"], registry=r)
         self.free = Gauge("modelcache_agent_free_bytes", "Free bytes on the model root's file system", registry=r)
+        # Size, stored bytes and the node group's limit: what the "root near full" and "over the
+        # group's storageLimit" alerts compare (monitoring/alerts.yaml).
+        self.size = Gauge("modelcache_agent_root_size_bytes", "Size of the model root's file system", registry=r)
+        self.stored = Gauge("modelcache_agent_stored_bytes", "Bytes of the models published on this node (what "
+                            "counts against a node group's storageLimit)", registry=r)
+        self.limit = Gauge("modelcache_agent_storage_limit_bytes", "storageLimit of each node group this node's "
+                           "models belong to", ["node_group"], registry=r)
+        self.drifted = Gauge("modelcache_agent_drifted_models", "Models whose source changed since they were "
+                             "downloaded (a drift check; the copy is left as it is)", registry=r)
+        self.status_published = Gauge("modelcache_agent_status_published_timestamp_seconds",
+                                      "When the agent last wrote (or confirmed) its status report", registry=r)
         self.reserved = Gauge("modelcache_agent_reserved_bytes", "Bytes reserved by downloads in flight", registry=r)
         self.removals_waiting = Gauge("modelcache_agent_removals_waiting",
                                       "Models out of the spec kept because a running pod mounts them", registry=r)
@@ -37,6 +48,7 @@ class AgentMetrics:
                                     "hash the origin contradicts (docs/peers.md)", registry=r)
         self.peers_excluded = Gauge("modelcache_agent_peers_excluded", "Peers excluded now (for a day each)",
                                     registry=r)
+        self._limit_groups: set[str] = set()
         for state in MODEL_STATES:
             if state:
                 self.models.labels(state=state)
@@ -45,6 +57,23 @@ class AgentMetrics:
         for state in MODEL_STATES:
             if state:
                 self.models.labels(state=state).set(counts.get(state, 0))
+
+    def download_started(self, scheme: str) -> None:
+        """The series of a scheme's downloads exist, at 0, from its first attempt on: Prometheus'
+        ``rate``/``increase`` need a sample before a counter moves, else the first failures (what
+        ModelcacheDownloadsFailing counts) and the first finished download (the dashboard's download
+        times) are invisible to them."""
+        self.bytes.labels(scheme=scheme)
+        for outcome in ("ok", "error"):
+            self.duration.labels(scheme=scheme, outcome=outcome)
+
+    def set_limits(self, limits: dict[str, int]) -> None:
+        """The storageLimit of each node group this node serves now (a group that left: no series)."""
+        for group in self._limit_groups - limits.keys():
+            self.limit.remove(group)
+        for group, limit in limits.items():
+            self.limit.labels(node_group=group).set(limit)
+        self._limit_groups = set(limits)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,6 +8,7 @@ per interval.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,7 @@ class Publisher:
         try:
             self.sink(self.agent.status())
             self.failures = 0
+            self.agent.metrics.status_published.set(time.time())  # "not reporting" alert: its age
         except Exception as exc:
             self.failures += 1
             log.warning("status write failed; retrying", extra={"fields": {"error": f"{type(exc).__name__}: {exc}"}})

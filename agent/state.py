@@ -7,11 +7,19 @@ found. The state that goes into the status is never stored: :meth:`ModelRecord.s
 every time from (spec entries, whether the manifest is on disk, the running task)::
 
     a task is running                         -> Downloading  (a cancelled one is still running)
+                                                 Downloaded   if carried over (it verifies in place)
     no spec entry wants it                    -> (removing)   deleted once no pod mounts it
     being deleted                             -> Pending      downloaded again once the delete is done
     its manifest is on disk                   -> Downloaded
+    carried over                              -> Downloaded   (Verifying / Unverified: ``carried``)
     a failure is recorded (backoff, damage)   -> Error        retried when the backoff is due
     otherwise                                 -> Pending      started at the next tick
+
+*Carried over*: a folder KServe's agent filled and persisted ``ModelDownloaded`` for (the
+switch-over). KServe counts such a copy on its word and serves it; so does the node until the
+folder is verified in place (``modelcache.adopt``, AS_FOUND), and for as long as the source cannot
+be listed to verify it: the status, the cache's copies and the placement label carry over
+instead of dropping while every byte is re-hashed, or for ever when the origin is unreachable.
 
 So an entry that leaves the spec and comes back, a download that ends while its entry is away,
 or a model deleted by someone else can never leave a state that nothing will change again.
@@ -36,6 +44,8 @@ from modelcache.uri import redact_uri
 
 #: Why a running task was cancelled (None: it was not).
 REMOVED, STOPPING = "removed", "stopping"
+#: ``ModelDetail.verification`` of a model carried over (ModelRecord.carried).
+VERIFYING, UNVERIFIED = "Verifying", "Unverified"
 INTERRUPTED = "interrupted: the agent stopped; the download resumes when it runs again"
 
 
@@ -91,6 +101,9 @@ class ModelRecord:
     finished_at: str | None = None
     #: What changed at the source since the download (a periodic drift check), or "".
     drift: str = ""
+    #: Carried over (module docstring): why the node counts the model before any manifest of ours
+    #: ("" once verified, or when nothing vouches for the folder).
+    carried: str = ""
     last_drift_check: float = field(default_factory=time.monotonic)
     last_size_check: float = field(default_factory=time.monotonic)
     last_verify: float = field(default_factory=time.monotonic)
@@ -112,10 +125,10 @@ class ModelRecord:
     def state(self, present: bool) -> str:
         """The reported state, from the facts and ``present`` (the manifest is on disk)."""
         if self.task is not None:
-            return MODEL_DOWNLOADING
+            return MODEL_DOWNLOADED if self.carried and not self.task.repairing else MODEL_DOWNLOADING
         if self.deleting:
             return MODEL_DOWNLOAD_PENDING
-        if present:
+        if present or self.carried:
             return MODEL_DOWNLOADED
         if self.failure is not None:
             return MODEL_DOWNLOAD_ERROR
@@ -126,7 +139,19 @@ class ModelRecord:
         return (self.wanted and self.task is None and not self.deleting and not present
                 and now >= self.next_attempt)
 
+    @property
+    def verification(self) -> str | None:
+        """``Verifying`` / ``Unverified`` while carried over (the detail's ``verification``)."""
+        if not self.carried:
+            return None
+        return UNVERIFIED if self.failure is not None and self.task is None else VERIFYING
+
     def message(self, state: str) -> str:
+        if self.carried and state == MODEL_DOWNLOADED:
+            if self.verification == UNVERIFIED and self.failure is not None:
+                return (f"unverified: {self.failure.message}; served as {self.carried} until the source can be "
+                        "listed to verify it")
+            return f"verifying in place; counted as downloaded meanwhile ({self.carried})"
         if state == MODEL_DOWNLOADING:
             if self.damage:
                 return f"repairing ({self.damage})"
@@ -153,6 +178,7 @@ class ModelRecord:
             started_at=self.started_at,
             finished_at=self.finished_at if state != MODEL_DOWNLOADING else None,
             drift=self.drift or None,
+            verification=self.verification,
         )
         if self.task is not None:
             snap = self.task.progress.snapshot()
@@ -161,4 +187,6 @@ class ModelRecord:
                 d.bytes_total, d.files_total = snap.bytes_total, snap.files_total
         elif state == MODEL_DOWNLOADED:
             d.bytes_done, d.files_done, d.rate = self.bytes_total, self.files_total, 0
+        if self.task is not None and state == MODEL_DOWNLOADED:
+            d.bytes_done = d.files_done = d.rate = None  # verifying: a download's progress does not apply
         return d

@@ -28,6 +28,7 @@ from coordinator.urimatch import (
     serving_pvc_name,
     sub_path,
 )
+from modelcache.errors import ModelcacheError
 from modelcache.kube.types import (
     LOCALMODEL_LABEL,
     LOCALMODEL_NAMESPACE_LABEL,
@@ -35,6 +36,7 @@ from modelcache.kube.types import (
     MAX_LABEL_VALUE,
 )
 from modelcache.redact import redact_uri
+from modelcache.uri import parse_uri
 
 log = logging.getLogger(__name__)
 
@@ -148,10 +150,12 @@ def metadata_json_patch(obj: dict[str, Any], labels: dict[str, str | None],
 @dataclass
 class ServiceDefaulter:
     """KServe's InferenceService / LLMInferenceService defaulter for the local-model metadata, at
-    admission (CREATE and UPDATE), as KServe applies it: the cache label and annotations of the
-    first matching cache, or none of them. Set only when the service is admitted, so a cache
-    created or deleted later never changes a running service (its labels reach the pod template:
-    a change would roll it out, which KServe never does)."""
+    admission (CREATE and UPDATE), as KServe applies it: the URI read where KServe's defaulter reads
+    it (custom containers' ``STORAGE_URI`` included: ``urimatch.isvc_storage_uri``), then the cache
+    label and annotations of the first matching cache, or none of them; no URI, no change. Set
+    only when the service is admitted, so a cache created or deleted later never changes a
+    running service (its labels reach the pod template: a change would roll it out, which KServe
+    never does)."""
 
     lookup: ApiLookup
 
@@ -161,6 +165,11 @@ class ServiceDefaulter:
         kind = (req.get("kind") or {}).get("kind") or obj.get("kind") or ""
         namespace = req.get("namespace") or (obj.get("metadata") or {}).get("namespace") or "default"
         uri = llmisvc_model_uri(obj) if kind == "LLMInferenceService" else isvc_storage_uri(obj)
+        if uri is None:
+            # No URI we can read (a custom container without STORAGE_URI, a storage: spec): as
+            # KServe's defaulter, leave the labels as they are. This webhook runs after KServe's,
+            # so removing them here would undo what KServe's own defaulter just decided.
+            return response(review, True)
         try:
             match = select_cache(uri, namespace, (obj.get("metadata") or {}).get("annotations") or {},
                                  *self.lookup.cache_refs(namespace))
@@ -190,7 +199,34 @@ class CacheValidator:
         }
         check = checks.get(str(op))
         denial = check(req) if check else None
+        if denial is None and op == "CREATE":
+            return response(review, True, self._twin_warning(req) or "")
         return response(review, denial is None, denial or "")
+
+    def _twin_warning(self, req: Review) -> str | None:
+        """A warning (``kubectl`` prints it) when another cache names the same source spelled
+        differently (``s3://b/m/`` beside ``s3://b/m``): KServe keys a model by the URI's exact
+        text, so the two are downloaded and stored twice. Allowed, as KServe allows it."""
+        obj = req.get("object") or {}
+        meta, uri = obj.get("metadata") or {}, str((obj.get("spec") or {}).get("sourceModelUri") or "")
+        try:
+            mine = parse_uri(uri).identity
+        except ModelcacheError:
+            return None
+        caches = self.lookup.cluster_caches() if not self.namespaced else []
+        for other in caches:
+            om, theirs = other.get("metadata") or {}, str((other.get("spec") or {}).get("sourceModelUri") or "")
+            if om.get("name") == meta.get("name") or om.get("deletionTimestamp") or theirs == uri:
+                continue
+            try:
+                same = parse_uri(theirs).identity == mine
+            except ModelcacheError:
+                continue
+            if same:
+                return (f"LocalModelCache {om.get('name')} caches the same source spelled {redact_uri(theirs)}: KServe "
+                        f"keys a model by the URI's exact text, so {redact_uri(uri)} is downloaded and stored again "
+                        "on every node; use one spelling to keep one copy")
+        return None
 
     def _create_or_update(self, req: Review) -> str | None:
         obj, old = req.get("object") or {}, req.get("oldObject") or None

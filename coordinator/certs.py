@@ -217,7 +217,20 @@ class ReloadingContext:
             self.context.load_verify_locations(cafile=str(client_ca))
         self._stamp = self._mtimes()
         self.context.load_cert_chain(self.cert, self.key)
+        self._observe()
         self._loop = Loop("webhook-cert-reload", self._reload_logged, interval, at_start=False, logger=log)
+
+    def _observe(self) -> None:
+        """The served certificate's expiry, for the "webhook certificate near expiry" alert (also a
+        cert-manager pair that stopped being renewed)."""
+        from coordinator import metrics
+
+        try:
+            leaf = parse_certs(self.cert.read_bytes())[0]
+        except (OSError, ValueError, IndexError) as exc:
+            log.warning("webhook certificate: cannot read its expiry: %s", exc)
+            return
+        metrics.WEBHOOK_CERT_EXPIRY.set(leaf.not_after.timestamp())
 
     def _mtimes(self) -> tuple[int, int, int, int]:
         # The inode too: a pair replaced by rename within one mtime tick still counts as changed.
@@ -238,6 +251,7 @@ class ReloadingContext:
             return False
         self.context.load_cert_chain(self.cert, self.key)  # new handshakes use the new pair
         self._stamp = stamp
+        self._observe()
         log.info("webhook certificate reloaded")
         return True
 

@@ -75,11 +75,13 @@ def node_membership_changed(event: str, obj: Obj, old: Obj | None) -> bool:
 
 def _reports(obj: Obj | None) -> Any:
     """What the believed states depend on (coordinator.reports): ``modelStatus``, the storageKey
-    each detail names, and the Node the agent reported for; not the agent's progress."""
+    each detail names, whether a copy is counted on KServe's word (``verification``, for the
+    caches' CopiesVerified), and the Node the agent reported for; not the agent's progress."""
     status = (obj or {}).get("status") or {}
-    keys = {k: (d or {}).get("storageKey") for k, d in (status.get("modelDetails") or {}).items()
-            if (d or {}).get("storageKey")}
-    return status.get("modelStatus"), keys, status.get("nodeUID")
+    details = status.get("modelDetails") or {}
+    keys = {k: (d or {}).get("storageKey") for k, d in details.items() if (d or {}).get("storageKey")}
+    verification = {k: (d or {}).get("verification") for k, d in details.items() if (d or {}).get("verification")}
+    return status.get("modelStatus"), keys, verification, status.get("nodeUID")
 
 
 def entries_or_states_changed(event: str, obj: Obj, old: Obj | None) -> bool:

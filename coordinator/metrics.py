@@ -16,6 +16,8 @@ WEBHOOK = Counter("modelcache_coordinator_webhook_requests_total", "Admission re
                   ["path", "result"], registry=REGISTRY)
 API_REQUESTS = Counter("modelcache_coordinator_api_requests_total",
                        "Requests to the API server by HTTP verb (WATCH: a watch opened)", ["verb"], registry=REGISTRY)
+WEBHOOK_CERT_EXPIRY = Gauge("modelcache_coordinator_webhook_cert_expiry_timestamp_seconds",
+                            "notAfter of the webhook serving certificate this replica serves", registry=REGISTRY)
 LEADER = Gauge("modelcache_coordinator_leader", "1 while this replica holds the lease", registry=REGISTRY)
 
 

@@ -35,8 +35,11 @@ class ServiceReconciler:
         if obj is None or (obj.get("metadata") or {}).get("deletionTimestamp"):
             return Result()
         meta = obj["metadata"]
+        uri = self.uri_of(obj)
+        if uri is None:
+            return Result()  # no URI to match (KServe's defaulter leaves the labels then, too)
         ns_caches, cluster_caches = self.view.cache_refs()
-        match = select_cache(self.uri_of(obj), meta["namespace"], meta.get("annotations") or {},
+        match = select_cache(uri, meta["namespace"], meta.get("annotations") or {},
                              ns_caches, cluster_caches)
         patch = metadata_patch(obj, *defaulter_metadata(match))
         if patch:

@@ -9,7 +9,7 @@ sub-path. ``serving.kserve.io/nodegroup`` restricts the match to caches listing 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,18 +128,52 @@ def metadata_patch(
     return {"metadata": patch} if patch else {}
 
 
-def isvc_storage_uri(isvc: Mapping[str, Any]) -> str | None:
-    """The predictor's single ``storageUri`` (``predictor.model``, else a framework spec).
+#: KServe's predictor implementations in the order ``PredictorSpec.GetImplementations`` lists them
+#: (pkg/apis/serving/v1beta1/predictor.go, v0.20.0): the defaulter reads the first one that is set.
+PREDICTOR_IMPLEMENTATIONS = ("xgboost", "pytorch", "triton", "sklearn", "tensorflow", "onnx", "pmml", "lightgbm",
+                             "paddle", "huggingface", "model")
+#: A custom predictor's model URI: the ``STORAGE_URI`` env of its ``kserve-container``
+#: (``CustomPredictor.GetStorageUri``, predictor_custom.go) -- the usual vLLM / TGI setup.
+PREDICTOR_CONTAINER = "kserve-container"
+STORAGE_URI_ENV = "STORAGE_URI"
 
-    Like KServe's defaulter, ``storageUris[]`` and ``storage`` are not considered.
+
+def isvc_storage_uri(isvc: Mapping[str, Any]) -> str | None:
+    """The model URI KServe's defaulter reads from an InferenceService's predictor
+    (``GetImplementation().GetStorageUri()``): the ``storageUri`` of the first framework or
+    ``model`` spec that is set, else the ``STORAGE_URI`` env of a custom predictor's
+    ``kserve-container``. None: KServe reads none either, and then leaves the service's cache
+    labels as they are (only a URI that matches no cache removes them). Like KServe's defaulter,
+    ``storageUris[]`` and ``storage`` are not considered.
     """
     predictor = (isvc.get("spec") or {}).get("predictor") or {}
-    model = predictor.get("model")
-    if isinstance(model, dict) and model.get("storageUri"):
-        return str(model["storageUri"])
-    for value in predictor.values():
-        if isinstance(value, dict) and value.get("storageUri"):
-            return str(value["storageUri"])
+    for name in PREDICTOR_IMPLEMENTATIONS:
+        impl = predictor.get(name)
+        if isinstance(impl, dict):  # the first one set is the implementation, with a URI or not
+            uri = impl.get("storageUri")
+            return None if uri is None else str(uri)
+    containers = [c for c in predictor.get("containers") or [] if isinstance(c, dict)]
+    return container_storage_uri(containers) if containers else None
+
+
+def container_storage_uri(containers: Sequence[Mapping[str, Any]]) -> str | None:
+    """``STORAGE_URI`` of the ``kserve-container``. KServe's defaulter names the first container
+    so when it is the only one or has no name (``CustomPredictor.Default``) before it reads the
+    env, and so does this. An env given by ``valueFrom`` cannot be read here (KServe reads its
+    empty ``value``): None, so the labels KServe's own defaulter left stand."""
+    def name_of(i: int, c: Mapping[str, Any]) -> str:
+        if i == 0 and (len(containers) == 1 or not c.get("name")):
+            return PREDICTOR_CONTAINER
+        return str(c.get("name") or "")
+
+    for i, container in enumerate(containers):
+        if name_of(i, container) != PREDICTOR_CONTAINER:
+            continue
+        for env in container.get("env") or []:
+            if isinstance(env, dict) and env.get("name") == STORAGE_URI_ENV:
+                value = env.get("value")
+                return str(value) if value and not env.get("valueFrom") else None
+        return None
     return None
 
 

@@ -4,9 +4,23 @@ A KServe node agent leaves ``models/<storageKey>/`` with the model and no manife
 init container that finished leaves DEST with the model and no bookkeeping (it removes its own).
 Such a folder is not fetched again: each listed file already there is checked against the
 listing (its size, and its bytes against every checksum the source vouches for: the file on
-disk is hashed, nothing is read from the origin and no second copy is written), and only the
-files that are missing or differ are downloaded, then renamed into the folder one by one (a
-pod that mounts it sees the old or the new file, never a partial one). The manifest goes last.
+disk is hashed, nothing is read from the origin and no second copy is written). The manifest
+goes last.
+
+What happens to a listed file that is missing or differs depends on what is known of the folder:
+
+* ``COMPLETE`` (nothing known: a folder that may be a partial download, as KServe's own agent
+  assumes of a folder whose status is not ``ModelDownloaded``): it is downloaded and renamed
+  into the folder (a pod that mounts it sees the old or the new file, never a partial one).
+* ``AS_FOUND`` (the folder was reported complete: KServe's persisted ``ModelDownloaded``): it is
+  what KServe downloaded of an earlier revision of a mutable source (a moved ``hf://`` branch,
+  a rewritten S3 object, a replaced HTTP file), and pods are reading it. Nothing is rewritten
+  under them: a differing file is kept as found (in the manifest, marked ``KEPT_AS_FOUND``, so
+  a drift check reports it), a missing one is left out (the drift check reports it added), and
+  updating stays an explicit refresh (``modelcache pull --refresh``). Where the folder says
+  which revision it holds (``Source.revision_in``: huggingface_hub's own records of the commit
+  it downloaded), the listing is that revision's, so what is on disk is verified as it is, and
+  a file that differs from *that* revision is damage and is fetched (same revision) as above.
 
 A file is kept on its size alone when the source has no checksum we can compute (a plain
 HTTP server, an S3 multipart upload without its part size): that is what KServe itself knows
@@ -41,6 +55,11 @@ from modelcache.transfer import FetchedFile
 log = logging.getLogger(__name__)
 
 
+#: Policies (module docstring).
+COMPLETE = "complete"
+AS_FOUND = "as-found"
+
+
 @dataclass
 class Adoption:
     """What a folder already holds of a listing."""
@@ -48,6 +67,9 @@ class Adoption:
     kept: list[FetchedFile] = field(default_factory=list)
     #: Indexes (into the listing) of the files to download.
     fetch: list[int] = field(default_factory=list)
+    #: With ``keep_differing``: listed files that are there but differ (size or checksum), kept as
+    #: found, each with its listing index (its digest is of the bytes on disk, verified by nothing).
+    differ: list[tuple[int, FetchedFile]] = field(default_factory=list)
     #: Bytes hashed on disk, and files kept on their size alone (no checksum to compare).
     hashed_bytes: int = 0
     size_only: int = 0
@@ -89,13 +111,31 @@ def check_file(folder: Path, want: RemoteFile) -> FetchedFile | None:
                        tuple(sorted({c.algo for c in hashed.expected})))
 
 
-def check(folder: Path, files: list[RemoteFile], on_file: Callable[[str, int], None] | None = None) -> Adoption:
-    """Compare ``folder`` with the listing ``files``; hashes every file whose size matches."""
+def as_found(folder: Path, rel: str) -> FetchedFile | None:
+    """The regular file ``rel`` in ``folder`` as it is (hashed; verified by nothing), for
+    ``AS_FOUND``; None for a missing file, a link, or a file under one (nothing is followed out)."""
+    st = regular_file_inside(folder, rel)
+    if st is None:
+        return None
+    return FetchedFile(rel, st.st_size, hash_file(folder / rel, size=st.st_size).local_hexdigest(), ())
+
+
+def check(folder: Path, files: list[RemoteFile], on_file: Callable[[str, int], None] | None = None,
+          keep_differing: bool = False) -> Adoption:
+    """Compare ``folder`` with the listing ``files``; hashes every file whose size matches (and,
+    ``keep_differing``, every other file there, to keep it as found)."""
     out = Adoption()
     for i, want in enumerate(files):
         got = check_file(folder, want)
         if got is None:
-            out.fetch.append(i)
+            found = as_found(folder, want.path) if keep_differing else None
+            if found is not None:
+                out.differ.append((i, found))
+                out.hashed_bytes += found.size
+                if on_file is not None:
+                    on_file(want.path, found.size)
+            else:
+                out.fetch.append(i)
             continue
         out.kept.append(got)
         out.hashed_bytes += got.size

@@ -39,7 +39,9 @@ from modelcache.errors import ModelcacheError
 if TYPE_CHECKING:
     import tarfile
 
-TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst", ".tzst")
+#: ``.taz`` and ``.tz`` are gzip tars to Python's mimetypes, so KServe unpacks them (audit C30).
+TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".taz", ".tz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst",
+                ".tzst")
 ZIP_SUFFIXES = (".zip",)
 
 #: KServe's wording for a broken archive, kept so existing alerts and runbooks still match.
@@ -106,12 +108,15 @@ class ArchiveLimits:
 
 def archive_kind(name: str) -> str | None:
     """``"tar"``, ``"zip"`` or None, from the file name (as KServe does, via its mimetype)."""
+    suffix = archive_suffix(name)
+    return None if suffix is None else "zip" if suffix in ZIP_SUFFIXES else "tar"
+
+
+def archive_suffix(name: str) -> str | None:
+    """The archive suffix ``name`` ends with (the longest: ``.tar.gz`` before ``.gz``), or None."""
     lower = name.lower()
-    if lower.endswith(ZIP_SUFFIXES):
-        return "zip"
-    if lower.endswith(TAR_SUFFIXES):
-        return "tar"
-    return None
+    found = [s for s in (*ZIP_SUFFIXES, *TAR_SUFFIXES) if lower.endswith(s)]
+    return max(found, key=len) if found else None
 
 
 def single_archive(paths: list[str]) -> str | None:

@@ -27,6 +27,10 @@ CHANGED = "changed"  # files differ, were added or removed
 UNKNOWN = "unknown"  # nothing differs that can be seen, but some files offer nothing to compare
 PINNED = "pinned"  # the URI names an immutable revision: it cannot drift
 ERROR = "error"  # the source could not be listed
+#: ManifestFile.version of a file an adoption kept as found although it differs from the listing
+#: (modelcache.adopt, AS_FOUND): it never equals a source's version, and the file is reported
+#: changed until a refresh replaces it.
+KEPT_AS_FOUND = "kept-as-found"
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ class Drift:
 
 def compare_file(stored: ManifestFile, remote: RemoteFile) -> tuple[bool | None, str]:
     """(same?, why): True same, False differs, None cannot tell. ``why`` names what differs."""
+    if stored.version == KEPT_AS_FOUND:
+        return False, "kept as found when the folder was adopted (differs from the source)"
     if remote.size is not None and remote.size != stored.size:
         return False, f"size {stored.size} -> {remote.size}"
     shared = [c for c in remote.checksums if c.algo in stored.checksums]

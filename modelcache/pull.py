@@ -28,12 +28,18 @@ from modelcache.archive import ArchiveLimits, single_archive, unpack_archive
 from modelcache.clock import rfc3339
 from modelcache.credentials import Settings
 from modelcache.diskio import fsync_tree
-from modelcache.drift import CURRENT, Drift, compare
-from modelcache.errors import CancelledError, InsufficientSpaceError, ModelcacheError, NotFoundError
+from modelcache.drift import CHANGED, CURRENT, KEPT_AS_FOUND, Drift, compare
+from modelcache.errors import (
+    CancelledError,
+    InsufficientSpaceError,
+    IntegrityError,
+    ModelcacheError,
+    NotFoundError,
+)
 from modelcache.integrity import hash_file
 from modelcache.journal import Journal, JournalState
-from modelcache.progress import ProgressTracker, human_bytes
-from modelcache.sources.base import RemoteFile, Source, open_source
+from modelcache.progress import ProgressTracker, human_bytes, plural
+from modelcache.sources.base import RemoteFile, Source, open_source, source_class
 from modelcache.store import (
     DestLayout,
     Guard,
@@ -52,7 +58,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Kept free on the store's file system beyond the model itself.
+#: Kept free on the store's file system beyond the model itself: the default of the CLI's and the
+#: init container's ``--space-margin`` (``MODELCACHE_SPACE_MARGIN``). The agent passes its own
+#: ``--space-margin`` (256 MiB by default), which is then the only margin its pulls keep.
 SPACE_MARGIN = 64 << 20
 
 
@@ -84,6 +92,13 @@ class PullResult:
     #: Files the listing does not name, moved out of an adopted folder (and where to).
     set_aside: tuple[str, ...] = ()
     set_aside_to: str = ""
+    #: Adopted AS_FOUND (modelcache.adopt): listed files kept although they differ from the source,
+    #: and listed files absent from the folder and left out; the revision the folder was verified
+    #: at when it said which one it holds; what differs from the listing (None: nothing).
+    kept_as_found: tuple[str, ...] = ()
+    absent: tuple[str, ...] = ()
+    pinned_revision: str | None = None
+    drift: Drift | None = None
     #: Seconds from the first byte requested to the last written (``elapsed`` adds start-up,
     #: listing and publishing: the benchmarks' fixed cost is the difference).
     transfer_seconds: float = 0.0
@@ -131,7 +146,22 @@ class _Model:
     in_place: bool = False
     unpack: bool = False
     unpacked_from: str | None = None
+    #: Its files went to the transfer engine (a failure may have staged bytes worth resuming).
+    transferred: bool = False
+    #: Its staging folder was started afresh by this pull (not a resume of an earlier one).
+    fresh: bool = False
     unpacked_links: list[str] = field(default_factory=list)
+    #: Adoption (modelcache.adopt): the policy, whether the folder is someone else's, the revision
+    #: it holds (when it says) and was listed at, what was kept although it differs, what was left out.
+    adoption: str = adopt.COMPLETE
+    foreign: bool = False
+    pinned: str | None = None
+    kept_as_found: set[str] = field(default_factory=set)
+    absent: tuple[str, ...] = ()
+    adoption_drift: Drift | None = None
+    #: AS_FOUND of a model that is one archive: the archive is fetched to verify the folder with,
+    #: and its unpacked files are compared with the folder's, never merged into it.
+    compare_unpacked: bool = False
 
 
 def _store_for(location: Location, root: Path | None, dest: Path | None, guard: Guard | None) -> NodeStore:
@@ -189,6 +219,8 @@ def _prepare_staging(m: _Model, chunk_size: int) -> None:
         tmp = staging / "plan.json.tmp"
         tmp.write_text(json.dumps(plan))
         os.replace(tmp, plan_path)
+    m.fresh = fresh
+    m.store.clear_failure(m.key)  # this attempt's outcome replaces the last one's
     m.journal = Journal(str(staging / "journal"))
     m.resume = JournalState() if fresh else m.journal.load()
     # A file without a version (an HTTP server with neither ETag nor Last-Modified) may have been
@@ -226,24 +258,60 @@ def _listing(m: _Model) -> tuple[tuple[str, int | None], ...]:
     return m.listed or tuple((f.path, f.size) for f in m.files)
 
 
-def _check_space(m: _Model) -> None:
+@dataclass(frozen=True)
+class SpacePolicy:
+    """What a pull keeps free on the store's file system, and what its refusal advises.
+
+    ``advice``: the fix to name when the model does not fit (the agent's: its root holds what
+    its spec lists, so a gc there would only evict models it downloads again). None: the CLI's,
+    a gc when evicting models made here can make the room, else what can."""
+
+    margin: int = SPACE_MARGIN
+    advice: str | None = None
+
+
+def _check_space(m: _Model, policy: SpacePolicy) -> None:
     staging = m.store.layout.staging_dir(m.key) / "data"
     need = bytes_needed(m)
-    free = shutil.disk_usage(staging).free
-    if need + SPACE_MARGIN > free:
-        layout = m.store.layout
-        if isinstance(layout, NodeLayout):
-            # The exact target, rounded up to a MiB: gc then frees enough for this pull, margin included.
-            target = -(-(need + SPACE_MARGIN) // (1 << 20))
-            fix = f"free space, e.g. `modelcache gc --root {layout.root} --target-free {target}M`"
-            where = layout.root
-        else:
-            fix = "free space on that file system"
-            where = staging.parent.parent.parent
-        raise InsufficientSpaceError(
-            f"{m.location.display}: insufficient space at {where}: need {human_bytes(need)} plus a "
-            f"{human_bytes(SPACE_MARGIN)} margin kept free, {human_bytes(free)} free; {fix}"
-        )
+    usage = shutil.disk_usage(staging)
+    free, margin = usage.free, policy.margin
+    if need + margin <= free:
+        return
+    layout = m.store.layout
+    where = layout.root if isinstance(layout, NodeLayout) else staging.parent.parent.parent
+    if policy.advice is not None:
+        fix = policy.advice
+    elif usage.total < need + margin:
+        fix = (f"this file system ({human_bytes(usage.total)} in all) is too small for the model plus the margin: "
+               "pull it into a larger one" + (" (--root)" if isinstance(layout, NodeLayout) else "")
+               + (", or lower --space-margin" if margin else ""))
+    elif isinstance(layout, NodeLayout):
+        fix = _free_space_advice(m.store, m.key, layout.root, need + margin - free, need + margin)
+    else:
+        fix = "free space on that file system"
+    raise InsufficientSpaceError(
+        f"{m.location.display}: insufficient space at {where}: need {human_bytes(need)} plus a "
+        f"{human_bytes(margin)} margin kept free, {human_bytes(free)} free; {fix}"
+    )
+
+
+def _free_space_advice(store: NodeStore, key: str, root: Path, short: int, target: int) -> str:
+    """A gc only where evicting the models made here can make the room; else what can."""
+    evictable = store.evictable(keep={key})
+    reclaimable = sum(e.size for e in evictable)
+    foreign = [(e.storage_key, e.size) for e in store.entries() if not e.made]
+    if evictable and reclaimable >= short:
+        # The exact target, rounded up to a MiB: gc then frees enough for this pull, margin included.
+        return f"free space, e.g. `modelcache gc --root {root} --target-free {-(-target // (1 << 20))}M`"
+    held = ""
+    if foreign:
+        held = (f"; {len(foreign)} folder(s) under {root}/models, not made by modelcache, hold "
+                f"{human_bytes(sum(size for _k, size in foreign))} (`modelcache ls --root {root}` names them; only "
+                "`modelcache rm` of a name deletes one)")
+    if evictable:
+        return (f"evicting every model not in use ({len(evictable)}, {human_bytes(reclaimable)}) would not make "
+                f"{human_bytes(short)} more free: free space on the file system by other means{held}")
+    return f"no model of this store can be evicted to make room: free space on the file system by other means{held}"
 
 
 def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
@@ -252,8 +320,8 @@ def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
     for ff in sorted(fetched, key=lambda f: f.path):
         remote = by_path.get(ff.path)
         checks = {c.algo: c.value for c in (remote.checksums if remote else ()) if c.algo in ff.verified}
-        files.append(ManifestFile(path=ff.path, size=ff.size, xxh3=ff.xxh3, checksums=checks,
-                                  version=remote.version if remote else None))
+        version = KEPT_AS_FOUND if ff.path in m.kept_as_found else (remote.version if remote else None)
+        files.append(ManifestFile(path=ff.path, size=ff.size, xxh3=ff.xxh3, checksums=checks, version=version))
     assert m.source is not None
     return Manifest(
         storage_key=m.key,
@@ -263,7 +331,9 @@ def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
         files=files,
         created_at=rfc3339(),
         # Kept on their size alone (adopted, no checksum): never compared with the source's bytes.
-        unverified=sorted(f.path for f in m.adopted if not f.verified and f.path in {ff.path for ff in fetched}),
+        # (A file kept as found is not: it is known to differ, and reported as changed.)
+        unverified=sorted(f.path for f in m.adopted if not f.verified and f.path in {ff.path for ff in fetched}
+                          and f.path not in m.kept_as_found),
     )
 
 
@@ -285,6 +355,22 @@ def list_source(source: Source, settings: Settings) -> list[RemoteFile]:
 
 
 def _list(m: _Model, settings: Settings) -> None:
+    if m.foreign:
+        # A folder someone else filled that says which revision it holds is listed at that
+        # revision: adopted as it is, never moved to the source's current one (adopt, AS_FOUND).
+        revision = source_class(m.location.kind).revision_in(m.store.layout.model_dir(m.key))
+        pinned = m.location.at_revision(revision) if revision else None
+        if pinned is not None:
+            try:
+                m.source = open_source(pinned, settings)
+                m.files = list_source(m.source, settings)
+                m.pinned = revision
+                return
+            except NotFoundError as exc:
+                log.info("%s: the revision in the folder (%s) is not at the source any more (%s); listing its "
+                         "current one", m.location.display, revision, exc)
+                if m.source is not None:
+                    m.source.close()
     m.source = open_source(m.location, settings)
     m.files = list_source(m.source, settings)
 
@@ -373,7 +459,9 @@ def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
         files=len(manifest.files) if manifest else len(fetched),
         bytes=total,
         cached=cached,
-        elapsed=time.monotonic() - m.started,
+        # When this model was ready, not when the whole batch was (one pull of several URIs).
+        elapsed=(max((f.finished for f in fetched), default=time.monotonic()) if fetched else time.monotonic())
+        - m.started,
         verified=tuple(sorted({a for f in (manifest.files if manifest else []) for a in f.checksums})),
         refreshed=tuple(sorted({*m.drift.changed, *m.drift.added, *m.drift.unknown})) if m.drift and not cached else (),
         dropped=m.drift.removed if m.drift and not cached else (),
@@ -384,6 +472,10 @@ def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
         unverified=tuple(manifest.unverified) if manifest else (),
         set_aside=tuple(m.set_aside) if not cached else (),
         set_aside_to=str(m.store.unlisted_dir(m.key)) if m.set_aside and not cached else "",
+        kept_as_found=tuple(sorted(m.kept_as_found)) if not cached else (),
+        absent=m.absent if not cached else (),
+        pinned_revision=m.pinned if not cached else None,
+        drift=m.adoption_drift if not cached else None,
     )
 
 
@@ -425,8 +517,40 @@ def _unpack_single_archive(m: _Model, fetched: list[FetchedFile]) -> list[Fetche
             continue
         size = p.stat().st_size
         files.append(FetchedFile(rel, size, hash_file(p, size=size).local_hexdigest(), ()))
-    log.info("%s: unpacked %s (%d files)", m.location.display, name, len(files))
-    return files
+    log.info("%s: unpacked %s (%s)", m.location.display, name, plural(len(files), "file"))
+    return _compare_unpacked(m, files) if m.compare_unpacked else files
+
+
+def _compare_unpacked(m: _Model, unpacked: list[FetchedFile]) -> list[FetchedFile]:
+    """AS_FOUND of a folder another tool unpacked from the archive: each of its files is held
+    against the archive's (hashed on disk). The same bytes are kept as verified by the archive;
+    others are kept as found and reported as drift, as are the archive's files the folder lacks.
+    The staged tree is dropped: nothing is merged into the folder pods read."""
+    folder = m.store.layout.model_dir(m.key)
+    data = m.store.layout.staging_dir(m.key) / "data"
+    kept: list[FetchedFile] = []
+    absent: list[str] = []
+    for f in unpacked:
+        have = adopt.as_found(folder, f.path)
+        if have is None:
+            absent.append(f.path)
+            continue
+        if (have.size, have.xxh3) != (f.size, f.xxh3):
+            m.kept_as_found.add(f.path)
+        kept.append(have)
+    shutil.rmtree(data, ignore_errors=True)
+    data.mkdir(parents=True)
+    if not kept:
+        raise ModelcacheError(f"{m.location.display}: the folder {folder} holds none of the {len(unpacked)} files of "
+                              f"{m.unpacked_from}; it is not this model's")
+    m.absent = tuple(sorted(absent))
+    if m.kept_as_found or m.absent:
+        changed = tuple(sorted(m.kept_as_found))
+        parts = [f"{len(changed)} differ from {m.unpacked_from} ({', '.join(changed[:3])})" if changed else "",
+                 f"{len(absent)} of {m.unpacked_from} missing ({', '.join(m.absent[:3])})" if absent else ""]
+        m.adoption_drift = Drift(storage_key=m.key, uri=m.location.display, state=CHANGED, changed=changed,
+                                 added=m.absent, message="kept as found: " + "; ".join(p for p in parts if p))
+    return kept
 
 
 def _still_archive(m: _Model) -> bool:
@@ -437,24 +561,72 @@ def _still_archive(m: _Model) -> bool:
     return manifest is not None and single_archive([f.path for f in manifest.files]) is not None
 
 
+#: Seconds between the "verifying" progress lines of a long adoption (hashing a big folder).
+ADOPT_PROGRESS_EVERY = 10.0
+
+
 def _adopt(m: _Model) -> None:
     """A folder already there without our manifest (a KServe node agent's, a finished init
-    container's): keep what matches the listing, fetch only the rest, install in place."""
-    if not adopt.applies(m.store, m.key):
+    container's): keep what matches the listing, and for the rest follow ``m.adoption``
+    (modelcache.adopt: fetch it, or keep it as found and report the drift); install in place."""
+    if not m.foreign:
         return
     m.in_place = True
     if m.source is not None and m.source.extracts_itself:
         return  # layers, not files: extracted again and merged into the folder
     folder = m.store.layout.model_dir(m.key)
-    found = adopt.check(folder, m.files)
-    m.adopted, m.skip = found.kept, {i for i in range(len(m.files)) if i not in set(found.fetch)}
+    as_found = m.adoption == adopt.AS_FOUND and m.pinned is None
+    listed = list(m.files)
+    total = sum(f.size or 0 for f in listed)
+    state = {"done": 0, "last": time.monotonic()}
+
+    def on_file(path: str, size: int) -> None:
+        state["done"] += size
+        now = time.monotonic()
+        if now - state["last"] >= ADOPT_PROGRESS_EVERY:
+            state["last"] = now
+            log.info("%s: verifying the folder in place: %s of %s hashed", m.location.display,
+                     human_bytes(state["done"]), human_bytes(total))
+
+    if as_found and m.unpack and single_archive([f.path for f in listed]) is not None:
+        # The other tool unpacked the archive and deleted it (KServe does): only the archive can
+        # tell whether the files are its own, so it is fetched (its checksum verified), unpacked
+        # beside the folder and compared with it file by file (_compare_unpacked); nothing is merged.
+        as_found, m.compare_unpacked = False, True
+    found = adopt.check(folder, m.files, on_file, keep_differing=as_found)
+    kept = [*found.kept, *(f for _i, f in found.differ)]
+    fetch = [m.files[i] for i in found.fetch]
+    if as_found:
+        # Reported complete: what is missing was added at the source since (or never part of what
+        # the other tool fetched); only empty files are created, nothing else is fetched.
+        m.absent = tuple(f.path for f in fetch if (f.size or 0) > 0)
+        m.kept_as_found = {f.path for _i, f in found.differ}
+        if not kept:
+            raise ModelcacheError(f"{m.location.display}: the folder {folder} holds none of the {len(listed)} "
+                                  "files the source lists; it is not this model's")
+        absent = set(m.absent)
+        m.files = [f for f in m.files if f.path not in absent]
+        fetch = [f for f in fetch if f.path not in absent]
+        if m.absent or m.kept_as_found:
+            assert m.source is not None
+            stored = Manifest(storage_key=m.key, uri=m.location.display, resolved_uri=m.location.display,
+                              revision=None, created_at="", files=[
+                                  ManifestFile(f.path, f.size, f.xxh3, version=KEPT_AS_FOUND
+                                               if f.path in m.kept_as_found else None) for f in kept])
+            fetched = {f.path for f in fetch}  # (empty files: fetched now, so current)
+            m.adoption_drift = compare(stored, [f for f in listed if f.path not in fetched],
+                                       m.source.resolved_revision)
+    kept_paths = {f.path for f in kept}
+    m.adopted = kept
+    m.skip = {i for i, f in enumerate(m.files) if f.path in kept_paths}
     if found.size_only:
         log.warning("adopted files kept on their size alone: the source gives no checksum", extra={"fields": {
             "uri": m.location.display, "files": found.size_only}})
     log.info("adopting a model folder that has no manifest", extra={"fields": {
-        "uri": m.location.display, "folder": str(folder), "files": len(m.files), "kept": len(found.kept),
-        "kept_bytes": found.kept_bytes, "size_only": found.size_only, "fetch": len(found.fetch),
-        "fetch_files": ",".join(m.files[i].path for i in found.fetch[:20])}})
+        "uri": m.location.display, "folder": str(folder), "files": len(listed), "kept": len(found.kept),
+        "kept_bytes": found.kept_bytes, "size_only": found.size_only, "fetch": len(fetch),
+        "fetch_files": ",".join(f.path for f in fetch[:20]), "policy": m.adoption, "revision": m.pinned or "",
+        "kept_as_found": ",".join(sorted(m.kept_as_found)[:20]), "absent": ",".join(m.absent[:20])}})
 
 
 def _extract(m: _Model, progress: ProgressTracker, cancel: threading.Event | None = None) -> list[FetchedFile] | None:
@@ -502,6 +674,24 @@ def _extract(m: _Model, progress: ProgressTracker, cancel: threading.Event | Non
     return out
 
 
+def _settle_failure(m: _Model) -> None:
+    """A failed model (not a cancelled one: that is a resume) keeps what it staged, with the
+    reason beside it; a staged download that holds no byte yet goes (caller holds the lock)."""
+    if isinstance(m.error, CancelledError) or not isinstance(m.store.layout, NodeLayout):
+        return
+    if m.journal is None or not m.store.layout.staging_dir(m.key).is_dir():
+        return
+    # Staged afresh and refused before its transfer began (no space, the admission), or its bytes
+    # refused by their checksum (a wrong #sha256= pin, a corrupt object): nothing worth resuming
+    # from is staged. (What an earlier, interrupted pull staged stays for the next one.)
+    if (m.fresh and not m.transferred) or isinstance(m.error, IntegrityError):
+        m.journal.close()
+        m.store.drop_staging(m.key)
+        return
+    reason = getattr(m.error, "reason", None) or type(m.error).__name__
+    m.store.record_failure(m.key, reason, " ".join(str(m.error).split()).removeprefix(f"{m.location.display}: "))
+
+
 def _check_cancel(cancel: threading.Event | None, m: _Model) -> None:
     if cancel is not None and cancel.is_set():
         raise CancelledError(f"{m.location.display}: download cancelled (staged data kept for a resume)")
@@ -535,6 +725,13 @@ class StagedPull:
     bytes_total: int
     files: int
     running: bool
+    #: Why its last attempt failed ("reason: message"); "" for one that was interrupted.
+    failure: str = ""
+
+    @property
+    def state(self) -> str:
+        """pulling (a process holds it now), failed (with ``failure``) or interrupted."""
+        return "pulling" if self.running else "failed" if self.failure else "interrupted"
 
     @property
     def percent(self) -> float:
@@ -565,7 +762,7 @@ def staged_pulls(store: NodeStore) -> list[StagedPull]:
                 done += sum(min(n, chunk) for (fi, _c), n in state.chunks.items() if fi == i)
         total = sum(size for _p, size in files)
         out.append(StagedPull(folder.name, str(plan.get("uri") or ""), min(done, total), total, len(files),
-                              store.busy(folder.name)))
+                              store.busy(folder.name), store.failure(folder.name) or ""))
     return out
 
 
@@ -584,6 +781,8 @@ def pull_many(
     only: Collection[str] | None = None,
     unpack: bool | None = None,
     peers: PeerNetwork | None = None,
+    space: SpacePolicy | None = None,
+    adoption: str = adopt.COMPLETE,
 ) -> list[PullResult | ModelcacheError | BaseException]:
     """Pull several models with one worker pool; one result or error per URI, in order.
 
@@ -604,12 +803,18 @@ def pull_many(
     contents, as KServe's download Job does.
 
     A model folder that is there without our manifest (KServe's node agent filled it) is
-    adopted: files that match the listing are kept, only the others are fetched (``adopt``).
+    adopted: files that match the listing are kept; ``adoption`` says what happens to the others
+    (``adopt.COMPLETE``: fetched; ``adopt.AS_FOUND``, for a folder reported complete: kept as they
+    are and reported as drift), and a folder that says which revision it holds is listed at it.
     ``peers`` (the agent's) lets other nodes' agents serve pieces of the models and this node
     serve what it fetched (``modelcache.peers``); files are verified exactly as without. Not for
     a model adopted in place or unpacked from one archive: their pieces would not be the bytes
-    published.
+    published. ``space``: the margin kept free and what a refusal advises (``SpacePolicy``).
+
+    A model that fails keeps what it staged, with the failure recorded beside it (``ls`` shows
+    it failed, with the reason); one that failed before staging a byte leaves nothing behind.
     """
+    space = space or SpacePolicy()
     options = (options or TransferOptions()).normalized()
     if peers is not None:
         # With peers the engine's chunks are pieces: each worker waits on (or reads) one piece,
@@ -632,7 +837,8 @@ def pull_many(
             order.append(exc)
             continue
         models.setdefault(loc.storage_key, _Model(loc, store, loc.storage_key,
-                                                  unpack=unpack if unpack is not None else rootp is not None))
+                                                  unpack=unpack if unpack is not None else rootp is not None,
+                                                  adoption=adoption))
         order.append(loc.storage_key)
     if destp is not None and len(models) > 1:
         raise ModelcacheError("a destination folder holds one model: pull several URIs into a store root")
@@ -666,6 +872,8 @@ def pull_many(
                         m.result = _finish(m, [], cached=True)
                         continue
                     _check_cancel(cancel, m)
+                    # A folder someone else filled (adopt.applies: the store has no record of it).
+                    m.foreign = not present and adopt.applies(m.store, m.key)
                     _list(m, settings)
                     assert m.source is not None
                     if only is not None and not m.source.extracts_itself:
@@ -716,7 +924,7 @@ def pull_many(
                     if admit is not None and not admitted:
                         admit(PullPlan(m.location, m.key, sum(f.size or 0 for f in m.files), bytes_needed(m),
                                        len(m.files), m.source.resolved_revision, _listing(m)))
-                    _check_space(m)
+                    _check_space(m, space)
                     data = m.store.layout.staging_dir(m.key) / "data"
                     assert m.journal is not None
                     if peers is not None and not m.in_place and not (
@@ -724,12 +932,13 @@ def pull_many(
                         m.source = peers.attach(m.key, m.source, m.files, data.parent, m.journal, options.chunk_size,
                                                 m.resume, options.max_workers or options.workers,
                                                 options.stall_timeout)
+                    m.transferred = True
                     for i, f in enumerate(m.files):
                         if i in m.skip:
                             continue
                         jobs.append(FileJob(m.source, f, str(data / f.path), m.journal, i, m.key, m.resume))
                 except BaseException as exc:
-                    m.error = exc
+                    m.error = _name_uri(exc, m.location.display)  # every error names its model
             if jobs:
                 engine = TransferEngine(options, progress)
                 watcher = _cancel_watcher(cancel, engine)
@@ -748,6 +957,9 @@ def pull_many(
                                                            transfer_seconds=engine.transfer_seconds(key))
                         except BaseException as exc:  # e.g. no space for the manifest: name the URI
                             m.error = _name_uri(exc, m.location.display)
+            for m in models.values():
+                if m.error is not None and m.result is None:
+                    _settle_failure(m)
     finally:
         for m in models.values():
             if m.journal is not None:
@@ -798,11 +1010,13 @@ def pull(
     only: Collection[str] | None = None,
     unpack: bool | None = None,
     peers: PeerNetwork | None = None,
+    space: SpacePolicy | None = None,
+    adoption: str = adopt.COMPLETE,
 ) -> PullResult:
     """Pull one model; raises its error."""
     (result,) = pull_many([uri], root=root, dest=dest, settings=settings, options=options, progress=progress,
                           admit=admit, cancel=cancel, guard=guard, refresh=refresh, only=only, unpack=unpack,
-                          peers=peers)
+                          peers=peers, space=space, adoption=adoption)
     if isinstance(result, BaseException):
         raise result
     return result

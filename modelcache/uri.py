@@ -7,6 +7,7 @@ order (Azure hosts before generic HTTPS), so a new backend is one class and one 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -44,12 +45,23 @@ def storage_key(uri: str) -> str:
 
 
 def _invalid(uri: str, why: str) -> InvalidURIError:
-    """The one invalid-URI error: the URI redacted, and no secret part of it in ``why`` either."""
+    """The one invalid-URI error: the URI redacted, and no secret part of it in ``why`` either.
+    It ends with the form its scheme takes (nothing more when ``why`` says it already), and with
+    every accepted form only when the scheme is not one we know."""
     from modelcache.backends import external
 
-    forms = "; ".join((*ACCEPTED_FORMS, *(b.form for b in external())))
+    forms = (*ACCEPTED_FORMS, *(b.form for b in external()))
+    scheme = uri.partition("://")[0].lower() if isinstance(uri, str) and "://" in uri else ""
+    scheme = {"https": "http", "webhdfs": "hdfs"}.get(scheme, scheme)
+    mine = [f for f in forms if scheme and f.startswith((scheme + "://", scheme + "(s)://"))]
+    if "expected " in why:
+        tail = ""
+    elif mine:
+        tail = f". Accepted form: {mine[0]}"
+    else:
+        tail = f". Accepted forms: {'; '.join(forms)}"
     why = printable(scrub_parts(why, uri))
-    return InvalidURIError(f"invalid storage URI '{redact_uri(uri)}': {why}. Accepted forms: {forms}")
+    return InvalidURIError(f"invalid storage URI '{redact_uri(uri)}': {why}{tail}")
 
 
 def _no_dot_segments(uri: str, path: str, what: str) -> None:
@@ -94,6 +106,11 @@ class Location:
         """The URI as safe to print: no query string (it may hold a SAS token or signature)."""
         return redact_uri(self.uri)
 
+    def at_revision(self, revision: str) -> Location | None:
+        """The same URI (and storage key) pinned to an immutable ``revision`` of its source, for
+        listing it there; None: this kind of source has no such revisions."""
+        return None
+
     def digest_pin(self) -> tuple[str, str] | None:
         """(algo, hex) the URI itself pins the model's one file to, if it does (``#sha256=``)."""
         return None
@@ -121,14 +138,23 @@ def register_location(
     return deco
 
 
-def _split_bucket(uri: str, scheme: str) -> tuple[str, str]:
+#: GCS's own rule (google-cloud-storage refuses other names before any request).
+_GCS_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,221}[a-z0-9]")
+#: What boto3 sends, which is what KServe accepts for ``s3://`` (it hands the URI's host part to
+#: boto3 unchanged): botocore's VALID_BUCKET. Upper case and ``_`` are legacy us-east-1 names and
+#: Ceph's relaxed names; botocore addresses them path-style.
+_S3_BUCKET = re.compile(r"[A-Za-z0-9._-]{1,255}")
+
+
+def _split_bucket(uri: str, scheme: str, rule: re.Pattern[str]) -> tuple[str, str]:
     rest = uri[len(scheme) + 3 :]
     bucket, _, prefix = rest.partition("/")
     if not bucket:
         raise _invalid(uri, "missing bucket name")
-    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{1,221}[a-z0-9]", bucket) or ".." in bucket:
+    if not rule.fullmatch(bucket) or ".." in bucket:
+        # ('..' anywhere: a path-style URL would carry it as a dot segment, naming another bucket.)
         raise _invalid(uri, f"'{bucket}' is not a valid bucket name")
-    if re.fullmatch(r"[0-9]+(\.[0-9]+){3}", bucket):
+    if scheme == "gs" and re.fullmatch(r"[0-9]+(\.[0-9]+){3}", bucket):
         raise _invalid(uri, f"'{bucket}' is not a valid bucket name (an IP address)")
     _no_dot_segments(uri, prefix, "the object key prefix")
     return bucket, prefix
@@ -139,12 +165,13 @@ class _BucketLocation(Location):
     """``<scheme>://bucket[/prefix]``: a bucket and a key prefix, as S3 and GCS write them."""
 
     scheme: ClassVar[str]
+    bucket_rule: ClassVar[re.Pattern[str]]
     bucket: str = ""
     prefix: str = ""
 
     @classmethod
     def parse(cls, uri: str) -> Self:
-        bucket, prefix = _split_bucket(uri, cls.scheme)
+        bucket, prefix = _split_bucket(uri, cls.scheme, cls.bucket_rule)
         return cls(uri=uri, bucket=bucket, prefix=prefix)
 
 
@@ -152,16 +179,26 @@ class _BucketLocation(Location):
 @dataclass(frozen=True)
 class S3Location(_BucketLocation):
     scheme = "s3"
+    bucket_rule = _S3_BUCKET
 
 
 @register_location(lambda u: u.startswith("gs://"))
 @dataclass(frozen=True)
 class GCSLocation(_BucketLocation):
     scheme = "gs"
+    bucket_rule = _GCS_BUCKET
 
 
-_AZURE_BLOB = re.compile(r"^https://([^./]+)\.blob\.core\.windows\.net/|^https://([^./]+)\.z[0-9]{1,2}\.blob\.storage\.azure\.net/")
-_AZURE_FILE = re.compile(r"^https://([^./]+)\.file\.core\.windows\.net/|^https://([^./]+)\.z[0-9]{1,2}\.file\.storage\.azure\.net/")
+# KServe (kserve_storage.py, _AZURE_BLOB_RE) tries `https://(.+?).blob.core.windows.net/(.+)`
+# unanchored, so any host ending so is Azure Blob: the account's own, and Private Link's
+# `<account>.privatelink.blob.core.windows.net`; the account is the host's first label. Anchored
+# here to the host (KServe's would also take `https://evil.example/x.blob.core.windows.net/...`
+# and send it Azure credentials).
+_AZURE_HOST = r"^https://([^./?#@:]+)(?:\.[^./?#@:]+)*?"
+_AZURE_BLOB = re.compile(_AZURE_HOST + r"\.blob\.core\.windows\.net(?::[0-9]+)?/|"
+                         + _AZURE_HOST + r"\.z[0-9]{1,2}\.blob\.storage\.azure\.net(?::[0-9]+)?/")
+_AZURE_FILE = re.compile(_AZURE_HOST + r"\.file\.core\.windows\.net(?::[0-9]+)?/|"
+                         + _AZURE_HOST + r"\.z[0-9]{1,2}\.file\.storage\.azure\.net(?::[0-9]+)?/")
 
 
 @register_location(lambda u: bool(_AZURE_FILE.match(u)))
@@ -233,6 +270,9 @@ class HFLocation(Location):
         if ".." in segments[2:]:
             raise _invalid(uri, "sub-folder must not contain '..'")
         return cls(uri=uri, repo_id=repo_id, revision=revision, subfolder=sub)
+
+    def at_revision(self, revision: str) -> HFLocation | None:
+        return dataclasses.replace(self, revision=revision) if re.fullmatch(r"[0-9a-f]{40}", revision) else None
 
 
 _OCI_SCHEMES = ("oci://", "oci+fetch://", "oci+modelcar://", "oci+native://")

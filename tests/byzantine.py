@@ -5,6 +5,7 @@ It holds a copy of the model (files in path order) and answers any storage key a
 digest with it: what a peer that read the same origin would serve. ``Lies`` says how it lies:
 
 - ``forge``: wrong bytes, advertised under the sha-256 of those wrong bytes;
+- ``keep_crc32c``: with ``forge``, wrong bytes that keep each file's crc32c (GCS's checksum);
 - ``flip``: wrong bytes under the true hashes;
 - ``tail``: the right piece, then an endless tail (``Content-Length`` of a terabyte, 1 KiB/s);
 - ``trickle``: one byte every ``trickle`` seconds;
@@ -39,6 +40,7 @@ from modelcache.peers.protocol import parse_path, parse_range
 @dataclass
 class Lies:
     forge: bool = False
+    keep_crc32c: bool = False
     flip: bool = False
     tail: bool = False
     trickle: float = 0.0
@@ -55,6 +57,51 @@ _FLIP = bytes(b ^ 0x5A for b in range(256))
 
 def _wrong(data: bytes) -> bytes:
     return data.translate(_FLIP)
+
+
+def crc32c_kept(data: bytes) -> bytes:
+    """Other bytes of the same length and crc32c: the first 64 bytes flipped, and the 4 after them
+    chosen to bring the crc32c back. A CRC is affine over GF(2): for one length, crc(a ^ d) =
+    crc(a) ^ crc(d) ^ crc(0...0), so the patch solves 32 linear equations in its 32 bits (any 32
+    consecutive bits are independent for a CRC of degree 32). Whoever knows a file can do this:
+    a CRC is no proof against a peer that forges on purpose."""
+    import google_crc32c
+
+    size = len(data)
+    assert size >= 68, "too short to forge"
+    zero = google_crc32c.value(bytes(size))
+
+    def lin(delta: bytes) -> int:
+        return int(google_crc32c.value(delta) ^ zero)
+
+    flip = _wrong(data[:64]) + bytes(size - 64)
+    delta = bytes(a ^ b for a, b in zip(flip[:64], data[:64], strict=True)) + bytes(size - 64)
+    target = lin(delta)
+    basis = []  # (crc contribution, patch bits) per bit of bytes 64..67
+    for bit in range(32):
+        one = bytearray(size)
+        one[64 + bit // 8] = 1 << (bit % 8)
+        basis.append((lin(bytes(one)), 1 << bit))
+    # Gaussian elimination over GF(2): find patch bits whose contributions XOR to ``target``.
+    rows: list[tuple[int, int]] = []
+    for value, bits in basis:
+        for rv, rb in rows:
+            if value ^ rv < value:
+                value, bits = value ^ rv, bits ^ rb
+        if value:
+            rows.append((value, bits))
+            rows.sort(reverse=True)
+    patch, rest = 0, target
+    for rv, rb in rows:
+        if rest ^ rv < rest:
+            rest, patch = rest ^ rv, patch ^ rb
+    assert rest == 0, "the patch bits span every crc32c"
+    forged = bytearray(data)
+    forged[:64] = _wrong(data[:64])
+    for i in range(4):
+        forged[64 + i] ^= (patch >> (8 * i)) & 0xFF
+    assert google_crc32c.value(bytes(forged)) == google_crc32c.value(data) and bytes(forged) != data
+    return bytes(forged)
 
 
 @dataclass
@@ -74,6 +121,8 @@ class ByzantinePeer:
         from modelcache.peers.server import cert_fingerprint
 
         self.paths = sorted(self.files)
+        #: What it serves and vouches for when it lies about the bytes (forge, flip).
+        self.wrong = {p: crc32c_kept(d) if self.lies.keep_crc32c else _wrong(d) for p, d in self.files.items()}
         cert, key = generate_self_signed(self.tls_dir, [self.host])
         self.fingerprint = cert_fingerprint(cert.read_text())
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -117,14 +166,9 @@ class ByzantinePeer:
 
     # ---- what it says ------------------------------------------------------------------------
 
-    def piece_bytes(self, ci: int, piece: int) -> bytes:
-        data = self.files[self.paths[ci]]
-        start, end = piece_span(len(data), self.piece_size, piece)
-        return data[start:end]
-
     def served_bytes(self, ci: int, start: int, end: int) -> bytes:
-        data = self.files[self.paths[ci]][start:end]
-        return _wrong(data) if self.lies.forge or self.lies.flip else data
+        lying = self.lies.forge or self.lies.flip
+        return (self.wrong if lying else self.files)[self.paths[ci]][start:end]
 
     def have_doc(self) -> dict[str, Any]:
         pieces, fetching = [], []
@@ -133,8 +177,8 @@ class ByzantinePeer:
                 if self.lies.claim_all:
                     fetching.append([ci, p])
                     continue
-                body = self.piece_bytes(ci, p)
-                h = hash_piece(_wrong(body) if self.lies.forge else body)
+                start, end = piece_span(len(self.files[path]), self.piece_size, p)
+                h = hash_piece((self.wrong if self.lies.forge else self.files)[path][start:end])
                 pieces.append([ci, p, h, int(self.lies.origin)])
         if self.lies.bogus_indices:
             pieces += [[0, 10**6 + i, "0" * 64, 1] for i in range(20)]

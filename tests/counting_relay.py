@@ -4,21 +4,25 @@ initializer, ours, an agent) and however (ranges, several connections).
 
 It counts TCP payload from the origin to its clients, HTTP headers included, so zero means no
 request at all reached the origin. The bytes are streamed (nothing is buffered whole), so a
-multi-gigabyte model passes at full speed.
+multi-gigabyte model passes at full speed, unless a test sets ``rate`` (bytes per second from the
+origin, all connections together) to keep a download under way long enough to act on it.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 
 
 class CountingRelay:
     """Listens on ``host`` (a free port) and relays every connection to ``upstream``."""
 
-    def __init__(self, host: str, upstream: tuple[str, int]) -> None:
+    def __init__(self, host: str, upstream: tuple[str, int], rate: int = 0) -> None:
         self.upstream = upstream
+        self.rate = rate
         self._lock = threading.Lock()
+        self._next_free = 0.0  # when the rate limit lets the next byte go
         self._down = 0
         self._connections = 0
         self._listener = socket.create_server((host, 0))
@@ -72,6 +76,8 @@ class CountingRelay:
                 n = src.recv_into(buf)
                 if n == 0:
                     break
+                if count:
+                    self._throttle(n)
                 dst.sendall(view[:n])
                 if count:
                     with self._lock:
@@ -87,6 +93,17 @@ class CountingRelay:
                 s.close()
             with self._lock:
                 self._open -= {src, dst}
+
+    def _throttle(self, n: int) -> None:
+        with self._lock:
+            rate = self.rate
+            if rate <= 0:
+                return
+            now = time.monotonic()
+            start = max(now, self._next_free)
+            self._next_free = start + n / rate
+            wait = self._next_free - now
+        time.sleep(wait)
 
     def close(self) -> None:
         self._listener.close()

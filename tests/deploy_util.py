@@ -136,17 +136,26 @@ def serve_webhooks(cluster: Cluster, workdir: Path, *extra: str) -> CoordinatorP
     return coordinator
 
 
-def image_overlay(folder: Path, ref: str) -> Path:
+def image_overlay(folder: Path, ref: str, host_root: str | None = None) -> Path:
     """A kustomize overlay of deploy/ that only sets the image reference (to ``ref``, an image a
     test built), as a user's overlay for a private registry does: `kubectl apply -k` it. The tag is
-    not `latest`, so the pull policy stays IfNotPresent and a node that has the image runs it."""
+    not `latest`, so the pull policy stays IfNotPresent and a node that has the image runs it.
+    ``host_root``: the agents' host folder (volume ``hostroot``) set as deploy/agent/daemonset.yaml
+    says to change it."""
     shipped = next(i for i in yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["images"])
     name, _, tag = ref.rpartition(":")
     assert name and tag and tag != "latest", f"{ref}: an image reference with a tag other than latest"
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "kustomization.yaml").write_text(yaml.safe_dump({
+    kustomization: Obj = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "resources": [os.path.relpath(DEPLOY, folder)],
         "images": [{"name": shipped["newName"], "newName": name, "newTag": tag}],
-    }))
+    }
+    if host_root:
+        kustomization["patches"] = [{"patch": yaml.safe_dump({
+            "apiVersion": "apps/v1", "kind": "DaemonSet",
+            "metadata": {"name": "modelcache-agent", "namespace": NAMESPACE},
+            "spec": {"template": {"spec": {"volumes": [
+                {"name": "hostroot", "hostPath": {"path": host_root, "type": "DirectoryOrCreate"}}]}}}})}]
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
     return folder

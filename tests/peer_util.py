@@ -88,7 +88,7 @@ def pull_all(nodes: list[Node], uri: str, **options: Any) -> dict[str, object]:
 
     def run(node: Node) -> None:
         try:
-            results[node.name] = pull(uri, root=node.root, peers=node.network,
+            results[node.name] = pull(uri, root=node.root, peers=node.network, settings=options.get("settings"),
                                       options=TransferOptions(chunk_size=MiB, workers=options.get("workers", 3),
                                                               stall_timeout=options.get("stall_timeout", 30.0)))
         except BaseException as exc:  # reported below

@@ -22,6 +22,7 @@ from tests.node_util import safetensors
 RUNTIME = "modelcache-serve"
 ACCESS_KEY, SECRET_KEY = "test-key", "test-secret"  # moto takes any
 MODEL_FORMAT = "safetensors"
+AGENT_PODS = "app.kubernetes.io/name=modelcache-agent"
 
 
 @dataclass
@@ -61,13 +62,15 @@ class Origin:
 
 
 @contextmanager
-def origin_for_pods(cluster: NodeCluster) -> Iterator[Origin]:
+def origin_for_pods(cluster: NodeCluster, rate: int = 0) -> Iterator[Origin]:
+    """``rate``: bytes per second the relay lets through (0: no limit), to keep a download under
+    way long enough for a test to act on it."""
     from moto.server import ThreadedMotoServer
 
     port = free_port()
     server = ThreadedMotoServer(ip_address=cluster.host_ip, port=port, verbose=False)
     server.start()
-    relay = CountingRelay(cluster.host_ip, (cluster.host_ip, port))
+    relay = CountingRelay(cluster.host_ip, (cluster.host_ip, port), rate=rate)
     try:
         yield Origin(relay, f"http://{cluster.host_ip}:{port}")
     finally:
@@ -75,14 +78,20 @@ def origin_for_pods(cluster: NodeCluster) -> Iterator[Origin]:
         server.stop()
 
 
-def s3_credentials(cluster: NodeCluster, namespace: str, origin: Origin, name: str = "models-s3") -> str:
+def s3_credentials(cluster: NodeCluster, namespace: str, origin: Origin, name: str = "models-s3",
+                   kserve_config: bool = True) -> str:
     """A Secret and ServiceAccount as KServe takes S3 credentials (endpoint annotations); the
-    ServiceAccount's name."""
+    ServiceAccount's name. The Secret's keys are spelled as KServe's shipped ConfigMap reads them
+    (``kserve_config``, what `kserve.install` applies), else as its code's default reads them (a
+    cluster without KServe): a Secret of the other spelling is skipped, by KServe and by us."""
+    from agent.credentials import S3_KEY_SPELLINGS
+
+    access, secret_key = S3_KEY_SPELLINGS[1 if kserve_config else 0]
     secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {
         "name": name, "namespace": namespace, "annotations": {
             "serving.kserve.io/s3-endpoint": origin.endpoint, "serving.kserve.io/s3-usehttps": "0",
             "serving.kserve.io/s3-region": "us-east-1"}},
-        "stringData": {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}}
+        "stringData": {access: ACCESS_KEY, secret_key: SECRET_KEY}}
     account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": namespace},
                "secrets": [{"name": name}]}
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([secret, account]))
@@ -121,3 +130,74 @@ def served_files(log: str) -> dict[str, str]:
             parts = line.split()
             out[parts[2]] = parts[-1].split(":", 1)[1]
     return out
+
+
+def node_group(name: str, size: str = "2Gi", path: str = "/models", nodes: list[str] | None = None) -> dict[str, Any]:
+    """A LocalModelNodeGroup whose PVs are ``local`` at ``path`` (the agent DaemonSet's host path)
+    on KServe's local-model nodes, or on the named ``nodes`` only."""
+    term = ({"key": "kubernetes.io/hostname", "operator": "In", "values": nodes} if nodes
+            else {"key": "kserve/localmodel", "operator": "In", "values": ["worker"]})
+    return {"apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelNodeGroup",
+            "metadata": {"name": name}, "spec": {"storageLimit": size, "persistentVolumeSpec": {
+                "accessModes": ["ReadWriteOnce"], "capacity": {"storage": size}, "local": {"path": path},
+                "storageClassName": "local-storage", "persistentVolumeReclaimPolicy": "Delete",
+                "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [term]}]}}},
+                "persistentVolumeClaimSpec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "local-storage",
+                                              "resources": {"requests": {"storage": size}}}}}
+
+
+def model_cache(name: str, uri: str, groups: list[str], service_account: str | None, size: str = "128Mi"
+                ) -> dict[str, Any]:
+    spec: dict[str, Any] = {"sourceModelUri": uri, "modelSize": size, "nodeGroups": groups}
+    if service_account:
+        spec["serviceAccountName"] = service_account
+    return {"apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelCache", "metadata": {"name": name},
+            "spec": spec}
+
+
+def model_states(cluster: NodeCluster, node: str) -> dict[str, str]:
+    """The agent's modelStatus on ``node``'s LocalModelNode: {status key: state}."""
+    status, body = cluster.cp.raw(f"/apis/serving.kserve.io/v1alpha1/localmodelnodes/{node}")
+    if status != 200:
+        return {}
+    return {k: v if isinstance(v, str) else v.get("state", "") for k, v in
+            ((json.loads(body).get("status") or {}).get("modelStatus") or {}).items()}
+
+
+def sha256_files(folder: Any) -> dict[str, str]:
+    """{file: sha256} of the files of a folder (a model as a node holds it)."""
+    out = {}
+    for path in folder.iterdir():
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        out[path.name] = h.hexdigest()
+    return out
+
+
+def wait_downloaded(cluster: NodeCluster, key: str, nodes: tuple[str, ...] = ("node-1", "node-2"),
+                    timeout: float = 300) -> None:
+    """Until each node's agent reports ``key`` ModelDownloaded; else the states and the agents' logs."""
+    import time
+
+    for node in nodes:
+        deadline = time.monotonic() + timeout
+        while model_states(cluster, node).get(key) != "ModelDownloaded":
+            if time.monotonic() > deadline:
+                logs = cluster.kubectl("logs", "-n", "modelcache-system", "-l", AGENT_PODS, "-c", "agent",
+                                       "--tail=40", "--prefix", check=False).stdout
+                raise AssertionError(f"{key} not downloaded on {node} after {timeout:.0f} s: states "
+                                     f"{model_states(cluster, node)}; the agents' logs end:\n{logs}")
+            time.sleep(0.5)
+
+
+def install(cluster: NodeCluster, image_ref: str, folder: Any, host_root: str | None = None) -> None:
+    """deploy/ as pods (an overlay in ``folder`` setting the image, and the host root if given),
+    until the agents and both coordinators are rolled out."""
+    from tests.deploy_util import image_overlay
+
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-k",
+                    str(image_overlay(folder, image_ref, host_root)))
+    for what in ("daemonset/modelcache-agent", "deployment/modelcache-coordinator"):
+        cluster.kubectl("rollout", "status", "-n", "modelcache-system", what, "--timeout=300s", timeout=330)

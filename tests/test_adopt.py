@@ -209,6 +209,103 @@ def test_a_folder_kserve_unpacked_from_an_archive_gets_the_archive_once_and_stay
     assert NodeStore.at(root).is_present(storage_key(uri))
 
 
+def test_a_folder_reported_complete_is_adopted_as_found_and_what_changed_is_drift_not_a_rewrite(moto_s3, tmp_path):
+    """M3 of the v0.20 audit: KServe downloaded the model, then the objects were rewritten at the
+    source. Adopted AS_FOUND (the folder was reported ModelDownloaded), nothing under the pods
+    changes: the rewritten file is kept as KServe left it and reported changed, a file added at
+    the source is reported added, an empty one is created (KServe skips empty objects); 0 bytes
+    of the model are read from the origin."""
+    from modelcache.adopt import AS_FOUND
+    from modelcache.drift import CHANGED, KEPT_AS_FOUND
+    from modelcache.pull import check_drift
+
+    bucket = moto_s3.new_bucket()
+    s3 = moto_s3.client()
+    old = {"config.json": b'{"v": 1}', "w/a.bin": os.urandom(300_000), "w/b.bin": os.urandom(200_000)}
+    new = {**old, "w/b.bin": os.urandom(200_000), "w/c.bin": os.urandom(50_000), "empty.txt": b""}
+    for rel, data in new.items():
+        s3.put_object(Bucket=bucket, Key=f"m/{rel}", Body=data)  # the source today
+    host, port = moto_s3.endpoint.removeprefix("http://").split(":")
+    with FaultProxy((host, int(port))) as proxy:
+        uri = f"s3://{bucket}/m"
+        root = tmp_path / "root"
+        folder = _kserve_fill(root, uri, old)  # what KServe downloaded before the rewrite
+        inodes = {rel: (folder / rel).stat().st_ino for rel in old}
+
+        result = pull(uri, root=root, settings=_settings(moto_s3, proxy.base_url), adoption=AS_FOUND)
+
+        fetched = {p.removeprefix(f"/{bucket}/m/"): n for p, n in proxy.bytes_sent.items()
+                   if n and p.startswith(f"/{bucket}/m/")}
+    assert fetched == {}
+    assert {rel: (folder / rel).read_bytes() for rel in old} == old  # nothing rewritten under the pods
+    assert {rel: (folder / rel).stat().st_ino for rel in old} == inodes
+    assert (folder / "empty.txt").read_bytes() == b"" and not (folder / "w" / "c.bin").exists()
+    assert result.kept_as_found == ("w/b.bin",) and result.absent == ("w/c.bin",)
+    assert result.drift is not None and result.drift.state == CHANGED
+    assert result.drift.changed == ("w/b.bin",) and result.drift.added == ("w/c.bin",)
+    store = NodeStore.at(root)
+    key = storage_key(uri)
+    assert store.is_present(key) and store.verify(key) == []
+    files = {f.path: f for f in store.manifest(key).files}
+    assert set(files) == {"config.json", "w/a.bin", "w/b.bin", "empty.txt"}
+    assert files["w/b.bin"].version == KEPT_AS_FOUND and files["w/b.bin"].checksums == {}
+    assert files["w/a.bin"].checksums  # verified by the source's MD5
+    # The drift check (`pull --check`, the agent's periodic one) keeps saying so until a refresh.
+    later = check_drift(uri, store.manifest(key), _settings(moto_s3, moto_s3.endpoint))
+    assert later.state == CHANGED and set(later.changed) == {"w/b.bin"} and set(later.added) == {"w/c.bin"}
+    refreshed = pull(uri, root=root, settings=_settings(moto_s3, moto_s3.endpoint), refresh=True)
+    assert set(refreshed.refreshed) == {"w/b.bin", "w/c.bin"}
+    assert {rel: (store.layout.model_dir(key) / rel).read_bytes() for rel in new} == new
+
+
+def test_a_folder_reported_complete_that_holds_none_of_the_listed_files_is_not_adopted(moto_s3, tmp_path):
+    from modelcache.adopt import AS_FOUND
+    from modelcache.errors import ModelcacheError
+
+    bucket = moto_s3.new_bucket()
+    moto_s3.client().put_object(Bucket=bucket, Key="m/model.bin", Body=b"x" * 100)
+    uri = f"s3://{bucket}/m"
+    root = tmp_path / "root"
+    _kserve_fill(root, uri, {"other.bin": b"y" * 10})
+    try:
+        pull(uri, root=root, settings=_settings(moto_s3, moto_s3.endpoint), adoption=AS_FOUND)
+    except ModelcacheError as exc:
+        assert "holds none of the 1 files the source lists" in str(exc)
+    else:
+        raise AssertionError("adopted a folder that holds none of the model's files")
+    assert not NodeStore.at(root).is_present(storage_key(uri))
+
+
+def test_an_archive_model_reported_complete_is_compared_with_the_archive_not_merged(nginx, tmp_path):
+    """L1 and M3 of the v0.20 audit: KServe unpacked the archive and deleted it; the archive was
+    replaced at the source since. Only the archive can verify the folder, so it is fetched once
+    (its bytes, no more: the unpacked copy is staged beside the folder, then dropped), and each
+    file is compared: the same bytes kept as verified, the others kept as found and reported,
+    nothing renamed into the folder pods read."""
+    from modelcache.adopt import AS_FOUND
+    from modelcache.drift import KEPT_AS_FOUND
+
+    old = {"config.json": b"{}", "w.bin": os.urandom(10_000)}
+    new = {**old, "w.bin": os.urandom(10_000), "extra.txt": b"new"}
+    body = _tar_gz(new)
+    nginx.write("ka/model.tgz", body)
+    uri = nginx.url("ka/model.tgz")
+    root = tmp_path / "root"
+    folder = _kserve_fill(root, uri, old)
+    inodes = {p.name: p.stat().st_ino for p in folder.iterdir()}
+    nginx.clear_access_log()
+    result = pull(uri, root=root, adoption=AS_FOUND)
+    assert _model_bytes(nginx, "ka/model.tgz") == len(body)
+    assert {p.name: p.stat().st_ino for p in folder.iterdir()} == inodes  # nothing renamed or added
+    assert (folder / "w.bin").read_bytes() == old["w.bin"]
+    assert result.kept_as_found == ("w.bin",) and result.absent == ("extra.txt",)
+    assert result.drift is not None and "differ from model.tgz" in result.drift.message
+    store = NodeStore.at(root)
+    files = {f.path: f for f in store.manifest(storage_key(uri)).files}
+    assert set(files) == {"config.json", "w.bin"} and files["w.bin"].version == KEPT_AS_FOUND
+    assert store.verify(storage_key(uri)) == [] and not list((root / ".modelcache" / "staging").glob("*/data/*"))
+
+
 # ---- what an adopted folder holds beyond the model, and links out of it (issue 33, F5) -----------
 
 

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from agent.capacity import Capacity
-from agent.credentials import CredentialConfig, Credentials, service_account_env, storage_env
+from agent.credentials import CredentialConfig, Credentials, misnamed_s3_keys, service_account_env, storage_env
 from agent.inuse import subpath_key
-from modelcache.errors import AuthError, InsufficientSpaceError
+from modelcache.errors import AuthError, InsufficientSpaceError, RateLimitedError
 from modelcache.kube.quantity import parse_quantity
 from modelcache.kube.types import LocalModelInfo, StorageSpec
 
@@ -74,7 +74,11 @@ def test_service_account_secrets_map_like_kserve(tmp_path: Path) -> None:
     env = service_account_env(LocalModelInfo(model_name="m", service_account_name="sa"), reader, str(tmp_path))
     assert env["AWS_ACCESS_KEY_ID"] == "AK" and env["AWS_SECRET_ACCESS_KEY"] == "SK"
     assert env["S3_ENDPOINT"] == "minio:9000" and env["S3_USE_HTTPS"] == "0"
-    assert env["AWS_DEFAULT_REGION"] == "eu-west-1"  # from the service account's annotation
+    # The service account's s3-* annotations count only with IRSA's, as KServe reads them (L5).
+    assert "AWS_DEFAULT_REGION" not in env
+    reader.sas["sa"]["metadata"]["annotations"]["eks.amazonaws.com/role-arn"] = "arn:aws:iam::1:role/r"
+    env = service_account_env(LocalModelInfo(model_name="m", service_account_name="sa"), reader, str(tmp_path))
+    assert env["AWS_DEFAULT_REGION"] == "eu-west-1"  # an IRSA service account's annotation
     key_file = Path(env["GOOGLE_APPLICATION_CREDENTIALS"])
     assert json.loads(key_file.read_text()) == {"type": "service_account"}
     assert oct(key_file.stat().st_mode & 0o777) == "0o600"
@@ -84,6 +88,49 @@ def test_service_account_secrets_map_like_kserve(tmp_path: Path) -> None:
     assert (hdfs / "HDFS_NAMENODE").read_text() == "http://nn:9870" and (hdfs / "USER_PROXY").read_text() == "alice"
     with pytest.raises(AuthError, match="service account 'nope' not found"):
         service_account_env(LocalModelInfo(model_name="m", service_account_name="nope"), reader, str(tmp_path))
+
+
+def test_s3_keys_under_the_other_spelling_are_skipped_as_kserve_skips_them_and_named_when_it_fails(
+        tmp_path: Path) -> None:
+    """KServe's shipped ConfigMap names the keys AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, its code's
+    default (no ConfigMap: no KServe installed) awsAccessKeyID/awsSecretAccessKey. A Secret of the
+    other spelling is skipped, as KServe skips it (an instance role may be what the user relies on),
+    but a download that then fails says why (on real nodes it failed with "no AWS credentials")."""
+    shipped = {"stringData": {"AWS_ACCESS_KEY_ID": "AK", "AWS_SECRET_ACCESS_KEY": "SK"}}
+    reader = Reader(secrets={"s3": shipped}, sas={"sa": {"secrets": [{"name": "s3"}]},
+                                                  "irsa": {"metadata": {"annotations": {
+                                                      "eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/r"}},
+                                                      "secrets": [{"name": "s3"}]}})
+    info = LocalModelInfo(model_name="m", service_account_name="sa")
+    assert "AWS_SECRET_ACCESS_KEY" not in service_account_env(info, reader, str(tmp_path))
+    hint = misnamed_s3_keys(info, reader, CredentialConfig())
+    assert hint is not None and hint.startswith(
+        "Secret 's3' of service account 'sa' holds its S3 keys as AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, but the "
+        "credentials config reads awsAccessKeyID/awsSecretAccessKey (KServe's default")
+    credentials = Credentials(reader, {})
+    with pytest.raises(AuthError) as caught, credentials.env_for(info):
+        raise AuthError("no AWS credentials for s3://b/m: set AWS_ACCESS_KEY_ID")
+    assert str(caught.value) == f"no AWS credentials for s3://b/m: set AWS_ACCESS_KEY_ID; {hint}"
+    with pytest.raises(RateLimitedError) as limited, credentials.env_for(info):
+        raise RateLimitedError("slow down", retry_after=3)
+    assert limited.value.retry_after == 3  # the same error otherwise (retries behave the same)
+    # Under KServe's shipped ConfigMap the same Secret is what it reads: nothing to say.
+    config = CredentialConfig(s3={"s3AccessKeyIDName": "AWS_ACCESS_KEY_ID",
+                                  "s3SecretAccessKeyName": "AWS_SECRET_ACCESS_KEY"})
+    env = service_account_env(info, reader, str(tmp_path), config)
+    assert env["AWS_ACCESS_KEY_ID"] == "AK" and env["AWS_SECRET_ACCESS_KEY"] == "SK"
+    assert misnamed_s3_keys(info, reader, config) is None
+    # ... and the other way round, named after the ConfigMap.
+    reader.secrets["s3"] = {"stringData": {"awsAccessKeyID": "AK", "awsSecretAccessKey": "SK"}}
+    assert "reads AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (ConfigMap " in str(misnamed_s3_keys(info, reader, config))
+    # IRSA needs no keys: nothing to say; nor when the keys were read.
+    reader.secrets["s3"] = shipped
+    assert misnamed_s3_keys(LocalModelInfo(model_name="m", service_account_name="irsa"), reader,
+                            CredentialConfig()) is None
+    reader.secrets["s3"] = {"stringData": {"awsAccessKeyID": "AK", "awsSecretAccessKey": "SK"}}
+    with pytest.raises(AuthError) as plain, credentials.env_for(info):
+        raise AuthError("denied")
+    assert str(plain.value) == "denied"
 
 
 def test_storage_spec_key_defaults_and_overrides() -> None:
@@ -260,6 +307,40 @@ def test_retry_backoff_doubles_up_to_the_cap_and_counts_errors_by_reason(tmp_pat
         agent.stop()
 
 
+def test_a_download_s_series_exist_at_zero_from_its_first_attempt(tmp_path: Path) -> None:
+    """rate()/increase() need a sample before the counter moves: the first failed attempt must find
+    its series already scraped at 0 (ModelcacheDownloadsFailing), and so must the first success."""
+    from agent.config import AgentConfig
+    from agent.core import Agent
+    from agent.inuse import NoMounts
+    from agent.state import ModelRecord, Task
+    from modelcache.errors import TransientError
+
+    cfg = AgentConfig(node="n", root=tmp_path / "root", port=-1)
+    agent = Agent(cfg, Credentials(None, {}), NoMounts())
+    rendered: list[str] = []
+
+    def pull(*_args: object) -> None:  # what a scrape during the attempt sees, then the failure
+        rendered.append(agent.metrics.render().decode())
+        raise TransientError("http://h/m.bin: HTTP 503")
+
+    agent._pull_model = pull  # type: ignore[method-assign]
+    try:
+        rec = ModelRecord(key="0123456789abcdef", uri="http://h/m.bin",
+                          entries=[LocalModelInfo(model_name="m", source_model_uri="http://h/m.bin")])
+        agent._download(rec, Task(), rec.entries[0])
+        (during,) = rendered
+        for outcome in ("error", "ok"):
+            assert f'modelcache_agent_download_duration_seconds_count{{outcome="{outcome}",scheme="http"}} 0.0' \
+                in during
+        assert 'modelcache_agent_downloaded_bytes_total{scheme="http"} 0.0' in during
+        after = agent.metrics.render().decode()
+        assert 'modelcache_agent_download_duration_seconds_count{outcome="error",scheme="http"} 1.0' in after
+        assert 'modelcache_agent_download_duration_seconds_count{outcome="ok",scheme="http"} 0.0' in after
+    finally:
+        agent.stop()
+
+
 def test_every_setting_has_a_flag_and_an_environment_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from click.testing import CliRunner
 
@@ -301,6 +382,9 @@ def test_s3_settings_follow_kserves_precedence_and_endpoint_rule() -> None:
     assert env["AWS_DEFAULT_REGION"] == "data-region"  # data beats the service account and the config
     assert env["awsAnonymousCredential"] == "true"  # the service account fills what the secret leaves unset
     assert env["S3_VERIFY_SSL"] == "0"  # the config fills the rest
+    # KServe lets the secret's settings, config defaults included, override the service account's.
+    assert s3_env({}, {}, cfg, sa)["AWS_DEFAULT_REGION"] == "cfg-region"
+    assert s3_env({}, {}, CredentialConfig(), sa)["AWS_DEFAULT_REGION"] == "sa-region"
     only_cfg = s3_env({}, {}, cfg)
     assert (only_cfg["S3_ENDPOINT"], only_cfg["AWS_ENDPOINT_URL"]) == ("cfg:1", "http://cfg:1")
     assert s3_env({}, {"S3_ENDPOINT": "h:9"}, CredentialConfig())["AWS_ENDPOINT_URL"] == "https://h:9"

@@ -170,6 +170,34 @@ def test_storage_uri_of_services() -> None:
     assert urimatch.llmisvc_model_uri({"spec": {"model": {"uri": "hf://o/m"}}}) == "hf://o/m"
 
 
+def _custom(*containers: dict[str, object], **predictor: object) -> dict[str, object]:
+    return {"spec": {"predictor": {"containers": list(containers), **predictor}}}
+
+
+def test_storage_uri_read_as_kserves_defaulter_reads_it() -> None:
+    """GetImplementation().GetStorageUri() of KServe v0.20.0 (predictor.go, predictor_custom.go)."""
+    uri = urimatch.isvc_storage_uri
+    env = [{"name": "OTHER", "value": "x"}, {"name": "STORAGE_URI", "value": "hf://org/llm"}]
+    # A custom predictor: the STORAGE_URI env of kserve-container (vLLM / TGI images).
+    assert uri(_custom({"name": "kserve-container", "image": "vllm", "env": env})) == "hf://org/llm"
+    # KServe's defaulter names a lone container, or an unnamed first one, kserve-container first.
+    assert uri(_custom({"name": "vllm", "env": env})) == "hf://org/llm"
+    assert uri(_custom({"env": env}, {"name": "sidecar"})) == "hf://org/llm"
+    assert uri(_custom({"name": "sidecar", "env": env}, {"name": "kserve-container", "env": env[:1]})) is None
+    assert uri(_custom({"name": "sidecar", "env": env}, {"name": "proxy"})) is None
+    assert uri(_custom({"name": "sidecar"}, {"name": "kserve-container", "env": env})) == "hf://org/llm"
+    # Nothing to read (no env; an env from a Secret): None, the labels are left as they are.
+    assert uri(_custom({"name": "kserve-container", "image": "x"})) is None
+    assert uri(_custom({"name": "kserve-container", "env": [
+        {"name": "STORAGE_URI", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]})) is None
+    # The first implementation set wins, in KServe's order; a framework spec before containers.
+    assert uri({"spec": {"predictor": {"sklearn": {"storageUri": "gs://a"}, "model": {"storageUri": "gs://b"}}}}) \
+        == "gs://a"
+    assert uri({"spec": {"predictor": {"xgboost": {}, "model": {"storageUri": "gs://b"}}}}) is None
+    assert uri(_custom({"name": "kserve-container", "env": env}, model={"storageUri": "s3://m"})) == "s3://m"
+    assert uri({"spec": {"predictor": {"model": {"storage": {"key": "k", "path": "p"}}}}}) is None
+
+
 def test_status_aggregation_counts_current_members_only() -> None:
     members = {
         "a": membership.Member("a", "g", True),
@@ -348,6 +376,30 @@ def test_event_predicates_ignore_noise() -> None:
     assert not entries_or_states_changed("MODIFIED", {**keyed, "status": {**keyed["status"], "modelDetails": {
         "m": {"storageKey": "k1", "bytesDone": 9}}}}, keyed)
     assert entries_or_states_changed("MODIFIED", {**keyed, "status": {**keyed["status"], "nodeUID": "u2"}}, keyed)
+    # A copy counted on KServe's word, then verified: the caches' CopiesVerified follows.
+    verifying = {**keyed, "status": {**keyed["status"], "modelDetails": {
+        "m": {"storageKey": "k1", "verification": "Verifying"}}}}
+    assert entries_or_states_changed("MODIFIED", verifying, keyed)
+    assert entries_or_states_changed("MODIFIED", keyed, verifying)
+
+
+def test_a_cache_says_which_copies_are_counted_on_kserves_word() -> None:
+    from coordinator.caches import _verification_message, _verification_reason
+    from coordinator.reports import reported_verification
+
+    lmn = {"status": {"modelStatus": {"m": "ModelDownloaded"}, "modelDetails": {
+        "m": {"storageKey": storage_key("s3://b/m"), "verification": "Unverified"}}}}
+    assert reported_verification(lmn, None, "m", "s3://b/m") == "Unverified"
+    from coordinator.view import lmn_essentials
+
+    kept = lmn_essentials({"status": {**lmn["status"], "capacity": {"freeBytes": 1}, "modelDetails": {
+        "m": {**lmn["status"]["modelDetails"]["m"], "bytesDone": 5}}}})  # what the coordinator's informer keeps
+    assert reported_verification(kept, None, "m", "s3://b/m") == "Unverified" and "capacity" not in kept["status"]
+    assert reported_verification(lmn, None, "m", "s3://b/other") is None  # about another URI
+    assert reported_verification({"status": {"modelStatus": {"m": "ModelDownloaded"}}}, None, "m", "s3://b/m") is None
+    assert _verification_reason({"n1": "Verifying", "n2": "Unverified"}) == "Unverified"
+    assert _verification_reason({"n1": "Verifying"}) == "Verifying" and _verification_reason({}) == "Verified"
+    assert "Unverified on n2; Verifying on n1" in _verification_message({"n1": "Verifying", "n2": "Unverified"})
 
 
 @pytest.mark.parametrize("fail_closed", [False, True])

@@ -244,3 +244,34 @@ def test_service_defaulter_applies_kserves_rule(hooks: Any, kube: Kube) -> None:
     assert _patched(resp) == [
         {"op": "remove", "path": "/metadata/labels/internal.serving.kserve.io~1localmodel"},
         {"op": "remove", "path": "/metadata/annotations/internal.serving.kserve.io~1localmodel-pvc-name"}]
+
+
+def test_service_defaulter_reads_a_custom_container_and_never_strips_what_it_cannot_read(hooks: Any,
+                                                                                          kube: Kube) -> None:
+    """H1 of the KServe v0.20 audit: a predictor given as containers: carries its URI in the STORAGE_URI
+    env of kserve-container (KServe's defaulter reads it there); a service whose URI we cannot read
+    keeps the labels KServe's defaulter (called before ours) set."""
+    make_cache(kube, "llm", URI, ["workers"])
+    labelled = {"labels": {"internal.serving.kserve.io/localmodel": "llm"}, "annotations": {
+        "internal.serving.kserve.io/localmodel-sourceuri": URI,
+        "internal.serving.kserve.io/localmodel-pvc-name": "llm-workers"}}
+    custom = {"kind": "InferenceService", "metadata": {"name": "vllm", "namespace": "team", **labelled},
+              "spec": {"predictor": {"containers": [{"name": "kserve-container", "image": "vllm/vllm-openai",
+                                                     "env": [{"name": "STORAGE_URI", "value": URI}]}]}}}
+    for op in ("CREATE", "UPDATE"):
+        resp = review(hooks, "/mutate-services", {"operation": op, "namespace": "team", "object": custom,
+                                                  "kind": {"kind": "InferenceService"}})
+        assert resp["allowed"] and _patched(resp) == []  # KServe's labels are ours too: nothing to change
+    bare = {**custom, "metadata": {"name": "vllm", "namespace": "team"}}
+    resp = review(hooks, "/mutate-services", {"operation": "CREATE", "namespace": "team", "object": bare,
+                                              "kind": {"kind": "InferenceService"}})
+    assert {"op": "add", "path": "/metadata/labels", "value": {"internal.serving.kserve.io/localmodel": "llm"}} in \
+        _patched(resp)
+    # A URI from a Secret, a storage: spec: nothing we can read, so nothing removed.
+    for predictor in ({"containers": [{"name": "kserve-container", "env": [
+            {"name": "STORAGE_URI", "valueFrom": {"secretKeyRef": {"name": "s", "key": "uri"}}}]}]},
+            {"model": {"modelFormat": {"name": "sklearn"}, "storage": {"key": "k", "path": "iris"}}}):
+        unread = {**custom, "spec": {"predictor": predictor}}
+        resp = review(hooks, "/mutate-services", {"operation": "UPDATE", "namespace": "team", "object": unread,
+                                                  "kind": {"kind": "InferenceService"}})
+        assert resp["allowed"] and _patched(resp) == []

@@ -16,7 +16,9 @@ from tests.helpers import REPO
 DOCS = [REPO / "README.md", REPO / "deploy" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
 _INLINE = re.compile(r"`([^`\n]+)`")
-_COMMAND = re.compile(r"(?<![\w/.$-])(modelcache-agent|modelcache-coordinator|modelcache)(?=[ \t]|$)(.*)$", re.M)
+# `helm install modelcache ...` (and upgrade, rollback, uninstall, history) names a Helm release.
+_COMMAND = re.compile(r"(?<![\w/.$-])(?<!install )(?<!upgrade )(?<!rollback )(?<!history )"
+                      r"(modelcache-agent|modelcache-coordinator|modelcache)(?=[ \t]|$)(.*)$", re.M)
 _FLAG = re.compile(r"^--[a-z][a-z0-9-]*")
 
 
@@ -98,8 +100,8 @@ def test_the_check_catches_a_flag_or_sub_command_that_does_not_exist() -> None:
     commands = _commands()
     assert _check("x.md", "modelcache", " pull URI --no-such-flag", commands) == [
         "x.md: `modelcache pull URI --no-such-flag`: no flag --no-such-flag"]
-    assert "x.md: `modelcache status --root DIR`: no sub-command 'status'" in _check(
-        "x.md", "modelcache", " status --root DIR", commands)
+    assert "x.md: `modelcache stats --root DIR`: no sub-command 'stats'" in _check(
+        "x.md", "modelcache", " stats --root DIR", commands)
     assert _check("x.md", "modelcache-agent", " --standalone F --root D [--watch]", commands) == []
 
 
@@ -178,6 +180,25 @@ def test_install_md_manifests_are_accepted_and_its_kubectl_get_shows_those_colum
     assert len(shown) == 4 and all(h in headers for h in shown), (shown, headers)
     rows = [ln.split() for ln in got.splitlines() if ln.startswith("localmodelcache")]
     assert rows and rows[0][:2] == ["localmodelcache.serving.kserve.io/llm", "s3://models/llm"], got
+
+
+def test_every_test_failures_md_names_exists() -> None:
+    """docs/failures.md lists each failure with the test that shows it: every `tests/x.py::name`
+    (and the `::name` shorthand after it, meaning the same file) is a test function there."""
+    text = (REPO / "docs" / "failures.md").read_text()
+    missing = []
+    for row in text.splitlines():
+        current = None
+        for m in re.finditer(r"`(tests/[\w/]+\.py)?(::([\w]+)(\[[^\]]*\])?)?`", row):
+            path, name = m.group(1), m.group(3)
+            if path:
+                current = REPO / path
+                if not current.is_file():
+                    missing.append(path)
+                    continue
+            if name and current is not None and not re.search(rf"^\s*def {name}\(", current.read_text(), re.M):
+                missing.append(f"{current.relative_to(REPO)}::{name}")
+    assert missing == []
 
 
 def test_development_md_describes_every_set_up_script_and_its_lane() -> None:

@@ -255,3 +255,52 @@ class TestHubContract(NetworkContract):
     @pytest.fixture
     def target(self, hf_hub: HubServer) -> _HubTarget:
         return _HubTarget(hf_hub)
+
+
+def _kserve_snapshot(root: Path, uri: str, files: dict[str, bytes], commit: str) -> Path:
+    """What KServe's download Job leaves for hf://: snapshot_download(local_dir=) writes the files
+    and, per file, .cache/huggingface/download/<path>.metadata whose first line is the commit."""
+    folder = root / "models" / storage_key(uri)
+    for rel, data in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(data)
+        meta = folder / ".cache" / "huggingface" / "download" / f"{rel}.metadata"
+        meta.parent.mkdir(parents=True, exist_ok=True)
+        meta.write_text(f"{commit}\n\"etag-of-{rel}\"\n1700000000.0\n")
+    return folder
+
+
+@pytest.mark.parametrize("policy", ["complete", "as-found"])
+def test_a_kserve_folder_of_a_moved_branch_is_adopted_at_its_own_commit(hub: HubServer, tmp_path: Path,
+                                                                       policy: str) -> None:
+    """M3 of the v0.20 audit: `hf://org/tiny` (main) was downloaded by KServe at commit A; main
+    moved to B since. The folder says it holds A (huggingface_hub's records), so it is listed and
+    verified at A: 0 file GETs, nothing rewritten, the manifest pinned to A; the drift check then
+    reports the moved branch, and a refresh is what moves it."""
+    from modelcache.credentials import Settings
+    from modelcache.drift import CHANGED
+    from modelcache.pull import check_drift, pull
+    from modelcache.store import NodeStore
+
+    repo = hub.repos["org/tiny"]
+    first = repo.branches["main"]
+    uri = "hf://org/tiny"
+    root = tmp_path / "root"
+    folder = _kserve_snapshot(root, uri, FILES, first)
+    second = repo.commit({"config.json": b'{"model_type": "tiny", "v": 2}\n'}, message="v2")
+    settings = Settings.from_env({"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN})
+    before = hub.count(origin="cdn", method="GET") + hub.count(origin="hub", method="GET", contains="/resolve/")
+
+    result = pull(uri, root=root, settings=settings, adoption=policy)
+
+    file_gets = hub.count(origin="cdn", method="GET") + hub.count(origin="hub", method="GET",
+                                                                  contains="/resolve/") - before
+    assert file_gets == 0 and result.adopted == len(FILES) and result.pinned_revision == first
+    assert (folder / "config.json").read_bytes() == FILES["config.json"]
+    store = NodeStore.at(root)
+    manifest = store.manifest(storage_key(uri))
+    assert manifest.revision == first and store.verify(storage_key(uri)) == []
+    assert all(f.checksums for f in manifest.files)  # sha256 / git sha1 of commit A
+    drift = check_drift(uri, manifest, settings)
+    assert drift.state == CHANGED and drift.source_revision == second and drift.changed == ("config.json",)
+    assert f"revision {first} -> {second}" in drift.message

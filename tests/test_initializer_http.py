@@ -165,6 +165,29 @@ def test_good_archives_are_unpacked(nginx: NginxServer, tmp_path: Path) -> None:
     assert "unpacked model.tgz (2 files)" in r.out  # w.bin and its hardlink; the symlink apart
 
 
+def test_archives_kserve_unpacks_by_a_query_or_an_old_suffix_are_unpacked(nginx: NginxServer, tmp_path: Path) -> None:
+    """KServe v0.20.0 takes an archive's type from the query when the URL path has none
+    (`https://h/download?file=model.tar.gz`) and knows `.taz`/`.tz` as gzip tars (Python's
+    mimetypes): it unpacks those, and so does the initializer (audit C23, C30). A path with a type
+    of its own keeps it (`model.bin?x=y.tar` is a file)."""
+    make_tar(nginx.docroot / "q/download", [tar_file("cfg/config.json", b"{}"), tar_file("w.bin", b"w" * 1000)],
+             "w:gz")
+    make_tar(nginx.docroot / "o/model.taz", [tar_file("a.txt", b"a")], "w:gz")
+    make_tar(nginx.docroot / "o/model.tz", [tar_file("b.txt", b"b")], "w:gz")
+    (nginx.docroot / "f").mkdir()
+    (nginx.docroot / "f/model.bin").write_bytes(b"not an archive")
+    out = tmp_path / "out"
+    r = run_initializer(
+        _serve(nginx, "q/download") + "?file=model.tar.gz", out / "q",
+        _serve(nginx, "o/model.taz"), out / "taz", _serve(nginx, "o/model.tz"), out / "tz",
+        _serve(nginx, "f/model.bin") + "?name=x.tar", out / "f",
+    )
+    assert r.code == 0, r.output
+    assert _visible(out / "q") == ["cfg", "w.bin"] and (out / "q/w.bin").read_bytes() == b"w" * 1000
+    assert _visible(out / "taz") == ["a.txt"] and _visible(out / "tz") == ["b.txt"]
+    assert _visible(out / "f") == ["model.bin"] and (out / "f/model.bin").read_bytes() == b"not an archive"
+
+
 HOSTILE = {
     "tar-slip.tar.gz": (lambda p: make_tar(p, [tar_file("../../escaped.txt", b"x")], "w:gz"), "'..'"),
     "zip-slip.zip": (lambda p: make_zip(p, [("ok.txt", b"ok"), ("../../escaped.txt", b"x")]), "'..'"),

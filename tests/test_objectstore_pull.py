@@ -465,3 +465,36 @@ class TestObjectStoreContract(NetworkContract):
     @pytest.fixture
     def target(self, backend: Backend, proxy_for: Callable[[Backend], FaultProxy]) -> _StoreTarget:
         return _StoreTarget(backend, proxy_for(backend))
+
+
+# --- URI forms KServe v0.20.0 accepts (the switch-over audit's C2 and C10) ---------------------
+
+
+@pytest.mark.parametrize("bucket", ["Legacy_Models", "CEPH.Relaxed_01"])
+def test_s3_bucket_names_with_upper_case_and_underscores_are_pulled(moto_s3: S3Server, tmp_path: Path,
+                                                                   bucket: str) -> None:
+    """Legacy us-east-1 buckets and Ceph's relaxed names: KServe hands them to boto3, which
+    accepts them (botocore's VALID_BUCKET) and addresses them path-style; so do we."""
+    name = f"{bucket}_{os.urandom(3).hex()}"
+    client = moto_s3.client()
+    client.create_bucket(Bucket=name)
+    tree = model_tree()
+    for rel, data in tree.items():
+        client.put_object(Bucket=name, Key=f"llama/{rel}", Body=data)
+    uri = f"s3://{name}/llama"
+    r = pull(tmp_path, uri, moto_s3.env())
+    assert r.returncode == 0, r.stderr
+    assert_store_correct(tmp_path, {uri: tree}, must_have={uri})
+
+
+def test_azure_private_link_host_is_azure_blob(azurite: AzureServer, tmp_path: Path) -> None:
+    """``https://<account>.privatelink.blob.core.windows.net/<container>/<prefix>`` is Azure Blob in
+    KServe (its pattern spans the extra label); it was a plain HTTP GET of the container path here.
+    The account is the host's first label, so the account key and endpoint template apply."""
+    b = _azure(azurite)
+    tree = upload_model(b)
+    container = b.uri("model").split("/")[3]
+    uri = f"https://{azurite.account}.privatelink.blob.core.windows.net/{container}/model"
+    r = pull(tmp_path, uri, b.env)
+    assert r.returncode == 0, r.stderr
+    assert_store_correct(tmp_path, {uri: tree}, must_have={uri})

@@ -7,6 +7,7 @@ peer against real agents on the control plane: tests/test_agent_peers_adversaria
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
 import ssl
 import subprocess
@@ -19,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from modelcache.peers.client import PeerClient, PeerError, PeerInfo
+from modelcache.credentials import Settings
+from modelcache.peers.client import Cancel, PeerCancelled, PeerClient, PeerError, PeerInfo
 from modelcache.peers.network import PeerNetwork
 from modelcache.peers.pieces import PieceRecord, hash_piece, piece_count
 from modelcache.peers.protocol import Geometry
@@ -28,8 +30,9 @@ from modelcache.store import NodeStore
 from modelcache.transfer import TransferOptions
 from modelcache.uri import storage_key
 from tests.byzantine import ByzantinePeer, Lies
+from tests.fixtures.gcs import GCSServer
 from tests.helpers import REPO
-from tests.peer_util import TOKEN, MiB, Node, check, make_source, node_factory
+from tests.peer_util import TOKEN, MiB, Node, check, make_source, node_factory, pull_all
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -74,11 +77,12 @@ def byzantine(tmp_path: Path, model: tuple[str, dict[str, bytes]],
         peer.stop()
 
 
-def timed_pull(node: Node, uri: str, cancel: threading.Event | None = None, **options: Any) -> tuple[float, Any]:
+def timed_pull(node: Node, uri: str, cancel: threading.Event | None = None, settings: Settings | None = None,
+               **options: Any) -> tuple[float, Any]:
     started = time.monotonic()
     opts = TransferOptions(chunk_size=MiB, workers=options.pop("workers", 2),
                            stall_timeout=options.pop("stall_timeout", STALL), **options)
-    result = pull(uri, root=node.root, peers=node.network, options=opts, cancel=cancel)
+    result = pull(uri, root=node.root, peers=node.network, options=opts, cancel=cancel, settings=settings)
     return time.monotonic() - started, result
 
 
@@ -129,6 +133,50 @@ def test_cancel_returns_within_a_second_while_a_peer_holds_a_read(make_node, byz
     assert ended.wait(5)
     assert time.monotonic() - cancelled_at < 1.0
     assert outcome and "cancel" in str(outcome[0]).lower(), outcome
+
+
+def test_a_peer_whose_name_never_resolves_holds_no_read_past_its_deadline_nor_a_cancel(make_node, model,
+                                                                                     monkeypatch):
+    # A node may publish a name as its endpoint (--peer-address HOST); getaddrinfo cannot be
+    # interrupted, and a name whose DNS server does not answer held the read 5 s per try.
+    import socket as socket_mod
+
+    from modelcache.peers import client as client_mod
+
+    real = socket_mod.getaddrinfo
+    hung = threading.Event()
+
+    def getaddrinfo(host: str, *args: Any, **kwargs: Any) -> Any:
+        if host == "slow.peer.test":
+            hung.wait(30)  # a DNS server that never answers
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(client_mod.socket, "getaddrinfo", getaddrinfo)
+    uri, _ = model
+    seed = make_node("seed")
+    timed_pull(seed, uri)
+    key = storage_key(uri)
+    digest = seed.network.stats(key).listing_digest
+    slow = PeerInfo("slow", "slow.peer.test", seed.server.port, seed.info.fingerprint)
+    client = PeerClient(lambda: TOKEN)
+    buf = memoryview(bytearray(MiB))
+    try:
+        started = time.monotonic()
+        with pytest.raises(PeerError, match=r"cannot resolve slow\.peer\.test"):
+            client.read(slow, key, digest, 0, 0, MiB, buf, time.monotonic() + 1.0)
+        assert time.monotonic() - started < 1.5
+        cancel = Cancel()
+        threading.Timer(0.3, cancel.cancel).start()
+        started = time.monotonic()
+        with pytest.raises(PeerCancelled):
+            client.read(slow, key, digest, 0, 0, MiB, buf, time.monotonic() + 60, cancel)
+        assert time.monotonic() - started < 0.3 + 0.5
+        # An address is used as it is, and a name that resolves at once as before.
+        named = PeerInfo("seed", "localhost", seed.server.port, seed.info.fingerprint)
+        assert client.read(named, key, digest, 0, 0, MiB, buf, time.monotonic() + 10) == MiB
+    finally:
+        hung.set()
+        client.close()
 
 
 def test_a_peer_that_is_busy_for_ever_does_not_starve_the_pull(make_node, byzantine, model):
@@ -277,6 +325,81 @@ def test_a_liar_is_found_by_a_files_checksum_and_never_asked_again(make_node, by
     other = nginx.write("m/other.bin", MiB).read_bytes()
     timed_pull(node, nginx.url("m/other.bin") + "#sha256=" + hashlib.sha256(other).hexdigest())
     assert byz.asked == asked
+
+
+def test_honest_nodes_that_passed_on_a_liars_pieces_are_not_excluded_only_the_liar(make_node, byzantine, nginx,
+                                                                                    directory):
+    # A liar that says it read a checked file from the origin (forged hashes), and three honest
+    # nodes that pull together: they take its pieces and pass them on to each other before their
+    # file checks fail. Each then read the file again from the origin and compared: every node
+    # used to exclude every other (the relays' vouches differed from the origin too), and publish
+    # them, so that the rest of the cluster skipped every honest peer for a day.
+    body = nginx.write("m/model.bin", 8 * MiB + 99).read_bytes()
+    uri = nginx.url("m/model.bin") + "#sha256=" + hashlib.sha256(body).hexdigest()
+    byz = byzantine(Lies(forge=True), files={"model.bin": body})
+    nodes = [make_node(n) for n in ("n1", "n2", "n3")]
+    pull_all(nodes, uri, workers=2)
+    assert byz.asked["piece"] >= 1
+    for node in nodes:
+        assert (node.root / "models" / storage_key(uri) / "model.bin").read_bytes() == body
+        assert [e.node for e in node.network.exclusions.items()] == ["byz"], node.name
+    # A node that joins later skips whom the others excluded (what agent/peering.py's Directory
+    # does with their statuses) and is filled by the honest ones: no byte from the origin.
+    for name in {e.node for node in nodes for e in node.network.exclusions.items()}:
+        directory.pop(name)
+    late = make_node("late")
+    pull_all([late], uri)
+    assert stats(late, uri).from_origin == 0
+    assert (late.root / "models" / storage_key(uri) / "model.bin").read_bytes() == body
+
+
+def gcs_model(gcs: GCSServer, files: dict[str, bytes]) -> tuple[str, Settings]:
+    bucket = gcs.client().bucket(gcs.new_bucket())
+    for name, body in files.items():
+        bucket.blob(f"m/{name}").upload_from_string(body)
+    return f"gs://{bucket.name}/m", Settings.from_env(gcs.env())
+
+
+def test_a_liar_keeping_a_gcs_files_crc32c_gets_no_byte_in_and_is_never_asked_again(make_node, byzantine,
+                                                                                   gcs_emulator):
+    # GCS gives every object a crc32c, and whoever knows a file can make other bytes with the same
+    # one (tests/byzantine.py: crc32c_kept). Here a liar serves such bytes under their own sha-256s.
+    import google_crc32c
+
+    files = {"a.bin": os.urandom(3 * MiB + 5), "config.json": os.urandom(300)}
+    uri, settings = gcs_model(gcs_emulator, files)
+    byz = byzantine(Lies(forge=True, keep_crc32c=True), files=files)
+    for path, body in files.items():
+        assert google_crc32c.value(byz.wrong[path]) == google_crc32c.value(body) and byz.wrong[path] != body
+    node = make_node("victim")  # the default two witnesses: a GCS file needs none but its md5
+    timed_pull(node, uri, settings=settings)
+    check(node, uri, files)  # 0 wrong bytes: the object's md5 refused what its crc32c let through
+    assert node.network.excluded("byz") and byz.asked["piece"] >= 1
+    assert stats(node, uri).from_peers == 0
+    asked = dict(byz.asked)
+    other = {"b.bin": os.urandom(MiB + 3)}
+    uri2, _ = gcs_model(gcs_emulator, other)
+    timed_pull(node, uri2, settings=settings)
+    check(node, uri2, other)
+    assert byz.asked == asked
+
+
+def test_a_group_reads_a_gcs_model_from_the_origin_once(make_node, gcs_emulator):
+    # GCS objects carry an md5 beside their crc32c: with peer transfer it is listed, so a group
+    # trusts the file check and reads each piece from the origin once (a crc32c alone would make
+    # the files unchecked: each piece read by two witnesses, the model twice).
+    files = {"a.bin": os.urandom(4 * MiB + 9), "b.bin": os.urandom(2 * MiB), "config.json": os.urandom(200)}
+    uri, settings = gcs_model(gcs_emulator, files)
+    # The agent's own formation window (3 s): the two listings, which the emulator answers slowly on
+    # a loaded machine, end within it, so each node counts the other as a member from the start.
+    nodes = [make_node(n, formation=3.0) for n in ("n1", "n2")]
+    pull_all(nodes, uri, settings=settings)
+    size = sum(map(len, files.values()))
+    origin = sum(stats(n, uri).from_origin for n in nodes)
+    assert size <= origin <= 1.2 * size, (origin, size)
+    for node in nodes:
+        check(node, uri, files)
+
 
 # ---- the server under hostile load ------------------------------------------------------------------
 

@@ -20,9 +20,20 @@ import pytest
 from modelcache.uri import storage_key
 from tests.fixtures.image import Image
 from tests.fixtures.realnodes import NodeCluster
-from tests.helpers import unique, wait_until
+from tests.helpers import unique
 from tests.kserve import controller as kserve
-from tests.realnodes_util import inference_service, origin_for_pods, s3_credentials, served_files, serving_runtime
+from tests.realnodes_util import (
+    inference_service,
+    install,
+    model_cache,
+    node_group,
+    origin_for_pods,
+    s3_credentials,
+    served_files,
+    serving_runtime,
+    sha256_files,
+    wait_downloaded,
+)
 
 pytestmark = [pytest.mark.xdist_group("realnodes"), pytest.mark.timeout(900)]
 NS = "team"
@@ -72,28 +83,13 @@ def predictor_pods(cluster: NodeCluster) -> list[dict[str, Any]]:
     return list(json.loads(out.stdout)["items"])
 
 
-def _states(cluster: NodeCluster, node: str) -> dict[str, str]:
-    out = cluster.kubectl("get", "localmodelnode", node, "-o", "json", check=False)
-    if out.returncode != 0:
-        return {}
-    return {k: v if isinstance(v, str) else v.get("state", "") for k, v in
-            ((json.loads(out.stdout).get("status") or {}).get("modelStatus") or {}).items()}
-
-
 def test_the_cache_path_on_real_pods(real_nodes: NodeCluster, image: Image, tmp_path: Path) -> None:
     """Items 4 and 5: the agent pods fill both nodes' /models through deploy/'s hostPath, reading
     the origin about once between them (peers over the pod network, the projected token); then an
     InferenceService of the cached model gets KServe's rewrite and our placement, and its pod mounts
     the cache's PVC and becomes Ready without one byte from the origin."""
-    from tests.deploy_util import image_overlay
-
     kserve.require_binary()
-    real_nodes.kubectl("apply", "--server-side", "--force-conflicts", "-k",
-                       str(image_overlay(tmp_path / "overlay", image.ref)))
-    real_nodes.kubectl("rollout", "status", "-n", "modelcache-system", "daemonset/modelcache-agent",
-                       "--timeout=300s", timeout=330)
-    real_nodes.kubectl("rollout", "status", "-n", "modelcache-system", "deployment/modelcache-coordinator",
-                       "--timeout=300s", timeout=330)
+    install(real_nodes, image.ref, tmp_path / "overlay")
     kserve.install(real_nodes, storage_initializer=image.ref)
     kserve.apply(real_nodes, [serving_runtime()])
     manager = kserve.start(real_nodes, tmp_path / "kserve")
@@ -105,35 +101,15 @@ def test_the_cache_path_on_real_pods(real_nodes: NodeCluster, image: Image, tmp_
             listing = origin.client().list_objects_v2(Bucket=bucket, Prefix="llm/")["Contents"]
             size = sum(o["Size"] for o in listing)
             account = s3_credentials(real_nodes, "modelcache-credentials", origin)
-            group = {"apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelNodeGroup",
-                     "metadata": {"name": "workers"}, "spec": {"storageLimit": "2Gi", "persistentVolumeSpec": {
-                         "accessModes": ["ReadWriteOnce"], "capacity": {"storage": "2Gi"},
-                         "local": {"path": "/models"}, "storageClassName": "local-storage",
-                         "persistentVolumeReclaimPolicy": "Delete",
-                         "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
-                             {"key": "kserve/localmodel", "operator": "In", "values": ["worker"]}]}]}}},
-                         "persistentVolumeClaimSpec": {"accessModes": ["ReadWriteOnce"],
-                                                       "storageClassName": "local-storage",
-                                                       "resources": {"requests": {"storage": "2Gi"}}}}}
-            cache = {"apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelCache",
-                     "metadata": {"name": "llm"},
-                     "spec": {"sourceModelUri": uri, "modelSize": "128Mi", "nodeGroups": ["workers"],
-                              "serviceAccountName": account}}
+            group = node_group("workers")
+            cache = model_cache("llm", uri, ["workers"], account)
             real_nodes.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
                                                                       "items": [group, cache]}))
-            for node in ("node-1", "node-2"):
-                try:
-                    wait_until(lambda node=node: _states(real_nodes, node).get("llm") == "ModelDownloaded",
-                               timeout=300, what=f"the model downloaded on {node}")
-                except TimeoutError as exc:
-                    logs = real_nodes.kubectl("logs", "-n", "modelcache-system", "-l",
-                                              "app.kubernetes.io/name=modelcache-agent", "-c", "agent",
-                                              "--tail=40", check=False).stdout
-                    raise AssertionError(f"{exc}; states {_states(real_nodes, node)}\n{logs}") from None
+            wait_downloaded(real_nodes, "llm")
             key = storage_key(uri)
             for node in ("node-1", "node-2"):
                 folder = real_nodes.node(node).host_path("/models") / "models" / key
-                assert {p.name: _sha256(p) for p in folder.iterdir()} == digests
+                assert sha256_files(folder) == digests
             # Item 5: the origin was read about once for both nodes; the rest came from the peer.
             from_origin = origin.relay.bytes_from_origin
             assert size <= from_origin < 1.5 * size, (from_origin, size)
@@ -164,12 +140,3 @@ def test_the_cache_path_on_real_pods(real_nodes: NodeCluster, image: Image, tmp_
     finally:
         manager.stop()
 
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

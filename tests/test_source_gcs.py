@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 
 import pytest
@@ -42,6 +44,14 @@ def test_lists_folder_bounded_with_checksums(gcs_emulator: GCSServer, gcs_model)
         data = tree[big.path]
         assert read_range(src, big, 1 << 20, (2 << 20) + 7) == data[1 << 20 : (2 << 20) + 7]
         assert read_range(src, big, (3 << 20) - 10, None) == data[-10:]
+    # With peer transfer (a pull's forgery_proof) the md5 comes too: a crc32c proves nothing against
+    # bytes forged on purpose, and a file without an unforgeable checksum is read twice from the
+    # origin by a group (docs/peers.md, "Trust nothing from a peer").
+    with open_source(f"gs://{bucket}/model", dataclasses.replace(settings(gcs_emulator.env()),
+                                                                  forgery_proof=True)) as src:
+        for f in src.list_files():
+            algos = {c.algo: c.value for c in f.checksums}
+            assert algos == {"crc32c": crc32c_hex(tree[f.path]), "md5": hashlib.md5(tree[f.path]).hexdigest()}
 
 
 def test_single_object_and_trailing_slash(gcs_emulator: GCSServer, gcs_model) -> None:

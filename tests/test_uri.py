@@ -44,6 +44,18 @@ def test_storage_key_is_kserves_rule_byte_for_byte():
              "account_url": "https://acct.blob.core.windows.net?sv=1&sig=abc"},
         ),
         ("https://acct.z12.blob.storage.azure.net/c/p", AzureBlobLocation, {"account": "acct", "container": "c"}),
+        # What KServe v0.20.0 accepts as well (audit C2, C10): legacy us-east-1 and Ceph bucket names
+        # (botocore's rule, addressed path-style), and Azure Private Link hosts (the account URL kept).
+        ("s3://My_Bucket/model", S3Location, {"bucket": "My_Bucket", "prefix": "model"}),
+        ("s3://LEGACY.Bucket_01/m/v1", S3Location, {"bucket": "LEGACY.Bucket_01", "prefix": "m/v1"}),
+        ("s3://192.168.1.10/m", S3Location, {"bucket": "192.168.1.10"}),
+        ("s3://b/m", S3Location, {"bucket": "b"}),
+        (
+            "https://acct.privatelink.blob.core.windows.net/cont/llama?sv=1",
+            AzureBlobLocation,
+            {"account": "acct", "container": "cont", "prefix": "llama",
+             "account_url": "https://acct.privatelink.blob.core.windows.net?sv=1"},
+        ),
         ("hf://org/model", HFLocation, {"repo_id": "org/model", "revision": None, "subfolder": ""}),
         ("hf://org/model:v1.0/sub/dir", HFLocation, {"repo_id": "org/model", "revision": "v1.0", "subfolder": "sub/dir"}),
         ("oci://reg.io:5000/ns/repo:tag1", OCILocation, {"registry": "reg.io:5000", "repository": "ns/repo", "tag": "tag1"}),
@@ -73,7 +85,8 @@ def test_parse_every_scheme(uri, cls, fields):
         ("models/relative", "not an absolute path"),
         ("", "empty URI"),
         ("s3://", "missing bucket"),
-        ("s3://UPPER/x", "not a valid bucket name"),
+        ("s3://bad!name/x", "not a valid bucket name"),
+        ("gs://UPPER/x", "not a valid bucket name"),
         ("hf://onlyowner", "expected hf://owner/model"),
         ("hf://o/m:", "empty revision"),
         ("oci://reg.io", "expected oci://registry/repository"),
@@ -84,12 +97,35 @@ def test_parse_every_scheme(uri, cls, fields):
         ("pvc://c/../etc", "must not contain '..'"),
     ],
 )
-def test_invalid_uris_quote_the_uri_and_list_forms(uri, why):
+def test_invalid_uris_quote_the_uri_and_name_the_form_of_their_scheme(uri, why):
     with pytest.raises(InvalidURIError) as err:
         parse_uri(uri)
     msg = str(err.value)
     assert f"'{uri}'" in msg and why in msg
-    assert "s3://bucket/prefix" in msg and "hf://owner/model" in msg  # the accepted forms
+    if "://" not in uri or uri.startswith("ftp"):  # no scheme we know: every accepted form
+        assert "s3://bucket/prefix" in msg and "hf://owner/model" in msg
+        return
+    # The one form of its scheme, not a 500-character list of every form (issue 27).
+    assert "Accepted forms" not in msg and len(msg) < 200, msg
+    scheme = uri.split("://")[0]
+    assert f"{scheme}://" in msg.split("': ", 1)[1] or (scheme == "http" and "http(s)://" in msg), msg
+
+
+@pytest.mark.parametrize("uri", ["ftp://h/m.bin", "models/m", "s4://b/m"])
+def test_an_unknown_scheme_lists_every_accepted_form(uri):
+    with pytest.raises(InvalidURIError) as err:
+        parse_uri(uri)
+    msg = str(err.value)
+    assert "Accepted forms: " in msg and "s3://bucket/prefix" in msg and "hf://owner/model" in msg
+
+
+def test_azure_hosts_are_the_hosts_not_a_path_naming_one():
+    """KServe's unanchored pattern would take a path that names an Azure host as Azure (and send the
+    account's credentials to that other host); only the host decides here."""
+    assert type(parse_uri("https://proxy.example/acct.blob.core.windows.net/c/m.bin")) is HTTPLocation
+    assert type(parse_uri("https://acct.blob.core.windows.net.example.org/c/m.bin")) is HTTPLocation
+    with pytest.raises(UnsupportedError, match="Azure File share"):
+        parse_uri("https://acct.privatelink.file.core.windows.net/share/m")
 
 
 def test_azure_file_share_is_not_supported_and_says_so():
@@ -149,7 +185,8 @@ def test_credentials_in_any_scheme_are_refused_and_never_echoed(uri):
         ("https://acct.blob.core.windows.net/c/a/%2e%2e/b", "must not contain '..' segments"),
         ("hdfs://nn/models/../etc", "must not contain '..' segments"),
         ("s3://a..b/m", "not a valid bucket name"),
-        ("s3://192.168.1.10/m", "an IP address"),
+        ("gs://192.168.1.10/m", "an IP address"),
+        ("s3://" + "b" * 256 + "/m", "not a valid bucket name"),
         ("s3://bucket/m\nerror: forged line", "control character"),
         ("file:///srv/m%00x", "NUL byte"),
         ("s3://bucket/\udcff", "not valid UTF-8"),

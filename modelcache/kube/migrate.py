@@ -64,6 +64,27 @@ class Step:
     commands: tuple[str, ...] = ()
     #: False: worth doing, but the switch works without it (leftovers to clean up).
     blocking: bool = True
+    #: What is done outside the cluster (a cloud's IAM), printed as comment lines after the finding.
+    notes: tuple[str, ...] = ()
+    #: How a step that does not block is shown (leftovers: optional; a warning says what to expect).
+    label: str = "optional"
+
+
+WARNING = "a warning: it does not block the switch"
+
+
+@dataclass(frozen=True)
+class SourceCheck:
+    """One cache's source listed as our agent will list it (agent/precheck.py fills these)."""
+
+    cache: str  # name, or namespace/name
+    uri: str  # redacted
+    #: "ok", "failed" (the listing failed: ``detail`` says why), "keyless" (no credentials: the
+    #: agent's own identity decides, which cannot be tried from here), "refused" (a URI we do not read).
+    outcome: str
+    detail: str = ""
+    files: int = 0
+    bytes: int = 0
 
 
 @dataclass
@@ -87,6 +108,12 @@ class Facts:
     sa_secrets: dict[str, list[str]] = field(default_factory=dict)
     job_leftovers: int = 0
     pvc_leftovers: list[str] = field(default_factory=list)
+    #: The identity KServe's download Jobs run as (``default`` in its job namespace: its Job pod
+    #: sets no serviceAccountName) and our agent's ServiceAccount.
+    job_identity: dict[str, Any] | None = None
+    agent_account: dict[str, Any] | None = None
+    #: Every cache's source, listed with the credentials the agent will use (None: not listed).
+    sources: list[SourceCheck] | None = None
 
     @property
     def local_model(self) -> dict[str, Any]:
@@ -150,6 +177,8 @@ def gather(kube: Kube, kserve_namespace: str = "kserve", credentials_namespace: 
             for ns in (f.credentials_namespace, f.job_namespace):
                 f.present.setdefault(("secret", ns, name),
                                      kube.get_or_none(SECRETS, name, ns) is not None)
+    f.job_identity = kube.get_or_none(SERVICE_ACCOUNTS, "default", f.job_namespace)
+    f.agent_account = kube.get_or_none(SERVICE_ACCOUNTS, OUR_AGENT, OUR_NAMESPACE)
     f.job_leftovers = len(kube.list(JOBS, f.job_namespace, label_selector="model,node").get("items") or [])
     names = {f"{(c.get('metadata') or {}).get('name')}-{g}" for c in f.caches
              for g in (c.get("spec") or {}).get("nodeGroups") or []}
@@ -160,11 +189,30 @@ def gather(kube: Kube, kserve_namespace: str = "kserve", credentials_namespace: 
 
 
 def _agent_env(ds: dict[str, Any] | None, name: str) -> str | None:
+    return agent_plain_env(ds).get(name)
+
+
+def agent_plain_env(ds: dict[str, Any] | None) -> dict[str, str]:
+    """The plain ``value`` environment of our agent's containers (what its downloads start from)."""
+    out: dict[str, str] = {}
     for c in (((ds or {}).get("spec") or {}).get("template") or {}).get("spec", {}).get("containers") or []:
         for env in c.get("env") or []:
-            if env.get("name") == name and env.get("value"):
-                return str(env["value"])
-    return None
+            if env.get("name") and env.get("value"):
+                out.setdefault(str(env["name"]), str(env["value"]))
+    return out
+
+
+def cache_name(c: dict[str, Any]) -> str:
+    meta = c.get("metadata") or {}
+    return f"{meta['namespace']}/{meta.get('name')}" if meta.get("namespace") else str(meta.get("name"))
+
+
+def keyless(c: dict[str, Any]) -> bool:
+    """A cache that names no credentials: its download runs with the identity of whatever runs it
+    (KServe: its Job's pod, ``default`` in the job namespace; ours: the agent's pod)."""
+    spec = c.get("spec") or {}
+    storage = spec.get("storage") or {}
+    return not spec.get("serviceAccountName") and not (storage.get("key") or storage.get("parameters"))
 
 
 def _credential_refs(f: Facts) -> Iterable[tuple[str, str]]:
@@ -172,7 +220,9 @@ def _credential_refs(f: Facts) -> Iterable[tuple[str, str]]:
     for c in f.caches:
         spec = c.get("spec") or {}
         refs = []
-        if (spec.get("storage") or {}).get("key") is not None:
+        storage = spec.get("storage") or {}
+        if storage.get("key") is not None or storage.get("parameters"):
+            # (parameters without a key: the agent reads storage-config's default_<type>/default key)
             refs.append(("secret", f.storage_secret))
         elif spec.get("serviceAccountName"):
             refs.append(("serviceaccount", str(spec["serviceAccountName"])))
@@ -313,6 +363,27 @@ def _credentials(f: Facts) -> list[Step]:
     return out
 
 
+@check("uris")
+def _uris(f: Facts) -> list[Step]:
+    """Cache URIs modelcache does not read (KServe v0.20.0 may): the copy KServe downloaded stays
+    served, counted on its word and never verified (docs/kserve-compat.md); a new one is not made."""
+    from modelcache.errors import ModelcacheError
+    from modelcache.uri import parse_uri
+
+    out = []
+    for c in f.caches:
+        uri = str((c.get("spec") or {}).get("sourceModelUri") or "")
+        try:
+            parse_uri(uri)
+        except ModelcacheError as exc:
+            reason = str(exc).split(". Accepted forms:", 1)[0]
+            out.append(Step("uris", f"cache {cache_name(c)}: {reason}: copies KServe downloaded stay served but "
+                            "unverified, and no new node gets one; a ClusterStorageContainer with workloadType "
+                            "localModelDownloadJob can download it, or re-create the cache with a URI modelcache "
+                            "reads (docs/kserve-compat.md)", blocking=False, label=WARNING))
+    return out
+
+
 @check("install")
 def _install(f: Facts) -> list[Step]:
     if f.our_agent is not None and f.our_coordinator is not None:
@@ -344,6 +415,104 @@ def _host_path(f: Facts) -> list[Step]:
                  tuple(f"kubectl patch localmodelnodegroup {_q(g)} --type merge -p "
                        + _q(json.dumps({"spec": {"persistentVolumeSpec": {"local": {"path": agent}}}}))
                        for g in sorted(differ)))]
+
+
+#: Workload identity as each cloud binds it to a Kubernetes ServiceAccount (annotation -> cloud).
+IDENTITY_ANNOTATIONS = {
+    "eks.amazonaws.com/role-arn": "AWS IRSA",
+    "iam.gke.io/gcp-service-account": "GKE Workload Identity",
+    "azure.workload.identity/client-id": "Azure Workload Identity",
+}
+#: URI kinds whose keyless download uses the cloud identity of the pod that runs it.
+IDENTITY_KINDS = {"s3": "AWS", "gcs": "GCP", "azure": "Azure"}
+
+
+@check("identity")
+def _identity(f: Facts) -> list[Step]:
+    """Keyless caches on a cloud's storage read it with the workload identity KServe's download
+    Jobs run as (``default`` in its job namespace); our agent runs as its own ServiceAccount, so
+    that identity must be bound to it as well (docs/kserve-compat.md, Workload identity)."""
+    from modelcache.errors import ModelcacheError
+    from modelcache.uri import parse_uri
+
+    clouds: dict[str, list[str]] = {}
+    for c in f.caches:
+        if not keyless(c):
+            continue
+        try:
+            location = parse_uri(str((c.get("spec") or {}).get("sourceModelUri") or ""))
+        except ModelcacheError:
+            continue
+        kind = location.kind
+        if getattr(location, "sas", ""):
+            continue  # an Azure URI with a SAS carries its own credential
+        if kind in IDENTITY_KINDS:
+            clouds.setdefault(IDENTITY_KINDS[kind], []).append(cache_name(c))
+    if not clouds:
+        return []
+    theirs = ((f.job_identity or {}).get("metadata") or {}).get("annotations") or {}
+    ours = ((f.agent_account or {}).get("metadata") or {}).get("annotations") or {}
+    where = f"{f.job_namespace}/default"
+    agent = f"{OUR_NAMESPACE}/{OUR_AGENT}"
+    subject = f"system:serviceaccount:{OUR_NAMESPACE}:{OUR_AGENT}"
+    out = []
+    for annotation, cloud in IDENTITY_ANNOTATIONS.items():
+        value = theirs.get(annotation)
+        names = clouds.get({"AWS IRSA": "AWS", "GKE Workload Identity": "GCP",
+                            "Azure Workload Identity": "Azure"}[cloud], [])
+        if not value or not names or ours.get(annotation) == value:
+            continue
+        commands = [f"kubectl -n {OUR_NAMESPACE} annotate serviceaccount {OUR_AGENT} {annotation}={_q(value)} "
+                    "--overwrite"]
+        if cloud == "AWS IRSA":
+            notes = (f"in IAM, allow {subject} in the trust policy of role {value} (its condition on "
+                     "<oidc-provider>:sub names the ServiceAccount: add this one beside KServe's)",)
+        elif cloud == "GKE Workload Identity":
+            project = value.split("@", 1)[1].split(".", 1)[0] if "@" in value else "<project>"
+            notes = (f"gcloud iam service-accounts add-iam-policy-binding {value} --role "
+                     f"roles/iam.workloadIdentityUser --member 'serviceAccount:{project}.svc.id.goog"
+                     f"[{OUR_NAMESPACE}/{OUR_AGENT}]'",)
+        else:
+            commands.append(f"kubectl -n {OUR_NAMESPACE} patch daemonset {OUR_AGENT} --type merge -p "
+                            + _q(json.dumps({"spec": {"template": {"metadata": {"labels": {
+                                "azure.workload.identity/use": "true"}}}}})))
+            notes = (f"az identity federated-credential create --name {OUR_AGENT} --identity-name <identity of "
+                     f"client {value}> --resource-group <group> --issuer <cluster OIDC issuer> --subject {subject}",)
+        # (after the install step: the ServiceAccount and DaemonSet are deploy/'s; a running agent
+        # only gets the identity's token in a new pod)
+        commands.append(f"kubectl -n {OUR_NAMESPACE} rollout restart daemonset {OUR_AGENT}")
+        out.append(Step("identity", f"{cloud} is bound to KServe's download identity {where} ({annotation}={value}) "
+                        f"and keyless caches use it ({', '.join(sorted(names))}); our agent downloads as {agent}: "
+                        "bind it there too", tuple(commands), notes=notes))
+    found = {c for a, c in IDENTITY_ANNOTATIONS.items() if theirs.get(a)}
+    aws = clouds.get("AWS", [])
+    if aws and "AWS IRSA" not in found and not ours.get("eks.amazonaws.com/role-arn"):
+        out.append(Step("identity", f"keyless S3 caches ({', '.join(sorted(aws))}) name no credentials and "
+                        f"{where} has no IRSA annotation: KServe's Jobs got AWS access another way (EKS Pod "
+                        "Identity, the node's instance role); our agent needs the same access", blocking=False,
+                        label=WARNING,
+                        notes=(f"EKS Pod Identity: aws eks create-pod-identity-association --cluster <cluster> "
+                               f"--namespace {OUR_NAMESPACE} --service-account {OUR_AGENT} --role-arn <the role "
+                               f"associated with {where}>",
+                               "instance role: nothing to do if the agent's nodes have it")))
+    return out
+
+
+@check("sources")
+def _sources(f: Facts) -> list[Step]:
+    """Each cache's source listed as our agent will list it (before the switch): a copy KServe
+    downloaded is verified against that listing; while it fails the copy is served unverified."""
+    out = []
+    for check_ in f.sources or []:
+        if check_.outcome == "failed":
+            out.append(Step("sources", f"cache {check_.cache}: listing {check_.uri} with the credentials the agent "
+                            f"will use failed: {check_.detail}; the copies KServe downloaded stay served, "
+                            "unverified, until it can be listed, and no new node gets one", blocking=False,
+                            label=WARNING))
+        elif check_.outcome == "keyless" and not any(s.check == "identity" for s in _identity(f)):
+            out.append(Step("sources", f"cache {check_.cache}: {check_.uri} names no credentials: the agent's own "
+                            "identity reads it (not tried from here)", blocking=False, label=WARNING))
+    return out
 
 
 @check("storage-limit")
@@ -394,6 +563,7 @@ def render(steps: list[Step], where: str) -> str:
         lines.append("# nothing blocks the switch" + (": leftovers to clean up below" if steps else
                                                         ": nothing left to do"))
     for i, step in enumerate(steps, 1):
-        lines.append(f"# {i}. [{step.check}] {step.finding}" + ("" if step.blocking else " (optional)"))
+        lines.append(f"# {i}. [{step.check}] {step.finding}" + ("" if step.blocking else f" ({step.label})"))
+        lines.extend(f"#    {note}" for note in step.notes)
         lines.extend(step.commands)
     return "\n".join(lines)

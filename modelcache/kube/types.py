@@ -267,6 +267,9 @@ class ModelDetail(Codec):
     started_at: str | None = None
     finished_at: str | None = None
     drift: str | None = None
+    #: A copy another agent downloaded, counted on its word while it is verified in place
+    #: ("Verifying") or while its source cannot be listed to verify it ("Unverified").
+    verification: str | None = None
     #: Peer transfer (modelcache.peers): what exactly is fetched, and where its bytes came from.
     listing_digest: str | None = None
     bytes_from_origin: int | None = None

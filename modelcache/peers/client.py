@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import ipaddress
 import os
 import re
 import select
@@ -34,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import h11
 
@@ -450,14 +452,42 @@ class _StaleConnection(Exception):
     """A pooled connection the peer had closed: the request is sent again on a new one."""
 
 
+def _resolve(peer: PeerInfo, deadline: float, cancel: Cancel | None) -> tuple[Any, ...]:
+    """The peer's address by ``deadline``, given up at once on cancel. An address is used as it
+    is; a name (``--peer-address HOST``) is looked up in a thread of its own: getaddrinfo cannot
+    be interrupted, and a name whose DNS server does not answer holds it 5 s per try and server
+    (glibc's resolver), which a peer that publishes such a name would make every read wait."""
+    try:
+        ipaddress.ip_address(peer.host)
+    except ValueError:
+        pass
+    else:
+        return socket.getaddrinfo(peer.host, peer.port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)[0]
+    found: list[Any] = []
+    done = threading.Event()
+
+    def lookup() -> None:
+        try:
+            found.append(socket.getaddrinfo(peer.host, peer.port, type=socket.SOCK_STREAM)[0])
+        except OSError as exc:
+            found.append(exc)
+        done.set()
+
+    threading.Thread(target=lookup, name=f"peer-resolve-{peer.name}", daemon=True).start()
+    while not done.wait(0.1):
+        if cancel is not None and cancel.cancelled:
+            raise PeerCancelled(f"{peer.name}: cancelled")
+        if time.monotonic() >= deadline:
+            raise PeerError(f"{peer.name}: cannot resolve {peer.host} within {CONNECT_TIMEOUT:.0f}s")
+    if isinstance(found[0], OSError):
+        raise PeerError(f"{peer.name}: cannot resolve {peer.host}: {found[0]}")
+    return tuple(found[0])
+
+
 def _open(peer: PeerInfo, deadline: float, cancel: Cancel | None) -> socket.socket:
     """A TCP connection by ``deadline``, given up at once on cancel (a blocking connect cannot
     be interrupted: this one waits in slices of 0.1 s)."""
-    try:
-        infos = socket.getaddrinfo(peer.host, peer.port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise PeerError(f"{peer.name}: cannot resolve {peer.host}: {exc}") from exc
-    family, kind, proto, _, addr = infos[0]
+    family, kind, proto, _, addr = _resolve(peer, deadline, cancel)
     sock = socket.socket(family, kind, proto)
     try:
         sock.setblocking(False)

@@ -115,6 +115,13 @@ class Source(ABC):
         source may leave a record in ``staging_dir`` that publish installs next to the manifest
         (peer transfer leaves its piece hashes)."""
 
+    @classmethod
+    def revision_in(cls, folder: Path) -> str | None:
+        """The revision of this source a folder that another tool filled says it holds (the
+        tool's own records in it), for adopting the folder at that revision; None: it does not
+        say (adoption then lists the source's current one)."""
+        return None
+
     @property
     def extracts_itself(self) -> bool:
         """Whether this source overrides ``extract_into`` (it may still decline per model)."""

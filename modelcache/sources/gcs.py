@@ -167,11 +167,12 @@ class GCSSource(Source):
             for blob in self.client.list_blobs(self.loc.bucket, prefix=scope.folder, retry=retry, timeout=timeout):
                 rel = relpath_in(scope, blob.name, where)
                 if rel is not None:
-                    files.append(self._describe(rel, blob))
+                    files.append(self._describe(rel, blob, self.settings.forgery_proof))
             if not files and scope.single is not None:
                 blob = self.client.bucket(self.loc.bucket).get_blob(scope.single, retry=retry, timeout=timeout)
                 if blob is not None:
-                    files.append(self._describe(single_object_path(scope.single, where), blob))
+                    files.append(self._describe(single_object_path(scope.single, where), blob,
+                                                self.settings.forgery_proof))
         except Exception as exc:
             raise self._error(exc, where, listing=True) from None
         if not files:
@@ -180,13 +181,14 @@ class GCSSource(Source):
         return sorted(files, key=lambda f: f.path)
 
     @staticmethod
-    def _describe(rel: str, blob: Any) -> RemoteFile:
+    def _describe(rel: str, blob: Any, forgery_proof: bool = False) -> RemoteFile:
         checksums = []
         if crc := safe_b64_to_hex(blob.crc32c):
             checksums.append(Checksum("crc32c", crc))
         # crc32c is on every GCS object and proves the bytes at ~0.1 CPU-s/GiB; md5 (absent on
-        # composite objects) would add ~1.2, so it is only the fallback.
-        if not checksums and (md5 := safe_b64_to_hex(blob.md5_hash)):
+        # composite objects) would add ~1.2, so it is only the fallback, unless bytes may be forged
+        # on purpose (peer transfer): whoever knows a file can make other bytes with its crc32c.
+        if (not checksums or forgery_proof) and (md5 := safe_b64_to_hex(blob.md5_hash)):
             checksums.append(Checksum("md5", md5))
         generation = str(blob.generation) if blob.generation is not None else None
         meta = [("name", blob.name)]

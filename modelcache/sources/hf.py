@@ -16,6 +16,7 @@ from __future__ import annotations
 import posixpath
 import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -49,6 +50,10 @@ from modelcache.uri import HFLocation, Location
 
 _HEADERS = {"User-Agent": "modelcache/0.1 (hf source)"}
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+#: Where huggingface_hub keeps its records of a ``local_dir`` download (``_local_folder.py``).
+_LOCAL_DIR_METADATA = Path(".cache") / "huggingface" / "download"
+#: A folder with more records than this is not read (a model has far fewer files).
+_METADATA_MAX_FILES = 100_000
 # Listing calls (revision info, the access check) answered 429 wait Retry-After (ratelimit.wait_out);
 # the tree listing is retried the same way by huggingface_hub's own backoff.
 _T = TypeVar("_T")
@@ -73,6 +78,27 @@ class HFSource(Source):
         self._commit: str | None = None
         #: repo path -> CDN URL the Hub redirected it to (signed: never logged or shown).
         self._cdn_urls: dict[str, str] = {}
+
+    @classmethod
+    def revision_in(cls, folder: Path) -> str | None:
+        """The commit ``snapshot_download(local_dir=...)`` (KServe's initializer and download Jobs)
+        recorded for the files it wrote: ``.cache/huggingface/download/<path>.metadata``, whose
+        first line is the commit. One commit for every file, or None (none recorded, or a folder
+        that mixes revisions: then it says nothing usable)."""
+        base = folder / _LOCAL_DIR_METADATA
+        commits: set[str] = set()
+        try:
+            for i, path in enumerate(base.rglob("*.metadata")):
+                if i >= _METADATA_MAX_FILES or path.is_symlink() or not path.is_file():
+                    return None
+                with open(path, "rb") as f:
+                    first = f.read(64).split(b"\n", 1)[0].decode("ascii", "replace").strip()
+                if not _COMMIT.fullmatch(first):
+                    return None
+                commits.add(first)
+        except OSError:
+            return None
+        return commits.pop() if len(commits) == 1 else None
 
     # ---- listing ---------------------------------------------------------------------
     def list_files(self) -> list[RemoteFile]:

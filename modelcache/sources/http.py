@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import base64
 import logging
+import mimetypes
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import urllib3
 
+from modelcache.archive import archive_kind, archive_suffix
 from modelcache.errors import RateLimitedError, SourceError, TransientError
 from modelcache.integrity import safe_b64_to_hex
 from modelcache.progress import human_bytes
@@ -119,8 +122,12 @@ class HTTPSource(Source):
         self.hints = Hints(
             auth="the server refused the user and password written in the URI (sent as basic auth); check them"
                  if location.basic_auth is not None else
-                 f"set request headers in the env variable '{location.host}-headers' (JSON, e.g. "
-                 '{"Authorization": "Bearer ..."})',
+                 # KServe's variable name (<host>-headers) is not one a shell can `export`: show the
+                 # `env` form that works, and basic auth in the URI, which needs no variable at all.
+                 "send credentials: put USER:PASSWORD@ before the host in the URI (sent as basic auth), or set "
+                 f"""request headers in the variable '{location.host}-headers' (JSON; a """
+                 f"""shell cannot export that name: env '{location.host}-headers={{"Authorization": "Bearer ..."}}' """
+                 "modelcache pull ...)",
             denied="the credentials do not allow reading it",
             missing="check the URL",
         )
@@ -194,11 +201,12 @@ class HTTPSource(Source):
         seen = self._look()
         checksums = seen.checksums
         if not seen.ranged and seen.size:
-            log.info("%s: the server ignores Range (HTTP 200 to a ranged request): one stream instead of parallel "
-                     "ranged reads, and an interrupted download of its %s starts over from byte 0",
-                     self.where, human_bytes(seen.size))
+            # A warning (the CLI shows warnings): an interrupted pull of this file cannot resume.
+            log.warning("%s: the server ignores Range (HTTP 200 to a ranged request): one stream instead of parallel "
+                        "ranged reads, and an interrupted download of its %s starts over from byte 0",
+                        self.where, human_bytes(seen.size))
         if self.loc.pinned:
-            pin = Checksum(*self.loc.pinned)
+            pin = Checksum(*self.loc.pinned, params=(("from", "uri"),))  # named as the cause if it never matches
             checksums = [c for c in checksums if c.algo != pin.algo] + [pin]
         etag, modified = seen.etag, seen.modified
         if etag and not etag.startswith("W/"):
@@ -216,7 +224,7 @@ class HTTPSource(Source):
             version = f"last-modified {modified}" + (f" {etag}" if etag else "")
         else:
             version = None
-        path = safe_relpath(self.loc.filename, self.where)
+        path = safe_relpath(listed_name(self.loc), self.where)
         return RemoteFile(path=path, size=seen.size, version=version, checksums=tuple(checksums),
                           ranged=seen.ranged and bool(seen.size))
 
@@ -307,3 +315,15 @@ def _opaque(etag: str) -> str:
     """The tag without its weak marker: RFC 9110's weak comparison (a changed file gets a new tag
     either way; a cache may mark a strong one weak)."""
     return etag[2:] if etag.startswith("W/") else etag
+
+
+def listed_name(loc: HTTPLocation) -> str:
+    """The file's name: the URL path's last segment. KServe takes an archive's type from the query
+    when the path has no type of its own (``https://h/download?file=model.tar.gz``: its initializer
+    unpacks it, kserve_storage.py ``_download_from_uri``); the name then gets that suffix, so the
+    model is unpacked here as well, whatever the server calls the file."""
+    parts = urlsplit(loc.url)
+    if not parts.query or mimetypes.guess_type(parts.path)[0] is not None:
+        return loc.filename
+    suffix = archive_suffix(parts.query)
+    return loc.filename + suffix if suffix and archive_kind(loc.filename) is None else loc.filename

@@ -23,6 +23,7 @@ import json
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +56,15 @@ def kubectl_shown(cp: ControlPlane, *args: str, input: str | None = None) -> str
     out = cp.kubectl(*args, input=input).stdout
     print(out, end="" if out.endswith("\n") else "\n", flush=True)
     return out
+
+
+def status_shown(cp: ControlPlane) -> str:
+    """`modelcache status`: the fleet at a glance, as a person runs it (README.md shows this output)."""
+    print("$ modelcache status", flush=True)
+    out = subprocess.run([sys.executable, "-m", "modelcache", "status", "--kubeconfig", str(cp.kubeconfig)],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    print(out.stdout + out.stderr, end="", flush=True)
+    return out.stdout
 
 
 def wait(what: str, check: Any, timeout: float = 120) -> None:
@@ -163,16 +173,23 @@ def main() -> int:
         say("kubectl get localmodelcaches,localmodelnodes  (as the agent pods fill their nodes)")
         last = ""
 
+        in_flight_shown = False
+
         def shown_until_available() -> bool:
-            nonlocal last
+            nonlocal last, in_flight_shown
             now = cp.kubectl("get", "localmodelcaches,localmodelnodes").stdout
             if now != last:
                 print(f"[{time.strftime('%H:%M:%S')}]\n{now}", flush=True)
                 last = now
+            if not in_flight_shown and "ModelDownloading" in cp.kubectl("get", "localmodelnodes", "-o", "yaml").stdout:
+                in_flight_shown = True
+                status_shown(cp)  # once, while the copies are in flight: rates and ETA
             copies = yaml.safe_load(cp.kubectl("get", "localmodelcache", "llm", "-o", "yaml").stdout)
             return bool(((copies.get("status") or {}).get("copies") or {}).get("available") == 2)
 
         wait("two copies available", shown_until_available, 300)
+        say("modelcache status  (the fleet at a glance)")
+        status_shown(cp)
 
         say("an InferenceService that uses the cache, and its predictor pod as KServe makes it")
         kubectl_shown(cp, "create", "namespace", "demo")
