@@ -68,7 +68,7 @@ class CacheReconciler:
             # Gone without our finalizer (stripped by hand, or lost in an etcd restore): what we
             # kept about it goes too, or its copies gauges would show a cache that is not there.
             _forget_gauges(key)
-            self._status_written.pop(key, None)
+            self.pacer.forget(key)
             return Result()
         if (obj.get("metadata") or {}).get("deletionTimestamp"):
             return self.finalize(key, obj)
