@@ -17,7 +17,8 @@ pytestmark = pytest.mark.timeout(900)
 ISSUE_KEYS = ("nodes", "converge_seconds", "baseline_seconds", "requests_per_node", "peak_rss_mib", "quiet_requests")
 
 
-def test_the_coordinator_scale_bench_converges_against_its_baseline_and_reports_the_issues_keys(tmp_path: Path):
+def test_the_coordinator_scale_bench_converges_against_its_baseline_and_reports_the_issues_keys(
+        tmp_path: Path, kube_binaries: Path) -> None:  # kube_binaries: tiered 'cluster'
     bench = load_script("bench/coordinator_scale.py", "coordinator_scale_bench")
     cp = start_control_plane(tmp_path / "cluster", baseline=False)
     try:
