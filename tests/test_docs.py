@@ -293,3 +293,85 @@ def test_benchmark_tables_are_their_raw_results() -> None:
         for tool, got in runs.items():
             (row,) = [v for k, v in shown.items() if k == tool or k.startswith(tool + " ")]
             assert row == (round(statistics.median(got)), got), (path.name, tool)
+
+
+_DOTTED = re.compile(r"^(?:modelcache|agent|coordinator|initializer)(?:\.[A-Za-z_]\w*)+$")
+
+
+def _resolves(dotted: str) -> bool:
+    """``package.module.attr.attr``: the longest importable module prefix, then attributes."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def _flow_steps(text: str, heading: str) -> list[str]:
+    """The 'function' cells of the step table under ``heading``."""
+    section = text[text.index(heading):]
+    table = re.search(r"^\| # \| step \| function \|.*\n\|[-| ]+\n((?:\|.*\n)+)", section, re.M)
+    assert table, heading
+    return [line.strip("|").split("|")[2] for line in table.group(1).splitlines()]
+
+
+def test_architecture_md_names_real_functions() -> None:
+    """Each step of the three flows names the function that does it, and every dotted name the
+    page shows (`modelcache.pull.pull_many`, `agent.core.Agent.tick`, ...) exists."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    for heading in ("## The pull pipeline", "## The agent", "## The coordinator"):
+        steps = _flow_steps(text, heading)
+        assert len(steps) >= 8, heading
+        for cell in steps:
+            assert any(_DOTTED.match(n) for n in _INLINE.findall(cell)), f"{heading}: a step without its function"
+    names = sorted({n for n in _INLINE.findall(text) if _DOTTED.match(n)})
+    assert len(names) >= 60
+    missing = [n for n in names if not _resolves(n)]
+    assert missing == [], f"docs/architecture.md names what the code does not have (update the page): {missing}"
+
+
+def test_the_name_check_catches_a_renamed_function() -> None:
+    assert _resolves("modelcache.pull.pull_many") and _resolves("agent.core.Agent.set_spec")
+    assert _resolves("modelcache.store.NodeStore.publish")
+    assert not _resolves("modelcache.pull.pull_everything")
+    assert not _resolves("agent.core.Agent.no_such_method")
+    assert not _resolves("modelcache.no_such_module.f")
+
+
+def _table_modules(text: str) -> set[str]:
+    """Module names in the first column of the module tables of ``text`` (``x.py`` or ``x``, one
+    or several per cell)."""
+    names = set()
+    for table in re.findall(r"^\| module \| job \|\n\|[-| ]+\n((?:\|.*\n)+)", text, re.M):
+        for line in table.splitlines():
+            names |= {n.removesuffix(".py") for n in _INLINE.findall(line.strip("|").split("|")[0])}
+    return names
+
+
+def test_every_module_is_in_a_module_table() -> None:
+    """docs/architecture.md lists every module of modelcache/ (and its sub-packages) and
+    initializer/, one row each under its package's heading; agent.md and coordinator.md list
+    theirs. Nothing listed is missing from the tree."""
+    arch = (REPO / "docs" / "architecture.md").read_text()
+    sections = dict(re.findall(r"^### `([a-z/]+)/`[^\n]*\n(.*?)(?=^##|\Z)", arch, re.M | re.S))
+    where = {p: sections.get(p, "") for p in ("modelcache", "modelcache/sources", "modelcache/kube",
+                                              "modelcache/peers", "initializer")}
+    where["agent"] = (REPO / "docs" / "agent.md").read_text()
+    where["coordinator"] = (REPO / "docs" / "coordinator.md").read_text()
+    packages = {p.parent.relative_to(REPO).as_posix() for root in ("modelcache", "agent", "coordinator", "initializer")
+                for p in (REPO / root).rglob("__init__.py")}
+    assert sorted(packages) == sorted(where), "a package without a module table"
+    for package, text in where.items():
+        tree = {p.stem for p in (REPO / package).glob("*.py") if p.name != "__init__.py"}
+        listed = _table_modules(text)
+        assert sorted(tree - listed) == [], f"{package}: modules without a row"
+        assert sorted(listed - tree) == [], f"{package}: rows for modules that do not exist"
