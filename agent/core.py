@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from agent.capacity import Capacity
+from agent.capacity import Capacity, storage_limit_refusal
 from agent.checks import Checker
 from agent.config import AgentConfig
 from agent.credentials import Credentials
@@ -35,6 +35,7 @@ from modelcache.clock import rfc3339
 from modelcache.errors import ModelcacheError
 from modelcache.kube.types import (
     MODEL_DOWNLOAD_ERROR,
+    MODEL_DOWNLOAD_PENDING,
     MODEL_DOWNLOADED,
     Condition,
     LocalModelInfo,
@@ -43,7 +44,7 @@ from modelcache.kube.types import (
 )
 from modelcache.loop import Loop
 from modelcache.progress import format_line
-from modelcache.pull import PullPlan, pull
+from modelcache.pull import PullPlan, SpacePolicy, pull, staged_pulls
 from modelcache.redact import scrub_urls
 from modelcache.repair import needs_repair, repair
 from modelcache.store import Manifest, NodeLayout, NodeStore
@@ -55,14 +56,20 @@ log = logging.getLogger("agent")
 STORAGE_KEY = re.compile(r"^[0-9a-f]{16}$")
 #: Free space in the status changes only in steps of this size (the metric is exact).
 FREE_REPORT_STEP = 1 << 30
+#: Seconds between checks that each namespace cache's entry may use its model (Agent._check_entries).
+ENTRY_CHECK = 10.0
 
 
 def group_entries(entries: Iterable[LocalModelInfo]) -> dict[str, tuple[str, list[LocalModelInfo]]]:
-    """storageKey -> (uri, entries), in spec order; the first entry of a key leads (KServe's dedup)."""
+    """storageKey -> (uri, entries), in spec order; the first entry of a key leads (KServe's dedup),
+    a cluster cache's before any namespace cache's: its credentials are a cluster admin's choice,
+    and a tenant's entry is served that folder only if it names the same (agent/credentials.py)."""
     out: dict[str, tuple[str, list[LocalModelInfo]]] = {}
     for info in entries:
         key = storage_key(info.source_model_uri)
         out.setdefault(key, (info.source_model_uri, []))[1].append(info)
+    for _uri, infos in out.values():
+        infos.sort(key=lambda i: bool(i.namespace))  # stable: spec order otherwise
     return out
 
 
@@ -99,11 +106,21 @@ class Agent:
         #: root_check(nodeGroup) -> why a model of that group must not be reported Downloaded (the
         #: root is not the group PV's local.path: agent/hostpath.py), else None. Cluster mode only.
         self.root_check: Callable[[str | None], str | None] | None = None
+        #: status key -> why that namespace cache's entry is not served its record's model (other
+        #: credentials than the entry that downloads it, or ones not granted to its namespace):
+        #: refreshed every ENTRY_CHECK seconds from the credential namespace's objects.
+        self.entry_refusals: dict[str, str] = {}
+        #: (status key, record key) pairs checked so far: until then a namespace entry is not
+        #: reported Downloaded (the coordinator may give its namespace a serving claim on that word).
+        self._entries_checked: set[tuple[str, str]] = set()
+        self._last_entry_check = -ENTRY_CHECK
         self._stop = threading.Event()
         self._loop = Loop("agent-supervisor", self.tick, 0.5, wake=self.wake, logger=log)
         self._last_removal_check = 0.0
         self._last_sweep = 0.0
         self._last_free: int | None = None
+        #: Folders not made by modelcache already named in the log (each is said once).
+        self._told_foreign: set[str] = set()
         #: Optional sink for notable transitions (cluster mode: Kubernetes Events on the LocalModelNode):
         #: on_event(type "Normal"|"Warning", reason, message). Called without the lock held.
         self.on_event: Callable[[str, str, str], None] | None = None
@@ -175,6 +192,7 @@ class Agent:
                 self._adopt_orphans()
                 self._last_sweep = time.monotonic()
             self.generation = generation
+            self._last_entry_check = -ENTRY_CHECK  # new or changed entries are checked at the next tick
         self.spec_seen.set()
         if changed:
             self.changed.set()
@@ -240,11 +258,22 @@ class Agent:
     def _adopt_orphans(self) -> None:
         """Files of models no entry wants (left while the agent was not running, or by a crash
         mid-download or mid-repair) become records without entries: the removal deletes them
-        like any model that left the spec, mounted ones only once no pod uses them."""
-        for key in sorted(self._disk_keys() - self.records.keys()):
-            manifest = self.store.manifest(key)
-            self.records[key] = ModelRecord(key=key, uri=manifest.uri if manifest else "", entries=[])
-            log.info("files of a model no entry wants: removing", extra=fields(storage_key=key))
+        like any model that left the spec, mounted ones only once no pod uses them. Only what
+        this store made: a folder someone else put under ``models/`` stays (said once)."""
+        orphans = sorted(self._disk_keys() - self.records.keys())
+        staged = {s.storage_key: s.uri for s in staged_pulls(self.store)} if orphans else {}
+        for key in orphans:
+            known = self.store.manifest(key) or self.store.pinned_manifest(key)
+            uri = known.uri if known else staged.get(key, "")
+            self.records[key] = ModelRecord(key=key, uri=uri, entries=[])
+            log.info("files of a model no entry wants: removing",
+                     extra=fields(storage_key=key, **({"uri": redact_uri(uri)} if uri else {})))
+        for name in sorted(set(self.store.foreign()) - self._told_foreign - self.records.keys()):
+            self._told_foreign.add(name)
+            log.warning("a folder under the root was not made by modelcache: kept (the agent never deletes it); "
+                        "delete it by name if it is not needed", extra=fields(
+                            folder=str(self.layout.model_dir(name)),
+                            command=f"modelcache rm --root {self.cfg.root} {name}"))
 
     def _sweep(self, now: float) -> None:
         self._last_sweep = now
@@ -296,6 +325,9 @@ class Agent:
                 elif present:
                     self.checker.maybe_check(rec, now)
         self._removals(now)
+        if now - self._last_entry_check >= ENTRY_CHECK:
+            self._last_entry_check = now
+            self._check_entries()
         if self.cfg.sweep_interval > 0 and now - self._last_sweep >= self.cfg.sweep_interval:
             self._sweep(now)
         self._log_progress(now)
@@ -316,13 +348,37 @@ class Agent:
         if plan.revision:
             rec.revision = plan.revision
         staged = self.layout.repair_dir(rec.key) if task.repairing else self.layout.staging_dir(rec.key)
-        limit = self.group_limits.get(primary.node_group or "")
-        self.capacity.reserve(rec.key, plan.bytes_needed, plan.total_bytes, limit, plan.location.display, staged=staged,
-                              owners=owners(rec.entries))
+        self.capacity.reserve(rec.key, plan.bytes_needed, plan.total_bytes, self._admitting_limit(rec),
+                              plan.location.display, staged=staged, owners=owners(rec.entries),
+                              advice=self._space_advice())
         log.info("download admitted", extra=fields(storage_key=rec.key, bytes_total=plan.total_bytes,
                                                    bytes_needed=plan.bytes_needed, files=plan.files,
                                                    revision=plan.revision or ""))
         self.changed.set()
+
+    def _admitting_limit(self, rec: ModelRecord) -> int | None:
+        """The storageLimit a download is admitted against: entries sharing a URI share one
+        folder, and each is judged in its own node group, so the model is fetched if any wanting
+        group has room (the most generous limit; None if one sets none). An entry whose own
+        group has no room is reported failed, naming its group (``_group_refusal``)."""
+        limits = [self.group_limits.get(info.node_group or "") for info in rec.entries] or [None]
+        return None if any(limit is None for limit in limits) else max(limits, key=lambda x: int(x or 0))
+
+    def _group_refusal(self, rec: ModelRecord, info: LocalModelInfo, used: int) -> str | None:
+        """Why a downloaded model does not fit ``info``'s own node group (its storageLimit), or None.
+        ``used``: bytes of every model on the node, this one included."""
+        limit = self.group_limits.get(info.node_group or "")
+        size = rec.bytes_total or 0
+        if limit is None or size <= max(0, limit - (used - size)):
+            return None
+        return storage_limit_refusal(redact_uri(rec.uri), size, limit, used - size, 0)
+
+    def _space_advice(self) -> str:
+        """What a refusal for lack of disk advises: never a gc of the agent's root, which holds what
+        the spec lists (the agent would download the evicted models again)."""
+        fewer = ("remove entries from " + str(self.cfg.standalone) if self.cfg.standalone is not None
+                 else "take caches off this node's node groups")
+        return f"the root holds the models its spec lists: {fewer}, give --root a larger disk, or lower --space-margin"
 
     def _options(self) -> TransferOptions:
         return TransferOptions(workers=self.cfg.workers, chunk_size=self.cfg.chunk_size,
@@ -411,8 +467,10 @@ class Agent:
 
                 peers = self.peering.network if self.peering is not None and dest is None else None
                 # unpack: a repair's folder holds the model as the store does (archives unpacked).
+                # One margin: the agent's --space-margin, which its admission (above) has checked.
+                space = SpacePolicy(self.cfg.space_margin, self._space_advice())
                 return pull(uri or rec.uri, settings=settings, options=self._options(), progress=task.progress,
-                            admit=admit, cancel=task.cancel, only=only, peers=peers, unpack=True,
+                            admit=admit, cancel=task.cancel, only=only, peers=peers, unpack=True, space=space,
                             adoption=adoption, **where)
 
             with self.store.lock(rec.key, cancel=task.cancel):
@@ -457,6 +515,7 @@ class Agent:
         from modelcache.adopt import record_folder
         from modelcache.pull import PullResult
 
+        self.store.claim(rec.key)  # the container fills the folder: until its manifest, a folder of ours
         with self.credentials.env_for(primary) as env:
             passed = {k: v for k, v in env.items() if self.credentials.base_env.get(k) != v}
             job = self.jobs.run(primary, rec.key, self.store.layout.model_dir(rec.key), task.cancel, passed)
@@ -488,12 +547,16 @@ class Agent:
         rec.failures += 1
         delay = min(self.cfg.backoff_max, self.cfg.backoff_initial * 2 ** (rec.failures - 1))
         rec.next_attempt = time.monotonic() + delay
-        rec.failure = Failure(f"{reason}: {message} (retry {rec.failures} in {delay:.0f}s)", reason)
+        # A one-shot standalone run ends once every model is Downloaded or Error: it promises no retry.
+        one_shot = self.cfg.standalone is not None and not self.cfg.watch
+        retry = "" if one_shot else f" (retry {rec.failures} in {_seconds(delay)})"
+        rec.failure = Failure(f"{reason}: {message}{retry}", reason)
         rec.finished_at = rfc3339()
         self.metrics.errors.labels(reason=reason).inc()
         self.metrics.duration.labels(scheme=scheme, outcome="error").observe(elapsed)
+        later = {} if one_shot else {"retry_in": round(delay, 2)}
         log.warning("download failed", extra=fields(storage_key=rec.key, uri=redact_uri(rec.uri), reason=reason,
-                                                    error=message, retry_in=round(delay, 2)))
+                                                    error=message, **later))
 
     def _mark_damaged(self, rec: ModelRecord, problem: str) -> bool:
         """Withdraw a damaged model's manifest (it is not present for any reader of the store
@@ -572,7 +635,9 @@ class Agent:
         with self.lock:
             rec.deleting = False
             if deleted:
-                log.info("model deleted", extra=fields(storage_key=rec.key, uri=redact_uri(rec.uri)))
+                # Every deletion is a warning: files went, and the log says which and why.
+                log.warning("model deleted: no entry of the spec wants it", extra=fields(
+                    storage_key=rec.key, **({"uri": redact_uri(rec.uri)} if rec.uri else {})))
                 # Nothing of the old copy is true any more: a re-added entry starts from scratch.
                 rec.mounted_by, rec.failure, rec.failures, rec.next_attempt = [], None, 0, 0.0
                 rec.note, rec.damage, rec.old_files, rec.revision = "", "", [], None
@@ -585,6 +650,28 @@ class Agent:
         self.wake.set()
 
     # ---- reporting ------------------------------------------------------------------------
+
+    def _check_entries(self) -> None:
+        """Which namespace caches' entries may not be served their record's model (security review
+        H3: caches of one URI share one folder)."""
+        with self.lock:
+            pairs = [(info, rec.primary, rec.key) for rec in self.records.values() if rec.wanted
+                     for info in rec.entries if info.namespace]
+        refusals, checked = {}, set()
+        for info, primary, key in pairs:
+            checked.add((info.status_key, key))
+            try:
+                why = self.credentials.entry_refusal(info, primary)
+            except Exception as exc:  # the API server unreachable a moment: keep what we knew
+                log.warning("credential check failed", extra=fields(model=info.status_key, error=str(exc)))
+                why = self.entry_refusals.get(info.status_key)
+            if why:
+                refusals[info.status_key] = why
+        with self.lock:
+            changed = refusals != self.entry_refusals or checked != self._entries_checked
+            self.entry_refusals, self._entries_checked = refusals, checked
+        if changed:
+            self.changed.set()
 
     def _used_bytes(self) -> int:
         with self.lock:
@@ -651,15 +738,29 @@ class Agent:
         removing: dict[str, Any] = {}
         with self.lock:
             keys = sorted({r.key for r in self.records.values() if r.wanted})
+            used = self._used_bytes() if self.group_limits else 0
+            # An interrupted download keeps its staged bytes: its progress is shown, not dropped.
+            paused = [r.key for r in self.records.values() if r.task is None and r.note == INTERRUPTED]
+            staged = {p.storage_key: p for p in staged_pulls(self.store) if p.storage_key in paused} if paused else {}
             for rec in self.records.values():
                 state = rec.state(self._present(rec.key))
                 for info in rec.entries:
                     d = rec.detail(state)
+                    if rec.key in staged and state != MODEL_DOWNLOADED:
+                        d.bytes_done, d.bytes_total = staged[rec.key].bytes_done, staged[rec.key].bytes_total
                     blocked = (self.root_check(info.node_group) if self.root_check and state == MODEL_DOWNLOADED
-                               else None)
+                               else None) or self.entry_refusals.get(info.status_key)
                     if blocked:
-                        # Downloaded here, but not where the node group's PV points serving pods.
+                        # Downloaded here, but not where the node group's PV points serving pods; or
+                        # not for this namespace cache (its credentials).
                         d.state, d.message = MODEL_DOWNLOAD_ERROR, blocked
+                    elif (info.namespace and state == MODEL_DOWNLOADED
+                          and (info.status_key, rec.key) not in self._entries_checked):
+                        d.state, d.message = MODEL_DOWNLOAD_PENDING, "checking the credentials it names"
+                    over = self._group_refusal(rec, info, used) if state == MODEL_DOWNLOADED else None
+                    if over and not blocked:
+                        # Downloaded for another entry's group; this entry's own group has no room.
+                        d.state, d.message = MODEL_DOWNLOAD_ERROR, f"InsufficientSpace: {over}"
                     model_status[info.status_key] = d.state
                     details[info.status_key] = {**d.to_dict(), **self._peer_fields(rec.key)}
                 for info in rec.former:
@@ -782,6 +883,14 @@ def _one_line(exc: BaseException | None) -> str:
     SDK's own exception may quote a signed URL)."""
     text = str(exc) if exc is not None else "failed"
     return scrub_urls(" ".join(text.split()))[:500] or type(exc).__name__
+
+
+def _seconds(delay: float) -> str:
+    """A backoff as people read it: 0.5s, 2s, 1m30s (was "0s" for any delay under half a second)."""
+    if delay < 10:
+        return f"{delay:.1f}".rstrip("0").rstrip(".") + "s"
+    minutes, seconds = divmod(round(delay), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
 def _quantity(n: int) -> str:

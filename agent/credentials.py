@@ -40,7 +40,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from modelcache.credentials import Settings, redirecting
+from modelcache.credentials import CREDENTIALS_FROM, Settings, redirecting
 from modelcache.errors import AuthError, ModelcacheError
 from modelcache.kube.types import LocalModelInfo
 
@@ -170,10 +170,7 @@ def storage_env(info: LocalModelInfo, reader: SecretReader, config: CredentialCo
         raise AuthError(f"model {info.status_key}: secret '{name}' not found in the credentials "
                         "namespace; create it or drop the entry's storage field")
     data = secret_data(secret)
-    key = info.storage.key
-    if not key:
-        typed = f"default_{params['type']}" if params.get("type") else ""
-        key = typed if typed in data else "default"
+    key = _spec_key(info, data)
     if info.namespace:
         _tenant_may_use_key(info, name, key if key in data else None, secret)
     env: dict[str, str] = {}
@@ -185,6 +182,24 @@ def storage_env(info: LocalModelInfo, reader: SecretReader, config: CredentialCo
     if params:
         env["STORAGE_OVERRIDE_CONFIG"] = json.dumps(params)
     return env
+
+
+def _spec_key(info: LocalModelInfo, data: Mapping[str, str]) -> str:
+    """The storage-spec Secret's key an entry reads: ``storage.key``, else ``default_<type>`` when the
+    parameters name a type and that key exists, else ``default`` (KServe's)."""
+    assert info.storage is not None
+    if info.storage.key:
+        return info.storage.key
+    params = info.storage.parameters or {}
+    typed = f"default_{params['type']}" if params.get("type") else ""
+    return typed if typed in data else "default"
+
+
+def _tenant_may_use_account(info: LocalModelInfo, name: str, sa: Mapping[str, Any]) -> None:
+    if info.namespace and not granted(_annotations(sa).get(SA_NAMESPACES_ANNOTATION), info.namespace):
+        raise AuthError(f"model {info.status_key}: service account '{name}' is not granted to namespace "
+                        f"{info.namespace}; a cluster admin grants it with the annotation {SA_NAMESPACES_ANNOTATION}: "
+                        f"\"{info.namespace}\" on that ServiceAccount in the credentials namespace")
 
 
 def _tenant_may_use_key(info: LocalModelInfo, secret_name: str, key: str | None, secret: Mapping[str, Any]) -> None:
@@ -253,7 +268,8 @@ def _write_private(path: str, data: bytes) -> None:
 
 
 def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str,
-                        config: CredentialConfig | None = None) -> dict[str, str]:
+                        config: CredentialConfig | None = None, found: list[str] | None = None) -> dict[str, str]:
+    """``found``: the names of the Secrets read are appended to it (what an auth error names)."""
     config = config or CredentialConfig()
     name = info.service_account_name or "default"
     sa = reader.service_account(name)
@@ -261,15 +277,14 @@ def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str
         raise AuthError(f"model {info.status_key}: service account '{name}' not found in the credentials namespace")
     sa_annotations = _annotations(sa)
     irsa = IRSA_ANNOTATION in sa_annotations
-    if info.namespace and not granted(sa_annotations.get(SA_NAMESPACES_ANNOTATION), info.namespace):
-        raise AuthError(f"model {info.status_key}: service account '{name}' is not granted to namespace "
-                        f"{info.namespace}; a cluster admin grants it with the annotation {SA_NAMESPACES_ANNOTATION}: "
-                        f"\"{info.namespace}\" on that ServiceAccount in the credentials namespace")
+    _tenant_may_use_account(info, name, sa)
     env: dict[str, str] = {}
     for ref in sa.get("secrets") or []:
         secret = reader.secret(str(ref.get("name", "")))
         if secret is None:
             continue  # KServe skips (and logs) a missing secret
+        if found is not None:
+            found.append(str(ref.get("name", "")))
         raw = secret_bytes(secret)
         data = secret_data(secret)
         if config.s3_secret_key_name in data:
@@ -300,6 +315,25 @@ def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str
         # (KServe reads a service account's s3-* annotations only when it has the IRSA one.)
         env.update(s3_env(sa_annotations, None, config))
     return env
+
+
+def _named(info: LocalModelInfo) -> tuple[str | None, Any]:
+    """The credentials an entry names (what the agent would download it with)."""
+    storage = info.storage
+    spec = None if storage is None else (storage.key or None, dict(storage.parameters or {}) or None)
+    return info.service_account_name or None, spec if spec != (None, None) else None
+
+
+def shared_folder_refusal(info: LocalModelInfo, primary: LocalModelInfo) -> str | None:
+    """Why a namespace cache's entry may not use a model folder it shares with ``primary`` (the entry
+    whose credentials download it: caches of one URI share one folder, KServe's contract): it names
+    other credentials. Otherwise a tenant could name the URI of someone's private model, with no
+    credentials or its own, and read the folder downloaded with theirs."""
+    if not info.namespace or info is primary or _named(info) == _named(primary):
+        return None
+    return (f"model {info.status_key}: its URI is also cached with other credentials on this node; a "
+            "LocalModelNamespaceCache shares that folder only when it names the same serviceAccountName and "
+            "storage (granted to its namespace): name those, or cache another URI")
 
 
 #: The two spellings of an S3 Secret's keys in use with KServe: its code's default (what applies
@@ -351,20 +385,46 @@ class Credentials:
         self.reader = reader
         self.base_env = dict(base_env)
 
+    def entry_refusal(self, info: LocalModelInfo, primary: LocalModelInfo) -> str | None:
+        """Why a namespace cache's entry may not be served the model its record holds: it names
+        other credentials than the entry that downloads it, or credentials not granted to its
+        namespace (checked on the objects' metadata; nothing is read from a Secret's data)."""
+        if not info.namespace or self.reader is None:
+            return None
+        if why := shared_folder_refusal(info, primary):
+            return why
+        try:
+            grant_check(info, self.reader)
+        except AuthError as exc:
+            return str(exc)
+        return None
+
     @contextlib.contextmanager
     def env_for(self, info: LocalModelInfo) -> Iterator[dict[str, str]]:
         """The download's environment (credential files in a private folder while it is open)."""
         with tempfile.TemporaryDirectory(prefix="modelcache-agent-cred-") as key_dir:
             env = dict(self.base_env)
+            where = "the agent's environment and --download-env"
             hint = None
             if self.reader is not None:
+                ns = getattr(self.reader, "namespace", "?")
                 if info.storage is not None and (info.storage.key or info.storage.parameters):
-                    env.update(storage_env(info, self.reader, self.reader.credential_config()))
-                elif info.service_account_name:
                     config = self.reader.credential_config()
-                    env.update(service_account_env(info, self.reader, key_dir, config))
+                    env.update(storage_env(info, self.reader, config))
+                    where = (f"Secret {ns}/{config.storage_spec_secret_name}"
+                             + (f" key '{info.storage.key}'" if info.storage.key else "") + " (the entry's storage)")
+                elif info.service_account_name:
+                    found: list[str] = []
+                    config = self.reader.credential_config()
+                    env.update(service_account_env(info, self.reader, key_dir, config, found))
+                    secrets = ", ".join(f"{ns}/{n}" for n in found) or "(none)"
+                    where = (f"Secret{'s' if len(found) != 1 else ''} {secrets} of ServiceAccount "
+                             f"{ns}/{info.service_account_name}")
                     if "AWS_SECRET_ACCESS_KEY" not in env:
                         hint = misnamed_s3_keys(info, self.reader, config)
+                else:
+                    where += " (the entry names no serviceAccountName or storage)"
+            env[CREDENTIALS_FROM] = where
             try:
                 yield env
             except ModelcacheError as exc:
@@ -414,3 +474,23 @@ class KubeSecretReader:
 
     def service_account(self, name: str) -> dict[str, Any] | None:
         return self.kube.get_or_none(self._sas, name, self.namespace)
+
+
+def grant_check(info: LocalModelInfo, reader: SecretReader) -> None:
+    """Raise AuthError when a namespace cache's entry names credentials not granted to its
+    namespace (the rule storage_env and service_account_env apply, without building anything)."""
+    if not info.namespace:
+        return
+    if info.storage is not None and (info.storage.key or info.storage.parameters):
+        name = reader.credential_config().storage_spec_secret_name
+        secret = reader.secret(name)
+        if secret is None:
+            raise AuthError(f"model {info.status_key}: secret '{name}' not found in the credentials namespace")
+        key = _spec_key(info, secret_data(secret))
+        _tenant_may_use_key(info, name, key if key in secret_data(secret) else None, secret)
+    elif info.service_account_name:
+        sa = reader.service_account(info.service_account_name)
+        if sa is None:
+            raise AuthError(f"model {info.status_key}: service account '{info.service_account_name}' not found "
+                            "in the credentials namespace")
+        _tenant_may_use_account(info, info.service_account_name, sa)

@@ -36,7 +36,14 @@ from modelcache.kube.client import (
 from modelcache.kube.controller import Result
 from modelcache.kube.events import NORMAL, WARNING, EventRecorder
 from modelcache.kube.status import patch_status_if_changed, update_if_changed
-from modelcache.kube.types import CACHE_FINALIZER, NAMESPACE_CACHE_FINALIZER, label_value, status_key
+from modelcache.kube.types import (
+    CACHE_FINALIZER,
+    MODEL_DOWNLOADED,
+    NAMESPACE_CACHE_FINALIZER,
+    NODE_DOWNLOAD_ERROR,
+    label_value,
+    status_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +65,10 @@ class CacheReconciler:
     def __call__(self, key: str) -> Result:
         obj = self.view.cache(key)
         if obj is None:
+            # Gone without our finalizer (stripped by hand, or lost in an etcd restore): what we
+            # kept about it goes too, or its copies gauges would show a cache that is not there.
+            _forget_gauges(key)
+            self._status_written.pop(key, None)
             return Result()
         if (obj.get("metadata") or {}).get("deletionTimestamp"):
             return self.finalize(key, obj)
@@ -67,7 +78,7 @@ class CacheReconciler:
         spec = obj.get("spec") or {}
         groups = self.view.group_map()
         members = self.view.members(list(spec.get("nodeGroups") or []))
-        refused = self.sync_volumes(key, obj, groups)
+        refused = self.sync_volumes(key, obj, groups, create=not self.namespaced or self.entitled(obj, members))
         missing = [g for g in spec.get("nodeGroups") or [] if g not in groups]
         wait = self.sync_status(key, obj, members, missing, refused)
         # A quota raised or a LimitRange changed wakes nothing of ours: try again in a while.
@@ -122,10 +133,27 @@ class CacheReconciler:
         return Result()
 
     # -- serving volumes -------------------------------------------------------------------------
-    def sync_volumes(self, key: str, obj: dict[str, Any], groups: dict[str, dict[str, Any]]) -> list[str]:
+    def entitled(self, obj: dict[str, Any], members: Mapping[str, Member]) -> bool:
+        """May a namespace cache's namespace get its serving claim now? Only once an agent reports
+        this cache's own entry downloaded. A claim reads the folder of the URI's storage key, which
+        caches of one URI share (KServe's contract): a tenant naming the URI of someone else's
+        private model must not read the folder downloaded with their credentials, and an agent
+        reports a namespace cache's entry downloaded only when it names the credentials the folder
+        was downloaded with, granted to its namespace (agent/credentials.py). Waiting for that even
+        for a URI no other cache has yet closes the order where the tenant's claim comes first.
+        Serving pods wait for a copy anyway (pod placement)."""
+        meta = obj["metadata"]
+        uri = (obj.get("spec") or {}).get("sourceModelUri") or ""
+        skey = status_key(meta["name"], meta.get("namespace") or None)
+        return any(reports.reported_state(self.view.lmns.store.get_raw(node),
+                                          reports.node_uid(self.view.nodes.store.get_raw(node)), skey, uri)
+                   == MODEL_DOWNLOADED for node in members)
+
+    def sync_volumes(self, key: str, obj: dict[str, Any], groups: dict[str, dict[str, Any]],
+                     create: bool = True) -> list[str]:
         """Create and delete serving PVs/PVCs; returns the creations the API refused (a namespace's
         ResourceQuota or LimitRange, an invalid group spec), each as one line, also recorded as a
-        Warning Event on the cache."""
+        Warning Event on the cache. ``create`` False: none is created yet (``entitled``)."""
         isvcs, llms = self.view.services_of(key)
         uses = [volumes.Use(s["metadata"]["namespace"], (s["metadata"].get("annotations") or {}))
                 for s in [*isvcs, *llms] if not s["metadata"].get("deletionTimestamp")]
@@ -135,7 +163,7 @@ class CacheReconciler:
         have_pvcs = {(c["metadata"]["namespace"], c["metadata"]["name"]): c
                      for c in self.view.pvcs.store.by_index(BY_CACHE, key, copy_objects=False)}
         refused: list[str] = []
-        for pair in pairs.values():
+        for pair in pairs.values() if create else ():
             group = groups[pair.group]
             try:
                 if pair.pv_name not in have_pvs:
@@ -191,15 +219,18 @@ class CacheReconciler:
         skey = status_key(meta["name"], meta.get("namespace") or None)
         uri = (obj.get("spec") or {}).get("sourceModelUri") or ""
         model_states: dict[str, str | None] = {}
+        reasons: dict[str, str] = {}
         verification: dict[str, str] = {}
         for node in members:
             lmn = self.view.lmns.store.get_raw(node)
             uid = reports.node_uid(self.view.nodes.store.get_raw(node))
             model_states[node] = reports.reported_state(lmn, uid, skey, uri)
+            reasons[node] = reports.reported_message(lmn, skey)
             found = reports.reported_verification(lmn, uid, skey, uri)
             if found:
                 verification[node] = found
         node_status = aggregate.node_status(members, model_states)
+        failing = {n: reasons[n] or "no reason given" for n, st in node_status.items() if st == NODE_DOWNLOAD_ERROR}
         copies = aggregate.copies(node_status)
         isvcs, llms = self.view.services_of(key)
 
@@ -222,6 +253,12 @@ class CacheReconciler:
             conditions = aggregate.set_condition(
                 list(status.get("conditions") or []), GROUPS_CONDITION, not missing,
                 "NodeGroupNotFound" if missing else "NodeGroupsFound", message, rfc3339())
+            # Why nodes fail, where `kubectl describe` shows it (nodeStatus has only the state):
+            # shown once a node failed, and from then on (True again once none does).
+            if failing or any(c.get("type") == FAILURES_CONDITION for c in conditions):
+                conditions = aggregate.set_condition(
+                    conditions, FAILURES_CONDITION, not failing, "NodeDownloadError" if failing else "NoDownloadErrors",
+                    _failures(failing) if failing else "no node reports a download error", rfc3339())
             # Shown once a volume was refused, and from then on (True again once all exist).
             if refused or any(c.get("type") == VOLUMES_CONDITION for c in conditions):
                 conditions = aggregate.set_condition(
@@ -251,6 +288,9 @@ class CacheReconciler:
                                  f"model downloaded on {_nodes(gained)} ({summary})")
         if lost:
             self.recorder.record(obj, WARNING, "CopyLost", f"no usable copy any more on {_nodes(lost)} ({summary})")
+        newly = sorted(n for n in failing if old_status.get(n) != NODE_DOWNLOAD_ERROR)
+        if newly:
+            self.recorder.record(obj, WARNING, "DownloadFailed", _failures({n: failing[n] for n in newly}))
         return None
 
 
@@ -259,7 +299,16 @@ def _nodes(names: list[str], shown: int = 5) -> str:
     return ("node " if len(names) == 1 else "nodes ") + ", ".join(names[:shown]) + more
 
 
+def _failures(reasons: Mapping[str, str], shown: int = 3) -> str:
+    """``node n1: Unauthorized: ...; node n2: ...`` (the first few, each cut to one sentence's worth)."""
+    items = sorted(reasons.items())
+    text = "; ".join(f"node {n}: {r[:300]}" for n, r in items[:shown])
+    return text + (f"; and {len(items) - shown} more node(s)" if len(items) > shown else "")
+
+
 GROUPS_CONDITION = "NodeGroupsFound"
+#: False while a node reports a download error, naming each node and its reason.
+FAILURES_CONDITION = "NoDownloadErrors"
 VOLUMES_CONDITION = "ServingVolumesCreated"
 #: False while a node counts a copy KServe's agent downloaded on its word (agent/state.py, carried over).
 VERIFIED_CONDITION = "CopiesVerified"

@@ -37,7 +37,7 @@ from modelcache.kube.client import (
     Resource,
 )
 from modelcache.kube.informer import Informer
-from modelcache.kube.types import LOCALMODEL_LABEL, LOCALMODEL_NAMESPACE_LABEL
+from modelcache.kube.types import LOCALMODEL_LABEL, LOCALMODEL_NAMESPACE_LABEL, MODEL_DOWNLOAD_ERROR
 
 log = logging.getLogger(__name__)
 
@@ -105,16 +105,19 @@ def node_essentials(node: dict[str, Any]) -> dict[str, Any]:
 def lmn_essentials(lmn: dict[str, Any]) -> dict[str, Any]:
     """A LocalModelNode as the coordinator reads it: of the agent's status only ``modelStatus``,
     the ``nodeUID`` it was written for and each model's ``storageKey`` (what a state is believed
-    against: coordinator/reports.py) and ``verification`` (a copy counted on KServe's word: the
-    caches' CopiesVerified), not its progress or capacity. Its spec and metadata stay whole: the
-    node reconciler writes the object back with a PUT (which ignores status)."""
+    against: coordinator/reports.py), ``verification`` (a copy counted on KServe's word: the
+    caches' CopiesVerified) and the message of a model in error (the reason a cache's status
+    gives), not its progress or capacity. Its spec and metadata stay whole: the node reconciler
+    writes the object back with a PUT (which ignores status)."""
     (lmn.get("metadata") or {}).pop("managedFields", None)
     status = lmn.get("status")
     if status:
         kept = {k: status[k] for k in ("modelStatus", "nodeUID") if k in status}
         details = status.get("modelDetails") or {}
-        keys = {k: {f: d[f] for f in ("storageKey", "verification") if d.get(f)} for k, d in details.items()
-                if isinstance(d, dict) and d.get("storageKey")}
+        failed = {k for k, v in (status.get("modelStatus") or {}).items() if v == MODEL_DOWNLOAD_ERROR}
+        keys = {k: {f: d[f] for f in ("storageKey", "verification") if d.get(f)}
+                | ({"message": d["message"]} if k in failed and d.get("message") else {})
+                for k, d in details.items() if isinstance(d, dict) and d.get("storageKey")}
         if keys:
             kept["modelDetails"] = keys
         lmn["status"] = kept

@@ -35,8 +35,8 @@ from modelcache.diskio import ALIGN, BufferPool, FileWriter, direct_io_supported
 from modelcache.errors import CancelledError, IntegrityError, ModelcacheError, RateLimitedError, TransientError
 from modelcache.integrity import MultiHasher
 from modelcache.journal import Journal, JournalState
-from modelcache.progress import ProgressTracker, human_bytes
-from modelcache.remote import RangeStream, RemoteFile
+from modelcache.progress import ProgressTracker, human_bytes, plural
+from modelcache.remote import Checksum, RangeStream, RemoteFile
 from modelcache.resources import ResourceError
 from modelcache.sources.base import Source
 from modelcache.transfer_control import SourceStats, StreamLimit, Watchdog, retry_policy
@@ -115,6 +115,8 @@ class FetchedFile:
     size: int
     xxh3: str
     verified: tuple[str, ...]  # source checksum algorithms the bytes matched
+    #: ``time.monotonic()`` when the file was complete (a model of a batch is ready when its last is).
+    finished: float = field(default_factory=time.monotonic, compare=False)
 
 
 @dataclass
@@ -127,6 +129,18 @@ class _Chunk:
     @property
     def length(self) -> int:
         return self.end - self.start
+
+
+def _mismatch_cause(expected: Checksum, got: list[str]) -> str:
+    """What a checksum that never matched most likely means, from where it came from and what
+    each attempt got."""
+    if expected.param("from") == "uri":
+        return (f"the file does not match the #{expected.algo}= pin written in the URI"
+                + (" (the server sent the same bytes every time)" if len(set(got)) == 1 and len(got) > 1 else "")
+                + ": check the digest in the URI")
+    if len(set(got)) == 1 and len(got) > 1:
+        return "the source sent the same bytes every time: the object is corrupt at the source"
+    return "the source object is corrupt or changed during download"
 
 
 class _Slot:
@@ -189,6 +203,7 @@ class _FileState:
         self.waiting: dict[int, tuple[_Chunk, Any]] = {}  # chunk start -> (chunk, parked buffer or None: spilled)
         self.hasher: MultiHasher | None = None
         self.attempts = 0
+        self.got: list[str] = []  # the digest each attempt that failed its checksum got
         self.result: FetchedFile | None = None
         self.error: BaseException | None = None
         self.lost = False  # a flush of the file failed: its bytes on disk are not trusted
@@ -362,7 +377,8 @@ class TransferEngine:
                 self._direct[d] = direct_io_supported(d) if want is None else want
             st.writer = FileWriter(st.job.dest, st.size, self._direct[d])
             st.hasher = MultiHasher(st.job.remote.checksums, st.size)
-            self.progress.file_started(_pkey(st.job), st.size, sum(c.done for c in st.chunks))
+            self.progress.file_started(_pkey(st.job), st.size, sum(c.done for c in st.chunks),
+                                       resumable=not st.streamed)
         return st.writer
 
     # ---- scheduling ---------------------------------------------------------------------
@@ -827,17 +843,19 @@ class TransferEngine:
             # it would leave it neither finished nor failed, and the workers waiting for ever.
             nothing_to_refetch = not st.streamed and not st.chunks
             if st.attempts > self.options.integrity_retries or nothing_to_refetch:
+                tries = plural(st.attempts, "attempt")
                 if not bad:
-                    raise IntegrityError(f"{path}: {distrust}, after {st.attempts} attempts")
+                    raise IntegrityError(f"{path}: {distrust}, after {tries}")
                 expected, actual = bad[0]
-                raise IntegrityError(
-                    f"{path}: {expected.algo} mismatch after {st.attempts} attempts: expected {expected.value}, "
-                    f"got {actual}; the source object is corrupt or changed during download"
-                )
+                st.got.append(actual)
+                raise IntegrityError(f"{path}: {expected.algo} mismatch after {tries}: expected {expected.value}, "
+                                     f"got {actual}; {_mismatch_cause(expected, st.got)}")
             if bad:
                 expected, actual = bad[0]
-                log.warning("%s: %s mismatch (expected %s, got %s); fetching the file again",
-                            path, expected.algo, expected.value, actual)
+                st.got.append(actual)
+                log.warning("%s: %s mismatch on attempt %d of %d (expected %s, got %s); fetching the file again",
+                            path, expected.algo, st.attempts, self.options.integrity_retries + 1, expected.value,
+                            actual)
             else:
                 log.warning("%s: %s; fetching the file again", path, distrust)
             job.journal.file_reset(job.index)

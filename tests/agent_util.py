@@ -260,35 +260,3 @@ def apply_agent_daemonset(cluster: Any, host_path: str) -> None:
         if v["name"] == "hostroot":
             v["hostPath"]["path"] = host_path
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(ds))
-
-
-def agent_kubeconfig_on(cluster: Any, node: str) -> Path:
-    """The agent's kubeconfig as its DaemonSet pod on ``node`` has it: a token bound to that pod,
-    so the API server knows the node it speaks for (authentication.kubernetes.io/node-name).
-    Needs the DaemonSet (``apply_agent_daemonset``) and ``node`` labelled a model node."""
-    import json
-
-    from tests.cluster.controlplane import kubeconfig_text
-    from tests.fixtures.cluster import AGENT_SA
-
-    admin = Kube(cluster.api_client())
-    found: list[dict[str, Any]] = []
-
-    def bound() -> bool:
-        found[:] = [p for p in admin.list(PODS, AGENT_SA[0], label_selector="app.kubernetes.io/name=modelcache-agent")
-                    .get("items") or [] if p["spec"].get("nodeName") == node]
-        return bool(found)
-
-    wait_until(bound, timeout=60, what=f"the agent DaemonSet's pod bound to {node}")
-    pod = found[0]["metadata"]
-    status, body = cluster.cp.raw(f"/api/v1/namespaces/{AGENT_SA[0]}/serviceaccounts/{AGENT_SA[1]}/token", "POST", {
-        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {
-            "expirationSeconds": 3600,
-            "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": pod["name"], "uid": pod["uid"]}}})
-    if status != 201:
-        raise AssertionError(f"TokenRequest bound to pod {pod['name']} answered {status}: {body}")
-    path = Path(cluster.workdir) / f"agent-on-{node}.kubeconfig"
-    path.write_text(kubeconfig_text(cluster.server, cluster.ca_file, {"token": json.loads(body)["status"]["token"]},
-                                    AGENT_SA[0]))
-    path.chmod(0o600)
-    return path

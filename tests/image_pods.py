@@ -45,9 +45,12 @@ def user_of(ctx: dict[str, Any], pod_ctx: dict[str, Any]) -> str:
     return f"{ctx.get('runAsUser', pod_ctx['runAsUser'])}:{ctx.get('runAsGroup', pod_ctx['runAsGroup'])}"
 
 
-def service_account_volume(path: Path, cluster: Cluster, namespace: str, name: str) -> Path:
-    """What the kubelet projects for a pod's ServiceAccount: a bound token, the CA, the namespace."""
-    return secret_volume(path, {"token": cluster.cp.token(namespace, name).encode(),
+def service_account_volume(path: Path, cluster: Cluster, namespace: str, name: str, node: str | None = None) -> Path:
+    """What the kubelet projects for a pod's ServiceAccount: a bound token, the CA, the namespace.
+    With ``node``: the token bound to a pod on that Node, as every pod's is once scheduled (the
+    agent's status writes are admitted only with it, deploy/policies/node-status.yaml)."""
+    pod = cluster.cp.stand_in_pod(namespace, name, node) if node is not None else None
+    return secret_volume(path, {"token": cluster.cp.token(namespace, name, pod=pod).encode(),
                                 "ca.crt": cluster.ca_file.read_bytes(), "namespace": namespace.encode()})
 
 

@@ -18,7 +18,6 @@ from modelcache.store import NodeStore
 from modelcache.uri import storage_key
 from tests.agent_util import (
     CRED_NS,
-    agent_kubeconfig_on,
     apply_agent_daemonset,
     create_node,
     create_secret,
@@ -86,7 +85,7 @@ def test_a_custom_download_container_runs_as_a_job_on_the_node(cluster, tmp_path
     root = tmp_path / "root"
     create_node(kube, "gpu-1", [entry("llama", uri, storage={"key": "corp"}), entry("broken", bad_uri)])
     apply_agent_daemonset(cluster, str(root))  # deploy/policies/agent-jobs.yaml reads the host path there
-    agent = start_agent(agent_kubeconfig_on(cluster, "gpu-1"), "gpu-1", root, tmp_path, "--host-path", str(root),
+    agent = start_agent(cluster.agent_kubeconfig, "gpu-1", root, tmp_path, "--host-path", str(root),
                         "--job-namespace", JOBS_NS)
     try:
         pod = _job_pod(kube, "llama", agent)
@@ -142,7 +141,7 @@ def test_without_a_matching_container_an_unknown_scheme_is_an_error_until_one_ap
     kube = kube_for(cluster)
     create_node(kube, "gpu-1", [entry("m", "private://models/m")])
     apply_agent_daemonset(cluster, str(tmp_path / "root"))
-    agent = start_agent(agent_kubeconfig_on(cluster, "gpu-1"), "gpu-1", tmp_path / "root", tmp_path, "--host-path",
+    agent = start_agent(cluster.agent_kubeconfig, "gpu-1", tmp_path / "root", tmp_path, "--host-path",
                         str(tmp_path / "root"), "--job-namespace", JOBS_NS)
     try:
         status = wait_states(kube, "gpu-1", {"m": "ModelDownloadError"}, agent=agent)

@@ -51,7 +51,9 @@ def test_two_backends_with_credentials_status_metrics_and_no_secret_in_logs(clus
 
     spec_cfg = {"type": "s3", "access_key_id": moto_s3.access_key, "secret_access_key": moto_s3.secret_key,
                 "endpoint_url": moto_s3.endpoint, "region": "us-east-1"}
-    create_secret(kube, "storage-config", {"localS3": json.dumps(spec_cfg)})
+    # The key is granted to namespace team (its namespace cache below names it: docs/install.md#credentials).
+    create_secret(kube, "storage-config", {"localS3": json.dumps(spec_cfg)},
+                  annotations={"namespaces.modelcache.io/localS3": "team"})
     host = moto_s3.endpoint.removeprefix("http://")
     create_secret(kube, "s3creds", {"awsAccessKeyID": moto_s3.access_key, "awsSecretAccessKey": moto_s3.secret_key},
                   annotations={"serving.kserve.io/s3-endpoint": host, "serving.kserve.io/s3-usehttps": "0",

@@ -33,7 +33,7 @@ from modelcache.kube.client import (
 )
 from modelcache.kube.types import CACHE_FINALIZER, NAMESPACE_CACHE_FINALIZER
 from tests.cluster.baseline import REPO
-from tests.coordinator_util import make_group, make_isvc, make_namespace
+from tests.coordinator_util import agent_report, make_group, make_isvc, make_namespace
 from tests.deploy_util import DEPLOY, NAMESPACE, publish_webhook_endpoint, start_deployed_coordinator
 from tests.fixtures.cluster import Cluster
 from tests.helpers import wait_until
@@ -129,6 +129,11 @@ def test_apply_alone_installs_a_working_coordinator_and_delete_completes_with_ca
         cluster.kubectl("create", "-f", "-", input=cache_yaml("nsllm", URI + "-ns", ["workers"], "team"))
         make_isvc(admin, "svc", "team", URI + "/v1")
         make_isvc(admin, "svc2", "team", URI + "-ns")
+        # A namespace cache's serving claim is made once an agent reports its entry downloaded
+        # (coordinator/caches.py, entitled): as the agent.
+        wait_until(lambda: len((admin.get_or_none(LOCAL_MODEL_NODES, "gpu-1") or {}).get("spec", {}).get(
+            "localModels") or []) == 2, timeout=60, what="the entries")
+        agent_report(admin, "gpu-1", {"team/nsllm": ("ModelDownloaded", URI + "-ns")})
 
         def held() -> bool:
             lmc = admin.get(LOCAL_MODEL_CACHES, "llm")["metadata"].get("finalizers") or []

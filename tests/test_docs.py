@@ -182,6 +182,25 @@ def test_install_md_manifests_are_accepted_and_its_kubectl_get_shows_those_colum
     assert rows and rows[0][:2] == ["localmodelcache.serving.kserve.io/llm", "s3://models/llm"], got
 
 
+def test_every_test_failures_md_names_exists() -> None:
+    """docs/failures.md lists each failure with the test that shows it: every `tests/x.py::name`
+    (and the `::name` shorthand after it, meaning the same file) is a test function there."""
+    text = (REPO / "docs" / "failures.md").read_text()
+    missing = []
+    for row in text.splitlines():
+        current = None
+        for m in re.finditer(r"`(tests/[\w/]+\.py)?(::([\w]+)(\[[^\]]*\])?)?`", row):
+            path, name = m.group(1), m.group(3)
+            if path:
+                current = REPO / path
+                if not current.is_file():
+                    missing.append(path)
+                    continue
+            if name and current is not None and not re.search(rf"^\s*def {name}\(", current.read_text(), re.M):
+                missing.append(f"{current.relative_to(REPO)}::{name}")
+    assert missing == []
+
+
 def test_development_md_describes_every_set_up_script_and_its_lane() -> None:
     """docs/development.md's table has one row per tests/setup.d script, and says `go` exactly for
     the scripts `make test-servers` leaves out (the build lane, tests/setup.sh)."""

@@ -117,7 +117,7 @@ def run_pod(image: Image, cluster: Cluster, host_root: Path, tmp_path: Path, hea
         # Test pacing: status written at once (the manifest keeps the 3 s default).
         "MODELCACHE_STATUS_INTERVAL": "0.2", "MODELCACHE_BACKOFF_INITIAL": "0.5",
     })
-    sa = service_account_volume(tmp_path / "serviceaccount", cluster, *AGENT_SA)
+    sa = service_account_volume(tmp_path / "serviceaccount", cluster, *AGENT_SA, node=NODE)
     return image.start(
         "agent", *(expand(a, env) for a in agent["args"]), entrypoint=agent["command"][0], env=env,
         user=user_of(agent["securityContext"], pod_ctx), mounts=[root_mount, (sa, SA_PATH, "ro")],

@@ -118,7 +118,8 @@ def test_f2a_a_refused_repair_keeps_the_manifest_marked_damaged_and_the_next_pul
     entry = _ls(root, key)
     assert entry["present"] is False and entry["damaged"] is True
     listing = run_cli("ls", "--root", str(root))
-    assert f"{key}  damaged" in listing.stdout and "damaged: `modelcache verify --repair KEY`" in listing.stderr
+    assert f"{key}  damaged" in listing.stdout and f"damaged: `modelcache verify --repair --root {root} KEY`" in \
+        listing.stderr  # the hints name the --root they were given (issue 27, C12)
     assert run_cli("verify", "--root", str(root), key).returncode == 1
     # The next plain pull fetches the damaged file (at the origin's current revision).
     again = run_cli("pull", uri, "--root", str(root), "--progress", "none", "--json")

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from modelcache.kube.client import LOCAL_MODEL_NODES
+from modelcache.kube.client import LOCAL_MODEL_NODES, NODES
 from tests.agent_util import create_node, kube_for, node_status, start_agent
 from tests.cluster.controlplane import kubeconfig_text
 from tests.fixtures.cluster import AGENT_SA, Cluster
@@ -121,6 +121,32 @@ def test_an_agents_token_writes_its_own_nodes_status_and_no_other(cluster: Clust
     assert node_status(kube, "node-a")["peer"]["endpoint"] == "10.0.0.1:8443"
     kube.patch_status(LOCAL_MODEL_NODES, "node-b", {"status": {"peer": {"endpoint": "10.0.0.2:8443"}}})
     assert node_status(kube, "node-b")["peer"]["endpoint"] == "10.0.0.2:8443"
+
+
+def test_the_reviews_forged_model_status_is_refused(cluster: Cluster) -> None:
+    """The security review's M3 (security-scripts/03-agent-escalation.sh (c), 12-forge-peer-status.sh):
+    with the agents' token (as `kubectl create token` makes it, and as node-1's own pod has it) a
+    merge patch of node-2's status, stamped with node-2's uid, says a model node-2 never downloaded
+    is ModelDownloaded. Both are refused and node-2's status stays what its own agent wrote."""
+    kube = kube_for(cluster)
+    for node in ("node-1", "node-2"):
+        cluster.register_node(node)
+        create_node(kube, node, [{"modelName": "victim", "sourceModelUri": "s3://bucket/victim"}])
+    uid2 = kube.get(NODES, "node-2")["metadata"]["uid"]
+    own = {"nodeUID": uid2, "modelStatus": {"victim": "ModelDownloadError"}}
+    token_2 = cluster.cp.token(NS, SA, pod=scheduled_pod(cluster, "node-2", "agent-2"))
+    path = "/apis/serving.kserve.io/v1alpha1/localmodelnodes/node-2/status"
+    status, doc = as_token(cluster, token_2, path, "PATCH", {"status": own})
+    assert status == 200, doc  # node-2's own agent
+    forged = {"status": {"nodeUID": uid2, "modelStatus": {"victim": "ModelDownloaded"},
+                         "modelDetails": {"victim": {"state": "ModelDownloaded"}}}}
+    token_1 = cluster.cp.token(NS, SA, pod=scheduled_pod(cluster, "node-1", "agent-1"))
+    for token, who in ((cluster.cp.token(NS, SA), "has a token bound to no node"), (token_1, "runs on Node node-1")):
+        status, doc = as_token(cluster, token, path, "PATCH", forged)
+        assert status == 403, doc
+        assert ("LocalModelNode node-2: its status is written only from a pod on Node node-2; "
+                f"system:serviceaccount:{NS}:{SA} {who}") in doc["message"], doc
+    assert node_status(kube, "node-2")["modelStatus"] == {"victim": "ModelDownloadError"}
 
 
 def test_an_agent_claiming_another_node_cannot_speak_for_it(cluster: Cluster, tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """A compromised agent is not root anywhere (security review H1; docs/operations.md, "Threat
-model"): with the agent's token, bound to its DaemonSet pod on node-1 as the kubelet binds it, the
+model"): with the agent's token, bound to a pod on node-1 as its DaemonSet pod's is, the
 review's escape Job (privileged, host PID and network, the host's / mounted, on node-3) is refused
 by the API server (deploy/policies/agent-jobs.yaml), and so is every way around it the Job spec
 offers; the Job agent/downloadjob.py makes for its own node is admitted.
@@ -18,8 +18,8 @@ from agent.downloadjob import JOBS, job_body, secret_keys
 from modelcache.kube.client import SECRETS, Kube
 from modelcache.kube.types import LocalModelInfo
 from modelcache.uri import storage_key
-from tests.agent_util import agent_kubeconfig_on, apply_agent_daemonset
-from tests.fixtures.cluster import Cluster
+from tests.agent_util import apply_agent_daemonset
+from tests.fixtures.cluster import AGENT_SA, Cluster
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -66,7 +66,7 @@ def agents(cluster: Cluster) -> dict[str, Kube]:
                          ("node-3", {})):
         cluster.register_node(node, labels)
     apply_agent_daemonset(cluster, ROOT)
-    return {node: cluster.kube(agent_kubeconfig_on(cluster, node)) for node in ("node-1", "node-2")}
+    return {node: cluster.kube(cluster.cp.kubeconfig_on_node(*AGENT_SA, node)) for node in ("node-1", "node-2")}
 
 
 def test_the_escape_job_and_its_variants_are_refused(cluster: Cluster, agents: dict[str, Kube]) -> None:

@@ -28,8 +28,8 @@ from modelcache.kube.client import (
     SERVICE_ACCOUNTS,
 )
 from modelcache.uri import storage_key
-from tests.agent_util import CRED_NS, node_status, start_agent, wait_states
-from tests.coordinator_util import make_cache, make_group
+from tests.agent_util import CRED_NS, start_agent, wait_states
+from tests.coordinator_util import agent_report, entries_of, make_cache, make_group
 from tests.deploy_util import serve_webhooks
 from tests.fixtures.cluster import Cluster
 from tests.helpers import wait_until
@@ -124,9 +124,12 @@ def test_a_namespace_cache_uses_only_credentials_granted_to_its_namespace(cluste
                 assert out.returncode == 0, out.stderr
             wait_until(lambda: origin.seen("Credential=AKIATEAMB/") and origin.seen("Credential=AKIASAB/"),
                        timeout=60, what=f"tenant-b's downloads at the origin\n{agent.log()[-3000:]}")
-            details = node_status(admin, NODE)["modelDetails"]
-            assert "not granted to namespace tenant-a" in details["tenant-a/steal-key"]["message"]
-            assert "not granted to namespace tenant-a" in details["tenant-a/steal-sa-s3"]["message"]
+            # Still refused: each refusal is retried after its backoff (an admin may grant it), so
+            # the entry is Downloading for a moment each time; in between, an error saying why.
+            status = wait_states(admin, NODE, {"tenant-a/steal-key": err, "tenant-a/steal-sa-s3": err}, agent=agent)
+            details = status["modelDetails"]
+            assert "not granted to namespace tenant-a" in details["tenant-a/steal-key"]["message"], details
+            assert "not granted to namespace tenant-a" in details["tenant-a/steal-sa-s3"]["message"], details
         finally:
             agent.stop()
 
@@ -147,6 +150,46 @@ def test_a_cache_uri_carrying_credentials_is_refused(cluster: Cluster, coordinat
     assert "Pa55word" not in out.stderr and "PRESIGNEDSIG123" not in out.stderr and "SASTOKENSIG456" not in out.stderr
     cache["spec"]["sourceModelUri"] = "https://models.example/m/model.bin?download=true"
     cluster.kubectl("create", "-f", "-", input=json.dumps(cache))
+
+
+def test_a_tenant_naming_another_owners_uri_is_not_served_that_folder(cluster: Cluster, coordinator: Any, nginx: Any,
+                                                                       tmp_path: Path) -> None:
+    """Caches of one URI share one folder (KServe's contract). A tenant's namespace cache of the URI
+    of a model someone downloaded with credentials is served that folder (its entry Downloaded,
+    then its serving claim) only when it names the same credentials, granted to its namespace."""
+    admin = cluster.kube()
+    cluster.register_node(NODE, {"kserve/localmodel": "worker"})
+    make_group(admin, "workers")
+    tenants = {ns: make_tenant(cluster, ns) for ns in ("tenant-a", "tenant-b", "tenant-c")}
+    admin.create(SERVICE_ACCOUNTS, {"metadata": {"name": "private", "namespace": CRED_NS, "annotations": {
+        "modelcache.io/namespaces": "tenant-b"}}}, CRED_NS)
+    private, public = nginx.url("private/model.bin"), nginx.url("public/model.bin")
+    nginx.write("private/model.bin", 64 * 1024)
+    nginx.write("public/model.bin", 64 * 1024)
+    make_cache(admin, "private", private, ["workers"], serviceAccountName="private")
+    make_cache(admin, "public", public, ["workers"])
+    agent = start_agent(cluster.agent_kubeconfig, NODE, tmp_path / "root", tmp_path)
+    try:
+        wait_states(admin, NODE, {"private": "ModelDownloaded", "public": "ModelDownloaded"}, agent=agent)
+        caches = {"tenant-a": ns_cache("llm", private),  # no credentials: someone else's private model
+                  "tenant-b": ns_cache("llm", private, serviceAccountName="private"),  # the same, granted
+                  "tenant-c": ns_cache("llm", public)}  # a public model: shared as before
+        for ns, cache in caches.items():
+            for obj in (cache, isvc("svc", cache["spec"]["sourceModelUri"])):
+                out = as_tenant(cluster, tenants[ns], "create", "-n", ns, "-f", "-", stdin=obj)
+                assert out.returncode == 0, out.stderr
+        status = wait_states(admin, NODE, {"tenant-a/llm": "ModelDownloadError", "tenant-b/llm": "ModelDownloaded",
+                                           "tenant-c/llm": "ModelDownloaded"}, agent=agent)
+        assert "its URI is also cached with other credentials on this node" in \
+            status["modelDetails"]["tenant-a/llm"]["message"]
+        for ns in ("tenant-b", "tenant-c"):
+            wait_until(lambda n=ns: admin.get_or_none(PERSISTENT_VOLUME_CLAIMS, "llm-workers", n) is not None,
+                       timeout=60, what=f"the serving claim of {ns}")
+        # Tenant A's serving claim is never made: its namespace cannot mount the folder.
+        assert admin.get_or_none(PERSISTENT_VOLUME_CLAIMS, "llm-workers", "tenant-a") is None
+        assert admin.get_or_none(PERSISTENT_VOLUMES, "llm-workers-tenant-a") is None
+    finally:
+        agent.stop()
 
 
 # -- H4 ------------------------------------------------------------------------------------------
@@ -174,6 +217,10 @@ def test_a_tenants_serving_claim_is_mounted_read_only_under_its_own_model(cluste
         assert out.returncode == 0, out.stderr
     make_cache(admin, "llm", other_uri, ["workers"], namespace="tenant-b")
     cluster.kubectl("create", "-n", "tenant-b", "-f", "-", input=json.dumps(isvc("svc", other_uri)))
+    # A namespace cache's claim is made once an agent reports its entry downloaded: as the agent.
+    wait_until(lambda: len(entries_of(admin, NODE) or []) == 2, timeout=60, what="the entries")
+    agent_report(admin, NODE, {"tenant-a/llm": ("ModelDownloaded", uri),
+                               "tenant-b/llm": ("ModelDownloaded", other_uri)})
 
     def volumes() -> list[tuple[str, str, str]]:
         return sorted((res.kind, v["metadata"].get("namespace", ""), v["metadata"]["labels"].get(

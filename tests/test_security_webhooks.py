@@ -37,7 +37,7 @@ from modelcache.kube.client import (
     Kube,
 )
 from modelcache.kube.types import CACHE_FINALIZER, NAMESPACE_CACHE_FINALIZER
-from tests.coordinator_util import make_cache, make_group, make_isvc, make_namespace
+from tests.coordinator_util import agent_report, entries_of, make_cache, make_group, make_isvc, make_namespace
 from tests.deploy_util import NAMESPACE, host_address, serve_webhooks
 from tests.fixtures.cluster import Cluster
 from tests.helpers import self_trusting_pair, wait_until
@@ -108,6 +108,9 @@ def test_an_unauthenticated_uninstall_changes_nothing(cluster: Cluster, tmp_path
         make_cache(admin, "nsllm", "s3://models/nsllm", ["workers"], namespace="team")
         make_isvc(admin, "svc", "team", "s3://models/llm")
         make_isvc(admin, "svc2", "team", "s3://models/nsllm")
+        # A namespace cache's claim is made once an agent reports its entry downloaded: as the agent.
+        wait_until(lambda: len(entries_of(admin, "gpu-1") or []) == 2, timeout=60, what="the entries")
+        agent_report(admin, "gpu-1", {"team/nsllm": ("ModelDownloaded", "s3://models/nsllm")})
         want = {"finalizers": (True, True), "released": [None, None],
                 "volumes": sorted([("PersistentVolume", "llm-workers-team", False),
                                    ("PersistentVolume", "nsllm-workers-team", False),

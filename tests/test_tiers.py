@@ -85,7 +85,9 @@ def test_each_test_is_marked_from_the_fixtures_it_requests(project: pytest.Pytes
 
 
 def test_a_test_that_reaches_more_than_its_fixtures_show_fails_with_the_fix(project: pytest.Pytester) -> None:
-    result = project.runpytest("-p", "tests.tiers", "-q", "-p", "no:cacheprovider")
+    # `-rN`: no short summary, which repeats each message in full under CI=true (pytest truncates
+    # it to the terminal's width elsewhere), so each message is counted once wherever this runs
+    result = project.runpytest("-p", "tests.tiers", "-q", "-p", "no:cacheprovider", "-rN")
     # test_sneaks_a_server_in passes its call and errs at teardown, where what it asked for is known.
     result.assert_outcomes(passed=6, failed=1, errors=1)
     out = result.stdout.str()
@@ -99,8 +101,10 @@ def test_a_test_that_reaches_more_than_its_fixtures_show_fails_with_the_fix(proj
 def test_cluster_tests_share_one_xdist_worker(project: pytest.Pytester) -> None:
     """Under ``--dist loadgroup`` every cluster test runs on one worker (one control plane, reset
     after each test, cannot serve two tests at once); the others go wherever there is room."""
-    result = project.runpytest("-p", "tests.tiers", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-v",
-                               "-k", "pure or hub or bucket or cluster")
+    # `-p xdist`: loaded by name, so the inner session has `-n` also where plugins are not
+    # autoloaded (PYTEST_DISABLE_PLUGIN_AUTOLOAD=1)
+    result = project.runpytest("-p", "tests.tiers", "-p", "no:cacheprovider", "-p", "xdist", "-n", "2", "--dist",
+                               "loadgroup", "-v", "-k", "pure or hub or bucket or cluster")
     result.assert_outcomes(passed=4)
     workers = {}
     for line in result.outlines:

@@ -36,8 +36,11 @@ LocalModelNode status names (which only that node may write): nobody speaks for 
   reads such files ``witnesses`` times from the origin, and one lying node cannot make another
   accept a byte it alone vouches for.
 - Every piece we read from the origin ourselves is compared with every vouch heard for it
-  (``settle``): a peer whose vouch, or whose bytes we took, differ is excluded for good; so is a
-  peer whose bytes do not match its own vouch.
+  (``settle``): a witness whose vouch differs is excluded for good, and so is a peer whose bytes
+  do not match its own vouch. A peer that only passes a piece on (its vouch is no witness's) and
+  whose hash, or whose bytes we took, differ is excluded only if no witness vouched for that hash:
+  if one did, the witness lied and the relay was deceived as we were (an honest node that passed
+  on a liar's piece before its own file check failed is not to be excluded by everyone it served).
 """
 
 from __future__ import annotations
@@ -179,6 +182,9 @@ class Plan:
         self.checked = checked
         #: Pieces whose bytes we took from a peer: (ci, piece) -> (peer, sha-256).
         self.taken: dict[tuple[int, int], tuple[str, str]] = {}
+        #: Every witness vouch heard: (ci, piece) -> sha-256 -> who said it read that from the origin
+        #: (kept when a peer's word is forgotten: a relay of a lie is blamed on who told it).
+        self.claims: dict[tuple[int, int], dict[str, set[str]]] = {}
         #: Pieces taken from peers: (ci, piece) -> the nodes whose word they were taken on.
         self.relied: dict[tuple[int, int], frozenset[str]] = {}
         #: Pieces we read from the origin ourselves: (ci, piece) -> sha-256 (the truth).
@@ -227,8 +233,11 @@ class Plan:
             self.forget(state)
         wrong = None
         for ci, piece, hexdigest, origin in pieces:
+            if origin:
+                self.claims.setdefault((ci, piece), {}).setdefault(hexdigest, set()).add(state.name)
             ours = self.read_from_origin.get((ci, piece))
-            if ours is not None and ours != hexdigest and wrong is None:
+            if (ours is not None and ours != hexdigest and wrong is None
+                    and not self.relayed(state.name, ci, piece, hexdigest, origin)):
                 wrong = f"piece {piece} of file {ci} has sha-256 {ours} at the origin, {state.name} said {hexdigest}"
             state.have[(ci, piece)] = Vouch(hexdigest, origin)
             self.holders.setdefault((ci, piece), set()).add(state.name)
@@ -460,18 +469,31 @@ class Plan:
                     return f"piece {piece} came on the word of {', '.join(liars)}, found lying since"
         return None
 
+    def relayed(self, name: str, ci: int, piece: int, value: str, origin: bool) -> bool:
+        """Whether ``name`` only passed on ``value`` for the piece: it is no witness of it, and
+        another node vouched for it as one (if that is a lie, that witness told it)."""
+        return not origin and any(n != name for n in self.claims.get((ci, piece), {}).get(value, ()))
+
     def settle(self, ci: int, piece: int, value: str) -> dict[str, str]:
         """We read the piece from the origin: its sha-256 is ``value``. Returns the peers whose
-        word or bytes said otherwise (peer -> what it said), to be excluded."""
-        self.read_from_origin[(ci, piece)] = value
+        word or bytes said otherwise (peer -> what it said), to be excluded: every witness of
+        another hash, and a relay of one only when no witness vouched for it (module docstring)."""
+        key = (ci, piece)
+        self.read_from_origin[key] = value
         wrong: dict[str, str] = {}
-        for name in self.holders.get((ci, piece), ()):
+        for said, names in self.claims.get(key, {}).items():
+            if said != value:
+                wrong.update(dict.fromkeys(names, said))
+        for name in self.holders.get(key, ()):
             state = self.peers.get(name)
-            vouch = state.have.get((ci, piece)) if state is not None else None
-            if vouch is not None and vouch.hash != value:
+            vouch = state.have.get(key) if state is not None else None
+            if vouch is not None and vouch.hash != value and not self.relayed(name, ci, piece, vouch.hash,
+                                                                             vouch.origin):
                 wrong[name] = vouch.hash
-        self.relied.pop((ci, piece), None)
-        took = self.taken.pop((ci, piece), None)
+        self.relied.pop(key, None)
+        took = self.taken.pop(key, None)
         if took is not None and took[1] != value:
-            wrong[took[0]] = took[1]
+            name, said = took
+            if not self.relayed(name, ci, piece, said, name in self.claims.get(key, {}).get(said, ())):
+                wrong[name] = said
         return wrong

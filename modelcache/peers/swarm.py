@@ -344,6 +344,9 @@ class SwarmSession:
         ci = self.local.canon[li]
         with self.cond:
             wrong = self.plan.settle(ci, piece, value)
+            # A witness excluded already (for another piece, or by another download) is not again.
+            wrong = {name: said for name, said in wrong.items()
+                     if not (name in self.plan.peers and self.plan.peers[name].excluded)}
             links = {name: self.links.get(name) for name in wrong}
         path = self.local.files[li].path
         for name, said in wrong.items():
@@ -351,7 +354,7 @@ class SwarmSession:
             link = links[name]
             if link is not None:
                 self.drop(link, why)
-            else:
+            elif not self.excluded(name):
                 log.warning("peer dropped for model %s: %s", self.key, why)
                 self.on_exclude(name, why)
 
