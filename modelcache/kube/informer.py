@@ -146,6 +146,11 @@ class Store:
             objs = [self._items[k] for k in sorted(self._indices[name].get(value, ()))]
         return [copy.deepcopy(o) for o in objs] if copy_objects else objs
 
+    def count(self, name: str, value: str) -> int:
+        """How many objects ``value`` indexes under ``name`` (no list built)."""
+        with self._lock:
+            return len(self._indices[name].get(value, ()))
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)

@@ -77,6 +77,16 @@ def label_value(name: str) -> str:
     return f"{name[:50].rstrip('-.')}-{digest}"
 
 
+#: A LocalModelNode carries ``nodegroup.modelcache.io/<group>: "true"`` for each node group its
+#: entries name (written by the coordinator with the entries): agents watch only their groups'
+#: LocalModelNodes (agent/peering.py), so a status write reaches its group, not the cluster.
+NODE_GROUP_LABEL_PREFIX = "nodegroup.modelcache.io/"
+
+
+def node_group_label(group: str) -> str:
+    return NODE_GROUP_LABEL_PREFIX + label_value(group)
+
+
 def status_key(model_name: str, namespace: str | None = None) -> str:
     """The key of ``modelStatus``: ``modelName``, or ``namespace/modelName`` for a namespace cache."""
     return f"{namespace}/{model_name}" if namespace else model_name
