@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -224,14 +225,12 @@ def main() -> int:
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--work", type=Path, default=REPO / ".work" / "bench-podstart",
-                        help="emptied first (the run's control plane, nodes and origin)")
+                        help="the run's control plane, nodes and origin: emptied first, removed at the end")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/podstart.py runs kubelets: run it as root")
     # A fresh folder each run: a control plane's new CA would not accept the last run's node
     # certificates, and the last model must not count.
-    import shutil
-
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
     ours = os.environ.get("IMAGE") or project_image()
@@ -302,6 +301,8 @@ def main() -> int:
         if server is not None:
             server.stop()
         run.stop()
+        # The origin's copy, the node's and the run's files: twice the model and more.
+        shutil.rmtree(args.work, ignore_errors=True)
 
 
 if __name__ == "__main__":
