@@ -74,7 +74,7 @@ class SwarmSettings:
     #: Peers polled per model at most (same zone first).
     max_peers: int = 16
     #: Consecutive pieces owned by one member, at most (read from the origin in one request, a
-    #: response's first byte paid once): a file is cut into 16 blocks or more, each at most this
+    #: response's first byte paid once): a file is cut into 8 blocks or more, each at most this
     #: many pieces (bench/swarm_sim.py, 8 nodes, 2 GiB, S3-like origin: 1.63x one node's time
     #: with single pieces, 1.03x with blocks of 16).
     block: int = 166
