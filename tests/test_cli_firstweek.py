@@ -218,8 +218,11 @@ def test_ctrl_c_against_a_server_that_ignores_range_promises_no_resume(nginx: Ng
                      r"downloads the ([\d.]+) MiB that arrived again from byte 0 \(a server that honours Range "
                      r"resumes\)", line)
     assert m and float(m.group(1)) >= 1, line
+    # Nothing of it is kept to promise a resume from: ls said "interrupted 0%" and its footer
+    # "interrupted pulls resume where they stopped".
     ls = run_cli("ls", "--root", str(root))
-    assert "resume where they stopped" not in ls.stderr or "0%" in ls.stdout
+    assert ls.stdout.strip() == f"no models in {root}" and "resume" not in ls.stderr, ls.stdout + ls.stderr
+    assert not (root / ".modelcache" / "staging" / storage_key(uri)).exists()
 
 
 def test_verify_of_a_mistyped_key_says_not_stored_not_damaged(tmp_path: Path) -> None:
