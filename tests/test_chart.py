@@ -6,6 +6,8 @@ on, of deploy/ with its cert-manager component), and every value lands where it 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -114,6 +116,8 @@ def test_every_value_lands_where_deploy_has_it(helm: Helm, kube_binaries: Path, 
     container["resources"]["requests"] = values["agent"]["resources"]["requests"]
     next(e for e in container["env"] if e["name"] == "MODELCACHE_CREDENTIALS_NAMESPACE")["value"] = "ml-credentials"
     find(want, "ConfigMap", "modelcache-agent")["data"]["MODELCACHE_PEERS"] = "off"
+    find(want, "DaemonSet", "modelcache-agent")["spec"]["template"]["metadata"]["annotations"] = {
+        "modelcache.serving.kserve.io/config-values": config_hash({"agent.peers": "off"})}
     coordinator = find(want, "Deployment", "modelcache-coordinator")
     coordinator["spec"]["replicas"] = 3
     coordinator["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] = "2Gi"
@@ -124,6 +128,27 @@ def test_every_value_lands_where_deploy_has_it(helm: Helm, kube_binaries: Path, 
     want = [renamed(o, "modelcache-credentials", "ml-credentials") for o in want]
     assert any(o["kind"] == "Namespace" and o["metadata"]["name"] == "ml-credentials" for o in want)
     assert_same_objects(chart, want)
+
+
+def config_hash(values: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(values, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def test_a_config_value_alone_rolls_the_agents(helm: Helm, kube_binaries: Path) -> None:
+    """MODELCACHE_PEERS reaches the agent through envFrom, read when the pod starts: `helm upgrade
+    --set agent.peers=off` must change the agent's pod template (so the DaemonSet replaces its pods),
+    each value to its own template, and back to the default to deploy/'s exactly."""
+    def pod_template(*args: str) -> Obj:
+        return find(template(helm, *args), "DaemonSet", "modelcache-agent")["spec"]["template"]  # type: ignore[no-any-return]
+
+    base = find(render(), "DaemonSet", "modelcache-agent")["spec"]["template"]
+    off, on = pod_template("--set", "agent.peers=off"), pod_template("--set", "agent.peers=on")
+    assert off["metadata"].pop("annotations") == {"modelcache.serving.kserve.io/config-values":
+                                                  config_hash({"agent.peers": "off"})}
+    assert on["metadata"]["annotations"] != {"modelcache.serving.kserve.io/config-values":
+                                             config_hash({"agent.peers": "off"})}
+    assert off == base  # nothing else of the pod changes
+    assert pod_template("--set", "agent.peers=auto") == base
 
 
 def renamed(node: Any, old: str, new: str) -> Any:

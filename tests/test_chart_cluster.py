@@ -135,6 +135,9 @@ def test_helm_install_upgrade_rollback_uninstall_keep_the_models(bare_nodes: Nod
         first = model_states(cluster)
         assert all(d["bytesTotal"] == size for d in first.values()), first
         downloaded_by = max(when(d["finishedAt"]) for d in first.values())
+        for pod in pods(cluster, AGENT):  # peers auto with the peer token mounted: on (what the upgrade turns off)
+            log = cluster.kubectl("logs", "-n", NS, pod["metadata"]["name"], "-c", "agent").stdout
+            assert "peer transfer on" in log, log[-2000:]
 
         # upgrade: a changed value (no peer transfer) and a new image tag (the same image, retagged
         # and loaded into the nodes' containerd): every pod is replaced, no model is fetched again.
