@@ -79,9 +79,10 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
 @click.option("--resync-period", envvar="MODELCACHE_RESYNC_PERIOD", default=60.0, show_default=True, type=_POSITIVE,
               help="Seconds between full re-applications of the spec.")
 @click.option("--port", envvar="MODELCACHE_AGENT_PORT", default=8080, show_default=True, type=click.IntRange(-1, 65535),
-              help="Port for /healthz, /readyz and /metrics (0: any free port; -1: none).")
+              help="Port for /healthz, /readyz and /metrics (0: any free port; -1: none). Standalone: 0.")
 @click.option("--host", envvar="MODELCACHE_AGENT_HOST", default="::", show_default=True,
-              help="Address of the health server; :: is every IPv4 and IPv6 address (dual-stack).")
+              help="Address of the health server; :: is every IPv4 and IPv6 address (dual-stack). Standalone: "
+                   "127.0.0.1.")
 @click.option("--credentials-namespace", envvar=["MODELCACHE_CREDENTIALS_NAMESPACE", "POD_NAMESPACE"],
               default=lambda: _pod_namespace("kserve"), show_default="the pod's namespace, else kserve",
               help="Where download credentials are looked up (docs/install.md#credentials).")
@@ -96,6 +97,9 @@ def _env_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, 
 @click.option("--standalone", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
               help="No cluster: read a LocalModelNode from this YAML file, write FILE.status.yaml beside it.")
 @click.option("--watch", is_flag=True, help="Standalone: keep running (re-read FILE on change, retry errors).")
+@click.option("--take-root", is_flag=True,
+              help="Standalone: the first time the agent runs on a root that holds models it did not download "
+                   "(pulled with `modelcache pull`), delete those FILE does not list instead of refusing to start.")
 @click.option("--backoff-initial", envvar="MODELCACHE_BACKOFF_INITIAL", default=5.0, show_default=True, type=_POSITIVE,
               help="First retry delay of a failed model (doubles per failure).")
 @click.option("--backoff-max", envvar="MODELCACHE_BACKOFF_MAX", default=300.0, show_default=True, type=_POSITIVE,
@@ -157,9 +161,16 @@ def cli(**kw: object) -> None:
     """Node agent: fills the node's model root from its LocalModelNode and reports status."""
     setup_logging(str(kw["log_format"]), str(kw["log_level"]))
     standalone = kw["standalone"]
-    node = kw["node"] or ("standalone" if standalone else None)
+    node = kw["node"] or (_spec_name(Path(str(standalone))) if standalone else None)
     if not node:
         raise click.UsageError("--node (or NODE_NAME) is required outside --standalone")
+    if standalone:
+        # A workstation, not a node: health and metrics on loopback, on any free port (a second
+        # agent then says that another agent holds its root, not that port 8080 is taken).
+        ctx = click.get_current_context()
+        for name, value in (("port", 0), ("host", "127.0.0.1")):
+            if ctx.get_parameter_source(name) == click.core.ParameterSource.DEFAULT:
+                kw[name] = value
     host_path = kw.pop("host_path")
     cfg = AgentConfig(node=str(node), **{k: v for k, v in kw.items() if k != "node"})  # type: ignore[arg-type]
     sys.exit(run(cfg, str(host_path) if host_path else None))
@@ -176,6 +187,8 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     from modelcache.store import RootLock
 
     spec = _standalone_spec(cfg) if cfg.standalone is not None else None  # before anything is written
+    if spec is not None:
+        _check_first_take(cfg, spec)
     try:
         check_buffers(cfg.workers, cfg.chunk_size,
                       f"--workers {cfg.workers} x --chunk-size {human_bytes(cfg.chunk_size)}",
@@ -200,6 +213,7 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
         try:
             if not root_lock.acquire(stop):
                 return 0
+            agent.store.mark_agent_owned(f"modelcache-agent --standalone {cfg.standalone}")
             return runner.run()
         finally:
             root_lock.release()
@@ -267,6 +281,21 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     return 0
 
 
+def _spec_name(path: Path) -> str:
+    """``metadata.name`` of the file's LocalModelNode (what the logs name as the node), else
+    "standalone"; the file is checked properly before anything is done (``_standalone_spec``)."""
+    import yaml
+
+    try:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if isinstance(doc, dict) and doc.get("kind") == "LocalModelNode":
+                name = (doc.get("metadata") or {}).get("name")
+                return str(name) if isinstance(name, str) and name else "standalone"
+    except (OSError, yaml.YAMLError):
+        pass
+    return "standalone"
+
+
 def _standalone_spec(cfg: AgentConfig) -> dict[str, object]:
     """The spec file, read and checked before the root is touched: an invalid one is refused with
     one line per problem (exit 2) and nothing on disk changes."""
@@ -282,6 +311,34 @@ def _standalone_spec(cfg: AgentConfig) -> dict[str, object]:
             [f"--standalone {cfg.standalone}: {p}" for p in exc.problems]) from None
     except ModelcacheError as exc:
         raise StartupError(f"--standalone: {exc}") from None
+
+
+def _check_first_take(cfg: AgentConfig, spec: dict[str, object]) -> None:
+    """The first time a standalone agent takes a root, it refuses one that holds models it did not
+    download and its file does not list (a root that `modelcache pull` filled): from then on it
+    deletes every model the file does not list. ``--take-root`` lets it."""
+    from modelcache.kube.types import LocalModelNode
+    from modelcache.store import NodeStore
+    from modelcache.uri import redact_uri, storage_key
+
+    if cfg.take_root or not cfg.root.is_dir():
+        return
+    store = NodeStore.at(cfg.root)
+    if store.agent_owned():
+        return
+    listed = {storage_key(i.source_model_uri) for i in LocalModelNode.from_dict(spec).spec.local_models}
+    found = []
+    for key in sorted(set(store.keys()) - listed):
+        manifest = store.manifest(key) or store.pinned_manifest(key)
+        if manifest is not None:
+            found.append(f"{key} ({redact_uri(manifest.uri)})")
+    if found:
+        shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        raise StartupError(
+            f"--root {cfg.root} holds {len(found)} model(s) that no agent downloaded and {cfg.standalone} does not "
+            f"list: {shown}. The standalone agent deletes every model its file does not list, so nothing was done: "
+            f"add them to the file, point --root at a folder of the agent's own, or pass --take-root to let it "
+            "delete them")
 
 
 def _peering(cfg: AgentConfig, kube: object, agent: object, metrics: object,
@@ -303,7 +360,7 @@ def _serve(cfg: AgentConfig, healthy: Callable[[], bool], ready: Callable[[], bo
         server = HealthServer(cfg.host, cfg.port, healthy, ready, metrics, name="agent").start()
     except OSError as exc:
         raise listen_error(exc, cfg.host, cfg.port, "--port", "--host") from None
-    log.info("serving health and metrics", extra=fields(port=server.port))
+    log.info("serving health and metrics", extra=fields(host=cfg.host, port=server.port))
     return server
 
 

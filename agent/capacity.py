@@ -126,7 +126,7 @@ class Capacity:
         return sum(r.outstanding() for r in reservations)
 
     def reserve(self, key: str, disk_bytes: int, model_bytes: int, limit: int | None, what: str,
-                staged: Path | None = None, owners: frozenset[str] = frozenset()) -> None:
+                staged: Path | None = None, owners: frozenset[str] = frozenset(), advice: str = "") -> None:
         """Reserve or raise InsufficientSpaceError; a second reserve for ``key`` replaces the first.
 
         ``staged``: the folder the download allocates its files in; from then on only what it
@@ -141,6 +141,7 @@ class Capacity:
                 raise InsufficientSpaceError(
                     f"{what}: insufficient space: need {human_bytes(disk_bytes)}, free {human_bytes(free_disk)} "
                     f"on {self.root} (after a {human_bytes(self.margin)} margin and downloads in flight)"
+                    + (f"; {advice}" if advice else "")
                 )
             if limit is not None:
                 used, reserved = self.used_bytes(), sum(r.model_bytes for r in others)

@@ -35,6 +35,8 @@ class AgentConfig:
     kubeconfig: str | None = None
     standalone: Path | None = None
     watch: bool = False
+    #: Standalone: take a root holding models no agent downloaded (deleting those the file does not list).
+    take_root: bool = False
     #: Retry of a failed model: exponential from ``backoff_initial`` up to ``backoff_max`` seconds.
     backoff_initial: float = 5.0
     backoff_max: float = 300.0

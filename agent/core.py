@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from agent.capacity import Capacity
+from agent.capacity import Capacity, storage_limit_refusal
 from agent.checks import Checker
 from agent.config import AgentConfig
 from agent.credentials import Credentials
@@ -44,7 +44,7 @@ from modelcache.kube.types import (
 )
 from modelcache.loop import Loop
 from modelcache.progress import format_line
-from modelcache.pull import PullPlan, pull
+from modelcache.pull import PullPlan, SpacePolicy, pull, staged_pulls
 from modelcache.redact import scrub_urls
 from modelcache.repair import needs_repair, repair
 from modelcache.store import Manifest, NodeLayout, NodeStore
@@ -119,6 +119,8 @@ class Agent:
         self._last_removal_check = 0.0
         self._last_sweep = 0.0
         self._last_free: int | None = None
+        #: Folders not made by modelcache already named in the log (each is said once).
+        self._told_foreign: set[str] = set()
         #: Optional sink for notable transitions (cluster mode: Kubernetes Events on the LocalModelNode):
         #: on_event(type "Normal"|"Warning", reason, message). Called without the lock held.
         self.on_event: Callable[[str, str, str], None] | None = None
@@ -256,11 +258,22 @@ class Agent:
     def _adopt_orphans(self) -> None:
         """Files of models no entry wants (left while the agent was not running, or by a crash
         mid-download or mid-repair) become records without entries: the removal deletes them
-        like any model that left the spec, mounted ones only once no pod uses them."""
-        for key in sorted(self._disk_keys() - self.records.keys()):
-            manifest = self.store.manifest(key)
-            self.records[key] = ModelRecord(key=key, uri=manifest.uri if manifest else "", entries=[])
-            log.info("files of a model no entry wants: removing", extra=fields(storage_key=key))
+        like any model that left the spec, mounted ones only once no pod uses them. Only what
+        this store made: a folder someone else put under ``models/`` stays (said once)."""
+        orphans = sorted(self._disk_keys() - self.records.keys())
+        staged = {s.storage_key: s.uri for s in staged_pulls(self.store)} if orphans else {}
+        for key in orphans:
+            known = self.store.manifest(key) or self.store.pinned_manifest(key)
+            uri = known.uri if known else staged.get(key, "")
+            self.records[key] = ModelRecord(key=key, uri=uri, entries=[])
+            log.info("files of a model no entry wants: removing",
+                     extra=fields(storage_key=key, **({"uri": redact_uri(uri)} if uri else {})))
+        for name in sorted(set(self.store.foreign()) - self._told_foreign - self.records.keys()):
+            self._told_foreign.add(name)
+            log.warning("a folder under the root was not made by modelcache: kept (the agent never deletes it); "
+                        "delete it by name if it is not needed", extra=fields(
+                            folder=str(self.layout.model_dir(name)),
+                            command=f"modelcache rm --root {self.cfg.root} {name}"))
 
     def _sweep(self, now: float) -> None:
         self._last_sweep = now
@@ -335,13 +348,37 @@ class Agent:
         if plan.revision:
             rec.revision = plan.revision
         staged = self.layout.repair_dir(rec.key) if task.repairing else self.layout.staging_dir(rec.key)
-        limit = self.group_limits.get(primary.node_group or "")
-        self.capacity.reserve(rec.key, plan.bytes_needed, plan.total_bytes, limit, plan.location.display, staged=staged,
-                              owners=owners(rec.entries))
+        self.capacity.reserve(rec.key, plan.bytes_needed, plan.total_bytes, self._admitting_limit(rec),
+                              plan.location.display, staged=staged, owners=owners(rec.entries),
+                              advice=self._space_advice())
         log.info("download admitted", extra=fields(storage_key=rec.key, bytes_total=plan.total_bytes,
                                                    bytes_needed=plan.bytes_needed, files=plan.files,
                                                    revision=plan.revision or ""))
         self.changed.set()
+
+    def _admitting_limit(self, rec: ModelRecord) -> int | None:
+        """The storageLimit a download is admitted against: entries sharing a URI share one
+        folder, and each is judged in its own node group, so the model is fetched if any wanting
+        group has room (the most generous limit; None if one sets none). An entry whose own
+        group has no room is reported failed, naming its group (``_group_refusal``)."""
+        limits = [self.group_limits.get(info.node_group or "") for info in rec.entries] or [None]
+        return None if any(limit is None for limit in limits) else max(limits, key=lambda x: int(x or 0))
+
+    def _group_refusal(self, rec: ModelRecord, info: LocalModelInfo, used: int) -> str | None:
+        """Why a downloaded model does not fit ``info``'s own node group (its storageLimit), or None.
+        ``used``: bytes of every model on the node, this one included."""
+        limit = self.group_limits.get(info.node_group or "")
+        size = rec.bytes_total or 0
+        if limit is None or size <= max(0, limit - (used - size)):
+            return None
+        return storage_limit_refusal(redact_uri(rec.uri), size, limit, used - size, 0)
+
+    def _space_advice(self) -> str:
+        """What a refusal for lack of disk advises: never a gc of the agent's root, which holds what
+        the spec lists (the agent would download the evicted models again)."""
+        fewer = ("remove entries from " + str(self.cfg.standalone) if self.cfg.standalone is not None
+                 else "take caches off this node's node groups")
+        return f"the root holds the models its spec lists: {fewer}, give --root a larger disk, or lower --space-margin"
 
     def _options(self) -> TransferOptions:
         return TransferOptions(workers=self.cfg.workers, chunk_size=self.cfg.chunk_size,
@@ -430,8 +467,10 @@ class Agent:
 
                 peers = self.peering.network if self.peering is not None and dest is None else None
                 # unpack: a repair's folder holds the model as the store does (archives unpacked).
+                # One margin: the agent's --space-margin, which its admission (above) has checked.
+                space = SpacePolicy(self.cfg.space_margin, self._space_advice())
                 return pull(uri or rec.uri, settings=settings, options=self._options(), progress=task.progress,
-                            admit=admit, cancel=task.cancel, only=only, peers=peers, unpack=True,
+                            admit=admit, cancel=task.cancel, only=only, peers=peers, unpack=True, space=space,
                             adoption=adoption, **where)
 
             with self.store.lock(rec.key, cancel=task.cancel):
@@ -476,6 +515,7 @@ class Agent:
         from modelcache.adopt import record_folder
         from modelcache.pull import PullResult
 
+        self.store.claim(rec.key)  # the container fills the folder: until its manifest, a folder of ours
         with self.credentials.env_for(primary) as env:
             passed = {k: v for k, v in env.items() if self.credentials.base_env.get(k) != v}
             job = self.jobs.run(primary, rec.key, self.store.layout.model_dir(rec.key), task.cancel, passed)
@@ -507,12 +547,16 @@ class Agent:
         rec.failures += 1
         delay = min(self.cfg.backoff_max, self.cfg.backoff_initial * 2 ** (rec.failures - 1))
         rec.next_attempt = time.monotonic() + delay
-        rec.failure = Failure(f"{reason}: {message} (retry {rec.failures} in {delay:.0f}s)", reason)
+        # A one-shot standalone run ends once every model is Downloaded or Error: it promises no retry.
+        one_shot = self.cfg.standalone is not None and not self.cfg.watch
+        retry = "" if one_shot else f" (retry {rec.failures} in {_seconds(delay)})"
+        rec.failure = Failure(f"{reason}: {message}{retry}", reason)
         rec.finished_at = rfc3339()
         self.metrics.errors.labels(reason=reason).inc()
         self.metrics.duration.labels(scheme=scheme, outcome="error").observe(elapsed)
+        later = {} if one_shot else {"retry_in": round(delay, 2)}
         log.warning("download failed", extra=fields(storage_key=rec.key, uri=redact_uri(rec.uri), reason=reason,
-                                                    error=message, retry_in=round(delay, 2)))
+                                                    error=message, **later))
 
     def _mark_damaged(self, rec: ModelRecord, problem: str) -> bool:
         """Withdraw a damaged model's manifest (it is not present for any reader of the store
@@ -591,7 +635,9 @@ class Agent:
         with self.lock:
             rec.deleting = False
             if deleted:
-                log.info("model deleted", extra=fields(storage_key=rec.key, uri=redact_uri(rec.uri)))
+                # Every deletion is a warning: files went, and the log says which and why.
+                log.warning("model deleted: no entry of the spec wants it", extra=fields(
+                    storage_key=rec.key, **({"uri": redact_uri(rec.uri)} if rec.uri else {})))
                 # Nothing of the old copy is true any more: a re-added entry starts from scratch.
                 rec.mounted_by, rec.failure, rec.failures, rec.next_attempt = [], None, 0, 0.0
                 rec.note, rec.damage, rec.old_files, rec.revision = "", "", [], None
@@ -692,10 +738,16 @@ class Agent:
         removing: dict[str, Any] = {}
         with self.lock:
             keys = sorted({r.key for r in self.records.values() if r.wanted})
+            used = self._used_bytes() if self.group_limits else 0
+            # An interrupted download keeps its staged bytes: its progress is shown, not dropped.
+            paused = [r.key for r in self.records.values() if r.task is None and r.note == INTERRUPTED]
+            staged = {p.storage_key: p for p in staged_pulls(self.store) if p.storage_key in paused} if paused else {}
             for rec in self.records.values():
                 state = rec.state(self._present(rec.key))
                 for info in rec.entries:
                     d = rec.detail(state)
+                    if rec.key in staged and state != MODEL_DOWNLOADED:
+                        d.bytes_done, d.bytes_total = staged[rec.key].bytes_done, staged[rec.key].bytes_total
                     blocked = (self.root_check(info.node_group) if self.root_check and state == MODEL_DOWNLOADED
                                else None) or self.entry_refusals.get(info.status_key)
                     if blocked:
@@ -705,6 +757,10 @@ class Agent:
                     elif (info.namespace and state == MODEL_DOWNLOADED
                           and (info.status_key, rec.key) not in self._entries_checked):
                         d.state, d.message = MODEL_DOWNLOAD_PENDING, "checking the credentials it names"
+                    over = self._group_refusal(rec, info, used) if state == MODEL_DOWNLOADED else None
+                    if over and not blocked:
+                        # Downloaded for another entry's group; this entry's own group has no room.
+                        d.state, d.message = MODEL_DOWNLOAD_ERROR, f"InsufficientSpace: {over}"
                     model_status[info.status_key] = d.state
                     details[info.status_key] = {**d.to_dict(), **self._peer_fields(rec.key)}
                 for info in rec.former:
@@ -827,6 +883,14 @@ def _one_line(exc: BaseException | None) -> str:
     SDK's own exception may quote a signed URL)."""
     text = str(exc) if exc is not None else "failed"
     return scrub_urls(" ".join(text.split()))[:500] or type(exc).__name__
+
+
+def _seconds(delay: float) -> str:
+    """A backoff as people read it: 0.5s, 2s, 1m30s (was "0s" for any delay under half a second)."""
+    if delay < 10:
+        return f"{delay:.1f}".rstrip("0").rstrip(".") + "s"
+    minutes, seconds = divmod(round(delay), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
 def _quantity(n: int) -> str:

@@ -40,7 +40,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from modelcache.credentials import Settings, redirecting
+from modelcache.credentials import CREDENTIALS_FROM, Settings, redirecting
 from modelcache.errors import AuthError, ModelcacheError
 from modelcache.kube.types import LocalModelInfo
 
@@ -89,7 +89,7 @@ S3_OPTIONS = (
     S3Option("s3-useanoncredential", "awsAnonymousCredential", "s3UseAnonymousCredential"),
     S3Option("s3-cabundle", "AWS_CA_BUNDLE", "s3CABundle"),
 )
-#: Annotation spellings accepted besides KServe's (DESIGN.md: both are in use).
+#: Annotation spellings accepted besides KServe's (both spellings are in use in KServe's docs and users' Secrets).
 ANNOTATION_ALIASES = {"s3-verifyssl": ("s3-verify-ssl",)}
 #: Secret data keys copied to the same environment variable.
 PLAIN_KEYS = (
@@ -268,7 +268,8 @@ def _write_private(path: str, data: bytes) -> None:
 
 
 def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str,
-                        config: CredentialConfig | None = None) -> dict[str, str]:
+                        config: CredentialConfig | None = None, found: list[str] | None = None) -> dict[str, str]:
+    """``found``: the names of the Secrets read are appended to it (what an auth error names)."""
     config = config or CredentialConfig()
     name = info.service_account_name or "default"
     sa = reader.service_account(name)
@@ -282,6 +283,8 @@ def service_account_env(info: LocalModelInfo, reader: SecretReader, key_dir: str
         secret = reader.secret(str(ref.get("name", "")))
         if secret is None:
             continue  # KServe skips (and logs) a missing secret
+        if found is not None:
+            found.append(str(ref.get("name", "")))
         raw = secret_bytes(secret)
         data = secret_data(secret)
         if config.s3_secret_key_name in data:
@@ -401,15 +404,27 @@ class Credentials:
         """The download's environment (credential files in a private folder while it is open)."""
         with tempfile.TemporaryDirectory(prefix="modelcache-agent-cred-") as key_dir:
             env = dict(self.base_env)
+            where = "the agent's environment and --download-env"
             hint = None
             if self.reader is not None:
+                ns = getattr(self.reader, "namespace", "?")
                 if info.storage is not None and (info.storage.key or info.storage.parameters):
-                    env.update(storage_env(info, self.reader, self.reader.credential_config()))
-                elif info.service_account_name:
                     config = self.reader.credential_config()
-                    env.update(service_account_env(info, self.reader, key_dir, config))
+                    env.update(storage_env(info, self.reader, config))
+                    where = (f"Secret {ns}/{config.storage_spec_secret_name}"
+                             + (f" key '{info.storage.key}'" if info.storage.key else "") + " (the entry's storage)")
+                elif info.service_account_name:
+                    found: list[str] = []
+                    config = self.reader.credential_config()
+                    env.update(service_account_env(info, self.reader, key_dir, config, found))
+                    secrets = ", ".join(f"{ns}/{n}" for n in found) or "(none)"
+                    where = (f"Secret{'s' if len(found) != 1 else ''} {secrets} of ServiceAccount "
+                             f"{ns}/{info.service_account_name}")
                     if "AWS_SECRET_ACCESS_KEY" not in env:
                         hint = misnamed_s3_keys(info, self.reader, config)
+                else:
+                    where += " (the entry names no serviceAccountName or storage)"
+            env[CREDENTIALS_FROM] = where
             try:
                 yield env
             except ModelcacheError as exc:

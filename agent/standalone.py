@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -52,9 +53,12 @@ def read_node(path: Path) -> dict[str, Any]:
     """The file's first LocalModelNode, checked; raises ModelcacheError (InvalidSpecError)."""
     try:
         docs = [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
-    except (OSError, yaml.YAMLError) as exc:
-        why = " ".join(str(exc).split())
-        raise ModelcacheError(f"{path}: cannot read a LocalModelNode manifest ({type(exc).__name__}: {why})") from None
+    except OSError as exc:
+        raise ModelcacheError(f"{path}: cannot read a LocalModelNode manifest ({exc.strerror or exc})") from None
+    except yaml.YAMLError as exc:
+        # Not YAML: as invalid as a wrong field type, and reported the same way (under --watch,
+        # the SpecValid=False condition), naming the line and column in the file.
+        raise InvalidSpecError(path, [_yaml_problem(exc)]) from None
     for doc in docs:
         if doc.get("kind") == "LocalModelNode":
             problems = node_problems(doc)
@@ -64,6 +68,31 @@ def read_node(path: Path) -> dict[str, Any]:
     kinds = sorted({str(d.get("kind")) for d in docs if d.get("kind")})
     found = f" (found: {', '.join(kinds)})" if kinds else ""
     raise ModelcacheError(f"{path}: no document of kind LocalModelNode in the file{found}")
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """``line 4, column 12: expected ',' or '}', but got '<stream end>' (while parsing a flow mapping
+    that starts at line 3, column 5)``: where the file stops being YAML, with lines counted from 1."""
+    if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
+        return "not valid YAML: " + " ".join(str(exc).split())
+    mark = exc.problem_mark
+    text = f"line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {exc.problem}"
+    if exc.context:
+        start = exc.context_mark
+        where = f" that starts at line {start.line + 1}, column {start.column + 1}" if start is not None else ""
+        text += f" ({exc.context}{where})"
+    return text
+
+
+def credential_fields_ignored(obj: dict[str, Any]) -> list[str]:
+    """Entries that set ``serviceAccountName`` or ``storage``: without a cluster there is no Secret
+    to read them from, so the agent's own environment and ``--download-env`` are used instead."""
+    out = []
+    for info in LocalModelNode.from_dict(obj).spec.local_models:
+        named = [n for n, v in (("serviceAccountName", info.service_account_name), ("storage", info.storage)) if v]
+        if named:
+            out.append(f"{info.status_key}: {' and '.join(named)}")
+    return out
 
 
 class StandaloneRunner:
@@ -88,6 +117,10 @@ class StandaloneRunner:
 
     def _apply(self) -> None:
         lmn = LocalModelNode.from_dict(self.obj)
+        for entry in credential_fields_ignored(self.obj):
+            log.warning("standalone mode has no cluster to read Secrets from: the entry's credential fields are "
+                        "ignored; its credentials come from the agent's environment and --download-env",
+                        extra=fields(file=str(self.spec_file), entry=entry))
         self.agent.set_spec(lmn.spec.local_models, lmn.generation or None)
 
     def run(self) -> int:
@@ -105,9 +138,19 @@ class StandaloneRunner:
         finally:
             self.agent.stop()
             self.publisher.stop()
-        states = self.agent.status()["modelStatus"]
+        status = self.agent.status()
+        states = status["modelStatus"]
         ok = all(s == MODEL_DOWNLOADED for s in states.values())
         log.info("standalone run done", extra=fields(status_file=str(self.out), models=len(states), ok=ok))
+        if not ok and not self.watch:
+            # A one-shot run ends with one line per model that failed (the last log line was a
+            # warning with a retry that never comes: a one-shot run does not retry).
+            failed = sorted(k for k, s in states.items() if s != MODEL_DOWNLOADED)
+            for key in failed:
+                detail = status["modelDetails"].get(key) or {}
+                print(f"error: {key}: {detail.get('message') or states[key]}", file=sys.stderr, flush=True)
+            print(f"error: {len(failed)} of {len(states)} model(s) not downloaded; status in {self.out}; run again, or "
+                  "with --watch to retry with backoff", file=sys.stderr, flush=True)
         return 0 if ok else 1
 
     def _reload_if_changed(self) -> None:

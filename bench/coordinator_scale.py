@@ -1,22 +1,33 @@
-"""The coordinator at scale on the real control plane (tests/cluster): convergence time, API requests
-and peak memory.
+"""The coordinator at scale on the real control plane (tests/cluster), against the fewest writes the
+same state needs, in the same run.
 
-5,000 Nodes shaped like real GPU nodes (100 container images in status, the usual annotations,
-capacity, addresses, node info, and the managedFields the API server adds), 10 node groups, 200
-caches (20 per group, so every node holds 20 entries). The coordinator runs as its own process,
-as deploy/'s ServiceAccount; the agents are simulated by one watcher that marks every entry
-ModelDownloaded (one status patch per changed LocalModelNode). Measured:
+N Nodes shaped like real GPU nodes (100 container images in status, the usual annotations,
+capacity, addresses, node info, and the managedFields the API server adds), G node groups, C caches
+spread over them (every node of a group holds all its group's caches). The agents are simulated
+by one watcher that marks every entry ModelDownloaded (one status patch per changed
+LocalModelNode). Two phases, one control plane, one after the other:
 
-* seconds from creating the caches until every cache shows all its members available, and until
-  the coordinator is done (its last request before 10 s without any: entries, node labels, events);
-* the coordinator's API requests (its /metrics: modelcache_coordinator_api_requests_total), to
-  converge and then during a quiet window with nothing changing (target 0; watches that reach
-  their timeout and are reopened are counted apart);
-* the coordinator's peak RSS (VmHWM).
+1. **Baseline**: a plain client (no informers of its own state, no coordinator logic) at the
+   coordinator's concurrency (``--workers`` threads in all, one queue, as the coordinator's node
+   controller) writes exactly what the state needs: each
+   node's LocalModelNode with all its entries (one POST), then, once the simulated agent reports
+   the models, the node's ``downloaded.modelcache.io/*`` labels (one PATCH). Timed from the first
+   write to the last label. Then everything it wrote is removed (untimed).
+2. **Coordinator**: the coordinator as its own process, as deploy/'s ServiceAccount, with
+   ``--workers``; C caches are created and it converges. Converged = every cache shows all its
+   members available and the coordinator has made its last request (entries, node labels,
+   cache statuses, events): its last request before 10 s without any.
 
-    .venv/bin/python bench/coordinator_scale.py [--nodes 5000] [--groups 10] [--caches 200] [--workers 16] [--quiet 60]
+Reported: the convergence time as a ratio to the baseline's (target <= 1.3), the coordinator's API
+requests from the first cache to convergence per node (target <= 2.2; the baseline needs 2), its
+CPU seconds per 1,000 nodes, its peak RSS (VmHWM, target <= 512 MiB), and its requests during a
+quiet window after convergence (target 0; watches that reach their timeout and are reopened are
+counted apart). The machine's load average at the start and the end of each phase.
 
-Prints one JSON line and the README table row.
+    .venv/bin/python bench/coordinator_scale.py [--nodes 10000] [--groups 10] [--caches 200] [--workers 16]
+        [--quiet 60] [--json FILE]
+
+Prints one JSON line (also written to ``--json``) and the README table row.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,16 +53,28 @@ sys.path.insert(0, str(REPO))
 
 from kubernetes.client.exceptions import ApiException  # noqa: E402
 
+from coordinator.entries import desired_entry  # noqa: E402
+from coordinator.nodelabels import LABEL_VALUE, model_label  # noqa: E402
 from modelcache.clock import rfc3339  # noqa: E402
-from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NODES, NODES, Kube, load_api_client  # noqa: E402
+from modelcache.kube.client import (  # noqa: E402
+    LOCAL_MODEL_CACHES,
+    LOCAL_MODEL_NODES,
+    NODES,
+    Kube,
+    count_requests,
+    load_api_client,
+)
 from modelcache.kube.informer import Informer  # noqa: E402
+from modelcache.kube.types import MODEL_DOWNLOADED  # noqa: E402
 from tests.cluster.baseline import apply_manifests  # noqa: E402
 from tests.cluster.build import ensure_binaries  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
 from tests.coordinator_util import make_cache, make_group  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
-TARGETS = {"converge_seconds": 120, "quiet_requests": 0, "peak_rss_mib": 512}
+TARGETS = {"converge_vs_baseline": 1.3, "requests_per_node": 2.2, "quiet_requests": 0, "peak_rss_mib": 512}
+#: Threads that create the Nodes (setup, untimed).
+SETUP_THREADS = 16
 
 
 def node_body(name: str, pool: str) -> dict[str, Any]:
@@ -83,14 +107,32 @@ def node_body(name: str, pool: str) -> dict[str, Any]:
                                 "kubeletVersion": "v1.37.2", "kubeProxyVersion": ""}}}
 
 
+def node_name(n: int) -> str:
+    return f"node-{n:05d}"
+
+
 def make_nodes(kube: Kube, count: int, groups: int) -> None:
     def one(n: int) -> None:
-        name = f"node-{n:05d}"
-        kube.create(NODES, node_body(name, f"pool{n % groups}"))
-        kube.patch(NODES, name, {"spec": {"taints": None}})  # as the node lifecycle controller would
+        name = node_name(n)
+        retried(f"Node {name}", lambda: kube.create(NODES, node_body(name, f"pool{n % groups}")))
+        # as the node lifecycle controller would
+        retried(f"Node {name}", lambda: kube.patch(NODES, name, {"spec": {"taints": None}}))
 
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(SETUP_THREADS) as pool:
         list(pool.map(one, range(count)))
+
+
+def cache_name(c: int) -> str:
+    return f"cache-{c:03d}"
+
+
+def cache_uri(c: int) -> str:
+    return f"s3://models/m{c}"
+
+
+def wanted_states(lmn: dict[str, Any]) -> dict[str, str]:
+    return {(f"{m['namespace']}/{m['modelName']}" if m.get("namespace") else m["modelName"]): MODEL_DOWNLOADED
+            for m in (lmn.get("spec") or {}).get("localModels") or []}
 
 
 class Agents:
@@ -100,9 +142,15 @@ class Agents:
         self.kube = kube
         self.todo: queue.Queue[str] = queue.Queue()
         self.informer = Informer(kube, LOCAL_MODEL_NODES, watch_timeout=600)
-        self.informer.add_handler(lambda _e, obj, _old: self.todo.put(obj["metadata"]["name"]))
+        self.informer.add_handler(self._event)
         self.patches = 0
+        self.extra: Any = None  # the baseline's handler, while it runs
         self._stop = threading.Event()
+
+    def _event(self, event: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
+        self.todo.put(obj["metadata"]["name"])
+        if self.extra is not None:
+            self.extra(event, obj, old)
 
     def start(self) -> Agents:
         self.informer.start()
@@ -119,8 +167,7 @@ class Agents:
             lmn = self.informer.store.get_raw(name)
             if lmn is None:
                 continue
-            want = {(f"{m['namespace']}/{m['modelName']}" if m.get("namespace") else m["modelName"]): "ModelDownloaded"
-                    for m in (lmn.get("spec") or {}).get("localModels") or []}
+            want = wanted_states(lmn)
             have = (lmn.get("status") or {}).get("modelStatus") or {}
             if have == want:
                 continue
@@ -129,22 +176,141 @@ class Agents:
             try:
                 self.kube.patch_status(LOCAL_MODEL_NODES, name, {"status": {"modelStatus": patch}})
                 self.patches += 1
-            except Exception as exc:  # a conflict or a hiccup: the next event retries
-                print(f"agent patch {name}: {exc}", file=sys.stderr)
-                self.todo.put(name)
+            except ApiException as exc:
+                if exc.status != 404:  # a conflict or a hiccup: the next event retries
+                    print(f"agent patch {name}: {exc.status}", file=sys.stderr)
+                    self.todo.put(name)
 
     def stop(self) -> None:
         self._stop.set()
         self.informer.stop()
 
 
-def metrics(port: int) -> dict[str, float]:
+def retried(what: str, call: Callable[[], Any], attempts: int = 30) -> None:
+    """``call`` until it succeeds, as any client does on a loaded server: 429, 5xx (etcd timing out
+    on a busy machine) and broken connections are tried again; 409 after a retried create means
+    an earlier attempt went through."""
+    for attempt in range(attempts):
+        try:
+            call()
+            return
+        except ApiException as exc:
+            if exc.status == 409 and attempt:
+                return
+            if exc.status not in (429, 500, 502, 503, 504) or attempt == attempts - 1:
+                raise RuntimeError(f"{what}: {exc.status} {exc.reason}") from exc
+        except OSError as exc:  # urllib3's connection errors are OSErrors
+            if attempt == attempts - 1:
+                raise RuntimeError(f"{what}: {exc}") from exc
+        time.sleep(min(5.0, 0.2 * 2 ** attempt))
+
+
+class Counter:
+    """Requests a client sends, by HTTP verb."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_verb: dict[str, int] = {}
+
+    def __call__(self, verb: str) -> None:
+        with self.lock:
+            self.by_verb[verb] = self.by_verb.get(verb, 0) + 1
+
+
+def baseline(kubeconfig: str, agents: Agents, nodes: int, groups: int, caches: int, workers: int,
+             timeout: float) -> dict[str, Any]:
+    """The fewest writes the converged state needs, by a plain client at ``workers`` concurrency
+    (``workers`` threads in all, as the coordinator's node controller): each node's
+    LocalModelNode with all its entries, then its downloaded-model labels once the (simulated)
+    agent reports the models."""
+    api = load_api_client(kubeconfig)
+    counter = Counter()
+    count_requests(api, counter)
+    kube = Kube(api)
+    group_entries = {g: [desired_entry({"metadata": {"name": cache_name(c)}, "spec": {"sourceModelUri": cache_uri(c)}},
+                                       f"g{g}") for c in range(g, caches, groups)] for g in range(groups)}
+    labels = {g: {model_label(e["sourceModelUri"]): LABEL_VALUE for e in group_entries[g]} for g in range(groups)}
+    # One queue and ``workers`` threads, as the coordinator's node controller (whose workers write
+    # both): every node's LocalModelNode first, then each node's labels as its agent reports.
+    work: queue.Queue[tuple[str, str] | None] = queue.Queue()
+    labelled: set[str] = set()
+    lock = threading.Lock()
+
+    def reported(_e: str, obj: dict[str, Any], _old: dict[str, Any] | None) -> None:
+        if obj.get("spec") and ((obj.get("status") or {}).get("modelStatus") or {}) == wanted_states(obj):
+            work.put(("label", obj["metadata"]["name"]))
+
+    # What the agents report is read from the agents' own watch (a read, not a write: nothing is
+    # counted against the baseline's client for it). Removed again by ``undo_baseline``.
+    agents.extra = reported
+    done = threading.Event()
+    last = [0.0]
+
+    def worker() -> None:
+        while True:
+            item = work.get()
+            if item is None:
+                return
+            what, name = item
+            group = int(name.split("-")[1]) % groups
+            if what == "create":
+                retried(f"LocalModelNode {name}", lambda n=name, g=group: kube.create(LOCAL_MODEL_NODES, {
+                    "metadata": {"name": n}, "spec": {"localModels": group_entries[g]}}))
+                continue
+            with lock:
+                if name in labelled:
+                    continue
+                labelled.add(name)
+            retried(f"label {name}", lambda n=name, g=group: kube.patch(NODES, n, {"metadata": {"labels": labels[g]}}))
+            with lock:
+                last[0] = time.monotonic()
+                if len(labelled) == nodes:
+                    done.set()
+
+    load = os.getloadavg()[0]
+    start = time.monotonic()
+    for n in range(nodes):
+        work.put(("create", node_name(n)))
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    if not done.wait(timeout):
+        raise SystemExit(f"baseline: {len(labelled)} of {nodes} nodes labelled in {timeout:.0f} s")
+    seconds = last[0] - start
+    for _ in threads:
+        work.put(None)
+    return {"seconds": round(seconds, 1), "requests": dict(sorted(counter.by_verb.items())),
+            "load_average": [round(load, 1), round(os.getloadavg()[0], 1)]}
+
+
+def undo_baseline(cp: ControlPlane, kube: Kube, agents: Agents, nodes: int, groups: int, caches: int) -> None:
+    """Remove what the baseline wrote (untimed): the LocalModelNodes and the nodes' labels."""
+    cp.kubectl("delete", "localmodelnodes.serving.kserve.io", "--all", "--wait=false")
+
+    def unlabel(n: int) -> None:
+        drop = {model_label(cache_uri(c)): None for c in range(n % groups, caches, groups)}
+        retried(f"Node {node_name(n)}", lambda: kube.patch(NODES, node_name(n), {"metadata": {"labels": drop}}))
+
+    with ThreadPoolExecutor(SETUP_THREADS) as pool:
+        list(pool.map(unlabel, range(nodes)))
+    deadline = time.monotonic() + 600
+    while len(agents.informer.store):
+        if time.monotonic() > deadline:
+            raise SystemExit("the baseline's LocalModelNodes are still there after 600 s")
+        time.sleep(1)
+    agents.patches = 0
+    agents.extra = None
+
+
+def coordinator_metrics(port: int) -> tuple[dict[str, float], dict[str, float]]:
+    """(API requests by verb, API writes by "kind verb") from the coordinator's /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    out: dict[str, float] = {}
-    for m in re.finditer(r'^modelcache_coordinator_api_requests_total\{verb="(\w+)"\} (\S+)$', text, re.M):
-        out[m.group(1)] = float(m.group(2))
-    return out
+    requests = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^modelcache_coordinator_api_requests_total\{verb="(\w+)"\} (\S+)$', text, re.M)}
+    writes = {f"{m.group(1)} {m.group(2)}": float(m.group(3)) for m in re.finditer(
+        r'^modelcache_coordinator_api_writes_total\{kind="(\w+)",verb="(\w+)"\} (\S+)$', text, re.M)}
+    return requests, writes
 
 
 def rss(pid: int) -> dict[str, int]:
@@ -153,118 +319,177 @@ def rss(pid: int) -> dict[str, int]:
             for k in ("VmRSS", "VmHWM")}
 
 
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
+    return {k: int(v - before.get(k, 0)) for k, v in sorted(after.items()) if v - before.get(k, 0)}
+
+
+def start_coordinator(cp: ControlPlane, workers: int, log_path: Path) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    env = {**os.environ, "KUBECONFIG": str(cp.kubeconfig_for("modelcache-system", "modelcache-coordinator",
+                                                             seconds=24 * 3600))}
+    log = open(log_path, "wb")  # noqa: SIM115 (the process holds it; closed with the directory)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator", "--no-leader-election", "--bind", "127.0.0.1", "--port",
+         str(port), "--workers", str(workers), "--log-level", "WARNING", "--no-mutate-isvc"],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as resp:
+                if resp.status == 200:
+                    return proc, port
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"coordinator did not get ready:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, caches: int, workers: int,
+                    quiet: float, timeout: float, log_path: Path,
+                    converged_hook: Callable[[], None] | None = None) -> dict[str, Any]:
+    members = {g: len(range(g, nodes, groups)) for g in range(groups)}
+    proc, port = start_coordinator(cp, workers, log_path)
+    try:
+        idle = rss(proc.pid)
+        requests0, writes0 = coordinator_metrics(port)
+        cpu0 = cpu_seconds(proc.pid)
+        load = os.getloadavg()[0]
+        start = time.monotonic()
+        for c in range(caches):
+            retried(f"cache {c}", lambda c=c: make_cache(kube, cache_name(c), cache_uri(c), [f"g{c % groups}"]))
+
+        def converged() -> bool:
+            try:
+                items = kube.list(LOCAL_MODEL_CACHES).get("items") or []
+            except ApiException as exc:  # a loaded API server timing out a large list: ask again
+                print(f"listing caches: {exc.status}", file=sys.stderr)
+                return False
+            done = 0
+            for item in items:
+                want = members[int(item["spec"]["nodeGroups"][0][1:])]
+                copies = (item.get("status") or {}).get("copies") or {}
+                done += copies.get("available") == want and copies.get("total") == want
+            return len(items) == caches and done == caches
+
+        while not converged():
+            if time.monotonic() - start > timeout or proc.poll() is not None:
+                raise SystemExit(f"did not converge:\n{log_path.read_text()[-3000:]}")
+            time.sleep(2)
+        available_s = time.monotonic() - start
+        # Converged = the coordinator is done too: its last request before 10 s without any.
+        (last, last_writes), last_change = coordinator_metrics(port), time.monotonic()
+        last_cpu = cpu_seconds(proc.pid)
+        while time.monotonic() - last_change < 10:
+            time.sleep(1)
+            now, now_writes = coordinator_metrics(port)
+            if {k: v for k, v in now.items() if k != "WATCH"} != {k: v for k, v in last.items() if k != "WATCH"}:
+                last, last_writes, last_change = now, now_writes, time.monotonic()
+                last_cpu = cpu_seconds(proc.pid)
+            if time.monotonic() - start > timeout:
+                raise SystemExit("the coordinator never settled")
+        converge_s = last_change - start
+        end_load = os.getloadavg()[0]
+        if converged_hook is not None:
+            converged_hook()
+        before, _ = coordinator_metrics(port)
+        time.sleep(quiet)
+        after, _ = coordinator_metrics(port)
+        quiet_by_verb = delta(after, before)
+        mem = rss(proc.pid)
+        to_converge = delta(last, requests0)
+        return {
+            "caches_available_seconds": round(available_s, 1), "converge_seconds": round(converge_s, 1),
+            "requests_to_converge": to_converge, "writes_to_converge": delta(last_writes, writes0),
+            "requests_at_start": {k: int(v) for k, v in sorted(requests0.items())},
+            "cpu_seconds": round(last_cpu - cpu0, 1),
+            "quiet_seconds": quiet,
+            "quiet_requests": sum(v for k, v in quiet_by_verb.items() if k != "WATCH"),
+            "quiet_requests_by_verb": quiet_by_verb, "quiet_watches_reopened": quiet_by_verb.get("WATCH", 0),
+            "rss_idle_mib": idle["VmRSS"], "peak_rss_mib": mem["VmHWM"], "rss_end_mib": mem["VmRSS"],
+            "load_average": [round(load, 1), round(end_load, 1)],
+        }
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def measure(cp: ControlPlane, nodes: int, groups: int, caches: int, workers: int, quiet: float, timeout: float,
+            workdir: Path) -> dict[str, Any]:
+    """Both phases on ``cp`` (a control plane with nothing of ours on it yet)."""
+    apply_manifests(cp)
+    kube = Kube(load_api_client(str(cp.kubeconfig)))
+    started = time.monotonic()
+    for g in range(groups):
+        make_group(kube, f"g{g}", label_value=f"pool{g}")
+    make_nodes(kube, nodes, groups)
+    setup_s = time.monotonic() - started
+    agents = Agents(Kube(load_api_client(str(cp.kubeconfig)))).start()
+    try:
+        base = baseline(str(cp.kubeconfig), agents, nodes, groups, caches, workers, timeout)
+        base["agent_status_patches"] = agents.patches
+        undo_baseline(cp, kube, agents, nodes, groups, caches)
+        run = coordinator_run(cp, kube, nodes, groups, caches, workers, quiet, timeout, workdir / "coordinator.log")
+        run["agent_status_patches"] = agents.patches
+    finally:
+        agents.stop()
+    requests = sum(run["requests_to_converge"].values())
+    return {
+        "nodes": nodes, "groups": groups, "caches": caches, "workers": workers, "setup_seconds": round(setup_s, 1),
+        "converge_seconds": run["converge_seconds"], "baseline_seconds": base["seconds"],
+        "converge_vs_baseline": round(run["converge_seconds"] / max(base["seconds"], 0.1), 2),
+        "requests_per_node": round(requests / nodes, 2),
+        "baseline_requests_per_node": round(sum(base["requests"].values()) / nodes, 2),
+        "cpu_seconds_per_1000_nodes": round(run["cpu_seconds"] / nodes * 1000, 1),
+        "peak_rss_mib": run["peak_rss_mib"], "quiet_requests": run["quiet_requests"],
+        "coordinator": run, "baseline": base,
+    }
+
+
+def table_row(r: dict[str, Any]) -> str:
+    met = {k: ("met" if r[k] <= v else "**missed**") for k, v in TARGETS.items()}
+    c = r["coordinator"]
+    return (f"| {r['nodes']:,} nodes, {r['groups']} groups, {r['caches']} caches | {r['converge_seconds']} s | "
+            f"{r['baseline_seconds']} s | {r['converge_vs_baseline']} ({met['converge_vs_baseline']}) | "
+            f"{r['requests_per_node']} ({met['requests_per_node']}) | {r['cpu_seconds_per_1000_nodes']} | "
+            f"{r['peak_rss_mib']} MiB ({met['peak_rss_mib']}) | "
+            f"{r['quiet_requests']} in {c['quiet_seconds']:.0f} s ({met['quiet_requests']}) | "
+            f"{c['load_average'][0]}-{c['load_average'][1]} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--nodes", type=int, default=5000)
+    ap.add_argument("--nodes", type=int, default=10000)
     ap.add_argument("--groups", type=int, default=10)
     ap.add_argument("--caches", type=int, default=200)
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--quiet", type=float, default=60, help="seconds of the at-rest window")
-    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--json", type=Path, help="write the result here too")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="coordinator-scale-") as tmp:
         cp = ControlPlane(Path(tmp) / "cluster", bin_dir=ensure_binaries()).start()
-        coordinator: subprocess.Popen[bytes] | None = None
-        agents: Agents | None = None
         try:
-            apply_manifests(cp)
-            kube = Kube(load_api_client(str(cp.kubeconfig)))
-            started = time.monotonic()
-            for g in range(args.groups):
-                make_group(kube, f"g{g}", label_value=f"pool{g}")
-            make_nodes(kube, args.nodes, args.groups)
-            setup_s = time.monotonic() - started
-            members = {g: len(range(g, args.nodes, args.groups)) for g in range(args.groups)}
-
-            port = free_port()
-            env = {**os.environ, "KUBECONFIG": str(cp.kubeconfig_for("modelcache-system", "modelcache-coordinator",
-                                                                     seconds=24 * 3600))}
-            log = open(Path(tmp) / "coordinator.log", "wb")  # noqa: SIM115 (closed with the directory)
-            coordinator = subprocess.Popen(
-                [sys.executable, "-m", "coordinator", "--no-leader-election", "--bind", "127.0.0.1", "--port",
-                 str(port), "--workers", str(args.workers), "--log-level", "WARNING", "--no-mutate-isvc"],
-                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as resp:
-                        if resp.status == 200:
-                            break
-                except OSError:
-                    pass
-                if coordinator.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"coordinator did not get ready:\n{(Path(tmp) / 'coordinator.log').read_text()}")
-                time.sleep(0.5)
-            idle = rss(coordinator.pid)
-            agents = Agents(Kube(load_api_client(str(cp.kubeconfig)))).start()
-
-            start = time.monotonic()
-            for c in range(args.caches):
-                make_cache(kube, f"cache-{c:03d}", f"s3://models/m{c}", [f"g{c % args.groups}"])
-
-            def converged() -> bool:
-                try:
-                    items = kube.list(LOCAL_MODEL_CACHES).get("items") or []
-                except ApiException as exc:  # a loaded API server timing out a 30 MB list: ask again
-                    print(f"listing caches: {exc.status}", file=sys.stderr)
-                    return False
-                done = 0
-                for item in items:
-                    want = members[int(item["spec"]["nodeGroups"][0][1:])]
-                    copies = (item.get("status") or {}).get("copies") or {}
-                    done += copies.get("available") == want and copies.get("total") == want
-                return len(items) == args.caches and done == args.caches
-
-            while not converged():
-                if time.monotonic() - start > args.timeout or coordinator.poll() is not None:
-                    raise SystemExit("did not converge")
-                time.sleep(3)
-            available_s = time.monotonic() - start
-            # Converged = the coordinator is done too (entries, node labels, events): its last
-            # request before 10 s without any.
-            last, last_change = metrics(port), time.monotonic()
-            while time.monotonic() - last_change < 10:
-                time.sleep(1)
-                now = metrics(port)
-                if {k: v for k, v in now.items() if k != "WATCH"} != {k: v for k, v in last.items() if k != "WATCH"}:
-                    last, last_change = now, time.monotonic()
-                if time.monotonic() - start > args.timeout:
-                    raise SystemExit("the coordinator never settled")
-            converge_s = last_change - start
-            to_converge = last
-            before = metrics(port)
-            time.sleep(args.quiet)
-            after = metrics(port)
-            quiet = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) - before.get(k, 0)}
-            mem = rss(coordinator.pid)
-            result = {
-                "nodes": args.nodes, "groups": args.groups, "caches": args.caches, "workers": args.workers,
-                "setup_seconds": round(setup_s, 1), "caches_available_seconds": round(available_s, 1),
-                "converge_seconds": round(converge_s, 1),
-                "requests_to_converge": {k: int(v) for k, v in sorted(to_converge.items())},
-                "quiet_seconds": args.quiet,
-                "quiet_requests": int(sum(v for k, v in quiet.items() if k != "WATCH")),
-                "quiet_requests_by_verb": {k: int(v) for k, v in quiet.items()},
-                "quiet_watches_reopened": int(quiet.get("WATCH", 0)),
-                "agent_status_patches": agents.patches,
-                "rss_idle_mib": idle["VmRSS"], "peak_rss_mib": mem["VmHWM"], "rss_end_mib": mem["VmRSS"],
-                "load_average": os.getloadavg()[0],
-            }
-            print(json.dumps(result))
-            met = {k: ("met" if result[k] <= v else "missed") for k, v in TARGETS.items()}  # type: ignore[operator]
-            print(f"| {args.nodes} nodes, {args.groups} groups, {args.caches} caches | "
-                  f"{result['converge_seconds']} s ({met['converge_seconds']}) | "
-                  f"{sum(result['requests_to_converge'].values())} | "
-                  f"{result['quiet_requests']} in {args.quiet:.0f} s ({met['quiet_requests']}) | "
-                  f"{result['peak_rss_mib']} MiB ({met['peak_rss_mib']}) |")
+            result = measure(cp, args.nodes, args.groups, args.caches, args.workers, args.quiet, args.timeout,
+                             Path(tmp))
         finally:
-            if agents is not None:
-                agents.stop()
-            if coordinator is not None:
-                coordinator.terminate()
-                coordinator.wait(30)
             cp.stop()
+    result["load_average_end"] = round(os.getloadavg()[0], 1)
+    text = json.dumps(result)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    print(table_row(result))
 
 
 if __name__ == "__main__":

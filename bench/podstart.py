@@ -7,15 +7,21 @@ relay that counts the bytes the origin sends. For each variant, side by side and
 order, a predictor pod is created as KServe's Deployment makes it and timed until it is Ready:
 
   (a) KServe's storage initializer as the init container: an image built here from the
-      `kserve-storage` package on PyPI, as KServe's own Dockerfile builds it from its package,
-      with an entrypoint of ours that calls `Storage.download(src, dest)` as KServe's does;
+      `kserve-storage` package on PyPI (the release of the KServe the tests run, v0.20.0), as
+      KServe's own Dockerfile builds it from its package, as user 1000, with an entrypoint of
+      ours that calls `Storage.download(src, dest)` per pair as KServe's does;
   (b) ours as the init container (the project image, `make image`);
-  (c) the model already on the node (what the cache gives: the node's folder mounted read-only);
+  (c) the model already on the node, as the cache gives it: a `local` PersistentVolume at the
+      node folder and its claim, mounted read-only with subPath `models/<storageKey>` (KServe's
+      local-model rewrite);
   (d) the same serving pod with no model at all.
 
-The serving container (tests/cluster/runtime/cmd/serve, `--digest=none`) reads every byte of the
-model before it says Ready, as a model server loads its weights. Prints the median of the rounds,
-the ratios (targets: b <= 0.5 x a; c <= 1.2 x d), origin bytes per variant and the load.
+Both init containers get the S3 environment KServe's injector gives them and the resources of
+KServe's `storageInitializer` config (1 CPU, 1 GiB). The serving container
+(tests/cluster/runtime/cmd/serve, `--digest=none`) reads every byte of the model before it says
+Ready, as a model server loads its weights. Ready is taken from a watch of the pod (no polling
+processes beside the pods). Prints the median of the rounds, the ratios (targets: b <= 0.5 x a;
+c <= 1.2 x d), origin bytes per variant and the load.
 
     sudo .venv/bin/python bench/podstart.py                      # 2 GiB, 3 rounds
     sudo .venv/bin/python bench/podstart.py --size 256MiB --rounds 1
@@ -26,11 +32,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +54,10 @@ from tests.cluster.realnodes import RealNodes  # noqa: E402
 from tests.counting_relay import CountingRelay  # noqa: E402
 from tests.fixtures.seaweedfs import ACCESS_KEY, SECRET_KEY, start_seaweedfs  # noqa: E402
 from tests.node_util import safetensors  # noqa: E402
+from tests.realnodes_util import local_volume  # noqa: E402
 
-KSERVE_STORAGE = "kserve-storage==0.21.0"
-KSERVE_IMAGE = "localhost/modelcache-bench/kserve-storage-initializer:0.21.0"
+KSERVE_STORAGE = "kserve-storage==0.20.0"
+KSERVE_IMAGE = "localhost/modelcache-bench/kserve-storage-initializer:0.20.0"
 CONTAINERS_CONF = REPO / ".work" / "image" / "containers.conf"
 #: Our entrypoint for KServe's package: what KServe's initializer-entrypoint does (pairs of
 #: SRC DEST, each `Storage.download`), written here: KServe's own files are not copied.
@@ -74,6 +84,7 @@ def kserve_image(base: str) -> str:
         Path(ctx, "Containerfile").write_text(
             f"FROM {base}\nRUN python3 -m venv /opt/kserve && /opt/kserve/bin/pip install -q {KSERVE_STORAGE}\n"
             "COPY entrypoint.py /opt/kserve/entrypoint.py\n"
+            "USER 1000\n"
             'ENTRYPOINT ["/opt/kserve/bin/python", "/opt/kserve/entrypoint.py"]\n')
         proc = podman("build", "--pull=never", "--network", "host", "-v", "/etc/ssl/certs:/etc/ssl/certs:ro",
                       "-t", KSERVE_IMAGE, ctx)
@@ -108,42 +119,104 @@ def s3_env(endpoint: str) -> list[dict[str, str]]:
         "AWS_DEFAULT_REGION": "us-east-1"}.items()]
 
 
-def pod(name: str, variant: str, init_image: str | None, endpoint: str, model_dir: str) -> dict[str, Any]:
-    serve = {"name": "kserve-container", "image": static_image("serve").ref,
-             "args": ["--model-name=llm", "--model-dir=/mnt/models", "--digest=none"],
-             "readinessProbe": {"httpGet": {"path": "/v1/models/llm", "port": 8080}, "periodSeconds": 1},
-             "volumeMounts": [{"name": "model", "mountPath": "/mnt/models", "readOnly": True}]}
-    spec: dict[str, Any] = {"nodeName": "node-1", "terminationGracePeriodSeconds": 1, "containers": [serve]}
+def init_resources() -> dict[str, Any]:
+    """The init container's resources as KServe's injector sets them (its storageInitializer config)."""
+    from tests.kserve.controller import config_map
+
+    cfg = json.loads(config_map()["data"]["storageInitializer"])
+    return {"requests": {"cpu": cfg["cpuRequest"], "memory": cfg["memoryRequest"]},
+            "limits": {"cpu": cfg["cpuLimit"], "memory": cfg["memoryLimit"]}}
+
+
+CACHE_CLAIM = "llm-cache"
+
+
+def pod(name: str, variant: str, init_image: str | None, endpoint: str, sub_path: str) -> dict[str, Any]:
+    serve: dict[str, Any] = {
+        "name": "kserve-container", "image": static_image("serve").ref,
+        "args": ["--model-name=llm", "--model-dir=/mnt/models", "--digest=none"],
+        "readinessProbe": {"httpGet": {"path": "/v1/models/llm", "port": 8080}, "periodSeconds": 1},
+        "volumeMounts": [{"name": "model", "mountPath": "/mnt/models", "readOnly": True}]}
+    spec: dict[str, Any] = {"nodeName": "node-1", "terminationGracePeriodSeconds": 1, "containers": [serve],
+                            "enableServiceLinks": False}
     if variant in ("a", "b"):
         spec["initContainers"] = [{"name": "storage-initializer", "image": init_image, "imagePullPolicy": "Never",
                                    "args": ["s3://models/llm", "/mnt/models"], "env": s3_env(endpoint),
+                                   "resources": init_resources(),
                                    "volumeMounts": [{"name": "model", "mountPath": "/mnt/models"}]}]
         spec["volumes"] = [{"name": "model", "emptyDir": {}}]
         spec["securityContext"] = {"fsGroup": 1000}
     elif variant == "c":
-        spec["volumes"] = [{"name": "model", "hostPath": {"path": model_dir, "type": "Directory"}}]
+        spec["volumes"] = [{"name": "model", "persistentVolumeClaim": {"claimName": CACHE_CLAIM, "readOnly": True}}]
+        serve["volumeMounts"][0]["subPath"] = sub_path
     else:
         spec["volumes"] = [{"name": "model", "emptyDir": {}}]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"}, "spec": spec}
 
 
-def ready_after(run: RealNodes, manifest: dict[str, Any], timeout: float = 900) -> float:
-    assert run.cp is not None
+def _ready(obj: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (obj.get("status") or {}).get("conditions") or [])
+
+
+@dataclass
+class Start:
+    ready: float  # seconds from the create request to Ready, seen on a watch of the pod
+    init: float  # the init container's run (its start and finish times: whole seconds), 0 without
+    load: float  # the serving container reading the model, as it logs it
+
+
+LOADED = re.compile(r"serve: loaded model \S+ from \S+: \d+ files, \d+ bytes in ([0-9.]+) s")
+
+
+def _init_seconds(obj: dict[str, Any]) -> float:
+    from datetime import datetime
+
+    for state in (obj.get("status") or {}).get("initContainerStatuses") or []:
+        done = (state.get("state") or {}).get("terminated") or {}
+        if done.get("startedAt") and done.get("finishedAt"):
+            took = datetime.fromisoformat(done["finishedAt"]) - datetime.fromisoformat(done["startedAt"])
+            return took.total_seconds()
+    return 0.0
+
+
+def ready_after(run: RealNodes, manifest: dict[str, Any], timeout: float = 900) -> Start:
+    """The pod created, timed until Ready on a watch of it; then deleted."""
+    import urllib.parse
+    import urllib.request
+
+    cp = run.cp
+    assert cp is not None
     name = manifest["metadata"]["name"]
     started = time.monotonic()
-    run.cp.kubectl("create", "-f", "-", input=yaml.safe_dump(manifest))
-    while True:
-        status = run.cp.kubectl("get", "pod", name, "-o", "jsonpath={.status.conditions[?(@.type=='Ready')].status}",
-                                check=False).stdout
-        if status == "True":
-            took = time.monotonic() - started
-            break
-        if time.monotonic() - started > timeout:
-            sys.exit(f"pod {name} not Ready after {timeout:.0f} s:\n"
-                     f"{run.cp.kubectl('describe', 'pod', name, check=False).stdout[-3000:]}")
-        time.sleep(0.05)
-    run.cp.kubectl("delete", "pod", name, "--wait=true", "--timeout=120s")
-    return took
+    status, body = cp.raw("/api/v1/namespaces/default/pods", "POST", manifest)
+    if status != 201:
+        sys.exit(f"creating pod {name}: {status} {body[:500]}")
+    rv = json.loads(body)["metadata"]["resourceVersion"]
+    query = urllib.parse.urlencode({"watch": "1", "resourceVersion": rv, "fieldSelector": f"metadata.name={name}",
+                                    "timeoutSeconds": str(int(timeout))})
+    took = None
+    with urllib.request.urlopen(f"{cp.server}/api/v1/namespaces/default/pods?{query}", timeout=timeout,
+                                context=cp.ssl_context()) as stream:
+        for line in stream:
+            event = json.loads(line)
+            obj = event.get("object") or {}
+            if _ready(obj):
+                took = time.monotonic() - started
+                break
+            statuses = (obj.get("status") or {}).get("initContainerStatuses") or []
+            failed = [s for s in statuses if ((s.get("state") or {}).get("terminated") or {}).get("exitCode")]
+            if failed or (obj.get("status") or {}).get("phase") == "Failed":
+                break
+    if took is None:
+        describe = cp.kubectl("describe", "pod", name, check=False).stdout[-3000:]
+        logs = cp.kubectl("logs", name, "--all-containers", "--tail=30", check=False).stdout
+        sys.exit(f"pod {name} not Ready:\n{describe}\n{logs}")
+    _, body = cp.raw(f"/api/v1/namespaces/default/pods/{name}")
+    log = cp.kubectl("logs", name, "-c", "kserve-container", check=False).stdout
+    loaded = LOADED.search(log)
+    cp.kubectl("delete", "pod", name, "--wait=true", "--timeout=120s")
+    return Start(took, _init_seconds(json.loads(body)), float(loaded.group(1)) if loaded else float("nan"))
 
 
 def main() -> int:
@@ -151,57 +224,76 @@ def main() -> int:
     parser.add_argument("--size", default="2GiB")
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--work", type=Path, default=REPO / ".work" / "bench-podstart")
+    parser.add_argument("--work", type=Path, default=REPO / ".work" / "bench-podstart",
+                        help="the run's control plane, nodes and origin: emptied first, removed at the end")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/podstart.py runs kubelets: run it as root")
-    args.work.mkdir(parents=True, exist_ok=True)
+    # A fresh folder each run: a control plane's new CA would not accept the last run's node
+    # certificates, and the last model must not count.
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
     ours = os.environ.get("IMAGE") or project_image()
     base = next(line.split("=", 1)[1].strip() for line in (REPO / "Dockerfile").read_text().splitlines()
                 if line.startswith("ARG BASE_IMAGE="))
     theirs = kserve_image(base)
+    penv = {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}
     run = RealNodes(args.work / "run", nodes=1, kubelets=1,
-                    images=[podman_archive(ours), podman_archive(theirs)]).start()
+                    images=[podman_archive(ours, penv), podman_archive(theirs, penv)]).start()
     server = relay = None
     try:
         server = start_seaweedfs(args.work / "s3", host=run.host_ip)
         host, port = server.endpoint.split("://", 1)[1].rsplit(":", 1)
         relay = CountingRelay(run.host_ip, (host, int(port)))
         size, names = make_model(server.endpoint, parse_size(args.size), args.shards)
-        # (c)'s copy: the model as the cache leaves it in the node's folder (filled once by ours).
+        # (c)'s copy: the model where the cache leaves it in the node folder (filled once by ours,
+        # every file checked against the origin's digest by the serving container).
         node = run.nodes[0]
-        on_node = "/models/models/llm"
+        root, sub_path = "/models", "models/llm"
         assert run.cp is not None
         fill = pod("fill", "b", ours, relay.endpoint, "")
-        fill["spec"]["volumes"] = [{"name": "model", "hostPath": {"path": on_node, "type": "DirectoryOrCreate"}}]
+        fill["spec"]["volumes"] = [{"name": "model", "hostPath": {"path": f"{root}/{sub_path}",
+                                                                   "type": "DirectoryOrCreate"}}]
         fill["spec"]["containers"][0]["args"][-1] = "--digest=sha256"
+        # A hostPath the kubelet makes is root's (the agent's prepare-root hands it over; here root fills it).
+        fill["spec"]["initContainers"][0]["securityContext"] = {"runAsUser": 0}
         ready_after(run, fill)
-        assert sorted(p.name for p in node.host_path(on_node).iterdir()) == sorted(names)
-        times: dict[str, list[float]] = {v: [] for v in "abcd"}
+        assert sorted(p.name for p in node.host_path(root).joinpath(sub_path).iterdir()) == sorted(names)
+        # (c)'s volume: the node group's PV and a claim, as the coordinator makes them.
+        for obj in local_volume(CACHE_CLAIM, "default", node.name, root, "10Gi"):
+            run.cp.kubectl("create", "-f", "-", input=yaml.safe_dump(obj))
+        load_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        starts: dict[str, list[Start]] = {v: [] for v in "abcd"}
         origin: dict[str, list[int]] = {v: [] for v in "abcd"}
         order = list("abcd")
         for r in range(args.rounds):
             for variant in order:
                 relay.reset()
                 image = {"a": theirs, "b": ours}.get(variant)
-                took = ready_after(run, pod(f"p{r}{variant}", variant, image, relay.endpoint, on_node))
-                times[variant].append(took)
+                start = ready_after(run, pod(f"p{r}{variant}", variant, image, relay.endpoint, sub_path))
+                starts[variant].append(start)
                 origin[variant].append(relay.bytes_from_origin)
-                print(f"round {r + 1} ({variant}): {took:.2f} s, {relay.bytes_from_origin} bytes from the origin",
+                print(f"round {r + 1} ({variant}): {start.ready:.2f} s (init {start.init:.0f} s, serving container "
+                      f"read the model in {start.load:.2f} s), {relay.bytes_from_origin} bytes from the origin",
                       flush=True)
             order = order[1:] + order[:1]
-        med = {v: statistics.median(t) for v, t in times.items()}
+        med = {v: statistics.median(st.ready for st in starts[v]) for v in "abcd"}
+        init = {v: statistics.median(st.init for st in starts[v]) for v in "abcd"}
+        read = {v: statistics.median(st.load for st in starts[v]) for v in "abcd"}
         load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-        print(f"\nmodel: {len(names)} safetensors shards, {size / 2**30:.2f} GiB; {args.rounds} rounds; {load}")
-        labels = {"a": "KServe's initializer (kserve-storage 0.21.0)", "b": "modelcache initializer",
+        print(f"\nmodel: {len(names)} safetensors shards, {size / 2**30:.2f} GiB; {args.rounds} rounds\n"
+              f"load before: {load_before}\nload after:  {load}")
+        labels = {"a": f"KServe's initializer ({KSERVE_STORAGE})", "b": "modelcache initializer",
                   "c": "model on the node (cache)", "d": "no model"}
-        print("| variant | median to Ready | rounds | origin bytes (per start) |\n|---|---|---|---|")
+        print("| variant | median to Ready | rounds | init container | serving container reads the model | "
+              "origin bytes (per start) |\n|---|---:|---|---:|---:|---:|")
         for v in "abcd":
-            print(f"| ({v}) {labels[v]} | {med[v]:.2f} s | {', '.join(f'{t:.2f}' for t in times[v])} | "
-                  f"{statistics.median(origin[v]):,.0f} |")
+            print(f"| ({v}) {labels[v]} | {med[v]:.2f} s | {', '.join(f'{st.ready:.2f}' for st in starts[v])} | "
+                  f"{init[v]:.0f} s | {read[v]:.2f} s | {statistics.median(origin[v]):,.0f} |")
         print(f"\n(b)/(a) = {med['b'] / med['a']:.2f} (target <= 0.5); (c)/(d) = {med['c'] / med['d']:.2f} "
-              "(target <= 1.2)")
-        print(json.dumps({"median_s": med, "origin_bytes": origin, "size": size}))
+              f"(target <= 1.2); without the serving container's read of the weights, (c)/(d) = "
+              f"{(med['c'] - read['c']) / (med['d'] - read['d']):.2f}")
+        print(json.dumps({"median_s": med, "init_s": init, "read_s": read, "origin_bytes": origin, "size": size}))
         return 0
     finally:
         if relay is not None:
@@ -209,6 +301,8 @@ def main() -> int:
         if server is not None:
             server.stop()
         run.stop()
+        # The origin's copy, the node's and the run's files: twice the model and more.
+        shutil.rmtree(args.work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,9 @@ POINTS: tuple[Point, ...] = (
           "LocalModelNodeGroups' persistentVolumeSpec.local.path: serving pods read the files through that PV. "
           "KServe's kustomize uses /models, its Helm chart /mnt/models."),
     Point("agent.nodeSelector", *AGENT, (*AGENT_POD, "nodeSelector"),
-          "Where the agent runs: KServe's label for local-model nodes by default.", block=True),
+          "Where the agent runs: KServe's label for local-model nodes by default. Helm merges a map given here "
+          "over this one (--set agent.nodeSelector.gpu=a100 adds a label); set a default label to null to drop it.",
+          block=True),
     Point("agent.tolerations", *AGENT, (*AGENT_POD, "tolerations"),
           "Every taint by default: model nodes are tainted GPU nodes, and the nodeSelector alone decides.",
           block=True),
@@ -290,9 +292,53 @@ def templated(obj: Obj, t: Templater) -> Obj:
     return walk(obj)  # type: ignore[no-any-return]
 
 
-def object_text(obj: Obj) -> str:
+#: A ConfigMap's values reach a pod only when it starts (envFrom is read then): the pod template of
+#: each workload that reads a ConfigMap holding values carries their hash, so `helm upgrade --set
+#: agent.peers=off` alone rolls the agents (and a rollback rolls them back). Only when the values differ
+#: from deploy/'s: with defaults the chart stays exactly deploy/.
+ROLLOUT_ANNOTATION = "modelcache.serving.kserve.io/config-values"
+
+
+def config_points(obj: Obj) -> list[Point]:
+    """The values a workload's pods read from ConfigMaps (envFrom, or a ConfigMap volume)."""
+    pod = ((obj.get("spec") or {}).get("template") or {}).get("spec") or {}
+    names = {e["configMapRef"]["name"] for c in [*pod.get("containers", []), *pod.get("initContainers", [])]
+             for e in c.get("envFrom", []) if "configMapRef" in e}
+    names |= {v["configMap"]["name"] for v in pod.get("volumes", []) if "configMap" in v}
+    return [p for p in POINTS if p.kind == "ConfigMap" and p.name in names]
+
+
+def with_rollout(text: str, obj: Obj, values: dict[str, Any]) -> str:
+    points = config_points(obj)
+    if not points:
+        return text
+    if ((obj["spec"]["template"].get("metadata") or {}).get("annotations")):
+        raise DeployChanged(f"{ident(obj)}: its pod template has annotations now; give charts/generate.py a rule "
+                            f"to add {ROLLOUT_ANNOTATION} beside them")
+    anchor = "\n  template:\n    metadata:\n"
+    if text.count(anchor) != 1:
+        raise DeployChanged(f"{ident(obj)}: no single pod template metadata to annotate")
+
+    def default(key: str) -> Any:
+        node: Any = values
+        for part in key.split("."):
+            node = node[part]
+        return node
+
+    pairs = " ".join(f'"{p.key}" {value_ref(p.key)}' for p in points)
+    # Helm's toJson is Go's json.Marshal: keys sorted, no spaces (these values are plain words).
+    defaults_json = json.dumps({p.key: default(p.key) for p in points}, sort_keys=True, separators=(",", ":"))
+    block = (f"{{{{- $config := dict {pairs} }}}}\n"
+             f"{{{{- if ne (toJson $config) `{defaults_json}` }}}}\n"
+             f"      annotations:\n"
+             f"        {ROLLOUT_ANNOTATION}: {{{{ toJson $config | sha256sum | trunc 16 | quote }}}}\n"
+             "{{- end }}\n")
+    return text.replace(anchor, anchor + block)
+
+
+def object_text(obj: Obj, values: dict[str, Any]) -> str:
     t = Templater()
-    text = t.render(templated(obj, t))
+    text = with_rollout(t.render(templated(obj, t)), obj, values)
     if obj["kind"] == "Namespace":
         # The release's own namespace exists already (`helm install -n NS --create-namespace`): Helm
         # could not own it, so the chart leaves it out (its Pod Security labels: docs/operations.md).
@@ -308,11 +354,12 @@ def template_files(base: list[Obj], variants: dict[Variant, list[Obj]]) -> dict[
     bodies: dict[tuple[str, str, str], str] = {}
     order: list[tuple[str, str, str]] = []
     base_by = {ident(o): o for o in base}
+    values = defaults(base)
     for o in base:
         if o["kind"] == "CustomResourceDefinition":
             continue
         order.append(ident(o))
-        bodies[ident(o)] = object_text(o)
+        bodies[ident(o)] = object_text(o, values)
     for variant, objs in variants.items():
         cond = value_ref(variant.key)
         for o in objs:
@@ -324,10 +371,11 @@ def template_files(base: list[Obj], variants: dict[Variant, list[Obj]]) -> dict[
                                     "charts/generate.py renders one optional component per object")
             changed_by[i] = variant
             if i in base_by:
-                bodies[i] = f"{{{{- if {cond} }}}}\n{object_text(o)}{{{{- else }}}}\n{bodies[i]}{{{{- end }}}}\n"
+                text = object_text(o, values)
+                bodies[i] = f"{{{{- if {cond} }}}}\n{text}{{{{- else }}}}\n{bodies[i]}{{{{- end }}}}\n"
             else:
                 order.append(i)
-                bodies[i] = f"{{{{- if {cond} }}}}\n{object_text(o)}{{{{- end }}}}\n"
+                bodies[i] = f"{{{{- if {cond} }}}}\n{object_text(o, values)}{{{{- end }}}}\n"
     files: dict[str, str] = {}
     for i in order:
         kind, _ns, name = i

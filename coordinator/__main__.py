@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import logging
 import signal
 import socket
 import sys
@@ -13,6 +12,7 @@ import click
 
 from coordinator.app import Config, Coordinator
 from modelcache.kube.client import in_cluster_namespace
+from modelcache.logs import setup_logging
 from modelcache.startup import env_for_every_flag, run_command
 
 
@@ -77,6 +77,8 @@ from modelcache.startup import env_for_every_flag, run_command
                    "registers again; then the LocalModelNode is deleted (KServe never deletes it)")
 @click.option("--log-level", default="INFO",
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option("--log-format", type=click.Choice(["logfmt", "json"]), default="logfmt", show_default=True,
+              help="logfmt lines, or one JSON object per line (as the agent's)")
 def cli(kubeconfig: str | None, webhook_cert_secret: str | None, webhook_service: str,
          webhook_cert_hosts: tuple[str, ...], webhook_cert_validity: float, webhook_ca_validity: float,
          webhook_cert_check: float, webhook_cert_dir: Path | None, webhook_port: int, webhook_client_ca: Path | None,
@@ -84,9 +86,9 @@ def cli(kubeconfig: str | None, webhook_cert_secret: str | None, webhook_service
          host: str, port: int, leader_election: bool, lease_name: str, lease_namespace: str, identity: str,
          lease_duration: float, renew_deadline: float, retry_period: float, mutate_isvc: bool,
          pod_rewrite: str, pod_failure_policy: str, workers: int, discovery_interval: float,
-         missing_group_grace: float | None, deleted_node_grace: float, log_level: str) -> None:
+         missing_group_grace: float | None, deleted_node_grace: float, log_level: str, log_format: str) -> None:
     """Run the modelcache coordinator."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(log_format, log_level)  # the agent's format: one for every long-running process
     cfg = Config(
         kubeconfig=kubeconfig, webhook_cert_dir=webhook_cert_dir, webhook_cert_secret=webhook_cert_secret,
         webhook_service=webhook_service, webhook_cert_hosts=webhook_cert_hosts, webhook_host=host,

@@ -28,6 +28,7 @@ from coordinator.urimatch import (
     serving_pvc_name,
     sub_path,
 )
+from modelcache.errors import ModelcacheError
 from modelcache.kube.types import (
     LOCALMODEL_LABEL,
     LOCALMODEL_NAMESPACE_LABEL,
@@ -35,6 +36,7 @@ from modelcache.kube.types import (
     MAX_LABEL_VALUE,
 )
 from modelcache.redact import redact_uri
+from modelcache.uri import parse_uri
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +199,34 @@ class CacheValidator:
         }
         check = checks.get(str(op))
         denial = check(req) if check else None
+        if denial is None and op == "CREATE":
+            return response(review, True, self._twin_warning(req) or "")
         return response(review, denial is None, denial or "")
+
+    def _twin_warning(self, req: Review) -> str | None:
+        """A warning (``kubectl`` prints it) when another cache names the same source spelled
+        differently (``s3://b/m/`` beside ``s3://b/m``): KServe keys a model by the URI's exact
+        text, so the two are downloaded and stored twice. Allowed, as KServe allows it."""
+        obj = req.get("object") or {}
+        meta, uri = obj.get("metadata") or {}, str((obj.get("spec") or {}).get("sourceModelUri") or "")
+        try:
+            mine = parse_uri(uri).identity
+        except ModelcacheError:
+            return None
+        caches = self.lookup.cluster_caches() if not self.namespaced else []
+        for other in caches:
+            om, theirs = other.get("metadata") or {}, str((other.get("spec") or {}).get("sourceModelUri") or "")
+            if om.get("name") == meta.get("name") or om.get("deletionTimestamp") or theirs == uri:
+                continue
+            try:
+                same = parse_uri(theirs).identity == mine
+            except ModelcacheError:
+                continue
+            if same:
+                return (f"LocalModelCache {om.get('name')} caches the same source spelled {redact_uri(theirs)}: KServe "
+                        f"keys a model by the URI's exact text, so {redact_uri(uri)} is downloaded and stored again "
+                        "on every node; use one spelling to keep one copy")
+        return None
 
     def _create_or_update(self, req: Review) -> str | None:
         obj, old = req.get("object") or {}, req.get("oldObject") or None

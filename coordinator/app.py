@@ -239,7 +239,8 @@ class Coordinator:
                                           self.tls.context, client_names=self.cfg.webhook_client_names).start()
         except OSError as exc:
             raise listen_error(exc, self.cfg.webhook_host, self.cfg.webhook_port, "--webhook-port", "--bind") from None
-        log.info("webhooks serving on :%d", self.webhooks.port)
+        # The address it is bound to (was ":18202" while bound to 127.0.0.1 only).
+        log.info("webhooks serving on %s", _host_port(self.cfg.webhook_host, self.webhooks.port))
 
     def _start_cert_manager(self) -> None:
         """Webhooks on our own certificate: they start once the first pair is written (retried in
@@ -337,3 +338,10 @@ class Coordinator:
     def wait(self) -> int:
         self.done.wait()
         return self.exit_code
+
+
+def _host_port(host: str, port: int) -> str:
+    """``127.0.0.1:8443``, ``[::1]:8443``; every address (``::``, ``0.0.0.0``, "") as ``*:8443``."""
+    if host in ("", "::", "0.0.0.0"):
+        return f"*:{port}"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -13,7 +13,6 @@ the entry any more, our volumes are deleted and the finalizer goes.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,8 +20,9 @@ from kubernetes.client.exceptions import ApiException
 
 from coordinator import aggregate, entries, metrics, reports, volumes
 from coordinator.membership import Member
+from coordinator.pacing import StatusPacer
 from coordinator.uninstall import RELEASED_ANNOTATION, released_for
-from coordinator.view import BY_CACHE, ClusterView, cache_key
+from coordinator.view import BY_CACHE, PENDING, ClusterView, cache_key
 from modelcache.clock import rfc3339
 from modelcache.kube.client import (
     LOCAL_MODEL_CACHES,
@@ -40,6 +40,7 @@ from modelcache.kube.types import (
     CACHE_FINALIZER,
     MODEL_DOWNLOADED,
     NAMESPACE_CACHE_FINALIZER,
+    NODE_DOWNLOAD_ERROR,
     label_value,
     status_key,
 )
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 
 class CacheReconciler:
     def __init__(self, view: ClusterView, recorder: EventRecorder, namespaced: bool,
-                 install_uid: str | None = None) -> None:
+                 install_uid: str | None = None, pacer: StatusPacer | None = None) -> None:
         self.view = view
         #: Our namespace's uid: a cache released for the uninstall of *this* install keeps no finalizer.
         self.install_uid = install_uid
@@ -58,12 +59,16 @@ class CacheReconciler:
         self.namespaced = namespaced
         self.res: Resource = LOCAL_MODEL_NAMESPACE_CACHES if namespaced else LOCAL_MODEL_CACHES
         self.finalizer = NAMESPACE_CACHE_FINALIZER if namespaced else CACHE_FINALIZER
-        self._status_written: dict[str, float] = {}  # cache key -> monotonic time of its last status write
+        self.pacer = pacer or StatusPacer()
         self.name = self.res.kind
 
     def __call__(self, key: str) -> Result:
         obj = self.view.cache(key)
         if obj is None:
+            # Gone without our finalizer (stripped by hand, or lost in an etcd restore): what we
+            # kept about it goes too, or its copies gauges would show a cache that is not there.
+            _forget_gauges(key)
+            self.pacer.forget(key)
             return Result()
         if (obj.get("metadata") or {}).get("deletionTimestamp"):
             return self.finalize(key, obj)
@@ -123,7 +128,7 @@ class CacheReconciler:
 
         update_if_changed(self.kube, self.res, name, drop, ns, current=obj)
         _forget_gauges(key)
-        self._status_written.pop(key, None)
+        self.pacer.forget(key)
         log.info("%s %s: finalized", self.res.kind, key)
         return Result()
 
@@ -204,25 +209,33 @@ class CacheReconciler:
     # -- status ----------------------------------------------------------------------------------
     def sync_status(self, key: str, obj: dict[str, Any], members: Mapping[str, Member], missing: list[str],
                     refused: list[str] | None = None) -> float | None:
-        """Write the status if it changed; returns the seconds to wait instead when the last write
-        was less than ``STATUS_INTERVAL`` ago (500 members reporting one by one make one write per
-        interval, not 500)."""
-        wait = STATUS_INTERVAL - (time.monotonic() - self._status_written.get(key, -STATUS_INTERVAL))
+        """Write the status if it changed; returns the seconds to wait instead while the pacer
+        (coordinator/pacing.py) holds it back: 500 members reporting one by one make one write
+        per interval, not 500, and 200 caches reporting at once share one pace. Whether members
+        are still reporting is read from indexes (no walk over the members) so that a paced
+        reconcile costs nothing."""
+        store = self.view.lmns.store
+        # Members still to report: an entry not reported done or failed, or not written yet.
+        reporting = store.count(PENDING, key) > 0 or store.count(BY_CACHE, key) < len(members)
+        wait = self.pacer.wait(key, progress=reporting)
         if wait > 0:
             return wait
         meta = obj["metadata"]
         skey = status_key(meta["name"], meta.get("namespace") or None)
         uri = (obj.get("spec") or {}).get("sourceModelUri") or ""
         model_states: dict[str, str | None] = {}
+        reasons: dict[str, str] = {}
         verification: dict[str, str] = {}
         for node in members:
             lmn = self.view.lmns.store.get_raw(node)
             uid = reports.node_uid(self.view.nodes.store.get_raw(node))
             model_states[node] = reports.reported_state(lmn, uid, skey, uri)
+            reasons[node] = reports.reported_message(lmn, skey)
             found = reports.reported_verification(lmn, uid, skey, uri)
             if found:
                 verification[node] = found
         node_status = aggregate.node_status(members, model_states)
+        failing = {n: reasons[n] or "no reason given" for n, st in node_status.items() if st == NODE_DOWNLOAD_ERROR}
         copies = aggregate.copies(node_status)
         isvcs, llms = self.view.services_of(key)
 
@@ -245,6 +258,12 @@ class CacheReconciler:
             conditions = aggregate.set_condition(
                 list(status.get("conditions") or []), GROUPS_CONDITION, not missing,
                 "NodeGroupNotFound" if missing else "NodeGroupsFound", message, rfc3339())
+            # Why nodes fail, where `kubectl describe` shows it (nodeStatus has only the state):
+            # shown once a node failed, and from then on (True again once none does).
+            if failing or any(c.get("type") == FAILURES_CONDITION for c in conditions):
+                conditions = aggregate.set_condition(
+                    conditions, FAILURES_CONDITION, not failing, "NodeDownloadError" if failing else "NoDownloadErrors",
+                    _failures(failing) if failing else "no node reports a download error", rfc3339())
             # Shown once a volume was refused, and from then on (True again once all exist).
             if refused or any(c.get("type") == VOLUMES_CONDITION for c in conditions):
                 conditions = aggregate.set_condition(
@@ -264,16 +283,21 @@ class CacheReconciler:
             metrics.COPIES.labels(key, state).set(value)
         if written is None:
             return None
-        self._status_written[key] = time.monotonic()
+        self.pacer.wrote(key)
         metrics.WRITES.labels(self.res.kind, "status").inc()
         gained, lost = aggregate.copy_changes(old_status, node_status)
         summary = f"{copies.available}/{copies.total} copies available"
-        # One event per status change, not per node: 50 caches x 500 nodes must not mean 25k events.
-        if gained:
+        # Not one event per node, nor per status write: the first copy, the last one, and every
+        # loss (10,000 nodes must not mean 10,000 events, nor one per progress write).
+        before = aggregate.copies(old_status).available
+        if gained and (before == 0 or copies.available == copies.total):
             self.recorder.record(obj, NORMAL, "CopyAvailable",
                                  f"model downloaded on {_nodes(gained)} ({summary})")
         if lost:
             self.recorder.record(obj, WARNING, "CopyLost", f"no usable copy any more on {_nodes(lost)} ({summary})")
+        newly = sorted(n for n in failing if old_status.get(n) != NODE_DOWNLOAD_ERROR)
+        if newly:
+            self.recorder.record(obj, WARNING, "DownloadFailed", _failures({n: failing[n] for n in newly}))
         return None
 
 
@@ -282,7 +306,16 @@ def _nodes(names: list[str], shown: int = 5) -> str:
     return ("node " if len(names) == 1 else "nodes ") + ", ".join(names[:shown]) + more
 
 
+def _failures(reasons: Mapping[str, str], shown: int = 3) -> str:
+    """``node n1: Unauthorized: ...; node n2: ...`` (the first few, each cut to one sentence's worth)."""
+    items = sorted(reasons.items())
+    text = "; ".join(f"node {n}: {r[:300]}" for n, r in items[:shown])
+    return text + (f"; and {len(items) - shown} more node(s)" if len(items) > shown else "")
+
+
 GROUPS_CONDITION = "NodeGroupsFound"
+#: False while a node reports a download error, naming each node and its reason.
+FAILURES_CONDITION = "NoDownloadErrors"
 VOLUMES_CONDITION = "ServingVolumesCreated"
 #: False while a node counts a copy KServe's agent downloaded on its word (agent/state.py, carried over).
 VERIFIED_CONDITION = "CopiesVerified"
@@ -306,8 +339,6 @@ def _verification_message(verification: Mapping[str, str]) -> str:
             + " (the node's modelDetails say why)")
 #: Seconds until volumes the API refused are tried again.
 REFUSED_RETRY = 60.0
-#: At most one status write per cache per this many seconds.
-STATUS_INTERVAL = 1.0
 
 
 def _forget_gauges(key: str) -> None:

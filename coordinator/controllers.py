@@ -14,6 +14,7 @@ from coordinator import metrics
 from coordinator.caches import CacheReconciler, cache_keys_for_kind
 from coordinator.nodes import NodeReconciler
 from coordinator.nodeselector import node_ready
+from coordinator.pacing import StatusPacer
 from coordinator.services import ServiceReconciler
 from coordinator.urimatch import isvc_storage_uri, llmisvc_model_uri
 from coordinator.view import (
@@ -29,6 +30,7 @@ from modelcache.kube.client import INFERENCE_SERVICES, Resource
 from modelcache.kube.controller import Controller, Manager, Result, generation_or_meta_changed, own_key
 from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import ADDED, DELETED, Informer
+from modelcache.kube.types import MODEL_DOWNLOAD_ERROR, MODEL_DOWNLOADED, status_key
 
 Obj = dict[str, Any]
 
@@ -94,6 +96,35 @@ def _meta_changed(event: str, obj: Obj, old: Obj | None) -> bool:
     return any(_meta(obj, k) != _meta(old, k) for k in ("labels", "annotations", "deletionTimestamp"))
 
 
+def urging(pacer: StatusPacer, mapper: Callable[[str, Obj, Obj | None], Iterable[str]]
+           ) -> Callable[[str, Obj, Obj | None], list[str]]:
+    """``mapper``, whose caches' next status is shown at once (not paced)."""
+    def mapped(event: str, obj: Obj, old: Obj | None) -> list[str]:
+        keys = list(mapper(event, obj, old))
+        pacer.urge(keys)
+        return keys
+    return mapped
+
+
+def lost_or_failed(event: str, obj: Obj, old: Obj | None) -> list[str]:
+    """Caches whose entry on this LocalModelNode was reported ModelDownloaded and no longer is
+    (or the entry or the object went), or is now reported ModelDownloadError."""
+    def states(o: Obj | None) -> dict[str, str]:
+        return ((o or {}).get("status") or {}).get("modelStatus") or {}
+
+    before, after = (obj, None) if event == DELETED else (old, obj)
+    was, now = states(before), states(after)
+    out = set()
+    for o in (before, after):
+        for m in ((o or {}).get("spec") or {}).get("localModels") or []:
+            ns, name = m.get("namespace") or None, m.get("modelName", "")
+            skey = status_key(name, ns)
+            if (was.get(skey) == MODEL_DOWNLOADED and now.get(skey) != MODEL_DOWNLOADED) or (
+                    now.get(skey) == MODEL_DOWNLOAD_ERROR and was.get(skey) != MODEL_DOWNLOAD_ERROR):
+                out.add(cache_key(ns, name))
+    return sorted(out)
+
+
 @dataclass
 class Wiring:
     """What wiring a service kind discovered after start needs (see :func:`wire_services`)."""
@@ -114,8 +145,9 @@ def build_wiring(view: ClusterView, recorder: EventRecorder, options: Options | 
     manager = Manager()
     wiring = Wiring(view, manager, options)
     cache_controllers: list[tuple[Controller, bool]] = []
+    pacer = StatusPacer()  # one pace for both kinds of cache
     for namespaced in (False, True):
-        rec = CacheReconciler(view, recorder, namespaced, options.install_uid)
+        rec = CacheReconciler(view, recorder, namespaced, options.install_uid, pacer)
         ctl = Controller(rec.name, counted(rec.name, rec), workers=options.workers)
         own = view.ns_caches if namespaced else view.caches
 
@@ -139,13 +171,18 @@ def build_wiring(view: ClusterView, recorder: EventRecorder, options: Options | 
         def by_volume(_e: str, obj: Obj, old: Obj | None, mine: Any = mine) -> list[str]:
             return mine([*volume_cache_keys(obj), *volume_cache_keys(old)])
 
-        ctl.watch(own, own_key)
-        ctl.watch(view.groups, by_group)
-        ctl.watch(view.nodes, all_caches, node_membership_changed)
+        def by_lost_copies(e: str, obj: Obj, old: Obj | None, mine: Any = mine) -> list[str]:
+            return mine(lost_or_failed(e, obj, old))
+
+        ctl.watch(own, urging(pacer, own_key))
+        ctl.watch(view.groups, urging(pacer, by_group))
+        ctl.watch(view.nodes, urging(pacer, all_caches), node_membership_changed)
+        # A member's progress is paced (coordinator/pacing.py); a copy lost or a failure is not.
         ctl.watch(view.lmns, by_entries, entries_or_states_changed)
-        wiring.cache_watchers.append((ctl, by_service))
-        ctl.watch(view.pvs, by_volume, lambda e, _o, _old: e in (ADDED, DELETED))
-        ctl.watch(view.pvcs, by_volume, lambda e, _o, _old: e in (ADDED, DELETED))
+        ctl.watch(view.lmns, urging(pacer, by_lost_copies), entries_or_states_changed)
+        wiring.cache_watchers.append((ctl, urging(pacer, by_service)))
+        ctl.watch(view.pvs, urging(pacer, by_volume), lambda e, _o, _old: e in (ADDED, DELETED))
+        ctl.watch(view.pvcs, urging(pacer, by_volume), lambda e, _o, _old: e in (ADDED, DELETED))
         manager.add(ctl)
         cache_controllers.append((ctl, namespaced))
 

@@ -14,7 +14,9 @@ A deleted Node's LocalModelNode is deleted once the Node has been gone for ``--d
 (KServe orphans it, kserve#6159; a Node registered again within the grace keeps it, with the
 entries a vanished group's nodes keep: coordinator.grace.GoneNodes). The node carries
 ``downloaded.modelcache.io/<storageKey>`` exactly for the models its agent reports
-ModelDownloaded (the pod webhook places serving pods by these labels).
+ModelDownloaded (the pod webhook places serving pods by these labels). The LocalModelNode carries
+``nodegroup.modelcache.io/<group>`` for each group its entries name, written with the entries (no
+extra request): each agent watches only its groups' LocalModelNodes to find its peers.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from coordinator.view import ClusterView, cache_key
 from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NAMESPACE_CACHES, LOCAL_MODEL_NODES, NODES
 from modelcache.kube.controller import Result
 from modelcache.kube.status import update_if_changed
+from modelcache.kube.types import NODE_GROUP_LABEL_PREFIX, node_group_label
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,19 @@ def desired_models(
         if new is not None:
             out.append(new)
     return out
+
+
+def group_labels(models: list[dict[str, Any]]) -> dict[str, str]:
+    """The LocalModelNode's node-group labels: one per group its entries name (agents watch their
+    groups' LocalModelNodes by these: agent/peering.py)."""
+    return {node_group_label(str(m["nodeGroup"])): "true" for m in models if m.get("nodeGroup")}
+
+
+def group_labels_differ(lmn: dict[str, Any], models: list[dict[str, Any]]) -> bool:
+    """Whether the object's node-group labels differ from those ``models`` need."""
+    have = {k: v for k, v in ((lmn.get("metadata") or {}).get("labels") or {}).items()
+            if k.startswith(NODE_GROUP_LABEL_PREFIX)}
+    return have != group_labels(models)
 
 
 class NodeReconciler:
@@ -154,14 +170,14 @@ class NodeReconciler:
 
         self._confirmed_gone(current, caches)
         models = desired_models(key, current, caches, self.view.members, keep)
-        if models == current and lmn is not None:
+        if models == current and lmn is not None and not group_labels_differ(lmn, models):
             return lmn
         if lmn is None:
             if not models:
                 return None
             try:
-                created = self.kube.create(LOCAL_MODEL_NODES, {"metadata": {"name": key},
-                                                               "spec": {"localModels": models}})
+                body = {"metadata": {"name": key, "labels": group_labels(models)}, "spec": {"localModels": models}}
+                created = self.kube.create(LOCAL_MODEL_NODES, body)
                 metrics.wrote("LocalModelNode", "create")
                 return created
             except ApiException as exc:
@@ -175,6 +191,11 @@ class NodeReconciler:
             spec["localModels"] = desired_models(key, have, caches, self.view.members, keep)
             if node is not None and spec["localModels"] != have:
                 self._withdraw_labels(node, o, spec["localModels"])
+            meta = o.setdefault("metadata", {})
+            labels = {k: v for k, v in (meta.get("labels") or {}).items() if not k.startswith(NODE_GROUP_LABEL_PREFIX)}
+            labels.update(group_labels(spec["localModels"]))
+            if labels or meta.get("labels"):
+                meta["labels"] = labels
 
         written = update_if_changed(self.kube, LOCAL_MODEL_NODES, key, apply, current=lmn)
         metrics.wrote("LocalModelNode", "update", written)

@@ -14,6 +14,7 @@ Without these fields (KServe's agent writes neither) the plain ``modelStatus`` i
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +38,17 @@ def reported_state(lmn: Mapping[str, Any] | None, uid: str | None, skey: str, ur
     if detail.get("storageKey") and detail["storageKey"] != storage_key(uri):
         return None  # about another URI that an entry of this name had before
     return str(state)
+
+
+def reported_message(lmn: Mapping[str, Any] | None, skey: str) -> str:
+    """What the agent said about ``skey`` (its ``modelDetails`` message: the reason of an error)."""
+    detail = (((lmn or {}).get("status") or {}).get("modelDetails") or {}).get(skey) or {}
+    # Without the agent's retry count: the cache's condition changes when the reason does, not
+    # at every retry of the same failure.
+    return _RETRY.sub("", " ".join(str(detail.get("message") or "").split()))
+
+
+_RETRY = re.compile(r" \(retry \d+ in [^)]*\)$")
 
 
 def reported_verification(lmn: Mapping[str, Any] | None, uid: str | None, skey: str, uri: str) -> str | None:

@@ -37,11 +37,19 @@ from modelcache.kube.client import (
     Resource,
 )
 from modelcache.kube.informer import Informer
-from modelcache.kube.types import LOCALMODEL_LABEL, LOCALMODEL_NAMESPACE_LABEL
+from modelcache.kube.types import (
+    LOCALMODEL_LABEL,
+    LOCALMODEL_NAMESPACE_LABEL,
+    MODEL_DOWNLOAD_ERROR,
+    MODEL_DOWNLOADED,
+    status_key,
+)
 
 log = logging.getLogger(__name__)
 
 BY_CACHE = "cache"
+#: LocalModelNodes by the caches whose entry on them its agent has not reported done or failed yet.
+PENDING = "pending"
 #: LLMInferenceService versions, newest first: we use whichever the cluster serves.
 LLMISVC_VERSIONS = ("v1alpha2", "v1alpha1")
 
@@ -83,6 +91,20 @@ def entry_cache_keys(obj: dict[str, Any] | None) -> list[str]:
     return sorted({cache_key(m.get("namespace") or None, m.get("modelName", "")) for m in models})
 
 
+def pending_cache_keys(obj: dict[str, Any] | None) -> list[str]:
+    """The caches whose entry on this LocalModelNode its agent has not reported ModelDownloaded or
+    ModelDownloadError for (whoever it was reported for: a hint for pacing, coordinator/caches.py)."""
+    if not obj:
+        return []
+    states = ((obj.get("status") or {}).get("modelStatus")) or {}
+    out = set()
+    for m in (obj.get("spec") or {}).get("localModels") or []:
+        ns, name = m.get("namespace") or None, m.get("modelName", "")
+        if states.get(status_key(name, ns)) not in (MODEL_DOWNLOADED, MODEL_DOWNLOAD_ERROR):
+            out.add(cache_key(ns, name))
+    return sorted(out)
+
+
 def volume_cache_keys(obj: dict[str, Any] | None) -> list[str]:
     owner = cache_of(obj or {})
     return [cache_key(*owner)] if owner else []
@@ -105,16 +127,19 @@ def node_essentials(node: dict[str, Any]) -> dict[str, Any]:
 def lmn_essentials(lmn: dict[str, Any]) -> dict[str, Any]:
     """A LocalModelNode as the coordinator reads it: of the agent's status only ``modelStatus``,
     the ``nodeUID`` it was written for and each model's ``storageKey`` (what a state is believed
-    against: coordinator/reports.py) and ``verification`` (a copy counted on KServe's word: the
-    caches' CopiesVerified), not its progress or capacity. Its spec and metadata stay whole: the
-    node reconciler writes the object back with a PUT (which ignores status)."""
+    against: coordinator/reports.py), ``verification`` (a copy counted on KServe's word: the
+    caches' CopiesVerified) and the message of a model in error (the reason a cache's status
+    gives), not its progress or capacity. Its spec and metadata stay whole: the node reconciler
+    writes the object back with a PUT (which ignores status)."""
     (lmn.get("metadata") or {}).pop("managedFields", None)
     status = lmn.get("status")
     if status:
         kept = {k: status[k] for k in ("modelStatus", "nodeUID") if k in status}
         details = status.get("modelDetails") or {}
-        keys = {k: {f: d[f] for f in ("storageKey", "verification") if d.get(f)} for k, d in details.items()
-                if isinstance(d, dict) and d.get("storageKey")}
+        failed = {k for k, v in (status.get("modelStatus") or {}).items() if v == MODEL_DOWNLOAD_ERROR}
+        keys = {k: {f: d[f] for f in ("storageKey", "verification") if d.get(f)}
+                | ({"message": d["message"]} if k in failed and d.get("message") else {})
+                for k, d in details.items() if isinstance(d, dict) and d.get("storageKey")}
         if keys:
             kept["modelDetails"] = keys
         lmn["status"] = kept
@@ -168,7 +193,8 @@ class ClusterView:
             ns_caches=inf(LOCAL_MODEL_NAMESPACE_CACHES),
             groups=inf(LOCAL_MODEL_NODE_GROUPS),
             nodes=inf(NODES, transform=node_essentials),
-            lmns=inf(LOCAL_MODEL_NODES, indexers={BY_CACHE: entry_cache_keys}, transform=lmn_essentials),
+            lmns=inf(LOCAL_MODEL_NODES, indexers={BY_CACHE: entry_cache_keys, PENDING: pending_cache_keys},
+                     transform=lmn_essentials),
             pvs=inf(PERSISTENT_VOLUMES, label_selector=MANAGED_SELECTOR, indexers={BY_CACHE: volume_cache_keys}),
             pvcs=inf(PERSISTENT_VOLUME_CLAIMS, label_selector=MANAGED_SELECTOR,
                      indexers={BY_CACHE: volume_cache_keys}),

@@ -15,7 +15,7 @@ from typing import TextIO
 
 from initializer.redact import Scrubber
 from modelcache.loop import Loop
-from modelcache.progress import ProgressTracker, format_line, human_bytes, human_duration
+from modelcache.progress import ProgressTracker, format_line, human_bytes, human_duration, plural
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class Reporter:
         status = "done" if failed == 0 else "FAILED"
         resumed = f", {human_bytes(snap.bytes_resumed)} resumed from an earlier run" if snap.bytes_resumed else ""
         self.info(
-            f"{status}: {ok}/{ok + failed} pairs ok, {files} files, {human_bytes(total_bytes)} "
+            f"{status}: {ok}/{ok + failed} pairs ok, {plural(files, 'file')}, {human_bytes(total_bytes)} "
             f"({human_bytes(moved)} transferred{resumed}) in {human_duration(elapsed)} ({human_bytes(rate)}/s)"
         )
 

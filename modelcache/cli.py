@@ -28,7 +28,8 @@ from click.core import ParameterSource
 
 from modelcache.clock import rfc3339
 from modelcache.errors import ModelcacheError, SourceChangedError
-from modelcache.progress import ProgressTracker, human_bytes
+from modelcache.logs import setup_cli_logging
+from modelcache.progress import ProgressTracker, human_bytes, plural
 from modelcache.redact import redact_uri, scrub_urls
 from modelcache.resources import MAX_CHUNK, MIN_CHUNK, check_buffers, chunk_size_problem
 from modelcache.sizes import parse_size
@@ -106,9 +107,36 @@ def _key(arg: str) -> str:
     return arg if re.fullmatch(r"[0-9a-f]{16}", arg) else storage_key(arg)
 
 
+def _not_stored(arg: str, root: Path) -> None:
+    click.echo(f"error: {scrub_urls(redact_uri(arg))}: not in the store at {root} (nothing was pulled from this "
+               "exact URI or key; `modelcache ls` lists what is there)", err=True)
+
+
+def _folder_name(root: Path, arg: str) -> str | None:
+    """``arg`` when it names a folder under ``<root>/models`` exactly (one not made by modelcache,
+    which only ``rm`` of its name deletes), else None."""
+    if "/" in arg or arg.startswith(".") or not arg:
+        return None
+    return arg if (root / "models" / arg).is_dir() else None
+
+
+_LEVELS = click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False)
+
+
+def _set_log_level(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    # Given after the sub-command (`modelcache pull --log-level info`) it wins over the group's.
+    if value is not None and ctx.get_parameter_source(param.name or "") == ParameterSource.COMMANDLINE:
+        setup_cli_logging(value)
+
+
+def _log_level_option(f: Any) -> Any:
+    return click.option("--log-level", type=_LEVELS, default=None, expose_value=False, callback=_set_log_level,
+                        help="Log level (as `modelcache --log-level`): info shows what each step does.")(f)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--log-level", default="WARNING", envvar="MODELCACHE_LOG_LEVEL", show_default=True, show_envvar=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+              type=_LEVELS, help="Log level, before or after the sub-command.")
 @click.version_option(package_name="modelcache")
 def cli(log_level: str) -> None:
     """Put model weights onto serving machines: fast, verified, crash-safe.
@@ -116,8 +144,7 @@ def cli(log_level: str) -> None:
     Exit codes: 0 done; 1 a model failed, verify found damage, or rm found nothing; 2 a bad flag
     or environment (missing root, too little memory); 130 interrupted (staged bytes are kept).
     """
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    setup_cli_logging(log_level)
 
 
 def _twins(uris: list[str], root: Path) -> list[str]:
@@ -168,6 +195,7 @@ def _interruptible() -> Iterator[tuple[threading.Event, list[int]]]:
 
 
 @cli.command()
+@_log_level_option
 @click.argument("uris", nargs=-1)
 @_root_option
 @click.option("--dest", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -196,12 +224,16 @@ def _interruptible() -> Iterator[tuple[threading.Event, list[int]]]:
 @click.option("--refresh", is_flag=True,
               help="Bring stored models (the URIs given, else all) up to date with their source, fetching only the "
               "files that changed.")
+# 64Mi: modelcache.pull.SPACE_MARGIN (not imported here: the CLI imports the pull only when it pulls).
+@click.option("--space-margin", type=SizeType(), default="64Mi",
+              envvar="MODELCACHE_SPACE_MARGIN", show_envvar=True, show_default=True,
+              help="Kept free on the file system besides the model (the agent's --space-margin on a node).")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON on stdout.")
 @_assume_unused_option
 @click.pass_context
 def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | None, workers: int,
          max_workers: int | None, chunk_size: int, stall_timeout: float, max_attempts: int, direct_io: bool | None,
-         progress_mode: str, progress_interval: float, check: bool, refresh: bool, as_json: bool,
+         progress_mode: str, progress_interval: float, check: bool, refresh: bool, space_margin: int, as_json: bool,
          assume_unused: bool) -> None:
     """Download models (one per URI) into the store, verified and resumable.
 
@@ -209,7 +241,7 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
     with the source (no download) and `--refresh` brings it up to date.
     """
     from modelcache.display import show_progress
-    from modelcache.pull import PullResult, pull_many
+    from modelcache.pull import PullResult, SpacePolicy, pull_many
 
     if (check or refresh) and dest is not None:
         raise click.UsageError("--check and --refresh work on a store (--root), not on --dest")
@@ -228,6 +260,11 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
     if dest is not None and ctx.get_parameter_source("root") == ParameterSource.COMMANDLINE:
         raise click.UsageError("--root and --dest exclude each other: --dest writes one model straight into a "
                                "folder, --root keeps models in a store")
+    if dest is not None and len(set(uris)) > 1:
+        raise click.UsageError(f"--dest holds one model, {len(set(uris))} URIs were given: pull several into a store "
+                               "(--root)")
+    if dest is None and ctx.get_parameter_source("root") == ParameterSource.DEFAULT and not check:
+        click.echo(f"note: no --root given (nor MODELCACHE_ROOT): pulling into the default store {root}", err=True)
     if max_workers is not None and max_workers < workers:
         raise click.BadParameter(f"{max_workers} is below --workers {workers}", param_hint="'--max-workers'")
     try:
@@ -246,11 +283,15 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
             with show_progress(tracker, progress_mode, progress_interval):
                 results = pull_many(list(uris), root=None if dest else root, dest=dest, options=options,
                                     progress=tracker, cancel=cancel, guard=_guard(assume_unused),
-                                    refresh=refresh)
+                                    refresh=refresh, space=SpacePolicy(space_margin))
         except ModelcacheError as exc:
             if not caught:
                 _fail(str(exc))
             results = []
+    if dest is not None and results and all(isinstance(r, PullResult) for r in results):
+        # DEST holds the model and nothing else (as the init container leaves it): a second pull
+        # into it checks its files against the source instead of trusting a manifest.
+        NodeStore(DestLayout(dest)).clear_bookkeeping()
     failed = False
     out = []
     for uri, res in zip(uris, results, strict=True):
@@ -265,7 +306,8 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
                            if res.refreshed else "")
                         + (f", {len(res.dropped)} dropped" if res.dropped else ""))
                 checked = f", {'+'.join(res.verified)} verified" if res.verified else ""
-                click.echo(f"{res.uri} -> {res.path} ({res.files} files, {human_bytes(res.bytes)}, {how}{checked})",
+                click.echo(f"{res.uri} -> {res.path} ({plural(res.files, 'file')}, {human_bytes(res.bytes)}, {how}"
+                           f"{checked})",
                            err=True)
                 for line in _pull_notes(res):
                     click.echo(f"{res.storage_key}: {line}", err=True)
@@ -366,17 +408,29 @@ def _check(store: NodeStore, args: list[str], root: Path, as_json: bool) -> None
 
 
 def _interrupted(tracker: ProgressTracker, staging: Path, signum: int) -> None:
+    """The interrupt's one line: what the next run resumes from. A file from a server that ignores
+    Range is read as one stream and cannot resume: what arrived of it is not promised back."""
     snap = tracker.snapshot()
-    if snap.bytes_done:
-        kept = (f"{human_bytes(snap.bytes_done)} of {human_bytes(snap.bytes_total)} are staged in {staging} and "
-                "kept; run the same command again to resume from there")
+    lost = snap.bytes_unresumable
+    kept = snap.bytes_done - lost
+    if not snap.bytes_done:
+        line = "nothing was downloaded yet; run the same command again to start"
+    elif not lost:
+        line = (f"{human_bytes(kept)} of {human_bytes(snap.bytes_total)} are staged in {staging} and kept; run the "
+                "same command again to resume from there")
+    elif kept:
+        line = (f"{human_bytes(kept)} of {human_bytes(snap.bytes_total)} are staged in {staging} and kept; run the "
+                f"same command again to resume from there. The other {human_bytes(lost)} that arrived start over: "
+                "the server ignores Range requests, so a file of it is read whole, from byte 0")
     else:
-        kept = "nothing was downloaded yet; run the same command again to start"
-    click.echo(f"error: interrupted: {kept}", err=True)
+        line = (f"nothing can be resumed: the server ignores Range requests, so the next run downloads the "
+                f"{human_bytes(lost)} that arrived again from byte 0 (a server that honours Range resumes)")
+    click.echo(f"error: interrupted: {line}", err=True)
     sys.exit(128 + signum)
 
 
 @cli.command("ls")
+@_log_level_option
 @_root_option
 @click.option("--json", "as_json", is_flag=True)
 def ls_cmd(root: Path, as_json: bool) -> None:
@@ -392,36 +446,59 @@ def ls_cmd(root: Path, as_json: bool) -> None:
         return
     present = {e.storage_key for e in entries if e.present}
     staged = [s for s in staged if s.storage_key not in present]
+    stage_keys = {s.storage_key for s in staged}
     if as_json:
-        _emit([asdict(e) for e in entries if e.present or e.storage_key not in {s.storage_key for s in staged}]
-              + [{**asdict(s), "state": "pulling" if s.running else "interrupted", "present": False}
-                 for s in staged])
+        _emit([{**asdict(e), "state": _entry_state(e), "last_used": e.last_used_at}
+               for e in entries if e.present or e.storage_key not in stage_keys]
+              + [{**asdict(s), "state": s.state, "present": False} for s in staged])
         return
     if not entries and not staged:
         click.echo(f"no models in {root}")
         return
     click.echo(f"{'KEY':16}  {'STATE':16}  {'SIZE':>10}  {'FILES':>5}  URI")
-    stage_keys = {s.storage_key for s in staged}
     for e in entries:
         if e.storage_key in stage_keys:
             continue  # shown below with its progress
-        state = ("unverified" if e.unverified else "present") if e.present else (
-            "damaged" if e.damaged else "incomplete")
-        click.echo(f"{e.storage_key:16}  {state:16}  {human_bytes(e.size):>10}  {e.files:>5}  {e.uri}")
+        uri = e.uri if e.made else "(not made by modelcache" + (
+            ": a pull of the URI with this key adopts its files)" if re.fullmatch(r"[0-9a-f]{16}", e.storage_key)
+            else ")")
+        click.echo(f"{e.storage_key:16}  {_entry_state(e):16}  {human_bytes(e.size):>10}  {e.files:>5}  {uri}")
     for s in staged:
-        state = f"{'pulling' if s.running else 'interrupted'} {s.percent:.0f}%"
+        state = f"{s.state} {s.percent:.0f}%"
         click.echo(f"{s.storage_key:16}  {state:16}  {human_bytes(s.bytes_total):>10}  {s.files:>5}  {s.uri}")
-    if any(not s.running for s in staged):
-        click.echo("interrupted pulls resume where they stopped: run `modelcache pull URI` again", err=True)
+    if any(s.state == "interrupted" for s in staged):
+        click.echo(f"interrupted pulls resume where they stopped: run `modelcache pull --root {root} URI` again",
+                   err=True)
+    for s in staged:
+        if s.state == "failed":
+            click.echo(f"{s.storage_key}: failed: {s.failure}; what it staged is kept: `modelcache pull --root "
+                       f"{root} {s.uri or 'URI'}` resumes once the cause is fixed, `modelcache rm --root {root} "
+                       f"{s.storage_key}` drops it", err=True)
     if any(e.damaged and e.storage_key not in stage_keys for e in entries):
-        click.echo("damaged: `modelcache verify --repair KEY` fixes the damaged files in place, at the stored "
-                   "revision; `modelcache pull URI` fetches them again at the source's current one", err=True)
+        click.echo(f"damaged: `modelcache verify --repair --root {root} KEY` fixes the damaged files in place, at the "
+                   f"stored revision; `modelcache pull --root {root} URI` fetches them again at the source's current "
+                   "one", err=True)
     if any(e.present and e.unverified for e in entries):
         click.echo("unverified: adopted files kept on their size alone (the source gives no checksum); "
-                   "`modelcache pull --refresh URI` fetches them again", err=True)
+                   f"`modelcache pull --refresh --root {root} URI` fetches them again", err=True)
+    foreign = [e.storage_key for e in entries if not e.made]
+    if foreign:
+        click.echo(f"{len(foreign)} folder(s) under {root}/models were not made by modelcache ({', '.join(foreign)}): "
+                   f"gc and the agent never delete them; `modelcache rm --root {root} NAME` deletes one", err=True)
+
+
+def _entry_state(e: Any) -> str:
+    """What ``ls`` calls a model: present (unverified: some files adopted on their size alone),
+    damaged, incomplete, or a folder modelcache did not make."""
+    if not e.made:
+        return "not modelcache's"
+    if e.present:
+        return "unverified" if e.unverified else "present"
+    return "damaged" if e.damaged else "incomplete"
 
 
 @cli.command()
+@_log_level_option
 @click.argument("models", nargs=-1)
 @_root_option
 @click.option("--repair", "fix", is_flag=True,
@@ -434,7 +511,16 @@ def verify(models: tuple[str, ...], root: Path, fix: bool, progress_mode: str, a
     """Re-hash models (all by default) and compare with their manifests."""
     store = _store(root)
     given = {_key(m): m for m in models}
-    keys = list(given) or store.keys()
+    # A key or URI with nothing in the store is a typo, not damage: said as `rm` says it, and
+    # never answered with a repair (of nothing) or a pull (of a key).
+    unknown = [m for k, m in given.items() if not store.has(k)]
+    for m in unknown:
+        _not_stored(m, root)
+    given = {k: m for k, m in given.items() if m not in unknown}
+    if unknown and not given:
+        sys.exit(1)
+    everything = store.keys()
+    keys = list(given) or [k for k in everything if store.made(k)]
     report = {k: [asdict(p) for p in store.verify(k)] for k in keys}
     for k, problems in report.items():
         if problems and store.manifest(k) is not None:
@@ -448,6 +534,8 @@ def verify(models: tuple[str, ...], root: Path, fix: bool, progress_mode: str, a
                     click.echo(f"{k}: {p['path'] or '-'}: {p['problem']}")
             else:
                 click.echo(f"{k}: ok")
+        for k in [] if given else sorted(set(everything) - set(keys)):
+            click.echo(f"{k}: not made by modelcache: nothing to verify it against (skipped)")
         if not keys:
             click.echo(f"no models in {root}")
     damaged = [k for k, p in report.items() if p]
@@ -458,11 +546,15 @@ def verify(models: tuple[str, ...], root: Path, fix: bool, progress_mode: str, a
         if failed:
             click.echo(f"error: {len(failed)} of {len(damaged)} damaged model(s) not repaired", err=True)
             sys.exit(1)
+        if unknown:
+            sys.exit(1)
         return
     if damaged:
         names = " ".join(given.get(k, k) for k in damaged)
         click.echo(f"error: {len(damaged)} model(s) failed verification; fetch their damaged files again (nothing "
                    f"else is downloaded): modelcache verify --repair --root {root} {names}", err=True)
+        sys.exit(1)
+    if unknown:
         sys.exit(1)
 
 
@@ -494,7 +586,8 @@ def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -
         click.echo(f"error: {key}: cannot repair: {why}; name the URI: modelcache verify --repair URI", err=True)
         return False
     if not store.layout.model_dir(key).is_dir():
-        click.echo(f"error: {key}: not in the store; pull it: modelcache pull {redact_uri(uri)}", err=True)
+        click.echo(f"error: {key}: its folder is not in the store at {store.layout.root}; pull it again: modelcache "
+                   f"pull --root {store.layout.root} {redact_uri(uri)}", err=True)
         return False
     settings = Settings.from_env()
     tracker = ProgressTracker()
@@ -524,6 +617,7 @@ def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -
 
 
 @cli.command()
+@_log_level_option
 @click.argument("models", nargs=-1, required=True)
 @_root_option
 @click.option("--json", "as_json", is_flag=True)
@@ -531,31 +625,33 @@ def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -
 def rm(models: tuple[str, ...], root: Path, as_json: bool, assume_unused: bool) -> None:
     """Remove models (by storage key or URI) from the store; never one a pod on this node mounts."""
     store = _store(root, assume_unused)
-    out = {}
+    out: dict[str, tuple[str, bool, bool]] = {}  # argument -> (key, removed, made by modelcache)
     for m in models:
-        key = _key(m)
+        key = _folder_name(root, m) or _key(m)
         if not store.has(key):  # nothing to lock either: no lock file is created for a typo
-            out[m] = False
+            out[m] = (key, False, True)
             continue
+        made = store.made(key)
         try:
-            out[m] = store.remove(key)
+            out[m] = (key, store.remove(key), made)
         except ModelcacheError as exc:
             _fail(f"{m}: {exc}")
     if as_json:
-        _emit(out)
+        _emit([{"model": redact_uri(m), "storage_key": key, "removed": removed, "made_by_modelcache": made}
+               for m, (key, removed, made) in out.items()])
     else:
-        for m, removed in out.items():
+        for m, (_, removed, made) in out.items():
             if removed:
-                click.echo(f"{m}: removed")
-    missing = [m for m, removed in out.items() if not removed]
+                click.echo(f"{m}: removed" + ("" if made else " (a folder not made by modelcache)"))
+    missing = [m for m, (_k, removed, _made) in out.items() if not removed]
     for m in missing:
-        click.echo(f"error: {scrub_urls(redact_uri(m))}: not in the store at {root} (nothing was pulled from this "
-                   "exact URI or key; `modelcache ls` lists what is there)", err=True)
+        _not_stored(m, root)
     if missing:
         sys.exit(1)
 
 
 @cli.command()
+@_log_level_option
 @_root_option
 @click.option("--target-free", type=SizeType(), required=True, help="Evict until this much space is free.")
 @click.option("--evict-all", is_flag=True,
@@ -586,6 +682,7 @@ def gc(root: Path, target_free: int, evict_all: bool, dry_run: bool, as_json: bo
 
 
 @cli.command()
+@_log_level_option
 @click.option("--kubeconfig", envvar="KUBECONFIG", show_envvar=True, default=None,
               help="Kubeconfig (default: as kubectl finds it).")
 @click.option("--kserve-namespace", default="kserve", show_default=True,

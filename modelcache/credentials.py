@@ -116,6 +116,10 @@ class HFSettings:
     endpoint: str = DEFAULT_HF_ENDPOINT
 
 
+#: Set by the agent in a download's environment: where its credentials come from (one line).
+CREDENTIALS_FROM = "MODELCACHE_CREDENTIALS_FROM"
+
+
 @dataclass(frozen=True)
 class Settings:
     http: HTTPSettings = field(default_factory=HTTPSettings)
@@ -134,6 +138,9 @@ class Settings:
     forgery_proof: bool = False
     #: The environment snapshot these settings were built from, for backends that read more.
     env: Mapping[str, str] = field(default_factory=dict, repr=False)
+    #: Where this download's credentials come from, when not from the process's environment (the
+    #: agent's Secret of a ServiceAccount, its storage-config key): what an auth error names.
+    credentials_from: str = ""
 
     def __repr__(self) -> str:
         return f"Settings(http={self.http!r}, local={self.local!r})"
@@ -160,7 +167,13 @@ class Settings:
             allow_patterns=parse_patterns(env.get("STORAGE_ALLOW_PATTERNS")),
             ignore_patterns=parse_patterns(env.get("STORAGE_IGNORE_PATTERNS")),
             env=env,
+            credentials_from=env.get(CREDENTIALS_FROM, ""),
         )
+
+    def credentials_hint(self, variables: str) -> str:
+        """What an auth error tells the user to check: where the credentials came from, or the
+        environment ``variables`` (and the storage-spec secret) where they come from the process."""
+        return f"check {self.credentials_from}" if self.credentials_from else f"check {variables}"
 
 
 _SYSTEM_CA_FILES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")

@@ -1,9 +1,17 @@
-"""`make demo`: the main job on an embedded default, no cloud account and no cluster.
+"""`make demo`'s part without a cluster: the main job on an embedded default, no cloud account.
 
 It makes a sample model (safetensors-shaped shards plus small json files), serves it from a
 local HTTP server it starts and stops, pulls it into a node store with progress, pulls it
-again (a cache hit), verifies the store and lists it. Every step runs the real `modelcache`
-command so what you see is what a user gets.
+again (a cache hit), verifies the store and lists it, then fills a node root with the agent in
+standalone mode. Every step runs the real command it prints (with every flag it uses), so what
+you see is what a user gets.
+
+An HTTP URI names one file (HTTP has no listing): one URI, one stored model. So the model is
+served as one archive, which modelcache (as KServe) unpacks into one model folder; a folder of
+files comes whole from a listing source instead (a local path, S3, GCS, Azure, HF, OCI, HDFS).
+
+Where: ``$MODELCACHE_DEMO_DIR``, else ``.work/demo`` in a checkout of the project, else a folder
+under the system's temporary directory (never the current directory of an installed copy).
 """
 
 from __future__ import annotations
@@ -14,14 +22,25 @@ import shlex
 import struct
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
 from modelcache.devserver import serve
 
-WORK = Path(os.environ.get("MODELCACHE_DEMO_DIR", ".work/demo"))
+
+def _work() -> Path:
+    if os.environ.get("MODELCACHE_DEMO_DIR"):
+        return Path(os.environ["MODELCACHE_DEMO_DIR"])
+    if Path("Makefile").is_file() and Path("modelcache/demo.py").is_file():  # the project's checkout
+        return Path(".work/demo")
+    return Path(tempfile.gettempdir()) / "modelcache-demo"
+
+
+WORK = _work()
 SHARDS = int(os.environ.get("MODELCACHE_DEMO_SHARDS", "3"))
-SHARD_MB = int(os.environ.get("MODELCACHE_DEMO_SHARD_MB", "192"))
+SHARD_MB = int(os.environ.get("MODELCACHE_DEMO_SHARD_MB", "64"))
 
 
 def write_shard(path: Path, index: int, size: int) -> None:
@@ -71,7 +90,19 @@ def step(title: str, args: list[str]) -> None:
         sys.exit(proc.returncode)
 
 
-def agent_step(uris: list[str]) -> None:
+def make_archive(folder: Path, files: list[str], archive: Path) -> None:
+    """The model as one uncompressed tar (its shards do not compress): what an HTTP server serves
+    when a model of several files must be one URI."""
+    if archive.exists():
+        return
+    tmp = archive.with_name(archive.name + ".tmp")
+    with tarfile.open(tmp, "w") as tar:
+        for name in files:
+            tar.add(folder / name, arcname=name)
+    tmp.rename(archive)
+
+
+def agent_step(uri: str) -> Path:
     """The node agent's job without a cluster: a LocalModelNode file in, a filled root and its status out."""
     import shutil
 
@@ -79,12 +110,11 @@ def agent_step(uris: list[str]) -> None:
 
     node_root, spec = WORK / "node", WORK / "localmodelnode.yaml"
     shutil.rmtree(node_root, ignore_errors=True)
-    names = [Path(u).name.split(".")[0].lower().replace("_", "-") for u in uris]
-    entries = [{"modelName": f"sample-{n}", "sourceModelUri": u} for n, u in zip(names, uris, strict=True)]
     spec.write_text(yaml.safe_dump({"apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelNode",
-                                    "metadata": {"name": "demo-node"}, "spec": {"localModels": entries}}))
+                                    "metadata": {"name": "demo-node"},
+                                    "spec": {"localModels": [{"modelName": "sample-llm", "sourceModelUri": uri}]}}))
     args = ["--standalone", str(spec), "--root", str(node_root), "--port", "-1"]
-    print(f"\n\033[1m== agent: fill a node root from a LocalModelNode, report status\033[0m\n"
+    print(f"\n\033[1m== agent: fill a node root of its own from a LocalModelNode, report status\033[0m\n"
           f"$ modelcache-agent {' '.join(shlex.quote(a) for a in args)}", flush=True)
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "agent", *args])
@@ -94,30 +124,41 @@ def agent_step(uris: list[str]) -> None:
     print(f"({time.monotonic() - t0:.2f}s, exit {proc.returncode}; full status in {spec}.status.yaml)", flush=True)
     if proc.returncode != 0:
         sys.exit(proc.returncode)
+    return node_root
 
 
 def main() -> None:
+    from modelcache.uri import storage_key
+
     src = WORK / "model"
     root = WORK / "store"
     print(f"making a sample model in {src} ({SHARDS} x {SHARD_MB} MiB safetensors shards + json) ...", flush=True)
     files = make_model(src)
-    server = serve(src)
-    base = f"http://127.0.0.1:{server.server_address[1]}"
-    print(f"serving it at {base}/ (Range, ETag and Repr-Digest sha-256)")
-    uris = [f"{base}/{name}" for name in files]
+    archive = WORK / "served" / "sample-llm.tar"
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    make_archive(src, files, archive)
+    server = serve(archive.parent)
+    uri = f"http://127.0.0.1:{server.server_address[1]}/{archive.name}"
+    print(f"serving it at {uri} (Range, ETag and Repr-Digest sha-256)\n"
+          "an HTTP URI names one file (HTTP has no listing), so the model is served as one archive: modelcache, "
+          "as KServe, unpacks a model that is one .tar/.tgz/.zip into one folder (a folder of files comes whole from "
+          "a local path, S3, GCS, Azure, HF, OCI or HDFS)", flush=True)
     try:
         if root.exists():
-            subprocess.run([sys.executable, "-m", "modelcache", "rm", "--root", str(root), *uris],
-                           capture_output=True)
-        step("pull: parallel ranged reads, sha-256 verified, published atomically",
-             ["pull", *uris, "--root", str(root)])
-        step("pull again: a cache hit, no request sent", ["pull", *uris, "--root", str(root)])
+            subprocess.run([sys.executable, "-m", "modelcache", "rm", "--root", str(root), uri], capture_output=True)
+        step("pull: parallel ranged reads, sha-256 verified, unpacked, published atomically",
+             ["pull", uri, "--root", str(root)])
+        step("pull again: a cache hit, no request sent", ["pull", uri, "--root", str(root)])
         step("verify: re-hash every file against its manifest", ["verify", "--root", str(root)])
         step("ls: the node store", ["ls", "--root", str(root)])
-        agent_step(uris)
+        node_root = agent_step(uri)
     finally:
         server.shutdown()
-    print(f"\nthe model files are under {root}/models/<storageKey>/, exactly where KServe's pods look for them")
+    key = storage_key(uri)
+    shown = sorted(p.name for p in (root / "models" / key).iterdir())
+    print(f"\none model, {len(shown)} files ({', '.join(shown)}) in {root}/models/{key}/ and "
+          f"{node_root}/models/{key}/: one folder per model, named by its storageKey, exactly where KServe's pods "
+          f"look for it\n(everything is under {WORK}: `rm -rf {WORK}` removes it)")
 
 
 if __name__ == "__main__":

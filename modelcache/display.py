@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import TextIO
 
 from modelcache.loop import Loop
-from modelcache.progress import ProgressTracker, format_line
+from modelcache.progress import ProgressTracker, format_line, human_bytes
 
 
 @contextmanager
@@ -34,17 +34,26 @@ def bar_progress(tracker: ProgressTracker, stream: TextIO) -> Iterator[None]:
         BarColumn,
         DownloadColumn,
         Progress,
+        ProgressColumn,
+        Task,
         TaskID,
         TextColumn,
         TimeRemainingColumn,
-        TransferSpeedColumn,
     )
+    from rich.text import Text
+
+    class BinaryRate(ProgressColumn):
+        """MiB/s, as the plain lines and every other size modelcache prints (rich's own: MB/s)."""
+
+        def render(self, task: Task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("?" if speed is None else f"{human_bytes(speed)}/s", style="progress.data.speed")
 
     progress = Progress(
         TextColumn("{task.description}", justify="left"),
         BarColumn(),
         DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
+        BinaryRate(),
         TimeRemainingColumn(),
         console=Console(file=stream),
         transient=False,

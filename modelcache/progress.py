@@ -33,12 +33,25 @@ class ProgressSnapshot:
     bytes_resumed: int = 0
     #: What the pull waits for before it can start (another process's lock), or "".
     waiting: str = ""
+    #: Of ``bytes_done``, those of files in flight that a resume cannot keep: each is read as one
+    #: stream from byte 0 (a server that ignores Range requests).
+    bytes_unresumable: int = 0
 
     @property
     def eta(self) -> float | None:
-        if self.rate <= 0 or self.bytes_total <= self.bytes_done:
-            return None if self.bytes_total > self.bytes_done else 0.0
+        if self.bytes_total <= self.bytes_done:
+            return 0.0
+        # No guess from the first moments of a download (a connection opening, a listing) unless
+        # a good part is done already: the agent's first progress line said "eta 2110h54m28s"
+        # from its first few kilobytes.
+        if self.rate <= 0 or (self.elapsed < ETA_AFTER and self.bytes_done < self.bytes_total * ETA_FRACTION):
+            return None
         return (self.bytes_total - self.bytes_done) / self.rate
+
+
+#: Seconds of transfer, or the part of the bytes done, before a time left is estimated (and shown).
+ETA_AFTER = 3.0
+ETA_FRACTION = 0.05
 
 
 class ProgressTracker:
@@ -56,6 +69,7 @@ class ProgressTracker:
         self._files_total = 0
         self._samples: deque[tuple[float, int]] = deque()
         self._files: dict[str, list[int | None]] = {}  # path -> [done, total]
+        self._streamed: set[str] = set()  # files read in one stream (not resumable)
         self._waiting = ""
 
     def set_waiting(self, what: str) -> None:
@@ -68,9 +82,12 @@ class ProgressTracker:
             self._total += nbytes
             self._files_total += nfiles
 
-    def file_started(self, path: str, total: int | None, already: int = 0) -> None:
+    def file_started(self, path: str, total: int | None, already: int = 0, resumable: bool = True) -> None:
+        """``resumable`` False: the file is read in one stream, and an interrupt loses what arrived."""
         with self._lock:
             self._files[path] = [already, total]
+            if not resumable:
+                self._streamed.add(path)
 
     def advance(self, path: str, nbytes: int) -> None:
         with self._lock:
@@ -125,6 +142,7 @@ class ProgressTracker:
                 active=active,
                 bytes_resumed=self._skipped,
                 waiting=self._waiting,
+                bytes_unresumable=sum(int(v[0] or 0) for p, v in self._files.items() if p in self._streamed),
             )
 
 
@@ -134,6 +152,11 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 file``, ``3 files``: a count with its noun."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def human_duration(seconds: float | None) -> str:

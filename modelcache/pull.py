@@ -29,10 +29,16 @@ from modelcache.clock import rfc3339
 from modelcache.credentials import Settings
 from modelcache.diskio import fsync_tree
 from modelcache.drift import CHANGED, CURRENT, KEPT_AS_FOUND, Drift, compare
-from modelcache.errors import CancelledError, InsufficientSpaceError, ModelcacheError, NotFoundError
+from modelcache.errors import (
+    CancelledError,
+    InsufficientSpaceError,
+    IntegrityError,
+    ModelcacheError,
+    NotFoundError,
+)
 from modelcache.integrity import hash_file
 from modelcache.journal import Journal, JournalState
-from modelcache.progress import ProgressTracker, human_bytes
+from modelcache.progress import ProgressTracker, human_bytes, plural
 from modelcache.sources.base import RemoteFile, Source, open_source, source_class
 from modelcache.store import (
     DestLayout,
@@ -52,7 +58,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Kept free on the store's file system beyond the model itself.
+#: Kept free on the store's file system beyond the model itself: the default of the CLI's and the
+#: init container's ``--space-margin`` (``MODELCACHE_SPACE_MARGIN``). The agent passes its own
+#: ``--space-margin`` (256 MiB by default), which is then the only margin its pulls keep.
 SPACE_MARGIN = 64 << 20
 
 
@@ -138,6 +146,10 @@ class _Model:
     in_place: bool = False
     unpack: bool = False
     unpacked_from: str | None = None
+    #: Its files went to the transfer engine (a failure may have staged bytes worth resuming).
+    transferred: bool = False
+    #: Its staging folder was started afresh by this pull (not a resume of an earlier one).
+    fresh: bool = False
     unpacked_links: list[str] = field(default_factory=list)
     #: Adoption (modelcache.adopt): the policy, whether the folder is someone else's, the revision
     #: it holds (when it says) and was listed at, what was kept although it differs, what was left out.
@@ -207,6 +219,8 @@ def _prepare_staging(m: _Model, chunk_size: int) -> None:
         tmp = staging / "plan.json.tmp"
         tmp.write_text(json.dumps(plan))
         os.replace(tmp, plan_path)
+    m.fresh = fresh
+    m.store.clear_failure(m.key)  # this attempt's outcome replaces the last one's
     m.journal = Journal(str(staging / "journal"))
     m.resume = JournalState() if fresh else m.journal.load()
     # A file without a version (an HTTP server with neither ETag nor Last-Modified) may have been
@@ -244,24 +258,60 @@ def _listing(m: _Model) -> tuple[tuple[str, int | None], ...]:
     return m.listed or tuple((f.path, f.size) for f in m.files)
 
 
-def _check_space(m: _Model) -> None:
+@dataclass(frozen=True)
+class SpacePolicy:
+    """What a pull keeps free on the store's file system, and what its refusal advises.
+
+    ``advice``: the fix to name when the model does not fit (the agent's: its root holds what
+    its spec lists, so a gc there would only evict models it downloads again). None: the CLI's,
+    a gc when evicting models made here can make the room, else what can."""
+
+    margin: int = SPACE_MARGIN
+    advice: str | None = None
+
+
+def _check_space(m: _Model, policy: SpacePolicy) -> None:
     staging = m.store.layout.staging_dir(m.key) / "data"
     need = bytes_needed(m)
-    free = shutil.disk_usage(staging).free
-    if need + SPACE_MARGIN > free:
-        layout = m.store.layout
-        if isinstance(layout, NodeLayout):
-            # The exact target, rounded up to a MiB: gc then frees enough for this pull, margin included.
-            target = -(-(need + SPACE_MARGIN) // (1 << 20))
-            fix = f"free space, e.g. `modelcache gc --root {layout.root} --target-free {target}M`"
-            where = layout.root
-        else:
-            fix = "free space on that file system"
-            where = staging.parent.parent.parent
-        raise InsufficientSpaceError(
-            f"{m.location.display}: insufficient space at {where}: need {human_bytes(need)} plus a "
-            f"{human_bytes(SPACE_MARGIN)} margin kept free, {human_bytes(free)} free; {fix}"
-        )
+    usage = shutil.disk_usage(staging)
+    free, margin = usage.free, policy.margin
+    if need + margin <= free:
+        return
+    layout = m.store.layout
+    where = layout.root if isinstance(layout, NodeLayout) else staging.parent.parent.parent
+    if policy.advice is not None:
+        fix = policy.advice
+    elif usage.total < need + margin:
+        fix = (f"this file system ({human_bytes(usage.total)} in all) is too small for the model plus the margin: "
+               "pull it into a larger one" + (" (--root)" if isinstance(layout, NodeLayout) else "")
+               + (", or lower --space-margin" if margin else ""))
+    elif isinstance(layout, NodeLayout):
+        fix = _free_space_advice(m.store, m.key, layout.root, need + margin - free, need + margin)
+    else:
+        fix = "free space on that file system"
+    raise InsufficientSpaceError(
+        f"{m.location.display}: insufficient space at {where}: need {human_bytes(need)} plus a "
+        f"{human_bytes(margin)} margin kept free, {human_bytes(free)} free; {fix}"
+    )
+
+
+def _free_space_advice(store: NodeStore, key: str, root: Path, short: int, target: int) -> str:
+    """A gc only where evicting the models made here can make the room; else what can."""
+    evictable = store.evictable(keep={key})
+    reclaimable = sum(e.size for e in evictable)
+    foreign = [(e.storage_key, e.size) for e in store.entries() if not e.made]
+    if evictable and reclaimable >= short:
+        # The exact target, rounded up to a MiB: gc then frees enough for this pull, margin included.
+        return f"free space, e.g. `modelcache gc --root {root} --target-free {-(-target // (1 << 20))}M`"
+    held = ""
+    if foreign:
+        held = (f"; {len(foreign)} folder(s) under {root}/models, not made by modelcache, hold "
+                f"{human_bytes(sum(size for _k, size in foreign))} (`modelcache ls --root {root}` names them; only "
+                "`modelcache rm` of a name deletes one)")
+    if evictable:
+        return (f"evicting every model not in use ({len(evictable)}, {human_bytes(reclaimable)}) would not make "
+                f"{human_bytes(short)} more free: free space on the file system by other means{held}")
+    return f"no model of this store can be evicted to make room: free space on the file system by other means{held}"
 
 
 def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
@@ -409,7 +459,9 @@ def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
         files=len(manifest.files) if manifest else len(fetched),
         bytes=total,
         cached=cached,
-        elapsed=time.monotonic() - m.started,
+        # When this model was ready, not when the whole batch was (one pull of several URIs).
+        elapsed=(max((f.finished for f in fetched), default=time.monotonic()) if fetched else time.monotonic())
+        - m.started,
         verified=tuple(sorted({a for f in (manifest.files if manifest else []) for a in f.checksums})),
         refreshed=tuple(sorted({*m.drift.changed, *m.drift.added, *m.drift.unknown})) if m.drift and not cached else (),
         dropped=m.drift.removed if m.drift and not cached else (),
@@ -465,7 +517,7 @@ def _unpack_single_archive(m: _Model, fetched: list[FetchedFile]) -> list[Fetche
             continue
         size = p.stat().st_size
         files.append(FetchedFile(rel, size, hash_file(p, size=size).local_hexdigest(), ()))
-    log.info("%s: unpacked %s (%d files)", m.location.display, name, len(files))
+    log.info("%s: unpacked %s (%s)", m.location.display, name, plural(len(files), "file"))
     return _compare_unpacked(m, files) if m.compare_unpacked else files
 
 
@@ -622,6 +674,34 @@ def _extract(m: _Model, progress: ProgressTracker, cancel: threading.Event | Non
     return out
 
 
+def _settle_failure(m: _Model) -> None:
+    """A failed model keeps what it staged, with the reason beside it; a cancelled one keeps it
+    for a resume. A staged download that holds nothing a resume could use goes (caller holds the
+    lock)."""
+    if not isinstance(m.store.layout, NodeLayout):
+        return
+    if m.journal is None or not m.store.layout.staging_dir(m.key).is_dir():
+        return
+    if isinstance(m.error, CancelledError):
+        # Interrupted with nothing a resume can use: every file from a server that ignores Range
+        # (read again from byte 0) and none finished. Keeping it only made `ls` promise a resume
+        # that never came ("interrupted 0%", the rerun at 1.9%).
+        state = m.journal.load()
+        if m.transferred and m.files and not any(f.ranged for f in m.files) and not state.files:
+            m.journal.close()
+            m.store.drop_staging(m.key)
+        return
+    # Staged afresh and refused before its transfer began (no space, the admission), or its bytes
+    # refused by their checksum (a wrong #sha256= pin, a corrupt object): nothing worth resuming
+    # from is staged. (What an earlier, interrupted pull staged stays for the next one.)
+    if (m.fresh and not m.transferred) or isinstance(m.error, IntegrityError):
+        m.journal.close()
+        m.store.drop_staging(m.key)
+        return
+    reason = getattr(m.error, "reason", None) or type(m.error).__name__
+    m.store.record_failure(m.key, reason, " ".join(str(m.error).split()).removeprefix(f"{m.location.display}: "))
+
+
 def _check_cancel(cancel: threading.Event | None, m: _Model) -> None:
     if cancel is not None and cancel.is_set():
         raise CancelledError(f"{m.location.display}: download cancelled (staged data kept for a resume)")
@@ -655,6 +735,13 @@ class StagedPull:
     bytes_total: int
     files: int
     running: bool
+    #: Why its last attempt failed ("reason: message"); "" for one that was interrupted.
+    failure: str = ""
+
+    @property
+    def state(self) -> str:
+        """pulling (a process holds it now), failed (with ``failure``) or interrupted."""
+        return "pulling" if self.running else "failed" if self.failure else "interrupted"
 
     @property
     def percent(self) -> float:
@@ -685,7 +772,7 @@ def staged_pulls(store: NodeStore) -> list[StagedPull]:
                 done += sum(min(n, chunk) for (fi, _c), n in state.chunks.items() if fi == i)
         total = sum(size for _p, size in files)
         out.append(StagedPull(folder.name, str(plan.get("uri") or ""), min(done, total), total, len(files),
-                              store.busy(folder.name)))
+                              store.busy(folder.name), store.failure(folder.name) or ""))
     return out
 
 
@@ -704,6 +791,7 @@ def pull_many(
     only: Collection[str] | None = None,
     unpack: bool | None = None,
     peers: PeerNetwork | None = None,
+    space: SpacePolicy | None = None,
     adoption: str = adopt.COMPLETE,
 ) -> list[PullResult | ModelcacheError | BaseException]:
     """Pull several models with one worker pool; one result or error per URI, in order.
@@ -731,8 +819,12 @@ def pull_many(
     ``peers`` (the agent's) lets other nodes' agents serve pieces of the models and this node
     serve what it fetched (``modelcache.peers``); files are verified exactly as without. Not for
     a model adopted in place or unpacked from one archive: their pieces would not be the bytes
-    published.
+    published. ``space``: the margin kept free and what a refusal advises (``SpacePolicy``).
+
+    A model that fails keeps what it staged, with the failure recorded beside it (``ls`` shows
+    it failed, with the reason); one that failed before staging a byte leaves nothing behind.
     """
+    space = space or SpacePolicy()
     options = (options or TransferOptions()).normalized()
     if peers is not None:
         # With peers the engine's chunks are pieces: each worker waits on (or reads) one piece,
@@ -842,7 +934,7 @@ def pull_many(
                     if admit is not None and not admitted:
                         admit(PullPlan(m.location, m.key, sum(f.size or 0 for f in m.files), bytes_needed(m),
                                        len(m.files), m.source.resolved_revision, _listing(m)))
-                    _check_space(m)
+                    _check_space(m, space)
                     data = m.store.layout.staging_dir(m.key) / "data"
                     assert m.journal is not None
                     if peers is not None and not m.in_place and not (
@@ -850,12 +942,13 @@ def pull_many(
                         m.source = peers.attach(m.key, m.source, m.files, data.parent, m.journal, options.chunk_size,
                                                 m.resume, options.max_workers or options.workers,
                                                 options.stall_timeout)
+                    m.transferred = True
                     for i, f in enumerate(m.files):
                         if i in m.skip:
                             continue
                         jobs.append(FileJob(m.source, f, str(data / f.path), m.journal, i, m.key, m.resume))
                 except BaseException as exc:
-                    m.error = exc
+                    m.error = _name_uri(exc, m.location.display)  # every error names its model
             if jobs:
                 engine = TransferEngine(options, progress)
                 watcher = _cancel_watcher(cancel, engine)
@@ -874,6 +967,9 @@ def pull_many(
                                                            transfer_seconds=engine.transfer_seconds(key))
                         except BaseException as exc:  # e.g. no space for the manifest: name the URI
                             m.error = _name_uri(exc, m.location.display)
+            for m in models.values():
+                if m.error is not None and m.result is None:
+                    _settle_failure(m)
     finally:
         for m in models.values():
             if m.journal is not None:
@@ -924,12 +1020,13 @@ def pull(
     only: Collection[str] | None = None,
     unpack: bool | None = None,
     peers: PeerNetwork | None = None,
+    space: SpacePolicy | None = None,
     adoption: str = adopt.COMPLETE,
 ) -> PullResult:
     """Pull one model; raises its error."""
     (result,) = pull_many([uri], root=root, dest=dest, settings=settings, options=options, progress=progress,
                           admit=admit, cancel=cancel, guard=guard, refresh=refresh, only=only, unpack=unpack,
-                          peers=peers, adoption=adoption)
+                          peers=peers, space=space, adoption=adoption)
     if isinstance(result, BaseException):
         raise result
     return result

@@ -106,9 +106,26 @@ def redact_uri(uri: str) -> str:
     return printable(out)
 
 
+#: Punctuation a sentence puts right after a URL (``uri: cause``, ``'uri'``), not part of it.
+_TRAILING = re.compile(r"[:;,.')]+$")
+
+
+def _scrub_one(url: str) -> str:
+    """One URL found in text, redacted. Punctuation that ends it is the sentence's, not the URL's,
+    where nothing secret can end there (no query; no fragment but a digest pin): a pinned URI
+    followed by ``:`` is shown with its pin and its colon, not as ``#<redacted>``."""
+    tail = _TRAILING.search(url)
+    if tail:
+        head = url[: tail.start()]
+        _rest, hash_, fragment = head.partition("#")
+        if "?" not in head and (not hash_ or DIGEST_PIN.match(fragment)):
+            return redact_uri(head) + tail.group(0)
+    return redact_uri(url)
+
+
 def scrub_urls(text: str) -> str:
     """Every URL inside ``text`` redacted; the result is one printable line."""
-    return printable(_URL_IN_TEXT.sub(lambda m: redact_uri(m.group(0)), text))
+    return printable(_URL_IN_TEXT.sub(lambda m: _scrub_one(m.group(0)), text))
 
 
 def scrub_parts(text: str, uri: str) -> str:

@@ -67,7 +67,9 @@ def run_command(command: click.Command, prog_name: str) -> None:
         sys.exit(INTERRUPTED_EXIT)
     except click.ClickException as exc:
         # Not click's "Usage: ... Try --help" block: one line a pod's log shows whole.
-        hint = f" (see {prog_name} --help)" if isinstance(exc, click.UsageError) else ""
+        # The sub-command's own help where the error is about it (`modelcache gc --help`).
+        where = exc.ctx.command_path if isinstance(exc, click.UsageError) and exc.ctx is not None else prog_name
+        hint = f" (see {where} --help)" if isinstance(exc, click.UsageError) else ""
         click.echo(f"error: {' '.join(exc.format_message().split())}{hint}", err=True)
         sys.exit(exc.exit_code)
     except StartupError as exc:

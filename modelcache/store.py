@@ -1,6 +1,6 @@
 """The node store: staged downloads, atomic publish, manifests, locks, eviction.
 
-Layout under one root (DESIGN.md)::
+Layout under one root (docs/architecture.md, "The node store")::
 
     <root>/models/<storageKey>/...                 the model, exactly as serving pods see it
     <root>/.modelcache/manifests/<storageKey>.json what was published, with per-file digests
@@ -191,6 +191,13 @@ class StoreEntry:
     damaged: bool = False
     #: Files kept on their size alone at adoption (the source gives no checksum).
     unverified: int = 0
+    #: Made by this store (see ``NodeStore.made``); False: a folder someone else put there.
+    made: bool = True
+
+    @property
+    def last_used_at(self) -> str:
+        """``last_used`` as an RFC 3339 time, as every other time modelcache shows."""
+        return rfc3339(self.last_used) if self.last_used else ""
 
 
 @dataclass(frozen=True)
@@ -301,6 +308,10 @@ class NodeLayout(Layout):
     def root_lock_path(self) -> Path:
         """Held by the one agent that manages this root."""
         return self.meta / "agent.lock"
+
+    def agent_root_path(self) -> Path:
+        """Written when an agent takes the root: from then on it owns every model in it."""
+        return self.meta / "agent-root"
 
 
 class DestLayout(Layout):
@@ -465,6 +476,15 @@ class RootLock:
 Guard = Callable[[str, Path], None]
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    """The open lock file is still the one at ``path`` (not unlinked by a remover meanwhile)."""
+    try:
+        st, now = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+
+
 def _flock_until(fd: int, cancel: threading.Event, key: str, poll: float = 0.1) -> None:
     while True:
         if cancel.is_set():
@@ -505,39 +525,61 @@ class NodeStore:
         """
         path = self.layout.lock_path(key)
         check_exclusive(self.layout.base)  # flock that other hosts ignore would exclude nothing
-        writable = True
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            try:  # a read-only store still locks through an existing lock file (flock needs no write)
-                fd = os.open(path, os.O_RDONLY)
-                writable = False
-            except OSError:
-                raise store_error(exc, str(path), "locking") from exc
-        try:
+        told = False
+        while True:
+            fd, writable = self._open_lock(path)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError as exc:
-                if not blocking:
-                    raise ModelInUseError(
-                        f"model {key} is in use by another modelcache process{_holder(fd)} (a pull or rm); "
-                        "retry when it is done"
-                    ) from exc
-                if on_wait is not None:
-                    on_wait(f"waiting for another modelcache process{_holder(fd)} that holds model {key} "
-                            "(a pull or rm of the same URI) to finish")
-                if cancel is not None:
-                    _flock_until(fd, cancel, key)
-                else:
-                    fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError as exc:
+                    if not blocking:
+                        raise ModelInUseError(
+                            f"model {key} is in use by another modelcache process{_holder(fd)} (a pull or rm); "
+                            "retry when it is done"
+                        ) from exc
+                    if on_wait is not None and not told:
+                        told = True
+                        on_wait(f"waiting for another modelcache process{_holder(fd)} that holds model {key} "
+                                "(a pull or rm of the same URI) to finish")
+                    if cancel is not None:
+                        _flock_until(fd, cancel, key)
+                    else:
+                        fcntl.flock(fd, fcntl.LOCK_EX)
+            except BaseException:
+                os.close(fd)
+                raise
+            if not _same_file(fd, path):
+                # The holder we waited for removed the model and unlinked this lock file: a lock on
+                # it excludes nobody who opens the path now. Lock the file that is there instead.
+                os.close(fd)
+                continue
+            break
+        try:
             if writable:
                 with contextlib.suppress(OSError):
                     os.ftruncate(fd, 0)
                     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             yield
         finally:
+            if writable and isinstance(self.layout, NodeLayout) and not self.has(key):
+                # Nothing of the model is left (removed, evicted, a pull refused before it staged
+                # a byte): its lock file goes too, unlinked while held (every locker checks that
+                # the file it locked is still the one at the path), so locks do not pile up.
+                with contextlib.suppress(OSError):
+                    path.unlink()
             os.close(fd)
+
+    @staticmethod
+    def _open_lock(path: Path) -> tuple[int, bool]:
+        """The lock file, opened for writing (created if missing), or read-only where the store is."""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return os.open(path, os.O_RDWR | os.O_CREAT, 0o644), True
+        except OSError as exc:
+            try:  # a read-only store still locks through an existing lock file (flock needs no write)
+                return os.open(path, os.O_RDONLY), False
+            except OSError:
+                raise store_error(exc, str(path), "locking") from exc
 
     def busy(self, key: str) -> bool:
         """Another process holds the model's lock right now (a pull in flight). Creates nothing."""
@@ -660,11 +702,12 @@ class NodeStore:
         return paths
 
     def disk_keys(self) -> set[str]:
-        """Every storage key with something under the root: published, unlisted (a folder
-        without manifest), staged, or under repair (its folder or its pin)."""
+        """Every storage key this store made something of under the root: published, staged
+        (a download, or a publish a crash interrupted), or under repair (its folder or its pin).
+        A folder under ``models/`` that none of these records is not ours (``foreign``)."""
         if not isinstance(self.layout, NodeLayout):
             raise StoreError("listing needs a node store root")
-        keys = set(self.keys())
+        keys = {k for k in self.keys() if self.made(k)}
         for folder in (self.layout.meta / "staging", self.layout.meta / "repair"):
             if folder.is_dir():
                 keys |= {p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")}
@@ -673,6 +716,83 @@ class NodeStore:
         if repair.is_dir():
             keys |= {p.name.removesuffix(suffix) for p in repair.glob("*" + suffix)}
         return keys
+
+    def made(self, key: str) -> bool:
+        """Whether this store made the model (or is making it): its manifest, a repair's pin or
+        download, a staged download or publish, or a folder claimed for a download container.
+        A folder under ``models/`` without any of these was put there by someone else (KServe's
+        node agent, a user's copy): gc and the agent never delete it; only ``rm`` of its name."""
+        layout = self.layout
+        paths = [layout.manifest_path(key), layout.staging_dir(key), layout.damaged_path(key)]
+        if isinstance(layout, NodeLayout):
+            paths += [layout.repair_dir(key), layout.pin_path(key), layout.unlisted_dir(key)]
+        return any(p.exists() for p in paths)
+
+    def agent_owned(self) -> bool:
+        """An agent took this root before (its mark, or the root lock an earlier agent left)."""
+        layout = self._node()
+        return layout.agent_root_path().exists() or layout.root_lock_path().exists()
+
+    def mark_agent_owned(self, by: str) -> None:
+        """The agent takes the root: it deletes every model its spec does not list from now on."""
+        path = self._node().agent_root_path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"by": by, "at": rfc3339()}) + "\n")
+        except OSError as exc:
+            raise store_error(exc, str(path), "marking the root as the agent's") from exc
+
+    def foreign(self) -> list[str]:
+        """The folders under ``models/`` that this store did not make (see ``made``)."""
+        return [k for k in self.keys() if not self.made(k)]
+
+    def claim(self, key: str) -> None:
+        """Record that the model folder is being filled for this store by someone else's code
+        (a download container): until its manifest is installed, the folder counts as ours."""
+        staging = self.layout.staging_dir(key)
+        try:
+            staging.mkdir(parents=True, exist_ok=True)
+            (staging / "claimed").touch()
+        except OSError as exc:
+            raise store_error(exc, str(staging), "claiming the model folder") from exc
+
+    # ---- a pull that failed ------------------------------------------------------------
+    # A failed pull keeps what it staged (the next pull of the URI resumes from it) and says why
+    # it failed, so ``ls`` does not call it "interrupted"; one that failed before it staged a
+    # byte (no space, a refused listing) leaves nothing behind.
+
+    def record_failure(self, key: str, reason: str, message: str) -> None:
+        """Keep why the staged download of ``key`` failed (until the next pull of it starts)."""
+        path = self.layout.staging_dir(key) / "failed.json"
+        if not path.parent.is_dir():
+            return
+        with contextlib.suppress(OSError):
+            path.write_text(json.dumps({"reason": reason, "message": message, "at": rfc3339()}))
+
+    def failure(self, key: str) -> str | None:
+        """Why the staged download of ``key`` failed (``reason: message``), or None."""
+        try:
+            doc = json.loads((self.layout.staging_dir(key) / "failed.json").read_text())
+            return f"{doc['reason']}: {doc['message']}"
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+
+    def clear_failure(self, key: str) -> None:
+        (self.layout.staging_dir(key) / "failed.json").unlink(missing_ok=True)
+
+    def drop_staging(self, key: str) -> None:
+        """Remove a staged download that holds nothing worth resuming (caller holds the lock)."""
+        if isinstance(self.layout, NodeLayout):
+            shutil.rmtree(self.layout.staging_dir(key), ignore_errors=True)
+
+    def disk_usage(self, key: str) -> int:
+        """Bytes the files in the model folder take (their sizes; links not followed)."""
+        total = 0
+        for dirpath, _dirs, files in os.walk(self.layout.model_dir(key)):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(dirpath, name)).st_size
+        return total
 
     def unlisted_dir(self, key: str) -> Path:
         """Where files an adopted folder held beyond its model were moved (node stores only)."""
@@ -728,6 +848,8 @@ class NodeStore:
         return [n for n in os.listdir(folder) if not (isinstance(self.layout, DestLayout) and n == META_DIR)]
 
     def entries(self) -> list[StoreEntry]:
+        """Every folder under ``models/`` and every manifest. A model without its manifest (one
+        under repair, a folder not made here) shows the bytes its folder really holds."""
         out = []
         for key in self.keys():
             m = self.manifest(key)
@@ -735,15 +857,20 @@ class NodeStore:
                 used = self.layout.manifest_path(key).stat().st_mtime
             except OSError:
                 used = 0.0
+            present = self.is_present(key)
+            pinned = self.pinned_manifest(key) if m is None and isinstance(self.layout, NodeLayout) else None
+            known = m or pinned
             out.append(
                 StoreEntry(
                     storage_key=key,
-                    uri=m.uri if m else "",
-                    size=m.total_size if m else 0,
-                    files=len(m.files) if m else 0,
-                    created_at=m.created_at if m else "",
+                    uri=known.uri if known else "",
+                    size=m.total_size if m and present else self.disk_usage(key),
+                    files=len(known.files) if known else sum(1 for p in self.layout.model_dir(key).rglob("*")
+                                                              if p.is_file()),
+                    created_at=known.created_at if known else "",
                     last_used=used,
-                    present=self.is_present(key),
+                    present=present,
+                    made=self.made(key),
                     damaged=self.layout.damaged_path(key).exists(),
                     unverified=len(m.unverified) if m else 0,
                 )
@@ -931,21 +1058,25 @@ class NodeStore:
         fsync_dir(str(target))
 
     def remove(self, key: str) -> bool:
-        """Delete a model: the manifest first (it stops being present), then its files."""
+        """Delete a model: its folder first (out of ``models/`` in one rename, so it stops being
+        present), then its manifest and the rest. A crash in between leaves a manifest without
+        a folder, never a folder of ours that looks like someone else's (``made``)."""
         removed = False
         with self.lock(key, blocking=False):
             self.check_replaceable(key)  # before anything changes: refused, the model stays whole
+            target = self.layout.model_dir(key)
+            trash = None
+            if os.path.lexists(target):
+                trash = self._trash_dir(target) / f".trash-{key}-{time.time_ns()}"
+                os.rename(target, trash)
+                removed = True
             mpath = self.layout.manifest_path(key)
             if mpath.exists():
                 mpath.unlink()
                 removed = True
             self.layout.pieces_path(key).unlink(missing_ok=True)
-            target = self.layout.model_dir(key)
-            if os.path.lexists(target):
-                trash = self._trash_dir(target) / f".trash-{key}-{time.time_ns()}"
-                os.rename(target, trash)
+            if trash is not None:
                 _discard(trash)
-                removed = True
             staging = self.layout.staging_dir(key)
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
@@ -1108,9 +1239,10 @@ class NodeStore:
         """
         if not isinstance(self.layout, NodeLayout):
             raise StoreError("gc needs a node store root")
+        ours = [e for e in self.entries() if e.made]  # a folder we did not make is never evicted
         if not evict_all:
             free = self.free_bytes()
-            candidates = [e for e in self.entries() if e.storage_key not in keep and self._evictable(e.storage_key)]
+            candidates = self.evictable(keep)
             reclaimable = sum(e.size for e in candidates)
             if free < target_free and free + reclaimable < target_free:
                 raise TargetUnreachableError(target_free, free, reclaimable, len(candidates))
@@ -1119,7 +1251,7 @@ class NodeStore:
             self._clear_stale_staging(stale_staging_after)
         free = self.free_bytes()
         evicted: list[StoreEntry] = []
-        for entry in sorted(self.entries(), key=lambda e: e.last_used):
+        for entry in sorted(ours, key=lambda e: e.last_used):
             if free >= target_free:
                 break
             if entry.storage_key in keep:
@@ -1137,6 +1269,10 @@ class NodeStore:
             evicted.append(entry)
             free += entry.size
         return evicted
+
+    def evictable(self, keep: Collection[str] = frozenset()) -> list[StoreEntry]:
+        """The models gc may evict: made here, not in ``keep``, not in use right now."""
+        return [e for e in self.entries() if e.made and e.storage_key not in keep and self._evictable(e.storage_key)]
 
     def _evictable(self, key: str) -> bool:
         """Neither a running pull (its lock) nor a pod on this node (the guard) holds the model."""

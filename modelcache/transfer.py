@@ -35,8 +35,8 @@ from modelcache.diskio import ALIGN, BufferPool, FileWriter, direct_io_supported
 from modelcache.errors import CancelledError, IntegrityError, ModelcacheError, RateLimitedError, TransientError
 from modelcache.integrity import MultiHasher
 from modelcache.journal import Journal, JournalState
-from modelcache.progress import ProgressTracker, human_bytes
-from modelcache.remote import RangeStream, RemoteFile
+from modelcache.progress import ProgressTracker, human_bytes, plural
+from modelcache.remote import Checksum, RangeStream, RemoteFile
 from modelcache.resources import ResourceError
 from modelcache.sources.base import Source
 from modelcache.transfer_control import SourceStats, StreamLimit, Watchdog, retry_policy
@@ -115,6 +115,8 @@ class FetchedFile:
     size: int
     xxh3: str
     verified: tuple[str, ...]  # source checksum algorithms the bytes matched
+    #: ``time.monotonic()`` when the file was complete (a model of a batch is ready when its last is).
+    finished: float = field(default_factory=time.monotonic, compare=False)
 
 
 @dataclass
@@ -127,6 +129,18 @@ class _Chunk:
     @property
     def length(self) -> int:
         return self.end - self.start
+
+
+def _mismatch_cause(expected: Checksum, got: list[str]) -> str:
+    """What a checksum that never matched most likely means, from where it came from and what
+    each attempt got."""
+    if expected.param("from") == "uri":
+        return (f"the file does not match the #{expected.algo}= pin written in the URI"
+                + (" (the server sent the same bytes every time)" if len(set(got)) == 1 and len(got) > 1 else "")
+                + ": check the digest in the URI")
+    if len(set(got)) == 1 and len(got) > 1:
+        return "the source sent the same bytes every time: the object is corrupt at the source"
+    return "the source object is corrupt or changed during download"
 
 
 class _Slot:
@@ -189,6 +203,7 @@ class _FileState:
         self.waiting: dict[int, tuple[_Chunk, Any]] = {}  # chunk start -> (chunk, parked buffer or None: spilled)
         self.hasher: MultiHasher | None = None
         self.attempts = 0
+        self.got: list[str] = []  # the digest each attempt that failed its checksum got
         self.result: FetchedFile | None = None
         self.error: BaseException | None = None
         self.lost = False  # a flush of the file failed: its bytes on disk are not trusted
@@ -362,7 +377,8 @@ class TransferEngine:
                 self._direct[d] = direct_io_supported(d) if want is None else want
             st.writer = FileWriter(st.job.dest, st.size, self._direct[d])
             st.hasher = MultiHasher(st.job.remote.checksums, st.size)
-            self.progress.file_started(_pkey(st.job), st.size, sum(c.done for c in st.chunks))
+            self.progress.file_started(_pkey(st.job), st.size, sum(c.done for c in st.chunks),
+                                       resumable=not st.streamed)
         return st.writer
 
     # ---- scheduling ---------------------------------------------------------------------
@@ -422,11 +438,19 @@ class TransferEngine:
                     window = [c.start for c in best.pending[:PICK_WINDOW]]
                     first = min(max(0, best.job.source.pick_chunk(best.job.remote, window)), len(window) - 1)
                 run = [best.pending.pop(first)]
-                if not best.streamed and run[0].done == 0 and first == 0:
+                if not best.streamed and run[0].done == 0 and (first == 0 or best.job.source.picks_chunks):
                     limit = self._stats(best.job.source).run_length
-                    while (len(run) < limit and best.pending and best.pending[0].done == 0
-                           and best.pending[0].start == run[-1].end):
-                        run.append(best.pending.pop(0))
+                    nxt = first
+                    while (len(run) < limit and nxt < len(best.pending) and best.pending[nxt].done == 0
+                           and best.pending[nxt].start == run[-1].end):
+                        run.append(best.pending[nxt])
+                        nxt += 1
+                    if best.job.source.picks_chunks:
+                        # Peer transfer: a run is only what goes to the origin as one request
+                        # (waits for peers would otherwise count as a slow server and grow runs
+                        # into whole files, one piece at a time: bench/swarm_sim.py, 4.9x -> 1.03x).
+                        run = run[: max(1, best.job.source.chunk_run(best.job.remote, [c.start for c in run]))]
+                    del best.pending[first: first + len(run) - 1]  # the chunks after the first, taken
                 return best, run, buf
             if all(st.finished or st.job.group in self._failed_groups for st in self._states):
                 return "done"
@@ -827,17 +851,19 @@ class TransferEngine:
             # it would leave it neither finished nor failed, and the workers waiting for ever.
             nothing_to_refetch = not st.streamed and not st.chunks
             if st.attempts > self.options.integrity_retries or nothing_to_refetch:
+                tries = plural(st.attempts, "attempt")
                 if not bad:
-                    raise IntegrityError(f"{path}: {distrust}, after {st.attempts} attempts")
+                    raise IntegrityError(f"{path}: {distrust}, after {tries}")
                 expected, actual = bad[0]
-                raise IntegrityError(
-                    f"{path}: {expected.algo} mismatch after {st.attempts} attempts: expected {expected.value}, "
-                    f"got {actual}; the source object is corrupt or changed during download"
-                )
+                st.got.append(actual)
+                raise IntegrityError(f"{path}: {expected.algo} mismatch after {tries}: expected {expected.value}, "
+                                     f"got {actual}; {_mismatch_cause(expected, st.got)}")
             if bad:
                 expected, actual = bad[0]
-                log.warning("%s: %s mismatch (expected %s, got %s); fetching the file again",
-                            path, expected.algo, expected.value, actual)
+                st.got.append(actual)
+                log.warning("%s: %s mismatch on attempt %d of %d (expected %s, got %s); fetching the file again",
+                            path, expected.algo, st.attempts, self.options.integrity_retries + 1, expected.value,
+                            actual)
             else:
                 log.warning("%s: %s; fetching the file again", path, distrust)
             job.journal.file_reset(job.index)

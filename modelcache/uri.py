@@ -45,12 +45,23 @@ def storage_key(uri: str) -> str:
 
 
 def _invalid(uri: str, why: str) -> InvalidURIError:
-    """The one invalid-URI error: the URI redacted, and no secret part of it in ``why`` either."""
+    """The one invalid-URI error: the URI redacted, and no secret part of it in ``why`` either.
+    It ends with the form its scheme takes (nothing more when ``why`` says it already), and with
+    every accepted form only when the scheme is not one we know."""
     from modelcache.backends import external
 
-    forms = "; ".join((*ACCEPTED_FORMS, *(b.form for b in external())))
+    forms = (*ACCEPTED_FORMS, *(b.form for b in external()))
+    scheme = uri.partition("://")[0].lower() if isinstance(uri, str) and "://" in uri else ""
+    scheme = {"https": "http", "webhdfs": "hdfs"}.get(scheme, scheme)
+    mine = [f for f in forms if scheme and f.startswith((scheme + "://", scheme + "(s)://"))]
+    if "expected " in why:
+        tail = ""
+    elif mine:
+        tail = f". Accepted form: {mine[0]}"
+    else:
+        tail = f". Accepted forms: {'; '.join(forms)}"
     why = printable(scrub_parts(why, uri))
-    return InvalidURIError(f"invalid storage URI '{redact_uri(uri)}': {why}. Accepted forms: {forms}")
+    return InvalidURIError(f"invalid storage URI '{redact_uri(uri)}': {why}{tail}")
 
 
 def _no_dot_segments(uri: str, path: str, what: str) -> None:

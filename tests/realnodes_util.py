@@ -201,3 +201,18 @@ def install(cluster: NodeCluster, image_ref: str, folder: Any, host_root: str | 
                     str(image_overlay(folder, image_ref, host_root)))
     for what in ("daemonset/modelcache-agent", "deployment/modelcache-coordinator"):
         cluster.kubectl("rollout", "status", "-n", "modelcache-system", what, "--timeout=300s", timeout=330)
+
+
+def local_volume(name: str, namespace: str, node: str, root: str, size: str = "1Gi") -> list[dict[str, Any]]:
+    """A `local` PersistentVolume at ``root`` on ``node`` and its claim ``namespace/name``, bound
+    to each other, as the coordinator makes a node group's serving volumes."""
+    pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{namespace}-{name}"}, "spec": {
+        "capacity": {"storage": size}, "accessModes": ["ReadWriteOnce"], "storageClassName": "local-storage",
+        "persistentVolumeReclaimPolicy": "Retain", "local": {"path": root},
+        "claimRef": {"namespace": namespace, "name": name},
+        "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]}}}}
+    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": namespace},
+           "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "local-storage",
+                    "volumeName": f"{namespace}-{name}", "resources": {"requests": {"storage": size}}}}
+    return [pv, pvc]

@@ -9,13 +9,12 @@ import time
 import pytest
 
 from agent.capacity import allocated_bytes
-from modelcache.kube.client import LOCAL_MODEL_NODES, PODS
+from modelcache.kube.client import LOCAL_MODEL_NODES
 from modelcache.uri import storage_key
 from tests.agent_util import (
     create_node,
     create_secret,
     create_service_account,
-    create_serving_pod,
     entry,
     kube_for,
     model_files,
@@ -122,40 +121,6 @@ def test_wrong_storage_key_is_an_error_without_the_secret(cluster, kube, moto_s3
         agent.stop()
     assert "wrong-secret-value-123" not in agent.log()
     assert "wrong-secret-value-123" not in json.dumps(node_status(kube, "node-a"))
-
-
-def test_removal_waits_for_the_mounting_pod(cluster, kube, nginx, tmp_path):
-    nginx.write("a/model.bin", 1 << 20)
-    nginx.write("b/model.bin", 1 << 20)
-    ua, ub = nginx.url("a/model.bin"), nginx.url("b/model.bin")
-    ka, kb = storage_key(ua), storage_key(ub)
-    root = tmp_path / "root"
-    create_node(kube, "node-a", [entry("a", ua), entry("b", ub)])
-    agent = start_agent(cluster.agent_kubeconfig, "node-a", root, tmp_path, "--host-path", str(root))
-    try:
-        wait_states(kube, "node-a", {"a": D, "b": D}, agent=agent)
-        # b is served by a running pod on this node; a is not.
-        create_serving_pod(kube, "node-a", "team", "isvc-predictor-0", str(root), kb)
-        set_entries(kube, "node-a", [])
-        wait_until(lambda: not (root / "models" / ka).exists(), timeout=20, what="a deleted")
-        assert not (root / ".modelcache" / "manifests" / f"{ka}.json").exists()
-
-        def waiting() -> bool:
-            st = node_status(kube, "node-a")
-            return st.get("modelStatus") == {} and "isvc-predictor-0" in (
-                st.get("modelDetails", {}).get("b", {}).get("message") or "")
-
-        wait_until(waiting, timeout=20, what="b reported as kept for the pod")
-        assert model_files(root, kb) == {"model.bin": 1 << 20}
-        _, metrics = agent.get("/metrics")
-        assert "modelcache_agent_removals_waiting 1.0" in metrics
-        # The pod finishes: now b goes.
-        kube.delete(PODS, "isvc-predictor-0", "team", grace_period=0)  # its kubelet confirms at once
-        wait_until(lambda: not (root / "models" / kb).exists(), timeout=20, what="b deleted after the pod")
-        wait_until(lambda: node_status(kube, "node-a").get("modelDetails") in ({}, None), timeout=10,
-                   what="details cleared")
-    finally:
-        agent.stop()
 
 
 def test_two_agents_two_nodes_two_roots(cluster, kube, nginx, own_fs, tmp_path):

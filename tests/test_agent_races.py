@@ -1,6 +1,6 @@
 """The agent's state machine under change (issue 21), in-process against nginx.
 
-Each test drives one race of KUBE-RACE-REVIEW.md through the real ``Agent`` (real pulls into a
+Each test drives one race of a kube-race review through the real ``Agent`` (real pulls into a
 real store) with a stand-in for the pod check, which can report a mounting pod, fail, or hold
 still until the test lets it go:
 - F1: a download cancelled because its entry left the spec, then re-added, finishes;
@@ -174,8 +174,11 @@ def test_orphaned_staging_repair_and_trash_are_collected_at_start_and_later(tmp_
         "staged": meta / "staging" / "0123456789abcdef" / "data" / "w.bin",  # a killed download
         "repair": meta / "repair" / "1111111111111111" / "x.bin",  # a killed repair
         "trash": meta / "staging" / ".trash-2222222222222222-1" / "y.bin",  # a killed delete
-        "unlisted": root / "models" / "3333333333333333" / "z.bin",  # a folder without a manifest
     }
+    # A folder nothing of ours records (a KServe copy, a user's files): never collected (issue 27).
+    foreign = root / "models" / "3333333333333333" / "z.bin"
+    foreign.parent.mkdir(parents=True)
+    foreign.write_bytes(b"k" * 1000)
     for path in orphans.values():
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as f:
@@ -189,7 +192,7 @@ def test_orphaned_staging_repair_and_trash_are_collected_at_start_and_later(tmp_
         wait_until(lambda: not any(p.exists() for p in orphans.values()), timeout=30, what="orphans collected")
         assert not (meta / "staging" / "0123456789abcdef").exists()
         assert not (meta / "repair" / "1111111111111111").exists()
-        assert not (root / "models" / "3333333333333333").exists()
+        assert foreign.read_bytes() == b"k" * 1000
         assert (root / "models" / storage_key(uri) / "a.bin").exists()
         # Later: a download killed by another process on this root, a delete interrupted by a crash.
         late = meta / "staging" / "4444444444444444" / "data" / "w.bin"
@@ -200,6 +203,7 @@ def test_orphaned_staging_repair_and_trash_are_collected_at_start_and_later(tmp_
         wait_until(lambda: not late.parent.parent.exists() and not trash.exists(), timeout=30,
                    what="later orphans collected by the sweep")
         assert states(agent) == {"m": D}
+        assert foreign.read_bytes() == b"k" * 1000  # sweeps later on leave it too
     finally:
         agent.stop()
 

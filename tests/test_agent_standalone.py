@@ -244,3 +244,58 @@ def test_repair_replaces_only_the_damaged_file_inside_the_same_folder(tmp_path):
         assert NodeStore.at(root).is_present(key) and NodeStore.at(root).verify(key) == []
     finally:
         os.close(pod_view)
+
+
+def test_first_take_of_a_root_that_modelcache_pull_filled_refuses_and_deletes_nothing(nginx, tmp_path):
+    """D2: a standalone agent started on a root holding three CLI-pulled models, with a file that
+    lists one, used to delete the other two at info level. It now refuses the first take (exit 2,
+    one line naming the models and the way out), deletes nothing, and with --take-root deletes
+    them, each deletion a warning. Later starts on its root need no flag."""
+    from tests.pull_helpers import run_cli
+
+    uris = []
+    for n in range(3):
+        nginx.write(f"cli/m{n}.bin", 1 << 20, seed=n + 1)
+        uris.append(nginx.url(f"cli/m{n}.bin"))
+    root = tmp_path / "root"
+    for uri in uris:
+        assert run_cli("pull", uri, "--root", str(root), "--progress", "none").returncode == 0
+    spec = write_node(tmp_path / "one.yaml", [{"modelName": "m0", "sourceModelUri": uris[0]}])
+    proc = run_agent(spec, root)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    keys = [storage_key(u) for u in uris]
+    named = sorted((storage_key(u), u) for u in uris[1:])
+    assert lines == [
+        f"error: --root {root} holds 2 model(s) that no agent downloaded and {spec} does not list: "
+        f"{named[0][0]} ({named[0][1]}), {named[1][0]} ({named[1][1]}). The standalone agent deletes every model "
+        "its file does not "
+        "list, so nothing was done: add them to the file, point --root at a folder of the agent's own, or pass "
+        "--take-root to let it delete them"], proc.stderr
+    assert all((root / "models" / k).is_dir() for k in keys)
+    assert not spec.with_name(spec.name + ".status.yaml").exists()
+
+    proc = run_agent(spec, root, "--take-root")
+    assert proc.returncode == 0, proc.stderr
+    deleted = [ln for ln in proc.stderr.splitlines() if 'msg="model deleted' in ln]
+    assert len(deleted) == 2 and all("level=warning" in ln for ln in deleted), proc.stderr
+    assert sorted(p.name for p in (root / "models").iterdir()) == [keys[0]]
+    # The root is the agent's now: a model pulled into it by hand goes at the next start, without a flag.
+    assert run_cli("pull", uris[1], "--root", str(root), "--progress", "none").returncode == 0
+    assert run_agent(spec, root).returncode == 0
+    assert sorted(p.name for p in (root / "models").iterdir()) == [keys[0]]
+
+
+def test_a_root_the_file_lists_entirely_is_taken_without_a_flag(nginx, tmp_path):
+    """CLI-pulled models that the file lists are adopted as they are (no download), no flag needed."""
+    from tests.pull_helpers import run_cli
+
+    nginx.write("cli/a.bin", 1 << 20)
+    uri = nginx.url("cli/a.bin")
+    root = tmp_path / "root"
+    assert run_cli("pull", uri, "--root", str(root), "--progress", "none").returncode == 0
+    nginx.clear_access_log()
+    spec = write_node(tmp_path / "a.yaml", [{"modelName": "a", "sourceModelUri": uri}])
+    proc = run_agent(spec, root)
+    assert proc.returncode == 0, proc.stderr
+    assert status_of(spec)["modelStatus"] == {"a": D} and nginx.access_log() == []

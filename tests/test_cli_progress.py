@@ -33,7 +33,7 @@ def test_plain_progress_lines_in_logs(nginx, tmp_path):
     pcts = [float(ln.split("%")[0]) for ln in progress]
     assert pcts == sorted(pcts) and pcts[-1] > 0
     assert "eta" in progress[0] and "3.0 MiB" in progress[-1]
-    assert lines[-1].startswith(nginx.url("slow/w.bin")) and "1 files, 3.0 MiB" in lines[-1]
+    assert lines[-1].startswith(nginx.url("slow/w.bin")) and "1 file, 3.0 MiB" in lines[-1]
 
 
 def test_bars_on_a_terminal(nginx, tmp_path):
@@ -59,7 +59,7 @@ def test_bars_on_a_terminal(nginx, tmp_path):
     assert os.waitstatus_to_exitcode(status) == 0, out[-2000:]
     text = out.decode(errors="replace")
     assert "total" in text and "━" in text  # rich's bar
-    assert "1 files, 2.0 MiB" in text  # and the summary line after it
+    assert "1 file, 2.0 MiB" in text  # and the summary line after it
 
 
 def test_pvc_uri_resolves_under_the_mount_root(tmp_path):

@@ -64,6 +64,8 @@ def test_cache_to_nodes_status_and_node_lifecycle(cluster: Cluster, kube: Kube, 
     entry = {"modelName": "llm", "sourceModelUri": URI, "nodeGroup": "workers"}
     eventually(lambda: entries_of(kube, "n1") == [entry] and entries_of(kube, "n2") == [entry], "entries on members")
     assert entries_of(kube, "outside") is None and entries_of(kube, "sick") is None
+    # Labelled by its entries' group, in the same write: agents watch their group's objects by it.
+    assert kube.get(LOCAL_MODEL_NODES, "n1")["metadata"]["labels"] == {"nodegroup.modelcache.io/workers": "true"}
     eventually(lambda: status(kube, "llm").get("nodeStatus") == {
         "n1": "NodeDownloadPending", "n2": "NodeDownloadPending", "sick": "NodeNotReady"}, "pending status")
     assert status(kube, "llm")["copies"] == {"available": 0, "total": 3, "failed": 0}
@@ -100,6 +102,7 @@ def test_cache_to_nodes_status_and_node_lifecycle(cluster: Cluster, kube: Kube, 
     # A node that leaves the group loses the entry and its label.
     kube.patch(NODES, "n2", {"metadata": {"labels": {"kserve/localmodel": None}}})
     eventually(lambda: entries_of(kube, "n2") == [], "entry removed from n2")
+    assert not kube.get(LOCAL_MODEL_NODES, "n2")["metadata"].get("labels")  # nor in the group's watch
     report(kube, "n2", {})
     eventually(lambda: label not in kube.get(NODES, "n2")["metadata"]["labels"], "n2 label removed")
     eventually(lambda: status(kube, "llm").get("nodeStatus") == {"sick": "NodeNotReady"}, "only sick left")

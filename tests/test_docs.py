@@ -126,16 +126,45 @@ def test_every_modelcache_variable_in_the_docs_is_read_somewhere() -> None:
     assert sorted(f"{d}: {v}" for d, v in mentioned if v not in sources and not v.endswith("_")) == []
 
 
-def test_every_relative_link_in_the_docs_resolves() -> None:
+def _anchors(doc) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings (lower case, punctuation dropped, spaces
+    to dashes, a repeated heading numbered -1, -2, ...) and its `<a id="...">` tags."""
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", _FENCE.sub("", doc.read_text()), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out | set(re.findall(r'<a id="([^"]+)"', doc.read_text()))
+
+
+def _broken_links(doc) -> list[str]:
     broken = []
-    for doc in DOCS:
-        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
-            if re.match(r"[a-z]+:", target) or target.startswith("#"):
-                continue
-            path = target.split("#", 1)[0]
-            if not (doc.parent / path).exists():
-                broken.append(f"{doc.name}: {target}")
-    assert broken == []
+    for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (doc.parent / path) if path else doc
+        if not dest.exists():
+            broken.append(f"{doc.name}: {target}")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(f"{doc.name}: {target} (no such heading)")
+    return broken
+
+
+def test_every_relative_link_in_the_docs_resolves() -> None:
+    """Every relative link names a file a clone has and, for a Markdown file, a heading it has."""
+    assert [b for doc in DOCS for b in _broken_links(doc)] == []
+
+
+def test_the_link_check_catches_a_missing_file_and_a_missing_heading(tmp_path) -> None:
+    (tmp_path / "b.md").write_text("# Title\n\n## The CLI: flags, `exit` codes\n\n## Again\n\n## Again\n")
+    doc = tmp_path / "a.md"
+    doc.write_text("[ok](b.md#the-cli-flags-exit-codes) [ok](b.md#again-1) [ok](#here) [x](c.md) "
+                   "[x](b.md#the-cli) [x](#nowhere) [ok](#set)\n\n## Here\n\n<a id=\"set\"></a>text\n")
+    assert _broken_links(doc) == ["a.md: c.md", "a.md: b.md#the-cli (no such heading)",
+                                  "a.md: #nowhere (no such heading)"]
 
 
 @pytest.mark.parametrize("prog", ["modelcache-agent", "modelcache-coordinator", "modelcache"])
@@ -182,6 +211,25 @@ def test_install_md_manifests_are_accepted_and_its_kubectl_get_shows_those_colum
     assert rows and rows[0][:2] == ["localmodelcache.serving.kserve.io/llm", "s3://models/llm"], got
 
 
+def test_every_test_failures_md_names_exists() -> None:
+    """docs/failures.md lists each failure with the test that shows it: every `tests/x.py::name`
+    (and the `::name` shorthand after it, meaning the same file) is a test function there."""
+    text = (REPO / "docs" / "failures.md").read_text()
+    missing = []
+    for row in text.splitlines():
+        current = None
+        for m in re.finditer(r"`(tests/[\w/]+\.py)?(::([\w]+)(\[[^\]]*\])?)?`", row):
+            path, name = m.group(1), m.group(3)
+            if path:
+                current = REPO / path
+                if not current.is_file():
+                    missing.append(path)
+                    continue
+            if name and current is not None and not re.search(rf"^\s*def {name}\(", current.read_text(), re.M):
+                missing.append(f"{current.relative_to(REPO)}::{name}")
+    assert missing == []
+
+
 def test_development_md_describes_every_set_up_script_and_its_lane() -> None:
     """docs/development.md's table has one row per tests/setup.d script, and says `go` exactly for
     the scripts `make test-servers` leaves out (the build lane, tests/setup.sh)."""
@@ -213,3 +261,157 @@ def test_every_test_the_docs_name_exists() -> None:
             if not source.exists() or not re.search(rf"^\s*(?:def|class) {name}\b", source.read_text(), re.M):
                 missing.append(f"{doc.name}: {path}::{name}")
     assert missing == []
+
+
+def _bench_rows(text: str, results: str) -> dict[str, tuple[int, list[int]]]:
+    """The table after the link to ``results`` in benchmarks.md: tool -> (median, runs) in MB/s."""
+    after = text[text.index(f"]({results})"):]
+    table = re.search(r"^\|.*\n\|[-:| ]+\n((?:\|.*\n)+)", after, re.M)
+    assert table, f"no table after the link to {results}"
+    rows = {}
+    for line in table.group(1).splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = (int(cells[1]), [int(r) for r in cells[2].split(", ")])
+    return rows
+
+
+def test_benchmark_tables_are_their_raw_results() -> None:
+    """Each raw result in bench/results/ is linked from docs/benchmarks.md, and the table after the
+    link shows its runs and medians (durable MB/s, 1 MB = 10^6 B, the order the runs were taken)."""
+    import json
+    import statistics
+
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    results = sorted((REPO / "bench" / "results").glob("*.json"))
+    assert results
+    for path in results:
+        runs: dict[str, list[int]] = {}
+        for run in json.loads(path.read_text()):
+            runs.setdefault(run["tool"], []).append(round(run["bytes"] / run["seconds"] / 1e6))
+        shown = _bench_rows(text, f"../bench/results/{path.name}")
+        assert len(shown) == len(runs), (path.name, shown)
+        for tool, got in runs.items():
+            (row,) = [v for k, v in shown.items() if k == tool or k.startswith(tool + " ")]
+            assert row == (round(statistics.median(got)), got), (path.name, tool)
+
+
+_DOTTED = re.compile(r"^(?:modelcache|agent|coordinator|initializer)(?:\.[A-Za-z_]\w*)+$")
+
+
+def _resolves(dotted: str) -> bool:
+    """``package.module.attr.attr``: the longest importable module prefix, then attributes."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def _flow_steps(text: str, heading: str) -> list[str]:
+    """The 'function' cells of the step table under ``heading``."""
+    section = text[text.index(heading):]
+    table = re.search(r"^\| # \| step \| function \|.*\n\|[-| ]+\n((?:\|.*\n)+)", section, re.M)
+    assert table, heading
+    return [line.strip("|").split("|")[2] for line in table.group(1).splitlines()]
+
+
+def test_architecture_md_names_real_functions() -> None:
+    """Each step of the three flows names the function that does it, and every dotted name the
+    page shows (`modelcache.pull.pull_many`, `agent.core.Agent.tick`, ...) exists."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    for heading in ("## The pull pipeline", "## The agent", "## The coordinator"):
+        steps = _flow_steps(text, heading)
+        assert len(steps) >= 8, heading
+        for cell in steps:
+            assert any(_DOTTED.match(n) for n in _INLINE.findall(cell)), f"{heading}: a step without its function"
+    names = sorted({n for n in _INLINE.findall(text) if _DOTTED.match(n)})
+    assert len(names) >= 60
+    missing = [n for n in names if not _resolves(n)]
+    assert missing == [], f"docs/architecture.md names what the code does not have (update the page): {missing}"
+
+
+def test_the_name_check_catches_a_renamed_function() -> None:
+    assert _resolves("modelcache.pull.pull_many") and _resolves("agent.core.Agent.set_spec")
+    assert _resolves("modelcache.store.NodeStore.publish")
+    assert not _resolves("modelcache.pull.pull_everything")
+    assert not _resolves("agent.core.Agent.no_such_method")
+    assert not _resolves("modelcache.no_such_module.f")
+
+
+def _table_modules(text: str) -> set[str]:
+    """Module names in the first column of the module tables of ``text`` (``x.py`` or ``x``, one
+    or several per cell)."""
+    names = set()
+    for table in re.findall(r"^\| module \| job \|\n\|[-| ]+\n((?:\|.*\n)+)", text, re.M):
+        for line in table.splitlines():
+            names |= {n.removesuffix(".py") for n in _INLINE.findall(line.strip("|").split("|")[0])}
+    return names
+
+
+def test_every_module_is_in_a_module_table() -> None:
+    """docs/architecture.md lists every module of modelcache/ (and its sub-packages) and
+    initializer/, one row each under its package's heading; agent.md and coordinator.md list
+    theirs. Nothing listed is missing from the tree."""
+    arch = (REPO / "docs" / "architecture.md").read_text()
+    sections = dict(re.findall(r"^### `([a-z/]+)/`[^\n]*\n(.*?)(?=^##|\Z)", arch, re.M | re.S))
+    where = {p: sections.get(p, "") for p in ("modelcache", "modelcache/sources", "modelcache/kube",
+                                              "modelcache/peers", "initializer")}
+    where["agent"] = (REPO / "docs" / "agent.md").read_text()
+    where["coordinator"] = (REPO / "docs" / "coordinator.md").read_text()
+    packages = {p.parent.relative_to(REPO).as_posix() for root in ("modelcache", "agent", "coordinator", "initializer")
+                for p in (REPO / root).rglob("__init__.py")}
+    assert sorted(packages) == sorted(where), "a package without a module table"
+    for package, text in where.items():
+        tree = {p.stem for p in (REPO / package).glob("*.py") if p.name != "__init__.py"}
+        listed = _table_modules(text)
+        assert sorted(tree - listed) == [], f"{package}: modules without a row"
+        assert sorted(listed - tree) == [], f"{package}: rows for modules that do not exist"
+
+
+def test_the_readme_is_a_page_read_in_one_sitting() -> None:
+    """README.md stays short (≤ 220 lines) and sends each reader on: install, development,
+    architecture and benchmarks have their own pages, and no benchmark table comes back."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 220, "README.md is over 220 lines: move the detail to docs/ and link it"
+    for page in ("docs/install.md", "docs/development.md", "docs/architecture.md", "docs/benchmarks.md"):
+        assert f"]({page})" in text, page
+    assert not [ln for ln in text.splitlines() if ln.startswith("|") and "MB/s" in ln]
+
+
+def test_install_is_told_once() -> None:
+    """The install steps (KServe's node label that places the agent) are shown in install.md
+    only; the README, deploy/README.md and operations.md link to it."""
+    step = "kserve/localmodel=worker"
+    shown = [doc.name if doc.parent.name != "deploy" else "deploy/README.md" for doc in DOCS
+             if any(step in code for code in _code(doc.read_text()) if "kubectl label" in code)]
+    assert shown == ["install.md"]
+    assert "](docs/install.md)" in (REPO / "README.md").read_text()
+    assert "](../docs/install.md)" in (REPO / "deploy" / "README.md").read_text()
+    assert "](install.md#3-install)" in (REPO / "docs" / "operations.md").read_text()
+
+
+# A path a clone lacks: the notes beside the repository on the machines it was built on.
+_OUTSIDE = re.compile(r"\.\./shared/|\bshared/[A-Z][A-Z-]+\.md|\bDESIGN\.md|\b[A-Z]+-REVIEW\.md|"
+                      r"KSERVE-" r"CONTRACTS|(?<![\w.])/work/")
+
+
+def test_nothing_cites_a_file_a_clone_does_not_have() -> None:
+    """Docs, docstrings, comments and scripts cite only what a clone holds (or what its set-up
+    makes, like .work/); the review notes the code was written against are not in the repository."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "*.py", "*.md", "*.sh", "*.yaml", "*.toml", "Makefile", "Dockerfile"],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    found = [f"{name}:{n}: {m.group(0)}" for name in files if name != "tests/test_docs.py" and (REPO / name).is_file()
+             for n, line in enumerate((REPO / name).read_text(errors="replace").splitlines(), 1)
+             for m in [_OUTSIDE.search(line)] if m]
+    assert found == []

@@ -93,3 +93,28 @@ def test_no_kubeconfig_is_one_line_and_exit_2(tmp_path: Any) -> None:
     result = CliRunner().invoke(cli, ["status", "--kubeconfig", str(tmp_path / "missing")])
     assert result.exit_code == 2
     assert len(result.output.strip().splitlines()) == 1 and "missing" in result.output
+
+
+def test_the_docs_show_what_status_prints_now() -> None:
+    """docs/operations.md's demo output (captured from `make demo`) is what render() prints for those
+    objects today: a change to the layout that leaves the page behind fails here."""
+    from tests.helpers import REPO
+
+    page = (REPO / "docs" / "operations.md").read_text()
+    blocks = re.findall(r"^\$ modelcache status\n(.*?)(?=^\$ |^```)", page, re.M | re.S)
+    assert len(blocks) == 2, blocks
+    free, total = int(40.3 * GiB), 252 * GiB
+    group = [("llm", None, "workers")]
+    llm = cache("llm", ["workers"], 0, 2) | {"spec": {"sourceModelUri": "s3://models/llm", "modelSize": "578Mi",
+                                                      "nodeGroups": ["workers"]}}
+    size = 605179791
+    arriving = [node("node-1", group, {"llm": {"state": "ModelDownloading", "bytesDone": size * 17 // 100,
+                                               "bytesTotal": size, "rate": int(6.1 * (1 << 20))}}, free, total),
+                node("node-2", group, {"llm": {"state": "ModelDownloading", "bytesDone": size * 20 // 100,
+                                               "bytesTotal": size, "rate": int(8.6 * (1 << 20))}}, free, total)]
+    assert render(build([llm], arriving)) == blocks[0].rstrip("\n")
+    llm["status"]["copies"]["available"] = 2
+    there = [node(n, group, {"llm": {"state": "ModelDownloaded", "bytesDone": size, "bytesTotal": size}}, free, total)
+             for n in ("node-1", "node-2")]
+    assert render(build([llm], there)) == blocks[1].rstrip("\n")
+

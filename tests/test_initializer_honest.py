@@ -60,7 +60,7 @@ def test_a_resumed_run_reports_transferred_and_resumed_bytes(nginx: NginxServer,
     r = run_initializer(uri, dest, env={"MODELCACHE_WORKERS": "1", "MODELCACHE_CHUNK_SIZE": "1M"})
     assert r.code == 0, r.output
     summary = r.out.strip().splitlines()[-1]
-    m = re.fullmatch(r"done: 1/1 pairs ok, 1 files, 8\.0 MiB \(([\d.]+) MiB transferred, ([\d.]+) MiB resumed from "
+    m = re.fullmatch(r"done: 1/1 pairs ok, 1 file, 8\.0 MiB \(([\d.]+) MiB transferred, ([\d.]+) MiB resumed from "
                      r"an earlier run\) in \S+ \(.+/s\)", summary)
     assert m, summary
     transferred, resumed = float(m.group(1)), float(m.group(2))

@@ -122,7 +122,7 @@ def test_progress_lines_while_bytes_move_and_one_summary_line(nginx: NginxServer
     pct = [float(line.split()[1].rstrip("%")) for line in progress]
     assert pct == sorted(pct) and pct[-1] > pct[0], progress
     assert all(" 0.0 B/s" not in line and " 0 B/s" not in line for line in progress)
-    summary = r"^done: 1/1 pairs ok, 1 files, 3\.0 MiB \(\S+ \S+ transferred\) in \S+ \(.+/s\)$"
+    summary = r"^done: 1/1 pairs ok, 1 file, 3\.0 MiB \(\S+ \S+ transferred\) in \S+ \(.+/s\)$"
     assert re.match(summary, lines[-1]), lines[-1]
     assert sum(line.startswith(("done:", "FAILED:")) for line in lines) == 1
     assert sum(line.startswith("pulled:") for line in lines) == 1

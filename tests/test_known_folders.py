@@ -1,9 +1,9 @@
 """A folder the store knew is checked against what the store recorded, never trusted on sizes
 (issue 33, F1 and F2; issue 27, "repairs that stay honest").
 
-Each test is a step of the integrity review (shared/INTEGRITY-REVIEW.md) done as the review did
-it, with the CLI and a ``file://`` origin (no checksums: only the store's own digests can tell a
-damaged file from a good one). Before the fix each ended with wrong bytes and ``verify`` saying ok.
+Each test is a step of an integrity review done as the review did it, with the CLI and a
+``file://`` origin (no checksums: only the store's own digests can tell a damaged file from a
+good one). Before the fix each ended with wrong bytes and ``verify`` saying ok.
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ def test_f2a_a_refused_repair_keeps_the_manifest_marked_damaged_and_the_next_pul
     entry = _ls(root, key)
     assert entry["present"] is False and entry["damaged"] is True
     listing = run_cli("ls", "--root", str(root))
-    assert f"{key}  damaged" in listing.stdout and "damaged: `modelcache verify --repair KEY`" in listing.stderr
+    assert f"{key}  damaged" in listing.stdout and f"damaged: `modelcache verify --repair --root {root} KEY`" in \
+        listing.stderr  # the hints name the --root they were given (issue 27, C12)
     assert run_cli("verify", "--root", str(root), key).returncode == 1
     # The next plain pull fetches the damaged file (at the origin's current revision).
     again = run_cli("pull", uri, "--root", str(root), "--progress", "none", "--json")

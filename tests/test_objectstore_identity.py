@@ -111,7 +111,7 @@ def test_s3_web_identity_irsa(moto_s3_open: str, tmp_path: Path) -> None:
         "AWS_CONFIG_FILE": str(tmp_path / "none"),
         "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
     }
-    fails_with(tmp_path / "a", uri, env, "no AWS credentials for", uri)  # nothing to find
+    fails_with(tmp_path / "a", uri, env, ": no AWS credentials: set AWS_ACCESS_KEY_ID", uri)  # nothing to find
     irsa = {"AWS_ROLE_ARN": "arn:aws:iam::123456789012:role/model-reader", "AWS_WEB_IDENTITY_TOKEN_FILE": str(token)}
     r = pull(tmp_path / "b", uri, env | irsa)
     assert r.returncode == 0, r.stderr[-2000:]

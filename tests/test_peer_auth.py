@@ -95,3 +95,83 @@ def test_an_api_server_that_cannot_answer_means_ask_again_soon(status):
 
     r.review = broken  # type: ignore[method-assign]
     assert r.authorize(jwt()) == THROTTLED  # 503 to the peer, not a refusal it would back off from
+
+
+class NoModels:
+    """A catalog that holds nothing: an authorized request gets 404, a refused one 401/403/503."""
+
+    def have(self, *args: Any) -> None:
+        return None
+
+    def range(self, *args: Any) -> None:
+        return None
+
+
+def test_one_client_with_junk_tokens_costs_the_api_server_a_bounded_number_of_reviews(tmp_path):
+    # F6 (a), as the review ran it: the real PeerServer and TokenReviewer.authorize, review() a
+    # counter with a 5 ms "API", one client on 8 connections for 5 s with a fresh well-formed token
+    # each request: 796 requests made 796 TokenReviews (159/s), all charged to the agents.
+    import http.client
+    import ssl
+    import threading
+
+    from coordinator.certs import generate_self_signed
+    from modelcache.peers.server import REFUSALS, PeerServer, server_context
+    from modelcache.uri import storage_key
+
+    good = jwt(sub="agent")
+    r, asked = reviewer({good: (True, AGENT)})
+    answer = r.review
+
+    def slow_review(token: str) -> tuple[bool, str]:
+        time.sleep(0.005)
+        return answer(token)
+
+    r.review = slow_review  # type: ignore[method-assign]
+    cert, key = generate_self_signed(tmp_path, ["127.0.0.1"])
+    server = PeerServer("127.0.0.1", 0, server_context(str(cert), str(key)), NoModels(), r.authorize).start()
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+
+    def get(token: str, source: str = "127.0.0.1") -> int:
+        conn = http.client.HTTPSConnection("127.0.0.1", server.port, context=ctx, timeout=10,
+                                           source_address=(source, 0))
+        try:
+            conn.request("GET", f"/v1/models/{storage_key('file:///m')}/{'0' * 32}/have",
+                         headers={"Authorization": f"Bearer {token}"})
+            return conn.getresponse().status
+        finally:
+            conn.close()
+
+    codes: list[int] = []
+    stop = time.monotonic() + 5
+
+    def flood(worker: int) -> None:
+        i = 0
+        while time.monotonic() < stop:
+            codes.append(get(jwt(sub=f"junk-{worker}-{i}")))
+            i += 1
+
+    try:
+        threads = [threading.Thread(target=flood, args=(w,)) for w in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        junk_reviews = len(asked)
+        # The address is refused without a check after REFUSALS refusals in a minute; what came
+        # before was also bounded by the review rate (503: ask again).
+        assert len(codes) >= 100 and junk_reviews <= REFUSALS + 4, (len(codes), junk_reviews)
+        assert set(codes) <= {401, 503}  # 503 while reviews were at their rate: "ask again"
+        # An agent from another address is still served (its review may wait for the rate: 503, then
+        # asked again as a client does after Retry-After).
+        deadline = time.monotonic() + 5
+        status = get(good, "127.0.0.2")
+        while status == 503 and time.monotonic() < deadline:
+            time.sleep(1)
+            status = get(good, "127.0.0.2")
+        assert status == 404  # authorized: the catalog holds nothing
+        assert asked.count(good) == 1
+        print(f"\n{len(codes)} junk requests in 5 s: {junk_reviews} TokenReviews, {codes.count(503)} answered 503")
+    finally:
+        server.stop()

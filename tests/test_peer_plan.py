@@ -128,3 +128,26 @@ def test_a_vouch_heard_after_we_read_the_piece_ourselves_is_checked_too():
     assert p.settle(0, 0, H1) == {}
     why = p.heard(p.peers["x"], False, [(0, 0, H2, True)], [], complete=True)
     assert why is not None and f"sha-256 {H1} at the origin, x said {H2}" in why
+
+
+def test_a_relay_of_a_witnesss_lie_is_not_blamed_the_witness_is():
+    # A checked file: "liar" says it read the piece from the origin (a forged hash); "relay", an
+    # honest node, took it on that word and passes it on before its own file check fails. When the
+    # origin settles the piece, only the witness is to be excluded: excluding the relay too made
+    # every honest node that served a liar's piece excluded (and published) by all it served.
+    clock = Clock()
+    p = plan(clock, "liar", "relay", "other", checked=True)
+    vouch(p, "liar", H2)
+    vouch(p, "relay", H2, origin=False)
+    p.took("relay", 0, 0, H2)  # we took its bytes: they matched its (relayed) word
+    p.exclude("liar")  # found out already (another piece, another download): its word is forgotten
+    assert p.settle(0, 0, H1) == {"liar": H2}
+    # A relay's vouch heard after the origin settled the piece: the same rule.
+    assert p.heard(p.peers["relay"], False, [(0, 0, H2, False)], [], complete=True) is None
+    # A hash no witness ever vouched for: the relay made it up, and is excluded.
+    q = plan(clock, "relay", checked=True)
+    vouch(q, "relay", H2, origin=False)
+    q.took("relay", 0, 0, H2)
+    assert q.settle(0, 0, H1) == {"relay": H2}
+    why = q.heard(q.peers["relay"], False, [(0, 1, H2, False)], [], complete=True)
+    assert why is None and q.settle(0, 1, H1) == {"relay": H2}

@@ -1,7 +1,7 @@
 """A lying or broken peer cannot poison, wedge, starve or bloat a pull (docs/peers.md, "Trust nothing
 from a peer"), without a cluster: real pulls with peer transfer in one process, and a byzantine
 peer (tests/byzantine.py) in the directory, over real TLS. Each finding of the peer review
-(../shared/PEER-REVIEW.md, F1-F14) that concerns the downloading side is a test here; the same
+(F1-F14, as docs/peers.md states the rules) that concerns the downloading side is a test here; the same
 peer against real agents on the control plane: tests/test_agent_peers_adversarial.py."""
 
 from __future__ import annotations
@@ -325,6 +325,32 @@ def test_a_liar_is_found_by_a_files_checksum_and_never_asked_again(make_node, by
     other = nginx.write("m/other.bin", MiB).read_bytes()
     timed_pull(node, nginx.url("m/other.bin") + "#sha256=" + hashlib.sha256(other).hexdigest())
     assert byz.asked == asked
+
+
+def test_honest_nodes_that_passed_on_a_liars_pieces_are_not_excluded_only_the_liar(make_node, byzantine, nginx,
+                                                                                    directory):
+    # A liar that says it read a checked file from the origin (forged hashes), and three honest
+    # nodes that pull together: they take its pieces and pass them on to each other before their
+    # file checks fail. Each then read the file again from the origin and compared: every node
+    # used to exclude every other (the relays' vouches differed from the origin too), and publish
+    # them, so that the rest of the cluster skipped every honest peer for a day.
+    body = nginx.write("m/model.bin", 8 * MiB + 99).read_bytes()
+    uri = nginx.url("m/model.bin") + "#sha256=" + hashlib.sha256(body).hexdigest()
+    byz = byzantine(Lies(forge=True), files={"model.bin": body})
+    nodes = [make_node(n) for n in ("n1", "n2", "n3")]
+    pull_all(nodes, uri, workers=2)
+    assert byz.asked["piece"] >= 1
+    for node in nodes:
+        assert (node.root / "models" / storage_key(uri) / "model.bin").read_bytes() == body
+        assert [e.node for e in node.network.exclusions.items()] == ["byz"], node.name
+    # A node that joins later skips whom the others excluded (what agent/peering.py's Directory
+    # does with their statuses) and is filled by the honest ones: no byte from the origin.
+    for name in {e.node for node in nodes for e in node.network.exclusions.items()}:
+        directory.pop(name)
+    late = make_node("late")
+    pull_all([late], uri)
+    assert stats(late, uri).from_origin == 0
+    assert (late.root / "models" / storage_key(uri) / "model.bin").read_bytes() == body
 
 
 def gcs_model(gcs: GCSServer, files: dict[str, bytes]) -> tuple[str, Settings]:

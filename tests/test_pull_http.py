@@ -314,7 +314,7 @@ def test_a_server_that_ignores_range_is_named_with_its_cost(nginx, tmp_path, cap
     uri = nginx.url("n/w.bin", "norange")
     with caplog.at_level("INFO", logger="modelcache.sources.http"):
         pull(uri, root=tmp_path / "root", options=OPTS, settings=Settings.from_env({}))
-    notes = [r.getMessage() for r in caplog.records if r.levelname == "INFO" and "ignores Range" in r.getMessage()]
+    notes = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "ignores Range" in r.getMessage()]
     assert notes == [f"{uri}: the server ignores Range (HTTP 200 to a ranged request): one stream instead of "
                      "parallel ranged reads, and an interrupted download of its 192.0 KiB starts over from byte 0"]
     caplog.clear()

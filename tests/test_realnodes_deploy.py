@@ -12,6 +12,7 @@ the image reference, and the kubelets run what the manifests say.
   this machine routes to the nodes' network namespace; the CA in the configurations is the one
   the coordinator made and patched in.
 - Probes pass (Ready, no restarts), root file systems are read-only, Pod Security holds.
+- An agent's own token (the kubelet's) cannot write another node's LocalModelNode status.
 """
 
 from __future__ import annotations
@@ -47,6 +48,34 @@ def ready(pod: dict[str, Any]) -> bool:
 def lease_holder(cluster: NodeCluster) -> str:
     out = cluster.kubectl("get", "lease", "modelcache-coordinator", "-n", NS, "-o", "json", check=False)
     return str(json.loads(out.stdout)["spec"].get("holderIdentity") or "") if out.returncode == 0 else ""
+
+
+#: Run in an agent container: PATCH another LocalModelNode's status with the pod's own token (the
+#: kubelet's projected ServiceAccount token, which names the pod's Node); prints the HTTP code and
+#: the API server's message.
+PATCH_OTHER = """
+import json, os, ssl, sys, urllib.error, urllib.request
+sa = "/var/run/secrets/kubernetes.io/serviceaccount"
+host = os.environ["KUBERNETES_SERVICE_HOST"]
+host = f"[{host}]" if ":" in host else host
+url = f"https://{host}:{os.environ['KUBERNETES_SERVICE_PORT']}/apis/serving.kserve.io/v1alpha1/localmodelnodes/"
+body = {"status": {"peer": {"endpoint": "10.6.6.6:8443", "certSHA256": "0" * 64}}}
+req = urllib.request.Request(url + sys.argv[1] + "/status", data=json.dumps(body).encode(), method="PATCH",
+                             headers={"Authorization": "Bearer " + open(sa + "/token").read().strip(),
+                                      "Content-Type": "application/merge-patch+json"})
+try:
+    urllib.request.urlopen(req, timeout=20, context=ssl.create_default_context(cafile=sa + "/ca.crt"))
+    print(json.dumps([200, ""]))
+except urllib.error.HTTPError as exc:
+    print(json.dumps([exc.code, json.loads(exc.read() or b"{}").get("message", "")]))
+"""
+
+
+def patch_status_from(cluster: NodeCluster, pod: dict[str, Any], node: str) -> tuple[int, str]:
+    out = cluster.kubectl("exec", "-n", NS, pod["metadata"]["name"], "-c", "agent", "--", "python", "-c",
+                          PATCH_OTHER, node).stdout
+    code, message = json.loads(out.strip().splitlines()[-1])
+    return int(code), str(message)
 
 
 def test_deploy_runs_as_pods(real_nodes: NodeCluster, image: Image, tmp_path: Path) -> None:
@@ -104,6 +133,17 @@ def test_deploy_runs_as_pods(real_nodes: NodeCluster, image: Image, tmp_path: Pa
         expected = f"{pod['status']['podIP']}:8443"
         wait_until(lambda expected=expected: endpoint() == expected, timeout=90,  # type: ignore[misc]
                    what=f"the peer endpoint of {pod['metadata']['name']}")
+
+    # Each node speaks only for itself (deploy/policies/node-status.yaml), with the token the kubelet
+    # gave the agent's pod: node-1's agent may not write node-2's status (its peer endpoint and pinned
+    # certificate, which the other agents trust as node-2's word).
+    by_node = {p["spec"]["nodeName"]: p for p in agents}
+    code, message = patch_status_from(real_nodes, by_node["node-1"], "node-2")
+    assert code == 403, (code, message)
+    assert ("LocalModelNode node-2: its status is written only from a pod on Node node-2; "
+            f"system:serviceaccount:{NS}:modelcache-agent runs on Node node-1") in message, message
+    node2 = json.loads(real_nodes.kubectl("get", "localmodelnode", "node-2", "-o", "json").stdout)
+    assert node2["status"]["peer"]["endpoint"] == f"{by_node['node-2']['status']['podIP']}:8443"
 
     # Probes: still Ready a while later, no container restarted (liveness passes too).
     time.sleep(25)

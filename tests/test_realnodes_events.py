@@ -1,7 +1,9 @@
 """What nodes do to us (issue 24, item 6), on real nodes with deploy/ installed as pods: a fresh
 node whose host folder does not exist yet, an agent pod deleted mid-download, a node cordoned and
 drained, a kubelet stopped and started again, a DaemonSet rolling update to a new image tag. The
-behaviour each shows is in docs/operations.md ("What nodes do").
+behaviour each shows is in docs/operations.md ("What nodes do"). Last, a model removed while a
+serving pod mounts it waits for that pod until its kubelet has stopped it (item 9: this was a
+process-based test that deleted the pod with grace 0 "as its kubelet would").
 
 There is no KServe in these clusters, so the S3 Secret's keys are spelled as KServe's code
 defaults read them (realnodes_util.s3_credentials)."""
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +21,20 @@ import pytest
 
 from modelcache.uri import storage_key
 from tests.cluster import cgroups
+from tests.cluster.images import static_image
 from tests.fixtures.image import Image
 from tests.fixtures.realnodes import NodeCluster
 from tests.helpers import unique, wait_until
 from tests.realnodes_util import (
     AGENT_PODS,
     install,
+    local_volume,
     model_cache,
     model_states,
     node_group,
     origin_for_pods,
     s3_credentials,
+    served_files,
     sha256_files,
     wait_downloaded,
 )
@@ -116,7 +122,7 @@ def test_a_fresh_host_folder_and_an_agent_pod_deleted_mid_download(real_nodes: N
         assert size <= total < size + at_delete // 2, (total, at_delete, size)
 
 
-def test_drain_a_stopped_kubelet_and_a_rolling_update_keep_the_models(real_nodes: NodeCluster, image: Image,
+def test_drain_a_stopped_kubelet_a_rolling_update_and_a_mounting_pod(real_nodes: NodeCluster, image: Image,
                                                                       tmp_path: Path) -> None:
     """A model on both nodes stays, the same files, with not one byte from the origin, through a
     drain of node-1, node-2's kubelet stopped (NotReady; the cache shows NodeNotReady; the
@@ -192,6 +198,47 @@ def test_drain_a_stopped_kubelet_and_a_rolling_update_keep_the_models(real_nodes
         wait_downloaded(real_nodes, "llm", timeout=60)
         assert {n: inodes(f) for n, f in folders.items()} == files  # the same files throughout
         assert origin.relay.bytes_from_origin == 0 and origin.relay.connections == 0
+
+        # A serving pod on node-1 reads the model through a volume of the node group (KServe's
+        # rewrite: the group's local PV, subPath models/<storageKey>); then the cache is deleted.
+        # node-2's copy goes at once; node-1's stays while the pod runs (the status names it) and
+        # goes once the pod's kubelet has stopped it and confirmed the deletion (no grace 0 here).
+        key = storage_key(uri)
+        real_nodes.kubectl("create", "namespace", "team")
+        apply(real_nodes, *local_volume("serving-llm", "team", "node-1", "/models"), serving_pod("team", key))
+        real_nodes.kubectl("wait", "-n", "team", "pod/serve", "--for=condition=Ready", "--timeout=180s", timeout=200)
+        log = real_nodes.kubectl("logs", "-n", "team", "serve").stdout
+        assert served_files(log) == digests, log
+        real_nodes.kubectl("delete", "localmodelcache", "llm", "--wait=false")
+        wait_until(lambda: not folders["node-2"].exists(), timeout=120, what="node-2's copy deleted")
+        manifest = Path(".modelcache") / "manifests" / f"{key}.json"
+        assert not (real_nodes.node("node-2").host_path("/models") / manifest).exists()
+
+        def kept_for_the_pod() -> bool:
+            status = get(real_nodes, "/apis/serving.kserve.io/v1alpha1/localmodelnodes/node-1").get("status") or {}
+            message = ((status.get("modelDetails") or {}).get("llm") or {}).get("message") or ""
+            return not status.get("modelStatus") and "team/serve" in message
+
+        wait_until(kept_for_the_pod, timeout=120, what="node-1's copy reported as kept for the pod")
+        assert inodes(folders["node-1"]) == files["node-1"]
+        ip = agent_pod(real_nodes, "node-1")["status"]["podIP"]
+        with urllib.request.urlopen(f"http://{ip}:8080/metrics", timeout=10) as resp:
+            assert "modelcache_agent_removals_waiting 1.0" in resp.read().decode()
+        real_nodes.kubectl("delete", "pod", "-n", "team", "serve", "--timeout=120s", timeout=150)
+        wait_until(lambda: not folders["node-1"].exists(), timeout=120, what="node-1's copy deleted after the pod")
+        assert not (real_nodes.node("node-1").host_path("/models") / manifest).exists()
+        real_nodes.kubectl("wait", "--for=delete", "localmodelcache/llm", "--timeout=120s", timeout=150)
+
+
+def serving_pod(namespace: str, key: str) -> dict[str, Any]:
+    """Our serving container on the claim, placed by the scheduler (the PV's node affinity)."""
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "serve", "namespace": namespace}, "spec": {
+        "containers": [{"name": "kserve-container", "image": static_image("serve").ref,
+                        "args": ["--model-name=llm", "--model-dir=/mnt/models", "--digest=sha256"],
+                        "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": 8080}, "periodSeconds": 1},
+                        "volumeMounts": [{"name": "kserve-pvc-source", "mountPath": "/mnt/models",
+                                          "subPath": f"models/{key}", "readOnly": True}]}],
+        "volumes": [{"name": "kserve-pvc-source", "persistentVolumeClaim": {"claimName": "serving-llm"}}]}}
 
 
 def _ready_condition(cluster: NodeCluster, node: str) -> str:

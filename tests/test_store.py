@@ -162,7 +162,9 @@ def test_cli_ls_verify_rm_gc_json(tmp_path):
     assert [e["storage_key"] for e in json.loads(g.stdout)["evicted"]] == [storage_key(str(src))]
     assert model.exists()
     r = run_cli("rm", str(src), "--root", root, "--json")
-    assert json.loads(r.stdout) == {str(src): True} and not model.exists()
+    # A list of objects, as every other --json output (was {"<uri>": true}).
+    assert json.loads(r.stdout) == [{"model": str(src), "storage_key": storage_key(str(src)), "removed": True,
+                                     "made_by_modelcache": True}] and not model.exists()
     assert json.loads(run_cli("ls", "--root", root, "--json").stdout) == []
 
 
@@ -268,8 +270,8 @@ def test_progress_keeps_same_named_files_of_two_models_apart(tmp_path):
     seen: list[tuple[str, ...]] = []
     orig = tracker.file_started
 
-    def spy(key: str, total: int | None, already: int = 0) -> None:
-        orig(key, total, already)
+    def spy(key: str, total: int | None, already: int = 0, resumable: bool = True) -> None:
+        orig(key, total, already, resumable)
         seen.append(tuple(f.path for f in tracker.snapshot().active))
 
     tracker.file_started = spy  # type: ignore[method-assign]

@@ -45,10 +45,15 @@ def _manifest(key: str = KEY) -> Manifest:
 
 
 def _seed(root: Path) -> NodeStore:
-    """A model of each on-disk kind: published, staged, under repair, only a repair pin."""
+    """A model of each on-disk kind: published, staged, under repair, only a repair pin; and a
+    folder this store did not make."""
     store = NodeStore.at(root)
     layout = NodeLayout(root)
     layout.model_dir(KEY).mkdir(parents=True)
+    layout.manifest_path(KEY).parent.mkdir(parents=True, exist_ok=True)
+    layout.manifest_path(KEY).write_text(_manifest(KEY).to_json())
+    (layout.model_dir("kserve-copy") / "w.bin").parent.mkdir(parents=True)
+    (layout.model_dir("kserve-copy") / "w.bin").write_bytes(b"x" * 1000)
     layout.staging_dir("1111111111111111").mkdir(parents=True)
     store.repair_download("2222222222222222")
     layout.model_dir("3333333333333333").mkdir(parents=True)
@@ -63,6 +68,8 @@ def test_disk_keys_and_has_see_staged_and_repairing_models(tmp_path: Path) -> No
     store = _seed(tmp_path / "root")
     assert store.disk_keys() == {KEY, "1111111111111111", "2222222222222222", "3333333333333333"}
     assert all(store.has(k) for k in store.disk_keys()) and not store.has("4444444444444444")
+    # A folder nothing of ours records is someone else's: not a key the agent would collect.
+    assert store.foreign() == ["kserve-copy"] and store.has("kserve-copy") and not store.made("kserve-copy")
     assert store.pinned_manifest("3333333333333333") == _manifest("3333333333333333")
 
 

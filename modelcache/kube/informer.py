@@ -15,10 +15,15 @@ meanwhile. Only failures without an answer (connection refused or reset, a timeo
 from the same version, and after a few of those in a row it relists too.
 
 A version in the server's future is not always answered with an error: the real API server's watch
-cache serves a plain watch from it by sending nothing at all (checked on v1.37). A quiet watch can
-be silent as well, so when one ends without a single event or bookmark the informer asks for the
-server's current version (a list of one item): if that is older than ours, the server's store went
-back in time (an etcd restore) and the informer relists.
+cache serves a plain watch from it by sending nothing at all (checked on v1.37), and once the
+restored store's ordinary writes (leases, events) carry its version past ours, events flow again
+and everything written in between is never sent. So the informer never trusts a resume blindly
+after the server's store may have changed:
+- after the server could not be reached (connection refused, a connect timeout: it restarted,
+  the way every etcd restore goes), the next successful connection relists;
+- before every watch it re-opens (the server's timeout ends each one: that is the periodic check,
+  every ``watch_timeout`` seconds) it asks for the server's current version (a list of one item);
+  if that is older than the version it has seen, the store went back in time and it relists.
 """
 
 from __future__ import annotations
@@ -141,6 +146,11 @@ class Store:
             objs = [self._items[k] for k in sorted(self._indices[name].get(value, ()))]
         return [copy.deepcopy(o) for o in objs] if copy_objects else objs
 
+    def count(self, name: str, value: str) -> int:
+        """How many objects ``value`` indexes under ``name`` (no list built)."""
+        with self._lock:
+            return len(self._indices[name].get(value, ()))
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
@@ -163,6 +173,21 @@ class Gone(WatchError):
 
 #: Resumed watches that fail in a row (no answer from the server) before the informer relists.
 RESUME_LIMIT = 5
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether a failure means the server could not be reached at all (refused, or no connection
+    within the connect timeout), as opposed to an answer or a connection lost mid-stream."""
+    import urllib3.exceptions as u3
+
+    seen: BaseException | None = exc
+    for _ in range(8):  # through MaxRetryError's reason and exception chains
+        if seen is None:
+            return False
+        if isinstance(seen, (u3.NewConnectionError, u3.ConnectTimeoutError, ConnectionRefusedError)):
+            return True
+        seen = seen.reason if isinstance(seen, u3.MaxRetryError) else (seen.__cause__ or seen.__context__)
+    return False
 
 
 def needs_relist(exc: BaseException) -> bool:
@@ -228,14 +253,13 @@ class Informer:
         self.synced = threading.Event()
         self.last_resource_version: str | None = None
         #: Counters a test or a metrics endpoint can read: lists done, watches opened, 410s seen.
-        self.stats = {"lists": 0, "watches": 0, "gone": 0, "errors": 0, "relists": 0}
+        self.stats = {"lists": 0, "watches": 0, "gone": 0, "errors": 0, "relists": 0, "went_back": 0}
         #: The last list/watch failure, one line (what a start-up that cannot sync reports).
         self.last_error = ""
         self._handlers: list[Handler] = []
         #: Set while the cache follows the server: after a list, and while a watch is open; cleared
         #: by any failure until the next list or watch succeeds (see :attr:`current`).
         self._current = threading.Event()
-        self._dropped = False  # drop_connection() ended the open watch, not the server
         self._stop = threading.Event()
         self._resp: Any = None
         self._thread: threading.Thread | None = None
@@ -274,7 +298,6 @@ class Informer:
     def drop_connection(self) -> None:
         """Close the open watch (as a network failure would); the loop resumes from the last version."""
         resp = self._resp
-        self._dropped = True
         if resp is not None:
             try:
                 resp.shutdown() if hasattr(resp, "shutdown") else resp.close()
@@ -287,6 +310,15 @@ class Informer:
         resumes = 0  # failed resumes of the watch in a row
         while not self._stop.is_set():
             try:
+                if not need_list and self._server_behind():
+                    # An etcd restore (or a lagging replica): what was written between the server's
+                    # version and ours will never come through a watch. Only a fresh list catches up.
+                    log.warning("%s: the server's current version is older than %s, where our watch stands "
+                                "(its store went back in time: an etcd restore?); relisting", self.resource.plural,
+                                self.last_resource_version)
+                    self.stats["relists"] += 1
+                    self.stats["went_back"] += 1
+                    need_list = True
                 if need_list:
                     self._list()
                     need_list = False
@@ -307,7 +339,14 @@ class Informer:
                 self.last_error = (f"HTTP {exc.status}: {' '.join(error_message(exc).split())[:300]}"
                                    if isinstance(exc, ApiException) else f"{type(exc).__name__}: {_one_line(exc)}")
                 resumes = 0 if need_list else resumes + 1
-                if not need_list and (needs_relist(exc) or resumes >= RESUME_LIMIT):
+                if not need_list and unreachable(exc):
+                    # The server went away: it may come back on another store (an etcd restore, a
+                    # failover), where our version means nothing. The first connection relists.
+                    need_list = True
+                    self.stats["relists"] += 1
+                    log.warning("%s: the API server cannot be reached (%s); relisting once it answers",
+                                self.resource.plural, _one_line(exc))
+                elif not need_list and (needs_relist(exc) or resumes >= RESUME_LIMIT):
                     # The server cannot (or, after several tries, does not) serve a watch from our
                     # version: only a fresh list catches up (client-go's reflector does the same).
                     need_list = True
@@ -429,23 +468,18 @@ class Informer:
             # A read timeout longer than the server's keeps a silently dead connection from hanging us.
             _request_timeout=(10, self.watch_timeout + 30),
         )
-        self._dropped = False
         self._resp = resp = self.kube.watch_response(self.resource, self.namespace, **query)
         self.stats["watches"] += 1
         self._current.set()
-        received, ended = 0, False
+        ended = False
         try:
             if self._stop.is_set():  # stop() ran while we were connecting and found no response to close
                 return
             for line in _lines(resp):
                 if self._stop.is_set():
                     return
-                received += 1
                 self._event(json.loads(line))
             ended = True
-            if not received and not self._dropped and not self._stop.is_set() and self._server_behind():
-                raise WatchError(0, f"the server's current version is older than {self.last_resource_version}, "
-                                    "where our watch stands (an etcd restore?)")
         except Exception:
             if self._stop.is_set():
                 return

@@ -1,6 +1,6 @@
 """Typed views of the ``serving.kserve.io/v1alpha1`` objects we read and write.
 
-Field names are KServe's exactly (shared/KSERVE-CONTRACTS.md §1); the fields KServe does not
+Field names are KServe v0.20's exactly (its ``pkg/apis/serving/v1alpha1``; docs/crds.md); the fields KServe does not
 have (``modelDetails``, ``capacity``, ``modelCounts``, ``conditions``, ...) are optional
 additions declared in deploy/crds/. Every class round-trips: ``X.from_dict(d).to_dict()``
 keeps unknown keys, so writing back an object never drops what another writer put there.
@@ -75,6 +75,16 @@ def label_value(name: str) -> str:
         return name
     digest = hashlib.sha256(name.encode()).hexdigest()[:12]
     return f"{name[:50].rstrip('-.')}-{digest}"
+
+
+#: A LocalModelNode carries ``nodegroup.modelcache.io/<group>: "true"`` for each node group its
+#: entries name (written by the coordinator with the entries): agents watch only their groups'
+#: LocalModelNodes (agent/peering.py), so a status write reaches its group, not the cluster.
+NODE_GROUP_LABEL_PREFIX = "nodegroup.modelcache.io/"
+
+
+def node_group_label(group: str) -> str:
+    return NODE_GROUP_LABEL_PREFIX + label_value(group)
 
 
 def status_key(model_name: str, namespace: str | None = None) -> str:

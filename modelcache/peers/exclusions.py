@@ -1,13 +1,14 @@
 """Peers this node found lying, kept across downloads and restarts (docs/peers.md, "Trust
 nothing from a peer").
 
-A peer is excluded when it sent bytes that do not match its own word, or said a piece had a
-hash other than the one the origin's bytes have (we read that piece from the origin, or fetched
-the file again after its checksum failed). It is not asked anything again, by any download,
-for ``ttl`` (a day by default: a node repaired by its operator comes back by itself; one still
-lying is excluded again at its first piece). The list lives in the store (``<root>/.modelcache/
-peers/excluded.json``) and the agent publishes it in its LocalModelNode status, where other
-nodes read it and skip those peers too.
+A peer is excluded when it sent bytes that do not match its own word, or said it read a piece
+from the origin with a hash other than the one the origin's bytes have (we read that piece from
+the origin, or fetched the file again after its checksum failed); one that only passed a piece
+on is excluded for a wrong hash only when no witness vouched for it (plan.py, ``settle``). It is
+not asked anything again, by any download, for ``ttl`` (a day by default: a node repaired by its
+operator comes back by itself; one still lying is excluded again at its first piece). The list
+lives in the store (``<root>/.modelcache/peers/excluded.json``) and the agent publishes it in its
+LocalModelNode status, where other nodes read it and skip those peers too.
 """
 
 from __future__ import annotations

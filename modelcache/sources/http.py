@@ -122,8 +122,12 @@ class HTTPSource(Source):
         self.hints = Hints(
             auth="the server refused the user and password written in the URI (sent as basic auth); check them"
                  if location.basic_auth is not None else
-                 f"set request headers in the env variable '{location.host}-headers' (JSON, e.g. "
-                 '{"Authorization": "Bearer ..."})',
+                 # KServe's variable name (<host>-headers) is not one a shell can `export`: show the
+                 # `env` form that works, and basic auth in the URI, which needs no variable at all.
+                 "send credentials: put USER:PASSWORD@ before the host in the URI (sent as basic auth), or set "
+                 f"""request headers in the variable '{location.host}-headers' (JSON; a """
+                 f"""shell cannot export that name: env '{location.host}-headers={{"Authorization": "Bearer ..."}}' """
+                 "modelcache pull ...)",
             denied="the credentials do not allow reading it",
             missing="check the URL",
         )
@@ -197,11 +201,12 @@ class HTTPSource(Source):
         seen = self._look()
         checksums = seen.checksums
         if not seen.ranged and seen.size:
-            log.info("%s: the server ignores Range (HTTP 200 to a ranged request): one stream instead of parallel "
-                     "ranged reads, and an interrupted download of its %s starts over from byte 0",
-                     self.where, human_bytes(seen.size))
+            # A warning (the CLI shows warnings): an interrupted pull of this file cannot resume.
+            log.warning("%s: the server ignores Range (HTTP 200 to a ranged request): one stream instead of parallel "
+                        "ranged reads, and an interrupted download of its %s starts over from byte 0",
+                        self.where, human_bytes(seen.size))
         if self.loc.pinned:
-            pin = Checksum(*self.loc.pinned)
+            pin = Checksum(*self.loc.pinned, params=(("from", "uri"),))  # named as the cause if it never matches
             checksums = [c for c in checksums if c.algo != pin.algo] + [pin]
         etag, modified = seen.etag, seen.modified
         if etag and not etag.startswith("W/"):

@@ -120,6 +120,13 @@ def make_client(cfg: S3Settings, pool: int) -> tuple[Any, Any]:
             "else the CA bundle ConfigMap's cabundle.crt (CA_BUNDLE_CONFIGMAP_NAME), must be a PEM file mounted in "
             "the container; S3 needs it, other backends keep the default trust store"
         )
+    if cfg.endpoint_url and not re.match(r"(?i)https?://", cfg.endpoint_url):
+        # botocore's own refusal is a bare ValueError('Invalid endpoint: ...') naming no variable.
+        shown = redact_uri(cfg.endpoint_url)
+        raise SourceError(
+            f"the S3 endpoint {shown!r} (AWS_ENDPOINT_URL, or the storage spec's endpoint_url) has no scheme: write "
+            f"it as http://{shown} or https://{shown}"
+        )
     verify: bool | str | None = False if not cfg.verify else (cfg.ca_bundle or None)
     client = session.client("s3", endpoint_url=cfg.endpoint_url, verify=verify, config=config)
     return client, None if cfg.anonymous else session.get_credentials()
@@ -325,9 +332,10 @@ class S3Source(Source):
         if isinstance(exc, ModelcacheError):
             return exc
         if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+            how = (f"check {self.settings.credentials_from}" if self.settings.credentials_from else
+                   "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or the storage-spec secret)")
             return AuthError(
-                f"no AWS credentials for {where}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or the "
-                "storage-spec secret), use IRSA, or awsAnonymousCredential=true for a public bucket"
+                f"{where}: no AWS credentials: {how}, use IRSA, or awsAnonymousCredential=true for a public bucket"
             )
         if isinstance(exc, SSLError):
             return SourceError(
@@ -356,10 +364,9 @@ class S3Source(Source):
         """An S3 error code (from the SDK or a GET's XML body) as one line."""
         bucket = self.loc.bucket
         if code in _AUTH_CODES:
-            return AuthError(
-                f"S3 rejected the credentials for {where} ({code}): check AWS_ACCESS_KEY_ID / "
-                "AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN (or the storage-spec secret) and the region"
-            )
+            how = self.settings.credentials_hint(
+                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN (or the storage-spec secret)")
+            return AuthError(f"S3 rejected the credentials for {where} ({code}): {how} and the region")
         if code == "NoSuchBucket":
             return NotFoundError(
                 f"S3 bucket '{bucket}' does not exist ({where}): check the bucket name, the endpoint "

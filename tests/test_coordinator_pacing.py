@@ -1,0 +1,95 @@
+"""The coordinator's write budget at scale, without a cluster: cache status pacing
+(coordinator/pacing.py), the events that urge a cache's status, the index that tells whether
+members still report, and the node-group labels agents watch their peers by.
+bench/coordinator_scale.py measures what these save on the real control plane."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coordinator.controllers import lost_or_failed
+from coordinator.nodes import group_labels, group_labels_differ
+from coordinator.pacing import StatusPacer
+from coordinator.view import pending_cache_keys
+from modelcache.kube.informer import Store
+from modelcache.kube.types import node_group_label
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_is_paced_across_caches_and_what_matters_is_not() -> None:
+    clock = Clock()
+    pacer = StatusPacer(rate=0.5, min_interval=1.0, window=30.0, clock=clock)
+    assert pacer.wait("a", progress=True) == 0  # a first write goes at once
+    pacer.wrote("a")
+    clock.now += 1.0
+    # Alone, a cache reporting progress writes every 1 / rate seconds.
+    assert pacer.wait("a", progress=True) == 1.0
+    clock.now += 1.0
+    assert pacer.wait("a", progress=True) == 0
+    pacer.wrote("a")
+    # 20 caches reporting at once share the pace: each every 20 / 0.5 = 40 s.
+    for i in range(19):
+        assert pacer.wait(f"c{i}", progress=True) == 0
+        pacer.wrote(f"c{i}")
+    assert pacer.interval() == 40.0
+    clock.now += 5
+    assert pacer.wait("a", progress=True) == 35.0
+    # The last member reported (nothing pending): only the 1 s between two writes applies.
+    assert pacer.wait("a", progress=False) == 0
+    pacer.wrote("a")
+    clock.now += 0.5
+    assert pacer.wait("a", progress=False) == 0.5
+    # A copy lost urges the cache: its next write is not paced, once.
+    clock.now += 1.0
+    pacer.urge(["a"])
+    assert pacer.wait("a", progress=True) == 0
+    pacer.wrote("a")
+    clock.now += 1.0
+    assert pacer.wait("a", progress=True) > 30
+    # Caches that stopped asking stop counting after the window.
+    clock.now += 31
+    assert pacer.wait("a", progress=True) == 0 and pacer.interval() == 2.0
+    pacer.forget("a")
+    assert pacer.wait("a", progress=True) == 0
+
+
+def lmn(models: dict[str, str | None], **status: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "n1"},
+            "spec": {"localModels": [{"modelName": m, "sourceModelUri": f"s3://b/{m}", "nodeGroup": "g"}
+                                     for m in models]},
+            "status": {"modelStatus": {m: s for m, s in models.items() if s}, **status}}
+
+
+def test_pending_index_counts_entries_not_yet_done_or_failed() -> None:
+    store = Store({"pending": pending_cache_keys})
+    store.put(lmn({"a": None, "b": "ModelDownloading", "c": "ModelDownloaded", "d": "ModelDownloadError"}))
+    assert [store.count("pending", k) for k in "abcd"] == [1, 1, 0, 0]
+    store.put(lmn({"a": "ModelDownloaded", "b": "ModelDownloaded"}))
+    assert store.count("pending", "a") == store.count("pending", "b") == 0
+
+
+def test_copies_lost_and_failures_urge_progress_does_not() -> None:
+    was = lmn({"a": "ModelDownloaded", "b": "ModelDownloading", "c": "ModelDownloading"})
+    now = lmn({"a": "ModelDownloading", "b": "ModelDownloadError", "c": "ModelDownloaded"})
+    assert lost_or_failed("MODIFIED", now, was) == ["a", "b"]
+    assert lost_or_failed("MODIFIED", was, lmn({"a": None, "b": None, "c": None})) == []
+    assert lost_or_failed("DELETED", was, None) == ["a"]  # a copy went with the object
+
+
+def test_local_model_nodes_are_labelled_by_the_groups_of_their_entries() -> None:
+    models = [{"modelName": "a", "nodeGroup": "gpu"}, {"modelName": "b", "nodeGroup": "gpu"},
+              {"modelName": "c", "nodeGroup": "x" * 200}]
+    labels = group_labels(models)
+    assert labels == {"nodegroup.modelcache.io/gpu": "true", node_group_label("x" * 200): "true"}
+    assert all(len(k.split("/")[1]) <= 63 for k in labels)  # a long group name is hashed to fit
+    obj = {"metadata": {"labels": {**labels, "team": "a"}}}
+    assert not group_labels_differ(obj, models)
+    assert group_labels_differ(obj, models[:1])
+    assert group_labels_differ({"metadata": {}}, models)
