@@ -53,6 +53,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+#: Hashes a node may claim, as a witness, for one piece (plan.claims): the truth and a lie.
+MAX_CLAIMS = 2
 #: Read-from-a-peer strikes (deadline missed) after which a peer is not asked again this download.
 SLOW_STRIKES = 2
 #: Seconds a peer is left alone after a slow read, a refused credential, a piece that went past
@@ -344,7 +346,7 @@ class Plan:
         wrong = None
         for ci, piece, hexdigest, origin in pieces:
             if origin:
-                self.claims.setdefault((ci, piece), {}).setdefault(hexdigest, set()).add(state.name)
+                self.claim(state.name, ci, piece, hexdigest)
             ours = self.read_from_origin.get((ci, piece))
             if (ours is not None and ours != hexdigest and wrong is None
                     and not self.relayed(state.name, ci, piece, hexdigest, origin)):
@@ -665,6 +667,14 @@ class Plan:
                 if liars:
                     return f"piece {piece} came on the word of {', '.join(liars)}, found lying since"
         return None
+
+    def claim(self, name: str, ci: int, piece: int, value: str) -> None:
+        """``name`` says it read the piece from the origin and it has sha-256 ``value``. Two hashes
+        per node and piece are kept at most (the origin's bytes have one: a second is a lie, which
+        is all settle needs): a peer cannot grow this by changing its word at every poll."""
+        said = self.claims.setdefault((ci, piece), {})
+        if name not in said.get(value, ()) and sum(name in names for names in said.values()) < MAX_CLAIMS:
+            said.setdefault(value, set()).add(name)
 
     def relayed(self, name: str, ci: int, piece: int, value: str, origin: bool) -> bool:
         """Whether ``name`` only passed on ``value`` for the piece: it is no witness of it, and
