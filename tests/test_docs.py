@@ -415,3 +415,11 @@ def test_nothing_cites_a_file_a_clone_does_not_have() -> None:
              for n, line in enumerate((REPO / name).read_text(errors="replace").splitlines(), 1)
              for m in [_OUTSIDE.search(line)] if m]
     assert found == []
+
+
+def test_the_docs_index_lists_every_page() -> None:
+    """docs/README.md sends each reader to every page of docs/, and names none that is gone."""
+    text = (REPO / "docs" / "README.md").read_text()
+    listed = set(re.findall(r"\]\(([a-z0-9-]+\.md)\)", text))
+    pages = {p.name for p in (REPO / "docs").glob("*.md") if p.name != "README.md"}
+    assert sorted(pages - listed) == [] and sorted(listed - pages) == []
