@@ -360,7 +360,7 @@ def _serve(cfg: AgentConfig, healthy: Callable[[], bool], ready: Callable[[], bo
         server = HealthServer(cfg.host, cfg.port, healthy, ready, metrics, name="agent").start()
     except OSError as exc:
         raise listen_error(exc, cfg.host, cfg.port, "--port", "--host") from None
-    log.info("serving health and metrics", extra=fields(port=server.port))
+    log.info("serving health and metrics", extra=fields(host=cfg.host, port=server.port))
     return server
 
 

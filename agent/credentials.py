@@ -89,7 +89,7 @@ S3_OPTIONS = (
     S3Option("s3-useanoncredential", "awsAnonymousCredential", "s3UseAnonymousCredential"),
     S3Option("s3-cabundle", "AWS_CA_BUNDLE", "s3CABundle"),
 )
-#: Annotation spellings accepted besides KServe's (DESIGN.md: both are in use).
+#: Annotation spellings accepted besides KServe's (both spellings are in use in KServe's docs and users' Secrets).
 ANNOTATION_ALIASES = {"s3-verifyssl": ("s3-verify-ssl",)}
 #: Secret data keys copied to the same environment variable.
 PLAIN_KEYS = (

@@ -67,6 +67,18 @@ def pruned_by_another_schema(ours: dict[str, Any], kept: dict[str, Any], fields:
     return any((k in kept) != (k in fields) for k, v in ours.items() if v is not None)
 
 
+def entry_groups(lmn: dict[str, Any] | None) -> frozenset[str] | None:
+    """The node groups a LocalModelNode's entries name; None when an entry names none (written by
+    another controller: its peers cannot be told by group)."""
+    groups = set()
+    for entry in ((lmn or {}).get("spec") or {}).get("localModels") or []:
+        group = entry.get("nodeGroup") if isinstance(entry, dict) else None
+        if not group:
+            return None
+        groups.add(str(group))
+    return frozenset(groups)
+
+
 class KubeRunner:
     def __init__(self, agent: Agent, kube: Kube, paths: RootPaths | None = None) -> None:
         self.agent, self.kube = agent, kube
@@ -121,6 +133,10 @@ class KubeRunner:
             # As KServe's agent: a missing LocalModelNode means nothing to do; files stay.
             log.info("LocalModelNode deleted; keeping the models", extra=fields(node=self.node))
             return
+        if self.agent.peering is not None:
+            # Peers are looked for in our entries' node groups only (before the entries start
+            # downloads: a download's first look at the directory finds its group's watch open).
+            self.agent.peering.directory.scope(entry_groups(obj))
         if self.synced.is_set():
             if fresh:
                 self.refresh_node_uid()  # a new LocalModelNode: its Node may be new as well

@@ -8,8 +8,12 @@
   one into the pod; ``--peer-token-file``), sent with every request. The server checks each new
   token with a TokenReview for that audience and accepts only the identity of its own token
   (the agents' ServiceAccount); verdicts are cached for a minute.
-- **Directory**: every LocalModelNode, watched; a peer for a model is a node whose spec or status
-  has the same storage key, with a ``status.peer`` endpoint, not in error for it.
+- **Directory**: the LocalModelNodes of our node groups, watched (one watch per group, by the
+  ``nodegroup.modelcache.io/<group>`` label the coordinator writes with the entries; every
+  LocalModelNode only while an entry of ours names no group); a peer for a model is a node whose
+  spec or status has the same storage key, with a ``status.peer`` endpoint, not in error for it.
+  So a node's status write reaches the members of its groups, not every agent of the cluster, and
+  each agent keeps its groups' objects, not the cluster's (bench/peer_directory.py measures both).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from agent.metrics import AgentMetrics
 from modelcache.clock import rfc3339
 from modelcache.kube.client import LOCAL_MODEL_NODES, NODES, Kube
 from modelcache.kube.informer import Informer
-from modelcache.kube.types import MODEL_DOWNLOAD_ERROR, MODEL_DOWNLOADED
+from modelcache.kube.types import MODEL_DOWNLOAD_ERROR, MODEL_DOWNLOADED, node_group_label
 from modelcache.peers.client import PeerClient, PeerInfo, TokenFile
 from modelcache.peers.network import PeerNetwork
 from modelcache.peers.server import (
@@ -198,20 +202,77 @@ def directory_essentials(lmn: dict[str, Any]) -> dict[str, Any]:
 
 
 class Directory:
-    """Who holds or fetches a model, from every LocalModelNode (one informer, lean objects)."""
+    """Who holds or fetches a model, from the LocalModelNodes of our node groups (one informer per
+    group, lean objects), or from every LocalModelNode while our groups are not known by name."""
 
-    def __init__(self, kube: Kube, me: str) -> None:
-        self.me = me
+    def __init__(self, kube: Kube, me: str, sync_wait: float = 5.0) -> None:
+        self.kube, self.me = kube, me
+        #: Every LocalModelNode: used while ``groups`` is None (started by ``scope``).
         self.informer = Informer(kube, LOCAL_MODEL_NODES, transform=directory_essentials)
+        #: Our node groups (``scope``); None: not known by name, every LocalModelNode is watched.
+        self.groups: frozenset[str] | None = None
+        self.scoped: dict[str, Informer] = {}
+        #: Seconds ``peers`` waits for a group's first list (a download starts as its entry arrives,
+        #: with the group's watch: without the wait it would see no peer and read the origin).
+        self.sync_wait = sync_wait
+        self._lock = threading.Lock()
+        self._stopped = False
         #: Nodes we excluded ourselves (set by Peering: the network's list).
         self.excluded: Callable[[str], bool] = lambda node: False
+
+    def scope(self, groups: frozenset[str] | None) -> None:
+        """Watch the LocalModelNodes of ``groups`` (our entries' node groups), and no other."""
+        stop: list[Informer] = []
+        with self._lock:
+            if self._stopped:
+                return
+            if groups is None:
+                if not self.informer.started:
+                    self.informer.start()
+                stop, self.scoped = list(self.scoped.values()), {}
+            else:
+                if self.informer.started:
+                    stop.append(self.informer)
+                    self.informer = Informer(self.kube, LOCAL_MODEL_NODES, transform=directory_essentials)
+                for group in set(self.scoped) - groups:
+                    stop.append(self.scoped.pop(group))
+                for group in sorted(groups - set(self.scoped)):
+                    self.scoped[group] = Informer(self.kube, LOCAL_MODEL_NODES,
+                                                  label_selector=f"{node_group_label(group)}=true",
+                                                  transform=directory_essentials).start()
+            if groups != self.groups:
+                log.info("peer directory", extra=fields(groups=",".join(sorted(groups)) if groups is not None
+                                                        else "(all LocalModelNodes)"))
+            self.groups = groups
+        for informer in stop:
+            informer.stop(timeout=0)  # not joined: called from the agent's own watch
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            informers = [self.informer, *self.scoped.values()]
+        for informer in informers:
+            if informer.started:
+                informer.stop()
+
+    def objects(self) -> list[dict[str, Any]]:
+        """The LocalModelNodes we know (each once: a node in two of our groups is in both watches)."""
+        with self._lock:
+            informers = list(self.scoped.values()) if self.groups is not None else [self.informer]
+        seen: dict[str, dict[str, Any]] = {}
+        for informer in informers:
+            if informer.started:
+                informer.wait_for_sync(self.sync_wait)
+            for obj in informer.store.list(copy_objects=False):
+                seen.setdefault((obj.get("metadata") or {}).get("name", ""), obj)
+        return list(seen.values())
 
     def vetoed(self, mine: Callable[[str], bool] = lambda node: False) -> set[str]:
         """Nodes another node excluded (its ``status.peer.excluded``: its word, which only it may
         write): skipped by us too. The word of a node we excluded ourselves does not count. A
         node can so make others skip a peer, which costs origin bytes, never a wrong one."""
         out: set[str] = set()
-        for obj in self.informer.store.list(copy_objects=False):
+        for obj in self.objects():
             name = (obj.get("metadata") or {}).get("name", "")
             if name == self.me or mine(name):
                 continue
@@ -223,7 +284,7 @@ class Directory:
     def peers(self, key: str) -> list[PeerInfo]:
         out = []
         vetoed = self.vetoed(self.excluded)
-        for obj in self.informer.store.list(copy_objects=False):
+        for obj in self.objects():
             name = (obj.get("metadata") or {}).get("name", "")
             status = obj.get("status") or {}
             peer = status.get("peer") or {}
@@ -313,8 +374,7 @@ class Peering:
         self.metrics.peer_rejected.labels(reason=reason).inc()
 
     def start(self) -> Peering:
-        identity = self.reviewer.learn_identity(self.token())
-        self.directory.informer.start()
+        identity = self.reviewer.learn_identity(self.token())  # the directory starts with our groups (scope)
         self.server.start()
         log.info("peer transfer on", extra=fields(endpoint=self.endpoint, zone=self.zone, identity=identity,
                                                   max_uploads=self.cfg.peer_max_uploads,
@@ -323,7 +383,7 @@ class Peering:
 
     def stop(self) -> None:
         self.server.stop()
-        self.directory.informer.stop()
+        self.directory.stop()
         self.network.client.close()
 
     # ---- status ------------------------------------------------------------------------------

@@ -72,6 +72,9 @@ from modelcache.startup import env_for_every_flag, run_command
 @click.option("--missing-group-grace", type=click.FloatRange(min=0), default=None,
               help="seconds a deleted node group's nodes keep its models (default: until the group "
                    "returns or the cache stops listing it, as KServe)")
+@click.option("--deleted-node-grace", type=click.FloatRange(min=0), default=15.0, show_default=True,
+              help="seconds a deleted Node keeps its LocalModelNode (and so its models' entries) in case it "
+                   "registers again; then the LocalModelNode is deleted (KServe never deletes it)")
 @click.option("--log-level", default="INFO",
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.option("--log-format", type=click.Choice(["logfmt", "json"]), default="logfmt", show_default=True,
@@ -83,7 +86,7 @@ def cli(kubeconfig: str | None, webhook_cert_secret: str | None, webhook_service
          host: str, port: int, leader_election: bool, lease_name: str, lease_namespace: str, identity: str,
          lease_duration: float, renew_deadline: float, retry_period: float, mutate_isvc: bool,
          pod_rewrite: str, pod_failure_policy: str, workers: int, discovery_interval: float,
-         missing_group_grace: float | None, log_level: str, log_format: str) -> None:
+         missing_group_grace: float | None, deleted_node_grace: float, log_level: str, log_format: str) -> None:
     """Run the modelcache coordinator."""
     setup_logging(log_format, log_level)  # the agent's format: one for every long-running process
     cfg = Config(
@@ -95,7 +98,8 @@ def cli(kubeconfig: str | None, webhook_cert_secret: str | None, webhook_service
         self_signed=self_signed, host=host, port=port, leader_election=leader_election, lease_name=lease_name,
         lease_namespace=lease_namespace, identity=identity, mutate_isvc=mutate_isvc, pod_rewrite=pod_rewrite == "on",
         pod_fail_closed=pod_failure_policy == "Fail", workers=workers, discovery_interval=discovery_interval,
-        missing_group_grace=missing_group_grace, lease_duration=lease_duration, renew_deadline=renew_deadline,
+        missing_group_grace=missing_group_grace, deleted_node_grace=deleted_node_grace,
+        lease_duration=lease_duration, renew_deadline=renew_deadline,
         retry_period=retry_period,
     )
     coordinator = Coordinator(cfg)  # a KubeConfigError is a StartupError: one line, exit 2

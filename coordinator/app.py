@@ -86,6 +86,8 @@ class Config:
     discovery_interval: float = 30.0
     #: Seconds a vanished node group's members keep their entries (None: until it returns, as KServe).
     missing_group_grace: float | None = None
+    #: Seconds a deleted Node keeps its LocalModelNode, in case it registers again (coordinator.grace).
+    deleted_node_grace: float = 15.0
 
 
 class Coordinator:
@@ -128,7 +130,8 @@ class Coordinator:
         if self._source is not None:  # after the ports: each start-up problem is named by its own flag
             check_api_server(self.kube.api_client, self._source)
         self.view = ClusterView.build(self.kube, watch_timeout=self.cfg.watch_timeout,
-                                      missing_group_grace=self.cfg.missing_group_grace)
+                                      missing_group_grace=self.cfg.missing_group_grace,
+                                      deleted_node_grace=self.cfg.deleted_node_grace)
         self.wiring = controllers.build_wiring(
             self.view, EventRecorder(self.kube, "modelcache-coordinator", self.cfg.identity),
             controllers.Options(mutate_services=self.cfg.mutate_isvc, workers=self.cfg.workers,

@@ -55,3 +55,32 @@ class MissingGroups:
             left = [since + self.grace - now for since in self._since.values()]
         pending = [t for t in left if t > 0]
         return min(pending) + 0.05 if pending else None
+
+
+class GoneNodes:
+    """A deleted Node keeps its LocalModelNode for a grace period, in case it registers again.
+
+    The LocalModelNode is the only record of which entries a node had: the entries a vanished
+    group's nodes keep (MissingGroups) are kept because they are on it. Deleted at once, a Node
+    deleted and registered again (``kubectl delete node`` and a kubelet restart) while one of its
+    groups is missing for a moment (a GitOps prune) got a fresh LocalModelNode without that
+    group's entries, and its agent deleted those models (tests/test_chaos.py found it). Meanwhile
+    nothing of the LocalModelNode changes: there is no Node to compute its entries for.
+    """
+
+    def __init__(self, grace: float = 15.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.grace = grace
+        self._clock = clock
+        self._since: dict[str, float] = {}  # node -> when we first saw it gone
+        self._lock = threading.Lock()
+
+    def left(self, node: str) -> float:
+        """Seconds until the gone Node's LocalModelNode may be deleted (0: now)."""
+        with self._lock:
+            since = self._since.setdefault(node, self._clock())  # gone since we first looked, at least
+        return max(0.0, since + self.grace - self._clock())
+
+    def forget(self, node: str) -> None:
+        """The Node is there (again), or its LocalModelNode is gone: the next absence starts anew."""
+        with self._lock:
+            self._since.pop(node, None)

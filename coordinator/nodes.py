@@ -10,7 +10,9 @@ written in one request: with 50 caches on 500 nodes that is one write per node, 
   KServe does, for ``--missing-group-grace`` (default: until the group returns; coordinator.grace);
 * otherwise (not a member, cache deleted or being deleted) -> no entry. "Deleted" means gone
   from the API server, not only from our informer (which can lag): a live read confirms it.
-A deleted Node's LocalModelNode is deleted (KServe orphans it, kserve#6159). The node carries
+A deleted Node's LocalModelNode is deleted once the Node has been gone for ``--deleted-node-grace``
+(KServe orphans it, kserve#6159; a Node registered again within the grace keeps it, with the
+entries a vanished group's nodes keep: coordinator.grace.GoneNodes). The node carries
 ``downloaded.modelcache.io/<storageKey>`` exactly for the models its agent reports
 ModelDownloaded (the pod webhook places serving pods by these labels). The LocalModelNode carries
 ``nodegroup.modelcache.io/<group>`` for each group its entries name, written with the entries (no
@@ -110,9 +112,14 @@ class NodeReconciler:
         lmn = self.view.lmns.store.get(key)
         if node is None:
             if lmn is not None:
+                left = self.view.gone.left(key)
+                if left > 0:  # it may register again: keep what the LocalModelNode says (coordinator.grace)
+                    return Result(requeue_after=left + 0.05)
                 metrics.wrote("LocalModelNode", "delete", self.kube.delete(LOCAL_MODEL_NODES, key) or None)
                 log.info("node %s is gone: deleted its LocalModelNode", key)
+            self.view.gone.forget(key)
             return Result()
+        self.view.gone.forget(key)
         lmn = self.sync_entries(key, lmn, node)
         patch = nodelabels.label_patch(node, nodelabels.downloaded_labels(lmn, reports.node_uid(node)))
         if patch:

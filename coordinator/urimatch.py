@@ -1,4 +1,4 @@
-"""Which cache serves a model URI, by KServe's rules (shared/KSERVE-CONTRACTS.md §4).
+"""Which cache serves a model URI, by KServe v0.20's rules, as its pod mutator applies them.
 
 Namespace caches in the service's namespace are tried first, then cluster caches, each in
 name order (the API's list order); the first whose URI matches wins. A match is: equal after

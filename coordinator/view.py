@@ -17,7 +17,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from coordinator.grace import MissingGroups
+from coordinator.grace import GoneNodes, MissingGroups
 from coordinator.membership import Member, place
 from coordinator.nodelabels import LABEL_PREFIX
 from coordinator.nodeselector import node_ready
@@ -173,6 +173,8 @@ class ClusterView:
     extra: list[Informer] = field(default_factory=list)
     #: When node groups went missing: their members' entries are kept meanwhile (coordinator.grace).
     missing: MissingGroups = field(default_factory=MissingGroups)
+    #: When Nodes were seen deleted: their LocalModelNodes are kept meanwhile (coordinator.grace).
+    gone: GoneNodes = field(default_factory=GoneNodes)
     _watch_timeout: int = 300
     #: Bumped after any node or group change that can alter membership (see members()).
     _epoch: int = 0
@@ -181,7 +183,7 @@ class ClusterView:
 
     @classmethod
     def build(cls, kube: Kube, watch_timeout: int = 300, with_services: bool = True,
-              missing_group_grace: float | None = None) -> ClusterView:
+              missing_group_grace: float | None = None, deleted_node_grace: float = 15.0) -> ClusterView:
         def inf(res: Resource, **kw: Any) -> Informer:
             return Informer(kube, res, watch_timeout=watch_timeout, retry_delay=1.0, **kw)
 
@@ -198,6 +200,7 @@ class ClusterView:
                      indexers={BY_CACHE: volume_cache_keys}),
         )
         view.missing = MissingGroups(missing_group_grace)
+        view.gone = GoneNodes(deleted_node_grace)
         view.nodes.add_handler(view._bump_if_membership)
         view.groups.add_handler(view.missing.observe)
         view.groups.add_handler(view._bump)

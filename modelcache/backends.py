@@ -21,6 +21,9 @@ class Backend:
     location: str  # "module:Class" of its Location (":Class": in the Source's module)
     prefixes: tuple[str, ...] = ()  # URI prefixes, for a Location outside uri.py
     form: str = ""  # the accepted URI form shown in errors (default: the first prefix)
+    #: "module:function" building its settings from the environment snapshot (``Settings.for_kind``),
+    #: called on the first use of that backend in a pull ("": it reads only the shared HTTP settings).
+    settings: str = ""
 
     def __post_init__(self) -> None:
         if self.location.startswith(":"):
@@ -29,15 +32,20 @@ class Backend:
             object.__setattr__(self, "form", f"{self.prefixes[0]}...")
 
 
+_C = "modelcache.credentials:"
+
 BACKENDS: dict[str, Backend] = {
-    "s3": Backend("modelcache.sources.s3:S3Source", "modelcache.uri:S3Location"),
-    "gcs": Backend("modelcache.sources.gcs:GCSSource", "modelcache.uri:GCSLocation"),
-    "azure": Backend("modelcache.sources.azure:AzureBlobSource", "modelcache.uri:AzureBlobLocation"),
-    "hf": Backend("modelcache.sources.hf:HFSource", "modelcache.uri:HFLocation"),
-    "oci": Backend("modelcache.sources.oci:OCISource", "modelcache.uri:OCILocation"),
-    "hdfs": Backend("modelcache.sources.hdfs:HDFSSource", "modelcache.uri:HDFSLocation"),
-    "pvc": Backend("modelcache.sources.local:LocalSource", "modelcache.uri:PVCLocation"),
-    "local": Backend("modelcache.sources.local:LocalSource", "modelcache.uri:LocalLocation"),
+    "s3": Backend("modelcache.sources.s3:S3Source", "modelcache.uri:S3Location", settings=_C + "s3_from_env"),
+    "gcs": Backend("modelcache.sources.gcs:GCSSource", "modelcache.uri:GCSLocation", settings=_C + "gcs_from_env"),
+    "azure": Backend("modelcache.sources.azure:AzureBlobSource", "modelcache.uri:AzureBlobLocation",
+                     settings=_C + "azure_from_env"),
+    "hf": Backend("modelcache.sources.hf:HFSource", "modelcache.uri:HFLocation", settings=_C + "hf_from_env"),
+    "oci": Backend("modelcache.sources.oci:OCISource", "modelcache.uri:OCILocation", settings=_C + "oci_from_env"),
+    "hdfs": Backend("modelcache.sources.hdfs:HDFSSource", "modelcache.uri:HDFSLocation", settings=_C + "hdfs_from_env"),
+    "pvc": Backend("modelcache.sources.local:LocalSource", "modelcache.uri:PVCLocation",
+                   settings=_C + "local_from_env"),
+    "local": Backend("modelcache.sources.local:LocalSource", "modelcache.uri:LocalLocation",
+                     settings=_C + "local_from_env"),
     "http": Backend("modelcache.sources.http:HTTPSource", "modelcache.uri:HTTPLocation"),
     "modelscope": Backend("modelcache.sources.modelscope:ModelScopeSource", ":ModelScopeLocation", ("modelscope://",)),
 }

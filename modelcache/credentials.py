@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 from modelcache.errors import ModelcacheError
 
@@ -122,16 +124,15 @@ CREDENTIALS_FROM = "MODELCACHE_CREDENTIALS_FROM"
 
 @dataclass(frozen=True)
 class Settings:
+    """The environment snapshot of one pull, and each backend's settings built from it on first
+    use, by the factory its line in ``modelcache.backends`` names: an S3 pull parses no HDFS
+    secret dir and writes no HDFS spec folder, and one backend's bad settings (a storage spec's
+    undecodable GCS key) fail only pulls from that backend. HTTP settings (timeouts, CA bundle,
+    per-host headers) are every backend's transport and are built at once."""
+
     http: HTTPSettings = field(default_factory=HTTPSettings)
-    local: LocalSettings = field(default_factory=LocalSettings)
-    oci: OCISettings = field(default_factory=OCISettings)
-    hdfs: HDFSSettings = field(default_factory=HDFSSettings)
-    hf: HFSettings = field(default_factory=HFSettings)
     allow_patterns: tuple[str, ...] = ()
     ignore_patterns: tuple[str, ...] = ()
-    s3: S3Settings = field(default_factory=lambda: S3Settings())
-    gcs: GCSSettings = field(default_factory=lambda: GCSSettings())
-    azure: AzureSettings = field(default_factory=lambda: AzureSettings())
     #: List a checksum no one can forge (md5 or better) where the source has one beside a CRC: set
     #: by a pull with peer transfer, where the file checksum settles what other nodes sent (a CRC
     #: would not: whoever knows the file can make other bytes with its CRC). Costs ~1.2 CPU-s/GiB.
@@ -141,34 +142,64 @@ class Settings:
     #: Where this download's credentials come from, when not from the process's environment (the
     #: agent's Secret of a ServiceAccount, its storage-config key): what an auth error names.
     credentials_from: str = ""
+    #: Backend settings built so far, by kind (a pull's threads share one Settings: built once).
+    _built: dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def __repr__(self) -> str:
-        return f"Settings(http={self.http!r}, local={self.local!r})"
+        return f"Settings(http={self.http!r}, built={sorted(self._built)})"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         env = dict(os.environ if env is None else env)
-        stores = ObjectStoreSettings.from_env(env)
+        apply_storage_spec(env)  # a broken STORAGE_CONFIG is every pull's error, said at once
         return cls(
-            s3=stores.s3,
-            gcs=stores.gcs,
-            azure=stores.azure,
             http=_http_settings(env),
-            local=LocalSettings(pvc_root=env.get("MODELCACHE_PVC_ROOT", DEFAULT_PVC_ROOT)),
-            oci=OCISettings(
-                docker_config=env.get("KSERVE_OCI_DOCKER_CONFIG") or DEFAULT_OCI_DOCKER_CONFIG,
-                insecure=(env.get("KSERVE_OCI_INSECURE_REGISTRY") or "").strip().lower() in ("1", "true", "yes"),
-            ),
-            hdfs=hdfs_settings(hdfs_spec_dir(env) or env.get("HDFS_SECRET_DIR") or DEFAULT_HDFS_SECRET_DIR),
-            hf=HFSettings(
-                token=(env.get("HF_TOKEN") or "").strip() or None,
-                endpoint=(env.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/"),
-            ),
             allow_patterns=parse_patterns(env.get("STORAGE_ALLOW_PATTERNS")),
             ignore_patterns=parse_patterns(env.get("STORAGE_IGNORE_PATTERNS")),
             env=env,
             credentials_from=env.get(CREDENTIALS_FROM, ""),
         )
+
+    def for_kind(self, kind: str) -> object:
+        """The settings of backend ``kind``, built from ``env`` by its registry line's factory."""
+        with self._lock:
+            if kind not in self._built:
+                from modelcache import backends
+
+                factory = backends.BACKENDS[kind].settings
+                if not factory:
+                    raise ModelcacheError(f"the {kind} backend has no settings of its own (its line names none)")
+                self._built[kind] = backends.load(factory)(self.env)
+            return self._built[kind]
+
+    @property
+    def s3(self) -> S3Settings:
+        return cast(S3Settings, self.for_kind("s3"))
+
+    @property
+    def gcs(self) -> GCSSettings:
+        return cast(GCSSettings, self.for_kind("gcs"))
+
+    @property
+    def azure(self) -> AzureSettings:
+        return cast(AzureSettings, self.for_kind("azure"))
+
+    @property
+    def hdfs(self) -> HDFSSettings:
+        return cast(HDFSSettings, self.for_kind("hdfs"))
+
+    @property
+    def hf(self) -> HFSettings:
+        return cast(HFSettings, self.for_kind("hf"))
+
+    @property
+    def oci(self) -> OCISettings:
+        return cast(OCISettings, self.for_kind("oci"))
+
+    @property
+    def local(self) -> LocalSettings:
+        return cast(LocalSettings, self.for_kind("local"))
 
     def credentials_hint(self, variables: str) -> str:
         """What an auth error tells the user to check: where the credentials came from, or the
@@ -390,6 +421,43 @@ def hdfs_settings(secret_dir: str) -> HDFSSettings:
         kerberos_principal=values.get("KERBEROS_PRINCIPAL") or None,
         kerberos_keytab=values.get("KERBEROS_KEYTAB"),
     )
+
+
+# --- Each backend's settings from the environment: the factories the registry lines name -------
+
+
+def local_from_env(env: Mapping[str, str]) -> LocalSettings:
+    return LocalSettings(pvc_root=env.get("MODELCACHE_PVC_ROOT", DEFAULT_PVC_ROOT))
+
+
+def oci_from_env(env: Mapping[str, str]) -> OCISettings:
+    return OCISettings(
+        docker_config=env.get("KSERVE_OCI_DOCKER_CONFIG") or DEFAULT_OCI_DOCKER_CONFIG,
+        insecure=(env.get("KSERVE_OCI_INSECURE_REGISTRY") or "").strip().lower() in ("1", "true", "yes"),
+    )
+
+
+def hdfs_from_env(env: Mapping[str, str]) -> HDFSSettings:
+    return hdfs_settings(hdfs_spec_dir(env) or env.get("HDFS_SECRET_DIR") or DEFAULT_HDFS_SECRET_DIR)
+
+
+def hf_from_env(env: Mapping[str, str]) -> HFSettings:
+    return HFSettings(
+        token=(env.get("HF_TOKEN") or "").strip() or None,
+        endpoint=(env.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/"),
+    )
+
+
+def s3_from_env(env: Mapping[str, str]) -> S3Settings:
+    return _s3_settings(apply_storage_spec(env))
+
+
+def gcs_from_env(env: Mapping[str, str]) -> GCSSettings:
+    return _gcs_settings(apply_storage_spec(env), storage_spec(env))
+
+
+def azure_from_env(env: Mapping[str, str]) -> AzureSettings:
+    return _azure_settings(apply_storage_spec(env))
 
 
 # --- Object stores (S3, GCS, Azure Blob) -----------------------------------------------------
@@ -651,16 +719,3 @@ def _azure_settings(env: Mapping[str, str]) -> AzureSettings:
         read_timeout=float(env.get("MODELCACHE_READ_TIMEOUT") or 60),
         retry_total=int(env.get("MODELCACHE_AZURE_RETRY_TOTAL") or 3),
     )
-
-
-@dataclass(frozen=True)
-class ObjectStoreSettings:
-    s3: S3Settings
-    gcs: GCSSettings
-    azure: AzureSettings
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> ObjectStoreSettings:
-        spec = storage_spec(env)
-        merged = apply_storage_spec(env)
-        return cls(s3=_s3_settings(merged), gcs=_gcs_settings(merged, spec), azure=_azure_settings(merged))

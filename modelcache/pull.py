@@ -675,11 +675,21 @@ def _extract(m: _Model, progress: ProgressTracker, cancel: threading.Event | Non
 
 
 def _settle_failure(m: _Model) -> None:
-    """A failed model (not a cancelled one: that is a resume) keeps what it staged, with the
-    reason beside it; a staged download that holds no byte yet goes (caller holds the lock)."""
-    if isinstance(m.error, CancelledError) or not isinstance(m.store.layout, NodeLayout):
+    """A failed model keeps what it staged, with the reason beside it; a cancelled one keeps it
+    for a resume. A staged download that holds nothing a resume could use goes (caller holds the
+    lock)."""
+    if not isinstance(m.store.layout, NodeLayout):
         return
     if m.journal is None or not m.store.layout.staging_dir(m.key).is_dir():
+        return
+    if isinstance(m.error, CancelledError):
+        # Interrupted with nothing a resume can use: every file from a server that ignores Range
+        # (read again from byte 0) and none finished. Keeping it only made `ls` promise a resume
+        # that never came ("interrupted 0%", the rerun at 1.9%).
+        state = m.journal.load()
+        if m.transferred and m.files and not any(f.ranged for f in m.files) and not state.files:
+            m.journal.close()
+            m.store.drop_staging(m.key)
         return
     # Staged afresh and refused before its transfer began (no space, the admission), or its bytes
     # refused by their checksum (a wrong #sha256= pin, a corrupt object): nothing worth resuming

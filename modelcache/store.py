@@ -1,6 +1,6 @@
 """The node store: staged downloads, atomic publish, manifests, locks, eviction.
 
-Layout under one root (DESIGN.md)::
+Layout under one root (docs/architecture.md, "The node store")::
 
     <root>/models/<storageKey>/...                 the model, exactly as serving pods see it
     <root>/.modelcache/manifests/<storageKey>.json what was published, with per-file digests

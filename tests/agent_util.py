@@ -55,7 +55,7 @@ class AgentProc:
         found: list[int] = []
 
         def ready() -> bool:
-            m = re.search(r'msg="serving health and metrics" port=(\d+)', self.log())
+            m = re.search(r'msg="serving health and metrics" host=\S+ port=(\d+)', self.log())
             if m:
                 found.append(int(m.group(1)))
             return bool(m)

@@ -150,5 +150,6 @@ def load_script(relpath: str, name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, REPO / relpath)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module

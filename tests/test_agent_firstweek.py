@@ -187,6 +187,25 @@ def test_standalone_says_it_ignores_credential_fields(nginx: Any, tmp_path: Path
     assert len(warned) == 1 and "level=warning" in warned[0] and 'entry="m: serviceAccountName"' in warned[0], \
         proc.stderr
     assert "come from the agent's environment and --download-env" in warned[0]
+    # Without keys in its environment, the error names where a standalone agent reads them (it
+    # said "set AWS_ACCESS_KEY_ID ... (or the storage-spec secret)": there is none without a cluster).
+    import os
+    import subprocess
+
+    from tests.agent_util import agent_cmd
+    from tests.helpers import REPO
+
+    s3 = write_node(tmp_path / "s3.yaml", [{"modelName": "s", "sourceModelUri": "s3://models/llm"}])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_EC2_METADATA_DISABLED="true",
+               AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
+    proc = subprocess.run(agent_cmd(s3, tmp_path / "root-s3"), cwd=REPO, capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert proc.returncode == 1
+    want = ("Unauthorized: s3://models/llm: no AWS credentials: check the agent's environment and --download-env, "
+            "use IRSA, or awsAnonymousCredential=true for a public bucket")
+    assert status_of(s3)["modelDetails"]["s"]["message"] == want
+    assert f"error: s: {want}" in proc.stderr.splitlines() and "storage-spec secret" not in proc.stderr
 
 
 def test_two_standalone_agents_do_not_fight_over_a_port(nginx: Any, tmp_path: Path) -> None:
@@ -203,8 +222,10 @@ def test_two_standalone_agents_do_not_fight_over_a_port(nginx: Any, tmp_path: Pa
     cmd = [sys.executable, "-m", "agent", "--standalone", str(spec), "--backoff-initial", "0.5"]
     first = subprocess.Popen([*cmd, "--root", str(tmp_path / "r1"), "--watch"], cwd=REPO, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
+    bound: set[tuple[str, int]] = set()
     try:
         wait_until(lambda: (tmp_path / "r1" / ".modelcache" / "agent.lock").exists(), timeout=30, what="first agent")
+        wait_until(lambda: bool(bound.update(listening(first.pid)) or bound), timeout=30, what="its health server")
         other = subprocess.run([*cmd, "--root", str(tmp_path / "r2")], cwd=REPO, capture_output=True, text=True,
                                timeout=90)
         assert other.returncode == 0, other.stderr
@@ -226,13 +247,11 @@ def test_two_standalone_agents_do_not_fight_over_a_port(nginx: Any, tmp_path: Pa
         _, err = first.communicate(timeout=30)
     import re
 
-    port = re.search(r'msg="serving health and metrics" port=(\d+)', err)
-    assert port and port.group(1) != "8080", err
-    import socket
-
-    # It listened on loopback only: the metrics of a workstation are not on every interface.
-    assert "host=" not in err or "host=127.0.0.1" in err
-    assert socket.getaddrinfo("127.0.0.1", 0)
+    served = re.search(r'msg="serving health and metrics" host=(\S+) port=(\d+)', err)
+    assert served and served.group(1) == "127.0.0.1" and served.group(2) != "8080", err
+    # It listened on loopback only (what the kernel says the agent's sockets are bound to): the
+    # metrics of a workstation are not on every interface.
+    assert bound == {("127.0.0.1", int(served.group(2)))}, bound
 
 
 def test_sigterm_mid_download_keeps_the_staged_progress_in_the_status(nginx: Any, tmp_path: Path) -> None:
@@ -283,3 +302,78 @@ def test_a_staged_orphan_is_named_by_its_uri_in_the_log(nginx: Any, tmp_path: Pa
     removing = [ln for ln in proc.stderr.splitlines() if "no entry wants: removing" in ln]
     assert removing and f"uri={big}" in removing[0] and 'uri=""' not in proc.stderr, proc.stderr
     assert not staging.exists()
+
+
+def test_the_agent_keeps_a_folder_it_did_not_make_and_names_it_once(nginx: Any, tmp_path: Path) -> None:
+    """D1 on the agent's side: a folder under models/ that modelcache never made (here a copy
+    KServe's agent left, as the review put under the CLI's root) is kept by the agent, which
+    deletes every model its spec does not list, and named once at warning level with the command
+    that deletes it; `modelcache ls` of the agent's root lists it with its real size."""
+    import re
+
+    from tests.pull_helpers import run_cli
+
+    root = tmp_path / "root"
+    foreign = root / "models" / "kserve-cached-abc"
+    foreign.mkdir(parents=True)
+    (foreign / "w.bin").write_bytes(b"k" * (3 * MiB))
+    nginx.write("f/m.bin", 1 * MiB)
+    spec = write_node(tmp_path / "node.yaml", [{"modelName": "m", "sourceModelUri": nginx.url("f/m.bin")}])
+    for _ in range(2):  # the first start, and a later one: kept both times
+        proc = run_agent(spec, root)
+        assert proc.returncode == 0, proc.stderr
+        told = [ln for ln in proc.stderr.splitlines() if "was not made by modelcache" in ln]
+        assert len(told) == 1 and "level=warning" in told[0], proc.stderr
+        assert f'command="modelcache rm --root {root} kserve-cached-abc"' in told[0], told[0]
+        assert "kserve-cached-abc" not in "".join(ln for ln in proc.stderr.splitlines() if "deleted" in ln)
+        assert (foreign / "w.bin").stat().st_size == 3 * MiB
+    assert status_of(spec)["modelStatus"] == {"m": D}
+    ls = run_cli("ls", "--root", str(root))
+    assert re.search(r"^kserve-cached-abc\s+not modelcache's\s+3\.0 MiB\s+1\s+\(not made by modelcache\)$",
+                     ls.stdout, re.M), ls.stdout
+
+
+def test_lock_files_go_with_the_models_the_agent_deletes(nginx: Any, tmp_path: Path) -> None:
+    """The race review's finding 5 (exp4, the agent's side): after the agent deleted models a, b,
+    d and e (their caches deleted), `.modelcache/locks/` still held a lock file for all five keys."""
+    uris = {}
+    for n in "abcde":
+        nginx.write(f"l/{n}.bin", 100_000, seed=ord(n))
+        uris[n] = nginx.url(f"l/{n}.bin")
+    root = tmp_path / "root"
+    spec = write_node(tmp_path / "node.yaml", [{"modelName": n, "sourceModelUri": u} for n, u in uris.items()])
+    assert run_agent(spec, root).returncode == 0
+    locks = root / ".modelcache" / "locks"
+    write_node(spec, [{"modelName": "c", "sourceModelUri": uris["c"]}])
+    proc = run_agent(spec, root)
+    assert proc.returncode == 0, proc.stderr
+    assert status_of(spec)["modelStatus"] == {"c": D}
+    assert sorted(p.name for p in (root / "models").iterdir()) == [storage_key(uris["c"])]
+    assert sorted(p.name for p in locks.iterdir()) == [f"{storage_key(uris['c'])}.lock"], sorted(locks.iterdir())
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """The (address, port) of each TCP socket process ``pid`` listens on, from /proc."""
+    import ipaddress
+    import os
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                continue
+            hexaddr, hexport = cols[1].split(":")
+            raw = bytes.fromhex(hexaddr)
+            # /proc prints the address as 32-bit words in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            out.add((str(ipaddress.ip_address(raw)), int(hexport, 16)))
+    return out

@@ -1,5 +1,5 @@
 """A byzantine peer against real agents on the real control plane (docs/peers.md, "Trust nothing
-from a peer"; ../shared/PEER-REVIEW.md): tests/byzantine.py's TLS peer, listed in the status of a
+from a peer"): tests/byzantine.py's TLS peer, listed in the status of a
 LocalModelNode ``byz`` as a compromised node's agent would list itself (written with a token bound
 to a pod on Node ``byz``: deploy/policies/node-status.yaml lets nothing else), lies to agents
 that run as processes with deploy/'s RBAC. The origin: S3 (moto) behind the fault proxy, whose

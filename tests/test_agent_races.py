@@ -1,6 +1,6 @@
 """The agent's state machine under change (issue 21), in-process against nginx.
 
-Each test drives one race of KUBE-RACE-REVIEW.md through the real ``Agent`` (real pulls into a
+Each test drives one race of a kube-race review through the real ``Agent`` (real pulls into a
 real store) with a stand-in for the pod check, which can report a mounting pod, fail, or hold
 still until the test lets it go:
 - F1: a download cancelled because its entry left the spec, then re-added, finishes;

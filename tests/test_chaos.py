@@ -305,10 +305,11 @@ def step_node_replace(w: World) -> str:
     w.node_up[node] = False
 
     def back() -> None:
-        if w.kube.get_or_none(NODES, node) is not None:
-            w.later(0.5, f"register {node} (old one still there)", back)
+        old = w.kube.get_or_none(NODES, node)
+        if old is not None and old["metadata"].get("deletionTimestamp"):
+            w.later(0.5, f"register {node} (old one still being deleted)", back)
             return
-        register(w, node)
+        register(w, node)  # (one registered meanwhile gets our labels, as if new: never wait on it forever)
 
     w.later(w.rng.uniform(0.5, 4.0), f"register {node} again", back)
     return f"delete Node {node}"

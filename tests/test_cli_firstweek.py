@@ -218,8 +218,11 @@ def test_ctrl_c_against_a_server_that_ignores_range_promises_no_resume(nginx: Ng
                      r"downloads the ([\d.]+) MiB that arrived again from byte 0 \(a server that honours Range "
                      r"resumes\)", line)
     assert m and float(m.group(1)) >= 1, line
+    # Nothing of it is kept to promise a resume from: ls said "interrupted 0%" and its footer
+    # "interrupted pulls resume where they stopped".
     ls = run_cli("ls", "--root", str(root))
-    assert "resume where they stopped" not in ls.stderr or "0%" in ls.stdout
+    assert ls.stdout.strip() == f"no models in {root}" and "resume" not in ls.stderr, ls.stdout + ls.stderr
+    assert not (root / ".modelcache" / "staging" / storage_key(uri)).exists()
 
 
 def test_verify_of_a_mistyped_key_says_not_stored_not_damaged(tmp_path: Path) -> None:
@@ -462,3 +465,43 @@ def test_a_stored_model_is_answered_by_its_uri_text_whatever_the_endpoint(moto_s
                      check.stdout, re.M), check.stdout
     install = " ".join((REPO / "docs" / "install.md").read_text().split())
     assert "The CLI reads credentials and endpoints from its own environment, not from the cluster" in install
+
+
+def test_a_refused_repair_of_an_http_model_leaves_no_damaged_bytes_published(
+        nginx: NginxServer, tmp_path: Path) -> None:
+    """W1, the review's steps: an HTTP file without a checksum (`{"version": "one", ...}`) pulled;
+    the source changed to `"two"` (same size) and one byte of the stored copy damaged; `verify
+    --repair` refused (the source changed). The model had lost its manifest (`ls`: `incomplete 0 B`),
+    the next plain pull adopted the damaged file on its size, and `verify` and `pull --check` then
+    called it fine; a `.modelcache/repair/KEY.pinned.json` stayed behind."""
+    one, two = b'{"version": "one", "pad": 1234}', b'{"version": "two", "pad": 1234}'
+    nginx.write("llm/gen.json", one)
+    uri, root = nginx.url("llm/gen.json"), tmp_path / "root"
+    key = storage_key(uri)
+    assert run_cli("pull", "--root", str(root), uri, "--progress", "none").returncode == 0
+    stored = root / "models" / key / "gen.json"
+    served = nginx.docroot / "llm" / "gen.json"
+    served.write_bytes(two)
+    later = served.stat().st_mtime + 10  # a Last-Modified of its own (HTTP dates have 1 s steps)
+    os.utime(served, (later, later))
+    stored.write_bytes(b'{"Xersion"' + one[len(b'{"Xersion"'):])
+    repair = run_cli("verify", "--repair", "--root", str(root), key)
+    assert repair.returncode == 1
+    line, last = errors(repair.stderr)
+    assert last == "error: 1 of 1 damaged model(s) not repaired"
+    assert line.startswith(f"error: {key}: {uri}: the source changed since the model was downloaded"), line
+    assert f"{key}: kept as it is, marked damaged (not present); `modelcache pull --root {root} {uri}`" in repair.stderr
+    assert not list((root / ".modelcache").glob("repair/*")), "a repair record stayed behind"
+    ls = run_cli("ls", "--root", str(root))
+    assert re.search(rf"^{key}\s+damaged\s+31 B\s+1\s+{re.escape(uri)}$", ls.stdout, re.M), ls.stdout
+    assert "incomplete" not in ls.stdout
+    assert run_cli("verify", "--root", str(root), key).returncode == 1
+    again = run_cli("pull", "--root", str(root), uri, "--progress", "none")
+    assert again.returncode == 0, again.stderr
+    assert "cached" not in again.stderr.splitlines()[-1], again.stderr
+    assert stored.read_bytes() == two  # the source's current bytes, not the damaged old ones
+    verify = run_cli("verify", "--root", str(root))
+    assert verify.returncode == 0 and f"{key}: ok" in verify.stdout, verify.stdout + verify.stderr
+    check = run_cli("pull", "--check", "--root", str(root))
+    assert check.returncode == 0 and re.search(rf"^{key}\s+current\b", check.stdout, re.M), check.stdout
+    assert not list((root / ".modelcache").glob("repair/*"))

@@ -12,6 +12,7 @@ kept its pre-restore spec for a minute or more."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -345,3 +346,35 @@ def test_a_second_cache_of_the_same_source_spelled_differently_is_warned_about(
             "keep one copy") in second.stderr, second.stderr
     other = cache("other", "s3://models/other")
     assert "Warning" not in other.stderr
+
+
+def test_webhooks_register_after_deploy_was_applied_client_side_as_install_md_says(
+        cluster_factory: Any, coordinator_factory: Any) -> None:
+    """The newcomer review, "Docs against reality": after a plain client-side `kubectl apply -k
+    deploy/` (install.md's step 3), pointing the webhooks at a coordinator running as a process
+    (what demo.py and the tests do, there being no kube-proxy) failed with `exactly one of url or
+    service is required`: the server-side apply merged its `url` with the `service` another field
+    manager had applied."""
+    from tests.coordinator_util import register_webhooks
+
+    cluster = cluster_factory(baseline=False)
+    cluster.kubectl("apply", "-k", str(REPO / "deploy"))
+    for kind in ("mutatingwebhookconfiguration", "validatingwebhookconfiguration"):
+        hooks = cluster.kubectl("get", kind, "-o", "jsonpath={.items[*].webhooks[*].clientConfig.service.name}").stdout
+        assert "modelcache-coordinator-webhook" in hooks, hooks  # as shipped: a Service
+    coord = coordinator_factory(cluster)
+    register_webhooks(cluster, coord)
+    for kind in ("mutatingwebhookconfiguration", "validatingwebhookconfiguration"):
+        for doc in json.loads(cluster.kubectl("get", kind, "-o", "json").stdout)["items"]:
+            if not doc["metadata"]["name"].startswith("modelcache"):
+                continue
+            for hook in doc["webhooks"]:
+                assert set(hook["clientConfig"]) == {"url", "caBundle"}, hook["clientConfig"]
+                assert hook["clientConfig"]["url"].startswith(f"https://127.0.0.1:{coord.cfg.webhook_port}/")
+    # The API server calls the coordinator: its warning on a second spelling of one source.
+    make_group(Kube(load_api_client(str(cluster.kubeconfig))), "gpu", label_value="gpu")
+    for name, uri in (("llm", "s3://models/llm"), ("llm-slash", "s3://models/llm/")):
+        body = (f"apiVersion: serving.kserve.io/v1alpha1\nkind: LocalModelCache\nmetadata: {{name: {name}}}\n"
+                f"spec: {{sourceModelUri: '{uri}', modelSize: 1Gi, nodeGroups: [gpu]}}\n")
+        proc = cluster.kubectl("create", "-f", "-", input=body)
+    assert "Warning: LocalModelCache llm caches the same source spelled s3://models/llm" in proc.stderr, proc.stderr

@@ -1,4 +1,4 @@
-"""KServe's model-cache e2e (KSERVE-CONTRACTS.md §7) on our pieces: the coordinator (leader-elected,
+"""KServe's model-cache e2e (its test/e2e local-model test, v0.20) on our pieces: the coordinator (leader-elected,
 webhooks on), three agent processes as three nodes with three roots, the kube test server and
 nginx serving a real file."""
 

@@ -205,6 +205,48 @@ def test_vanished_group_entries_go_after_the_grace_period(cluster: Cluster, kube
     wait_until(lambda: entries_of(kube, "n1") == [entry("c1", URI_A)], timeout=30, what="entry back with the group")
 
 
+def test_a_node_registered_again_while_its_group_is_missing_keeps_its_entries(cluster: Cluster, kube: Kube,
+                                                                            coordinator_factory: Any) -> None:
+    """Found by tests/test_chaos.py (its anchor model deleted): a group pruned for a moment (GitOps)
+    while a Node is deleted and registered again (`kubectl delete node`, a kubelet restart). A
+    deleted Node's LocalModelNode is kept for --deleted-node-grace, untouched, so the node comes
+    back with the entries of the missing group (and its agent keeps their files); a Node that stays
+    gone loses its LocalModelNode once the grace has passed."""
+    for n in ("n1", "n2"):
+        make_node(kube, n, **WORKER)
+    make_group(kube, "workers")
+    c = coordinator_factory(cluster, deleted_node_grace=60.0)
+    clock = [1000.0]  # the grace period's clock, moved by the test
+    c.view.gone._clock = lambda: clock[0]
+    probe = ReconcileProbe(c, "node", lambda key: c.view.nodes.store.get(key) is None)
+    make_cache(kube, "c1", URI_A, ["workers"])
+    for n in ("n1", "n2"):
+        wait_until(lambda n=n: entries_of(kube, n) == [entry("c1", URI_A)], timeout=30, what=f"entry on {n}")
+    manifest = group_manifest(kube, "workers")
+    kube.delete(LOCAL_MODEL_NODE_GROUPS, "workers")
+    for n in ("n1", "n2"):
+        kube.delete(NODES, n)
+        wait_until(lambda n=n: probe.finished(n, lambda gone: gone is True), timeout=30,
+                   what=f"{n} reconciled while its Node was gone")
+    make_node(kube, "n1", **WORKER)  # registered again, its group still missing
+    wait_until(lambda: probe.finished("n1", lambda gone: gone is False) and c.view.nodes.store.get("n1") is not None,
+               timeout=30, what="n1 reconciled again")
+    probe.done.clear()
+    kube.patch(NODES, "n1", {"metadata": {"labels": {"touched": "1"}}})  # one more reconcile, observed
+    wait_until(lambda: probe.finished("n1"), timeout=30, what="n1 reconciled")
+    assert entries_of(kube, "n1") == [entry("c1", URI_A)]
+    assert entries_of(kube, "n2") == [entry("c1", URI_A)]  # gone, within the grace: untouched
+    clock[0] += 61
+    kube.patch_status(LOCAL_MODEL_NODES, "n2", {"status": {"modelStatus": {"c1": "ModelDownloadPending"}}})
+    wait_until(lambda: kube.get_or_none(LOCAL_MODEL_NODES, "n2") is None, timeout=30,
+               what="n2's LocalModelNode deleted after the grace")
+    kube.create(LOCAL_MODEL_NODE_GROUPS, manifest)
+    probe.done.clear()
+    kube.patch(NODES, "n1", {"metadata": {"labels": {"touched": "2"}}})
+    wait_until(lambda: probe.finished("n1"), timeout=30, what="n1 reconciled with its group back")
+    assert entries_of(kube, "n1") == [entry("c1", URI_A)]
+
+
 def test_entry_of_a_cache_our_view_has_not_seen_yet_is_kept(cluster: Cluster, kube: Kube,
                                                             coordinator_factory: Any) -> None:
     """F11: the cache informer lags the LocalModelNode informer (another leader, ahead of us, has

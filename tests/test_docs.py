@@ -375,3 +375,51 @@ def test_every_module_is_in_a_module_table() -> None:
         listed = _table_modules(text)
         assert sorted(tree - listed) == [], f"{package}: modules without a row"
         assert sorted(listed - tree) == [], f"{package}: rows for modules that do not exist"
+
+
+def test_the_readme_is_a_page_read_in_one_sitting() -> None:
+    """README.md stays short (≤ 220 lines) and sends each reader on: install, development,
+    architecture and benchmarks have their own pages, and no benchmark table comes back."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 220, "README.md is over 220 lines: move the detail to docs/ and link it"
+    for page in ("docs/install.md", "docs/development.md", "docs/architecture.md", "docs/benchmarks.md"):
+        assert f"]({page})" in text, page
+    assert not [ln for ln in text.splitlines() if ln.startswith("|") and "MB/s" in ln]
+
+
+def test_install_is_told_once() -> None:
+    """The install steps (KServe's node label that places the agent) are shown in install.md
+    only; the README, deploy/README.md and operations.md link to it."""
+    step = "kserve/localmodel=worker"
+    shown = [doc.name if doc.parent.name != "deploy" else "deploy/README.md" for doc in DOCS
+             if any(step in code for code in _code(doc.read_text()) if "kubectl label" in code)]
+    assert shown == ["install.md"]
+    assert "](docs/install.md)" in (REPO / "README.md").read_text()
+    assert "](../docs/install.md)" in (REPO / "deploy" / "README.md").read_text()
+    assert "](install.md#3-install)" in (REPO / "docs" / "operations.md").read_text()
+
+
+# A path a clone lacks: the notes beside the repository on the machines it was built on.
+_OUTSIDE = re.compile(r"\.\./shared/|\bshared/[A-Z][A-Z-]+\.md|\bDESIGN\.md|\b[A-Z]+-REVIEW\.md|"
+                      r"KSERVE-" r"CONTRACTS|(?<![\w.])/work/")
+
+
+def test_nothing_cites_a_file_a_clone_does_not_have() -> None:
+    """Docs, docstrings, comments and scripts cite only what a clone holds (or what its set-up
+    makes, like .work/); the review notes the code was written against are not in the repository."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "*.py", "*.md", "*.sh", "*.yaml", "*.toml", "Makefile", "Dockerfile"],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    found = [f"{name}:{n}: {m.group(0)}" for name in files if name != "tests/test_docs.py" and (REPO / name).is_file()
+             for n, line in enumerate((REPO / name).read_text(errors="replace").splitlines(), 1)
+             for m in [_OUTSIDE.search(line)] if m]
+    assert found == []
+
+
+def test_the_docs_index_lists_every_page() -> None:
+    """docs/README.md sends each reader to every page of docs/, and names none that is gone."""
+    text = (REPO / "docs" / "README.md").read_text()
+    listed = set(re.findall(r"\]\(([a-z0-9-]+\.md)\)", text))
+    pages = {p.name for p in (REPO / "docs").glob("*.md") if p.name != "README.md"}
+    assert sorted(pages - listed) == [] and sorted(listed - pages) == []

@@ -42,3 +42,19 @@ def test_the_troubleshooting_table_has_the_rows_the_review_missed() -> None:
     failed = next(r for r in rows if r.startswith("| `FAILED 1`"))
     assert "NoDownloadErrors=False" in failed and "DownloadFailed" in failed
     assert re.search(r"naming the Secret and ServiceAccount", failed)
+
+
+def test_the_standalone_agents_example_root_is_no_cli_examples_root() -> None:
+    """D2: the README's one-machine line pulled into `--root /srv/models` and agent.md's standalone
+    example took `--root /srv/models` too, a root the agent then emptied of every model its file did
+    not list. The examples now use roots of their own, and the README says the agent owns its root."""
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    agent_roots, cli_roots = set(), set()
+    for doc in docs:
+        for line in doc.read_text().splitlines():
+            for tool, root in re.findall(r"\b(modelcache-agent|modelcache)\b[^`|]*?--root[ =](\S+)", line):
+                (agent_roots if tool == "modelcache-agent" else cli_roots).add(root.strip("`'\""))
+    assert agent_roots and cli_roots, (agent_roots, cli_roots)
+    assert not agent_roots & cli_roots, agent_roots & cli_roots
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "**it owns its root**: it deletes every model its file does not list" in readme

@@ -95,13 +95,13 @@ def test_no_kubeconfig_is_one_line_and_exit_2(tmp_path: Any) -> None:
     assert len(result.output.strip().splitlines()) == 1 and "missing" in result.output
 
 
-def test_the_readme_shows_what_status_prints_now() -> None:
-    """README.md's demo output (captured from `make demo`) is what render() prints for those objects
-    today: a change to the layout that leaves the README behind fails here."""
+def test_the_docs_show_what_status_prints_now() -> None:
+    """docs/operations.md's demo output (captured from `make demo`) is what render() prints for those
+    objects today: a change to the layout that leaves the page behind fails here."""
     from tests.helpers import REPO
 
-    readme = (REPO / "README.md").read_text()
-    blocks = re.findall(r"^\$ modelcache status\n(.*?)(?=^\$ |^```)", readme, re.M | re.S)
+    page = (REPO / "docs" / "operations.md").read_text()
+    blocks = re.findall(r"^\$ modelcache status\n(.*?)(?=^\$ |^```)", page, re.M | re.S)
     assert len(blocks) == 2, blocks
     free, total = int(40.3 * GiB), 252 * GiB
     group = [("llm", None, "workers")]

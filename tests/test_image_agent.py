@@ -62,7 +62,7 @@ def prepare_root(image: Image, host_root: Path) -> subprocess.CompletedProcess[s
 
 @pytest.mark.parametrize("start", ["fresh", "someone-elses", "prepared-before", "a-link", "a-dangling-link"])
 def test_prepare_root_hands_the_host_path_to_the_agent(start: str, image: Image, tmp_path: Path) -> None:
-    """A fresh hostPath (root's), one another uid owns 0755 (finding #13 of DEPLOY-REVIEW.md), a
+    """A fresh hostPath (root's), one another uid owns 0755 (a deploy review's finding), a
     restart on a root already handed over: root with CHOWN alone must manage all three. And a
     models/ that a writer of the host directory made a symbolic link (security review L4): the
     link is removed, never followed (its target kept its owner), and the init container does not

@@ -1,9 +1,9 @@
 """A folder the store knew is checked against what the store recorded, never trusted on sizes
 (issue 33, F1 and F2; issue 27, "repairs that stay honest").
 
-Each test is a step of the integrity review (shared/INTEGRITY-REVIEW.md) done as the review did
-it, with the CLI and a ``file://`` origin (no checksums: only the store's own digests can tell a
-damaged file from a good one). Before the fix each ended with wrong bytes and ``verify`` saying ok.
+Each test is a step of an integrity review done as the review did it, with the CLI and a
+``file://`` origin (no checksums: only the store's own digests can tell a damaged file from a
+good one). Before the fix each ended with wrong bytes and ``verify`` saying ok.
 """
 
 from __future__ import annotations

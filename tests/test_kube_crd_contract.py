@@ -1,4 +1,4 @@
-"""deploy/crds against shared/KSERVE-CONTRACTS.md §1, fact by fact (group, version, plural, scope,
+"""deploy/crds against KServe v0.20's CRDs (docs/crds.md), fact by fact (group, version, plural, scope,
 status subresource, required fields, enums, the sourceModelUri rule), and through the API test
 server the contract fields the examples don't carry: ClusterStorageContainer's `disabled`,
 `workloadType` default and required fields, the cache status lists, every required field."""

@@ -219,6 +219,34 @@ def test_watch_from_a_version_in_the_servers_future_relists(cluster_factory: Any
         inf.stop()
 
 
+def test_a_server_behind_the_informer_is_relisted_before_the_next_watch_not_after_a_silent_one(kube: Kube) -> None:
+    """The race review's finding 1, at the informer: the "server went back in time" check ran only
+    after a watch that received nothing for a whole timeout, so once ordinary writes flowed again
+    the gap was never re-read. Now the server's current version is compared with the informer's
+    before every watch it opens: a server behind it (what a restore leaves, however the watch
+    behaves) is relisted at once."""
+    kube.create(LOCAL_MODEL_NODES, node("seen", "s3://b/seen"))
+    inf = Informer(kube, LOCAL_MODEL_NODES, watch_timeout=120, retry_delay=0.3)
+    inf.start()
+    try:
+        assert inf.wait_for_sync(60)
+        watched = kube.create(LOCAL_MODEL_NODES, node("watched", "s3://b/watched"))
+        wait_for_version(inf, "watched", watched["metadata"]["resourceVersion"])  # its watch is open
+        lists = inf.stats["lists"]
+        # What an informer holds after a restore: a version the server's store has not reached.
+        assert inf.last_resource_version is not None
+        inf.last_resource_version = str(int(inf.last_resource_version) + 1_000_000)
+        inf.drop_connection()  # the watch ends (the server's timeout, a reconnect); it is re-opened
+        wait_until(lambda: inf.stats["went_back"] == 1 and inf.stats["lists"] == lists + 1, timeout=15,
+                   what="a relist before the next watch (not after a 120 s silent one)")
+        assert inf.current
+        created = kube.create(LOCAL_MODEL_NODES, node("after", "s3://b/after"))
+        wait_for_version(inf, "after", created["metadata"]["resourceVersion"])
+        assert inf.stats["went_back"] == 1  # followed from the server's own version since
+    finally:
+        inf.stop()
+
+
 def test_two_workers_never_reconcile_one_key_at_once(kube: Kube) -> None:
     inf = Informer(kube, LOCAL_MODEL_NODES, watch_timeout=30)
     active: dict[str, int] = {}

@@ -107,8 +107,10 @@ def test_gcs_settings() -> None:
     spec = {"type": "gs", "base64_service_account": base64.b64encode(json.dumps(sa).encode()).decode()}
     g = Settings.from_env({"STORAGE_CONFIG": json.dumps(spec)}).gcs
     assert g.service_account_info == sa and "PEMSECRET" not in repr(g)
+    # Built when GCS is used: only a pull from GCS fails on it.
+    broken = Settings.from_env({"STORAGE_CONFIG": json.dumps({"type": "gs", "base64_service_account": "!!notb64"})})
     with pytest.raises(ModelcacheError, match="base64_service_account"):
-        Settings.from_env({"STORAGE_CONFIG": json.dumps({"type": "gs", "base64_service_account": "!!notb64"})})
+        broken.gcs  # noqa: B018 - the property builds the settings
 
 
 def test_azure_legacy_names_and_credential_choice() -> None:
@@ -159,3 +161,63 @@ def test_merged_ca_bundle_is_one_file_per_content_across_processes(tmp_path) -> 
     custom.write_text("-----BEGIN CERTIFICATE-----\nREVG\n-----END CERTIFICATE-----\n")  # a rotated CA
     other = merged()
     assert other != path and sorted(p for p in tmp.rglob("*") if p.is_file()) == sorted([path, other])
+
+
+def test_each_backends_settings_are_built_on_first_use_by_its_registry_line(tmp_path, monkeypatch) -> None:
+    """Settings.from_env builds no backend's settings: each is built once, when a source of its
+    kind asks, by the factory its line in modelcache.backends names. An HDFS storage spec writes its
+    secret folder only when HDFS is used, and a broken HDFS secret dir fails HDFS alone."""
+    import tempfile
+
+    from modelcache import backends, credentials
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    secret_dir = tmp_path / "hdfscreds"
+    secret_dir.mkdir()
+    (secret_dir / "N_THREADS").write_text("many")
+    spec = {"type": "hdfs", "HDFS_NAMENODE": "https://nn:9871", "TLS_CA": base64.b64encode(b"PEM").decode()}
+    env = {"AWS_ACCESS_KEY_ID": "AKID", "HDFS_SECRET_DIR": str(secret_dir), "STORAGE_CONFIG": json.dumps(spec)}
+    s = Settings.from_env(env)
+    assert s.s3.access_key_id == "AKID" and s.local.pvc_root == credentials.DEFAULT_PVC_ROOT
+    assert sorted(s._built) == ["local", "s3"]
+    assert list(tmp_path.glob("modelcache-hdfs-spec-*")) == []  # no HDFS folder for an S3 pull
+    assert s.for_kind("s3") is s.s3  # built once
+    hdfs = s.hdfs  # the spec's folder wins over HDFS_SECRET_DIR, as in KServe
+    (folder,) = tmp_path.glob("modelcache-hdfs-spec-*")
+    assert hdfs.secret_dir == str(folder) and hdfs.namenode == "https://nn:9871"
+    assert (folder / "TLS_CA").read_bytes() == b"PEM"
+    # Without the spec, the secret dir's bad N_THREADS fails HDFS, and only HDFS.
+    plain = Settings.from_env({"AWS_ACCESS_KEY_ID": "AKID", "HDFS_SECRET_DIR": str(secret_dir)})
+    assert plain.s3.access_key_id == "AKID" and plain.gcs.credentials_file is None and plain.hf.token is None
+    with pytest.raises(ModelcacheError, match="N_THREADS' is not an integer"):
+        plain.hdfs  # noqa: B018 - the property builds the settings
+    # Every line that reads settings of its own names a factory that exists; HTTP reads the shared ones.
+    for kind, line in backends.BACKENDS.items():
+        assert not line.settings or callable(backends.load(line.settings)), kind
+    assert {k for k, line in backends.BACKENDS.items() if not line.settings} == {"http", "modelscope"}
+    with pytest.raises(ModelcacheError, match="http backend has no settings of its own"):
+        plain.for_kind("http")
+
+
+def test_an_s3_pull_builds_no_hdfs_settings(moto_s3, tmp_path, monkeypatch) -> None:
+    """A real S3 pull in an environment that also holds an HDFS storage spec and a broken HDFS
+    secret dir: it succeeds, writes no HDFS spec folder and builds only S3's settings (before,
+    every pull built every backend's: this one failed on N_THREADS and left a temp folder)."""
+    import tempfile
+
+    from modelcache.pull import pull
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    bucket = moto_s3.new_bucket()
+    moto_s3.client().put_object(Bucket=bucket, Key="llm/w.bin", Body=b"w" * 1000)
+    secret_dir = tmp_path / "hdfscreds"
+    secret_dir.mkdir()
+    (secret_dir / "N_THREADS").write_text("many")
+    spec = {"type": "hdfs", "HDFS_NAMENODE": "https://nn:9871", "HDFS_ROOTPATH": "/models"}
+    settings = Settings.from_env({**moto_s3.env(), "HDFS_SECRET_DIR": str(secret_dir),
+                                  "STORAGE_CONFIG": json.dumps(spec)})
+    result = pull(f"s3://{bucket}/llm", root=tmp_path / "root", settings=settings)
+    assert result.files == 1 and result.bytes == 1000
+    assert sorted(settings._built) == ["s3"]
+    assert list((tmp_path / "tmp").glob("modelcache-hdfs-spec-*")) == []

@@ -151,3 +151,14 @@ def test_a_relay_of_a_witnesss_lie_is_not_blamed_the_witness_is():
     assert q.settle(0, 0, H1) == {"relay": H2}
     why = q.heard(q.peers["relay"], False, [(0, 1, H2, False)], [], complete=True)
     assert why is None and q.settle(0, 1, H1) == {"relay": H2}
+
+
+def test_a_witness_changing_its_word_at_every_poll_grows_nothing_and_is_still_blamed():
+    # The claims are kept for blame (a relay of a lie is blamed on the witness that told it): a
+    # peer that vouched a new hash for each piece at every poll would grow them without a bound.
+    clock = Clock()
+    p = plan(clock, "liar")
+    for i in range(1000):
+        vouch(p, "liar", f"{i:064x}")
+    assert sum(len(names) for names in p.claims[(0, 0)].values()) == 2
+    assert "liar" in p.settle(0, 0, H1)

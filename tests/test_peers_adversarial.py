@@ -1,7 +1,7 @@
 """A lying or broken peer cannot poison, wedge, starve or bloat a pull (docs/peers.md, "Trust nothing
 from a peer"), without a cluster: real pulls with peer transfer in one process, and a byzantine
 peer (tests/byzantine.py) in the directory, over real TLS. Each finding of the peer review
-(../shared/PEER-REVIEW.md, F1-F14) that concerns the downloading side is a test here; the same
+(F1-F14, as docs/peers.md states the rules) that concerns the downloading side is a test here; the same
 peer against real agents on the control plane: tests/test_agent_peers_adversarial.py."""
 
 from __future__ import annotations

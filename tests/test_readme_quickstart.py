@@ -30,6 +30,15 @@ def test_the_quickstart_is_near_the_top_and_short() -> None:
     assert text.index("<!-- quickstart") < text.index("## The pieces") and text[: text.index("<!-- quickstart")].count(
         "\n") < 40
     assert len(quickstart()) <= 10
+    # What a newcomer needs before it: the prerequisites (the newcomer review found none named).
+    intro = " ".join(text[text.index("## Try it in five minutes"):text.index("<!-- quickstart")].split())
+    assert "Linux, Python 3.11+" in intro and "venv of about" in intro
+    # The CLI, what a one-box user reads next, comes before the contributors' sections (it came
+    # after "Working on modelcache", the tests' Kubernetes and the image internals, at line 136),
+    # and no internal tracker reference ("issue 14") means nothing to a visitor.
+    headings = re.findall(r"^## (.+)$", text, re.M)
+    assert headings.index("The CLI") < min(headings.index(h) for h in ("Working on modelcache", "The image"))
+    assert not re.search(r"\bissue \d+", text, re.I)
 
 
 def test_the_quickstart_runs_as_written(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Typed views of the ``serving.kserve.io/v1alpha1`` objects we read and write.
 
-Field names are KServe's exactly (shared/KSERVE-CONTRACTS.md §1); the fields KServe does not
+Field names are KServe v0.20's exactly (its ``pkg/apis/serving/v1alpha1``; docs/crds.md); the fields KServe does not
 have (``modelDetails``, ``capacity``, ``modelCounts``, ``conditions``, ...) are optional
 additions declared in deploy/crds/. Every class round-trips: ``X.from_dict(d).to_dict()``
 keeps unknown keys, so writing back an object never drops what another writer put there.

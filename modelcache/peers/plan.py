@@ -45,12 +45,16 @@ LocalModelNode status names (which only that node may write): nobody speaks for 
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
+#: Hashes a node may claim, as a witness, for one piece (plan.claims): the truth and a lie.
+MAX_CLAIMS = 2
 #: Read-from-a-peer strikes (deadline missed) after which a peer is not asked again this download.
 SLOW_STRIKES = 2
 #: Seconds a peer is left alone after a slow read, a refused credential, a piece that went past
@@ -71,6 +75,11 @@ class SwarmSettings:
     poll_gap: float = 0.2
     #: Peers polled per model at most (same zone first).
     max_peers: int = 16
+    #: Consecutive pieces owned by one member, at most (read from the origin in one request, a
+    #: response's first byte paid once): a file is cut into 8 blocks or more, each at most this
+    #: many pieces (bench/swarm_sim.py, 8 nodes, 2 GiB, S3-like origin: 1.63x one node's time
+    #: with single pieces, 1.03x with blocks of 16).
+    block: int = 166
     #: How often the directory is asked who the peers are.
     refresh: float = 0.5
     #: The engine's stall timeout: a piece waits for peers at most half of it (``budget``).
@@ -164,6 +173,77 @@ class Step:
     missed: str | None = None
 
 
+class Candidate(Protocol):
+    """A peer as the directory names it (``client.PeerInfo``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def zone(self) -> str: ...
+    @property
+    def complete(self) -> bool: ...
+
+
+C = TypeVar("C", bound=Candidate)
+
+
+def choose_peers(candidates: list[C], settings: SwarmSettings) -> list[C]:
+    """The peers to poll for a model, of those the directory names: our zone first, at most
+    ``max_peers``; each node its own random subset when capped (shuffled by our name: the same
+    subset from one refresh to the next). Not seeds first: the first nodes done would be polled
+    by every node of the zone (a poll holds a connection and a server thread), where a random
+    choice has each node polled by about ``max_peers`` others whatever the group's size
+    (bench/swarm_sim.py: at most 23 of 39 at 40 nodes, N at 1,000)."""
+    out = list(candidates)
+    random.Random(settings.node).shuffle(out)
+    out.sort(key=lambda p: p.zone != settings.zone or not p.zone)
+    return out[: settings.max_peers]
+
+
+#: Points per member on the ring (bisect per lookup; 16 keep the largest share within ~1.5x the mean).
+RING_POINTS = 16
+_POINTS: dict[str, list[tuple[int, str]]] = {}
+
+
+def _h64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+class Ring:
+    """Consistent hashing of the swarm's blocks onto its members: every node that knows the same
+    members computes the same owners, and one member more or less moves only its own blocks
+    (two nodes whose views differ by a member disagree about 1/members of the blocks)."""
+
+    def __init__(self, members: frozenset[str]) -> None:
+        points: list[tuple[int, str]] = []
+        for name in members:
+            mine = _POINTS.get(name)
+            if mine is None:
+                mine = _POINTS[name] = [(_h64(f"{name}\0{v}"), name) for v in range(RING_POINTS)]
+                if len(_POINTS) > 65536:  # names of nodes long gone
+                    _POINTS.clear()
+            points += mine
+        points.sort()
+        self.hashes = [h for h, _ in points]
+        self.names = [n for _, n in points]
+        self.size = len(members)
+
+    def owners(self, point: int, count: int, skip: Collection[str] = ()) -> list[str]:
+        """The first ``count`` members clockwise from ``point``, less ``skip``."""
+        out: list[str] = []
+        if not self.names:
+            return out
+        start = bisect.bisect_left(self.hashes, point)
+        for i in range(len(self.names)):
+            name = self.names[(start + i) % len(self.names)]
+            if name not in out and name not in skip:
+                out.append(name)
+                if len(out) >= count or len(out) + len(skip) >= self.size:
+                    break
+        return out
+
+
+
 def rank(node: str, key: str, ci: int, piece: int) -> int:
     """Rendezvous weight of ``node`` for a piece: the member with the highest reads it."""
     return int.from_bytes(hashlib.blake2b(f"{node}\0{key}\0{ci}\0{piece}".encode(), digest_size=8).digest(), "big")
@@ -175,9 +255,11 @@ class Plan:
 
     def __init__(self, settings: SwarmSettings, key: str, workers: int = 8,
                  clock: Callable[[], float] = time.monotonic, seed: str | None = None,
-                 checked: frozenset[int] = frozenset(), files: int = 0) -> None:
+                 checked: frozenset[int] = frozenset(), files: int = 0, counts: tuple[int, ...] = ()) -> None:
         self.settings, self.key = settings, key
         self.files = files
+        #: Pieces of each file (ci): blocks are cut by it (no blocks when unknown).
+        self.counts = counts
         #: Files (ci) whose source checksum no one can forge: the file check settles them.
         self.checked = checked
         #: Pieces whose bytes we took from a peer: (ci, piece) -> (peer, sha-256).
@@ -195,7 +277,19 @@ class Plan:
         self.rng = random.Random(seed if seed is not None else self.me)
         self.formed_at = clock() + settings.formation
         self.peers: dict[str, PeerState] = {}
+        #: Every node the directory names for the model (polled or not): name -> (zone, listed).
+        self.swarm_nodes: dict[str, tuple[str, bool]] = {}
+        #: Nodes whose pieces we waited for in vain (polled or not): they own nothing any more.
+        self.missed_nodes: set[str] = set()
+        self._version = 0  # bumped by whatever changes who the members are
+        self._members: tuple[tuple[int, bool], list[str]] | None = None
+        self._ring: Ring | None = None
+        self._block_points: dict[tuple[int, int], int] = {}
+        #: Pieces we wait for: (ci, piece) -> (the owner we wait for, since when).
+        self._waiting: dict[tuple[int, int], tuple[str, float]] = {}
         self.holders: dict[tuple[int, int], set[str]] = {}
+        #: Pieces polled peers read from the origin right now: (ci, piece) -> who.
+        self.fetchers: dict[tuple[int, int], set[str]] = {}
         self.origin_reads = 0
         #: Files (ci) read from the origin only (fetched again after a checksum mismatch).
         self.force_origin: set[int] = set()
@@ -204,11 +298,28 @@ class Plan:
 
     def add(self, state: PeerState) -> None:
         self.peers[state.name] = state
+        self._version += 1
 
     def remove(self, name: str) -> None:
         state = self.peers.pop(name, None)
         if state is not None:
             self.forget(state)
+        self._version += 1
+
+    def listed(self, name: str, zone: str, complete: bool) -> None:
+        """What the directory says now of a polled peer (its zone, whether it holds it all)."""
+        state = self.peers.get(name)
+        if state is not None and (state.zone, state.listed_complete) != (zone, complete):
+            state.zone, state.listed_complete = zone, complete
+            self._version += 1
+
+    def swarm(self, nodes: dict[str, tuple[str, bool]]) -> None:
+        """Every node the directory names for the model, polled or not, except those that hold
+        it all: name -> (zone, listed: it published our listing digest). Pieces are owned among
+        those of our zone (``members``), so that nodes polling different peers agree on owners."""
+        if nodes != self.swarm_nodes:
+            self.swarm_nodes = dict(nodes)
+            self._version += 1
 
     def reset(self, ci: int) -> None:
         """File ``ci`` is fetched again from the origin: what we took of it no longer counts."""
@@ -222,7 +333,8 @@ class Plan:
             names = self.holders.get(piece)
             if names is not None:
                 names.discard(state.name)
-        state.have, state.fetching = {}, set()
+        state.have = {}
+        self._fetching(state, set())
 
     def heard(self, state: PeerState, full: bool, pieces: list[tuple[int, int, str, bool]],
               fetching: list[tuple[int, int]], complete: bool) -> str | None:
@@ -234,30 +346,46 @@ class Plan:
         wrong = None
         for ci, piece, hexdigest, origin in pieces:
             if origin:
-                self.claims.setdefault((ci, piece), {}).setdefault(hexdigest, set()).add(state.name)
+                self.claim(state.name, ci, piece, hexdigest)
             ours = self.read_from_origin.get((ci, piece))
             if (ours is not None and ours != hexdigest and wrong is None
                     and not self.relayed(state.name, ci, piece, hexdigest, origin)):
                 wrong = f"piece {piece} of file {ci} has sha-256 {ours} at the origin, {state.name} said {hexdigest}"
             state.have[(ci, piece)] = Vouch(hexdigest, origin)
             self.holders.setdefault((ci, piece), set()).add(state.name)
-        state.fetching = set(fetching)
+        self._fetching(state, set(fetching))
+        if (state.complete, state.alive, state.answered, state.reachable) != (complete, True, True, True):
+            self._version += 1
         state.complete = complete
         state.alive = state.answered = state.reachable = True
         return wrong
 
+    def _fetching(self, state: PeerState, now: set[tuple[int, int]]) -> None:
+        """``state`` reads ``now`` from the origin (the ``fetchers`` index follows)."""
+        for piece in state.fetching - now:
+            names = self.fetchers.get(piece)
+            if names is not None:
+                names.discard(state.name)
+                if not names:
+                    del self.fetchers[piece]
+        for piece in now - state.fetching:
+            self.fetchers.setdefault(piece, set()).add(state.name)
+        state.fetching = now
+
     def lost(self, state: PeerState, reachable: bool) -> None:
         """A poll failed: it stops counting as a member (its pieces get other owners)."""
         state.alive = False
-        state.fetching = set()
+        self._fetching(state, set())
         state.answered = state.answered or reachable
         state.reachable = reachable
+        self._version += 1
 
     def exclude(self, name: str) -> None:
         state = self.peers.get(name)
         if state is not None and not state.excluded:
             state.excluded = True
             self.forget(state)
+            self._version += 1
 
     # ---- how they behave -------------------------------------------------------------------------
 
@@ -285,6 +413,7 @@ class Plan:
         if state is not None:
             h = state.health
             state.alive = False
+            self._version += 1
             pause = min(SLOW_PAUSE, max(pause, FAILED_PAUSE * 2 ** h.fail_streak))
             h.fail_streak += 1
             h.down_until = max(h.down_until, self.clock() + pause)
@@ -299,15 +428,40 @@ class Plan:
     # ---- membership and ownership -------------------------------------------------------------------
 
     def members(self) -> list[str]:
-        """Nodes still downloading the model, among which pieces are owned."""
+        """Nodes of our zone still downloading the model, among which pieces are owned: every
+        node the directory names in our zone (it lists the model, or still lists it while the
+        swarm forms), and the polled peers of our zone; less those we know hold it all, failed
+        to reach, excluded, or waited for in vain. Memoized until one of those changes."""
         forming = self.clock() < self.formed_at
+        key = (self._version, forming)
+        if self._members is not None and self._members[0] == key:
+            return self._members[1]
+        zone = self.settings.zone
         out = [self.me]
-        for p in self.peers.values():
-            if p.excluded or p.incompatible or p.listed_complete or p.complete or p.health.missed:
+        seen = {self.me}
+        for name, (their_zone, listed) in self.swarm_nodes.items():
+            if name in seen or their_zone != zone or name in self.missed_nodes:
                 continue
-            if p.alive or (forming and p.reachable):
+            seen.add(name)
+            p = self.peers.get(name)
+            if p is None:
+                if listed or forming:
+                    out.append(name)
+                continue
+            if self._member(p, forming):
+                out.append(name)
+        for p in self.peers.values():
+            if p.name not in seen and p.zone == zone and p.name not in self.missed_nodes and self._member(p, forming):
                 out.append(p.name)
+        self._members = (key, out)
+        self._ring = None
         return out
+
+    @staticmethod
+    def _member(p: PeerState, forming: bool) -> bool:
+        if p.excluded or p.incompatible or p.listed_complete or p.complete or p.health.missed:
+            return False
+        return p.alive or (forming and p.reachable)
 
     def unheard(self, zone: str | None = None) -> bool:
         """While the swarm forms, a peer not yet polled may hold anything: no origin read is
@@ -318,8 +472,9 @@ class Plan:
 
     def owners(self, ci: int, piece: int) -> list[str]:
         """Who reads the piece from the origin: one node for a checked file, ``witnesses`` for any
-        other, less those that read it already; members reading it now first, then those ranked
-        highest for it. Witnesses that disagree: every member reads it (the origin decides)."""
+        other, less those that read it already; members reading it now first, then the piece's
+        block's owners on the ring of our zone's members. Witnesses that disagree: every member
+        reads it (the origin decides)."""
         witnessed = self.witnessed(ci, piece)
         if len(witnessed) > 1:
             return self.members()
@@ -330,13 +485,28 @@ class Plan:
         need = (1 if ci in self.checked else max(1, self.settings.witnesses)) - len(done)
         if need <= 0:
             return []
-        out = [p.name for p in self.peers.values() if p.name not in done and p.alive and not p.excluded
-               and not p.health.missed and (ci, piece) in p.fetching][:need]
+        zone = self.settings.zone
+        out: list[str] = []
+        for name in sorted(self.fetchers.get((ci, piece), ())):
+            p = self.peers.get(name)
+            if (p is not None and name not in done and p.alive and not p.excluded and not p.health.missed
+                    and p.zone == zone and len(out) < need):
+                out.append(name)
         if len(out) < need:
-            ranked = sorted((n for n in self.members() if n not in out and n not in done),
-                            key=lambda n: rank(n, self.key, ci, piece), reverse=True)
-            out += ranked[: need - len(out)]
+            members = self.members()
+            if self._ring is None:
+                self._ring = Ring(frozenset(members))
+            block = (ci, piece // self.block_of(ci))
+            point = self._block_points.get(block)
+            if point is None:
+                point = self._block_points[block] = _h64(f"{self.key}\0{block[0]}\0{block[1]}")
+            out += self._ring.owners(point, need - len(out), skip={*out, *done})
         return out
+
+    def block_of(self, ci: int) -> int:
+        """Pieces per block of file ``ci``: the same for every node (the file's size decides)."""
+        count = self.counts[ci] if ci < len(self.counts) else 0
+        return max(1, min(self.settings.block, count // 8))
 
     def usable_holders(self, ci: int, piece: int) -> list[PeerState]:
         """Peers to ask for the piece, best first: our zone, then the fewest of our requests."""
@@ -349,11 +519,22 @@ class Plan:
         found.sort(key=lambda p: (not zone or p.zone != zone, p.inflight, self.rng.random()))
         return found
 
+    def held(self, ci: int, piece: int) -> bool:
+        """Whether a peer we may ask holds the piece (``usable_holders``, without the order)."""
+        if ci not in self.checked and self.unheard():
+            return False
+        now = self.clock()
+        for name in self.holders.get((ci, piece), ()):
+            p = self.peers.get(name)
+            if p is not None and p.usable(now) and self.expected(name, ci, piece) is not None:
+                return True
+        return False
+
     def owns(self, ci: int, piece: int) -> bool:
         """Read this piece from the origin now? (No holder, and ours to read.)"""
         if ci in self.force_origin:
             return True
-        if self.usable_holders(ci, piece):
+        if self.held(ci, piece):
             return False
         return not self.unheard() and self.me in self.owners(ci, piece)
 
@@ -389,7 +570,7 @@ class Plan:
         origin_free = self.origin_reads < self.origin_limit()
         held = None
         for i, piece in enumerate(pieces):
-            if self.usable_holders(ci, piece):
+            if self.held(ci, piece):
                 if held is None:
                     held = i
             elif origin_free and piece not in fetching and self.me in self.owners(ci, piece):
@@ -404,10 +585,25 @@ class Plan:
         if zone and holders and all(h.zone != zone for h in holders) and self.unheard(zone):
             holders = []  # a peer of our zone may hold it too: hear it first
         owners = self.owners(ci, piece) if not forced else [self.me]
+        now = self.clock()
+        missed = None
+        if not holders and not forced and owners and self.me not in owners:
+            # Half the budget waited for an owner and nobody holds the piece: an owner that is not
+            # visibly reading it is waited for no longer (it owns nothing more, for this download)
+            # and its blocks go to the next member on the ring, the same one for everyone who
+            # waited: not every waiting node reads it from the origin, as at the full budget.
+            since = self._waiting.setdefault((ci, piece), (owners[0], max(started, now)))
+            if since[0] != owners[0]:
+                since = self._waiting[(ci, piece)] = (owners[0], now)
+            owner = owners[0]
+            if now >= since[1] + self.settings.budget / 2 and (
+                    owner not in self.peers or (ci, piece) not in self.peers[owner].fetching):
+                missed = owner
+                self.missed(owner)
+                owners = self.owners(ci, piece)
         mine = forced or (not holders and not self.unheard() and self.me in owners)
         if mine:
-            return Step(origin=True)
-        now = self.clock()
+            return Step(origin=True, missed=missed)
         if now >= started + self.settings.budget:
             # Holders busy all along (a seed whose slots others hold, or one that says "busy" to
             # everyone for ever) are left alone for a while: the next pieces do not wait for them.
@@ -418,12 +614,14 @@ class Plan:
             vouched = {n for names in self.witnessed(ci, piece).values() for n in names}
             waited = [n for n in owners if n != self.me and n not in vouched]
             return Step(origin=True, late=True, missed=waited[0] if not holders and waited else None)
-        return Step(holders=tuple(h.name for h in holders))
+        return Step(holders=tuple(h.name for h in holders), missed=missed)
 
     def missed(self, name: str) -> None:
         state = self.peers.get(name)
         if state is not None:
             state.health.missed = True
+        self.missed_nodes.add(name)
+        self._version += 1
 
     def expected(self, holder: str, ci: int, piece: int) -> str | None:
         """The sha-256 the piece must have when ``holder`` serves it; None: do not ask it (see
@@ -456,6 +654,7 @@ class Plan:
 
     def took(self, name: str, ci: int, piece: int, value: str) -> None:
         """We took the piece's bytes from ``name``: on its word and that of the witnesses."""
+        self._waiting.pop((ci, piece), None)
         self.taken[(ci, piece)] = (name, value)
         self.relied[(ci, piece)] = frozenset({name, *self.witnessed(ci, piece).get(value, ())})
 
@@ -469,6 +668,14 @@ class Plan:
                     return f"piece {piece} came on the word of {', '.join(liars)}, found lying since"
         return None
 
+    def claim(self, name: str, ci: int, piece: int, value: str) -> None:
+        """``name`` says it read the piece from the origin and it has sha-256 ``value``. Two hashes
+        per node and piece are kept at most (the origin's bytes have one: a second is a lie, which
+        is all settle needs): a peer cannot grow this by changing its word at every poll."""
+        said = self.claims.setdefault((ci, piece), {})
+        if name not in said.get(value, ()) and sum(name in names for names in said.values()) < MAX_CLAIMS:
+            said.setdefault(value, set()).add(name)
+
     def relayed(self, name: str, ci: int, piece: int, value: str, origin: bool) -> bool:
         """Whether ``name`` only passed on ``value`` for the piece: it is no witness of it, and
         another node vouched for it as one (if that is a lie, that witness told it)."""
@@ -479,6 +686,7 @@ class Plan:
         word or bytes said otherwise (peer -> what it said), to be excluded: every witness of
         another hash, and a relay of one only when no witness vouched for it (module docstring)."""
         key = (ci, piece)
+        self._waiting.pop(key, None)
         self.read_from_origin[key] = value
         wrong: dict[str, str] = {}
         for said, names in self.claims.get(key, {}).items():

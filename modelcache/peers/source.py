@@ -54,6 +54,19 @@ class PeerSource(Source):
             return 0
         return self.session.pick(li, [s // self.session.local.piece_size for s in starts])
 
+    def chunk_run(self, file: RemoteFile, starts: list[int]) -> int:
+        """Pieces we read from the origin in one request (the run ``PieceStream`` reads), else
+        one: a piece from a peer is one request whatever the run."""
+        li = self._index.get(file.path)
+        if li is None or not file.ranged or file.size is None:
+            return len(starts)
+        psize = self.session.local.piece_size
+        n = 1
+        if self.session.owns(li, starts[0] // psize):
+            while n < len(starts) and self.session.owns(li, starts[n] // psize):
+                n += 1
+        return n
+
     def check_unchanged(self, file: RemoteFile) -> None:
         self.origin.check_unchanged(file)
 

@@ -15,7 +15,6 @@ piece that does not match is excluded (``on_exclude``: for the agent's lifetime 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from modelcache.peers.client import (
 )
 from modelcache.peers.local import LocalPieces
 from modelcache.peers.pieces import PieceHash, hash_piece, piece_span
-from modelcache.peers.plan import REFUSED_PAUSE, PeerState, Plan, SwarmSettings
+from modelcache.peers.plan import REFUSED_PAUSE, PeerState, Plan, SwarmSettings, choose_peers
 from modelcache.peers.protocol import HaveReply
 
 log = logging.getLogger("modelcache.peers")
@@ -128,7 +127,7 @@ class SwarmSession:
         self.cond = threading.Condition()
         checked = frozenset(local.canon[li] for li, f in enumerate(local.files)
                             if any(cryptographic(c.algo) for c in f.checksums))
-        self.plan = Plan(settings, key, workers, checked=checked, files=len(local.files))
+        self.plan = Plan(settings, key, workers, checked=checked, files=len(local.files), counts=local.geometry.counts)
         self.links: dict[str, PeerLink] = {}
         self._peer_bytes: dict[int, int] = {}  # li -> peer bytes the engine took of it
         self._stop = threading.Event()
@@ -160,12 +159,9 @@ class SwarmSession:
 
     def refresh(self) -> None:
         """Poll the peers the directory names for this model (same digest, or still listing)."""
-        infos = [p for p in self.directory(self.key)
-                 if p.name != self.me and not self.excluded(p.name) and p.digest in (None, self.digest)]
-        random.Random(self.me).shuffle(infos)  # each node its own subset when capped, stable over time
-        infos.sort(key=lambda p: (p.zone != self.settings.zone or not p.zone, not p.complete))
-        infos = infos[: self.settings.max_peers]
-        wanted = {p.name: p for p in infos}
+        named = [p for p in self.directory(self.key) if p.name != self.me and not self.excluded(p.name)
+                 and p.digest in (None, self.digest)]
+        wanted = {p.name: p for p in choose_peers(named, self.settings)}
         start, stop = [], []
         with self.cond:
             if self._stop.is_set():
@@ -187,7 +183,9 @@ class SwarmSession:
                     if info.digest != link.info.digest:
                         link.wake.set()  # it has listed: poll it now
                     link.info = info
-                    link.state.zone, link.state.listed_complete = info.zone, info.complete
+                    self.plan.listed(name, info.zone, info.complete)
+            # Owners are spread over every node the directory names in our zone, polled or not.
+            self.plan.swarm({p.name: (p.zone, p.digest is not None) for p in named if not p.complete})
             self.cond.notify_all()
         for link in stop:
             link.halt()
@@ -265,6 +263,9 @@ class SwarmSession:
                 raise TransientError(f"{self.local.files[li].path}: read aborted")
             with self.cond:
                 step = self.plan.step(ci, piece, started)
+                if step.missed is not None and not step.late:
+                    log.info("piece %d of %s: %s did not read it in %.0fs; its pieces go to other nodes",
+                             piece, self.local.files[li].path, step.missed, self.plan.clock() - started)
                 if step.origin and self.plan.take_origin(force=step.late):
                     if step.late:
                         self.stats.origin_fallbacks += 1

@@ -106,6 +106,12 @@ class Source(ABC):
         node reads from the origin first, so the origin never waits on the order of the others)."""
         return 0
 
+    def chunk_run(self, file: RemoteFile, starts: list[int]) -> int:
+        """How many of ``starts`` (consecutive chunks of a file, the first one picked) to read as
+        one run: all by default (the engine sizes runs by how slow responses are to start). Only
+        asked where ``picks_chunks``."""
+        return len(starts)
+
     @property
     def picks_chunks(self) -> bool:
         return type(self).pick_chunk is not Source.pick_chunk

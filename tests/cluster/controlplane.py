@@ -439,17 +439,20 @@ class ControlPlane:
         """A pod of the ServiceAccount bound to ``node``, whose token then carries the node as a
         DaemonSet pod's does (``authentication.kubernetes.io/node-name`` in the user's extra),
         for a component the tests run as a process. It never runs: with no kubelet nothing would,
-        and a real kubelet refuses it at admission (its nodeSelector matches no node). The Node
-        is registered if missing: the pod GC deletes pods of unknown nodes after 40 s, and with
-        the pod every token bound to it."""
-        status, _ = self.raw(f"/api/v1/nodes/{node}")
-        if status == 404:
-            self.register_node(node)
+        and a real kubelet refuses it at admission (its nodeSelector matches no node). A pod made
+        before is used again, whether or not its Node is there now (a test may have deleted the
+        Node for a while: registering it here, with none of that test's labels, raced the test's
+        own registration; tests/test_chaos.py hung on it). A new pod's Node is registered if
+        missing: the pod GC deletes pods of unknown nodes after 40 s, and with the pod every
+        token bound to it."""
         name = f"{service_account}-on-{node}"
         path = f"/api/v1/namespaces/{namespace}/pods"
         status, text = self.raw(f"{path}/{name}")
         if status == 200:
             return dict(json.loads(text))
+        status, _ = self.raw(f"/api/v1/nodes/{node}")
+        if status == 404:
+            self.register_node(node)
         body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace,
                                                                 "labels": {STAND_IN_LABEL: "true"}},
                 "spec": {"nodeName": node, "serviceAccountName": service_account,

@@ -1,6 +1,6 @@
 """A small Hugging Face Hub server for tests, faithful to what huggingface_hub calls.
 
-Endpoints (see shared/TESTING.md §4): ``GET /api/models/{repo}[/revision/{rev}]``,
+Endpoints (those huggingface_hub calls): ``GET /api/models/{repo}[/revision/{rev}]``,
 ``GET /api/models/{repo}/tree/{rev}[/{path}]`` (recursive, expand, ``Link: rel="next"``
 pagination), ``GET /api/models/{repo}/refs``, ``POST /api/models/{repo}/paths-info/{rev}``,
 ``HEAD|GET /{repo}/resolve/{rev}/{path}``. LFS

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Container image tests (tests/test_image*.py): podman with runc, and a local stand-in for the
-# Dockerfile's base image, since no registry can be reached here (shared/TESTING.md, "Containers").
+# Dockerfile's base image, since no registry but the package registries can be reached here.
 #
 # The base is made once from Debian's packages with debootstrap (~3 min) and tagged with the
 # public name the Dockerfile's BASE_IMAGE defaults to, so `make image` builds unchanged; later runs

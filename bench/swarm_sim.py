@@ -1,0 +1,770 @@
+"""A swarm of agents filling one model, simulated: the peers' own decision code on simulated links
+and a virtual clock.
+
+Every decision is made by the code the agents run (``modelcache.peers.plan``): which peers a node
+polls (``choose_peers``: its zone first, at most ``max_peers``), who owns a piece and reads it from
+the origin, which holder to ask (zone first, fewest requests in flight), how long to wait for an
+owner (the piece's budget: ``--peer-wait`` and half the stall timeout), the formation window, the
+origin-read share, and the engine's order of pieces (``Plan.pick``). What this file adds is the
+world around it, as the real code meets it:
+
+- **the engine**: ``--workers`` streams per node, each takes the file with the fewest streams and,
+  in a window of its next 64 pending pieces, the piece ``pick`` names; a piece from the origin is
+  read and hashed as it passes, one from a peer is read whole (transfer/PieceStream, swarm.py);
+- **the peer protocol**: each polled peer is long-polled (a reply as soon as it has a new piece or
+  reads another from the origin, else after ``poll_wait``; the next poll ``poll_gap`` later); a
+  peer's upload slots (``--peer-max-uploads``, one request waits ``SLOT_WAIT`` for a slot, then
+  "busy" with Retry-After 1 s); a peer read's deadline (``read_deadline``); a node that has not
+  listed yet answers "not held";
+- **the directory**: who lists the model, with which zone, and who holds it all, as the
+  LocalModelNode statuses say, seen ``--directory-delay`` seconds late;
+- **links**: the origin (a time to first byte, a cap per connection, a cap per zone and one in
+  all), each node's NIC (each direction), the links between zones (a cap per pair) and latency
+  (one way, within a zone and between zones). A link's capacity is shared equally by the flows
+  on it; a flow goes at the smallest share along its path (no re-distribution of what a flow
+  bottlenecked elsewhere leaves: slightly pessimistic when NICs are the limit).
+
+Reported (``--json``): time until every node holds the model, as a multiple of one node alone
+(the same world, one node, no peers), and the origin's bytes per zone as a multiple of the model.
+``--validate FLEET_JSON`` (default: bench/fleet-8.json, bench/fleet.py's own run at 8 nodes) also
+simulates bench/fleet.py's run (its nodes, model and origin rate) and compares with what the real
+agents did: ``validated_against_fleet`` is true when both figures (time as a multiple of one node,
+origin bytes as a multiple of the model) are within 15 % of the real ones (``validation``).
+
+    .venv/bin/python bench/swarm_sim.py --nodes 1000 --zones 3 [--size 2Gi] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import inspect
+import itertools
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from modelcache.peers.client import PeerInfo  # noqa: E402
+from modelcache.peers.pieces import PIECE_MAX, piece_count, piece_span  # noqa: E402
+from modelcache.peers.plan import PeerState, Plan, SwarmSettings, choose_peers  # noqa: E402
+from modelcache.peers.server import SLOT_WAIT  # noqa: E402
+from modelcache.sizes import parse_size  # noqa: E402
+from modelcache.transfer_control import SourceStats  # noqa: E402
+
+#: Whether this tree's plan cuts files into blocks (an older one, measured for comparison, does not).
+BLOCKS = "counts" in inspect.signature(Plan).parameters
+#: The engine's window of pending pieces offered to ``pick`` (modelcache/transfer.py).
+PICK_WINDOW = 64
+MiB = 1 << 20
+
+# ---------------------------------------------------------------------------------------------
+# The clock and the processes
+# ---------------------------------------------------------------------------------------------
+
+Proc = Generator[Any, Any, None]
+
+
+class Sim:
+    """Virtual time, and processes written as generators that yield what they wait for:
+    ``Sleep(s)``, ``Wait(cond, timeout)`` or a ``Flow`` (its bytes moved, or cut)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.events = 0
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (max(t, self.now), next(self._seq), fn))
+
+    def spawn(self, proc: Proc) -> None:
+        self.at(self.now, lambda: self.step(proc, None))
+
+    def step(self, proc: Proc, value: Any) -> None:
+        try:
+            cmd = proc.send(value)
+        except StopIteration:
+            return
+        cmd.park(self, proc)
+
+    def run(self, until: Callable[[], bool], limit: float) -> None:
+        while self._heap and not until():
+            t, _, fn = heapq.heappop(self._heap)
+            if t > limit:
+                raise RuntimeError(f"the swarm did not finish in {limit:.0f} simulated seconds")
+            self.now = t
+            self.events += 1
+            fn()
+
+
+@dataclass
+class Sleep:
+    seconds: float
+
+    def park(self, sim: Sim, proc: Proc) -> None:
+        sim.at(sim.now + self.seconds, lambda: sim.step(proc, None))
+
+
+class Cond:
+    """What ``threading.Condition.wait(timeout)`` is to the real code: woken by ``notify_all``."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[int, tuple[Proc, int]] = {}
+        self._ids = itertools.count()
+
+    def notify_all(self, sim: Sim) -> None:
+        waiting, self.waiting = self.waiting, {}
+        for proc, _ in waiting.values():
+            sim.at(sim.now, lambda p=proc: sim.step(p, True))
+
+
+@dataclass
+class Wait:
+    cond: Cond
+    timeout: float
+
+    def park(self, sim: Sim, proc: Proc) -> None:
+        token = next(self.cond._ids)
+        self.cond.waiting[token] = (proc, token)
+
+        def expire() -> None:
+            if self.cond.waiting.pop(token, None) is not None:
+                sim.step(proc, False)
+
+        sim.at(sim.now + self.timeout, expire)
+
+
+# ---------------------------------------------------------------------------------------------
+# Links
+# ---------------------------------------------------------------------------------------------
+
+
+class Link:
+    __slots__ = ("cap", "flows", "name")
+
+    def __init__(self, cap: float, name: str) -> None:
+        self.cap, self.name = cap, name
+        self.flows: dict[Flow, None] = {}  # insertion-ordered: the same run gives the same result
+
+
+class Flow:
+    """``nbytes`` over ``links`` (and at most ``cap`` bytes/s), after ``delay`` seconds (a first
+    byte's latency). Yielded by a process: resumed with True once moved, False if cut at
+    ``deadline``."""
+
+    __slots__ = ("cap", "deadline", "delay", "done", "links", "nbytes", "proc", "rate", "remaining", "t0", "version")
+
+    def __init__(self, links: list[Link], nbytes: int, cap: float = math.inf, delay: float = 0.0,
+                 deadline: float = math.inf) -> None:
+        self.links, self.nbytes, self.cap, self.delay, self.deadline = links, nbytes, cap, delay, deadline
+        self.remaining = float(nbytes)
+        self.rate = 0.0
+        self.t0 = 0.0
+        self.version = 0
+        self.done = False
+        self.proc: Proc | None = None
+
+    def park(self, sim: Sim, proc: Proc) -> None:
+        self.proc = proc
+        net: Net = sim.net  # type: ignore[attr-defined]
+        sim.at(sim.now + self.delay, lambda: net.start(self))
+
+
+class Net:
+    def __init__(self, sim: Sim) -> None:
+        self.sim = sim
+        self.moved: dict[str, float] = {}
+
+    def _settle(self, f: Flow) -> None:
+        now = self.sim.now
+        f.remaining = max(0.0, f.remaining - f.rate * (now - f.t0))
+        f.t0 = now
+
+    def _reschedule(self, flows: dict[Flow, None]) -> None:
+        now = self.sim.now
+        for f in flows:
+            self._settle(f)
+        for f in flows:
+            rate = f.cap
+            for link in f.links:
+                rate = min(rate, link.cap / len(link.flows))
+            f.rate = rate
+            f.version += 1
+            v = f.version
+            end = now + (f.remaining / rate if rate > 0 else math.inf)
+            if end > f.deadline:
+                self.sim.at(f.deadline, lambda f=f, v=v: self._finish(f, v, False))
+            elif math.isfinite(end):
+                self.sim.at(end, lambda f=f, v=v: self._finish(f, v, True))
+
+    def start(self, f: Flow) -> None:
+        if self.sim.now >= f.deadline:
+            self.sim.step(f.proc, False)  # type: ignore[arg-type]
+            return
+        f.t0 = self.sim.now
+        touched: dict[Flow, None] = {f: None}
+        for link in f.links:
+            link.flows[f] = None
+            touched.update(link.flows)
+        self._reschedule(touched)
+
+    def _finish(self, f: Flow, version: int, whole: bool) -> None:
+        if f.done or version != f.version:
+            return
+        self._settle(f)
+        f.done = True
+        touched: dict[Flow, None] = {}
+        for link in f.links:
+            link.flows.pop(f, None)
+            touched.update(link.flows)
+            self.moved[link.name] = self.moved.get(link.name, 0.0) + (f.nbytes - (0 if whole else f.remaining))
+        self._reschedule(touched)
+        self.sim.step(f.proc, whole)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# The world
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class World:
+    nodes: int
+    zones: int
+    files: tuple[int, ...]  # sizes, in path order
+    workers: int = 8
+    #: The agent's --chunk-size: a node alone (no peers) reads chunks of it.
+    chunk_size: int = 8 * MiB
+    #: Origin: seconds to a response's first byte; bytes/s per connection, per zone, in all.
+    origin_ttfb: float = 0.05
+    origin_stream: float = math.inf
+    origin_zone: float = math.inf
+    origin_total: float = math.inf
+    nic: float = 25e9 / 8
+    inter_zone: float = math.inf
+    latency: float = 0.0005
+    inter_zone_latency: float = 0.002
+    #: Seconds from the cache's creation until a node starts (lists the model): from .. to.
+    start: tuple[float, float] = (0.5, 1.5)
+    #: Seconds until the directory shows what a node published (its LocalModelNode status).
+    directory_delay: float = 1.0
+    #: Seconds after its last piece until a node says Downloaded (verify, publish, status).
+    finish: float = 0.5
+    max_uploads: int = 4
+    settings: dict[str, Any] = field(default_factory=dict)
+    seed: int = 1
+    peers: bool = True
+
+    @property
+    def size(self) -> int:
+        return sum(self.files)
+
+
+class Directory:
+    """What every agent's directory shows (LocalModelNode statuses), ``directory_delay`` late."""
+
+    def __init__(self, sim: Sim, world: World) -> None:
+        self.sim, self.world = sim, world
+        self.listed: dict[str, tuple[str, bool]] = {}  # node -> (zone, complete)
+        self.members: dict[str, str] = {}  # every node the cache names: node -> zone
+        self.version = 0
+
+    def publish(self, node: str, zone: str, complete: bool) -> None:
+        def show() -> None:
+            self.listed[node] = (zone, complete)
+            self.version += 1
+        self.sim.at(self.sim.now + self.world.directory_delay, show)
+
+    def peers(self) -> list[PeerInfo]:
+        out = []
+        for name, zone in self.members.items():
+            listed = self.listed.get(name)
+            digest = "d" if listed is not None else None
+            out.append(PeerInfo(name, name, 1, "0" * 64, zone, digest, bool(listed and listed[1])))
+        return out
+
+
+class PollLink:
+    """One polled peer: its state in our plan, and the long poll that keeps it current."""
+
+    def __init__(self, node: Node, target: Node) -> None:
+        self.node, self.target = node, target
+        self.state = PeerState(target.name, target.zone, False)
+        self.stopped = False
+        self.digest: str | None = None
+        self.wake = Cond()
+
+
+class Node:
+    def __init__(self, sim: Sim, world: World, index: int, zone: int, directory: Directory,
+                 nodes: dict[str, Node], origin_links: list[Link]) -> None:
+        self.sim, self.world, self.directory, self.nodes = sim, world, directory, nodes
+        self.name = f"node-{index:04d}"
+        self.zone = f"zone-{zone}"
+        self.zone_index = zone
+        self.up = Link(world.nic, f"{self.name}/up")
+        self.down = Link(world.nic, f"{self.name}/down")
+        self.origin_links = origin_links
+        settings = SwarmSettings(node=self.name, zone=self.zone, **world.settings)
+        self.settings = settings
+        extra = {"counts": tuple(piece_count(size, PIECE_MAX) for size in world.files)} if BLOCKS else {}
+        self.plan = Plan(settings, "model", world.workers, clock=lambda: sim.now,
+                         checked=frozenset(range(len(world.files))), files=len(world.files), **extra)
+        self.cond = Cond()  # the session's condition: waiting streams
+        # With peers the engine's chunks are pieces (pull.py); without, the agent's --chunk-size.
+        self.piece_size = PIECE_MAX if world.peers else world.chunk_size
+        self.stats = SourceStats(self.piece_size)
+        self.pieces = [(ci, p) for ci, size in enumerate(world.files)
+                       for p in range(piece_count(size, self.piece_size))]
+        self.pending: list[list[int]] = [list(range(piece_count(size, self.piece_size))) for size in world.files]
+        self.active = [0] * len(world.files)
+        self.fetching: set[tuple[int, int]] = set()  # pieces we read from the origin right now
+        self.served: list[tuple[int, int, str, bool]] = []
+        self.held: set[tuple[int, int]] = set()
+        self.news = Cond()  # long polls waiting for news
+        self.claims = 0
+        self.listed = False
+        self.done_at: float | None = None
+        self.links: dict[str, PollLink] = {}
+        self.slots = 0
+        self.slot_waiters: list[Proc] = []
+        self.from_origin = 0
+        self.from_peers = 0
+        self.dir_version = -1
+        self.started_at = 0.0
+        self.polled_by = 0  # peers polling us now: each holds a connection (and a server thread)
+        self.most_polled_by = 0
+        self.most_links = 0
+
+    # ---- the agent -----------------------------------------------------------------------------
+
+    def run(self) -> Proc:
+        w = self.world
+        yield Sleep(self.started_at)
+        self.listed = True  # listed: its session serves what it gets from now on
+        self.plan.formed_at = self.sim.now + self.settings.formation
+        self.directory.publish(self.name, self.zone, False)
+        if w.peers:
+            self.sim.spawn(self.refresher())
+        for _ in range(w.workers):
+            self.sim.spawn(self.stream())
+
+    def refresher(self) -> Proc:
+        """SwarmSession.refresh every ``refresh`` seconds (a no-op while the directory is unchanged)."""
+        while self.done_at is None:
+            if self.directory.version != self.dir_version:
+                self.dir_version = self.directory.version
+                self.refresh()
+            yield Sleep(self.settings.refresh)
+
+    def refresh(self) -> None:
+        infos = [p for p in self.directory.peers() if p.name != self.name and p.digest in (None, "d")]
+        wanted = {p.name: p for p in choose_peers(infos, self.settings)}
+        for name in [n for n in self.links if n not in wanted]:
+            link = self.links.pop(name)
+            link.stopped = True
+            link.wake.notify_all(self.sim)
+            self.plan.remove(name)
+        for name, info in wanted.items():
+            link = self.links.get(name)
+            if link is None:
+                link = self.links[name] = PollLink(self, self.nodes[name])
+                self.plan.add(link.state)
+                self.sim.spawn(self.poll(link))
+            elif info.digest != link.digest:
+                link.wake.notify_all(self.sim)  # it has listed: poll it now
+            link.digest = info.digest
+            if hasattr(self.plan, "listed"):
+                self.plan.listed(name, info.zone, info.complete)
+            else:
+                link.state.zone, link.state.listed_complete = info.zone, info.complete
+        self.most_links = max(self.most_links, len(self.links))
+        self.plan_directory()
+        self.cond.notify_all(self.sim)
+
+    def plan_directory(self) -> None:
+        """Where the plan takes members from the directory too (the design at scale)."""
+        swarm = getattr(self.plan, "swarm", None)
+        if swarm is not None:
+            swarm({p.name: (p.zone, p.digest is not None) for p in self.directory.peers()
+                   if p.name != self.name and not p.complete})
+
+    def latency_to(self, other: Node) -> float:
+        return self.world.latency if other.zone == self.zone else self.world.inter_zone_latency
+
+    def poll(self, link: PollLink) -> Proc:
+        """PeerLink._poll_loop: a long poll of the target's ``have``."""
+        target, state = link.target, link.state
+        target.polled_by += 1
+        target.most_polled_by = max(target.most_polled_by, target.polled_by)
+        try:
+            yield from self._poll(link, target, state)
+        finally:
+            target.polled_by -= 1
+
+    def _poll(self, link: PollLink, target: Node, state: PeerState) -> Proc:
+        seq, epoch = 0, "-"
+        while not link.stopped and self.done_at is None:
+            wait = 0.0 if epoch == "-" or state.complete else self.settings.poll_wait
+            yield Sleep(self.latency_to(target))
+            if not target.listed:  # 404: not held (still listing)
+                yield Sleep(target.latency_to(self))
+                self.plan.lost(state, True)
+                self.cond.notify_all(self.sim)
+                yield Wait(link.wake, 0.5)
+                continue
+            claims = target.claims
+            if epoch != "-" and len(target.served) == seq and wait > 0:
+                deadline = self.sim.now + wait
+                while len(target.served) == seq and target.claims == claims and self.sim.now < deadline:
+                    yield Wait(target.news, deadline - self.sim.now)
+            full = epoch == "-"
+            pieces = target.served if full else target.served[seq:]
+            pieces = list(pieces)
+            fetching = list(target.fetching)
+            complete = target.done_at is not None
+            seq, epoch = len(target.served), "e"
+            yield Sleep(target.latency_to(self))
+            if link.stopped or self.done_at is not None:
+                return
+            self.plan.heard(state, full, pieces, fetching, complete)
+            self.cond.notify_all(self.sim)
+            if state.complete:
+                yield Wait(link.wake, 30.0)
+            else:
+                yield Sleep(self.settings.poll_gap)
+
+    # ---- the engine ---------------------------------------------------------------------------
+
+    def _take(self) -> tuple[int, list[int]] | None:
+        """TransferEngine._take: the file with the fewest streams, the piece ``pick`` names among
+        its next pending ones, and the pieces after it while they are consecutive, up to the
+        source's run length (SourceStats: longer runs where responses are slow to start)."""
+        best = None
+        for ci, pending in enumerate(self.pending):
+            if pending and (best is None or self.active[ci] < self.active[best]):
+                best = ci
+        if best is None:
+            return None
+        pending = self.pending[best]
+        first = 0
+        if self.world.peers:
+            window = pending[:PICK_WINDOW]
+            fetching = {p for f, p in self.fetching if f == best}
+            first = min(max(0, self.plan.pick(best, window, fetching)), len(window) - 1)
+        run = [pending.pop(first)]
+        limit = self.stats.run_length
+        if self.world.peers and hasattr(self.plan, "swarm"):
+            # PeerSource.chunk_run: a run only of pieces read from the origin in one request.
+            while (len(run) < limit and first < len(pending) and pending[first] == run[-1] + 1
+                   and self.plan.owns(best, run[0]) and self.plan.owns(best, pending[first])):
+                run.append(pending.pop(first))
+        elif first == 0:
+            while len(run) < limit and pending and pending[0] == run[-1] + 1:
+                run.append(pending.pop(0))
+        return best, run
+
+    def stream(self) -> Proc:
+        while True:
+            task = self._take()
+            if task is None:
+                return
+            ci, run = task
+            self.active[ci] += 1
+            opened = self.sim.now
+            got, first_byte = yield from (self.run_pieces(ci, run) if self.world.peers else self.run_origin(ci, run))
+            self.active[ci] -= 1
+            if got:
+                self.stats.observe(first_byte - opened, got, max(1e-6, self.sim.now - first_byte))
+            if len(self.held) == len(self.pieces) and self.done_at is None:
+                yield Sleep(self.world.finish)
+                if self.done_at is None:
+                    self.done_at = self.sim.now
+                    self.directory.publish(self.name, self.zone, True)
+                    self.news.notify_all(self.sim)
+
+    def span(self, ci: int, piece: int) -> int:
+        start, end = piece_span(self.world.files[ci], self.piece_size, piece)
+        return end - start
+
+    def run_origin(self, ci: int, run: list[int]) -> Generator[Any, Any, tuple[int, float]]:
+        """Without peers: one ranged request for the run of chunks."""
+        nbytes = sum(self.span(ci, p) for p in run)
+        yield Sleep(self.world.origin_ttfb)
+        first_byte = self.sim.now
+        yield Flow([*self.origin_links, self.down], nbytes, cap=self.world.origin_stream)
+        self.from_origin += nbytes
+        for p in run:
+            self.record(ci, p, True)
+        return nbytes, first_byte
+
+    def run_pieces(self, ci: int, run: list[int]) -> Generator[Any, Any, tuple[int, float]]:
+        """PieceStream over a run: each piece from a peer, or from the origin (a run of
+        consecutive pieces we own in one request, cut short when the next is no longer ours)."""
+        got, first_byte, i = 0, math.nan, 0
+        while i < len(run):
+            piece = run[i]
+            source = yield from self.acquire(ci, piece)
+            if source is not None:  # a peer's verified piece
+                got += self.span(ci, piece)
+                if math.isnan(first_byte):
+                    first_byte = self.sim.now
+                i += 1
+                continue
+            last = i + 1
+            while last < len(run) and self.plan.owns(ci, run[last]):
+                last += 1
+            claimed = run[i:last]
+            self.fetching.update((ci, p) for p in claimed)
+            self.claims += 1
+            self.news.notify_all(self.sim)
+            yield Sleep(self.world.origin_ttfb)
+            if math.isnan(first_byte):
+                first_byte = self.sim.now
+            for j, p in enumerate(claimed):
+                nbytes = self.span(ci, p)
+                yield Flow([*self.origin_links, self.down], nbytes, cap=self.world.origin_stream)
+                self.from_origin += nbytes
+                got += nbytes
+                self.fetching.discard((ci, p))
+                self.claims += 1
+                self.plan.settle(ci, p, f"{ci}.{p}")
+                self.record(ci, p, True)
+                i += 1
+                if j + 1 < len(claimed) and not self.plan.owns(ci, claimed[j + 1]):
+                    for rest in claimed[j + 1:]:
+                        self.fetching.discard((ci, rest))
+                    self.claims += 1
+                    self.news.notify_all(self.sim)
+                    break
+            self.plan.release_origin()
+            self.cond.notify_all(self.sim)
+        return got, first_byte
+
+    def acquire(self, ci: int, piece: int) -> Generator[Any, Any, str | None]:
+        """SwarmSession.acquire: the piece from a peer (returns who), or None: read it from the
+        origin (an origin read taken)."""
+        nbytes = self.span(ci, piece)
+        started = self.sim.now
+        while True:
+            step = self.plan.step(ci, piece, started)
+            if step.origin and self.plan.take_origin(force=step.late):
+                if step.late and step.missed is not None:
+                    self.plan.missed(step.missed)
+                return None
+            for name in step.holders:
+                link = self.links.get(name)
+                if link is None:
+                    continue
+                got = yield from self.from_peer(link, ci, piece, nbytes, started)
+                if got:
+                    return name
+            yield Wait(self.cond, 0.2)
+
+    def from_peer(self, link: PollLink, ci: int, piece: int, nbytes: int, started: float) -> Generator[Any, Any, bool]:
+        """SwarmSession._fetch: one request to one holder."""
+        name = link.target.name
+        expected = self.plan.expected(name, ci, piece)
+        if expected is None:
+            return False
+        state = link.state
+        state.inflight += 1
+        target = link.target
+        try:
+            yield Sleep(self.latency_to(target))
+            slot = yield from target.upload_slot()
+            if not slot:  # 503, Retry-After: 1
+                yield Sleep(target.latency_to(self))
+                self.plan.busy(name, 1.0)
+                return False
+            try:
+                deadline = self.settings.read_deadline(self.sim.now, started, nbytes)
+                path = [target.up, self.down]
+                if target.zone != self.zone:
+                    path.append(self.world_links[(target.zone_index, self.zone_index)])
+                whole = yield Flow(path, nbytes, delay=target.latency_to(self), deadline=deadline)
+            finally:
+                target.release_slot()
+        finally:
+            state.inflight -= 1
+        if not whole:
+            self.plan.slow(name)
+            return False
+        self.from_peers += nbytes
+        self.plan.delivered(name)
+        self.plan.took(name, ci, piece, expected)
+        self.record(ci, piece, False)
+        return True
+
+    world_links: dict[tuple[int, int], Link] = {}
+
+    def record(self, ci: int, piece: int, origin: bool) -> None:
+        if (ci, piece) in self.held:
+            return
+        self.held.add((ci, piece))
+        self.served.append((ci, piece, f"{ci}.{piece}", origin))
+        self.news.notify_all(self.sim)
+
+    # ---- the peer server -------------------------------------------------------------------------
+
+    def upload_slot(self) -> Generator[Any, Any, bool]:
+        deadline = self.sim.now + SLOT_WAIT
+        while self.slots >= self.world.max_uploads:
+            if self.sim.now >= deadline:
+                return False
+            cond = Cond()
+            self.slot_waiters.append(cond)  # type: ignore[arg-type]
+            yield Wait(cond, deadline - self.sim.now)
+        self.slots += 1
+        return True
+
+    def release_slot(self) -> None:
+        self.slots -= 1
+        waiters, self.slot_waiters = self.slot_waiters, []
+        for cond in waiters:
+            cond.notify_all(self.sim)  # type: ignore[attr-defined]
+
+
+def simulate(world: World, limit: float = 36000.0) -> dict[str, Any]:
+    """Run the swarm; returns when every node holds the model."""
+    sim = Sim()
+    sim.net = Net(sim)  # type: ignore[attr-defined]
+    rng = random.Random(world.seed)
+    total = Link(world.origin_total, "origin")
+    zone_origin = [Link(world.origin_zone, f"origin/zone-{z}") for z in range(world.zones)]
+    pair = {(a, b): Link(world.inter_zone, f"zone-{a}->zone-{b}") for a in range(world.zones)
+            for b in range(world.zones) if a != b}
+    Node.world_links = pair
+    directory = Directory(sim, world)
+    nodes: dict[str, Node] = {}
+    for i in range(world.nodes):
+        z = i % world.zones
+        node = Node(sim, world, i, z, directory, nodes, [total, zone_origin[z]])
+        node.started_at = rng.uniform(*world.start)
+        nodes[node.name] = node
+        directory.members[node.name] = node.zone
+    for node in nodes.values():
+        sim.spawn(node.run())
+    wall = time.monotonic()
+    sim.run(lambda: all(n.done_at is not None for n in nodes.values()), limit)
+    done = max(n.done_at or 0.0 for n in nodes.values())
+    per_zone = [sum(n.from_origin for n in nodes.values() if n.zone_index == z) for z in range(world.zones)]
+    return {
+        "seconds": done,
+        "origin_bytes": sum(per_zone),
+        "origin_per_zone": [b / world.size for b in per_zone],
+        "inter_zone_bytes": sum(v for k, v in sim.net.moved.items() if "->" in k),  # type: ignore[attr-defined]
+        "most_polled_by": max(n.most_polled_by for n in nodes.values()),
+        "most_polling": max(n.most_links for n in nodes.values()),
+        "events": sim.events, "wall_seconds": round(time.monotonic() - wall, 1),
+    }
+
+
+def scenario(world: World) -> dict[str, Any]:
+    swarm = simulate(world)
+    alone = simulate(World(**{**world.__dict__, "nodes": 1, "zones": 1, "peers": False}))
+    return {
+        "nodes": world.nodes, "zones": world.zones, "model_bytes": world.size,
+        "seconds": round(swarm["seconds"], 2), "seconds_single": round(alone["seconds"], 2),
+        "time_vs_single": round(swarm["seconds"] / alone["seconds"], 3),
+        "origin_per_zone_vs_model": round(max(swarm["origin_per_zone"]), 3),
+        "origin_per_zone": [round(x, 3) for x in swarm["origin_per_zone"]],
+        "inter_zone_bytes_vs_model": round(swarm["inter_zone_bytes"] / world.size, 3),
+        "most_polled_by": swarm["most_polled_by"], "most_polling": swarm["most_polling"],
+        "events": swarm["events"], "wall_seconds": swarm["wall_seconds"],
+    }
+
+
+def model_sizes(total: int, shards: int) -> tuple[int, ...]:
+    """A config and ``shards`` weight files of about ``total`` bytes (tests/fleet.model_files)."""
+    size = max(1, total // shards)
+    files = {"config.json": 40, **{f"model-{i + 1:05d}-of-{shards:05d}.safetensors": size + i * 4099
+                                   for i in range(shards)}}
+    return tuple(files[k] for k in sorted(files))
+
+
+#: How close the simulation must come to bench/fleet.py's real run (both figures), relative.
+TOLERANCE = 0.15
+#: bench/fleet.py's own run at 8 nodes (README), what every run is validated against by default.
+FLEET_RESULT = REPO / "bench" / "fleet-8.json"
+
+
+def fleet_world(fleet: dict[str, Any], base: World) -> World:
+    """bench/fleet.py's world: its nodes in one zone, its model (a config and four shards), its
+    origin throttled to ``origin_rate`` in all (a local moto: no cap per connection), the agent's
+    --chunk-size there (16 MiB, bench/fleet.AGENT_FLAGS)."""
+    return World(**{**base.__dict__, "nodes": int(fleet["nodes"]), "zones": 1,
+                    "files": model_sizes(int(fleet["model_bytes"]), 4), "origin_total": float(fleet["origin_rate"]),
+                    "origin_zone": math.inf, "origin_stream": math.inf, "chunk_size": 16 * MiB})
+
+
+def validate(fleet: dict[str, Any], base: World) -> dict[str, Any]:
+    """Simulate bench/fleet.py's run and compare both figures with what its real agents did."""
+    sim = scenario(fleet_world(fleet, base))
+    real = {"time_vs_single": fleet["seconds_p2p"] / fleet["seconds_single"],
+            "origin_vs_model": fleet["origin_bytes_p2p"] / fleet["model_bytes"]}
+    simulated = {"time_vs_single": sim["time_vs_single"], "origin_vs_model": sim["origin_per_zone_vs_model"]}
+    error = {k: round(abs(simulated[k] / real[k] - 1), 3) for k in real}
+    return {"nodes": fleet["nodes"], "fleet": {k: round(v, 3) for k, v in real.items()}, "simulated": simulated,
+            "relative_error": error, "within": TOLERANCE, "ok": all(e <= TOLERANCE for e in error.values())}
+
+
+def main() -> None:
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        # Sets of names are iterated by the decision code: with str hashing randomised per process
+        # the same world would give another result each run.
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "PYTHONHASHSEED": "0"})
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=8)
+    ap.add_argument("--zones", type=int, default=1)
+    ap.add_argument("--size", default="2Gi", help="model size")
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--origin-stream", default="100M", help="origin bytes/s per connection (S3: ~100 MB/s)")
+    ap.add_argument("--origin-zone", default="0", help="origin bytes/s per zone (0: no limit)")
+    ap.add_argument("--origin-total", default="0", help="origin bytes/s in all (0: no limit)")
+    ap.add_argument("--nic", default="3125M", help="bytes/s per node and direction (25 Gbit/s)")
+    ap.add_argument("--inter-zone", default="0", help="bytes/s per pair of zones (0: no limit)")
+    ap.add_argument("--latency", type=float, default=0.0005)
+    ap.add_argument("--inter-zone-latency", type=float, default=0.002)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--validate", type=Path, default=FLEET_RESULT,
+                    help="bench/fleet.py --json output to validate against (default: %(default)s; 'none': skip)")
+    args = ap.parse_args()
+
+    def rate(value: str) -> float:
+        n = parse_size(value)
+        return float(n) if n > 0 else math.inf
+
+    world = World(nodes=args.nodes, zones=args.zones, files=model_sizes(parse_size(args.size), args.shards),
+                  workers=args.workers, origin_stream=rate(args.origin_stream), origin_zone=rate(args.origin_zone),
+                  origin_total=rate(args.origin_total), nic=rate(args.nic), inter_zone=rate(args.inter_zone),
+                  latency=args.latency, inter_zone_latency=args.inter_zone_latency, seed=args.seed)
+    out = scenario(world)
+    out["validated_against_fleet"] = None
+    if str(args.validate) != "none":
+        if not args.validate.is_file():
+            ap.error(f"--validate {args.validate}: no such file (bench/fleet.py --nodes 8 --json FILE writes one)")
+        check = validate(json.loads(args.validate.read_text()), world)
+        out["validation"] = check
+        out["validated_against_fleet"] = check["ok"]
+    out["load_average"] = round(os.getloadavg()[0], 1)
+    text = json.dumps(out)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
