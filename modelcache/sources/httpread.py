@@ -20,6 +20,7 @@ import http.client
 import os
 import socket
 import ssl
+import threading
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -60,9 +61,10 @@ class Pool:
     """One source's connections: a urllib3 PoolManager, and a ProxyManager per proxy the
     environment names for a host (HTTPS_PROXY / HTTP_PROXY / NO_PROXY, as the SDKs honour them)."""
 
-    def __init__(self, kwargs: dict[str, Any]) -> None:
+    def __init__(self, kwargs: dict[str, Any], tls: _CustomCA | None = None) -> None:
         self._kwargs = kwargs
-        self._direct = urllib3.PoolManager(**kwargs)
+        self._tls = tls
+        self._direct = _PoolManager(tls, **kwargs)
         self._proxies: dict[str, urllib3.ProxyManager] = {}
         self._env = urllib.request.getproxies()
 
@@ -73,7 +75,10 @@ class Pool:
             return self._direct
         manager = self._proxies.get(proxy)
         if manager is None:
-            manager = self._proxies[proxy] = urllib3.ProxyManager(proxy, **self._kwargs)
+            kwargs = dict(self._kwargs)
+            if self._tls is not None:
+                kwargs["ssl_context"] = self._tls.context()
+            manager = self._proxies[proxy] = urllib3.ProxyManager(proxy, **kwargs)
         return manager
 
     def request(self, method: str, url: str, **kwargs: Any) -> urllib3.BaseHTTPResponse:
@@ -106,18 +111,49 @@ def make_pool(
     if verify is False:
         kwargs["cert_reqs"] = "CERT_NONE"
         urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
-    elif isinstance(verify, str):
-        # A context also applies to an https URL that an http one redirects to (PoolManager
-        # drops TLS keyword settings for plain http pools). It trusts the CA besides the system's.
-        ctx = ssl.create_default_context()
-        if os.path.isdir(verify):
-            ctx.load_verify_locations(capath=verify)
-        else:
-            ctx.load_verify_locations(cafile=verify)
-        kwargs["ssl_context"] = ctx
+    tls = _CustomCA(verify) if isinstance(verify, str) else None
     if cert is not None:
         kwargs["cert_file"], kwargs["key_file"] = cert if isinstance(cert, tuple) else (cert, None)
-    return Pool(kwargs)
+    return Pool(kwargs, tls)
+
+
+class _CustomCA:
+    """The TLS context of a pool with a custom CA: it trusts the CA besides the system's, and is
+    built at the first https pool, not with the source: loading the system's CAs and the bundle
+    costs 0.04-0.08 CPU-s (measured, issue 28), which a pull from an http:// endpoint (an
+    in-cluster S3 server) never needs. It also applies to an https URL that an http one
+    redirects to (PoolManager drops TLS keyword settings for plain http pools)."""
+
+    def __init__(self, ca: str) -> None:
+        self._ca = ca
+        self._context: ssl.SSLContext | None = None
+        self._lock = threading.Lock()
+
+    def context(self) -> ssl.SSLContext:
+        with self._lock:
+            if self._context is None:
+                ctx = ssl.create_default_context()
+                if os.path.isdir(self._ca):
+                    ctx.load_verify_locations(capath=self._ca)
+                else:
+                    ctx.load_verify_locations(cafile=self._ca)
+                self._context = ctx
+            return self._context
+
+
+class _PoolManager(urllib3.PoolManager):
+    """A PoolManager whose https pools get a ``_CustomCA``'s context, made when first needed."""
+
+    def __init__(self, tls: _CustomCA | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._tls = tls
+
+    def _new_pool(self, scheme: str, host: str, port: int,
+                  request_context: dict[str, Any] | None = None) -> urllib3.HTTPConnectionPool:
+        if scheme == "https" and self._tls is not None:
+            request_context = dict(self.connection_pool_kw if request_context is None else request_context)
+            request_context["ssl_context"] = self._tls.context()
+        return super()._new_pool(scheme, host, port, request_context)
 
 
 def reason(exc: BaseException) -> str:

@@ -9,9 +9,15 @@ CRC32 by default) is preferred over the ETag: MD5 costs ~1.2 CPU-s per GiB, CRC3
 Reads are pinned with ``If-Match`` (and the version id on versioned buckets) so an overwrite
 during the download fails loudly instead of mixing bytes.
 
-boto3 lists, authenticates and signs; the bytes do not go through it: each GET is signed
+botocore lists, authenticates and signs; the bytes do not go through it: each GET is signed
 (SigV4, in its headers) and read by the one HTTP data path (``httpread``). Through botocore's
 response objects the bytes cost ~3 CPU-s per GiB on top of the checksum.
+
+The client is botocore's own, not boto3's wrapper around it: ``import boto3`` also imports
+s3transfer (and with it multiprocessing), which a pull never uses: ~0.04 CPU-s and ~40 modules
+of the ~0.4 CPU-s of fixed cost an S3 pull pays beyond the same pull over HTTP (issue 28, see
+docs/benchmarks.md). Credentials, region and configuration resolve the same way: boto3's
+``Session`` only hands them to a botocore session.
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ import threading
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
-import boto3
 import botocore
+import botocore.session
 from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.config import Config
@@ -93,8 +99,8 @@ _PRESIGN_PARAMS = {"X-Amz-Algorithm", "X-Amz-Credential", "X-Amz-Date", "X-Amz-E
 
 
 def make_client(cfg: S3Settings, pool: int) -> tuple[Any, Any]:
-    """A boto3 S3 client configured the way KServe's initializer configures it, and the
-    credentials it signs with (None when anonymous)."""
+    """An S3 client configured the way KServe's initializer configures its boto3 client, and
+    the credentials it signs with (None when anonymous)."""
     addressing = "virtual" if cfg.virtual_addressing else "auto"
     if cfg.endpoint_url == _LEGACY_GLOBAL_ENDPOINT and cfg.region and cfg.region != "us-east-1":
         addressing = "virtual"  # KServe: the legacy global endpoint needs virtual hosting outside us-east-1
@@ -106,14 +112,13 @@ def make_client(cfg: S3Settings, pool: int) -> tuple[Any, Any]:
         retries={"max_attempts": cfg.max_attempts, "mode": "standard"},
         max_pool_connections=pool,
     )
-    # Explicit keys (env or storage spec) win; otherwise boto3's default chain (IRSA / web
-    # identity, shared config, container and instance roles).
-    session = boto3.session.Session(
-        aws_access_key_id=cfg.access_key_id if cfg.has_static_keys else None,
-        aws_secret_access_key=cfg.secret_access_key if cfg.has_static_keys else None,
-        aws_session_token=cfg.session_token if cfg.has_static_keys else None,
-        region_name=cfg.region,
-    )
+    # Explicit keys (env or storage spec) win; otherwise botocore's default chain (IRSA / web
+    # identity, shared config, container and instance roles), as boto3.session.Session sets them.
+    session = botocore.session.get_session()
+    if cfg.has_static_keys:
+        session.set_credentials(cfg.access_key_id, cfg.secret_access_key, cfg.session_token or None)
+    if cfg.region:
+        session.set_config_variable("region", cfg.region)
     if cfg.verify and cfg.ca_bundle and not os.path.isfile(cfg.ca_bundle):
         raise SourceError(
             f"Failed to find ca bundle file({cfg.ca_bundle}): AWS_CA_BUNDLE (or the storage spec's ca_bundle), "
@@ -128,7 +133,7 @@ def make_client(cfg: S3Settings, pool: int) -> tuple[Any, Any]:
             f"it as http://{shown} or https://{shown}"
         )
     verify: bool | str | None = False if not cfg.verify else (cfg.ca_bundle or None)
-    client = session.client("s3", endpoint_url=cfg.endpoint_url, verify=verify, config=config)
+    client = session.create_client("s3", endpoint_url=cfg.endpoint_url, verify=verify, config=config)
     return client, None if cfg.anonymous else session.get_credentials()
 
 
