@@ -72,14 +72,13 @@ class CLIFormatter(logging.Formatter):
 
 
 def setup_cli_logging(level: str) -> None:
-    # The client libraries are not quieted here: a user who asks the CLI for debug gets their
-    # request lines too (what debugging an endpoint needs; they are checked to carry no secret,
-    # tests/test_objectstore_pull.py's SAS test), as Python's default logging gave them before.
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(CLIFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    for noisy in _NOISY:
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def fields(**kw: Any) -> dict[str, Any]:
