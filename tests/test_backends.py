@@ -50,17 +50,18 @@ def test_every_line_names_a_source_and_the_location_that_selects_it(kind: str) -
 
 
 def test_no_uri_loads_another_backends_sdk() -> None:
-    """Parsing and opening an S3 source imports boto3, never the Azure, Google or HDFS SDKs."""
+    """Parsing and opening an S3 source imports botocore (not even boto3: the S3 source signs with botocore
+    alone), never the Azure, Google or HDFS SDKs."""
     code = (
         "import sys\n"
         "from modelcache.credentials import Settings\n"
         "from modelcache.sources.base import open_source\n"
         "open_source('s3://bucket/model', Settings.from_env({}))\n"
-        "print(' '.join(m for m in ('boto3', 'azure.storage.blob', 'google.cloud.storage', 'hdfs', 'oras')"
+        "print(' '.join(m for m in ('boto3', 'botocore', 'azure.storage.blob', 'google.cloud.storage', 'hdfs', 'oras')"
         " if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["boto3"]
+    assert out.split() == ["botocore"]
 
 
 def test_a_backend_whose_package_is_missing_is_one_line_naming_it(

@@ -96,6 +96,10 @@ def build(caches: list[Obj], nodes: list[Obj]) -> Fleet:
     fleet = Fleet()
     # Which node holds which cache for which group: the LocalModelNodes' spec entries and status.
     by_cache: dict[str, dict[str, GroupCopies]] = {}
+    # Failed copies are counted from the same LocalModelNodes as the FAILURES section, not taken from
+    # the cache's paced status: an agent retrying a failed download flips between ModelDownloading
+    # and ModelDownloadError, and one snapshot must not show a failure under FAILURES and none in its row.
+    failed: dict[str, int] = {}
     for n in sorted(nodes, key=lambda o: o["metadata"]["name"]):
         name = n["metadata"]["name"]
         status = n.get("status") or {}
@@ -118,6 +122,7 @@ def build(caches: list[Obj], nodes: list[Obj]) -> Fleet:
                                       _eta(done, total, rate) if state == MODEL_DOWNLOADING else None,
                                       d.get("message"), d.get("drift")))
             if state == MODEL_DOWNLOAD_ERROR:
+                failed[key] = failed.get(key, 0) + 1
                 fleet.failures.append(Failure(name, key, d.get("message") or "download failed"))
         capacity = status.get("capacity") or {}
         fleet.nodes.append(NodeRow(name, groups, capacity.get("freeBytes"), capacity.get("totalBytes"), models,
@@ -132,7 +137,7 @@ def build(caches: list[Obj], nodes: list[Obj]) -> Fleet:
         services = [f"{s.get('namespace')}/{s.get('name')}" for s in status.get("inferenceServices") or []]
         fleet.caches.append(CacheRow(key, spec.get("sourceModelUri", ""), str(spec.get("modelSize", "")),
                                      int(counts.get("available") or 0), int(counts.get("total") or 0),
-                                     int(counts.get("failed") or 0), [per_group[g] for g in sorted(per_group)],
+                                     failed.get(key, 0), [per_group[g] for g in sorted(per_group)],
                                      services))
     return fleet
 

@@ -20,7 +20,7 @@ import posixpath
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import requests
 from hdfs import Client, HdfsError
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 _MAX_DEPTH = 64
 # The hdfs client logs a 401's raw body at ERROR before raising; we raise one clear line instead.
 logging.getLogger("hdfs.client").setLevel(logging.CRITICAL)
+log = logging.getLogger(__name__)
 # urllib3's DEBUG request lines would carry the delegation token a Kerberized NameNode puts in
 # its redirect to the DataNode (``&delegation=...``): they lose their query strings.
 quiet_sdk_logs()
@@ -110,6 +111,10 @@ class HDFSSource(Source):
 
     def _gateway_status(self, resp: requests.Response, *args: object, **kwargs: object) -> requests.Response:
         code = resp.status_code
+        # The request line without its query: only the op is shown (a query may carry a delegation token).
+        url = urlsplit(resp.request.url or "")
+        op = parse_qs(url.query).get("op", [""])[0]
+        log.debug("webhdfs %s %s op=%s: HTTP %d", resp.request.method, url.path, op, code)
         if code in (429, 502, 503, 504):
             _ = resp.content  # a short error body: read it so the connection can be reused
             resp.close()
@@ -255,6 +260,7 @@ class HDFSSource(Source):
         if first.status_code not in REDIRECT_CODES or not location:
             return HTTPStream(first.raw, where, length)  # a gateway (HttpFS) that answers itself
         first.close()
+        log.debug("webhdfs OPEN %s: read from datanode %s", path, urlsplit(location).netloc)
         resp, _ = send(self._pool, "GET", location, dict(self.settings.hdfs.headers), where)
         if resp.status != 200:
             err = self._datanode_error(resp, path, where)
