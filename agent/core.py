@@ -12,17 +12,14 @@ and its running task every time it is called (agent/state.py): nothing stored ca
 from __future__ import annotations
 
 import logging
-import os
 import re
-import stat
 import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
-from agent.capacity import Capacity
+from agent.capacity import Capacity, folder_size
 from agent.checks import Checker
 from agent.config import AgentConfig
 from agent.credentials import Credentials
@@ -75,7 +72,8 @@ class Agent:
         self.wake = threading.Event()
         self.spec_seen = threading.Event()
         self.generation: int | None = None
-        self.capacity = Capacity(cfg.root, cfg.space_margin, self.used_bytes, namespace_used=self._namespace_used)
+        self.capacity = Capacity(cfg.root, cfg.space_margin, self.used_bytes, namespace_used=self._namespace_used,
+                                 cluster_pending=self._cluster_pending, counted=self._counted)
         self.pool = ThreadPoolExecutor(max_workers=max(1, cfg.max_concurrent_models), thread_name_prefix="download")
         self.checker = Checker(self.store, cfg, credentials, self.damaged, self.changed.set)
         #: status key -> why that namespace cache's entry is not served its record's model (other
@@ -182,7 +180,7 @@ class Agent:
         if rec.carried:
             # What the copy takes on disk counts against the node group's storageLimit (and shows in
             # the status) from now on, not only once verified.
-            rec.files_total, rec.bytes_total = _folder_size(self.store.layout.model_dir(key))
+            rec.files_total, rec.bytes_total = folder_size(self.store.layout.model_dir(key))
         try:
             parse_uri(uri)
         except ModelcacheError as exc:
@@ -291,7 +289,8 @@ class Agent:
         now = time.monotonic()
         with self.lock:
             running = sum(1 for r in self.records.values() if r.task is not None)
-            for rec in list(self.records.values()):
+            # Cluster caches' models first (a cluster admin's; namespace caches get what they leave).
+            for rec in sorted(self.records.values(), key=lambda r: bool(owners(r.entries))):
                 if not rec.wanted or rec.task is not None or rec.deleting:
                     continue
                 present = self.present(rec.key)
@@ -653,6 +652,22 @@ class Agent:
             return sum(r.bytes_total or 0 for r in self.records.values()
                        if not r.deleting and namespace in owners(r.entries) and (self.present(r.key) or r.carried))
 
+    def _counted(self, key: str) -> int:
+        """Bytes of ``key`` that ``used_bytes`` counts already (a carried copy being adopted)."""
+        with self.lock:
+            rec = self.records.get(key)
+            return (rec.bytes_total or 0) if rec is not None and not rec.deleting and (
+                self.present(key) or rec.carried) else 0
+
+    def _cluster_pending(self) -> list[tuple[str, str, int]]:
+        """(storage key, cache names, bytes) of the models cluster caches want here that are not
+        here yet and whose size is known (listed once, even if refused for room)."""
+        with self.lock:
+            return [(r.key, ", ".join(sorted({e.model_name for e in r.entries if not e.namespace})), r.bytes_total)
+                    for r in self.records.values()
+                    if r.wanted and not r.deleting and r.bytes_total and not owners(r.entries)
+                    and not (self.present(r.key) or r.carried)]
+
     def state_of(self, key: str) -> str | None:
         """The derived state of one storageKey (None: no record)."""
         with self.lock:
@@ -673,20 +688,6 @@ class Agent:
                 if not rec.wanted and not rec.mounted_by:
                     return False
             return True
-
-
-def _folder_size(folder: Path) -> tuple[int, int]:
-    """(files, bytes) of the regular files under ``folder``, links not followed (stats only)."""
-    files = size = 0
-    for base, _dirs, found in os.walk(folder):
-        for name in found:
-            try:
-                st = os.lstat(os.path.join(base, name))
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                files, size = files + 1, size + st.st_size
-    return files, size
 
 
 def _scheme(uri: str) -> str:
