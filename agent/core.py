@@ -99,7 +99,8 @@ class Agent:
         self.spec_seen = threading.Event()
         self.generation: int | None = None
         self.capacity = Capacity(cfg.root, cfg.space_margin, self._used_bytes, namespace_used=self._namespace_used,
-                                 cluster_pending=self._cluster_pending, counted=self._counted)
+                                 cluster_pending=self._cluster_pending, counted=self._counted,
+                                 namespaces_held=self._namespaces_held)
         self.pool = ThreadPoolExecutor(max_workers=max(1, cfg.max_concurrent_models), thread_name_prefix="download")
         self.checker = Checker(self)
         #: KServe's download-Job containers, in cluster mode (agent/downloadjob.py); None: none.
@@ -682,9 +683,17 @@ class Agent:
 
     def _namespace_used(self, namespace: str) -> int:
         """Bytes of the models on this node that count against ``namespace``'s share of its group."""
+        return self._namespaces_held().get(namespace, 0)
+
+    def _namespaces_held(self) -> dict[str, int]:
+        """namespace -> bytes of the models on this node that count against its share."""
+        held: dict[str, int] = {}
         with self.lock:
-            return sum(r.bytes_total or 0 for r in self.records.values()
-                       if not r.deleting and namespace in owners(r.entries) and (self._present(r.key) or r.carried))
+            for r in self.records.values():
+                if not r.deleting and (self._present(r.key) or r.carried):
+                    for ns in owners(r.entries):
+                        held[ns] = held.get(ns, 0) + (r.bytes_total or 0)
+        return held
 
     def _counted(self, key: str) -> int:
         """Bytes of ``key`` that ``_used_bytes`` counts already (a carried copy being adopted)."""
