@@ -522,7 +522,7 @@ def test_namespace_caches_get_only_what_the_groups_cluster_caches_leave(tmp_path
 
     pending = [("k-admin", "admin-model", 600)]
     cap = Capacity(tmp_path, margin=0, used_bytes=lambda: 0, disk_usage=lambda _p: (10_000, 10_000),
-                   cluster_pending=lambda: pending)
+                   cluster_pending=lambda: pending, namespaces_held=lambda: {"tenant-a": 0, "tenant-c": 300})
     limit = GroupLimit(1000, "workers", namespace_limit=None, share_source="none")
     with pytest.raises(InsufficientSpaceError) as refused:
         cap.reserve("filler", 500, 500, limit, "http://h/big.bin", owners=frozenset({"tenant-b"}))
@@ -538,7 +538,9 @@ def test_namespace_caches_get_only_what_the_groups_cluster_caches_leave(tmp_path
     cap.reserve("small", 400, 400, limit, "small", owners=frozenset({"tenant-b"}))  # not counted twice
     with pytest.raises(InsufficientSpaceError, match="does not fit the node group's storageLimit"):
         cap.reserve("more", 1, 1, limit, "more", owners=frozenset({"tenant-a"}))
-    pending.clear()
+    # A cluster cache refused for room is told which namespaces hold it (nothing is deleted for it).
+    with pytest.raises(InsufficientSpaceError, match=r"in flight; namespace caches hold: tenant-c 300 B\)\. "):
+        cap.reserve("admin3", 1, 1, limit, "admin3")
 
 
 def test_a_namespaces_default_share_is_half_the_groups_storage_limit() -> None:
