@@ -12,17 +12,14 @@ and its running task every time it is called (agent/state.py): nothing stored ca
 from __future__ import annotations
 
 import logging
-import os
 import re
-import stat
 import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
-from agent.capacity import Capacity
+from agent.capacity import Capacity, folder_size
 from agent.checks import Checker
 from agent.config import AgentConfig
 from agent.credentials import Credentials
@@ -44,7 +41,6 @@ from modelcache.loop import Loop
 from modelcache.pull import PullPlan, SpacePolicy, pull, staged_pulls
 from modelcache.repair import needs_repair, repair
 from modelcache.store import NodeLayout, NodeStore
-from modelcache.transfer import TransferOptions
 from modelcache.uri import parse_uri, redact_uri
 
 log = logging.getLogger("agent")
@@ -75,7 +71,9 @@ class Agent:
         self.wake = threading.Event()
         self.spec_seen = threading.Event()
         self.generation: int | None = None
-        self.capacity = Capacity(cfg.root, cfg.space_margin, self.used_bytes, namespace_used=self._namespace_used)
+        self.capacity = Capacity(cfg.root, cfg.space_margin, self.used_bytes, namespace_used=self._namespace_used,
+                                 cluster_pending=self._cluster_pending, counted=self._counted,
+                                 namespaces_held=self._namespaces_held)
         self.pool = ThreadPoolExecutor(max_workers=max(1, cfg.max_concurrent_models), thread_name_prefix="download")
         self.checker = Checker(self.store, cfg, credentials, self.damaged, self.changed.set)
         #: status key -> why that namespace cache's entry is not served its record's model (other
@@ -182,7 +180,7 @@ class Agent:
         if rec.carried:
             # What the copy takes on disk counts against the node group's storageLimit (and shows in
             # the status) from now on, not only once verified.
-            rec.files_total, rec.bytes_total = _folder_size(self.store.layout.model_dir(key))
+            rec.files_total, rec.bytes_total = folder_size(self.store.layout.model_dir(key))
         try:
             parse_uri(uri)
         except ModelcacheError as exc:
@@ -291,7 +289,8 @@ class Agent:
         now = time.monotonic()
         with self.lock:
             running = sum(1 for r in self.records.values() if r.task is not None)
-            for rec in list(self.records.values()):
+            # Cluster caches' models first (a cluster admin's; namespace caches get what they leave).
+            for rec in sorted(self.records.values(), key=lambda r: bool(owners(r.entries))):
                 if not rec.wanted or rec.task is not None or rec.deleting:
                     continue
                 present = self.present(rec.key)
@@ -327,7 +326,7 @@ class Agent:
         staged = self.layout.repair_dir(rec.key) if task.repairing else self.layout.staging_dir(rec.key)
         self.capacity.reserve(rec.key, plan.bytes_needed, plan.total_bytes, self._admitting_limit(rec),
                               plan.location.display, staged=staged, owners=owners(rec.entries),
-                              advice=self._space_advice())
+                              advice=self.cfg.space_advice())
         log.info("download admitted", extra=fields(storage_key=rec.key, bytes_total=plan.total_bytes,
                                                    bytes_needed=plan.bytes_needed, files=plan.files,
                                                    revision=plan.revision or ""))
@@ -340,18 +339,6 @@ class Agent:
         group has no room is reported failed, naming its group (``_group_refusal``)."""
         limits = [self.group_limits.get(info.node_group or "") for info in rec.entries] or [None]
         return None if any(limit is None for limit in limits) else max(limits, key=lambda x: int(x or 0))
-
-    def _space_advice(self) -> str:
-        """What a refusal for lack of disk advises: never a gc of the agent's root, which holds what
-        the spec lists (the agent would download the evicted models again)."""
-        fewer = ("remove entries from " + str(self.cfg.standalone) if self.cfg.standalone is not None
-                 else "take caches off this node's node groups")
-        return f"the root holds the models its spec lists: {fewer}, give --root a larger disk, or lower --space-margin"
-
-    def _options(self) -> TransferOptions:
-        return TransferOptions(workers=self.cfg.workers, chunk_size=self.cfg.chunk_size,
-                               max_attempts=self.cfg.transfer_attempts, stall_timeout=self.cfg.stall_timeout,
-                               backoff_max=min(10.0, max(0.5, self.cfg.backoff_max)))
 
     def _download(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> None:
         t0 = time.monotonic()
@@ -436,10 +423,10 @@ class Agent:
                 peers = self.ports.peering.network if self.ports.peering is not None and dest is None else None
                 # unpack: a repair's folder holds the model as the store does (archives unpacked).
                 # One margin: the agent's --space-margin, which its admission (above) has checked.
-                space = SpacePolicy(self.cfg.space_margin, self._space_advice())
-                return pull(uri or rec.uri, settings=settings, options=self._options(), progress=task.progress,
-                            admit=admit, cancel=task.cancel, only=only, peers=peers, unpack=True, space=space,
-                            adoption=adoption, **where)
+                space = SpacePolicy(self.cfg.space_margin, self.cfg.space_advice())
+                return pull(uri or rec.uri, settings=settings, options=self.cfg.transfer_options(),
+                            progress=task.progress, admit=admit, cancel=task.cancel, only=only, peers=peers,
+                            unpack=True, space=space, adoption=adoption, **where)
 
             with self.store.lock(rec.key, cancel=task.cancel):
                 self.store.recover(rec.key)  # a publish a crash interrupted is finished or undone first
@@ -649,9 +636,33 @@ class Agent:
 
     def _namespace_used(self, namespace: str) -> int:
         """Bytes of the models on this node that count against ``namespace``'s share of its group."""
+        return self._namespaces_held().get(namespace, 0)
+
+    def _namespaces_held(self) -> dict[str, int]:
+        """namespace -> bytes of the models on this node that count against its share."""
+        held: dict[str, int] = {}
         with self.lock:
-            return sum(r.bytes_total or 0 for r in self.records.values()
-                       if not r.deleting and namespace in owners(r.entries) and (self.present(r.key) or r.carried))
+            for r in self.records.values():
+                if not r.deleting and (self.present(r.key) or r.carried):
+                    for ns in owners(r.entries):
+                        held[ns] = held.get(ns, 0) + (r.bytes_total or 0)
+        return held
+
+    def _counted(self, key: str) -> int:
+        """Bytes of ``key`` that ``used_bytes`` counts already (a carried copy being adopted)."""
+        with self.lock:
+            rec = self.records.get(key)
+            return (rec.bytes_total or 0) if rec is not None and not rec.deleting and (
+                self.present(key) or rec.carried) else 0
+
+    def _cluster_pending(self) -> list[tuple[str, str, int]]:
+        """(storage key, cache names, bytes) of the models cluster caches want here that are not
+        here yet and whose size is known (listed once, even if refused for room)."""
+        with self.lock:
+            return [(r.key, ", ".join(sorted({e.model_name for e in r.entries if not e.namespace})), r.bytes_total)
+                    for r in self.records.values()
+                    if r.wanted and not r.deleting and r.bytes_total and not owners(r.entries)
+                    and not (self.present(r.key) or r.carried)]
 
     def state_of(self, key: str) -> str | None:
         """The derived state of one storageKey (None: no record)."""
@@ -673,20 +684,6 @@ class Agent:
                 if not rec.wanted and not rec.mounted_by:
                     return False
             return True
-
-
-def _folder_size(folder: Path) -> tuple[int, int]:
-    """(files, bytes) of the regular files under ``folder``, links not followed (stats only)."""
-    files = size = 0
-    for base, _dirs, found in os.walk(folder):
-        for name in found:
-            try:
-                st = os.lstat(os.path.join(base, name))
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                files, size = files + 1, size + st.st_size
-    return files, size
 
 
 def _scheme(uri: str) -> str:
