@@ -16,11 +16,12 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from modelcache.errors import InsufficientSpaceError
+from modelcache.kube.share import share_advice
 from modelcache.kube.types import NAMESPACE_LIMIT_ANNOTATION
 from modelcache.progress import human_bytes
 
@@ -41,33 +42,56 @@ def allocated_bytes(folder: Path) -> int:
 
 class GroupLimit(int):
     """A node group's ``storageLimit`` in bytes, knowing its group (for the refusal's message) and
-    its per-namespace share (``namespace_limit``, None: none)."""
+    its per-namespace share (``namespace_limit``, None: none; ``share_source``: where it comes
+    from, modelcache/kube/share.py)."""
 
     group: str = ""
     namespace_limit: int | None = None
+    share_source: str = ""
 
-    def __new__(cls, value: int, group: str = "", namespace_limit: int | None = None) -> GroupLimit:
+    def __new__(cls, value: int, group: str = "", namespace_limit: int | None = None,
+                share_source: str = f"the group's annotation {NAMESPACE_LIMIT_ANNOTATION}") -> GroupLimit:
         obj = super().__new__(cls, value)
         obj.group = group
         obj.namespace_limit = namespace_limit
+        obj.share_source = share_source
         return obj
 
 
 def namespace_limit_refusal(what: str, namespace: str, model_bytes: int, limit: int, group: str, used: int,
-                            reserved: int) -> str:
+                            reserved: int, source: str = f"the group's annotation {NAMESPACE_LIMIT_ANNOTATION}") -> str:
     return (f"{what}: does not fit namespace {namespace}'s share of node group '{group}': the model is "
-            f"{human_bytes(model_bytes)}, the group's annotation {NAMESPACE_LIMIT_ANNOTATION} allows "
-            f"{human_bytes(limit)} per namespace on each node and namespace {namespace}'s caches hold "
-            f"{human_bytes(used)} here already ({human_bytes(reserved)} more reserved by downloads in flight); "
-            f"delete a LocalModelNamespaceCache of {namespace}, or ask a cluster admin to raise the annotation")
+            f"{human_bytes(model_bytes)}, a namespace's caches may hold {human_bytes(limit)} on each node of the "
+            f"group ({source}) and namespace {namespace}'s caches hold {human_bytes(used)} here already "
+            f"({human_bytes(reserved)} more reserved by downloads in flight); {share_advice(namespace)}")
 
 
-def storage_limit_refusal(what: str, model_bytes: int, limit: int, used: int, reserved: int) -> str:
-    """Why a model does not fit its node group's ``storageLimit``, and what to do about it."""
+def cluster_first_refusal(what: str, namespaces: Iterable[str], model_bytes: int, limit: int, used: int,
+                          reserved: int, pending: list[tuple[str, int]]) -> str:
+    """Why a namespace cache's model does not fit: the room left is what the node group's cluster
+    caches (LocalModelCache, a cluster admin's) still need on this node."""
     group = getattr(limit, "group", "") or "?"
+    need = sum(size for _name, size in pending)
+    names = ", ".join(sorted(name for name, _size in pending))
+    return (f"{what}: namespace {', '.join(sorted(namespaces))}: does not fit node group '{group}' next to its cluster "
+            f"caches: the model is {human_bytes(model_bytes)}, storageLimit {human_bytes(limit)}, this node holds "
+            f"{human_bytes(used)} ({human_bytes(reserved)} more reserved by downloads in flight) and LocalModelCache "
+            f"{names} still need {human_bytes(need)} here; namespace caches get only what cluster caches leave. "
+            f"Delete a LocalModelNamespaceCache of the namespace, or ask a cluster admin to raise spec.storageLimit "
+            f"of LocalModelNodeGroup '{group}'")
+
+
+def storage_limit_refusal(what: str, model_bytes: int, limit: int, used: int, reserved: int,
+                          held: dict[str, int] | None = None) -> str:
+    """Why a model does not fit its node group's ``storageLimit``, and what to do about it.
+    ``held``: namespace -> bytes its namespace caches hold on the node (named for a cluster admin,
+    whose cache they may keep out: nothing downloaded is deleted to make room)."""
+    group = getattr(limit, "group", "") or "?"
+    tenants = ", ".join(f"{ns} {human_bytes(n)}" for ns, n in sorted(held.items()) if n) if held else ""
     return (f"{what}: does not fit the node group's storageLimit: the model is {human_bytes(model_bytes)}, "
             f"LocalModelNodeGroup '{group}' has storageLimit {human_bytes(limit)} and this node holds "
-            f"{human_bytes(used)} of models already ({human_bytes(reserved)} more reserved by downloads in flight). "
+            f"{human_bytes(used)} of models already ({human_bytes(reserved)} more reserved by downloads in flight"
+            + (f"; namespace caches hold: {tenants}" if tenants else "") + "). "
             f"modelcache enforces storageLimit (KServe does not): raise spec.storageLimit of LocalModelNodeGroup "
             f"'{group}' (a Kubernetes quantity, e.g. {_suggest(used + reserved + model_bytes)}) or remove models "
             f"from this node")
@@ -101,12 +125,23 @@ class Reservation:
 class Capacity:
     def __init__(self, root: Path, margin: int, used_bytes: Callable[[], int],
                  disk_usage: Callable[[Path], tuple[int, int]] | None = None,
-                 namespace_used: Callable[[str], int] | None = None) -> None:
+                 namespace_used: Callable[[str], int] | None = None,
+                 cluster_pending: Callable[[], list[tuple[str, str, int]]] | None = None,
+                 counted: Callable[[str], int] | None = None,
+                 namespaces_held: Callable[[], dict[str, int]] | None = None) -> None:
         self.root = root
         self.margin = margin
         self.used_bytes = used_bytes  # bytes of published models in the store
         #: bytes of published models that count against a namespace's share
         self.namespace_used = namespace_used or (lambda _ns: 0)
+        #: (storage key, cluster cache names, bytes) of the models cluster caches want on this node
+        #: that are not here yet: namespace caches may not take their room (security review M4).
+        self.cluster_pending = cluster_pending or (lambda: [])
+        #: bytes of a model that ``used_bytes`` (and its namespaces' ``namespace_used``) count
+        #: already: a copy KServe left, adopted in place, must not count twice against a limit.
+        self.counted = counted or (lambda _key: 0)
+        #: namespace -> bytes of the models on the node that count against its share
+        self.namespaces_held = namespaces_held or (lambda: {})
         self._disk_usage = disk_usage or (lambda p: (lambda u: (u.total, u.free))(shutil.disk_usage(p)))
         self._lock = threading.Lock()
         self._reserved: dict[str, Reservation] = {}
@@ -143,17 +178,29 @@ class Capacity:
                     f"on {self.root} (after a {human_bytes(self.margin)} margin and downloads in flight)"
                     + (f"; {advice}" if advice else "")
                 )
+            own = self.counted(key)
             if limit is not None:
-                used, reserved = self.used_bytes(), sum(r.model_bytes for r in others)
+                used, reserved = self.used_bytes() - own, sum(r.model_bytes for r in others)
                 if model_bytes > max(0, limit - used - reserved):
-                    raise InsufficientSpaceError(storage_limit_refusal(what, model_bytes, limit, used, reserved))
+                    raise InsufficientSpaceError(storage_limit_refusal(
+                        what, model_bytes, limit, used, reserved, None if owners else self.namespaces_held()))
             share: int | None = getattr(limit, "namespace_limit", None)
             for ns in sorted(owners) if share is not None else ():
                 assert share is not None
-                used, reserved = self.namespace_used(ns), sum(r.model_bytes for r in others if ns in r.owners)
+                used, reserved = self.namespace_used(ns) - own, sum(r.model_bytes for r in others if ns in r.owners)
                 if model_bytes > max(0, share - used - reserved):
                     raise InsufficientSpaceError(namespace_limit_refusal(
-                        what, ns, model_bytes, share, getattr(limit, "group", "") or "?", used, reserved))
+                        what, ns, model_bytes, share, getattr(limit, "group", "") or "?", used, reserved,
+                        getattr(limit, "share_source", "")))
+            if limit is not None and owners:
+                # Cluster caches first: a namespace cache's model gets only what the cluster
+                # caches of this node leave, the ones not downloaded yet included (their size
+                # is known once listed); those downloading already are among ``others``.
+                pending = [(name, size) for k, name, size in self.cluster_pending() if k not in self._reserved]
+                used, reserved = self.used_bytes() - own, sum(r.model_bytes for r in others)
+                if pending and model_bytes > max(0, limit - used - reserved - sum(s for _n, s in pending)):
+                    raise InsufficientSpaceError(cluster_first_refusal(
+                        what, owners, model_bytes, limit, used, reserved, pending))
             self._reserved[key] = Reservation(key, disk_bytes, model_bytes, staged,
                                               allocated_bytes(staged) if staged is not None else 0, owners)
 

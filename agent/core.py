@@ -98,7 +98,9 @@ class Agent:
         self.wake = threading.Event()
         self.spec_seen = threading.Event()
         self.generation: int | None = None
-        self.capacity = Capacity(cfg.root, cfg.space_margin, self._used_bytes, namespace_used=self._namespace_used)
+        self.capacity = Capacity(cfg.root, cfg.space_margin, self._used_bytes, namespace_used=self._namespace_used,
+                                 cluster_pending=self._cluster_pending, counted=self._counted,
+                                 namespaces_held=self._namespaces_held)
         self.pool = ThreadPoolExecutor(max_workers=max(1, cfg.max_concurrent_models), thread_name_prefix="download")
         self.checker = Checker(self)
         #: KServe's download-Job containers, in cluster mode (agent/downloadjob.py); None: none.
@@ -314,7 +316,8 @@ class Agent:
         now = time.monotonic()
         with self.lock:
             running = sum(1 for r in self.records.values() if r.task is not None)
-            for rec in list(self.records.values()):
+            # Cluster caches' models first (a cluster admin's; namespace caches get what they leave).
+            for rec in sorted(self.records.values(), key=lambda r: bool(owners(r.entries))):
                 if not rec.wanted or rec.task is not None or rec.deleting:
                     continue
                 present = self._present(rec.key)
@@ -680,9 +683,33 @@ class Agent:
 
     def _namespace_used(self, namespace: str) -> int:
         """Bytes of the models on this node that count against ``namespace``'s share of its group."""
+        return self._namespaces_held().get(namespace, 0)
+
+    def _namespaces_held(self) -> dict[str, int]:
+        """namespace -> bytes of the models on this node that count against its share."""
+        held: dict[str, int] = {}
         with self.lock:
-            return sum(r.bytes_total or 0 for r in self.records.values()
-                       if not r.deleting and namespace in owners(r.entries) and (self._present(r.key) or r.carried))
+            for r in self.records.values():
+                if not r.deleting and (self._present(r.key) or r.carried):
+                    for ns in owners(r.entries):
+                        held[ns] = held.get(ns, 0) + (r.bytes_total or 0)
+        return held
+
+    def _counted(self, key: str) -> int:
+        """Bytes of ``key`` that ``_used_bytes`` counts already (a carried copy being adopted)."""
+        with self.lock:
+            rec = self.records.get(key)
+            return (rec.bytes_total or 0) if rec is not None and not rec.deleting and (
+                self._present(key) or rec.carried) else 0
+
+    def _cluster_pending(self) -> list[tuple[str, str, int]]:
+        """(storage key, cache names, bytes) of the models cluster caches want here that are not
+        here yet and whose size is known (listed once, even if refused for room)."""
+        with self.lock:
+            return [(r.key, ", ".join(sorted({e.model_name for e in r.entries if not e.namespace})), r.bytes_total)
+                    for r in self.records.values()
+                    if r.wanted and not r.deleting and r.bytes_total and not owners(r.entries)
+                    and not (self._present(r.key) or r.carried)]
 
     def _log_progress(self, now: float) -> None:
         """One progress line per download every few seconds, the first as soon as its size is known."""

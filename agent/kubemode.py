@@ -31,6 +31,7 @@ from modelcache.kube.client import (
 from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import DELETED, Informer
 from modelcache.kube.quantity import parse_quantity
+from modelcache.kube.share import namespace_share
 from modelcache.kube.status import patch_status_if_changed
 from modelcache.kube.types import NAMESPACE_LIMIT_ANNOTATION, LocalModelNode
 from modelcache.kube.validate import node_problems
@@ -178,15 +179,14 @@ class KubeRunner:
     def _on_group(self, event: str, obj: dict[str, Any], _old: dict[str, Any] | None) -> None:
         name = (obj.get("metadata") or {}).get("name", "")
         limit = parse_quantity((obj.get("spec") or {}).get("storageLimit"))
-        share = ((obj.get("metadata") or {}).get("annotations") or {}).get(NAMESPACE_LIMIT_ANNOTATION)
-        per_namespace = parse_quantity(share) if share else None
-        if share and per_namespace is None:
-            log.warning("LocalModelNodeGroup %s: annotation %s=%r is not a quantity: no per-namespace share",
-                        name, NAMESPACE_LIMIT_ANNOTATION, share)
+        share = namespace_share(obj)
+        if share.invalid:
+            log.warning("LocalModelNodeGroup %s: annotation %s=%r is not a quantity (nor 'none'): the default "
+                        "per-namespace share applies", name, NAMESPACE_LIMIT_ANNOTATION, share.invalid)
         if event == DELETED or limit is None:
             self.agent.group_limits.pop(name, None)
         else:
-            self.agent.group_limits[name] = GroupLimit(limit, name, per_namespace)
+            self.agent.group_limits[name] = GroupLimit(limit, name, share.limit, share.source)
         if self.synced.is_set():
             self.check_paths()
 

@@ -72,6 +72,12 @@ from tests.cluster.controlplane import ControlPlane  # noqa: E402
 from tests.coordinator_util import make_cache, make_group  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
+
+def progress(message: str) -> None:
+    """One line on stderr per phase: a 10,000-node run takes tens of minutes."""
+    print(f"{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.1f}: {message}", file=sys.stderr, flush=True)
+
+
 TARGETS = {"converge_vs_baseline": 1.3, "requests_per_node": 2.2, "quiet_requests": 0, "peak_rss_mib": 512}
 #: Threads that create the Nodes (setup, untimed).
 SETUP_THREADS = 16
@@ -382,6 +388,7 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
                 raise SystemExit(f"did not converge:\n{log_path.read_text()[-3000:]}")
             time.sleep(2)
         available_s = time.monotonic() - start
+        progress(f"caches available after {available_s:.0f} s; waiting for the coordinator's last request")
         # Converged = the coordinator is done too: its last request before 10 s without any.
         (last, last_writes), last_change = coordinator_metrics(port), time.monotonic()
         last_cpu = cpu_seconds(proc.pid)
@@ -431,13 +438,17 @@ def measure(cp: ControlPlane, nodes: int, groups: int, caches: int, workers: int
     started = time.monotonic()
     for g in range(groups):
         make_group(kube, f"g{g}", label_value=f"pool{g}")
+    progress(f"creating {nodes} Nodes")
     make_nodes(kube, nodes, groups)
     setup_s = time.monotonic() - started
     agents = Agents(Kube(load_api_client(str(cp.kubeconfig)))).start()
     try:
+        progress(f"Nodes created in {setup_s:.0f} s; baseline")
         base = baseline(str(cp.kubeconfig), agents, nodes, groups, caches, workers, timeout)
         base["agent_status_patches"] = agents.patches
+        progress(f"baseline {base['seconds']} s; removing what it wrote")
         undo_baseline(cp, kube, agents, nodes, groups, caches)
+        progress("coordinator")
         run = coordinator_run(cp, kube, nodes, groups, caches, workers, quiet, timeout, workdir / "coordinator.log")
         run["agent_status_patches"] = agents.patches
     finally:

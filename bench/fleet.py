@@ -94,6 +94,9 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
             if agent.proc.poll() is not None:
                 raise RuntimeError(f"agent {agent.node} exited:\n{agent.log()[-3000:]}")
         origin.proxy.reset_counters()
+        # The agents' CPU from here on is what the transfer costs (bench/swarm_sim.py's CPU model
+        # takes its per-byte costs from it); before it, each agent's start-up (imports, informers).
+        cpu0 = [cpu_seconds(agent) for agent in agents]
         t0 = time.monotonic()
         kube.create(LOCAL_MODEL_CACHES, {"metadata": {"name": f"llm-{mode}"}, "spec": {
             "sourceModelUri": origin.uri, "modelSize": str(origin.size), "nodeGroups": [mode],
@@ -128,7 +131,9 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
                         raise AssertionError(f"{agent.node}: {path} differs from the source")
         if os.environ.get("FLEET_TIMELINE"):
             print("origin MiB by second:", [(t, round(b / 2**20)) for t, b in timeline[::10]], file=sys.stderr)
-        return {"seconds": seconds, "origin_bytes": sent, "agent_cpu_seconds": round(sum(map(cpu_seconds, agents)), 1),
+        cpu = [cpu_seconds(agent) for agent in agents]
+        return {"seconds": seconds, "origin_bytes": sent, "agent_cpu_seconds": round(sum(cpu), 1),
+                "agent_cpu_seconds_transfer": round(sum(cpu) - sum(cpu0), 2),
                 "per_node": {n: [d.get("bytesFromOrigin"), d.get("bytesFromPeers")] for n, d in details.items()}}
     finally:
         for agent in agents:
@@ -173,10 +178,16 @@ def summary(nodes: int, model: int, rate: int, results: dict[str, dict[str, Any]
     def of(mode: str, what: str) -> Any:
         return results.get(mode, {}).get(what)
 
+    peer_bytes = sum(p or 0 for _, p in (of("p2p", "per_node") or {}).values()) if "p2p" in results else None
     return {"nodes": nodes, "model_bytes": model, "origin_rate": rate,
             "origin_bytes_p2p": of("p2p", "origin_bytes"), "origin_bytes_direct": of("direct", "origin_bytes"),
             "seconds_p2p": _round(of("p2p", "seconds")), "seconds_direct": _round(of("direct", "seconds")),
             "seconds_single": _round(of("single", "seconds")),
+            # What bench/swarm_sim.py's CPU model needs: the agents' CPU while they transferred, the
+            # bytes they took from peers, the machine's cores.
+            "peer_bytes_p2p": peer_bytes,
+            **{f"agent_cpu_seconds_{m}": of(m, "agent_cpu_seconds_transfer") for m in results},
+            "cpus": os.cpu_count(),
             "load_average_start": load_start, "load_average": [round(x, 1) for x in os.getloadavg()]}
 
 

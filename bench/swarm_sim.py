@@ -162,10 +162,18 @@ class Flow:
     byte's latency). Yielded by a process: resumed with True once moved, False if cut at
     ``deadline``."""
 
-    __slots__ = ("cap", "deadline", "delay", "done", "links", "nbytes", "proc", "rate", "remaining", "t0", "version")
+    __slots__ = ("cap", "cost", "deadline", "delay", "done", "links", "nbytes", "proc", "rate", "remaining", "t0",
+                 "version")
 
     def __init__(self, links: list[Link], nbytes: int, cap: float = math.inf, delay: float = 0.0,
-                 deadline: float = math.inf) -> None:
+                 deadline: float = math.inf, cpu: list[tuple[Link, float]] | None = None) -> None:
+        # CPU pools are links whose capacity is cores (CPU-s per s), each with this flow's cost in
+        # CPU-s per byte: a pool named twice (both ends on the machine's shared cores) pays both.
+        self.cost: dict[Link, float] = {}
+        for pool, per_byte in cpu or ():
+            if per_byte > 0:
+                self.cost[pool] = self.cost.get(pool, 0.0) + per_byte
+        links = [*links, *self.cost]
         self.links, self.nbytes, self.cap, self.delay, self.deadline = links, nbytes, cap, delay, deadline
         self.remaining = float(nbytes)
         self.rate = 0.0
@@ -197,7 +205,9 @@ class Net:
         for f in flows:
             rate = f.cap
             for link in f.links:
-                rate = min(rate, link.cap / len(link.flows))
+                # A link's capacity shared equally by its flows; a CPU pool's cores likewise (each
+                # flow a thread the scheduler treats alike), its share in bytes/s by the flow's cost.
+                rate = min(rate, link.cap / (len(link.flows) * f.cost.get(link, 1.0)))
             f.rate = rate
             f.version += 1
             v = f.version
@@ -261,6 +271,19 @@ class World:
     #: Seconds after its last piece until a node says Downloaded (verify, publish, status).
     finish: float = 0.5
     max_uploads: int = 4
+    #: The CPU model: CPU-s per byte a node takes in (from the origin or a peer: the read, sha-256,
+    #: a peer's TLS) and per byte it sends to a peer (TLS, the read); ``cpus`` cores per node
+    #: (``cpu_shared`` False: a fleet, each node its own cores) or for all nodes together
+    #: (``cpu_shared`` True: agents sharing one machine, as bench/fleet.py's run). ``cpus`` 0:
+    #: no CPU model (CPU never the limit).
+    cpus: float = 0.0
+    cpu_shared: bool = False
+    #: With ``cpu_shared``: the machine's other runnable load (its load average before the run);
+    #: the agents get ``cpus * nodes / (nodes + cpu_background)`` of its cores, a fair share per
+    #: runnable process.
+    cpu_background: float = 0.0
+    cpu_pull: float = 0.0
+    cpu_serve: float = 0.0
     settings: dict[str, Any] = field(default_factory=dict)
     seed: int = 1
     peers: bool = True
@@ -315,6 +338,7 @@ class Node:
         self.up = Link(world.nic, f"{self.name}/up")
         self.down = Link(world.nic, f"{self.name}/down")
         self.origin_links = origin_links
+        self.cpu: Link | None = None  # its CPU pool (simulate() sets it)
         settings = SwarmSettings(node=self.name, zone=self.zone, **world.settings)
         self.settings = settings
         extra = {"counts": tuple(piece_count(size, PIECE_MAX) for size in world.files)} if BLOCKS else {}
@@ -493,6 +517,9 @@ class Node:
                     self.directory.publish(self.name, self.zone, True)
                     self.news.notify_all(self.sim)
 
+    def pull_cost(self) -> list[tuple[Link, float]]:
+        return [] if self.cpu is None else [(self.cpu, self.world.cpu_pull)]
+
     def span(self, ci: int, piece: int) -> int:
         start, end = piece_span(self.world.files[ci], self.piece_size, piece)
         return end - start
@@ -502,7 +529,7 @@ class Node:
         nbytes = sum(self.span(ci, p) for p in run)
         yield Sleep(self.world.origin_ttfb)
         first_byte = self.sim.now
-        yield Flow([*self.origin_links, self.down], nbytes, cap=self.world.origin_stream)
+        yield Flow([*self.origin_links, self.down], nbytes, cap=self.world.origin_stream, cpu=self.pull_cost())
         self.from_origin += nbytes
         for p in run:
             self.record(ci, p, True)
@@ -533,7 +560,8 @@ class Node:
                 first_byte = self.sim.now
             for j, p in enumerate(claimed):
                 nbytes = self.span(ci, p)
-                yield Flow([*self.origin_links, self.down], nbytes, cap=self.world.origin_stream)
+                yield Flow([*self.origin_links, self.down], nbytes, cap=self.world.origin_stream,
+                           cpu=self.pull_cost())
                 self.from_origin += nbytes
                 got += nbytes
                 self.fetching.discard((ci, p))
@@ -592,7 +620,11 @@ class Node:
                 path = [target.up, self.down]
                 if target.zone != self.zone:
                     path.append(self.world_links[(target.zone_index, self.zone_index)])
-                whole = yield Flow(path, nbytes, delay=target.latency_to(self), deadline=deadline)
+                cpu = self.pull_cost()
+                if target.cpu is not None:
+                    cpu = [*cpu, (target.cpu, self.world.cpu_serve)]
+                whole = yield Flow(path, nbytes, delay=target.latency_to(self), deadline=deadline,
+                                   cpu=cpu)
             finally:
                 target.release_slot()
         finally:
@@ -647,9 +679,13 @@ def simulate(world: World, limit: float = 36000.0) -> dict[str, Any]:
     Node.world_links = pair
     directory = Directory(sim, world)
     nodes: dict[str, Node] = {}
+    machine = Link(world.cpus * world.nodes / (world.nodes + world.cpu_background), "cpu") \
+        if world.cpus > 0 and world.cpu_shared else None
     for i in range(world.nodes):
         z = i % world.zones
         node = Node(sim, world, i, z, directory, nodes, [total, zone_origin[z]])
+        if world.cpus > 0:
+            node.cpu = machine or Link(world.cpus, f"{node.name}/cpu")
         node.started_at = rng.uniform(*world.start)
         nodes[node.name] = node
         directory.members[node.name] = node.zone
@@ -663,6 +699,7 @@ def simulate(world: World, limit: float = 36000.0) -> dict[str, Any]:
         "seconds": done,
         "origin_bytes": sum(per_zone),
         "origin_per_zone": [b / world.size for b in per_zone],
+        "peer_bytes": sum(n.from_peers for n in nodes.values()),
         "inter_zone_bytes": sum(v for k, v in sim.net.moved.items() if "->" in k),  # type: ignore[attr-defined]
         "most_polled_by": max(n.most_polled_by for n in nodes.values()),
         "most_polling": max(n.most_links for n in nodes.values()),
@@ -682,6 +719,9 @@ def scenario(world: World) -> dict[str, Any]:
         "inter_zone_bytes_vs_model": round(swarm["inter_zone_bytes"] / world.size, 3),
         "most_polled_by": swarm["most_polled_by"], "most_polling": swarm["most_polling"],
         "events": swarm["events"], "wall_seconds": swarm["wall_seconds"],
+        "cpu_model": {"cores": world.cpus, "shared": world.cpu_shared, "background_load": world.cpu_background,
+                      "cpu_s_per_gib_in": round(world.cpu_pull * (1 << 30), 3),
+                      "cpu_s_per_gib_sent": round(world.cpu_serve * (1 << 30), 3)} if world.cpus > 0 else None,
     }
 
 
@@ -693,29 +733,62 @@ def model_sizes(total: int, shards: int) -> tuple[int, ...]:
     return tuple(files[k] for k in sorted(files))
 
 
+#: A fleet's CPU (the CLI's default): each node its own cores, as many as deploy/'s agent may use
+#: (deploy/agent/daemonset.yaml: limits cpu 2), at the per-byte costs bench/fleet.py measured
+#: (bench/fleet-8.json: ``cpu_costs``; CPU-s per GiB).
+NODE_CPUS = 2.0
+CPU_IN_PER_GIB = 0.0
+CPU_SENT_PER_GIB = 0.0
+
 #: How close the simulation must come to bench/fleet.py's real run (both figures), relative.
 TOLERANCE = 0.15
 #: bench/fleet.py's own run at 8 nodes (README), what every run is validated against by default.
 FLEET_RESULT = REPO / "bench" / "fleet-8.json"
 
 
-def fleet_world(fleet: dict[str, Any], base: World) -> World:
+def cpu_costs(fleet: dict[str, Any]) -> tuple[float, float]:
+    """(CPU-s per byte taken in, CPU-s per byte sent to a peer) from bench/fleet.py's run: its
+    agents' CPU while they transferred. Without peers every node takes the model from the origin:
+    that run's CPU over its bytes is the cost of a byte taken in (the agents' idle work in the
+    meantime, status writes and watches, included). With peers every node takes the model in
+    and the peers send ``peer_bytes_p2p``: what that run used beyond the bytes taken in, over the
+    bytes sent, is a peer byte's extra (TLS both ends, the server's reads)."""
+    nodes, model = int(fleet["nodes"]), int(fleet["model_bytes"])
+    pull = float(fleet["agent_cpu_seconds_direct"]) / (nodes * model)
+    beyond = max(0.0, float(fleet["agent_cpu_seconds_p2p"]) - pull * nodes * model)
+    return pull, beyond / max(1, int(fleet["peer_bytes_p2p"]))
+
+
+def fleet_world(fleet: dict[str, Any], base: World, cpu: tuple[float, float] | None = None) -> World:
     """bench/fleet.py's world: its nodes in one zone, its model (a config and four shards), its
     origin throttled to ``origin_rate`` in all (a local moto: no cap per connection), the agent's
-    --chunk-size there (16 MiB, bench/fleet.AGENT_FLAGS)."""
+    --chunk-size there (16 MiB, bench/fleet.AGENT_FLAGS), and its agents on one machine's cores
+    (``cpus``, less the load it had before: ``load_average_start``) at the per-byte costs ``cpu``
+    (default: those of the run itself, ``cpu_costs``; none when it did not record them)."""
+    if cpu is None and "agent_cpu_seconds_direct" in fleet and "peer_bytes_p2p" in fleet:
+        cpu = cpu_costs(fleet)
+    machine: dict[str, Any] = {"cpus": 0.0}
+    if cpu is not None:
+        machine = {"cpus": float(fleet.get("cpus") or os.cpu_count() or 1), "cpu_shared": True,
+                   "cpu_background": float((fleet.get("load_average_start") or [0.0])[0]),
+                   "cpu_pull": cpu[0], "cpu_serve": cpu[1]}
     return World(**{**base.__dict__, "nodes": int(fleet["nodes"]), "zones": 1,
                     "files": model_sizes(int(fleet["model_bytes"]), 4), "origin_total": float(fleet["origin_rate"]),
-                    "origin_zone": math.inf, "origin_stream": math.inf, "chunk_size": 16 * MiB})
+                    "origin_zone": math.inf, "origin_stream": math.inf, "chunk_size": 16 * MiB, **machine})
 
 
-def validate(fleet: dict[str, Any], base: World) -> dict[str, Any]:
+def validate(fleet: dict[str, Any], base: World, cpu: tuple[float, float] | None = None) -> dict[str, Any]:
     """Simulate bench/fleet.py's run and compare both figures with what its real agents did."""
-    sim = scenario(fleet_world(fleet, base))
+    world = fleet_world(fleet, base, cpu)
+    sim = scenario(world)
     real = {"time_vs_single": fleet["seconds_p2p"] / fleet["seconds_single"],
             "origin_vs_model": fleet["origin_bytes_p2p"] / fleet["model_bytes"]}
     simulated = {"time_vs_single": sim["time_vs_single"], "origin_vs_model": sim["origin_per_zone_vs_model"]}
     error = {k: round(abs(simulated[k] / real[k] - 1), 3) for k in real}
     return {"nodes": fleet["nodes"], "fleet": {k: round(v, 3) for k, v in real.items()}, "simulated": simulated,
+            "cpu_model": {"cores": world.cpus, "background_load": world.cpu_background,
+                          "cpu_s_per_gib_in": round(world.cpu_pull * (1 << 30), 3),
+                          "cpu_s_per_gib_sent": round(world.cpu_serve * (1 << 30), 3)} if world.cpus else None,
             "relative_error": error, "within": TOLERANCE, "ok": all(e <= TOLERANCE for e in error.values())}
 
 
@@ -737,6 +810,14 @@ def main() -> None:
     ap.add_argument("--inter-zone", default="0", help="bytes/s per pair of zones (0: no limit)")
     ap.add_argument("--latency", type=float, default=0.0005)
     ap.add_argument("--inter-zone-latency", type=float, default=0.002)
+    ap.add_argument("--cpus", type=float, default=NODE_CPUS,
+                    help="cores per node (default: deploy/'s agent limit), in all with --cpus-shared; 0: no CPU model")
+    ap.add_argument("--cpus-shared", action="store_true",
+                    help="every node's agent on one machine's --cpus cores (as bench/fleet.py's run)")
+    ap.add_argument("--cpu-background", type=float, default=0.0,
+                    help="with --cpus-shared: the machine's other runnable load (its load average)")
+    ap.add_argument("--cpu-in", type=float, default=CPU_IN_PER_GIB, help="CPU-s per GiB a node takes in")
+    ap.add_argument("--cpu-sent", type=float, default=CPU_SENT_PER_GIB, help="CPU-s per GiB a node sends to a peer")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--validate", type=Path, default=FLEET_RESULT,
@@ -750,7 +831,9 @@ def main() -> None:
     world = World(nodes=args.nodes, zones=args.zones, files=model_sizes(parse_size(args.size), args.shards),
                   workers=args.workers, origin_stream=rate(args.origin_stream), origin_zone=rate(args.origin_zone),
                   origin_total=rate(args.origin_total), nic=rate(args.nic), inter_zone=rate(args.inter_zone),
-                  latency=args.latency, inter_zone_latency=args.inter_zone_latency, seed=args.seed)
+                  latency=args.latency, inter_zone_latency=args.inter_zone_latency, seed=args.seed,
+                  cpus=args.cpus, cpu_shared=args.cpus_shared, cpu_background=args.cpu_background,
+                  cpu_pull=args.cpu_in / (1 << 30), cpu_serve=args.cpu_sent / (1 << 30))
     out = scenario(world)
     out["validated_against_fleet"] = None
     if str(args.validate) != "none":

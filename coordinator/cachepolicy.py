@@ -9,7 +9,8 @@ and spec UPDATE; docs/operations.md, "Threat model"):
 - a LocalModelNamespaceCache sets no ``storage.parameters`` that send the credentials it names to
   another endpoint or accept any certificate for it (agent/credentials.py, where the agent also
   checks that the credentials are granted to the cache's namespace);
-- and its namespace's caches declare no more than the namespace's share of a node group.
+- and its namespace's caches declare no more than the namespace's share of a node group (by
+  default half its storageLimit: modelcache/kube/share.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from modelcache.credentials import REDIRECTING_PARAMETERS, redirecting
 from modelcache.kube.quantity import parse_quantity
-from modelcache.kube.types import NAMESPACE_LIMIT_ANNOTATION
+from modelcache.kube.share import namespace_share, share_advice
 from modelcache.progress import human_bytes
 from modelcache.redact import credentials_in
 
@@ -43,16 +44,16 @@ def refusal(kind: str, name: str, spec: Mapping[str, Any], namespaced: bool) -> 
 def share_refusal(name: str, namespace: str, spec: Mapping[str, Any], neighbours: list[dict[str, Any]],
                   group: Callable[[str], dict[str, Any] | None]) -> str | None:
     """Why a LocalModelNamespaceCache's declared ``modelSize`` does not fit its namespace's share of
-    a node group (the group's annotation modelcache.io/namespace-storage-limit), counting the
+    a node group (half its storageLimit unless the group's annotation
+    modelcache.io/namespace-storage-limit says otherwise: modelcache/kube/share.py), counting the
     namespace's other caches of that group once per URI; the agent enforces the same share on
     the bytes it really writes."""
     size = parse_quantity(spec.get("modelSize")) or 0
     uri = spec.get("sourceModelUri")
     for group_name in spec.get("nodeGroups") or []:
         obj = group(group_name)
-        raw = ((obj or {}).get("metadata") or {}).get("annotations", {}).get(NAMESPACE_LIMIT_ANNOTATION)
-        share = parse_quantity(raw) if raw else None
-        if share is None:
+        share = namespace_share(obj) if obj is not None else None
+        if share is None or share.limit is None:
             continue
         sizes = {uri: size}
         for other in neighbours:
@@ -62,9 +63,8 @@ def share_refusal(name: str, namespace: str, spec: Mapping[str, Any], neighbours
                 continue
             sizes.setdefault(ospec.get("sourceModelUri"), parse_quantity(ospec.get("modelSize")) or 0)
         total = sum(sizes.values())
-        if total > share:
+        if total > share.limit:
             return (f"LocalModelNamespaceCache {namespace}/{name}: namespace {namespace}'s caches would declare "
                     f"{human_bytes(total)} (modelSize) on node group {group_name}, over its share of "
-                    f"{human_bytes(share)} ({NAMESPACE_LIMIT_ANNOTATION} on that LocalModelNodeGroup); delete one "
-                    "of them or ask a cluster admin to raise it")
+                    f"{human_bytes(share.limit)} per node ({share.source}); {share_advice(namespace)}")
     return None

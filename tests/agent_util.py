@@ -22,9 +22,6 @@ from modelcache.kube.client import (
     LOCAL_MODEL_NODE_GROUPS,
     LOCAL_MODEL_NODES,
     NAMESPACES,
-    PERSISTENT_VOLUME_CLAIMS,
-    PERSISTENT_VOLUMES,
-    PODS,
     SECRETS,
     SERVICE_ACCOUNTS,
     Kube,
@@ -161,37 +158,6 @@ def create_group(kube: Kube, name: str, storage_limit: str, path: str) -> None:
                                           "resources": {"requests": {"storage": storage_limit}}},
         },
     })
-
-
-def create_serving_pod(kube: Kube, node: str, namespace: str, name: str, pv_path: str, key: str) -> None:
-    """A running predictor pod as KServe rewrites it: PVC <cache>-<group> bound to the group PV,
-    mounted with subPath models/<storageKey>. The PV controller binds the claim; the pod is bound
-    to the node as the scheduler would, and marked Running as its kubelet would."""
-    ensure_namespace(kube, namespace)
-    pv, pvc = f"cache-group-{namespace}", "cache-group"
-    kube.create(PERSISTENT_VOLUMES, {"metadata": {"name": pv}, "spec": {
-        "capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "local": {"path": pv_path},
-        "storageClassName": "standard", "persistentVolumeReclaimPolicy": "Retain",
-        "claimRef": {"namespace": namespace, "name": pvc},
-        "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
-            {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]}}}})
-    kube.create(PERSISTENT_VOLUME_CLAIMS, {"metadata": {"name": pvc}, "spec": {
-        "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}},
-        "storageClassName": "standard", "volumeName": pv}}, namespace)
-    wait_until(lambda: kube.get(PERSISTENT_VOLUME_CLAIMS, pvc, namespace).get("status", {}).get("phase") == "Bound",
-               timeout=30, what=f"PVC {namespace}/{pvc} bound by the PV controller")
-    pod = {"metadata": {"name": name}, "spec": {
-        "nodeName": node,
-        "containers": [{"name": "kserve-container", "image": "runtime",
-                        "volumeMounts": [{"name": "kserve-pvc-source", "mountPath": "/mnt/models",
-                                          "subPath": f"models/{key}", "readOnly": True}]}],
-        "volumes": [{"name": "kserve-pvc-source", "persistentVolumeClaim": {"claimName": pvc}}]}}
-    # The ServiceAccount admission plugin needs the namespace's default ServiceAccount, which the
-    # service-account controller creates a moment after the namespace.
-    wait_until(lambda: kube.get_or_none(SERVICE_ACCOUNTS, "default", namespace) is not None, timeout=30,
-               what=f"ServiceAccount {namespace}/default")
-    kube.create(PODS, pod, namespace)
-    kube.patch_status(PODS, name, {"status": {"phase": "Running"}}, namespace)
 
 
 def create_secret(kube: Kube, name: str, string_data: dict[str, str],

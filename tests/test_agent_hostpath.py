@@ -1,7 +1,10 @@
-"""The model root's host path, named once (the DaemonSet's hostroot volume): the agent reads it from
-its own Pod, so changing the volume alone (as deploy/ says) keeps removals safe; and while a node
-group's PV names another directory, the agent deletes nothing and says why. Real control plane,
-the agent as its ServiceAccount with deploy/'s env."""
+"""The model root's host path, named once (the DaemonSet's hostroot volume): while a node group's PV
+names another directory than the agent's Pod, the agent deletes nothing and says why. Real control
+plane, the agent as its ServiceAccount with deploy/'s env, its Pod an object no kubelet runs: the
+mismatch is between two API objects (docs/test-cluster.md, "API-only Nodes and why"). That the
+agent reads the path from its own Pod, so changing the volume alone keeps a mounted model, runs on
+real nodes: tests/test_realnodes_events.py::
+test_a_fresh_host_folder_an_agent_pod_deleted_mid_download_a_mounting_pod."""
 
 from __future__ import annotations
 
@@ -17,7 +20,6 @@ from modelcache.uri import storage_key
 from tests.agent_util import (
     create_group,
     create_node,
-    create_serving_pod,
     entry,
     kube_for,
     model_files,
@@ -71,33 +73,6 @@ def agent_pod(kube: Kube, node: str, host_dir: Path) -> tuple[str, dict[str, str
 
 def events(kube: Kube, reason: str) -> list[dict[str, Any]]:
     return [e for e in kube.list(EVENTS, "default").get("items") or [] if e.get("reason") == reason]
-
-
-def test_a_host_path_changed_in_the_volume_alone_keeps_a_mounted_model(cluster: Cluster, kube: Kube, nginx: Any,
-                                                                       tmp_path: Path) -> None:
-    # KServe's Helm chart uses /mnt/models: the user changes the DaemonSet's volume, and the group's
-    # PV names the same directory. Before, the agent still took its host path from an env var saying
-    # /models, ignored the serving pod's PV, and deleted the model under it.
-    host = tmp_path / "mnt-models"
-    nginx.write("a/model.bin", 1 << 20)
-    uri = nginx.url("a/model.bin")
-    key = storage_key(uri)
-    create_group(kube, "workers", "10Gi", str(host))
-    create_node(kube, "node-a", [entry("a", uri, nodeGroup="workers")])
-    _pod, env = agent_pod(kube, "node-a", host)
-    agent = start_agent(cluster.agent_kubeconfig, "node-a", host, tmp_path, env=env)
-    try:
-        wait_states(kube, "node-a", {"a": D}, agent=agent)
-        assert f"host_path={host}" in agent.log()
-        create_serving_pod(kube, "node-a", "team", "isvc-predictor-0", str(host), key)
-        set_entries(kube, "node-a", [])
-        wait_until(lambda: "isvc-predictor-0" in ((node_status(kube, "node-a").get("modelDetails") or {}).get("a")
-                                                  or {}).get("message", ""), timeout=20, what="kept for the pod")
-        time.sleep(1)  # several removal re-checks (--removal-recheck 0.3)
-        assert model_files(host, key) == {"model.bin": 1 << 20}
-        assert not events(kube, "HostPathMismatch")
-    finally:
-        agent.stop()
 
 
 def test_a_node_group_naming_another_path_stops_every_removal_until_fixed(cluster: Cluster, kube: Kube,

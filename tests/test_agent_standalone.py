@@ -123,6 +123,44 @@ def test_size_check_finds_a_truncated_file_and_watch_picks_up_spec_changes(nginx
         agent.wait(20)
 
 
+def test_a_file_replaced_by_a_link_out_of_the_root_is_repaired_by_the_size_check(nginx, tmp_path):
+    """The security review's 14-symlink-in-model.sh (its premise, a tenant writing the root through
+    the serving claim, is refused: tests/test_security_tenants.py): a model's file replaced by a
+    link to a file outside the root. The size check finds it, and the repair puts the model's
+    bytes back as a regular file in the same folder, replacing the link and never writing where it
+    points."""
+    data = nginx.write("l/model.bin", 1 << 20).read_bytes()
+    uri = nginx.url("l/model.bin")
+    root = tmp_path / "root"
+    outside = tmp_path / "outside-secret.txt"
+    outside.write_text("target secret-on-node\n")
+    spec = write_node(tmp_path / "node.yaml", [{"modelName": "m", "sourceModelUri": uri}])
+    agent = subprocess.Popen(agent_cmd(spec, root, "--watch", "--size-check-interval", "0.5"), cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        target = root / "models" / storage_key(uri) / "model.bin"
+        wait_until(lambda: status_of(spec)["modelStatus"] == {"m": D}, timeout=30, what="downloaded")
+        folder_ino = target.parent.stat().st_ino
+        target.rename(target.with_name("model.bin.orig"))
+        target.symlink_to(outside)
+        seen: list[str] = []
+
+        def repaired() -> bool:
+            d = status_of(spec)["modelDetails"]["m"]
+            if "damaged" in (d.get("message") or ""):
+                seen.append(d["message"])
+            return bool(seen) and d["state"] == D and not target.is_symlink() and target.read_bytes() == data
+
+        wait_until(repaired, timeout=30, what="the link found by the size check and the file repaired")
+        assert "damaged: a file is missing or has the wrong size" in seen[0], seen
+        assert target.parent.stat().st_ino == folder_ino  # repaired inside the folder pods mount
+        assert outside.read_text() == "target secret-on-node\n"  # never written through the link
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        _, err = agent.communicate(timeout=20)
+    assert "model damaged: repairing" in err
+
+
 def test_restart_of_a_big_root_takes_seconds(tmp_path):
     """40 models of 2 GiB each (sparse files) with their manifests: a restart reports them all
     Downloaded from stats alone; hashing 80 GiB (or fetching from the unreachable URIs) could not."""

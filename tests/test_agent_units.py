@@ -512,3 +512,64 @@ def test_a_namespaces_share_of_a_group_counts_its_models_and_reservations(tmp_pa
     with pytest.raises(InsufficientSpaceError, match="hold 350 B here already"):
         cap.reserve("b", 100, 100, limit, "b", owners=frozenset({"team-a"}))
     cap.reserve("b", 50, 50, limit, "b", owners=frozenset({"team-a"}))
+
+
+def test_namespace_caches_get_only_what_the_groups_cluster_caches_leave(tmp_path: Path) -> None:
+    """agent/capacity.py: cluster caches first (security review M4 on a default install): a
+    namespace cache's model may not take the room a cluster cache's model still needs on the node
+    (not downloaded yet, or refused meanwhile); a cluster cache's own model is not held to it."""
+    from agent.capacity import GroupLimit
+
+    pending = [("k-admin", "admin-model", 600)]
+    cap = Capacity(tmp_path, margin=0, used_bytes=lambda: 0, disk_usage=lambda _p: (10_000, 10_000),
+                   cluster_pending=lambda: pending, namespaces_held=lambda: {"tenant-a": 0, "tenant-c": 300})
+    limit = GroupLimit(1000, "workers", namespace_limit=None, share_source="none")
+    with pytest.raises(InsufficientSpaceError) as refused:
+        cap.reserve("filler", 500, 500, limit, "http://h/big.bin", owners=frozenset({"tenant-b"}))
+    assert str(refused.value) == (
+        "http://h/big.bin: namespace tenant-b: does not fit node group 'workers' next to its cluster caches: the "
+        "model is 500 B, storageLimit 1000 B, this node holds 0 B (0 B more reserved by downloads in flight) and "
+        "LocalModelCache admin-model still need 600 B here; namespace caches get only what cluster caches leave. "
+        "Delete a LocalModelNamespaceCache of the namespace, or ask a cluster admin to raise spec.storageLimit of "
+        "LocalModelNodeGroup 'workers'")
+    cap.reserve("small", 400, 400, limit, "small", owners=frozenset({"tenant-b"}))  # fits next to it
+    cap.release("small")
+    cap.reserve("k-admin", 600, 600, limit, "admin")  # the cluster cache's download: a reservation now
+    cap.reserve("small", 400, 400, limit, "small", owners=frozenset({"tenant-b"}))  # not counted twice
+    with pytest.raises(InsufficientSpaceError, match="does not fit the node group's storageLimit"):
+        cap.reserve("more", 1, 1, limit, "more", owners=frozenset({"tenant-a"}))
+    # A cluster cache refused for room is told which namespaces hold it (nothing is deleted for it).
+    with pytest.raises(InsufficientSpaceError, match=r"in flight; namespace caches hold: tenant-c 300 B\)\. "):
+        cap.reserve("admin3", 1, 1, limit, "admin3")
+
+
+def test_a_namespaces_default_share_is_half_the_groups_storage_limit() -> None:
+    """modelcache/kube/share.py: the default share, the annotation, 'none', a bad value."""
+    from modelcache.kube.share import namespace_share
+
+    def group(annotation: str | None, limit: str | None = "1Mi") -> dict[str, Any]:
+        meta = {"annotations": {"modelcache.io/namespace-storage-limit": annotation}} if annotation else {}
+        return {"metadata": meta, "spec": {"storageLimit": limit} if limit else {}}
+
+    assert namespace_share(group(None)).limit == 512 * 1024
+    assert namespace_share(group(None)).source == "the default: half the group's storageLimit of 1.0 MiB"
+    assert namespace_share(group("100Ki")).limit == 100 * 1024
+    assert namespace_share(group("None")).limit is None
+    bad = namespace_share(group("lots"))
+    assert (bad.limit, bad.invalid) == (512 * 1024, "lots")
+    assert namespace_share(group(None, limit=None)).limit is None
+
+
+def test_a_copy_adopted_in_place_does_not_count_twice_against_its_share(tmp_path: Path) -> None:
+    """agent/capacity.py: a copy KServe left (counted in the node's and its namespace's bytes
+    already) is admitted against the default share without counting itself a second time."""
+    from agent.capacity import GroupLimit
+
+    cap = Capacity(tmp_path, margin=0, used_bytes=lambda: 700, disk_usage=lambda _p: (10_000, 10_000),
+                   namespace_used=lambda ns: 300 if ns == "team-a" else 0,
+                   counted=lambda key: 300 if key == "carried" else 0)
+    limit = GroupLimit(1000, "workers", namespace_limit=500, share_source="the default")
+    cap.reserve("carried", 0, 300, limit, "carried", owners=frozenset({"team-a"}))
+    cap.release("carried")  # adopted: counted by used_bytes and namespace_used from here on
+    with pytest.raises(InsufficientSpaceError, match=r"team-a's caches hold 300 B here already"):
+        cap.reserve("new", 300, 300, limit, "new", owners=frozenset({"team-a"}))

@@ -465,3 +465,17 @@ def test_cache_specs_the_webhook_refuses() -> None:
     assert why and "would declare 1.1 GiB (modelSize) on node group g, over its share of 1.0 GiB" in why, why
     # The cache itself, edited, counts once (its old spec is among the others).
     assert share_refusal("a", "t", cache("a", "s3://b/a", "1Gi", ["g"])["spec"], others, group) is None
+    # No annotation: half the group's storageLimit (M4 on a default install); "none": no share.
+    groups = {"half": {"spec": {"storageLimit": "2Gi"}},
+              "off": {"metadata": {"annotations": {"modelcache.io/namespace-storage-limit": "none"}},
+                      "spec": {"storageLimit": "2Gi"}},
+              "bad": {"metadata": {"annotations": {"modelcache.io/namespace-storage-limit": "lots"}},
+                      "spec": {"storageLimit": "2Gi"}}}
+    for name in ("half", "bad"):
+        assert share_refusal("n", "t", cache("n", "s3://b/n", "1Gi", [name])["spec"], [], groups.get) is None
+        why = share_refusal("n", "t", cache("n", "s3://b/n", "1025Mi", [name])["spec"], [], groups.get)
+        assert why and ("namespace t's caches would declare 1.0 GiB (modelSize) on node group " + name +
+                        ", over its share of 1.0 GiB per node (the default: half the group's storageLimit of "
+                        "2.0 GiB); delete a LocalModelNamespaceCache of t, or ask a cluster admin to set the "
+                        "annotation modelcache.io/namespace-storage-limit") in why, why
+    assert share_refusal("n", "t", cache("n", "s3://b/n", "2Gi", ["off"])["spec"], [], groups.get) is None

@@ -423,3 +423,63 @@ def test_the_docs_index_lists_every_page() -> None:
     listed = set(re.findall(r"\]\(([a-z0-9-]+\.md)\)", text))
     pages = {p.name for p in (REPO / "docs").glob("*.md") if p.name != "README.md"}
     assert sorted(pages - listed) == [] and sorted(listed - pages) == []
+
+
+#: What stands in for a kubelet in a test: an API-only Node, a Ready condition or a pod's status
+#: written by the test, a pod no kubelet runs, a deletion the test confirms.
+_STAND_IN = re.compile(r'register_node\(|make_node\(kube|set_ready\(|create\(NODES|patch_status\(PODS|grace_period=0'
+                       r'|create\(PODS|"kind": "Pod"|kubelet_confirms_pod_deletions')
+_REAL_NODES = 'xdist_group("realnodes")'
+
+
+def _stand_in_problems(section: str, sources: dict[str, str]) -> list[str]:
+    """What is wrong with the "API-only Nodes and why" table ``section`` given the test files'
+    ``sources`` ({tests/x.py: text}): a file that stands in for a kubelet with no row (or a row
+    without a reason), a row for a file that does not (or runs on real nodes), and a `::name` that
+    is no test of a real-node file."""
+    problems, listed = [], set()
+    for row in (ln for ln in section.splitlines() if ln.startswith("| `tests/")):
+        cells = [c.strip() for c in row.strip().strip("|").split(" | ")]
+        if len(cells) != 3 or not all(cells):
+            problems.append(f"a row without its stand-in and reason: {row[:80]}")
+            continue
+        listed |= set(re.findall(r"`(tests/test_\w+\.py)`", cells[0]))
+        for path, name in re.findall(r"(tests/test_\w+\.py)::(\w+)", row):
+            text = sources.get(path, "")
+            if _REAL_NODES not in text or not re.search(rf"^def {name}\(", text, re.M):
+                problems.append(f"{path}::{name} is no test on real nodes")
+    using = {path for path, text in sources.items() if _STAND_IN.search(text) and _REAL_NODES not in text}
+    problems += [f"{path} stands in for a kubelet and is not listed" for path in sorted(using - listed)]
+    problems += [f"{path} is listed but stands in for no kubelet" for path in sorted(listed - using)]
+    return problems
+
+
+def _api_only_section() -> str:
+    text = (REPO / "docs" / "test-cluster.md").read_text()
+    return text.split("### API-only Nodes and why\n", 1)[1].split("\n#", 1)[0]
+
+
+def test_every_stand_in_for_a_kubelet_is_listed() -> None:
+    """docs/test-cluster.md's "API-only Nodes and why" lists every test file that stands in for a
+    kubelet, each with its reason, and the real-node tests it points to exist (issue 24, item 9)."""
+    sources = {f"tests/{p.name}": p.read_text() for p in sorted((REPO / "tests").glob("test_*.py"))}
+    assert _stand_in_problems(_api_only_section(), sources) == []
+
+
+def test_the_stand_in_check_catches_an_unlisted_file_and_a_wrong_name() -> None:
+    section = ("| Tests | Stand-in | Why |\n|---|---|---|\n"
+               "| `tests/test_a.py` | API-only Nodes | scale; real: `tests/test_real.py::test_gone` |\n"
+               "| `tests/test_c.py` | nothing |  |\n")
+    sources = {"tests/test_a.py": "cluster.register_node('n')", "tests/test_b.py": "set_ready(kube, 'n', False)",
+               "tests/test_c.py": "kube.create(PODS, pod)",
+               "tests/test_real.py": f"pytestmark = pytest.mark.{_REAL_NODES}\ndef test_here(): register_node('x')"}
+    assert _stand_in_problems(section, sources) == [
+        "tests/test_real.py::test_gone is no test on real nodes",
+        "a row without its stand-in and reason: | `tests/test_c.py` | nothing |  |",
+        "tests/test_b.py stands in for a kubelet and is not listed",
+        "tests/test_c.py stands in for a kubelet and is not listed"]
+    sources["tests/test_real.py"] += "\ndef test_gone(): pass"
+    fixed = section.replace("|  |", "| objects are the point |") + "| `tests/test_b.py` | set_ready | speed |\n"
+    assert _stand_in_problems(fixed, sources) == []
+    del sources["tests/test_b.py"]
+    assert _stand_in_problems(fixed, sources) == ["tests/test_b.py is listed but stands in for no kubelet"]

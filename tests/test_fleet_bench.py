@@ -5,6 +5,7 @@ every run ends with the model, byte for byte (the bench checks that itself)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -42,3 +43,9 @@ def test_the_fleet_bench_fills_two_nodes_three_ways_and_reports_the_issues_keys(
     for node, (from_origin, from_peers) in results["p2p"]["per_node"].items():
         assert from_origin + from_peers >= origin.size, node
     assert results["single"]["origin_bytes"] == origin.size
+    # What bench/swarm_sim.py's CPU model takes: the agents' CPU while they transferred (not their
+    # start-up: less than all they used), the bytes the peers sent, the machine's cores.
+    for mode in ("p2p", "direct", "single"):
+        assert 0 < out[f"agent_cpu_seconds_{mode}"] < results[mode]["agent_cpu_seconds"], (mode, results[mode])
+    assert out["peer_bytes_p2p"] == sum(p for _, p in results["p2p"]["per_node"].values()) > 0
+    assert out["cpus"] == os.cpu_count()

@@ -80,12 +80,16 @@ def inodes(folder: Path) -> dict[str, tuple[int, int]]:
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in folder.iterdir()}
 
 
-def test_a_fresh_host_folder_and_an_agent_pod_deleted_mid_download(real_nodes: NodeCluster, image: Image,
-                                                                   tmp_path: Path) -> None:
+def test_a_fresh_host_folder_an_agent_pod_deleted_mid_download_a_mounting_pod(
+        real_nodes: NodeCluster, image: Image, tmp_path: Path) -> None:
     """The agents' host folder does not exist on either node (a fresh node): the kubelet makes it
     (hostPath DirectoryOrCreate, root's) and prepare-root hands it to the agent's user. Then the
     agent pod of the one node that holds a model is deleted while the model downloads: the
-    DaemonSet's next pod resumes from the journal, it does not start over."""
+    DaemonSet's next pod resumes from the journal, it does not start over. Last, the host folder
+    was changed in the DaemonSet's volume alone (as deploy/ says): a real serving pod mounting the
+    model through the node group's PV keeps it when the cache goes, until its kubelet has stopped
+    the pod (this was a process test in tests/test_agent_hostpath.py whose serving pod was an
+    object marked Running, never started)."""
     root = "/models/fresh-root"
     for node in NODES:
         assert not real_nodes.node(node).host_path(root).exists()
@@ -120,6 +124,29 @@ def test_a_fresh_host_folder_and_an_agent_pod_deleted_mid_download(real_nodes: N
         # progress within a chunk: measured 5 MB of 67 MB here, with 34 MB sent at the deletion).
         total = origin.relay.bytes_from_origin
         assert size <= total < size + at_delete // 2, (total, at_delete, size)
+
+        # KServe's rewrite on the node group's PV (the same folder): a real serving pod on node-1
+        # reads the model there. The agent took its host path from its own Pod, so it sees the pod
+        # and keeps the model when the cache goes; an agent assuming deploy/'s /models would have
+        # deleted it under the pod, or refused every removal with a HostPathMismatch.
+        agent = agent_pod(real_nodes, "node-1")["metadata"]["name"]
+        log = real_nodes.kubectl("logs", "-n", NS, agent, "-c", "agent").stdout
+        assert f"host_path={root}" in log, log[-2000:]
+        key = storage_key(uri)
+        serve_on_node_1(real_nodes, root, key, digests)
+        files = inodes(folder)
+        real_nodes.kubectl("delete", "localmodelcache", "llm", "--wait=false")
+        wait_until(lambda: kept_for_the_pod(real_nodes), timeout=120, what="node-1's copy reported as kept for the pod")
+        time.sleep(3)  # several of the agent's removal re-checks
+        assert inodes(folder) == files and sha256_files(folder) == digests
+        mismatches = get(real_nodes, "/api/v1/events?fieldSelector=reason%3DHostPathMismatch")["items"]
+        assert mismatches == [], [e["message"] for e in mismatches]
+        # Once its kubelet has stopped the pod and confirmed the deletion, the model goes.
+        real_nodes.kubectl("delete", "pod", "-n", "team", "serve", "--timeout=120s", timeout=150)
+        wait_until(lambda: not folder.exists(), timeout=120, what="node-1's copy deleted after the pod")
+        manifest = Path(".modelcache") / "manifests" / f"{key}.json"
+        assert not (real_nodes.node("node-1").host_path(root) / manifest).exists()
+        real_nodes.kubectl("wait", "--for=delete", "localmodelcache/llm", "--timeout=120s", timeout=150)
 
 
 def test_drain_a_stopped_kubelet_a_rolling_update_and_a_mounting_pod(real_nodes: NodeCluster, image: Image,
@@ -204,22 +231,13 @@ def test_drain_a_stopped_kubelet_a_rolling_update_and_a_mounting_pod(real_nodes:
         # node-2's copy goes at once; node-1's stays while the pod runs (the status names it) and
         # goes once the pod's kubelet has stopped it and confirmed the deletion (no grace 0 here).
         key = storage_key(uri)
-        real_nodes.kubectl("create", "namespace", "team")
-        apply(real_nodes, *local_volume("serving-llm", "team", "node-1", "/models"), serving_pod("team", key))
-        real_nodes.kubectl("wait", "-n", "team", "pod/serve", "--for=condition=Ready", "--timeout=180s", timeout=200)
-        log = real_nodes.kubectl("logs", "-n", "team", "serve").stdout
-        assert served_files(log) == digests, log
+        serve_on_node_1(real_nodes, "/models", key, digests)
         real_nodes.kubectl("delete", "localmodelcache", "llm", "--wait=false")
         wait_until(lambda: not folders["node-2"].exists(), timeout=120, what="node-2's copy deleted")
         manifest = Path(".modelcache") / "manifests" / f"{key}.json"
         assert not (real_nodes.node("node-2").host_path("/models") / manifest).exists()
 
-        def kept_for_the_pod() -> bool:
-            status = get(real_nodes, "/apis/serving.kserve.io/v1alpha1/localmodelnodes/node-1").get("status") or {}
-            message = ((status.get("modelDetails") or {}).get("llm") or {}).get("message") or ""
-            return not status.get("modelStatus") and "team/serve" in message
-
-        wait_until(kept_for_the_pod, timeout=120, what="node-1's copy reported as kept for the pod")
+        wait_until(lambda: kept_for_the_pod(real_nodes), timeout=120, what="node-1's copy reported as kept for the pod")
         assert inodes(folders["node-1"]) == files["node-1"]
         ip = agent_pod(real_nodes, "node-1")["status"]["podIP"]
         with urllib.request.urlopen(f"http://{ip}:8080/metrics", timeout=10) as resp:
@@ -228,6 +246,24 @@ def test_drain_a_stopped_kubelet_a_rolling_update_and_a_mounting_pod(real_nodes:
         wait_until(lambda: not folders["node-1"].exists(), timeout=120, what="node-1's copy deleted after the pod")
         assert not (real_nodes.node("node-1").host_path("/models") / manifest).exists()
         real_nodes.kubectl("wait", "--for=delete", "localmodelcache/llm", "--timeout=120s", timeout=150)
+
+
+def serve_on_node_1(cluster: NodeCluster, root: str, key: str, digests: dict[str, str]) -> None:
+    """A serving pod ``team/serve`` on node-1 on a volume as KServe rewrites a predictor for a
+    node group (its local PV at the agents' host folder ``root``, subPath models/<storageKey>),
+    Ready once it has read every file; what it read is the model."""
+    cluster.kubectl("create", "namespace", "team")
+    apply(cluster, *local_volume("serving-llm", "team", "node-1", root), serving_pod("team", key))
+    cluster.kubectl("wait", "-n", "team", "pod/serve", "--for=condition=Ready", "--timeout=180s", timeout=200)
+    log = cluster.kubectl("logs", "-n", "team", "serve").stdout
+    assert served_files(log) == digests, log
+
+
+def kept_for_the_pod(cluster: NodeCluster) -> bool:
+    """node-1's agent no longer reports llm, and says it keeps the files for team/serve."""
+    status = get(cluster, "/apis/serving.kserve.io/v1alpha1/localmodelnodes/node-1").get("status") or {}
+    message = ((status.get("modelDetails") or {}).get("llm") or {}).get("message") or ""
+    return not status.get("modelStatus") and "team/serve" in message
 
 
 def serving_pod(namespace: str, key: str) -> dict[str, Any]:

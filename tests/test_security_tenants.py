@@ -8,7 +8,8 @@ webhooks called by the API server) and an agent run as their ServiceAccounts.
   uses no credential not granted to the cache's namespace.
 - H4: the serving claim in a tenant's namespace is bound to a PV of the group's whole root; a pod
   of the tenant may mount it only read-only under its cache's storage key.
-- M4: one namespace may fill at most its share of a group's storageLimit.
+- M4: one namespace may fill at most its share of a group's storageLimit (by default half), and
+  namespace caches get only the room the group's cluster caches leave.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import pytest
 
 from modelcache.kube.client import (
+    LOCAL_MODEL_NAMESPACE_CACHES,
     LOCAL_MODEL_NODE_GROUPS,
     PERSISTENT_VOLUME_CLAIMS,
     PERSISTENT_VOLUMES,
@@ -274,32 +276,72 @@ def test_a_tenants_serving_claim_is_mounted_read_only_under_its_own_model(cluste
 
 def test_a_namespace_fills_at_most_its_share_of_a_group(cluster: Cluster, coordinator: Any, nginx: Any,
                                                          tmp_path: Path) -> None:
-    """The review's 13-fill-group.sh: storageLimit 1Mi; tenant-b's cache declares 1Ki but is 900 KiB;
-    the cluster admin's 600 KiB model then no longer fit. With a 512Ki share per namespace the
-    tenant's model is refused (real bytes, by the agent) and the admin's fits."""
+    """The review's 13-fill-group.sh on a default install (no annotation on the group): storageLimit
+    1Mi; tenant-b's cache declares 1Ki but is 900 KiB. A namespace's default share is half the
+    group's storageLimit: tenant-b's model is refused (real bytes, by the agent; the refusal is on
+    its cache too), tenant-a's 300 KiB and the cluster admin's 600 KiB are Downloaded. Then cluster
+    caches come first: a second admin model that does not fit (yet) keeps its room from a tenant's
+    later one, and nothing downloaded is deleted to make room."""
     admin = cluster.kube()
     cluster.register_node(NODE, {"kserve/localmodel": "worker"})
     make_group(admin, "workers")
-    admin.patch(LOCAL_MODEL_NODE_GROUPS, "workers", {"spec": {"storageLimit": "1Mi"}, "metadata": {
-        "annotations": {"modelcache.io/namespace-storage-limit": "512Ki"}}})
-    tenant_b = make_tenant(cluster, "tenant-b")
-    nginx.write("big.bin", 900 * 1024)
-    nginx.write("admin.bin", 600 * 1024)
+    admin.patch(LOCAL_MODEL_NODE_GROUPS, "workers", {"spec": {"storageLimit": "1Mi"}})
+    tenant_a, tenant_b = make_tenant(cluster, "tenant-a"), make_tenant(cluster, "tenant-b")
+    for name, kib in (("big.bin", 900), ("admin.bin", 600), ("a.bin", 300), ("admin2.bin", 200), ("b.bin", 100)):
+        nginx.write(name, kib * 1024)
+    default = "(the default: half the group's storageLimit of 1.0 MiB)"
     agent = start_agent(cluster.agent_kubeconfig, NODE, tmp_path / "root", tmp_path)
     try:
         # Declared sizes over the share are refused at once, by the webhook.
         out = as_tenant(cluster, tenant_b, "create", "-n", "tenant-b", "-f", "-",
                         stdin=ns_cache("honest", nginx.url("big.bin"), size="900Ki"))
-        assert out.returncode != 0 and "over its share of 512.0 KiB" in out.stderr, out.stderr
+        assert out.returncode != 0 and f"over its share of 512.0 KiB per node {default}" in out.stderr, out.stderr
+        assert "modelcache.io/namespace-storage-limit" in out.stderr, out.stderr
         # A declared size that lies passes the webhook; the agent counts the real bytes.
         out = as_tenant(cluster, tenant_b, "create", "-n", "tenant-b", "-f", "-",
                         stdin=ns_cache("filler", nginx.url("big.bin"), size="1Ki"))
         assert out.returncode == 0, out.stderr
         status = wait_states(admin, NODE, {"tenant-b/filler": "ModelDownloadError"}, agent=agent)
-        assert "does not fit namespace tenant-b's share of node group 'workers'" in \
-            status["modelDetails"]["tenant-b/filler"]["message"], status
+        message = status["modelDetails"]["tenant-b/filler"]["message"]
+        why = ("does not fit namespace tenant-b's share of node group 'workers': the model is 900.0 KiB, a "
+               f"namespace's caches may hold 512.0 KiB on each node of the group {default}")
+        assert why in message and "LocalModelNamespaceCache of tenant-b" in message, message
+        assert "set the annotation modelcache.io/namespace-storage-limit" in message, message
+
+        def failures(name: str) -> str:
+            conditions = (admin.get(LOCAL_MODEL_NAMESPACE_CACHES, name, "tenant-b").get("status") or {}).get(
+                "conditions") or []
+            return next((c["message"] for c in conditions if c["type"] == "NoDownloadErrors"), "")
+
+        # The refusal is on the refused cache too, where its owner looks (`kubectl describe`).
+        wait_until(lambda: why in failures("filler"), timeout=60, what=f"filler's refusal on it: {failures('filler')}")
+        # Another tenant within its share, and the cluster admin's model: both fit.
+        out = as_tenant(cluster, tenant_a, "create", "-n", "tenant-a", "-f", "-",
+                        stdin=ns_cache("a-model", nginx.url("a.bin"), size="300Ki"))
+        assert out.returncode == 0, out.stderr
         make_cache(admin, "admin-model", nginx.url("admin.bin"), ["workers"])
-        wait_states(admin, NODE, {"tenant-b/filler": "ModelDownloadError", "admin-model": "ModelDownloaded"},
-                    agent=agent)
+        wait_states(admin, NODE, {"tenant-b/filler": "ModelDownloadError", "tenant-a/a-model": "ModelDownloaded",
+                                  "admin-model": "ModelDownloaded"}, agent=agent)
+        # 900 KiB held: a second admin model (200 KiB) does not fit, and nothing is deleted for it.
+        make_cache(admin, "admin-two", nginx.url("admin2.bin"), ["workers"])
+        status = wait_states(admin, NODE, {"admin-two": "ModelDownloadError"}, agent=agent)
+        message = status["modelDetails"]["admin-two"]["message"]
+        assert "does not fit the node group's storageLimit" in message, message
+        assert "namespace caches hold: tenant-a 300.0 KiB)" in message, message  # what keeps it out
+        # Tenant-b's 100 KiB would fit storageLimit and its share, but not next to admin-two.
+        out = as_tenant(cluster, tenant_b, "create", "-n", "tenant-b", "-f", "-",
+                        stdin=ns_cache("small", nginx.url("b.bin"), size="100Ki"))
+        assert out.returncode == 0, out.stderr
+        status = wait_states(admin, NODE, {"tenant-b/small": "ModelDownloadError"}, agent=agent)
+        message = status["modelDetails"]["tenant-b/small"]["message"]
+        assert ("namespace tenant-b: does not fit node group 'workers' next to its cluster caches: the model is "
+                "100.0 KiB" in message and "LocalModelCache admin-two still need 200.0 KiB here" in message), message
+        assert status["modelStatus"]["tenant-a/a-model"] == status["modelStatus"]["admin-model"] == "ModelDownloaded"
+        # Tenant-a's model goes: the room is the admin's first, then tenant-b's model fits as well.
+        assert as_tenant(cluster, tenant_a, "delete", "-n", "tenant-a", "localmodelnamespacecache",
+                         "a-model").returncode == 0
+        wait_states(admin, NODE, {"admin-two": "ModelDownloaded", "tenant-b/small": "ModelDownloaded",
+                                  "admin-model": "ModelDownloaded", "tenant-b/filler": "ModelDownloadError"},
+                    timeout=120, agent=agent)
     finally:
         agent.stop()
