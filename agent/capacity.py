@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -38,6 +39,20 @@ def allocated_bytes(folder: Path) -> int:
     return total
 
 
+
+
+def folder_size(folder: Path) -> tuple[int, int]:
+    """(files, bytes) of the regular files under ``folder``, links not followed (stats only)."""
+    files = size = 0
+    for base, _dirs, found in os.walk(folder):
+        for name in found:
+            try:
+                st = os.lstat(os.path.join(base, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                files, size = files + 1, size + st.st_size
+    return files, size
 
 
 class GroupLimit(int):
