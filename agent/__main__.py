@@ -9,6 +9,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -20,6 +21,12 @@ from modelcache.progress import human_bytes
 from modelcache.resources import check_buffers, chunk_size_problem
 from modelcache.sizes import parse_size
 from modelcache.startup import StartupError, check_writable_dir, env_for_every_flag, listen_error, run_command
+
+if TYPE_CHECKING:
+    from agent.metrics import AgentMetrics
+    from agent.peering import Peering
+    from modelcache.kube.client import Kube
+    from modelcache.store import NodeStore
 
 log = logging.getLogger("agent")
 
@@ -184,7 +191,7 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
     from agent.credentials import Credentials, KubeSecretReader
     from agent.inuse import KubeMountChecker, NoMounts
     from agent.metrics import AgentMetrics
-    from modelcache.store import RootLock
+    from modelcache.store import NodeStore, RootLock
 
     spec = _standalone_spec(cfg) if cfg.standalone is not None else None  # before anything is written
     if spec is not None:
@@ -221,7 +228,8 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
                 server.stop()
 
     from agent import hostpath
-    from agent.kubemode import KubeRunner
+    from agent.kubemode import KubeRunner, NodeObjects
+    from agent.ports import Ports
     from modelcache.kube.client import Kube, check_api_server, config_source, in_pod, load_api_client
 
     api = load_api_client(cfg.kubeconfig)  # a KubeConfigError is a StartupError: one line, exit 2
@@ -242,18 +250,17 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
         log.info("model root found", extra=fields(root=str(cfg.root), host_path=host_path))
     paths = hostpath.RootPaths(host_path)
     creds = Credentials(KubeSecretReader(kube, cfg.credentials_namespace, cfg.kserve_config), cfg.download_env)
-    agent = Agent(cfg, creds, KubeMountChecker(kube, cfg.node, paths), metrics)
-    krunner = KubeRunner(agent, kube, paths)
-    agent.jobs = krunner.download_jobs(cfg.job_namespace, host_path)
-    agent.root_check = paths.refusal
+    objects = NodeObjects(kube, cfg.node)
     # Live but not ready while another agent holds the root: it neither downloads nor writes status.
-    server = _serve(cfg, krunner.healthy, krunner.ready, metrics.render)
+    # The runner is built once the root is held (peers are served only by its holder).
+    running: list[KubeRunner] = []
+    server = _serve(cfg, lambda: all(r.healthy() for r in running), lambda: any(r.ready() for r in running),
+                    metrics.render)
+    peering = None
     try:
         if not root_lock.acquire(stop):
             log.info("agent stopping before it started", extra=fields(node=cfg.node))
             return 0
-        # Peers are served only by the agent that holds the root (a waiting one would serve a root it
-        # does not manage, and its port is the holder's).
         reached: list[bool] = []
 
         def reach() -> None:  # once, after the local checks (token file, peer port): each names its flag
@@ -261,7 +268,13 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
                 check_api_server(api, config_source(cfg.kubeconfig))
                 reached.append(True)
 
-        agent.peering = _peering(cfg, kube, agent, metrics, reach)
+        changed = threading.Event()  # the agent's "write the status now", also peering's
+        peering = _peering(cfg, kube, NodeStore.at(cfg.root), metrics, changed.set, reach, objects.event)
+        ports = Ports(jobs=objects.download_jobs(cfg.job_namespace, host_path), root_check=paths.refusal,
+                      peering=peering, events=objects.event)
+        agent = Agent(cfg, creds, KubeMountChecker(kube, cfg.node, paths), metrics, ports=ports, changed=changed)
+        krunner = KubeRunner(agent, objects, paths, peering)
+        running.append(krunner)
         reach()
         try:
             krunner.start()
@@ -273,8 +286,8 @@ def run(cfg: AgentConfig, host_path: str | None = None) -> int:
         log.info("agent stopping", extra=fields(node=cfg.node))
         krunner.stop()
     finally:
-        if agent.peering is not None:
-            agent.peering.stop()
+        if peering is not None:
+            peering.stop()
         root_lock.release()
         if server is not None:
             server.stop()
@@ -341,13 +354,12 @@ def _check_first_take(cfg: AgentConfig, spec: dict[str, object]) -> None:
             "delete them")
 
 
-def _peering(cfg: AgentConfig, kube: object, agent: object, metrics: object,
-             before_start: Callable[[], None]) -> object | None:
+def _peering(cfg: AgentConfig, kube: Kube, store: NodeStore, metrics: AgentMetrics, on_change: Callable[[], None],
+             before_start: Callable[[], None], on_event: Callable[[str, str, str], None]) -> Peering | None:
     from agent.peering import start_peering
 
     try:
-        return start_peering(cfg, kube, agent.store, metrics, agent.changed.set,  # type: ignore[arg-type,attr-defined]
-                             before_start, lambda *event: agent._emit(event))  # type: ignore[attr-defined]
+        return start_peering(cfg, kube, store, metrics, on_change, before_start, on_event)
     except OSError as exc:
         raise listen_error(exc, cfg.peer_host, cfg.peer_port, "--peer-port", "--peer-host") from None
 

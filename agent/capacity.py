@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -38,6 +39,20 @@ def allocated_bytes(folder: Path) -> int:
     return total
 
 
+
+
+def folder_size(folder: Path) -> tuple[int, int]:
+    """(files, bytes) of the regular files under ``folder``, links not followed (stats only)."""
+    files = size = 0
+    for base, _dirs, found in os.walk(folder):
+        for name in found:
+            try:
+                st = os.lstat(os.path.join(base, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                files, size = files + 1, size + st.st_size
+    return files, size
 
 
 class GroupLimit(int):
@@ -81,12 +96,17 @@ def cluster_first_refusal(what: str, namespaces: Iterable[str], model_bytes: int
             f"of LocalModelNodeGroup '{group}'")
 
 
-def storage_limit_refusal(what: str, model_bytes: int, limit: int, used: int, reserved: int) -> str:
-    """Why a model does not fit its node group's ``storageLimit``, and what to do about it."""
+def storage_limit_refusal(what: str, model_bytes: int, limit: int, used: int, reserved: int,
+                          held: dict[str, int] | None = None) -> str:
+    """Why a model does not fit its node group's ``storageLimit``, and what to do about it.
+    ``held``: namespace -> bytes its namespace caches hold on the node (named for a cluster admin,
+    whose cache they may keep out: nothing downloaded is deleted to make room)."""
     group = getattr(limit, "group", "") or "?"
+    tenants = ", ".join(f"{ns} {human_bytes(n)}" for ns, n in sorted(held.items()) if n) if held else ""
     return (f"{what}: does not fit the node group's storageLimit: the model is {human_bytes(model_bytes)}, "
             f"LocalModelNodeGroup '{group}' has storageLimit {human_bytes(limit)} and this node holds "
-            f"{human_bytes(used)} of models already ({human_bytes(reserved)} more reserved by downloads in flight). "
+            f"{human_bytes(used)} of models already ({human_bytes(reserved)} more reserved by downloads in flight"
+            + (f"; namespace caches hold: {tenants}" if tenants else "") + "). "
             f"modelcache enforces storageLimit (KServe does not): raise spec.storageLimit of LocalModelNodeGroup "
             f"'{group}' (a Kubernetes quantity, e.g. {_suggest(used + reserved + model_bytes)}) or remove models "
             f"from this node")
@@ -122,7 +142,8 @@ class Capacity:
                  disk_usage: Callable[[Path], tuple[int, int]] | None = None,
                  namespace_used: Callable[[str], int] | None = None,
                  cluster_pending: Callable[[], list[tuple[str, str, int]]] | None = None,
-                 counted: Callable[[str], int] | None = None) -> None:
+                 counted: Callable[[str], int] | None = None,
+                 namespaces_held: Callable[[], dict[str, int]] | None = None) -> None:
         self.root = root
         self.margin = margin
         self.used_bytes = used_bytes  # bytes of published models in the store
@@ -134,6 +155,8 @@ class Capacity:
         #: bytes of a model that ``used_bytes`` (and its namespaces' ``namespace_used``) count
         #: already: a copy KServe left, adopted in place, must not count twice against a limit.
         self.counted = counted or (lambda _key: 0)
+        #: namespace -> bytes of the models on the node that count against its share
+        self.namespaces_held = namespaces_held or (lambda: {})
         self._disk_usage = disk_usage or (lambda p: (lambda u: (u.total, u.free))(shutil.disk_usage(p)))
         self._lock = threading.Lock()
         self._reserved: dict[str, Reservation] = {}
@@ -174,7 +197,8 @@ class Capacity:
             if limit is not None:
                 used, reserved = self.used_bytes() - own, sum(r.model_bytes for r in others)
                 if model_bytes > max(0, limit - used - reserved):
-                    raise InsufficientSpaceError(storage_limit_refusal(what, model_bytes, limit, used, reserved))
+                    raise InsufficientSpaceError(storage_limit_refusal(
+                        what, model_bytes, limit, used, reserved, None if owners else self.namespaces_held()))
             share: int | None = getattr(limit, "namespace_limit", None)
             for ns in sorted(owners) if share is not None else ():
                 assert share is not None

@@ -1,30 +1,33 @@
 """Periodic checks of downloaded models: sizes often (stats only), a full re-hash rarely.
 
 Both run on one background thread, never on the supervisor's, so a multi-hour hash of a big
-root does not delay downloads or status. A damaged model is handed to ``Agent.damaged``,
-which reports it and downloads it again.
+root does not delay downloads or status. A damaged model is handed to ``on_damaged``
+(``Agent.damaged``: it reports it and downloads it again); a drift found or gone to
+``on_changed`` (the status is written). The checker is given callbacks, not the Agent.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
+from agent.config import AgentConfig
+from agent.credentials import Credentials
 from agent.logs import fields
+from agent.state import ModelRecord
 from modelcache.redact import scrub_urls
-
-if TYPE_CHECKING:
-    from agent.core import Agent
-    from agent.state import ModelRecord
+from modelcache.store import NodeStore
 
 log = logging.getLogger("agent.checks")
 
 
 class Checker:
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
+    def __init__(self, store: NodeStore, cfg: AgentConfig, credentials: Credentials,
+                 on_damaged: Callable[[ModelRecord, str], None], on_changed: Callable[[], None]) -> None:
+        self.store, self.cfg, self.credentials = store, cfg, credentials
+        self.on_damaged, self.on_changed = on_damaged, on_changed
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="check")
         self._busy: set[str] = set()
         self._lock = threading.Lock()
@@ -33,7 +36,7 @@ class Checker:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     def maybe_check(self, rec: ModelRecord, now: float) -> None:
-        cfg = self.agent.cfg
+        cfg = self.cfg
         full = cfg.verify_interval > 0 and now - rec.last_verify >= cfg.verify_interval
         sizes = cfg.size_check_interval > 0 and now - rec.last_size_check >= cfg.size_check_interval
         drift = cfg.drift_check_interval > 0 and now - rec.last_drift_check >= cfg.drift_check_interval
@@ -62,15 +65,15 @@ class Checker:
         from modelcache.pull import check_drift
 
         try:
-            manifest = self.agent.store.manifest(rec.key)
+            manifest = self.store.manifest(rec.key)
             if manifest is None or not rec.entries:
                 return
-            with self.agent.credentials.settings_for(rec.entries[0]) as settings:
+            with self.credentials.settings_for(rec.entries[0]) as settings:
                 found = check_drift(rec.uri, manifest, settings)
             drift = found.message if found.state == CHANGED else ""
             if drift != rec.drift:
                 rec.drift = drift
-                self.agent.changed.set()
+                self.on_changed()
                 if drift:
                     log.warning("the source changed since the download; serving what was downloaded",
                                 extra=fields(storage_key=rec.key, drift=drift))
@@ -85,7 +88,7 @@ class Checker:
 
     def _check(self, rec: ModelRecord, full: bool) -> None:
         try:
-            store = self.agent.store
+            store = self.store
             if full:
                 problems = store.verify(rec.key)
                 problem = "; ".join(f"{p.path}: {p.problem}" if p.path else p.problem for p in problems[:3])
@@ -94,7 +97,7 @@ class Checker:
             log.info("check done", extra=fields(storage_key=rec.key, kind="verify" if full else "sizes",
                                                 ok=not problem))
             if problem:
-                self.agent.damaged(rec, problem)
+                self.on_damaged(rec, problem)
         except Exception as exc:
             log.warning("check failed", extra=fields(storage_key=rec.key, error=str(exc)))
         finally:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from modelcache.transfer import TransferOptions
 
 DEFAULT_ROOT = "/mnt/models"
 
@@ -78,3 +82,17 @@ class AgentConfig:
     #: Nodes that must have read a piece from the origin, and agree, before it is taken from a
     #: peer, for files without an unforgeable source checksum (docs/peers.md).
     peer_witnesses: int = 2
+
+    def space_advice(self) -> str:
+        """What a refusal for lack of disk advises: never a gc of the agent's root, which holds what
+        the spec lists (the agent would download the evicted models again)."""
+        fewer = ("remove entries from " + str(self.standalone) if self.standalone is not None
+                 else "take caches off this node's node groups")
+        return f"the root holds the models its spec lists: {fewer}, give --root a larger disk, or lower --space-margin"
+
+    def transfer_options(self) -> TransferOptions:
+        """The engine's options for one download (modelcache.transfer: imported here, not at start-up)."""
+        from modelcache.transfer import TransferOptions
+
+        return TransferOptions(workers=self.workers, chunk_size=self.chunk_size, max_attempts=self.transfer_attempts,
+                               stall_timeout=self.stall_timeout, backoff_max=min(10.0, max(0.5, self.backoff_max)))

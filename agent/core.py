@@ -12,131 +12,105 @@ and its running task every time it is called (agent/state.py): nothing stored ca
 from __future__ import annotations
 
 import logging
-import os
 import re
-import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
-from agent.capacity import Capacity, storage_limit_refusal
+from agent.capacity import Capacity, folder_size
 from agent.checks import Checker
 from agent.config import AgentConfig
 from agent.credentials import Credentials
 from agent.inuse import MountChecker
 from agent.logs import fields
 from agent.metrics import AgentMetrics
-from agent.state import INTERRUPTED, REMOVED, STOPPING, UNVERIFIED, Failure, ModelRecord, Task
+from agent.ports import Ports
+from agent.report import Report, names, one_line, seconds, unverified_note
+from agent.state import INTERRUPTED, REMOVED, STOPPING, Failure, ModelRecord, Task, group_entries, owners
 from modelcache import adopt
 from modelcache.clock import rfc3339
 from modelcache.errors import ModelcacheError
 from modelcache.kube.types import (
     MODEL_DOWNLOAD_ERROR,
-    MODEL_DOWNLOAD_PENDING,
     MODEL_DOWNLOADED,
-    Condition,
     LocalModelInfo,
-    ModelCounts,
-    NodeCapacity,
 )
 from modelcache.loop import Loop
-from modelcache.progress import format_line
 from modelcache.pull import PullPlan, SpacePolicy, pull, staged_pulls
-from modelcache.redact import scrub_urls
 from modelcache.repair import needs_repair, repair
-from modelcache.store import Manifest, NodeLayout, NodeStore
-from modelcache.transfer import TransferOptions
-from modelcache.uri import parse_uri, redact_uri, storage_key
+from modelcache.store import NodeLayout, NodeStore
+from modelcache.uri import parse_uri, redact_uri
 
 log = logging.getLogger("agent")
 
 STORAGE_KEY = re.compile(r"^[0-9a-f]{16}$")
-#: Free space in the status changes only in steps of this size (the metric is exact).
-FREE_REPORT_STEP = 1 << 30
 #: Seconds between checks that each namespace cache's entry may use its model (Agent._check_entries).
 ENTRY_CHECK = 10.0
 
 
-def group_entries(entries: Iterable[LocalModelInfo]) -> dict[str, tuple[str, list[LocalModelInfo]]]:
-    """storageKey -> (uri, entries), in spec order; the first entry of a key leads (KServe's dedup),
-    a cluster cache's before any namespace cache's: its credentials are a cluster admin's choice,
-    and a tenant's entry is served that folder only if it names the same (agent/credentials.py)."""
-    out: dict[str, tuple[str, list[LocalModelInfo]]] = {}
-    for info in entries:
-        key = storage_key(info.source_model_uri)
-        out.setdefault(key, (info.source_model_uri, []))[1].append(info)
-    for _uri, infos in out.values():
-        infos.sort(key=lambda i: bool(i.namespace))  # stable: spec order otherwise
-    return out
-
-
-def owners(entries: list[LocalModelInfo]) -> frozenset[str]:
-    """The namespaces whose share of a node group a model counts against: those of the namespace
-    caches that want it, none when a cluster cache wants it too (a cluster admin's choice)."""
-    if any(not e.namespace for e in entries):
-        return frozenset()
-    return frozenset(str(e.namespace) for e in entries)
-
-
 class Agent:
     def __init__(self, cfg: AgentConfig, credentials: Credentials, mounts: MountChecker,
-                 metrics: AgentMetrics | None = None, group_limits: dict[str, int] | None = None) -> None:
+                 metrics: AgentMetrics | None = None, group_limits: dict[str, int] | None = None, *,
+                 ports: Ports | None = None, changed: threading.Event | None = None) -> None:
+        """``ports``: the optional parts cluster mode fills (agent/ports.py). ``changed``: set when the
+        status should be written now; given when a port changes the status too (peering)."""
         self.cfg = cfg
         self.layout = NodeLayout(cfg.root)  # read-only here: every write goes through the store
         self.store = NodeStore(self.layout)
         self.credentials = credentials
         self.mounts = mounts
         self.metrics = metrics or AgentMetrics()
-        #: nodeGroup name -> storageLimit bytes (kept current by the runner).
+        self.ports = ports or Ports()
+        #: nodeGroup name -> storageLimit bytes (kept current by the runner: set_group_limit).
         self.group_limits: dict[str, int] = dict(group_limits or {})
         self.records: dict[str, ModelRecord] = {}
         self.lock = threading.RLock()
-        self.changed = threading.Event()  # a state changed: write the status now
+        self.changed = changed or threading.Event()
         self.wake = threading.Event()
         self.spec_seen = threading.Event()
         self.generation: int | None = None
-        self.capacity = Capacity(cfg.root, cfg.space_margin, self._used_bytes, namespace_used=self._namespace_used,
-                                 cluster_pending=self._cluster_pending, counted=self._counted)
+        self.capacity = Capacity(cfg.root, cfg.space_margin, self.used_bytes, namespace_used=self._namespace_used,
+                                 cluster_pending=self._cluster_pending, counted=self._counted,
+                                 namespaces_held=self._namespaces_held)
         self.pool = ThreadPoolExecutor(max_workers=max(1, cfg.max_concurrent_models), thread_name_prefix="download")
-        self.checker = Checker(self)
-        #: KServe's download-Job containers, in cluster mode (agent/downloadjob.py); None: none.
-        self.jobs: Any = None
-        #: root_check(nodeGroup) -> why a model of that group must not be reported Downloaded (the
-        #: root is not the group PV's local.path: agent/hostpath.py), else None. Cluster mode only.
-        self.root_check: Callable[[str | None], str | None] | None = None
+        self.checker = Checker(self.store, cfg, credentials, self.damaged, self.changed.set)
         #: status key -> why that namespace cache's entry is not served its record's model (other
         #: credentials than the entry that downloads it, or ones not granted to its namespace):
         #: refreshed every ENTRY_CHECK seconds from the credential namespace's objects.
         self.entry_refusals: dict[str, str] = {}
         #: (status key, record key) pairs checked so far: until then a namespace entry is not
         #: reported Downloaded (the coordinator may give its namespace a serving claim on that word).
-        self._entries_checked: set[tuple[str, str]] = set()
+        self.entries_checked: set[tuple[str, str]] = set()
         self._last_entry_check = -ENTRY_CHECK
         self._stop = threading.Event()
         self._loop = Loop("agent-supervisor", self.tick, 0.5, wake=self.wake, logger=log)
         self._last_removal_check = 0.0
         self._last_sweep = 0.0
-        self._last_free: int | None = None
         #: Folders not made by modelcache already named in the log (each is said once).
         self._told_foreign: set[str] = set()
-        #: Optional sink for notable transitions (cluster mode: Kubernetes Events on the LocalModelNode):
-        #: on_event(type "Normal"|"Warning", reason, message). Called without the lock held.
-        self.on_event: Callable[[str, str, str], None] | None = None
-        #: When the first model still carried over was seen (ModelsVerified's transition time).
-        self._carried_since: str | None = None
         #: The last spec refused as invalid (modelcache.kube.validate), until a valid one comes:
         #: (problems, its generation, when it was refused). Reported as a SpecValid=False condition.
         self.refused: tuple[list[str], int | None, str] | None = None
-        #: Peer transfer (agent/peering.py), cluster mode only; None: every byte from the origin.
-        self.peering: Any = None
+        self.report = Report(self)
         (cfg.root / "models").mkdir(parents=True, exist_ok=True)
+
+    def set_group_limit(self, group: str, limit: int | None) -> None:
+        """A node group's storageLimit (a GroupLimit, with its per-namespace share); None: it has none."""
+        with self.lock:
+            if limit is None:
+                self.group_limits.pop(group, None)
+            else:
+                self.group_limits[group] = limit
+
+    def status(self) -> dict[str, Any]:
+        """Our part of ``LocalModelNode.status`` (without ``lastUpdated``), derived now (agent/report.py)."""
+        return self.report.status()
 
     # ---- what is on disk --------------------------------------------------------------------
 
-    def _present(self, key: str) -> bool:
+    def present(self, key: str) -> bool:
         """The model's manifest is installed (it is published last), not marked damaged (a check
         that finds the files damaged marks it) and no publish of it is under way: the on-disk half
         of every derived state."""
@@ -178,7 +152,7 @@ class Agent:
                     continue
                 if rec.entries != infos or rec.uri != uri:
                     changed = True
-                if rec.entries != infos and not _hopeless(rec):
+                if rec.entries != infos and not rec.hopeless:
                     # Edited (say, its credentials) or back in the spec: a failed model retries now.
                     rec.next_attempt, rec.failures = 0.0, 0
                 if not rec.wanted:
@@ -206,7 +180,7 @@ class Agent:
         if rec.carried:
             # What the copy takes on disk counts against the node group's storageLimit (and shows in
             # the status) from now on, not only once verified.
-            rec.files_total, rec.bytes_total = _folder_size(self.store.layout.model_dir(key))
+            rec.files_total, rec.bytes_total = folder_size(self.store.layout.model_dir(key))
         try:
             parse_uri(uri)
         except ModelcacheError as exc:
@@ -215,7 +189,7 @@ class Agent:
                 rec.next_attempt = float("inf")  # a bad URI does not get better by retrying
                 if rec.carried:
                     log.warning("a copy KServe downloaded of a URI modelcache does not read: served unverified",
-                                extra=fields(storage_key=key, uri=redact_uri(uri), error=_one_line(exc)))
+                                extra=fields(storage_key=key, uri=redact_uri(uri), error=one_line(exc)))
                 return rec
         manifest = self.store.manifest(key)
         if manifest is None:
@@ -228,7 +202,7 @@ class Agent:
         rec.revision = manifest.revision or (manifest.resolved_uri if manifest.resolved_uri != manifest.uri else None)
         rec.bytes_total, rec.files_total = manifest.total_size, len(manifest.files)
         rec.finished_at = manifest.created_at
-        rec.note = _unverified(manifest)
+        rec.note = unverified_note(manifest)
         log.info("model present", extra=fields(storage_key=key, uri=redact_uri(uri), bytes=rec.bytes_total))
         return rec
 
@@ -319,7 +293,7 @@ class Agent:
             for rec in sorted(self.records.values(), key=lambda r: bool(owners(r.entries))):
                 if not rec.wanted or rec.task is not None or rec.deleting:
                     continue
-                present = self._present(rec.key)
+                present = self.present(rec.key)
                 if rec.due(present, now):
                     if running < self.cfg.max_concurrent_models:
                         self._start(rec)
@@ -332,8 +306,8 @@ class Agent:
             self._check_entries()
         if self.cfg.sweep_interval > 0 and now - self._last_sweep >= self.cfg.sweep_interval:
             self._sweep(now)
-        self._log_progress(now)
-        self._update_gauges()
+        self.report.log_progress(now)
+        self.report.update_gauges()
 
     # ---- downloads ------------------------------------------------------------------------
 
@@ -352,7 +326,7 @@ class Agent:
         staged = self.layout.repair_dir(rec.key) if task.repairing else self.layout.staging_dir(rec.key)
         self.capacity.reserve(rec.key, plan.bytes_needed, plan.total_bytes, self._admitting_limit(rec),
                               plan.location.display, staged=staged, owners=owners(rec.entries),
-                              advice=self._space_advice())
+                              advice=self.cfg.space_advice())
         log.info("download admitted", extra=fields(storage_key=rec.key, bytes_total=plan.total_bytes,
                                                    bytes_needed=plan.bytes_needed, files=plan.files,
                                                    revision=plan.revision or ""))
@@ -365,27 +339,6 @@ class Agent:
         group has no room is reported failed, naming its group (``_group_refusal``)."""
         limits = [self.group_limits.get(info.node_group or "") for info in rec.entries] or [None]
         return None if any(limit is None for limit in limits) else max(limits, key=lambda x: int(x or 0))
-
-    def _group_refusal(self, rec: ModelRecord, info: LocalModelInfo, used: int) -> str | None:
-        """Why a downloaded model does not fit ``info``'s own node group (its storageLimit), or None.
-        ``used``: bytes of every model on the node, this one included."""
-        limit = self.group_limits.get(info.node_group or "")
-        size = rec.bytes_total or 0
-        if limit is None or size <= max(0, limit - (used - size)):
-            return None
-        return storage_limit_refusal(redact_uri(rec.uri), size, limit, used - size, 0)
-
-    def _space_advice(self) -> str:
-        """What a refusal for lack of disk advises: never a gc of the agent's root, which holds what
-        the spec lists (the agent would download the evicted models again)."""
-        fewer = ("remove entries from " + str(self.cfg.standalone) if self.cfg.standalone is not None
-                 else "take caches off this node's node groups")
-        return f"the root holds the models its spec lists: {fewer}, give --root a larger disk, or lower --space-margin"
-
-    def _options(self) -> TransferOptions:
-        return TransferOptions(workers=self.cfg.workers, chunk_size=self.cfg.chunk_size,
-                               max_attempts=self.cfg.transfer_attempts, stall_timeout=self.cfg.stall_timeout,
-                               backoff_max=min(10.0, max(0.5, self.cfg.backoff_max)))
 
     def _download(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> None:
         t0 = time.monotonic()
@@ -423,7 +376,7 @@ class Agent:
                 rec.bytes_total, rec.files_total = result.bytes, result.files
                 rec.failure, rec.failures, rec.next_attempt = None, 0, 0.0
                 # A repair stays visible in the status until the next change, not only in the logs.
-                rec.note = f"repaired {rfc3339()}: {rec.damage}" if rec.damage else _unverified(manifest)
+                rec.note = f"repaired {rfc3339()}: {rec.damage}" if rec.damage else unverified_note(manifest)
                 rec.damage, rec.old_files = "", []
                 rec.finished_at = rfc3339()
                 rec.last_size_check = rec.last_verify = time.monotonic()
@@ -432,10 +385,10 @@ class Agent:
                     storage_key=rec.key, uri=redact_uri(rec.uri), bytes=result.bytes, files=result.files,
                     seconds=round(elapsed, 2), cached=result.cached, revision=rec.revision or "", **origin_peers))
                 if rec.wanted and carried:
-                    event = ("Normal", "Verified", f"{_names(rec)}: the copy KServe downloaded was verified in place "
+                    event = ("Normal", "Verified", f"{names(rec)}: the copy KServe downloaded was verified in place "
                              f"({rec.bytes_total or 0} bytes" + (f"; drift: {rec.drift}" if rec.drift else "") + ")")
                 elif rec.wanted:
-                    event = ("Normal", "Downloaded", f"{_names(rec)}: downloaded {rec.bytes_total or 0} bytes")
+                    event = ("Normal", "Downloaded", f"{names(rec)}: downloaded {rec.bytes_total or 0} bytes")
             elif task.why == STOPPING:
                 # Not a failure: the staged data stays, and the next agent resumes from it.
                 rec.note = INTERRUPTED
@@ -446,11 +399,11 @@ class Agent:
             else:
                 self._failed(rec, error, elapsed, scheme)
                 if rec.wanted and rec.carried:
-                    event = ("Warning", "Unverified", f"{_names(rec)}: serving the copy KServe downloaded, unverified: "
-                             f"{_one_line(error)}")
+                    event = ("Warning", "Unverified", f"{names(rec)}: serving the copy KServe downloaded, unverified: "
+                             f"{one_line(error)}")
                 elif rec.wanted:
-                    event = ("Warning", "DownloadFailed", f"{_names(rec)}: {rec.failure.reason}: {_one_line(error)}"
-                             if rec.failure else f"{_names(rec)}: {_one_line(error)}")
+                    event = ("Warning", "DownloadFailed", f"{names(rec)}: {rec.failure.reason}: {one_line(error)}"
+                             if rec.failure else f"{names(rec)}: {one_line(error)}")
         self.changed.set()
         self.wake.set()
         self._emit(event)
@@ -467,13 +420,13 @@ class Agent:
                         check(plan)  # a repair refuses a listing that is not its pinned revision
                     self._admit(rec, task, primary, plan)
 
-                peers = self.peering.network if self.peering is not None and dest is None else None
+                peers = self.ports.peering.network if self.ports.peering is not None and dest is None else None
                 # unpack: a repair's folder holds the model as the store does (archives unpacked).
                 # One margin: the agent's --space-margin, which its admission (above) has checked.
-                space = SpacePolicy(self.cfg.space_margin, self._space_advice())
-                return pull(uri or rec.uri, settings=settings, options=self._options(), progress=task.progress,
-                            admit=admit, cancel=task.cancel, only=only, peers=peers, unpack=True, space=space,
-                            adoption=adoption, **where)
+                space = SpacePolicy(self.cfg.space_margin, self.cfg.space_advice())
+                return pull(uri or rec.uri, settings=settings, options=self.cfg.transfer_options(),
+                            progress=task.progress, admit=admit, cancel=task.cancel, only=only, peers=peers,
+                            unpack=True, space=space, adoption=adoption, **where)
 
             with self.store.lock(rec.key, cancel=task.cancel):
                 self.store.recover(rec.key)  # a publish a crash interrupted is finished or undone first
@@ -496,31 +449,32 @@ class Agent:
         invalid URI (the container may have been created after the entry)."""
         with self.lock:
             for rec in self.records.values():
-                if _hopeless(rec) and rec.task is None and self._job_container(rec.uri) is not None:
+                if rec.hopeless and rec.task is None and self._job_container(rec.uri) is not None:
                     rec.failure, rec.failures, rec.next_attempt = None, 0, 0.0
                     log.info("a download container reads this URI now", extra=fields(storage_key=rec.key))
         self.changed.set()
         self.wake.set()
 
-    def _job_container(self, uri: str) -> Any:
+    def _job_container(self, uri: str) -> Mapping[str, Any] | None:
         """KServe's download-Job container for a URI none of our sources reads (agent/downloadjob.py)."""
-        if self.jobs is None:
+        if self.ports.jobs is None:
             return None
         try:
             parse_uri(uri)
             return None  # ours: pulled in-process
         except ModelcacheError:
-            return self.jobs.container_for(uri)
+            return self.ports.jobs.container_for(uri)
 
     def _download_by_job(self, rec: ModelRecord, task: Task, primary: LocalModelInfo) -> Any:
-        assert self.jobs is not None
+        jobs = self.ports.jobs
+        assert jobs is not None
         from modelcache.adopt import record_folder
         from modelcache.pull import PullResult
 
         self.store.claim(rec.key)  # the container fills the folder: until its manifest, a folder of ours
         with self.credentials.env_for(primary) as env:
             passed = {k: v for k, v in env.items() if self.credentials.base_env.get(k) != v}
-            job = self.jobs.run(primary, rec.key, self.store.layout.model_dir(rec.key), task.cancel, passed)
+            job = jobs.run(primary, rec.key, self.store.layout.model_dir(rec.key), task.cancel, passed)
         manifest = record_folder(self.store, rec.key, redact_uri(rec.uri))
         log.info("download Job succeeded", extra=fields(storage_key=rec.key, job=job, files=len(manifest.files)))
         return PullResult(uri=manifest.uri, storage_key=rec.key, path=self.store.layout.model_dir(rec.key),
@@ -529,7 +483,7 @@ class Agent:
 
     def _count_sources(self, key: str) -> dict[str, int]:
         """Where the attempt's bytes came from (peer transfer on): metrics, and the log line's fields."""
-        stats = self.peering.network.stats(key) if self.peering is not None else None
+        stats = self.ports.peering.network.stats(key) if self.ports.peering is not None else None
         if stats is None:
             return {}
         self.metrics.model_bytes.labels(storage_key=key, source="origin").inc(stats.from_origin)
@@ -537,21 +491,21 @@ class Agent:
         return {"bytes_from_origin": stats.from_origin, "bytes_from_peers": stats.from_peers}
 
     def _emit(self, event: tuple[str, str, str] | None) -> None:
-        if event is not None and self.on_event is not None:
+        if event is not None and self.ports.events is not None:
             try:
-                self.on_event(*event)
+                self.ports.events(*event)
             except Exception as exc:
-                log.warning("could not report an event", extra=fields(error=_one_line(exc)))
+                log.warning("could not report an event", extra=fields(error=one_line(exc)))
 
     def _failed(self, rec: ModelRecord, error: BaseException | None, elapsed: float, scheme: str) -> None:
         reason = getattr(error, "reason", None) or type(error).__name__
-        message = _one_line(error)
+        message = one_line(error)
         rec.failures += 1
         delay = min(self.cfg.backoff_max, self.cfg.backoff_initial * 2 ** (rec.failures - 1))
         rec.next_attempt = time.monotonic() + delay
         # A one-shot standalone run ends once every model is Downloaded or Error: it promises no retry.
         one_shot = self.cfg.standalone is not None and not self.cfg.watch
-        retry = "" if one_shot else f" (retry {rec.failures} in {_seconds(delay)})"
+        retry = "" if one_shot else f" (retry {rec.failures} in {seconds(delay)})"
         rec.failure = Failure(f"{reason}: {message}{retry}", reason)
         rec.finished_at = rfc3339()
         self.metrics.errors.labels(reason=reason).inc()
@@ -580,13 +534,13 @@ class Agent:
     def damaged(self, rec: ModelRecord, problem: str) -> None:
         """A check found the model damaged: report it and download it again (repair)."""
         with self.lock:
-            if not rec.wanted or rec.task is not None or rec.deleting or not self._present(rec.key):
+            if not rec.wanted or rec.task is not None or rec.deleting or not self.present(rec.key):
                 return
             if not self._mark_damaged(rec, problem):
                 return
         self.changed.set()
         self.wake.set()
-        self._emit(("Warning", "ModelDamaged", f"{_names(rec)}: {problem}; repairing"))
+        self._emit(("Warning", "ModelDamaged", f"{names(rec)}: {problem}; repairing"))
 
     # ---- removals -------------------------------------------------------------------------
 
@@ -607,7 +561,7 @@ class Agent:
         try:
             users = self.mounts.users([r.key for r in waiting])
         except Exception as exc:
-            log.warning("cannot tell which pods mount the models; keeping them", extra=fields(error=_one_line(exc)))
+            log.warning("cannot tell which pods mount the models; keeping them", extra=fields(error=one_line(exc)))
             return
         for rec in waiting:
             pods = users.get(rec.key, [])
@@ -632,7 +586,7 @@ class Agent:
             self.store.remove(rec.key)  # an unfinished repair with it
             deleted = True
         except ModelcacheError as exc:
-            log.info("removal deferred", extra=fields(storage_key=rec.key, error=_one_line(exc)))
+            log.info("removal deferred", extra=fields(storage_key=rec.key, error=one_line(exc)))
             deleted = False
         with self.lock:
             rec.deleting = False
@@ -670,28 +624,36 @@ class Agent:
             if why:
                 refusals[info.status_key] = why
         with self.lock:
-            changed = refusals != self.entry_refusals or checked != self._entries_checked
-            self.entry_refusals, self._entries_checked = refusals, checked
+            changed = refusals != self.entry_refusals or checked != self.entries_checked
+            self.entry_refusals, self.entries_checked = refusals, checked
         if changed:
             self.changed.set()
 
-    def _used_bytes(self) -> int:
+    def used_bytes(self) -> int:
         with self.lock:
             return sum(r.bytes_total or 0 for r in self.records.values()
-                       if not r.deleting and (self._present(r.key) or r.carried))
+                       if not r.deleting and (self.present(r.key) or r.carried))
 
     def _namespace_used(self, namespace: str) -> int:
         """Bytes of the models on this node that count against ``namespace``'s share of its group."""
+        return self._namespaces_held().get(namespace, 0)
+
+    def _namespaces_held(self) -> dict[str, int]:
+        """namespace -> bytes of the models on this node that count against its share."""
+        held: dict[str, int] = {}
         with self.lock:
-            return sum(r.bytes_total or 0 for r in self.records.values()
-                       if not r.deleting and namespace in owners(r.entries) and (self._present(r.key) or r.carried))
+            for r in self.records.values():
+                if not r.deleting and (self.present(r.key) or r.carried):
+                    for ns in owners(r.entries):
+                        held[ns] = held.get(ns, 0) + (r.bytes_total or 0)
+        return held
 
     def _counted(self, key: str) -> int:
-        """Bytes of ``key`` that ``_used_bytes`` counts already (a carried copy being adopted)."""
+        """Bytes of ``key`` that ``used_bytes`` counts already (a carried copy being adopted)."""
         with self.lock:
             rec = self.records.get(key)
             return (rec.bytes_total or 0) if rec is not None and not rec.deleting and (
-                self._present(key) or rec.carried) else 0
+                self.present(key) or rec.carried) else 0
 
     def _cluster_pending(self) -> list[tuple[str, str, int]]:
         """(storage key, cache names, bytes) of the models cluster caches want here that are not
@@ -700,148 +662,13 @@ class Agent:
             return [(r.key, ", ".join(sorted({e.model_name for e in r.entries if not e.namespace})), r.bytes_total)
                     for r in self.records.values()
                     if r.wanted and not r.deleting and r.bytes_total and not owners(r.entries)
-                    and not (self._present(r.key) or r.carried)]
-
-    def _log_progress(self, now: float) -> None:
-        """One progress line per download every few seconds, the first as soon as its size is known."""
-        every = max(2.0, self.cfg.status_interval)
-        with self.lock:
-            active = [(r, r.task) for r in self.records.values() if r.task is not None
-                      and now - r.last_progress_log >= every]
-        for rec, task in active:
-            snap = task.progress.snapshot()
-            if not snap.bytes_total:
-                continue  # still listing
-            rec.last_progress_log = now
-            log.info("progress " + format_line(snap), extra=fields(
-                storage_key=rec.key, bytes_done=snap.bytes_done, bytes_total=snap.bytes_total,
-                rate=int(snap.rate)))
-
-    def _update_gauges(self) -> None:
-        status = self.status()
-        counts: dict[str, int] = {}
-        for state in status["modelStatus"].values():
-            counts[state] = counts.get(state, 0) + 1
-        self.metrics.set_states(counts)
-        total, free = self.capacity.disk()
-        self.metrics.free.set(free)
-        self.metrics.size.set(total)
-        self.metrics.reserved.set(self.capacity.reserved_bytes)
-        self.metrics.stored.set(self._used_bytes())
-        with self.lock:
-            groups = {info.node_group for r in self.records.values() for info in r.entries if info.node_group}
-            drifted = sum(1 for r in self.records.values() if r.wanted and r.drift)
-        self.metrics.set_limits({g: int(self.group_limits[g]) for g in groups if g in self.group_limits})
-        self.metrics.drifted.set(drifted)
-
-    def _reported_free(self) -> tuple[int, int]:
-        """Free bytes for the status, held until they move by ``FREE_REPORT_STEP`` (or 1% of the
-        disk, if less): other writers on the file system must not turn every tick into a PATCH."""
-        total, free = self.capacity.disk()
-        last = self._last_free
-        if last is None or abs(free - last) >= min(FREE_REPORT_STEP, max(1, total // 100)):
-            self._last_free = last = free
-        return total, last
+                    and not (self.present(r.key) or r.carried)]
 
     def state_of(self, key: str) -> str | None:
         """The derived state of one storageKey (None: no record)."""
         with self.lock:
             rec = self.records.get(key)
-            return rec.state(self._present(key)) if rec is not None else None
-
-    def status(self) -> dict[str, Any]:
-        """Our part of ``LocalModelNode.status`` (without ``lastUpdated``), derived now."""
-        model_status: dict[str, str] = {}
-        details: dict[str, Any] = {}
-        removing: dict[str, Any] = {}
-        with self.lock:
-            keys = sorted({r.key for r in self.records.values() if r.wanted})
-            used = self._used_bytes() if self.group_limits else 0
-            # An interrupted download keeps its staged bytes: its progress is shown, not dropped.
-            paused = [r.key for r in self.records.values() if r.task is None and r.note == INTERRUPTED]
-            staged = {p.storage_key: p for p in staged_pulls(self.store) if p.storage_key in paused} if paused else {}
-            for rec in self.records.values():
-                state = rec.state(self._present(rec.key))
-                for info in rec.entries:
-                    d = rec.detail(state)
-                    if rec.key in staged and state != MODEL_DOWNLOADED:
-                        d.bytes_done, d.bytes_total = staged[rec.key].bytes_done, staged[rec.key].bytes_total
-                    blocked = (self.root_check(info.node_group) if self.root_check and state == MODEL_DOWNLOADED
-                               else None) or self.entry_refusals.get(info.status_key)
-                    if blocked:
-                        # Downloaded here, but not where the node group's PV points serving pods; or
-                        # not for this namespace cache (its credentials).
-                        d.state, d.message = MODEL_DOWNLOAD_ERROR, blocked
-                    elif (info.namespace and state == MODEL_DOWNLOADED
-                          and (info.status_key, rec.key) not in self._entries_checked):
-                        d.state, d.message = MODEL_DOWNLOAD_PENDING, "checking the credentials it names"
-                    over = self._group_refusal(rec, info, used) if state == MODEL_DOWNLOADED else None
-                    if over and not blocked:
-                        # Downloaded for another entry's group; this entry's own group has no room.
-                        d.state, d.message = MODEL_DOWNLOAD_ERROR, f"InsufficientSpace: {over}"
-                    model_status[info.status_key] = d.state
-                    details[info.status_key] = {**d.to_dict(), **self._peer_fields(rec.key)}
-                for info in rec.former:
-                    d = rec.detail(state)
-                    d.message = ("removed from the spec; kept while mounted by " + ", ".join(rec.mounted_by)
-                                 if rec.mounted_by else "removed from the spec; deleting")
-                    removing[info.status_key] = d.to_dict()
-        for k, v in removing.items():
-            details.setdefault(k, v)
-        total, free = self._reported_free()
-        cap = NodeCapacity(total_bytes=total, free_bytes=free, reserved_bytes=self.capacity.reserved_bytes,
-                           free=_quantity(free))
-        out: dict[str, Any] = {
-            "modelStatus": model_status,
-            "modelDetails": details,
-            "capacity": cap.to_dict(),
-            "modelCounts": ModelCounts.of(model_status).to_dict(),
-        }
-        if self.generation is not None:
-            out["observedGeneration"] = self.generation
-        conditions = self._verified_condition()
-        if conditions:
-            out["conditions"] = conditions
-        if self.refused is not None:
-            problems, generation, since = self.refused
-            out.setdefault("conditions", []).append(Condition(
-                type="SpecValid", status="False", reason="InvalidSpec", last_transition_time=since,
-                observed_generation=generation,
-                message=_one_line(ValueError(f"{len(problems)} problem(s), nothing applied or deleted until "
-                                             "they are fixed: " + "; ".join(problems))),
-            ).to_dict())
-        if self.peering is not None:
-            out["peer"] = self.peering.status(keys)
-        return out
-
-    def _verified_condition(self) -> list[dict[str, Any]]:
-        """``ModelsVerified=False`` while copies are carried over (counted on KServe's word), naming
-        them; absent otherwise. Its time is when the first of them was seen, so it is stable."""
-        with self.lock:
-            carried = sorted((rec for rec in self.records.values() if rec.wanted and rec.carried),
-                             key=lambda r: _names(r))
-            if not carried:
-                self._carried_since = None
-                return []
-            if self._carried_since is None:
-                self._carried_since = rfc3339()
-            unverified = [r for r in carried if r.verification == UNVERIFIED]
-            verifying = [r for r in carried if r.verification != UNVERIFIED]
-        parts = []
-        if unverified:
-            parts.append(f"{len(unverified)} unverified (the source cannot be listed): " + "; ".join(
-                f"{_names(r)}: {r.failure.reason if r.failure else ''}" for r in unverified[:10]))
-        if verifying:
-            parts.append(f"{len(verifying)} verifying in place: " + ", ".join(_names(r) for r in verifying[:10]))
-        return [Condition(
-            type="ModelsVerified", status="False", reason="Unverified" if unverified else "Verifying",
-            last_transition_time=self._carried_since,
-            message=_one_line(ValueError(f"{len(carried)} copies KServe's agent downloaded are counted as downloaded "
-                                         "on its word: " + "; ".join(parts))),
-        ).to_dict()]
-
-    def _peer_fields(self, key: str) -> dict[str, Any]:
-        return self.peering.model_fields(key) if self.peering is not None else {}
+            return rec.state(self.present(key)) if rec is not None else None
 
     def settled(self) -> bool:
         """Every model in the spec Downloaded or Error, nothing running, and nothing left to
@@ -852,41 +679,11 @@ class Agent:
             for rec in self.records.values():
                 if rec.task is not None or rec.deleting:
                     return False
-                if rec.wanted and rec.state(self._present(rec.key)) not in (MODEL_DOWNLOADED, MODEL_DOWNLOAD_ERROR):
+                if rec.wanted and rec.state(self.present(rec.key)) not in (MODEL_DOWNLOADED, MODEL_DOWNLOAD_ERROR):
                     return False
                 if not rec.wanted and not rec.mounted_by:
                     return False
             return True
-
-
-def _folder_size(folder: Path) -> tuple[int, int]:
-    """(files, bytes) of the regular files under ``folder``, links not followed (stats only)."""
-    files = size = 0
-    for base, _dirs, names in os.walk(folder):
-        for name in names:
-            try:
-                st = os.lstat(os.path.join(base, name))
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                files, size = files + 1, size + st.st_size
-    return files, size
-
-
-def _hopeless(rec: ModelRecord) -> bool:
-    """An invalid URI: retrying (even after an edit of the entry's other fields) cannot help."""
-    return rec.failure is not None and rec.failure.reason == "InvalidURI"
-
-
-def _unverified(manifest: Manifest | None) -> str:
-    """The status note of a model adopted with files kept on their size alone (modelcache.adopt)."""
-    n = len(manifest.unverified) if manifest is not None else 0
-    return (f"unverified: {n} file(s) adopted on their size alone (the source gives no checksum; "
-            "`modelcache pull --refresh` on the node fetches them again)") if n else ""
-
-
-def _names(rec: ModelRecord) -> str:
-    return ", ".join(i.status_key for i in rec.entries) or rec.key
 
 
 def _scheme(uri: str) -> str:
@@ -894,27 +691,3 @@ def _scheme(uri: str) -> str:
         return parse_uri(uri).kind
     except ModelcacheError:
         return "invalid"
-
-
-def _one_line(exc: BaseException | None) -> str:
-    """What status, events and logs say about an error: one line, every URL in it redacted (an
-    SDK's own exception may quote a signed URL)."""
-    text = str(exc) if exc is not None else "failed"
-    return scrub_urls(" ".join(text.split()))[:500] or type(exc).__name__
-
-
-def _seconds(delay: float) -> str:
-    """A backoff as people read it: 0.5s, 2s, 1m30s (was "0s" for any delay under half a second)."""
-    if delay < 10:
-        return f"{delay:.1f}".rstrip("0").rstrip(".") + "s"
-    minutes, seconds = divmod(round(delay), 60)
-    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
-
-
-def _quantity(n: int) -> str:
-    """Bytes as a Kubernetes-style quantity for ``kubectl get`` (``12Gi``)."""
-    for suffix, size in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
-        if n >= size:
-            return f"{n // size}{suffix}"
-    return str(n)
-

@@ -18,6 +18,7 @@ from agent.core import Agent
 from agent.downloadjob import DownloadJobs
 from agent.hostpath import Mismatch, RootPaths
 from agent.logs import fields
+from agent.peering import Peering
 from agent.publish import Publisher
 from modelcache.clock import rfc3339
 from modelcache.kube.client import (
@@ -80,16 +81,39 @@ def entry_groups(lmn: dict[str, Any] | None) -> frozenset[str] | None:
     return frozenset(groups)
 
 
-class KubeRunner:
-    def __init__(self, agent: Agent, kube: Kube, paths: RootPaths | None = None) -> None:
-        self.agent, self.kube = agent, kube
-        self.paths = paths
-        self._mismatches: list[Mismatch] = []
-        self.node = agent.cfg.node
-        self.nodes = Informer(kube, LOCAL_MODEL_NODES, field_selector=f"metadata.name={self.node}")
+class NodeObjects:
+    """The informers of this node's objects and its Event recorder, built before the Agent: the
+    agent's ports (download Jobs, Events) read them, and the KubeRunner drives them."""
+
+    def __init__(self, kube: Kube, node: str) -> None:
+        self.kube, self.node = kube, node
+        self.nodes = Informer(kube, LOCAL_MODEL_NODES, field_selector=f"metadata.name={node}")
         self.groups = Informer(kube, LOCAL_MODEL_NODE_GROUPS)
         #: KServe's ClusterStorageContainers: the download-Job containers (agent/downloadjob.py).
         self.containers = Informer(kube, CLUSTER_STORAGE_CONTAINERS)
+        self.recorder = EventRecorder(kube, "modelcache-agent", node)
+
+    def download_jobs(self, namespace: str, host_path: str | None) -> DownloadJobs:
+        """KServe's download-Job containers for this node, run in ``namespace``."""
+        return DownloadJobs(self.kube, self.node, namespace, host_path,
+                            lambda: self.containers.store.list(copy_objects=False),
+                            lambda: self.nodes.store.get_raw(self.node))
+
+    def event(self, event_type: str, reason: str, message: str) -> None:
+        """An Event on this node's LocalModelNode (none while it does not exist)."""
+        obj = self.nodes.store.get(self.node)
+        if obj is not None:
+            self.recorder.record(obj, event_type, reason, message)
+
+
+class KubeRunner:
+    def __init__(self, agent: Agent, objects: NodeObjects, paths: RootPaths | None = None,
+                 peering: Peering | None = None) -> None:
+        self.agent, self.kube, self.objects = agent, objects.kube, objects
+        self.paths, self.peering = paths, peering
+        self._mismatches: list[Mismatch] = []
+        self.node = agent.cfg.node
+        self.nodes, self.groups, self.containers = objects.nodes, objects.groups, objects.containers
         self.nodes.add_handler(self._on_node)
         self.groups.add_handler(self._on_group)
         self.containers.add_handler(lambda *_: self.agent.containers_changed())
@@ -98,12 +122,11 @@ class KubeRunner:
         #: pair tells "unchanged since our last write" apart from "changed". Forgotten when the
         #: CRD changes (its schema decides what is kept: our fields come back with ours).
         self._kept: tuple[dict[str, Any], dict[str, Any]] | None = None
-        self.schema = Informer(kube, CUSTOM_RESOURCE_DEFINITIONS, field_selector=f"metadata.name={NODE_CRD}")
+        self.schema = Informer(self.kube, CUSTOM_RESOURCE_DEFINITIONS, field_selector=f"metadata.name={NODE_CRD}")
         self.schema.add_handler(self._on_schema)
         self.publisher = Publisher(agent, self._write_status, agent.cfg.status_interval)
         self.synced = threading.Event()
-        self.recorder = EventRecorder(kube, "modelcache-agent", self.node)
-        agent.on_event = self._event
+        self._event = objects.event
         self._resync_loop = Loop("agent-resync", self._resync, agent.cfg.resync_period, at_start=False, logger=log)
         #: The uid of the Node object this agent runs for, written as ``status.nodeUID``: the
         #: coordinator believes a status only for the Node that exists now (a machine replaced
@@ -134,10 +157,10 @@ class KubeRunner:
             # As KServe's agent: a missing LocalModelNode means nothing to do; files stay.
             log.info("LocalModelNode deleted; keeping the models", extra=fields(node=self.node))
             return
-        if self.agent.peering is not None:
+        if self.peering is not None:
             # Peers are looked for in our entries' node groups only (before the entries start
             # downloads: a download's first look at the directory finds its group's watch open).
-            self.agent.peering.directory.scope(entry_groups(obj))
+            self.peering.directory.scope(entry_groups(obj))
         if self.synced.is_set():
             if fresh:
                 self.refresh_node_uid()  # a new LocalModelNode: its Node may be new as well
@@ -165,17 +188,6 @@ class KubeRunner:
         self.agent.set_spec(lmn.spec.local_models, lmn.generation or None,
                             {str(k): str(v) for k, v in reported.items()} if isinstance(reported, dict) else {})
 
-    def download_jobs(self, namespace: str, host_path: str | None) -> DownloadJobs:
-        """KServe's download-Job containers for this node, run in ``namespace``."""
-        return DownloadJobs(self.kube, self.node, namespace, host_path,
-                            lambda: self.containers.store.list(copy_objects=False),
-                            lambda: self.nodes.store.get_raw(self.node))
-
-    def _event(self, event_type: str, reason: str, message: str) -> None:
-        obj = self.nodes.store.get(self.node)
-        if obj is not None:
-            self.recorder.record(obj, event_type, reason, message)
-
     def _on_group(self, event: str, obj: dict[str, Any], _old: dict[str, Any] | None) -> None:
         name = (obj.get("metadata") or {}).get("name", "")
         limit = parse_quantity((obj.get("spec") or {}).get("storageLimit"))
@@ -183,10 +195,8 @@ class KubeRunner:
         if share.invalid:
             log.warning("LocalModelNodeGroup %s: annotation %s=%r is not a quantity (nor 'none'): the default "
                         "per-namespace share applies", name, NAMESPACE_LIMIT_ANNOTATION, share.invalid)
-        if event == DELETED or limit is None:
-            self.agent.group_limits.pop(name, None)
-        else:
-            self.agent.group_limits[name] = GroupLimit(limit, name, share.limit, share.source)
+        self.agent.set_group_limit(name, None if event == DELETED or limit is None
+                                   else GroupLimit(limit, name, share.limit, share.source))
         if self.synced.is_set():
             self.check_paths()
 

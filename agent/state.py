@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from modelcache.kube.types import (
@@ -40,7 +41,7 @@ from modelcache.kube.types import (
     ModelDetail,
 )
 from modelcache.progress import ProgressTracker
-from modelcache.uri import redact_uri
+from modelcache.uri import redact_uri, storage_key
 
 #: Why a running task was cancelled (None: it was not).
 REMOVED, STOPPING = "removed", "stopping"
@@ -122,6 +123,11 @@ class ModelRecord:
     def running(self) -> bool:
         return self.task is not None
 
+    @property
+    def hopeless(self) -> bool:
+        """An invalid URI: retrying (even after an edit of the entry's other fields) cannot help."""
+        return self.failure is not None and self.failure.reason == "InvalidURI"
+
     def state(self, present: bool) -> str:
         """The reported state, from the facts and ``present`` (the manifest is on disk)."""
         if self.task is not None:
@@ -190,3 +196,24 @@ class ModelRecord:
         if self.task is not None and state == MODEL_DOWNLOADED:
             d.bytes_done = d.files_done = d.rate = None  # verifying: a download's progress does not apply
         return d
+
+
+def group_entries(entries: Iterable[LocalModelInfo]) -> dict[str, tuple[str, list[LocalModelInfo]]]:
+    """storageKey -> (uri, entries), in spec order; the first entry of a key leads (KServe's dedup),
+    a cluster cache's before any namespace cache's: its credentials are a cluster admin's choice,
+    and a tenant's entry is served that folder only if it names the same (agent/credentials.py)."""
+    out: dict[str, tuple[str, list[LocalModelInfo]]] = {}
+    for info in entries:
+        key = storage_key(info.source_model_uri)
+        out.setdefault(key, (info.source_model_uri, []))[1].append(info)
+    for _uri, infos in out.values():
+        infos.sort(key=lambda i: bool(i.namespace))  # stable: spec order otherwise
+    return out
+
+
+def owners(entries: list[LocalModelInfo]) -> frozenset[str]:
+    """The namespaces whose share of a node group a model counts against: those of the namespace
+    caches that want it, none when a cluster cache wants it too (a cluster admin's choice)."""
+    if any(not e.namespace for e in entries):
+        return frozenset()
+    return frozenset(str(e.namespace) for e in entries)

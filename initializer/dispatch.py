@@ -140,7 +140,7 @@ def _git(uri: str, dest: Path, ctx: Context) -> PairOutcome:
 @handler("pull", lambda uri: True)
 def _pull(uri: str, dest: Path, ctx: Context) -> PairOutcome:
     from modelcache.pull import pull
-    from modelcache.store import DestLayout, NodeStore
+    from modelcache.store import DestStore
     from modelcache.uri import storage_key
 
     key = storage_key(uri)
@@ -167,7 +167,7 @@ def _pull(uri: str, dest: Path, ctx: Context) -> PairOutcome:
 
     result = pull(uri, dest=dest, settings=ctx.settings, options=ctx.options, progress=ctx.tracker)
     outcome = PairOutcome("cached" if result.cached else "pulled", result.files, result.bytes)
-    manifest = NodeStore(DestLayout(dest)).manifest(result.storage_key)
+    manifest = DestStore.at(dest).manifest(result.storage_key)
     if manifest is None:
         raise ModelcacheError(f"{redact_uri(uri)}: the download left no manifest in {dest}; run it again")
     names = [f.path for f in manifest.files]

@@ -26,7 +26,7 @@ import zlib
 from pathlib import Path
 
 from initializer.unpacked import UnpackedRecord, with_prints
-from modelcache.store import DestLayout, Manifest, NodeStore
+from modelcache.store import DestStore, Manifest
 
 XATTR_PREFIX = "user.modelcache."
 #: Errors that mean "no xattr here": not supported, no space in the inode, value too large.
@@ -71,5 +71,5 @@ def forget(dest: Path, key: str) -> None:
 def finish(dest: Path, record: UnpackedRecord) -> bool:
     """The pair succeeded: record it, then remove the bookkeeping folder from DEST."""
     marked = mark(dest, record)
-    NodeStore(DestLayout(dest)).clear_bookkeeping()
+    DestStore.at(dest).clear_bookkeeping()
     return marked

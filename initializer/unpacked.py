@@ -24,7 +24,7 @@ from modelcache.diskio import fsync_tree
 from modelcache.filecheck import fingerprint, has_holes
 from modelcache.integrity import hash_file
 from modelcache.remote import Checksum
-from modelcache.store import DestLayout, NodeStore, regular_file_inside
+from modelcache.store import DestStore, regular_file_inside
 
 #: The store keeps it per storage key (pairs that share a DEST each keep theirs).
 RECORD = "unpacked"
@@ -91,11 +91,11 @@ def write(dest: Path, record: UnpackedRecord) -> None:
     # loss this record would vouch for files that are empty (sizes of 0 are caught, not every
     # file system's zeros).
     fsync_tree(dest, [rel for rel, _ in record.files] + record.links)
-    NodeStore(DestLayout(dest)).write_record(RECORD, record.storage_key, record.to_json())
+    DestStore.at(dest).write_record(RECORD, record.storage_key, record.to_json())
 
 
 def load(dest: Path, key: str) -> UnpackedRecord | None:
-    text = NodeStore(DestLayout(dest)).read_record(RECORD, key)
+    text = DestStore.at(dest).read_record(RECORD, key)
     if text is None:
         return None
     try:

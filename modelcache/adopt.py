@@ -49,7 +49,7 @@ from modelcache.errors import StoreError
 from modelcache.filecheck import has_holes
 from modelcache.integrity import hash_file
 from modelcache.sources.base import RemoteFile
-from modelcache.store import Manifest, ManifestFile, NodeStore, regular_file_inside
+from modelcache.store import Manifest, ManifestFile, Store, regular_file_inside
 from modelcache.transfer import FetchedFile
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class Adoption:
         return sum(f.size for f in self.kept)
 
 
-def applies(store: NodeStore, key: str) -> bool:
+def applies(store: Store, key: str) -> bool:
     """A real folder (not a link) with content that the store has no record of (checked under
     the model's lock)."""
     if store.knew(key):
@@ -146,7 +146,7 @@ def check(folder: Path, files: list[RemoteFile], on_file: Callable[[str, int], N
     return out
 
 
-def record_folder(store: NodeStore, key: str, uri: str) -> Manifest:
+def record_folder(store: Store, key: str, uri: str) -> Manifest:
     """A manifest of what a folder holds, hashed on disk, for a model that something else wrote
     there (a custom download container): from then on it is checked and repaired like any other.
     No source checksum vouches for these files; the manifest says so (empty ``checksums``)."""

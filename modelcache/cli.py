@@ -34,7 +34,7 @@ from modelcache.redact import redact_uri, scrub_urls
 from modelcache.resources import MAX_CHUNK, MIN_CHUNK, check_buffers, chunk_size_problem
 from modelcache.sizes import parse_size
 from modelcache.startup import StartupError, run_command
-from modelcache.store import DestLayout, NodeLayout, NodeStore
+from modelcache.store import DestLayout, DestStore, NodeLayout, NodeStore
 from modelcache.transfer import TransferOptions
 from modelcache.uri import parse_uri, storage_key
 
@@ -291,7 +291,7 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
     if dest is not None and results and all(isinstance(r, PullResult) for r in results):
         # DEST holds the model and nothing else (as the init container leaves it): a second pull
         # into it checks its files against the source instead of trusting a manifest.
-        NodeStore(DestLayout(dest)).clear_bookkeeping()
+        DestStore.at(dest).clear_bookkeeping()
     failed = False
     out = []
     for uri, res in zip(uris, results, strict=True):
@@ -577,7 +577,6 @@ def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -
     from modelcache.pull import pull
     from modelcache.repair import repair
 
-    assert isinstance(store.layout, NodeLayout)
     manifest = store.manifest(key) or store.pinned_manifest(key)
     uri = given if given and given != key else (manifest.uri if manifest else None)
     if uri is None or "<redacted>" in uri:

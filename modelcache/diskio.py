@@ -281,6 +281,23 @@ def fsync_tree(root: str | os.PathLike[str], paths: Iterable[str]) -> None:
         fsync_dir(d)
 
 
+def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> None:
+    """Write ``data`` to ``path`` durably and whole: a reader (or a crash) sees the old file or
+    all of the new one. The temporary name is fixed (``.<name>.tmp``), so one a crash left is
+    overwritten by the next write rather than piling up; callers serialize writers (the
+    store's lock)."""
+    path = os.fspath(path)
+    folder, name = os.path.split(path)
+    os.makedirs(folder or ".", exist_ok=True)
+    tmp = os.path.join(folder, f".{name}.tmp")
+    with open(tmp, "wb") as out:
+        out.write(data.encode() if isinstance(data, str) else data)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+    fsync_dir(folder or ".")
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import fnmatch
 import functools
-import json
 import logging
 import os
 import shutil
@@ -41,12 +40,13 @@ from modelcache.journal import Journal, JournalState
 from modelcache.progress import ProgressTracker, human_bytes, plural
 from modelcache.sources.base import RemoteFile, Source, open_source, source_class
 from modelcache.store import (
-    DestLayout,
+    DestStore,
     Guard,
     Manifest,
     ManifestFile,
-    NodeLayout,
     NodeStore,
+    StagedPull,
+    Store,
     file_matches,
     regular_file_inside,
 )
@@ -121,7 +121,7 @@ class PullPlan:
 @dataclass
 class _Model:
     location: Location
-    store: NodeStore
+    store: Store
     key: str
     source: Source | None = None
     files: list[RemoteFile] = field(default_factory=list)
@@ -164,10 +164,12 @@ class _Model:
     compare_unpacked: bool = False
 
 
-def _store_for(location: Location, root: Path | None, dest: Path | None, guard: Guard | None) -> NodeStore:
-    if (root is None) == (dest is None):
-        raise ModelcacheError("pull needs exactly one of a store root or a destination folder")
-    return NodeStore(DestLayout(dest)) if dest is not None else NodeStore(NodeLayout(root), guard)  # type: ignore[arg-type]
+def _store_for(location: Location, root: Path | None, dest: Path | None, guard: Guard | None) -> Store:
+    if dest is not None and root is None:
+        return DestStore.at(dest)
+    if root is not None and dest is None:
+        return NodeStore.at(root, guard)
+    raise ModelcacheError("pull needs exactly one of a store root or a destination folder")
 
 
 def _matches(path: str, patterns: tuple[str, ...]) -> bool:
@@ -204,25 +206,9 @@ def _plan_doc(m: _Model, chunk_size: int) -> dict[str, object]:
 
 def _prepare_staging(m: _Model, chunk_size: int) -> None:
     """Reuse a staged download only if it was for exactly this listing and chunk plan."""
-    staging = m.store.layout.staging_dir(m.key)
-    plan_path = staging / "plan.json"
-    plan = _plan_doc(m, chunk_size)
-    fresh = True
-    try:
-        fresh = json.loads(plan_path.read_text()) != plan
-    except (OSError, ValueError):
-        fresh = True
-    if fresh and staging.exists():
-        shutil.rmtree(staging)
-    (staging / "data").mkdir(parents=True, exist_ok=True)
-    if fresh:
-        tmp = staging / "plan.json.tmp"
-        tmp.write_text(json.dumps(plan))
-        os.replace(tmp, plan_path)
-    m.fresh = fresh
-    m.store.clear_failure(m.key)  # this attempt's outcome replaces the last one's
-    m.journal = Journal(str(staging / "journal"))
-    m.resume = JournalState() if fresh else m.journal.load()
+    staging = m.store.staging(m.key)
+    prepared = staging.prepare(_plan_doc(m, chunk_size))
+    m.fresh, m.journal, m.resume = prepared.fresh, prepared.journal, prepared.resume
     # A file without a version (an HTTP server with neither ETag nor Last-Modified) may have been
     # replaced by one of the same size since it was staged: nothing can tell, so its staged bytes
     # are not reused (as KServe, which never resumes) rather than mixed into a silently wrong file.
@@ -234,24 +220,13 @@ def _prepare_staging(m: _Model, chunk_size: int) -> None:
     # Adopted files stay where they are: a staged copy left by an earlier attempt would be merged
     # over one at publish, under the digest of the file it replaced.
     for i in m.skip:
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            (staging / "data" / m.files[i].path).unlink()
-    m.journal.open(fresh=fresh)
+        staging.drop_file(m.files[i].path)
+    m.journal.open(fresh=m.fresh)
 
 
 def bytes_needed(m: _Model) -> int:
     """Bytes the download still has to allocate (preallocated staged files already hold theirs)."""
-    staging = m.store.layout.staging_dir(m.key) / "data"
-    need = 0
-    for i, f in enumerate(m.files):
-        if i in m.skip:
-            continue
-        try:
-            have = (staging / f.path).stat().st_size
-        except OSError:
-            have = 0
-        need += max(0, (f.size or 0) - have)
-    return need
+    return m.store.staging(m.key).bytes_needed([(f.path, f.size) for f in m.files], m.skip)
 
 
 def _listing(m: _Model) -> tuple[tuple[str, int | None], ...]:
@@ -271,47 +246,18 @@ class SpacePolicy:
 
 
 def _check_space(m: _Model, policy: SpacePolicy) -> None:
-    staging = m.store.layout.staging_dir(m.key) / "data"
     need = bytes_needed(m)
-    usage = shutil.disk_usage(staging)
+    usage = shutil.disk_usage(m.store.staging(m.key).data)
     free, margin = usage.free, policy.margin
     if need + margin <= free:
         return
-    layout = m.store.layout
-    where = layout.root if isinstance(layout, NodeLayout) else staging.parent.parent.parent
-    if policy.advice is not None:
-        fix = policy.advice
-    elif usage.total < need + margin:
-        fix = (f"this file system ({human_bytes(usage.total)} in all) is too small for the model plus the margin: "
-               "pull it into a larger one" + (" (--root)" if isinstance(layout, NodeLayout) else "")
-               + (", or lower --space-margin" if margin else ""))
-    elif isinstance(layout, NodeLayout):
-        fix = _free_space_advice(m.store, m.key, layout.root, need + margin - free, need + margin)
-    else:
-        fix = "free space on that file system"
+    where = m.store.layout.base
+    fix = policy.advice if policy.advice is not None else \
+        m.store.no_room_advice(m.key, need + margin, need + margin - free, usage.total, margin)
     raise InsufficientSpaceError(
         f"{m.location.display}: insufficient space at {where}: need {human_bytes(need)} plus a "
         f"{human_bytes(margin)} margin kept free, {human_bytes(free)} free; {fix}"
     )
-
-
-def _free_space_advice(store: NodeStore, key: str, root: Path, short: int, target: int) -> str:
-    """A gc only where evicting the models made here can make the room; else what can."""
-    evictable = store.evictable(keep={key})
-    reclaimable = sum(e.size for e in evictable)
-    foreign = [(e.storage_key, e.size) for e in store.entries() if not e.made]
-    if evictable and reclaimable >= short:
-        # The exact target, rounded up to a MiB: gc then frees enough for this pull, margin included.
-        return f"free space, e.g. `modelcache gc --root {root} --target-free {-(-target // (1 << 20))}M`"
-    held = ""
-    if foreign:
-        held = (f"; {len(foreign)} folder(s) under {root}/models, not made by modelcache, hold "
-                f"{human_bytes(sum(size for _k, size in foreign))} (`modelcache ls --root {root}` names them; only "
-                "`modelcache rm` of a name deletes one)")
-    if evictable:
-        return (f"evicting every model not in use ({len(evictable)}, {human_bytes(reclaimable)}) would not make "
-                f"{human_bytes(short)} more free: free space on the file system by other means{held}")
-    return f"no model of this store can be evicted to make room: free space on the file system by other means{held}"
 
 
 def _manifest(m: _Model, fetched: list[FetchedFile]) -> Manifest:
@@ -392,7 +338,7 @@ def _carry_over(m: _Model, progress: ProgressTracker) -> None:
     other bytes) is fetched again instead of being published under a manifest that vouches for it.
     """
     assert m.journal is not None
-    data = m.store.layout.staging_dir(m.key) / "data"
+    data = m.store.staging(m.key).data
     model = m.store.layout.model_dir(m.key)
     carried = [(i, f, m.carry[f.path]) for i, f in enumerate(m.files) if f.path in m.carry]
     if carried:
@@ -436,8 +382,9 @@ def _finish(m: _Model, fetched: list[FetchedFile], cached: bool) -> PullResult:
         fetched = _unpack_single_archive(m, fetched)
     if not cached:
         assert m.source is not None
-        m.source.before_publish(m.store.layout.staging_dir(m.key))
-        (m.store.layout.staging_dir(m.key) / "data").mkdir(parents=True, exist_ok=True)  # all adopted: empty
+        staging = m.store.staging(m.key)
+        m.source.before_publish(staging.dir)
+        staging.data.mkdir(parents=True, exist_ok=True)  # all adopted: empty
         new = _manifest(m, fetched)
         if m.in_place:  # an adopted folder holds the model and nothing else (what the rest is, is kept)
             keep = {f.path for f in new.files} | set(m.unpacked_links)
@@ -486,23 +433,16 @@ def _unpack_single_archive(m: _Model, fetched: list[FetchedFile]) -> list[Fetche
     name = single_archive([f.path for f in fetched])
     if name is None:
         return fetched
-    staging = m.store.layout.staging_dir(m.key)
-    data = staging / "data"
-    archive = data / name
+    staging = m.store.staging(m.key)
+    archive = staging.data / name
     if not archive.is_file():  # kept from the model folder (adopted): unpacked from there
         archive = m.store.layout.model_dir(m.key) / name
-    out = staging / "unpacked"
-    if out.exists():
-        shutil.rmtree(out)
+    out = staging.unpack_dir()
     limits = ArchiveLimits.from_env(m.source.settings.env if m.source is not None else {})
     result = unpack_archive(archive, out, limits, remove_archive=False)
     # From here the staged archive is gone: without its plan, a crash restarts the download
     # rather than resuming an archive that is no longer there.
-    for name_ in ("plan.json", "journal"):
-        with contextlib.suppress(FileNotFoundError):
-            (staging / name_).unlink()
-    shutil.rmtree(data, ignore_errors=True)
-    os.replace(out, data)
+    data = staging.replace_data(out, resumable=False)
     # The unpacker streams files without fsync: durable before the manifest that vouches for them.
     fsync_tree(data, result.paths)
     m.unpacked_from = name
@@ -527,7 +467,6 @@ def _compare_unpacked(m: _Model, unpacked: list[FetchedFile]) -> list[FetchedFil
     others are kept as found and reported as drift, as are the archive's files the folder lacks.
     The staged tree is dropped: nothing is merged into the folder pods read."""
     folder = m.store.layout.model_dir(m.key)
-    data = m.store.layout.staging_dir(m.key) / "data"
     kept: list[FetchedFile] = []
     absent: list[str] = []
     for f in unpacked:
@@ -538,8 +477,7 @@ def _compare_unpacked(m: _Model, unpacked: list[FetchedFile]) -> list[FetchedFil
         if (have.size, have.xxh3) != (f.size, f.xxh3):
             m.kept_as_found.add(f.path)
         kept.append(have)
-    shutil.rmtree(data, ignore_errors=True)
-    data.mkdir(parents=True)
+    m.store.staging(m.key).empty_data()
     if not kept:
         raise ModelcacheError(f"{m.location.display}: the folder {folder} holds none of the {len(unpacked)} files of "
                               f"{m.unpacked_from}; it is not this model's")
@@ -636,12 +574,10 @@ def _extract(m: _Model, progress: ProgressTracker, cancel: threading.Event | Non
     if not m.source.extracts_itself:
         return None
 
-    staging = m.store.layout.staging_dir(m.key)
-    # Extract beside "data": a source may decline (None, e.g. an OCI artifact rather than a
-    # modelcar image), and then a resumable staged download in "data" must survive.
-    fresh = staging / "extract"
-    if fresh.exists():
-        shutil.rmtree(fresh)
+    staging = m.store.staging(m.key)
+    # Extract beside the staged files: a source may decline (None, e.g. an OCI artifact rather
+    # than a modelcar image), and then a resumable staged download must survive.
+    fresh = staging.extract_dir()
     fresh.mkdir(parents=True)
     counted = False
 
@@ -661,10 +597,7 @@ def _extract(m: _Model, progress: ProgressTracker, cancel: threading.Event | Non
     if paths is None:
         shutil.rmtree(fresh)
         return None
-    data = staging / "data"
-    if data.exists():
-        shutil.rmtree(data)
-    os.replace(fresh, data)
+    data = staging.replace_data(fresh)
     fsync_tree(data, paths)  # durable before the manifest that says the model is present
     out = []
     for rel in paths:
@@ -678,9 +611,7 @@ def _settle_failure(m: _Model) -> None:
     """A failed model keeps what it staged, with the reason beside it; a cancelled one keeps it
     for a resume. A staged download that holds nothing a resume could use goes (caller holds the
     lock)."""
-    if not isinstance(m.store.layout, NodeLayout):
-        return
-    if m.journal is None or not m.store.layout.staging_dir(m.key).is_dir():
+    if m.journal is None or not m.store.staging(m.key).exists():
         return
     if isinstance(m.error, CancelledError):
         # Interrupted with nothing a resume can use: every file from a server that ignores Range
@@ -724,56 +655,9 @@ def _waiting(progress: ProgressTracker, m: _Model, why: str) -> None:
     log.info("%s: %s", m.location.display, why)
 
 
-@dataclass(frozen=True)
-class StagedPull:
-    """A download staged in a node store: running now (another process holds its lock) or
-    interrupted (resumed by the next pull of its URI)."""
-
-    storage_key: str
-    uri: str
-    bytes_done: int
-    bytes_total: int
-    files: int
-    running: bool
-    #: Why its last attempt failed ("reason: message"); "" for one that was interrupted.
-    failure: str = ""
-
-    @property
-    def state(self) -> str:
-        """pulling (a process holds it now), failed (with ``failure``) or interrupted."""
-        return "pulling" if self.running else "failed" if self.failure else "interrupted"
-
-    @property
-    def percent(self) -> float:
-        return 100.0 * self.bytes_done / self.bytes_total if self.bytes_total else 0.0
-
-
 def staged_pulls(store: NodeStore) -> list[StagedPull]:
     """Every staged download of a node store, with the bytes its journal says are on disk."""
-    if not isinstance(store.layout, NodeLayout):
-        return []
-    base = store.layout.staging_root
-    out = []
-    for folder in sorted(base.iterdir()) if base.is_dir() else []:
-        if folder.name.startswith(".") or not folder.is_dir():
-            continue
-        try:
-            plan = json.loads((folder / "plan.json").read_text())
-            files = [(str(f[0]), int(f[1] or 0)) for f in plan["files"]]
-            chunk = int(plan["chunk_size"])
-        except (OSError, ValueError, TypeError, KeyError, IndexError):
-            continue  # not (yet) a staged engine download: an extraction, or one just starting
-        state = Journal(str(folder / "journal")).load()
-        done = 0
-        for i, (_path, size) in enumerate(files):
-            if i in state.files:
-                done += size
-            else:
-                done += sum(min(n, chunk) for (fi, _c), n in state.chunks.items() if fi == i)
-        total = sum(size for _p, size in files)
-        out.append(StagedPull(folder.name, str(plan.get("uri") or ""), min(done, total), total, len(files),
-                              store.busy(folder.name), store.failure(folder.name) or ""))
-    return out
+    return store.staged()
 
 
 def pull_many(
@@ -935,11 +819,13 @@ def pull_many(
                         admit(PullPlan(m.location, m.key, sum(f.size or 0 for f in m.files), bytes_needed(m),
                                        len(m.files), m.source.resolved_revision, _listing(m)))
                     _check_space(m, space)
-                    data = m.store.layout.staging_dir(m.key) / "data"
+                    data = m.store.staging(m.key).data
                     assert m.journal is not None
                     if peers is not None and not m.in_place and not (
                             m.unpack and single_archive([f.path for f in m.files]) is not None):
-                        m.source = peers.attach(m.key, m.source, m.files, data.parent, m.journal, options.chunk_size,
+                        assert isinstance(m.store, NodeStore)  # (the agent's pulls: into its node root)
+                        m.source = peers.attach(m.key, m.source, m.files, m.store.staging(m.key), m.journal,
+                                                options.chunk_size,
                                                 m.resume, options.max_workers or options.workers,
                                                 options.stall_timeout)
                     m.transferred = True

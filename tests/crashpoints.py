@@ -1,7 +1,7 @@
 """Run the ``modelcache`` CLI and kill -9 it exactly at a step of a publish.
 
 ``python -m tests.crashpoints STEP[:N] ARGS...`` runs ``modelcache ARGS...`` and delivers SIGKILL
-to itself the N-th time (default: the first) a publish reaches STEP (``modelcache.store.PUBLISH_STEPS``):
+to itself the N-th time (default: the first) a publish reaches STEP (``modelcache.store.steps.PUBLISH_STEPS``):
 the windows a kill at a random moment almost never hits. With ``MODELCACHE_STEPS_LOG=<file>``
 every step reached is appended to that file (to check that a flow passes through a step at all).
 """
@@ -19,9 +19,9 @@ from tests.helpers import REPO
 
 
 def _install(at: str, nth: int, log: str | None) -> None:
-    import modelcache.store as store
+    import modelcache.store.steps as store_steps
 
-    steps = store.PUBLISH_STEPS + store.REPAIR_STEPS
+    steps = store_steps.PUBLISH_STEPS + store_steps.REPAIR_STEPS
     assert at == "none" or at in steps, f"{at} is not a publish step {steps}"
     seen = 0
 
@@ -35,7 +35,7 @@ def _install(at: str, nth: int, log: str | None) -> None:
             if seen == nth:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    store._step = step
+    store_steps.reached = step
 
 
 def run(step: str, *args: str, env: Mapping[str, str] | None = None, timeout: float = 120

@@ -90,7 +90,7 @@ def test_a_copy_kserve_reported_downloaded_counts_while_it_is_verified_and_its_o
             # (it counts against the node group's storageLimit: a stat of the folder, no hashing).
             assert agent.status()["modelStatus"] == {"llama": D}
             assert detail(agent, "llama")["verification"] == "Verifying"
-            assert detail(agent, "llama")["bytesTotal"] == len(data) and agent._used_bytes() == len(data)
+            assert detail(agent, "llama")["bytesTotal"] == len(data) and agent.used_bytes() == len(data)
             agent.start()
             wait_until(lambda: detail(agent, "llama").get("verification") == "Unverified", timeout=30,
                        what="the unverified copy")

@@ -34,7 +34,8 @@ def test_two_caches_of_one_uri_are_each_judged_in_their_own_group(nginx: Any, tm
     nginx.write("g/m.bin", 4 * MiB)
     uri = nginx.url("g/m.bin")
     agent = make_agent(tmp_path)
-    agent.group_limits.update(big=GroupLimit(100 * MiB, "big"), small=GroupLimit(3 * MiB, "small"))
+    agent.set_group_limit("big", GroupLimit(100 * MiB, "big"))
+    agent.set_group_limit("small", GroupLimit(3 * MiB, "small"))
     agent.start()
     try:
         entries = {"small": grouped("p", uri, "small"), "big": grouped("q", uri, "big")}
@@ -49,7 +50,7 @@ def test_two_caches_of_one_uri_are_each_judged_in_their_own_group(nginx: Any, tm
         assert (tmp_path / "root" / "models" / storage_key(uri) / "m.bin").stat().st_size == 4 * MiB
         # The small group grows: p is served by the same folder at once, nothing downloaded again.
         nginx.clear_access_log()
-        agent.group_limits["small"] = GroupLimit(8 * MiB, "small")
+        agent.set_group_limit("small", GroupLimit(8 * MiB, "small"))
         wait_until(lambda: agent.status()["modelStatus"] == {"p": D, "q": D}, timeout=30, what="p fits now")
         assert nginx.access_log() == []
     finally:
@@ -60,7 +61,8 @@ def test_no_group_with_room_refuses_the_download_naming_a_group_of_its_own(nginx
     nginx.write("g/m.bin", 4 * MiB)
     uri = nginx.url("g/m.bin")
     agent = make_agent(tmp_path)
-    agent.group_limits.update(a=GroupLimit(2 * MiB, "a"), b=GroupLimit(3 * MiB, "b"))
+    agent.set_group_limit("a", GroupLimit(2 * MiB, "a"))
+    agent.set_group_limit("b", GroupLimit(3 * MiB, "b"))
     agent.start()
     try:
         agent.set_spec([grouped("p", uri, "a"), grouped("q", uri, "b")])
@@ -105,9 +107,9 @@ def test_a_sub_second_backoff_is_shown_as_it_is(nginx: Any, tmp_path: Path) -> N
 
 
 def test_backoff_delays_read_as_people_read_them() -> None:
-    from agent.core import _seconds
+    from agent.report import seconds
 
-    assert [_seconds(d) for d in (0.2, 0.5, 1.0, 2.5, 10, 75, 300)] == [
+    assert [seconds(d) for d in (0.2, 0.5, 1.0, 2.5, 10, 75, 300)] == [
         "0.2s", "0.5s", "1s", "2.5s", "10s", "1m15s", "5m00s"]
 
 

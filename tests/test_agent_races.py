@@ -23,6 +23,7 @@ from agent.capacity import allocated_bytes
 from agent.config import AgentConfig
 from agent.core import Agent
 from agent.credentials import Credentials
+from agent.ports import EventSink, Ports
 from modelcache.kube.types import LocalModelInfo
 from modelcache.store import NodeStore
 from modelcache.uri import storage_key
@@ -54,12 +55,12 @@ class Mounts:
         return {k: self.pods[k] for k in keys if k in self.pods}
 
 
-def make_agent(tmp_path: Path, mounts: Any = None, **cfg: Any) -> Agent:
+def make_agent(tmp_path: Path, mounts: Any = None, events: EventSink | None = None, **cfg: Any) -> Agent:
     settings: dict[str, Any] = dict(node="n", root=tmp_path / "root", port=-1, backoff_initial=0.2, backoff_max=1.0,
                                     status_interval=0.2, removal_recheck=0.2, chunk_size=1 << 20, workers=2,
                                     transfer_attempts=2, space_margin=0)
     settings.update(cfg)
-    return Agent(AgentConfig(**settings), Credentials(None, {}), mounts or Mounts())
+    return Agent(AgentConfig(**settings), Credentials(None, {}), mounts or Mounts(), ports=Ports(events=events))
 
 
 def info(name: str, uri: str) -> LocalModelInfo:
@@ -146,10 +147,10 @@ def test_preallocated_download_is_not_counted_twice_against_the_next(tmp_path, s
     ua, ub = slow.url("slow/a.bin"), slow.url("slow/b.bin")
     root = tmp_path / "root"
     disk = 5 << 20
-    agent = make_agent(tmp_path, space_margin=512 << 10)
-    agent.capacity._disk_usage = lambda _p: (disk, disk - allocated_bytes(root))  # a 5 MiB file system
     failures: list[str] = []
-    agent.on_event = lambda kind, reason, message: failures.append(message) if reason == "DownloadFailed" else None
+    agent = make_agent(tmp_path, space_margin=512 << 10, events=lambda kind, reason, message: failures.append(
+        message) if reason == "DownloadFailed" else None)
+    agent.capacity._disk_usage = lambda _p: (disk, disk - allocated_bytes(root))  # a 5 MiB file system
     agent.start()
     try:
         agent.set_spec([info("a", ua)])
@@ -214,8 +215,7 @@ def test_stopping_agent_reports_interrupted_not_failed(tmp_path, slow):
     slow.write("slow/a.bin", 2 << 20)
     uri = slow.url("slow/a.bin")
     events: list[tuple[str, str]] = []
-    agent = make_agent(tmp_path)
-    agent.on_event = lambda kind, reason, _message: events.append((kind, reason))
+    agent = make_agent(tmp_path, events=lambda kind, reason, _message: events.append((kind, reason)))
     agent.start()
     agent.set_spec([info("m", uri)])
     wait_until(lambda: (detail(agent, "m").get("bytesDone") or 0) > 0, timeout=60, what="download under way")

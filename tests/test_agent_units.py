@@ -522,7 +522,7 @@ def test_namespace_caches_get_only_what_the_groups_cluster_caches_leave(tmp_path
 
     pending = [("k-admin", "admin-model", 600)]
     cap = Capacity(tmp_path, margin=0, used_bytes=lambda: 0, disk_usage=lambda _p: (10_000, 10_000),
-                   cluster_pending=lambda: pending)
+                   cluster_pending=lambda: pending, namespaces_held=lambda: {"tenant-a": 0, "tenant-c": 300})
     limit = GroupLimit(1000, "workers", namespace_limit=None, share_source="none")
     with pytest.raises(InsufficientSpaceError) as refused:
         cap.reserve("filler", 500, 500, limit, "http://h/big.bin", owners=frozenset({"tenant-b"}))
@@ -538,7 +538,9 @@ def test_namespace_caches_get_only_what_the_groups_cluster_caches_leave(tmp_path
     cap.reserve("small", 400, 400, limit, "small", owners=frozenset({"tenant-b"}))  # not counted twice
     with pytest.raises(InsufficientSpaceError, match="does not fit the node group's storageLimit"):
         cap.reserve("more", 1, 1, limit, "more", owners=frozenset({"tenant-a"}))
-    pending.clear()
+    # A cluster cache refused for room is told which namespaces hold it (nothing is deleted for it).
+    with pytest.raises(InsufficientSpaceError, match=r"in flight; namespace caches hold: tenant-c 300 B\)\. "):
+        cap.reserve("admin3", 1, 1, limit, "admin3")
 
 
 def test_a_namespaces_default_share_is_half_the_groups_storage_limit() -> None:
@@ -571,3 +573,50 @@ def test_a_copy_adopted_in_place_does_not_count_twice_against_its_share(tmp_path
     cap.release("carried")  # adopted: counted by used_bytes and namespace_used from here on
     with pytest.raises(InsufficientSpaceError, match=r"team-a's caches hold 300 B here already"):
         cap.reserve("new", 300, 300, limit, "new", owners=frozenset({"team-a"}))
+
+
+def test_the_agents_ports_are_taken_at_construction_and_the_checker_reports_through_callbacks(
+    tmp_path: Path,
+) -> None:
+    """The agent's optional parts are typed ports given to its constructor (agent/ports.py), not
+    attributes set afterwards; the checker is handed callbacks, not the Agent (no import circle):
+    a file truncated under a Downloaded model reaches Agent.damaged through them, the Event port
+    says so, and the root check port refuses the group whose PV is elsewhere."""
+    from agent.config import AgentConfig
+    from agent.core import Agent
+    from agent.inuse import NoMounts
+    from agent.ports import Ports
+    from modelcache.uri import storage_key
+    from tests.helpers import wait_until
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "m.bin").write_bytes(os.urandom(1 << 20))
+    uri = f"file://{src}"
+    events: list[tuple[str, str, str]] = []
+    cfg = AgentConfig(node="n", root=tmp_path / "root", port=-1, backoff_initial=0.1, backoff_max=0.2,
+                      status_interval=0.2, size_check_interval=0.2, chunk_size=1 << 20, workers=2, space_margin=0)
+    ports = Ports(root_check=lambda group: "its PV is elsewhere" if group == "far" else None,
+                  events=lambda *event: events.append(event))
+    agent = Agent(cfg, Credentials(None, {}), NoMounts(), ports=ports)
+    assert agent.checker.on_damaged == agent.damaged and not hasattr(agent.checker, "agent")
+    agent.start()
+    try:
+        agent.set_spec([LocalModelInfo(model_name="near", source_model_uri=uri, node_group="near"),
+                        LocalModelInfo(model_name="far", source_model_uri=uri, node_group="far")])
+        wait_until(lambda: agent.status()["modelStatus"].get("near") == "ModelDownloaded", timeout=30,
+                   what="the model downloaded")
+        status = agent.status()
+        assert status["modelStatus"]["far"] == "ModelDownloadError"
+        assert status["modelDetails"]["far"]["message"] == "its PV is elsewhere"
+        assert [e[1] for e in events] == ["Downloaded"], events
+        data = tmp_path / "root" / "models" / storage_key(uri) / "m.bin"
+        with data.open("r+b") as f:
+            f.truncate(1000)
+        wait_until(lambda: any(e[1] == "ModelDamaged" for e in events), timeout=30, what="the damage reported")
+        damaged = next(e for e in events if e[1] == "ModelDamaged")
+        assert damaged[0] == "Warning" and "wrong size" in damaged[2], damaged
+        wait_until(lambda: data.stat().st_size == 1 << 20 and agent.status()["modelStatus"]["near"]
+                   == "ModelDownloaded", timeout=30, what="the model repaired")
+    finally:
+        agent.stop()

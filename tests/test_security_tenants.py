@@ -325,7 +325,9 @@ def test_a_namespace_fills_at_most_its_share_of_a_group(cluster: Cluster, coordi
         # 900 KiB held: a second admin model (200 KiB) does not fit, and nothing is deleted for it.
         make_cache(admin, "admin-two", nginx.url("admin2.bin"), ["workers"])
         status = wait_states(admin, NODE, {"admin-two": "ModelDownloadError"}, agent=agent)
-        assert "does not fit the node group's storageLimit" in status["modelDetails"]["admin-two"]["message"]
+        message = status["modelDetails"]["admin-two"]["message"]
+        assert "does not fit the node group's storageLimit" in message, message
+        assert "namespace caches hold: tenant-a 300.0 KiB)" in message, message  # what keeps it out
         # Tenant-b's 100 KiB would fit storageLimit and its share, but not next to admin-two.
         out = as_tenant(cluster, tenant_b, "create", "-n", "tenant-b", "-f", "-",
                         stdin=ns_cache("small", nginx.url("b.bin"), size="100Ki"))

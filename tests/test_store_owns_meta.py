@@ -1,5 +1,5 @@
 """The store owns its bookkeeping folder (``.modelcache``): every write under it goes through
-modelcache/store.py, and no other module builds a path in it."""
+modelcache/store/, and no other module builds a path in it, nor in a staging folder."""
 
 from __future__ import annotations
 
@@ -11,20 +11,42 @@ import pytest
 
 from modelcache.errors import StoreError
 from modelcache.reserved import META_DIR
-from modelcache.store import DestLayout, Manifest, NodeLayout, NodeStore, RootLock
+from modelcache.store import DestStore, Manifest, NodeLayout, NodeStore, RootLock
+from modelcache.store.staging import STAGING_NAMES
 from tests.helpers import REPO, wait_until
 
 KEY = "0123456789abcdef"
-OWNERS = {REPO / "modelcache" / "store.py", REPO / "modelcache" / "reserved.py"}
+STORE = REPO / "modelcache" / "store"
+OWNERS = {REPO / "modelcache" / "reserved.py"}
 
 
 def _product_files() -> list[Path]:
     return sorted(p for d in ("modelcache", "agent", "initializer", "coordinator") for p in (REPO / d).rglob("*.py")
-                  if p not in OWNERS)
+                  if p not in OWNERS and STORE not in p.parents)
+
+
+def _staging_names_spelled(tree: ast.AST) -> list[tuple[int, str]]:
+    """Path joins that name an entry of a staging folder: ``x / "journal"``, ``os.path.join(x,
+    "plan.json")``, and a staging file's name (``*.json``) anywhere."""
+    found = []
+    for node in ast.walk(tree):
+        parts: list[ast.expr] = []
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            parts = [node.right]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+                "join", "joinpath", "with_name"):
+            parts = list(node.args)
+        for part in parts:
+            if isinstance(part, ast.Constant) and part.value in STAGING_NAMES:
+                found.append((node.lineno, part.value))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.endswith(".json") and (
+                node.value in STAGING_NAMES or node.value.removesuffix(".tmp") in STAGING_NAMES):
+            found.append((node.lineno, node.value))
+    return found
 
 
 def test_no_module_but_the_store_builds_paths_in_its_folder() -> None:
-    """Code outside store.py neither spells the folder's name nor reads a layout's ``meta``
+    """Code outside modelcache/store/ neither spells the folder's name nor reads a layout's ``meta``
     (prose in docstrings may name it)."""
     found = []
     for path in _product_files():
@@ -38,6 +60,19 @@ def test_no_module_but_the_store_builds_paths_in_its_folder() -> None:
                     or (isinstance(node.value, ast.Name) and node.value.id == "layout")):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}: layout.meta")
     assert found == []
+
+
+def test_no_module_but_the_store_spells_a_staging_folders_files() -> None:
+    """The pull, the peers and the roles reach a staged download through ``Staging`` only."""
+    found = [f"{path.relative_to(REPO)}:{line}: {name!r}" for path in _product_files()
+             for line, name in _staging_names_spelled(ast.parse(path.read_text(), str(path)))]
+    assert found == []
+
+
+def test_the_staging_rule_catches_a_spelled_name() -> None:
+    code = ('staging / "data" / rel\nos.path.join(d, "journal")\nplan = "plan.json"\n'
+            'doc["data"]\nfolder / "weights.bin"\n')
+    assert sorted(_staging_names_spelled(ast.parse(code))) == [(1, "data"), (2, "journal"), (3, "plan.json")]
 
 
 def _manifest(key: str = KEY) -> Manifest:
@@ -83,7 +118,7 @@ def test_remove_takes_an_unfinished_repair_with_the_model(tmp_path: Path) -> Non
 
 def test_records_are_kept_per_key_whole(tmp_path: Path) -> None:
     dest = tmp_path / "dest"
-    store = NodeStore(DestLayout(dest))
+    store = DestStore.at(dest)
     store.write_record("unpacked", KEY, '{"a": 1}')
     store.write_record("unpacked", "1111111111111111", '{"b": 2}')
     store.write_record("unpacked", KEY, '{"a": 3}')
@@ -95,7 +130,7 @@ def test_records_are_kept_per_key_whole(tmp_path: Path) -> None:
 
 def test_a_finished_dest_keeps_only_the_model(tmp_path: Path) -> None:
     dest = tmp_path / "dest"
-    store = NodeStore(DestLayout(dest))
+    store = DestStore.at(dest)
     store.write_record("unpacked", KEY, "{}")
     (dest / "model.bin").write_bytes(b"x")
     assert store.foreign_names(KEY) == ["model.bin"]  # the bookkeeping is not the model's

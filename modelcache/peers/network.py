@@ -15,7 +15,6 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from modelcache.journal import Journal, JournalState
 from modelcache.peers.client import PeerClient, PeerInfo
@@ -35,7 +34,7 @@ from modelcache.peers.protocol import HaveReply
 from modelcache.peers.source import PeerSource
 from modelcache.peers.swarm import SwarmSession, SwarmSettings, SwarmStats
 from modelcache.sources.base import RemoteFile, Source
-from modelcache.store import NodeStore, stage_piece_record
+from modelcache.store import NodeStore, Staging
 
 log = logging.getLogger("modelcache.peers")
 
@@ -91,14 +90,14 @@ class PeerNetwork:
 
     # ---- downloads ---------------------------------------------------------------------------
 
-    def attach(self, key: str, origin: Source, files: list[RemoteFile], staging: Path, journal: Journal,
+    def attach(self, key: str, origin: Source, files: list[RemoteFile], staging: Staging, journal: Journal,
                chunk_size: int, resume: JournalState, workers: int = 8, stall_timeout: float = 30.0) -> PeerSource:
         digest = listing_digest(origin.resolved_uri, files)
         psize = piece_size_for(chunk_size)
-        plog = PieceLog(str(staging / "pieces"), psize, digest)
+        plog = PieceLog(str(staging.pieces), psize, digest)
         fresh = not resume.files and not resume.chunks
         plog.open(fresh)
-        local = LocalPieces(files, staging / "data", chunk_size, psize, plog, JournalState() if fresh else resume)
+        local = LocalPieces(files, staging.data, chunk_size, psize, plog, JournalState() if fresh else resume)
         settings = replace(self.settings, stall_timeout=stall_timeout)
         session = SwarmSession(settings, key, digest, local, self.client, self.directory, self.excluded, self.exclude,
                                workers)
@@ -125,7 +124,8 @@ class PeerNetwork:
                 self._finished[key] = self._stats_of(digest, session)
             self._changed()
 
-        return PeerSource(origin, session, detach, lambda staging_dir: self._write_record(session, staging_dir))
+        # (The source's hook is handed the staging folder; the Staging object already names it.)
+        return PeerSource(origin, session, detach, lambda _folder: self._write_record(session, staging))
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -143,7 +143,7 @@ class PeerNetwork:
                 self.on_exclude(node, why)
             self._changed()
 
-    def _write_record(self, session: SwarmSession, staging: Path) -> None:
+    def _write_record(self, session: SwarmSession, staging: Staging) -> None:
         """Before publish: every piece hash of the verified model, left in staging for the store.
         Pieces without a hash (fetched by a run without peers, or whose log line was lost) are
         hashed from the staged file, which passed every check by now."""
@@ -154,7 +154,7 @@ class PeerNetwork:
             size = local.sizes[li]
             hashes = []
             letters = []
-            path = staging / "data" / f.path
+            path = staging.data / f.path
             for p in range(piece_count(size, local.piece_size)):
                 h = local.hashes.get((li, p))
                 if h is None:
@@ -168,7 +168,7 @@ class PeerNetwork:
         stats = session.stats
         record = PieceRecord(session.key, session.digest, local.piece_size, files,
                              stats.from_origin, stats.from_peers, sources=sources)
-        stage_piece_record(staging, record.to_json())
+        staging.stage_piece_record(record.to_json())
 
     @staticmethod
     def _stats_of(digest: str, session: SwarmSession) -> ModelPeerStats:
