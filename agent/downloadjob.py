@@ -180,6 +180,7 @@ class DownloadJobs:
         elif job is not None and state_of(job).succeeded and not _has_files(folder):
             job = None  # its files are gone since (KServe: a folder absent gets a new Job)
         if job is None:
+            _make_folder(folder, info.status_key)
             job = self._create(csc, info, key, env)
         name = state_of(job).name
         while True:
@@ -233,6 +234,20 @@ class DownloadJobs:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+
+def _make_folder(folder: Path, what: str) -> None:
+    """The folder the container mounts (subPath ``models/<storageKey>``), made before its Job: a
+    subPath that does not exist the kubelet makes as root, with the mode of the volume's root
+    (0755), and the container's user cannot write it (on a real node, our image as the container:
+    "Permission denied"). Made by the agent's user, group-writable for the pod's fsGroup."""
+    try:
+        folder.mkdir(parents=True)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise DownloadJobError(f"{what}: cannot make {folder} for the download container: {exc.strerror}") from None
+    folder.chmod(0o775)  # not left to the agent's umask
 
 
 def _has_files(folder: Path) -> bool:

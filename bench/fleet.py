@@ -74,6 +74,22 @@ def cpu_seconds(agent: AgentProc) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+#: A process that only computes, for PROBE_SECONDS: the CPU it got over the wall time it ran is the
+#: share of a core one more runnable process gets on this machine now (bench/swarm_sim.py's CPU
+#: model gives each agent that share of the machine's cores, measured, not read off the load).
+PROBE = ("import time\nt, c = time.monotonic(), time.process_time()\n"
+         "while time.monotonic() - t < {s}: sum(range(1000))\n"
+         "print((time.process_time() - c) / (time.monotonic() - t))")
+PROBE_SECONDS = 3.0
+
+
+def cpu_share() -> float:
+    """Cores one more runnable process gets now (0..1), measured by PROBE."""
+    out = subprocess.run([sys.executable, "-c", PROBE.format(s=PROBE_SECONDS)], capture_output=True, text=True,
+                         check=True, timeout=120)
+    return round(float(out.stdout), 3)
+
+
 def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, workdir: Path,
         hashes: dict[str, str], timeout: float) -> dict[str, Any]:
     names = [f"{mode}-{i}" for i in range(nodes)]
@@ -93,6 +109,7 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
                        what=f"agent {agent.node}")
             if agent.proc.poll() is not None:
                 raise RuntimeError(f"agent {agent.node} exited:\n{agent.log()[-3000:]}")
+        share = cpu_share()  # the agents are idle, the cache not made yet
         origin.proxy.reset_counters()
         # The agents' CPU from here on is what the transfer costs (bench/swarm_sim.py's CPU model
         # takes its per-byte costs from it); before it, each agent's start-up (imports, informers).
@@ -133,7 +150,7 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
             print("origin MiB by second:", [(t, round(b / 2**20)) for t, b in timeline[::10]], file=sys.stderr)
         cpu = [cpu_seconds(agent) for agent in agents]
         return {"seconds": seconds, "origin_bytes": sent, "agent_cpu_seconds": round(sum(cpu), 1),
-                "agent_cpu_seconds_transfer": round(sum(cpu) - sum(cpu0), 2),
+                "agent_cpu_seconds_transfer": round(sum(cpu) - sum(cpu0), 2), "cpu_share": share,
                 "per_node": {n: [d.get("bytesFromOrigin"), d.get("bytesFromPeers")] for n, d in details.items()}}
     finally:
         for agent in agents:
@@ -187,6 +204,7 @@ def summary(nodes: int, model: int, rate: int, results: dict[str, dict[str, Any]
             # bytes they took from peers, the machine's cores.
             "peer_bytes_p2p": peer_bytes,
             **{f"agent_cpu_seconds_{m}": of(m, "agent_cpu_seconds_transfer") for m in results},
+            **{f"cpu_share_{m}": of(m, "cpu_share") for m in results},
             "cpus": os.cpu_count(),
             "load_average_start": load_start, "load_average": [round(x, 1) for x in os.getloadavg()]}
 

@@ -22,14 +22,21 @@ world around it, as the real code meets it:
   all), each node's NIC (each direction), the links between zones (a cap per pair) and latency
   (one way, within a zone and between zones). A link's capacity is shared equally by the flows
   on it; a flow goes at the smallest share along its path (no re-distribution of what a flow
-  bottlenecked elsewhere leaves: slightly pessimistic when NICs are the limit).
+  bottlenecked elsewhere leaves: slightly pessimistic when NICs are the limit);
+- **CPU**: a byte a node takes in (origin or peer: the read, sha-256, a peer's TLS) costs
+  ``--cpu-in`` CPU-s per GiB, a byte it sends to a peer ``--cpu-sent``; the cores are a link
+  like the others, shared equally by the flows on them. A fleet (the default): each node its own
+  ``--cpus`` (deploy/'s agent limit, 2). One machine (``--cpus-shared``, bench/fleet.py's run):
+  every agent on its cores, less what other processes take (``shared_cores``).
 
 Reported (``--json``): time until every node holds the model, as a multiple of one node alone
 (the same world, one node, no peers), and the origin's bytes per zone as a multiple of the model.
-``--validate FLEET_JSON`` (default: bench/fleet-8.json, bench/fleet.py's own run at 8 nodes) also
+``--validate FLEET_JSON`` (default: bench/fleet-8-cpu.json, bench/fleet.py's own run at 8 nodes) also
 simulates bench/fleet.py's run (its nodes, model and origin rate) and compares with what the real
 agents did: ``validated_against_fleet`` is true when both figures (time as a multiple of one node,
-origin bytes as a multiple of the model) are within 15 % of the real ones (``validation``).
+origin bytes as a multiple of the model) are within 15 % of the real ones (``validation``). That
+world is the run's machine: its cores, the share of a core its probe measured, the CPU per byte
+its agents used (``cpu_costs``; ``--cpu-costs FLEET_JSON`` takes them from another run instead).
 
     .venv/bin/python bench/swarm_sim.py --nodes 1000 --zones 3 [--size 2Gi] [--json FILE]
 """
@@ -278,10 +285,10 @@ class World:
     #: no CPU model (CPU never the limit).
     cpus: float = 0.0
     cpu_shared: bool = False
-    #: With ``cpu_shared``: the machine's other runnable load (its load average before the run);
-    #: the agents get ``cpus * nodes / (nodes + cpu_background)`` of its cores, a fair share per
-    #: runnable process.
-    cpu_background: float = 0.0
+    #: With ``cpu_shared``: the share of a core one more process got on the machine before the
+    #: agents worked (measured by bench/fleet.py's probe); ``shared_cores`` says what the agents
+    #: get together once they all run. 0: the machine is theirs alone.
+    cpu_share: float = 0.0
     cpu_pull: float = 0.0
     cpu_serve: float = 0.0
     settings: dict[str, Any] = field(default_factory=dict)
@@ -667,6 +674,17 @@ class Node:
             cond.notify_all(self.sim)  # type: ignore[attr-defined]
 
 
+def shared_cores(cpus: float, share: float, agents: int) -> float:
+    """Cores ``agents`` runnable processes get together on ``cpus`` cores where one more process
+    got ``share`` of a core (0: all of them). The scheduler shares the cores fairly among runnable
+    processes: ``share = cpus / (others + 1)`` says how many others run (an agent's Python is one
+    runnable thread most of the time: the GIL), and the agents add theirs."""
+    if share <= 0:
+        return cpus
+    others = max(0.0, cpus / share - 1)
+    return cpus * agents / (others + agents)
+
+
 def simulate(world: World, limit: float = 36000.0) -> dict[str, Any]:
     """Run the swarm; returns when every node holds the model."""
     sim = Sim()
@@ -679,8 +697,9 @@ def simulate(world: World, limit: float = 36000.0) -> dict[str, Any]:
     Node.world_links = pair
     directory = Directory(sim, world)
     nodes: dict[str, Node] = {}
-    machine = Link(world.cpus * world.nodes / (world.nodes + world.cpu_background), "cpu") \
-        if world.cpus > 0 and world.cpu_shared else None
+    machine = None
+    if world.cpus > 0 and world.cpu_shared:
+        machine = Link(shared_cores(world.cpus, world.cpu_share, world.nodes), "cpu")
     for i in range(world.nodes):
         z = i % world.zones
         node = Node(sim, world, i, z, directory, nodes, [total, zone_origin[z]])
@@ -719,7 +738,7 @@ def scenario(world: World) -> dict[str, Any]:
         "inter_zone_bytes_vs_model": round(swarm["inter_zone_bytes"] / world.size, 3),
         "most_polled_by": swarm["most_polled_by"], "most_polling": swarm["most_polling"],
         "events": swarm["events"], "wall_seconds": swarm["wall_seconds"],
-        "cpu_model": {"cores": world.cpus, "shared": world.cpu_shared, "background_load": world.cpu_background,
+        "cpu_model": {"cores": world.cpus, "shared": world.cpu_shared, "share_per_agent": world.cpu_share,
                       "cpu_s_per_gib_in": round(world.cpu_pull * (1 << 30), 3),
                       "cpu_s_per_gib_sent": round(world.cpu_serve * (1 << 30), 3)} if world.cpus > 0 else None,
     }
@@ -734,16 +753,19 @@ def model_sizes(total: int, shards: int) -> tuple[int, ...]:
 
 
 #: A fleet's CPU (the CLI's default): each node its own cores, as many as deploy/'s agent may use
-#: (deploy/agent/daemonset.yaml: limits cpu 2), at the per-byte costs bench/fleet.py measured
-#: (bench/fleet-8.json: ``cpu_costs``; CPU-s per GiB).
+#: (deploy/agent/daemonset.yaml: limits cpu 2). CPU-s per GiB taken in: the agent's pull at a
+#: 1-CPU quota (docs/benchmarks.md, issue 28: 0.79). Per GiB sent to a peer: that times what
+#: bench/fleet.py measured a sent byte to cost against a byte taken in (cpu_costs of
+#: bench/fleet-8-cpu.json: 4.15 / 8.14 CPU-s per GiB on the loaded 2-core machine,
+#: where a throttled origin's small reads make every byte dearer).
 NODE_CPUS = 2.0
-CPU_IN_PER_GIB = 0.0
-CPU_SENT_PER_GIB = 0.0
+CPU_IN_PER_GIB = 0.79
+CPU_SENT_PER_GIB = 0.40
 
 #: How close the simulation must come to bench/fleet.py's real run (both figures), relative.
 TOLERANCE = 0.15
 #: bench/fleet.py's own run at 8 nodes (README), what every run is validated against by default.
-FLEET_RESULT = REPO / "bench" / "fleet-8.json"
+FLEET_RESULT = REPO / "bench" / "fleet-8-cpu.json"
 
 
 def cpu_costs(fleet: dict[str, Any]) -> tuple[float, float]:
@@ -763,14 +785,15 @@ def fleet_world(fleet: dict[str, Any], base: World, cpu: tuple[float, float] | N
     """bench/fleet.py's world: its nodes in one zone, its model (a config and four shards), its
     origin throttled to ``origin_rate`` in all (a local moto: no cap per connection), the agent's
     --chunk-size there (16 MiB, bench/fleet.AGENT_FLAGS), and its agents on one machine's cores
-    (``cpus``, less the load it had before: ``load_average_start``) at the per-byte costs ``cpu``
-    (default: those of the run itself, ``cpu_costs``; none when it did not record them)."""
-    if cpu is None and "agent_cpu_seconds_direct" in fleet and "peer_bytes_p2p" in fleet:
+    (``cpus``; each agent the share of a core bench/fleet.py's probe measured just before the run
+    with peers, ``cpu_share_p2p``) at the per-byte costs ``cpu`` (default: those of the run
+    itself, ``cpu_costs``; no CPU model when it did not record them)."""
+    if cpu is None and {"agent_cpu_seconds_direct", "peer_bytes_p2p", "cpu_share_p2p"} <= set(fleet):
         cpu = cpu_costs(fleet)
     machine: dict[str, Any] = {"cpus": 0.0}
     if cpu is not None:
         machine = {"cpus": float(fleet.get("cpus") or os.cpu_count() or 1), "cpu_shared": True,
-                   "cpu_background": float((fleet.get("load_average_start") or [0.0])[0]),
+                   "cpu_share": float(fleet["cpu_share_p2p"]),
                    "cpu_pull": cpu[0], "cpu_serve": cpu[1]}
     return World(**{**base.__dict__, "nodes": int(fleet["nodes"]), "zones": 1,
                     "files": model_sizes(int(fleet["model_bytes"]), 4), "origin_total": float(fleet["origin_rate"]),
@@ -786,7 +809,7 @@ def validate(fleet: dict[str, Any], base: World, cpu: tuple[float, float] | None
     simulated = {"time_vs_single": sim["time_vs_single"], "origin_vs_model": sim["origin_per_zone_vs_model"]}
     error = {k: round(abs(simulated[k] / real[k] - 1), 3) for k in real}
     return {"nodes": fleet["nodes"], "fleet": {k: round(v, 3) for k, v in real.items()}, "simulated": simulated,
-            "cpu_model": {"cores": world.cpus, "background_load": world.cpu_background,
+            "cpu_model": {"cores": world.cpus, "share_per_agent": world.cpu_share,
                           "cpu_s_per_gib_in": round(world.cpu_pull * (1 << 30), 3),
                           "cpu_s_per_gib_sent": round(world.cpu_serve * (1 << 30), 3)} if world.cpus else None,
             "relative_error": error, "within": TOLERANCE, "ok": all(e <= TOLERANCE for e in error.values())}
@@ -814,12 +837,14 @@ def main() -> None:
                     help="cores per node (default: deploy/'s agent limit), in all with --cpus-shared; 0: no CPU model")
     ap.add_argument("--cpus-shared", action="store_true",
                     help="every node's agent on one machine's --cpus cores (as bench/fleet.py's run)")
-    ap.add_argument("--cpu-background", type=float, default=0.0,
-                    help="with --cpus-shared: the machine's other runnable load (its load average)")
+    ap.add_argument("--cpu-share", type=float, default=0.0,
+                    help="with --cpus-shared: the share of a core one more process gets (bench/fleet.py's probe)")
     ap.add_argument("--cpu-in", type=float, default=CPU_IN_PER_GIB, help="CPU-s per GiB a node takes in")
     ap.add_argument("--cpu-sent", type=float, default=CPU_SENT_PER_GIB, help="CPU-s per GiB a node sends to a peer")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--cpu-costs", type=Path, help="bench/fleet.py --json output whose CPU per byte the validation "
+                    "uses (default: the validated run's own)")
     ap.add_argument("--validate", type=Path, default=FLEET_RESULT,
                     help="bench/fleet.py --json output to validate against (default: %(default)s; 'none': skip)")
     args = ap.parse_args()
@@ -832,14 +857,15 @@ def main() -> None:
                   workers=args.workers, origin_stream=rate(args.origin_stream), origin_zone=rate(args.origin_zone),
                   origin_total=rate(args.origin_total), nic=rate(args.nic), inter_zone=rate(args.inter_zone),
                   latency=args.latency, inter_zone_latency=args.inter_zone_latency, seed=args.seed,
-                  cpus=args.cpus, cpu_shared=args.cpus_shared, cpu_background=args.cpu_background,
+                  cpus=args.cpus, cpu_shared=args.cpus_shared, cpu_share=args.cpu_share,
                   cpu_pull=args.cpu_in / (1 << 30), cpu_serve=args.cpu_sent / (1 << 30))
     out = scenario(world)
     out["validated_against_fleet"] = None
     if str(args.validate) != "none":
         if not args.validate.is_file():
             ap.error(f"--validate {args.validate}: no such file (bench/fleet.py --nodes 8 --json FILE writes one)")
-        check = validate(json.loads(args.validate.read_text()), world)
+        costs = cpu_costs(json.loads(args.cpu_costs.read_text())) if args.cpu_costs else None
+        check = validate(json.loads(args.validate.read_text()), world, costs)
         out["validation"] = check
         out["validated_against_fleet"] = check["ok"]
     out["load_average"] = round(os.getloadavg()[0], 1)

@@ -20,13 +20,12 @@ that picks its own chunk order (peers) parks only while a buffer is free and spi
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from tenacity import Retrying
@@ -34,22 +33,28 @@ from tenacity import Retrying
 from modelcache.diskio import ALIGN, BufferPool, FileWriter, direct_io_supported
 from modelcache.errors import CancelledError, IntegrityError, ModelcacheError, RateLimitedError, TransientError
 from modelcache.integrity import MultiHasher
-from modelcache.journal import Journal, JournalState
 from modelcache.progress import ProgressTracker, human_bytes, plural
-from modelcache.remote import Checksum, RangeStream, RemoteFile
+from modelcache.remote import RangeStream
 from modelcache.resources import ResourceError
 from modelcache.sources.base import Source
-from modelcache.transfer_control import SourceStats, StreamLimit, Watchdog, retry_policy
+from modelcache.transfer_control import SourceStats, StreamLimit, Watch, Watchdog, retry_policy
+from modelcache.transfer_files import (
+    PIECE,
+    READ_SIZE,
+    Chunk,
+    FetchedFile,
+    FileJob,
+    FileState,
+    MiB,
+    Slot,
+    Slots,
+    mismatch_cause,
+    progress_key,
+    sync_once,
+)
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
-PIECE = 4 * MiB  # written and journaled as it arrives: what a kill -9 can lose per chunk
-READ_SIZE = 1 * MiB  # at most per read (one recv on the HTTP path), hashed right after it
-#: Seconds a worker waits for a free buffer before the parked buffer furthest ahead of its file's
-#: hash cursor is spilled (hashed from disk later). Chunks of one file complete at about the same
-#: time, so the wait is short when the cursor's stream is healthy; this bounds it when it is not.
-SPILL_AFTER = 0.5
 #: Pending chunks of a file a source that picks its own order (peer transfer) chooses among.
 PICK_WINDOW = 64
 
@@ -91,140 +96,12 @@ class TransferOptions:
         )
 
 
-@dataclass
-class FileJob:
-    """One file to fetch: where from, where to, and which journal records it."""
-
-    source: Source
-    remote: RemoteFile
-    dest: str
-    journal: Journal
-    index: int  # the file's number in its journal
-    group: str  # failures cancel the other files of the same group (one model)
-    resume: JournalState = field(default_factory=JournalState)
-
-
-def _pkey(job: FileJob) -> str:
-    """Progress key: unique across the models of one pull (two can both have config.json)."""
-    return f"{job.group}\x00{job.remote.path}"
-
-
-@dataclass(frozen=True)
-class FetchedFile:
-    path: str  # relative, as listed
-    size: int
-    xxh3: str
-    verified: tuple[str, ...]  # source checksum algorithms the bytes matched
-    #: ``time.monotonic()`` when the file was complete (a model of a batch is ready when its last is).
-    finished: float = field(default_factory=time.monotonic, compare=False)
-
-
-@dataclass
-class _Chunk:
-    index: int
-    start: int
-    end: int
-    done: int = 0  # bytes already on disk from the start of the chunk
-
-    @property
-    def length(self) -> int:
-        return self.end - self.start
-
-
-def _mismatch_cause(expected: Checksum, got: list[str]) -> str:
-    """What a checksum that never matched most likely means, from where it came from and what
-    each attempt got."""
-    if expected.param("from") == "uri":
-        return (f"the file does not match the #{expected.algo}= pin written in the URI"
-                + (" (the server sent the same bytes every time)" if len(set(got)) == 1 and len(got) > 1 else "")
-                + ": check the digest in the URI")
-    if len(set(got)) == 1 and len(got) > 1:
-        return "the source sent the same bytes every time: the object is corrupt at the source"
-    return "the source object is corrupt or changed during download"
-
-
-class _Slot:
-    """A chunk's bytes in a pooled buffer, which holds chunk bytes ``base`` to ``base + window``.
-
-    A chunk whose worker owns the file's hash cursor from its start is written and hashed as it
-    arrives, so its buffer is reused from the start every PIECE (``window``): eight shards on
-    eight streams touch 8 x 4 MiB of buffers instead of 8 x 16 (first touches cost ~1.5 ms per
-    MiB in this VM, perf: clear_page and faults). Any other chunk fills its whole buffer, which
-    may have to wait (parked) for the cursor.
-    """
-
-    __slots__ = ("base", "buf", "chunk", "hashed", "pos", "view", "window", "written")
-
-    def __init__(self, chunk: _Chunk, buf: Any) -> None:
-        self.chunk = chunk
-        self.buf = buf
-        self.view = memoryview(buf)[: chunk.length]
-        self.base = 0
-        self.window = chunk.length
-        self.pos = self.written = self.hashed = 0  # chunk offsets: received, on disk, hashed
-
-    def space(self) -> memoryview:
-        """Where the next read goes: at most READ_SIZE, never past the chunk or the window."""
-        stop = min(self.chunk.length, self.pos + READ_SIZE, self.base + self.window)
-        return self.view[self.pos - self.base : stop - self.base]
-
-    def hash_into(self, hasher: MultiHasher) -> None:
-        """Hash what arrived since the last call (all of it once the cursor reached the chunk)."""
-        assert self.hashed >= self.base, "bytes left the window unhashed"
-        if self.pos > self.hashed:
-            hasher.update(self.view[self.hashed - self.base : self.pos - self.base])
-            self.hashed = self.pos
-
-    def write(self, writer: FileWriter, journal: Journal, index: int) -> None:
-        """Write what arrived (aligned for O_DIRECT unless the chunk is complete) and journal it."""
-        c = self.chunk
-        upto = self.pos if self.pos == c.length else self.pos - self.pos % ALIGN
-        writer.write(c.start + self.written, self.view[self.written - self.base : upto - self.base])
-        self.written = upto
-        journal.chunk(index, c.index, upto)
-        if self.window < c.length and self.pos == upto == self.hashed:
-            self.base = upto  # written and hashed: the window starts over at the buffer's start
-
-
-class _FileState:
-    def __init__(self, job: FileJob, chunk_size: int) -> None:
-        self.job = job
-        self.lock = threading.Lock()
-        self.writer: FileWriter | None = None
-        self.size = job.remote.size
-        self.streamed = not job.remote.ranged or self.size is None
-        self.chunks = self._plan(chunk_size)
-        self.pending: list[_Chunk] = []
-        self.active = 0
-        self.chunk_size = chunk_size
-        self.cursor = 0  # bytes hashed, in order
-        #: The chunk the cursor is in: its worker hashes each read as it arrives (see the module doc).
-        self.hash_owner: _Chunk | None = self.chunks[0] if self.chunks and not self.streamed else None
-        self.waiting: dict[int, tuple[_Chunk, Any]] = {}  # chunk start -> (chunk, parked buffer or None: spilled)
-        self.hasher: MultiHasher | None = None
-        self.attempts = 0
-        self.got: list[str] = []  # the digest each attempt that failed its checksum got
-        self.result: FetchedFile | None = None
-        self.error: BaseException | None = None
-        self.lost = False  # a flush of the file failed: its bytes on disk are not trusted
-
-    def _plan(self, chunk_size: int) -> list[_Chunk]:
-        if self.streamed:
-            return [_Chunk(0, 0, self.size if self.size is not None else -1)]
-        size = self.size or 0
-        return [_Chunk(i, s, min(s + chunk_size, size)) for i, s in enumerate(range(0, size, chunk_size))]
-
-    @property
-    def finished(self) -> bool:
-        return self.result is not None or self.error is not None
-
-
 class TransferEngine:
     def __init__(self, options: TransferOptions | None = None, progress: ProgressTracker | None = None) -> None:
         self.options = (options or TransferOptions()).normalized()
         self.progress = progress or ProgressTracker()
         self._cond = threading.Condition()
-        self._states: list[_FileState] = []
+        self._states: list[FileState] = []
         self._failed_groups: dict[str, BaseException] = {}
         self._direct: dict[str, bool] = {}
         self._cancel = threading.Event()
@@ -235,6 +112,7 @@ class TransferEngine:
         self.peak_streams = self.options.workers
         #: Per model (group): monotonic time of its first request and of its last byte on disk.
         self.windows: dict[str, list[float]] = {}
+        self._watchdog: Watchdog | None = None  # per run (run): aborts stalled streams
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -242,11 +120,10 @@ class TransferEngine:
             self._cond.notify_all()
         # A worker blocked in a read (a stalled server, a long run of chunks) would otherwise
         # only notice at its next request: up to the stall timeout, or a whole file, later.
-        watchdog = getattr(self, "_watchdog", None)
-        if watchdog is not None:
-            watchdog.abort_all()
+        if self._watchdog is not None:
+            self._watchdog.abort_all()
 
-    def _check_cancelled(self, st: _FileState) -> None:
+    def _check_cancelled(self, st: FileState) -> None:
         """Stop fetching for a cancelled run or a model that already failed (not retried)."""
         if self._cancel.is_set():
             raise CancelledError(f"{st.job.remote.path}: download cancelled (staged data kept for a resume)")
@@ -259,7 +136,7 @@ class TransferEngine:
     def run(self, jobs: list[FileJob]) -> tuple[dict[str, list[FetchedFile]], dict[str, BaseException]]:
         """Fetch every job; returns per-group results and per-group errors."""
         opts = self.options
-        self._states = [_FileState(j, opts.chunk_size) for j in jobs]
+        self._states = [FileState(j, opts.chunk_size) for j in jobs]
         for st in self._states:
             self._prepare(st)
         streams = opts.max_workers or opts.workers
@@ -273,7 +150,8 @@ class TransferEngine:
                 f"({getattr(exc, 'strerror', None) or type(exc).__name__}); lower the chunk size or the workers"
             ) from None
         self._pool = pool
-        self._watchdog = Watchdog(opts.stall_timeout)
+        self._slots = Slots(pool, self._states, self._cancel, self._all_done, self._check_cancelled)
+        self._watchdog = watchdog = Watchdog(opts.stall_timeout)
         syncer_stop = threading.Event()
         syncer = threading.Thread(target=self._sync_loop, args=(syncer_stop,), name="modelcache-sync", daemon=True)
         syncer.start()
@@ -307,8 +185,8 @@ class TransferEngine:
             # Files left unfinished (a failed or cancelled run) are flushed once more: a
             # write-back error since the last round must reach their journal before a resume
             # trusts its lines.
-            self._sync_once()
-            self._watchdog.stop()
+            sync_once(self._states)
+            watchdog.stop()
             for st in self._states:
                 if st.writer is not None:
                     st.writer.close()
@@ -323,7 +201,7 @@ class TransferEngine:
                 results.setdefault(st.job.group, []).append(st.result)
         return results, dict(self._failed_groups)
 
-    def _mark(self, st: _FileState, start: bool = False) -> None:
+    def _mark(self, st: FileState, start: bool = False) -> None:
         now = time.monotonic()
         window = self.windows.setdefault(st.job.group, [now, now])  # (dict ops are atomic under the GIL)
         if start:
@@ -338,7 +216,7 @@ class TransferEngine:
 
     # ---- planning -----------------------------------------------------------------------
 
-    def _prepare(self, st: _FileState) -> None:
+    def _prepare(self, st: FileState) -> None:
         job = st.job
         done = job.resume.files.get(job.index)
         if done is not None and os.path.exists(job.dest) and (st.size is None or os.path.getsize(job.dest) == st.size):
@@ -346,7 +224,7 @@ class TransferEngine:
             st.result = FetchedFile(job.remote.path, size, done[0], done[1])
             self.progress.add_total(size, 1)
             self.progress.skip(size)
-            self.progress.file_finished(_pkey(job))
+            self.progress.file_finished(progress_key(job))
             return
         already = 0
         if not st.streamed:
@@ -368,7 +246,7 @@ class TransferEngine:
             except BaseException as exc:
                 self._fail(st, exc)
 
-    def _open_writer(self, st: _FileState) -> FileWriter:
+    def _open_writer(self, st: FileState) -> FileWriter:
         if st.writer is None:
             d = os.path.dirname(st.job.dest)
             os.makedirs(d, exist_ok=True)
@@ -377,13 +255,13 @@ class TransferEngine:
                 self._direct[d] = direct_io_supported(d) if want is None else want
             st.writer = FileWriter(st.job.dest, st.size, self._direct[d])
             st.hasher = MultiHasher(st.job.remote.checksums, st.size)
-            self.progress.file_started(_pkey(st.job), st.size, sum(c.done for c in st.chunks),
+            self.progress.file_started(progress_key(st.job), st.size, sum(c.done for c in st.chunks),
                                        resumable=not st.streamed)
         return st.writer
 
     # ---- scheduling ---------------------------------------------------------------------
 
-    def _next(self) -> tuple[_FileState, list[_Chunk], Any] | None:
+    def _next(self) -> tuple[FileState, list[Chunk], Any] | None:
         """The next request: a run of consecutive fresh chunks of the least-served file, and the
         buffer for its first chunk.
 
@@ -400,24 +278,24 @@ class TransferEngine:
                     if task is not None:
                         buf = None  # handed out with the task
                         return task
-                buf = self._free_buffer()
+                buf = self._slots.free_buffer()
                 if buf is None:
                     return None
         finally:
             if buf is not None:
                 self._pool.release(buf)
 
-    def _take(self, buf: Any) -> tuple[_FileState, list[_Chunk], Any] | Literal["done"] | None:
+    def _take(self, buf: Any) -> tuple[FileState, list[Chunk], Any] | Literal["done"] | None:
         """Under the engine's lock: a task, "done", or None (a chunk is waiting for a buffer)."""
         while True:
             if self._cancel.is_set():
                 return "done"
             if self._busy >= self._limit.limit:  # more threads than allowed streams: wait
-                if all(st.finished or st.job.group in self._failed_groups for st in self._states):
+                if self._all_done():
                     return "done"
                 self._cond.wait(0.5)
                 continue
-            best: _FileState | None = None
+            best: FileState | None = None
             for st in self._states:
                 runnable = st.pending and not st.finished and st.job.group not in self._failed_groups
                 # A source's max_streams caps the requests open against it at once.
@@ -452,7 +330,7 @@ class TransferEngine:
                         run = run[: max(1, best.job.source.chunk_run(best.job.remote, [c.start for c in run]))]
                     del best.pending[first: first + len(run) - 1]  # the chunks after the first, taken
                 return best, run, buf
-            if all(st.finished or st.job.group in self._failed_groups for st in self._states):
+            if self._all_done():
                 return "done"
             self._cond.wait(0.5)
 
@@ -505,7 +383,7 @@ class TransferEngine:
                     self._source_busy[id(st.job.source)] -= 1
                     self._cond.notify_all()
 
-    def _fail(self, st: _FileState, exc: BaseException) -> None:
+    def _fail(self, st: FileState, exc: BaseException) -> None:
         with self._cond:
             st.error = exc
             self._failed_groups.setdefault(st.job.group, exc)
@@ -521,64 +399,6 @@ class TransferEngine:
                     other.waiting[start] = (c, None)
             for _, _, b in held:
                 self._pool.release(b)
-
-    # ---- buffers ------------------------------------------------------------------------
-
-    def _free_buffer(self) -> Any:
-        """Wait for a buffer (no chunk taken yet); spill a parked one after SPILL_AFTER."""
-        waited = 0.0
-        while not self._cancel.is_set():
-            buf = self._pool.acquire(0.05)
-            if buf is not None:
-                return buf
-            waited += 0.05
-            if waited >= SPILL_AFTER:
-                self._spill_one()
-                waited = 0.0
-            if all(st.finished or st.job.group in self._failed_groups for st in self._states):
-                return None
-        return None
-
-    def _acquire(self, st: _FileState, chunk: _Chunk) -> Any:
-        """A buffer for the next chunk of a run whose last one was parked.
-
-        Only the cursor's owner gives parked buffers back, so once ``chunk`` holds the cursor its
-        worker has the first claim on a released buffer (the owner releases the one it hashed
-        after handing the cursor on) and spills if none comes; any other waits up to
-        SPILL_AFTER for the owner to catch up."""
-        def owner() -> bool:
-            return st.hash_owner is chunk
-
-        waited = 0.0
-        while True:
-            buf = self._pool.acquire(0.05, urgent=owner)
-            if buf is not None:
-                return buf
-            self._check_cancelled(st)
-            waited += 0.05
-            if (owner() and waited >= 0.2) or waited >= SPILL_AFTER:
-                self._spill_one()
-                waited = 0.0
-
-    def _spill_one(self) -> None:
-        """Let go of the parked buffer furthest ahead of its file's hash cursor (needed last)."""
-        best: tuple[int, _FileState, int] | None = None
-        for other in self._states:
-            with other.lock:
-                for start, (_c, held) in other.waiting.items():
-                    if held is not None and (best is None or start - other.cursor > best[0]):
-                        best = (start - other.cursor, other, start)
-        if best is None:
-            return
-        _, other, start = best
-        with other.lock:
-            entry = other.waiting.get(start)
-            if entry is None or entry[1] is None:
-                return  # hashed (or spilled) meanwhile: the pool has a buffer again
-            other.waiting[start] = (entry[0], None)
-        log.debug("%s: no free buffer for %.1fs; bytes %d+ will be hashed from disk",
-                  other.job.remote.path, SPILL_AFTER, start)
-        self._pool.release(entry[1])
 
     # ---- fetching -----------------------------------------------------------------------
 
@@ -599,7 +419,7 @@ class TransferEngine:
         return TransientError(f"{path}: no data for {self.options.stall_timeout:.0f}s (stalled; a slow link may "
                               "need a larger --stall-timeout)")
 
-    def _read_into(self, st: _FileState, stream: RangeStream, view: memoryview, entry: list[Any]) -> int:
+    def _read_into(self, st: FileState, stream: RangeStream, view: memoryview, watch: Watch) -> int:
         path = st.job.remote.path
         self._check_cancelled(st)
         try:
@@ -608,121 +428,32 @@ class TransferEngine:
             self._check_cancelled(st)  # the read failed because cancel() aborted the stream
             if isinstance(exc, ModelcacheError):
                 raise
-            if entry[2]:
+            if watch.stalled:
                 raise self._stalled(path) from exc
             if isinstance(exc, OSError):
                 raise TransientError(f"{path}: connection error: {exc}") from exc
             raise
         self._check_cancelled(st)  # an aborted stream may also just end early
-        if entry[2]:
+        if watch.stalled:
             raise self._stalled(path)
-        entry[1] = time.monotonic()
+        watch.last = time.monotonic()
         return n
 
-    def _begin(self, st: _FileState, c: _Chunk, writer: FileWriter, buf: Any = None) -> _Slot:
-        slot = _Slot(c, buf if buf is not None else self._acquire(st, c))
-        if c.done:
-            # On disk from an earlier run: in-order hashing needs it in memory.
-            if writer.read(c.start, slot.view[: c.done]) != c.done:
-                c.done = 0
-            slot.pos = slot.written = c.done
-        elif st.hash_owner is c:  # stays ours until the chunk is done: only its owner moves it
-            slot.window = PIECE
-        return slot
+    def _chunk_done(self, st: FileState, slot: Slot) -> bool:
+        """A chunk is on disk: hash it if the cursor is in it, else park its buffer (True)."""
+        parked, complete = st.chunk_done(slot, self._pool, lambda: st.job.group in self._failed_groups)
+        if complete:
+            self._finish_file(st)
+        return parked
 
-    def _fetch_run(self, st: _FileState, run: list[_Chunk], writer: FileWriter, buf: Any) -> None:
-        """Fetch consecutive chunks through as few requests as possible, one buffer per chunk
-        (``buf`` for the first; one hashed at once is reused for the next).
+    def _all_done(self) -> bool:
+        return all(st.finished or st.job.group in self._failed_groups for st in self._states)
 
-        Bytes already in a buffer survive a failed attempt: the retry asks only for the rest.
-        """
-        path = st.job.remote.path
-        key = _pkey(st.job)
-        stats = self._stats(st.job.source)
-        end = run[-1].end
-        i = 0
-        slot: _Slot | None = None
-        stream: RangeStream | None = None
-        entry: list[Any] = []
-        opened = first_byte = 0.0
-        got = 0
+    def _fetch_run(self, st: FileState, run: list[Chunk], writer: FileWriter, buf: Any) -> None:
+        """Fetch consecutive chunks through as few requests as possible (``_RunFetch``)."""
+        _RunFetch(self, st, run, writer, buf).fetch()
 
-        def close_stream() -> None:
-            nonlocal stream
-            if stream is not None:
-                self._watchdog.unwatch(entry)
-                stream.close()
-                stream = None
-
-        def position() -> int:
-            return run[i].start + (slot.pos if slot is not None else 0) if i < len(run) else end
-
-        try:
-            slot = self._begin(st, run[0], writer, buf)
-        except BaseException:
-            self._pool.release(buf)
-            raise
-        try:
-            for attempt in self._retrying(f"{path} bytes {run[0].start}-{end}", position):
-                with attempt:
-                    try:
-                        while i < len(run):
-                            c = run[i]
-                            assert slot is not None
-                            if slot.pos < c.length and stream is None:
-                                self._check_cancelled(st)
-                                opened = time.monotonic()
-                                self._mark(st, start=True)
-                                stream = st.job.source.open_range(st.job.remote, c.start + slot.pos, end)
-                                entry = self._watchdog.watch(stream)
-                                first_byte = 0.0
-                                got = 0
-                            while slot.pos < c.length:
-                                assert stream is not None
-                                n = self._read_into(st, stream, slot.space(), entry)
-                                if n == 0:
-                                    raise TransientError(
-                                        f"{path}: short read at byte {c.start + slot.pos} (expected up to {end})"
-                                    )
-                                if not got:
-                                    first_byte = time.monotonic()
-                                got += n
-                                slot.pos += n
-                                if st.hash_owner is c:  # the cursor is here: hash while in cache
-                                    assert st.hasher is not None
-                                    slot.hash_into(st.hasher)
-                                self.progress.advance(key, n)
-                                if slot.pos - slot.written >= PIECE and slot.pos < c.length:
-                                    slot.write(writer, st.job.journal, st.job.index)
-                            if slot.written < c.length:
-                                slot.write(writer, st.job.journal, st.job.index)
-                            c.done = c.length
-                            self._mark(st)
-                            # The buffer goes back to the pool unless it was parked, also when
-                            # completing the chunk raises (a final checksum mismatch, a failed
-                            # fsync): a leaked buffer shrinks the pool for the rest of the run,
-                            # and once spares + 1 are lost a worker waits for buffers for ever.
-                            done, slot, parked = slot, None, False
-                            reuse = None
-                            try:
-                                parked = self._chunk_done(st, done)
-                                if not parked and i + 1 < len(run):
-                                    reuse = done.buf
-                            finally:
-                                if not parked and reuse is None:
-                                    self._pool.release(done.buf)
-                            i += 1
-                            if i < len(run):
-                                slot = self._begin(st, run[i], writer, reuse)
-                        if stream is not None and got:
-                            stats.observe(first_byte - opened, got, time.monotonic() - first_byte)
-                    finally:
-                        close_stream()
-        finally:
-            if slot is not None:
-                self._pool.release(slot.buf)
-
-    def _fetch_stream(self, st: _FileState, writer: FileWriter, buf: Any) -> None:
+    def _fetch_stream(self, st: FileState, writer: FileWriter, buf: Any) -> None:
         """A file the backend cannot range: one sequential stream, hashed inline, restarted on error."""
         view = memoryview(buf)
         path = st.job.remote.path
@@ -730,30 +461,31 @@ class TransferEngine:
             total = 0
             for attempt in self._retrying(path):
                 with attempt:
-                    self.progress.rewind(_pkey(st.job), total)
+                    self.progress.rewind(progress_key(st.job), total)
                     total = 0
                     st.hasher = MultiHasher(st.job.remote.checksums, st.size)
                     self._check_cancelled(st)
                     self._mark(st, start=True)
                     stream = st.job.source.open_range(st.job.remote, 0, None)
-                    entry = self._watchdog.watch(stream)
+                    assert self._watchdog is not None
+                    watch = self._watchdog.watch(stream)
                     try:
                         while True:
                             fill = 0
                             while fill < len(view):
-                                n = self._read_into(st, stream, view[fill : fill + READ_SIZE], entry)
+                                n = self._read_into(st, stream, view[fill : fill + READ_SIZE], watch)
                                 if n == 0:
                                     break
                                 st.hasher.update(view[fill : fill + n])  # while in cache
                                 fill += n
-                                self.progress.advance(_pkey(st.job), n)
+                                self.progress.advance(progress_key(st.job), n)
                             if fill:
                                 writer.write(total, view[:fill])
                                 total += fill
                             if fill < len(view):
                                 break
                     finally:
-                        self._watchdog.unwatch(entry)
+                        self._watchdog.unwatch(watch)
                         stream.close()
                     if st.size is not None and total != st.size:
                         raise TransientError(f"{path}: got {total} bytes, expected {st.size} (truncated)")
@@ -764,75 +496,11 @@ class TransferEngine:
                 self.progress.add_total(total)
             if self._finish_file(st):
                 return
-            self.progress.rewind(_pkey(st.job), total)
+            self.progress.rewind(progress_key(st.job), total)
 
     # ---- in-order hashing and completion ------------------------------------------------
 
-    def _chunk_done(self, st: _FileState, slot: _Slot) -> bool:
-        """A chunk is on disk: hash it if the cursor is in it, else park its buffer (True)."""
-        chunk = slot.chunk
-        with st.lock:
-            if st.hash_owner is not chunk:
-                # A failed model's file is never hashed further: its buffer goes back at once
-                # (checked under the lock that _fail takes after marking the model failed). A
-                # source that picks its own order (peers) may fill the pool with chunks far
-                # ahead: those park only while a buffer is free, so its workers never wait.
-                parked = st.job.group not in self._failed_groups and (
-                    not st.job.source.picks_chunks or self._pool.available() > 0)
-                st.waiting[chunk.start] = (chunk, slot.buf if parked else None)
-                return parked
-        assert st.hasher is not None
-        slot.hash_into(st.hasher)
-        self._advance(st, chunk.end)
-        return False
-
-    def _advance(self, st: _FileState, cursor: int) -> None:
-        """Move the hash cursor past chunks that completed ahead of it, then hand it to the chunk
-        it stops in (whose worker hashes from there as its bytes arrive). Run by the cursor's
-        owner only, so the hasher is never touched by two threads and never under a lock. A
-        hashed buffer goes back to the pool only after the cursor moved on: the next owner may
-        be waiting for it (BufferPool's urgent waiters)."""
-        spent: Any = None
-        try:
-            while True:
-                with st.lock:
-                    st.cursor = cursor
-                    if st.size is not None and cursor >= st.size:
-                        st.hash_owner = None
-                        break
-                    ahead = st.waiting.pop(cursor, None)
-                    st.hash_owner = st.chunks[cursor // st.chunk_size] if ahead is None else ahead[0]
-                if spent is not None:
-                    self._pool.release(spent)
-                    spent = None
-                if ahead is None:
-                    return
-                c, held = ahead
-                assert st.hasher is not None
-                if held is not None:
-                    spent = held
-                    st.hasher.update(memoryview(held)[: c.length])
-                else:
-                    self._hash_from_disk(st, c)
-                cursor = c.end
-        finally:
-            if spent is not None:
-                self._pool.release(spent)
-        self._finish_file(st)
-
-    def _hash_from_disk(self, st: _FileState, c: _Chunk) -> None:
-        assert st.hasher is not None and st.writer is not None
-        scratch = bytearray(min(PIECE, max(c.length, 1)))
-        view = memoryview(scratch)
-        off = c.start
-        while off < c.end:
-            n = st.writer.read(off, view[: min(len(view), c.end - off)])
-            if n == 0:
-                raise IntegrityError(f"{st.job.remote.path}: file shorter than expected at byte {off}")
-            st.hasher.update(view[:n])
-            off += n
-
-    def _finish_file(self, st: _FileState) -> bool:
+    def _finish_file(self, st: FileState) -> bool:
         """Check the file's checksums; publish its result, or queue it again (False)."""
         job = st.job
         path = job.remote.path
@@ -857,7 +525,7 @@ class TransferEngine:
                 expected, actual = bad[0]
                 st.got.append(actual)
                 raise IntegrityError(f"{path}: {expected.algo} mismatch after {tries}: expected {expected.value}, "
-                                     f"got {actual}; {_mismatch_cause(expected, st.got)}")
+                                     f"got {actual}; {mismatch_cause(expected, st.got)}")
             if bad:
                 expected, actual = bad[0]
                 st.got.append(actual)
@@ -868,7 +536,7 @@ class TransferEngine:
                 log.warning("%s: %s; fetching the file again", path, distrust)
             job.journal.file_reset(job.index)
             if not st.streamed:
-                self.progress.rewind(_pkey(job), st.size or 0)
+                self.progress.rewind(progress_key(job), st.size or 0)
                 st.hasher = MultiHasher(job.remote.checksums, st.size)
                 st.cursor = 0
                 st.hash_owner = st.chunks[0]
@@ -882,70 +550,140 @@ class TransferEngine:
         try:
             st.writer.sync()
         except ModelcacheError:
-            self._writeback_failed(st)
+            st.forget_lost()
             raise
         verified = tuple(c.algo for c in st.hasher.expected)
         result = FetchedFile(path, st.size or 0, st.hasher.local_hexdigest(), verified)
         job.journal.file_done(job.index, result.xxh3, verified)
         st.writer.close()
         st.writer = None
-        self.progress.file_finished(_pkey(job))
+        self.progress.file_finished(progress_key(job))
         with self._cond:
             st.result = result
             self._cond.notify_all()
         return True
 
     def _sync_loop(self, stop: threading.Event) -> None:
-        """Make journaled pieces durable every few seconds, then mark the journal."""
+        """Make journaled pieces durable every few seconds, then mark the journals (sync_once)."""
         while not stop.wait(self.options.sync_interval):
-            self._sync_once()
+            sync_once(self._states)
 
-    def _sync_once(self) -> None:
-        # Each journal is marked *before* its files are synced: a piece journaled while they
-        # sync may not be in what the sync wrote, and after a reboot a mark is all that says a
-        # line's data is on disk. Files of a failed model stay open and are synced too (their
-        # chunks are resumed); a finished file was fsynced before its ``F`` line.
-        marks: dict[int, tuple[Journal, int]] = {}
-        for st in self._states:
-            journal = st.job.journal
-            if id(journal) not in marks:
-                marks[id(journal)] = (journal, journal.mark())
-        synced: set[int] = set()
-        failed: set[int] = set()
-        for st in self._states:
-            w = st.writer
-            if w is None or st.result is not None:
-                continue
-            try:
-                w.datasync()
-                synced.add(id(st.job.journal))
-            except ModelcacheError as exc:
-                # The kernel reports a write-back error once per descriptor: the writer keeps it
-                # (its next write or its final fsync raises it) and the journal forgets the
-                # file, whose pieces on disk may be zeros. Swallowed here, the final fsync
-                # returned 0 and the file was published with holes.
-                failed.add(id(st.job.journal))
-                if self._writeback_failed(st):
-                    log.error("%s", exc)
-        for jid in synced - failed:
-            journal, upto = marks[jid]
-            try:
-                journal.synced(upto)
-            except ModelcacheError:
-                pass  # a full disk: the workers report it; a missing mark only costs a refetch
 
-    def _writeback_failed(self, st: _FileState) -> bool:
-        """Forget a file whose flush failed; True the first time (for one log line per file)."""
-        with st.lock:
-            first = not st.lost
-            st.lost = True
-        if first:
-            st.job.journal.file_lost(st.job.index)
-            # A new file for the next run, not the same inode again: after a failed write-back
-            # ext4 can leave the range's extents unwritten on disk while it no longer converts
-            # them, so rewriting the same file and fsyncing it (0) still read back as zeros
-            # after a remount (seen with tests/test_writeback_error.py). Writers of this run
-            # keep their descriptor and fail on their next write.
-            with contextlib.suppress(OSError):
-                os.unlink(st.job.dest)
-        return first
+class _RunFetch:
+    """One run of consecutive chunks of one file, fetched through as few requests as possible,
+    one buffer per chunk (the run's first comes with it; one hashed at once is reused for the next).
+
+    Bytes already in a buffer survive a failed attempt: the retry asks only for the rest, from
+    ``position()``. Fields: the chunk the run is in (``i``) and its ``slot``, the open ``stream``
+    and its ``watch``, and the request's timing (``opened``, ``first_byte``, ``got``) for SourceStats.
+    """
+
+    def __init__(self, engine: TransferEngine, st: FileState, run: list[Chunk], writer: FileWriter,
+                 buf: Any) -> None:
+        self.engine, self.st, self.run, self.writer = engine, st, run, writer
+        self.end = run[-1].end
+        self.key = progress_key(st.job)
+        self.i = 0
+        self.slot: Slot | None = None
+        self.stream: RangeStream | None = None
+        self.watch: Watch | None = None
+        self.opened = self.first_byte = 0.0
+        self.got = 0
+        try:
+            self.slot = engine._slots.slot(st, run[0], writer, buf)
+        except BaseException:
+            engine._pool.release(buf)
+            raise
+
+    def position(self) -> int:
+        """How far the run got: a retry that moved it forward starts a new streak (retry_policy)."""
+        if self.i >= len(self.run):
+            return self.end
+        return self.run[self.i].start + (self.slot.pos if self.slot is not None else 0)
+
+    def fetch(self) -> None:
+        engine, st = self.engine, self.st
+        try:
+            for attempt in engine._retrying(f"{st.job.remote.path} bytes {self.run[0].start}-{self.end}",
+                                            self.position):
+                with attempt:
+                    try:
+                        while self.i < len(self.run):
+                            self.fill(self.run[self.i])
+                            self.finish_chunk()
+                        if self.stream is not None and self.got:
+                            engine._stats(st.job.source).observe(self.first_byte - self.opened, self.got,
+                                                                 time.monotonic() - self.first_byte)
+                    finally:
+                        self.close()
+        finally:
+            if self.slot is not None:
+                engine._pool.release(self.slot.buf)
+
+    def open(self, c: Chunk, slot: Slot) -> RangeStream:
+        """A request for the rest of the run, from where the chunk's slot stopped."""
+        engine, st = self.engine, self.st
+        engine._check_cancelled(st)
+        self.opened = time.monotonic()
+        engine._mark(st, start=True)
+        stream = self.stream = st.job.source.open_range(st.job.remote, c.start + slot.pos, self.end)
+        assert engine._watchdog is not None
+        self.watch = engine._watchdog.watch(stream)
+        self.first_byte, self.got = 0.0, 0
+        return stream
+
+    def fill(self, c: Chunk) -> None:
+        """Read the chunk into its slot, hashing where the cursor is and writing every PIECE."""
+        engine, st, slot = self.engine, self.st, self.slot
+        assert slot is not None
+        stream = self.stream
+        if slot.pos < c.length and stream is None:
+            stream = self.open(c, slot)
+        while slot.pos < c.length:
+            assert stream is not None and self.watch is not None
+            n = engine._read_into(st, stream, slot.space(), self.watch)
+            if n == 0:
+                raise TransientError(f"{st.job.remote.path}: short read at byte {c.start + slot.pos} "
+                                     f"(expected up to {self.end})")
+            if not self.got:
+                self.first_byte = time.monotonic()
+            self.got += n
+            slot.pos += n
+            if st.hash_owner is c:  # the cursor is here: hash while in cache
+                assert st.hasher is not None
+                slot.hash_into(st.hasher)
+            engine.progress.advance(self.key, n)
+            if slot.pos - slot.written >= PIECE and slot.pos < c.length:
+                slot.write(self.writer, st.job.journal, st.job.index)
+        if slot.written < c.length:
+            slot.write(self.writer, st.job.journal, st.job.index)
+
+    def finish_chunk(self) -> None:
+        """The chunk is on disk: hash or park it, and begin the run's next chunk."""
+        engine, st = self.engine, self.st
+        c = self.run[self.i]
+        c.done = c.length
+        engine._mark(st)
+        # The buffer goes back to the pool unless it was parked, also when completing the chunk
+        # raises (a final checksum mismatch, a failed fsync): a leaked buffer shrinks the pool for
+        # the rest of the run, and once spares + 1 are lost a worker waits for buffers for ever.
+        done, self.slot, parked = self.slot, None, False
+        assert done is not None
+        reuse = None
+        try:
+            parked = engine._chunk_done(st, done)
+            if not parked and self.i + 1 < len(self.run):
+                reuse = done.buf
+        finally:
+            if not parked and reuse is None:
+                engine._pool.release(done.buf)
+        self.i += 1
+        if self.i < len(self.run):
+            self.slot = engine._slots.slot(st, self.run[self.i], self.writer, reuse)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            assert self.engine._watchdog is not None and self.watch is not None
+            self.engine._watchdog.unwatch(self.watch)
+            self.stream.close()
+            self.stream = None

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from tenacity import RetryCallState, Retrying, retry_if_exception
@@ -46,47 +47,56 @@ class SourceStats:
                 self.run_length //= 2
 
 
+@dataclass(eq=False, slots=True)
+class Watch:
+    """One stream the watchdog watches: when its reader last got bytes, and whether it was aborted
+    for a stall (its reader then raises a stall error, not the stream's own)."""
+
+    stream: RangeStream
+    last: float = field(default_factory=time.monotonic)
+    stalled: bool = False
+
+    def abort(self) -> None:
+        try:
+            self.stream.abort()
+        except Exception:  # the stream is being torn down either way
+            pass
+
+
 class Watchdog:
     """Aborts streams that delivered no bytes for ``timeout`` seconds (the stall timeout)."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._streams: dict[int, list[Any]] = {}  # id -> [stream, last_progress, stalled]
+        self._watches: set[Watch] = set()
         self._loop = Loop("modelcache-watchdog", self._check, min(1.0, timeout / 4), at_start=False).start()
 
-    def watch(self, stream: RangeStream) -> list[Any]:
-        entry = [stream, time.monotonic(), False]
+    def watch(self, stream: RangeStream) -> Watch:
+        watch = Watch(stream)
         with self._lock:
-            self._streams[id(entry)] = entry
-        return entry
+            self._watches.add(watch)
+        return watch
 
-    def unwatch(self, entry: list[Any]) -> None:
+    def unwatch(self, watch: Watch) -> None:
         with self._lock:
-            self._streams.pop(id(entry), None)
+            self._watches.discard(watch)
 
     def _check(self) -> None:
         now = time.monotonic()
         with self._lock:
-            stalled = [e for e in self._streams.values() if not e[2] and now - e[1] > self.timeout]
-            for e in stalled:
-                e[2] = True
-        for e in stalled:
-            self._abort(e)
-
-    @staticmethod
-    def _abort(entry: list[Any]) -> None:
-        try:
-            entry[0].abort()
-        except Exception:  # the stream is being torn down either way
-            pass
+            stalled = [w for w in self._watches if not w.stalled and now - w.last > self.timeout]
+            for w in stalled:
+                w.stalled = True
+        for w in stalled:
+            w.abort()
 
     def abort_all(self) -> None:
         """Wake every reader blocked in a stream (cancel): they must not wait for the stall timeout."""
         with self._lock:
-            entries = list(self._streams.values())
-        for e in entries:
-            self._abort(e)
+            watches = list(self._watches)
+        for w in watches:
+            w.abort()
 
     def stop(self) -> None:
         self._loop.stop(timeout=0)  # never waits: a check in flight only aborts streams
@@ -94,6 +104,19 @@ class Watchdog:
 
 def retryable(exc: BaseException) -> bool:
     return isinstance(exc, ModelcacheError) and exc.retryable and not isinstance(exc, IntegrityError)
+
+
+class _Streak:
+    """Failures in a row without progress: a failure at a later position starts a new streak."""
+
+    def __init__(self, at: int) -> None:
+        self.failures, self.at = 0, at
+
+    def failed(self, now: int) -> int:
+        if now > self.at:
+            self.failures, self.at = 0, now
+        self.failures += 1
+        return self.failures
 
 
 def retry_policy(
@@ -111,23 +134,16 @@ def retry_policy(
     the count and the backoff, so a long run of chunks on a flaky link still completes
     while a dead server fails after a bounded time. 429s wait their Retry-After.
     """
-    streak = {"n": 0, "at": position() if position else 0}
-
-    def note_failure(state: RetryCallState) -> int:
-        now = position() if position else 0
-        if now > streak["at"]:
-            streak["n"], streak["at"] = 0, now
-        streak["n"] += 1
-        return streak["n"]
+    streak = _Streak(position() if position else 0)
 
     def stop(state: RetryCallState) -> bool:
-        return note_failure(state) >= max_attempts
+        return streak.failed(position() if position else 0) >= max_attempts
 
     def wait(state: RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome else None
         if isinstance(exc, RateLimitedError) and exc.retry_after:
             return min(exc.retry_after, 300.0)
-        return min(backoff_max, backoff_initial * (2 ** (streak["n"] - 1)))
+        return min(backoff_max, backoff_initial * (2 ** (streak.failures - 1)))
 
     def before_sleep(state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None

@@ -1,9 +1,9 @@
-"""KServe's ``localModelDownloadJob`` ClusterStorageContainers, for a URI none of our sources reads: the
-agent runs the container as KServe's agent does (a Job per model on that node, args ``[uri,
-/mnt/models]``, the model's folder of the node root mounted there), on the real control plane: the
-Job controller makes its pod, the scheduler binds it to the node; the test plays the kubelet (it
-writes what the container would and reports the pod's end). The model is then reported like any
-other: Downloading, Downloaded with a manifest, or an Error naming the Job."""
+"""KServe's ``localModelDownloadJob`` ClusterStorageContainers, for a URI none of our sources reads,
+before any pod runs: on the real control plane with the agent as a process and its Node an API
+object, a URI no container matches is an Error until one appears, and then its Job is made
+without an edit (the Job controller makes its pod, the scheduler binds it). The Job's pod run by
+a kubelet, its end reported: tests/test_realnodes_jobs.py (docs/test-cluster.md, "API-only Nodes
+and why")."""
 
 from __future__ import annotations
 
@@ -13,17 +13,14 @@ from typing import Any
 
 import pytest
 
-from modelcache.kube.client import CLUSTER_STORAGE_CONTAINERS, PODS, SECRETS
-from modelcache.store import NodeStore
+from modelcache.kube.client import CLUSTER_STORAGE_CONTAINERS, PODS
 from modelcache.uri import storage_key
 from tests.agent_util import (
     CRED_NS,
     apply_agent_daemonset,
     create_node,
-    create_secret,
     entry,
     kube_for,
-    node_status,
     start_agent,
     wait_states,
 )
@@ -65,77 +62,6 @@ def _job_pod(kube: Any, model: str, agent: Any) -> dict[str, Any]:
     return found[0]
 
 
-def _kubelet_ends(kube: Any, pod: dict[str, Any], exit_code: int) -> None:
-    """What the kubelet reports when the container ends."""
-    name = pod["metadata"]["name"]
-    c = pod["spec"]["containers"][0]["name"]
-    terminated = {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error"}
-    kube.patch_status(PODS, name, {"status": {
-        "phase": "Succeeded" if exit_code == 0 else "Failed",
-        "containerStatuses": [{"name": c, "image": "x", "imageID": "", "ready": False, "restartCount": 0,
-                               "state": {"terminated": terminated}}]}}, JOBS_NS)
-
-
-def test_a_custom_download_container_runs_as_a_job_on_the_node(cluster, tmp_path: Path) -> None:
-    cluster.register_node("gpu-1", {"kserve/localmodel": "worker"})
-    kube = kube_for(cluster)
-    _container(kube)
-    create_secret(kube, "storage-config", {"corp": '{"type": "s3", "access_key_id": "AK1"}'})
-    uri, bad_uri = "private://models/llama-7b", "corp+vault://models/broken"
-    root = tmp_path / "root"
-    create_node(kube, "gpu-1", [entry("llama", uri, storage={"key": "corp"}), entry("broken", bad_uri)])
-    apply_agent_daemonset(cluster, str(root))  # deploy/policies/agent-jobs.yaml reads the host path there
-    agent = start_agent(cluster.agent_kubeconfig, "gpu-1", root, tmp_path, "--host-path", str(root),
-                        "--job-namespace", JOBS_NS)
-    try:
-        pod = _job_pod(kube, "llama", agent)
-        spec = pod["spec"]
-        (c,) = spec["containers"]
-        key = storage_key(uri)
-        assert c["image"] == "registry.example.com/downloader:1" and c["args"] == [uri, "/mnt/models"]
-        assert {"name": "MIRROR", "value": "eu"} in c["env"]
-        assert {"name": "kserve-pvc-source", "mountPath": "/mnt/models", "subPath": f"models/{key}"} in \
-            c["volumeMounts"]
-        volumes = {v["name"]: v for v in spec["volumes"]}
-        assert volumes["kserve-pvc-source"]["hostPath"] == {"path": str(root), "type": "Directory"}
-        assert spec["nodeSelector"] == {"kubernetes.io/hostname": "gpu-1"} and spec["restartPolicy"] == "Never"
-        job = pod["metadata"]["labels"]["job-name"]
-        assert job.startswith("llama-gpu-1")
-        from agent.downloadjob import JOBS
-
-        (owner,) = kube.get(JOBS, job, JOBS_NS)["metadata"]["ownerReferences"]
-        assert (owner["kind"], owner["name"]) == ("LocalModelNode", "gpu-1")  # as KServe's Jobs
-        # The download's credentials (its storage spec), as environment variables from a Secret of
-        # the Job's name: never in the Job itself. Each under a key of its own (a variable such as
-        # "<host>:<port>-headers" is no valid Secret key).
-        (ref,) = [e["valueFrom"]["secretKeyRef"] for e in c["env"] if e["name"] == "STORAGE_CONFIG"]
-        assert ref["name"] == job and ref["key"] in (kube.get(SECRETS, job, JOBS_NS).get("data") or {})
-        assert "envFrom" not in c and spec["automountServiceAccountToken"] is False
-        assert "AK1" not in str(pod)
-        assert node_status(kube, "gpu-1")["modelStatus"]["llama"] == "ModelDownloading"
-
-        # The container writes the model into its /mnt/models, the folder of the node root.
-        folder = root / "models" / key
-        (folder / "weights").mkdir(parents=True)
-        (folder / "config.json").write_bytes(b"{}")
-        (folder / "weights" / "w.bin").write_bytes(os.urandom(100_000))
-        _kubelet_ends(kube, pod, 0)
-        status = wait_states(kube, "gpu-1", {"llama": "ModelDownloaded"}, agent=agent)
-        assert status["modelDetails"]["llama"]["bytesTotal"] == 100_002
-        store = NodeStore.at(root)
-        assert store.is_present(key) and store.verify(key) == []  # checked like any other model from now on
-
-        # A pod that fails: the model is an Error naming the Job (KServe: failed > 0).
-        bad = _job_pod(kube, "broken", agent)
-        _kubelet_ends(kube, bad, 1)
-        status = wait_states(kube, "gpu-1", {"broken": "ModelDownloadError"}, agent=agent)
-        message = status["modelDetails"]["broken"]["message"]
-        assert "download Job modelcache-jobs/broken-gpu-1" in message and "private-downloader" in message
-    finally:
-        agent.stop()
-    assert "AK1" not in agent.log()
-
-
 def test_without_a_matching_container_an_unknown_scheme_is_an_error_until_one_appears(cluster, tmp_path: Path) -> None:
     cluster.register_node("gpu-1", {"kserve/localmodel": "worker"})
     kube = kube_for(cluster)
@@ -150,6 +76,10 @@ def test_without_a_matching_container_an_unknown_scheme_is_an_error_until_one_ap
         _container(kube)
         _job_pod(kube, "m", agent)
         wait_states(kube, "gpu-1", {"m": "ModelDownloading"}, agent=agent)
+        # The folder its pod mounts is the agent's, group-writable for the pod's fsGroup: left to
+        # the kubelet it would be root's 0755 (tests/test_realnodes_jobs.py).
+        folder = tmp_path / "root" / "models" / storage_key("private://models/m")
+        assert folder.stat().st_mode & 0o7777 == 0o775 and folder.stat().st_uid == os.getuid()
     finally:
         agent.stop()
     assert CRED_NS  # the credentials namespace is deploy/'s

@@ -1,6 +1,7 @@
 """deploy/ on an empty real control plane: `kubectl apply -k deploy/` alone gives a working install
 (the coordinator makes its own webhook certificate and patches its CA in; the API server calls the
-webhooks through their Service), and `kubectl delete -k deploy/` with caches present completes.
+webhooks through their Service). `kubectl delete -k` with caches present runs on real nodes, where
+the kubelets stop our pods: tests/test_realnodes_deploy.py.
 
 No kubelet runs here: the coordinator is a process started with the Deployment's command, args and
 env and its ServiceAccount's token, and the webhook Service reaches it through an EndpointSlice to
@@ -9,31 +10,23 @@ this host's address (what the EndpointSlice controller would publish for a ready
 from __future__ import annotations
 
 import base64
-import contextlib
 import itertools
 import json
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import yaml
-from kubernetes.client.exceptions import ApiException
 
 from modelcache.kube.client import (
     LOCAL_MODEL_CACHES,
     LOCAL_MODEL_NAMESPACE_CACHES,
-    LOCAL_MODEL_NODES,
-    PERSISTENT_VOLUME_CLAIMS,
-    PERSISTENT_VOLUMES,
-    PODS,
     SECRETS,
     Kube,
 )
 from modelcache.kube.types import CACHE_FINALIZER, NAMESPACE_CACHE_FINALIZER
-from tests.cluster.baseline import REPO
-from tests.coordinator_util import agent_report, make_group, make_isvc, make_namespace
+from tests.coordinator_util import make_group, make_namespace
 from tests.deploy_util import DEPLOY, NAMESPACE, publish_webhook_endpoint, start_deployed_coordinator
 from tests.fixtures.cluster import Cluster
 from tests.helpers import wait_until
@@ -66,31 +59,6 @@ def webhook_secret(kube: Kube) -> dict[str, Any] | None:
     return kube.get_or_none(SECRETS, "modelcache-webhook-tls", NAMESPACE)
 
 
-@contextlib.contextmanager
-def kubelet_confirms_pod_deletions(kube: Kube) -> Iterator[None]:
-    """What the kubelets would do for our pods (the DaemonSet's and the Deployment's, bound to
-    registered Nodes): confirm a graceful deletion once the containers stopped. Without it no pod,
-    hence no namespace, ever finishes deleting here (docs/test-cluster.md)."""
-    stop = threading.Event()
-
-    def run() -> None:
-        while not stop.wait(0.5):
-            try:
-                for pod in kube.list(PODS, NAMESPACE).get("items") or []:
-                    if pod["metadata"].get("deletionTimestamp"):
-                        kube.delete(PODS, pod["metadata"]["name"], NAMESPACE, grace_period=0)
-            except ApiException:
-                pass  # the namespace is going; try again
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(5)
-
-
 def install(cluster: Cluster, tmp_path: Any) -> Any:
     """`kubectl apply -k deploy/`, then what the cluster would do: run the coordinator's pod."""
     cluster.kubectl("apply", "-k", str(DEPLOY))
@@ -100,7 +68,7 @@ def install(cluster: Cluster, tmp_path: Any) -> Any:
     return coordinator
 
 
-def test_apply_alone_installs_a_working_coordinator_and_delete_completes_with_caches(
+def test_apply_alone_installs_a_working_coordinator(
     cluster_factory: Callable[..., Cluster], tmp_path: Any
 ) -> None:
     cluster = cluster_factory(baseline=False)
@@ -122,51 +90,6 @@ def test_apply_alone_installs_a_working_coordinator_and_delete_completes_with_ca
         assert 'admission webhook "localmodelcache.modelcache.serving.kserve.io" denied the request' in dup.stderr
         assert f"LocalModelCache llm has the same StorageURI {URI}" in dup.stderr
 
-        # Caches the coordinator holds with finalizers, entries on the node, serving volumes.
-        cluster.kubectl("apply", "-f", str(REPO / "tests" / "cluster" / "crds"))  # KServe's InferenceService
-        cluster.kubectl("wait", "--for", "condition=Established", "--timeout", "60s", "crd", "--all")
-        make_namespace(admin, "team")
-        cluster.kubectl("create", "-f", "-", input=cache_yaml("nsllm", URI + "-ns", ["workers"], "team"))
-        make_isvc(admin, "svc", "team", URI + "/v1")
-        make_isvc(admin, "svc2", "team", URI + "-ns")
-        # A namespace cache's serving claim is made once an agent reports its entry downloaded
-        # (coordinator/caches.py, entitled): as the agent.
-        wait_until(lambda: len((admin.get_or_none(LOCAL_MODEL_NODES, "gpu-1") or {}).get("spec", {}).get(
-            "localModels") or []) == 2, timeout=60, what="the entries")
-        agent_report(admin, "gpu-1", {"team/nsllm": ("ModelDownloaded", URI + "-ns")})
-
-        def held() -> bool:
-            lmc = admin.get(LOCAL_MODEL_CACHES, "llm")["metadata"].get("finalizers") or []
-            lmnc = admin.get(LOCAL_MODEL_NAMESPACE_CACHES, "nsllm", "team")["metadata"].get("finalizers") or []
-            entries = (admin.get_or_none(LOCAL_MODEL_NODES, "gpu-1") or {}).get("spec", {}).get("localModels") or []
-            pvcs = admin.list(PERSISTENT_VOLUME_CLAIMS, "team").get("items") or []
-            return CACHE_FINALIZER in lmc and NAMESPACE_CACHE_FINALIZER in lmnc and len(entries) == 2 and len(pvcs) == 2
-
-        wait_until(held, timeout=60, what=f"finalizers, entries and volumes ({coordinator.log()[-2000:]})")
-
-        # Uninstall with all of that present: it completes (kubectl waits for every object to go).
-        started = time.monotonic()
-        with kubelet_confirms_pod_deletions(admin):
-            out = cluster.kubectl("delete", "-k", str(DEPLOY), "--timeout", "180s", check=False, timeout=240)
-        assert out.returncode == 0, f"{out.stderr}\n{coordinator.log()[-3000:]}"
-        # Namespaces go first (kustomize's order), before the CRDs: see coordinator/uninstall.py.
-        order = [line.split()[0] for line in out.stdout.splitlines()]
-        assert order[:2] == ["namespace", "namespace"] and "customresourcedefinition.apiextensions.k8s.io" in order
-        crds = json.loads(cluster.kubectl("get", "crd", "-o", "json").stdout)["items"]
-        assert not [c for c in crds if c["spec"]["group"] == "serving.kserve.io" and
-                    c["spec"]["names"]["plural"].startswith("localmodel")]
-        print(f"uninstall took {time.monotonic() - started:.1f}s")
-        # The serving volumes go with the caches (a PV once the PV controller has released it).
-        selector = "app.kubernetes.io/managed-by=modelcache-coordinator"
-        try:
-            wait_until(lambda: not admin.list(PERSISTENT_VOLUMES, label_selector=selector).get("items"), timeout=60,
-                       what="serving PVs deleted")
-        except TimeoutError:
-            print(json.dumps(admin.list(PERSISTENT_VOLUMES, label_selector=selector), indent=1))
-            print(coordinator.log()[-5000:])
-            raise
-        assert not admin.list(PERSISTENT_VOLUME_CLAIMS, label_selector=selector).get("items")
-        assert "released the finalizers of 2 caches" in coordinator.log()
     finally:
         coordinator.stop()
 

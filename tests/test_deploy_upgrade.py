@@ -6,18 +6,22 @@ afterwards the agent can no longer read the webhook's Secrets."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import subprocess
 import sys
 import tarfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from kubernetes.client.exceptions import ApiException
 
 from coordinator.nodelabels import model_label
-from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NODES, NODES, Kube
+from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NODES, NODES, PODS, Kube
 from modelcache.uri import storage_key
 from tests.agent_util import model_files, start_agent
 from tests.coordinator_util import make_group
@@ -25,13 +29,39 @@ from tests.deploy_util import DEPLOY, NAMESPACE, publish_webhook_endpoint, rende
 from tests.fixtures.cluster import AGENT_SA, Cluster
 from tests.helpers import REPO, require, wait_until
 from tests.test_agent_hostpath import agent_pod
-from tests.test_deploy_install import cache_yaml, kubelet_confirms_pod_deletions
+from tests.test_deploy_install import cache_yaml
 
 pytestmark = pytest.mark.timeout(600)
 
 #: main as of 2026-12-01, before issue 18: deploy/ with a cert-manager Secret and MODELCACHE_HOST_PATH.
 PREVIOUS = "79a127aecabd64bc40b2d923c7bba7bde43da3af"
 SERVICE_DNS = "modelcache-coordinator-webhook.modelcache-system.svc"
+
+
+@contextlib.contextmanager
+def kubelet_confirms_pod_deletions(kube: Kube) -> Iterator[None]:
+    """What the kubelets would do for our pods (the DaemonSet's and the Deployment's, bound to
+    registered Nodes): confirm a graceful deletion once the containers stopped. Without it no pod,
+    hence no namespace, ever finishes deleting here (docs/test-cluster.md, "API-only Nodes and
+    why"; the uninstall with kubelets: tests/test_realnodes_deploy.py)."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(0.5):
+            try:
+                for pod in kube.list(PODS, NAMESPACE).get("items") or []:
+                    if pod["metadata"].get("deletionTimestamp"):
+                        kube.delete(PODS, pod["metadata"]["name"], NAMESPACE, grace_period=0)
+            except ApiException:
+                pass  # the namespace is going; try again
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(5)
 
 
 def previous_release(into: Path) -> Path:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from modelcache import diskio, transfer
+from modelcache import diskio, transfer, transfer_files
 from modelcache.credentials import Settings
 from modelcache.integrity import MultiHasher
 from modelcache.pull import pull
@@ -62,7 +62,7 @@ def test_every_byte_is_hashed_from_the_buffer_it_arrived_in(
     Before: a chunk that completed ahead of the cursor without a spare buffer was hashed by
     reading it back from disk (a second pass over the bytes, ~6% of a pull's samples)."""
     # A thread starved by a busy machine must not spill (raising=False: the test also runs on code without it).
-    monkeypatch.setattr(transfer, "SPILL_AFTER", 120.0, raising=False)
+    monkeypatch.setattr(transfer_files, "SPILL_AFTER", 120.0, raising=False)
     body = nginx.write("m/one.bin", 48 * MiB + 4097, seed=5).read_bytes()
     uri = nginx.url("m/one.bin") + "#sha256=" + sha256(body)
     opts = TransferOptions(workers=8, chunk_size=MiB, spare_buffers=0, **QUICK)
@@ -78,7 +78,7 @@ def test_a_stalled_cursor_chunk_spills_the_parked_buffers_furthest_ahead(
 ) -> None:
     """The first chunk stalls while the others complete and fill the pool: the workers do not wait
     for it for ever, and the file is still hashed in order (spilled chunks from disk)."""
-    monkeypatch.setattr(transfer, "SPILL_AFTER", 0.1)
+    monkeypatch.setattr(transfer_files, "SPILL_AFTER", 0.1)
     body = nginx.write("m/s.bin", 16 * MiB, seed=6).read_bytes()
     fault_proxy.add(Fault("stall", path="/m/s.bin", file_offset=64 * 1024, stall_seconds=3))
     uri = fault_proxy.url("m/s.bin") + "#sha256=" + sha256(body)
@@ -124,7 +124,10 @@ def test_no_lock_is_held_while_hashing(nginx: NginxServer, tmp_path: Path, monke
         locks.append(lock)
         return lock
 
-    monkeypatch.setattr(transfer, "threading", types.SimpleNamespace(**{**vars(threading), "Lock": make_lock}))
+    # A file's lock (FileState, modelcache/transfer_files.py) and any the engine makes itself.
+    shim = types.SimpleNamespace(**{**vars(threading), "Lock": make_lock})
+    monkeypatch.setattr(transfer_files, "threading", shim)
+    monkeypatch.setattr(transfer, "threading", shim)
     real_init = transfer.TransferEngine.__init__
 
     def init(self: transfer.TransferEngine, *a: Any, **kw: Any) -> None:

@@ -18,6 +18,7 @@ the image reference, and the kubelets run what the manifests say.
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,29 @@ from typing import Any
 import pytest
 import yaml
 
+from modelcache.kube.client import (
+    LOCAL_MODEL_CACHES,
+    LOCAL_MODEL_NAMESPACE_CACHES,
+    LOCAL_MODEL_NODES,
+    PERSISTENT_VOLUME_CLAIMS,
+    PERSISTENT_VOLUMES,
+)
+from modelcache.kube.types import CACHE_FINALIZER, NAMESPACE_CACHE_FINALIZER
+from tests.cluster import cgroups
+from tests.cluster.baseline import REPO
+from tests.cluster.build import BIN
+from tests.coordinator_util import make_isvc, make_namespace
 from tests.fixtures.image import Image
-from tests.fixtures.realnodes import NodeCluster
-from tests.helpers import wait_until
-from tests.realnodes_util import install
+from tests.fixtures.realnodes import NodeCluster, start_real_nodes
+from tests.helpers import unique, wait_until
+from tests.realnodes_util import (
+    install,
+    model_cache,
+    node_group,
+    origin_for_pods,
+    s3_credentials,
+    wait_downloaded,
+)
 
 pytestmark = [pytest.mark.xdist_group("realnodes"), pytest.mark.timeout(900)]
 NS = "modelcache-system"
@@ -172,3 +192,78 @@ def test_deploy_runs_as_pods(real_nodes: NodeCluster, image: Image, tmp_path: Pa
     wait_until(lambda: lease_holder(real_nodes) not in ("", leader), timeout=120,
                what="the other coordinator takes the Lease")
     assert lease_holder(real_nodes) in names
+
+
+def test_delete_k_with_caches_present_completes_as_the_kubelets_stop_our_pods(image: Image, tmp_path: Path) -> None:
+    """`kubectl delete -k` of the overlay, with caches the coordinator holds (finalizers, entries on
+    both nodes, serving volumes): it completes, namespaces first, while the kubelets stop our pods
+    (the process test confirmed their deletions itself). On a run of its own: it deletes our CRDs
+    and namespaces, which the shared run's baseline keeps."""
+    run = start_real_nodes(tmp_path / "nodes", image, baseline=False)
+    try:
+        cluster = NodeCluster(run, tmp_path)
+        overlay = tmp_path / "overlay"
+        install(cluster, image.ref, overlay)
+        cluster.kubectl("apply", "-f", str(REPO / "tests" / "cluster" / "crds"))  # KServe's InferenceService
+        cluster.kubectl("wait", "--for", "condition=Established", "--timeout", "60s", "crd", "--all")
+        admin = cluster.kube()
+        with origin_for_pods(cluster) as origin:
+            bucket = unique("models")
+            uri = f"s3://{bucket}/llm"
+            origin.put_model(bucket, "llm", shards=1, shard_bytes=1 << 20)
+            origin.put_model(bucket, "llm-ns", shards=1, shard_bytes=1 << 20)
+            account = s3_credentials(cluster, "modelcache-credentials", origin, kserve_config=False)
+            # A namespace cache may use it once an admin grants it to the namespace (docs/install.md).
+            cluster.kubectl("annotate", "serviceaccount", account, "-n", "modelcache-credentials",
+                            "modelcache.io/namespaces=team")
+            cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(node_group("workers")))
+            cluster.kubectl("create", "-f", "-", input=yaml.safe_dump(model_cache("llm", uri, ["workers"], account)))
+            make_namespace(admin, "team")
+            nscache = model_cache("nsllm", f"{uri}-ns", ["workers"], account)
+            nscache["kind"], nscache["metadata"]["namespace"] = "LocalModelNamespaceCache", "team"
+            cluster.kubectl("create", "-f", "-", input=yaml.safe_dump(nscache))
+            make_isvc(admin, "svc", "team", f"{uri}/v1")
+            make_isvc(admin, "svc2", "team", f"{uri}-ns")
+            wait_downloaded(cluster, "llm")
+            wait_downloaded(cluster, "team/nsllm")
+
+            def held() -> bool:
+                lmc = admin.get(LOCAL_MODEL_CACHES, "llm")["metadata"].get("finalizers") or []
+                lmnc = admin.get(LOCAL_MODEL_NAMESPACE_CACHES, "nsllm", "team")["metadata"].get("finalizers") or []
+                entries = [len((admin.get_or_none(LOCAL_MODEL_NODES, n) or {}).get("spec", {}).get("localModels")
+                               or []) for n in ("node-1", "node-2")]
+                pvcs = admin.list(PERSISTENT_VOLUME_CLAIMS, "team").get("items") or []
+                return CACHE_FINALIZER in lmc and NAMESPACE_CACHE_FINALIZER in lmnc and entries == [2, 2] and \
+                    len(pvcs) == 2
+
+            wait_until(held, timeout=120, what="finalizers, entries on both nodes and serving volumes")
+
+            # The coordinators' logs, followed until their pods are gone.
+            follow = subprocess.Popen([str(BIN / "kubectl"), "--kubeconfig", str(cluster.kubeconfig), "logs", "-f",
+                                       "-n", NS, "-l", COORDINATOR,
+                                       "--tail=-1", "--max-log-requests=4"], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
+            try:
+                out = cluster.kubectl("delete", "-k", str(overlay), "--timeout", "180s", check=False, timeout=240)
+            finally:
+                follow.terminate()
+                logs = follow.communicate(timeout=30)[0]
+        assert out.returncode == 0, f"{out.stderr}\n{logs[-3000:]}"
+        # Namespaces go first (kustomize's order), before the CRDs: see coordinator/uninstall.py.
+        order = [line.split()[0] for line in out.stdout.splitlines()]
+        assert order[:2] == ["namespace", "namespace"] and "customresourcedefinition.apiextensions.k8s.io" in order
+        crds = json.loads(cluster.kubectl("get", "crd", "-o", "json").stdout)["items"]
+        assert not [c for c in crds if c["spec"]["group"] == "serving.kserve.io" and
+                    c["spec"]["names"]["plural"].startswith("localmodel")]
+        # The serving volumes go with the caches (a PV once the PV controller has released it).
+        selector = "app.kubernetes.io/managed-by=modelcache-coordinator"
+        wait_until(lambda: not admin.list(PERSISTENT_VOLUMES, label_selector=selector).get("items"), timeout=60,
+                   what="serving PVs deleted")
+        assert not admin.list(PERSISTENT_VOLUME_CLAIMS, label_selector=selector).get("items")
+        assert "released the finalizers of 2 caches" in logs, logs[-3000:]
+        # Our pods were stopped by their kubelets: nothing of ours runs on either node.
+        for node in run.nodes:
+            wait_until(lambda node=node: not cgroups.pids(f"{node.cgroup_root}/kubepods"), timeout=120,
+                       what=f"the pods of {node.name} stopped by its kubelet")
+    finally:
+        run.stop()

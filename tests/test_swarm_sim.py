@@ -85,9 +85,9 @@ def test_the_command_line_writes_the_issues_json(tmp_path: Path) -> None:
 
 def test_the_cpu_model_slows_a_swarm_as_its_cpu_work_over_the_cores_it_gets(sim: Any) -> None:
     """Agents sharing one machine's cores (bench/fleet.py's run): a swarm whose CPU work is the
-    limit takes about that work over the cores, twice as long on half the cores (another process
-    per agent running), and a fleet (each node its own core) much less; no CPU model: the links'
-    time alone."""
+    limit takes about that work over the cores, twice as long on half the cores (as many other
+    processes running as agents), and a fleet (each node its own core) much less; no CPU
+    model: the links' time alone."""
     per_byte = 1 / (64 * MiB)  # 1 CPU-s per 64 MiB taken in, half that per byte sent to a peer
     cpu = {"cpu_pull": per_byte, "cpu_serve": per_byte / 2}
     free = sim.simulate(world(sim, nodes=4, zones=1))
@@ -97,8 +97,10 @@ def test_the_cpu_model_slows_a_swarm_as_its_cpu_work_over_the_cores_it_gets(sim:
     work = 4 * model * cpu["cpu_pull"] + shared["peer_bytes"] * cpu["cpu_serve"]  # CPU-s in all
     assert work <= shared["seconds"] <= 1.25 * work, (work, shared["seconds"])
     assert shared["seconds"] > 3 * free["seconds"]
-    # Half the cores (as much other runnable load as agents): about twice the time.
-    busy = sim.simulate(world(sim, nodes=4, zones=1, cpus=1, cpu_shared=True, cpu_background=4, **cpu))
+    # A busy machine: one more process got a fifth of the core, so 4 others run; with the 4 agents
+    # running too they get half of it together: about twice the time.
+    assert sim.shared_cores(1.0, 0.2, 4) == pytest.approx(0.5)
+    busy = sim.simulate(world(sim, nodes=4, zones=1, cpus=1, cpu_shared=True, cpu_share=0.2, **cpu))
     assert 1.7 <= busy["seconds"] / shared["seconds"] <= 2.2, (busy["seconds"], shared["seconds"])
     # A fleet: the same costs on a core per node.
     fleet = sim.simulate(world(sim, nodes=4, zones=1, cpus=1, **cpu))
@@ -111,10 +113,15 @@ def test_cpu_costs_come_from_the_fleet_runs_cpu_and_bytes(sim: Any) -> None:
     model = 256 * MiB
     fleet = {"nodes": 8, "model_bytes": model, "origin_rate": 16 * MiB, "agent_cpu_seconds_direct": 8 * 0.25,
              "agent_cpu_seconds_p2p": 8 * 0.25 + 1.5, "peer_bytes_p2p": 6 * model, "cpus": 2,
-             "load_average_start": [3.0]}
+             "cpu_share_p2p": 0.25}
     pull, serve = sim.cpu_costs(fleet)
     assert round(pull * (1 << 30), 6) == 1.0 and round(serve * (1 << 30), 6) == 1.0  # CPU-s per GiB
     world_ = sim.fleet_world(fleet, world(sim))
-    assert (world_.cpus, world_.cpu_shared, world_.cpu_background) == (2.0, True, 3.0)
+    assert (world_.cpus, world_.cpu_shared, world_.cpu_share) == (2.0, True, 0.25)
+    # The probe's share is one more process's: one agent gets it, 8 agents a fair share of 2 cores
+    # with the 7 others the probe implies (2 / 0.25 - 1), 1.07 cores in all; an idle machine: all 2.
+    assert sim.shared_cores(2.0, 0.25, 1) == pytest.approx(0.25)
+    assert sim.shared_cores(2.0, 0.25, 8) == pytest.approx(16 / 15)
+    assert sim.shared_cores(2.0, 0.0, 8) == 2.0
     # A recorded run without the agents' CPU (the older bench/fleet.py): no CPU model.
-    assert sim.fleet_world({k: v for k, v in fleet.items() if k != "peer_bytes_p2p"}, world(sim)).cpus == 0.0
+    assert sim.fleet_world({k: v for k, v in fleet.items() if k != "cpu_share_p2p"}, world(sim)).cpus == 0.0
