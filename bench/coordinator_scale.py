@@ -292,14 +292,19 @@ def baseline(kubeconfig: str, agents: Agents, nodes: int, groups: int, caches: i
 
 def undo_baseline(cp: ControlPlane, kube: Kube, agents: Agents, nodes: int, groups: int, caches: int) -> None:
     """Remove what the baseline wrote (untimed): the LocalModelNodes and the nodes' labels."""
-    # One deletecollection (kubectl delete --all sends one DELETE per object: 10,000 took longer
-    # than its 120 s at load 17). The API server goes on deleting if the request times out.
+    # deletecollection (kubectl delete --all sends one DELETE per object: 10,000 took longer than
+    # its 120 s at load 17). The API server stops when the request times out (504 after 60 s at
+    # 10,000, 434 left): asked again while any are left.
     res = LOCAL_MODEL_NODES
-    try:
-        kube.custom.delete_collection_cluster_custom_object(res.group, res.version, res.plural,
-                                                            _preload_content=False).release_conn()
-    except (ApiException, OSError) as exc:
-        print(f"deleting the baseline's LocalModelNodes: {exc}; waiting for them to go", file=sys.stderr)
+
+    def delete_all() -> None:
+        try:
+            kube.custom.delete_collection_cluster_custom_object(res.group, res.version, res.plural,
+                                                                _preload_content=False).release_conn()
+        except (ApiException, HTTPError, OSError) as exc:
+            print(f"deleting the baseline's LocalModelNodes: {type(exc).__name__}; asking again", file=sys.stderr)
+
+    delete_all()
 
     def unlabel(n: int) -> None:
         drop = {model_label(cache_uri(c)): None for c in range(n % groups, caches, groups)}
@@ -308,10 +313,14 @@ def undo_baseline(cp: ControlPlane, kube: Kube, agents: Agents, nodes: int, grou
     with ThreadPoolExecutor(SETUP_THREADS) as pool:
         list(pool.map(unlabel, range(nodes)))
     deadline = time.monotonic() + 1800
+    asked = time.monotonic()
     while len(agents.informer.store):
         if time.monotonic() > deadline:
             raise SystemExit("the baseline's LocalModelNodes are still there after 1800 s")
         time.sleep(1)
+        if len(agents.informer.store) and time.monotonic() - asked > 30:  # the watch lags the deletes
+            delete_all()
+            asked = time.monotonic()
     agents.patches = 0
     agents.extra = None
 
