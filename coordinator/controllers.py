@@ -30,6 +30,8 @@ from modelcache.kube.client import INFERENCE_SERVICES, Resource
 from modelcache.kube.controller import Controller, Manager, Result, generation_or_meta_changed, own_key
 from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import ADDED, DELETED, Informer
+from modelcache.kube.objects import meta
+from modelcache.kube.predicates import annotations_of, deletion_of, event_in, labels_of, on_update, spec_of
 from modelcache.kube.types import MODEL_DOWNLOAD_ERROR, MODEL_DOWNLOADED, status_key
 
 Obj = dict[str, Any]
@@ -55,22 +57,12 @@ def counted(name: str, reconcile: Callable[[str], Result]) -> Callable[[str], Re
     return run
 
 
-def _meta(obj: Obj | None, field: str) -> Any:
-    return ((obj or {}).get("metadata") or {}).get(field)
-
-
-def node_changed(event: str, obj: Obj, old: Obj | None) -> bool:
-    """Adds, deletes, label changes and readiness flips; not the kubelet's heartbeats."""
-    if event != "MODIFIED" or old is None:
-        return True
-    return _meta(obj, "labels") != _meta(old, "labels") or node_ready(obj) != node_ready(old)
-
-
-def node_membership_changed(event: str, obj: Obj, old: Obj | None) -> bool:
-    """What can change a cache's members: not our own downloaded-model labels."""
-    if event != "MODIFIED" or old is None:
-        return True
-    return user_labels(obj) != user_labels(old) or node_ready(obj) != node_ready(old)
+# The predicates of the watches below (modelcache/kube/predicates.py): every add and delete, and
+# an update only when one of these views of the object changed.
+#: Nodes: label changes and readiness flips; not the kubelet's heartbeats.
+node_changed = on_update(labels_of, node_ready)
+#: What can change a cache's members: not our own downloaded-model labels.
+node_membership_changed = on_update(user_labels, node_ready)
 
 
 def _reports(obj: Obj | None) -> Any:
@@ -84,16 +76,14 @@ def _reports(obj: Obj | None) -> Any:
     return status.get("modelStatus"), keys, verification, status.get("nodeUID")
 
 
-def entries_or_states_changed(event: str, obj: Obj, old: Obj | None) -> bool:
-    """LocalModelNode spec or reported-state changes; not the agent's progress details."""
-    return event != "MODIFIED" or old is None or obj.get("spec") != old.get("spec") or \
-        _reports(obj) != _reports(old)
-
-
-def _meta_changed(event: str, obj: Obj, old: Obj | None) -> bool:
-    if event != "MODIFIED" or old is None:
-        return True
-    return any(_meta(obj, k) != _meta(old, k) for k in ("labels", "annotations", "deletionTimestamp"))
+#: LocalModelNode spec or reported-state changes; not the agent's progress details.
+entries_or_states_changed = on_update(spec_of, _reports)
+#: A service's labels, annotations or deletion (what makes it ask for a cache).
+service_meta_changed = on_update(labels_of, annotations_of, deletion_of)
+#: A cache's spec or its deletion; not its status.
+cache_spec_changed = on_update(spec_of, deletion_of)
+#: PVs and PVCs: only their coming and going.
+volume_exists = event_in(ADDED, DELETED)
 
 
 def urging(pacer: StatusPacer, mapper: Callable[[str, Obj, Obj | None], Iterable[str]]
@@ -158,7 +148,7 @@ def build_wiring(view: ClusterView, recorder: EventRecorder, options: Options | 
             return inf.store.keys()
 
         def by_group(_e: str, obj: Obj, old: Obj | None, inf: Any = own) -> list[str]:
-            names = {_meta(obj, "name"), _meta(old, "name")}
+            names = {meta(obj).name, meta(old).name}
             return [k for k in inf.store.keys()  # noqa: SIM118 (Store is not a dict)
                     if names & set(((inf.store.get_raw(k) or {}).get("spec") or {}).get("nodeGroups") or [])]
 
@@ -181,8 +171,8 @@ def build_wiring(view: ClusterView, recorder: EventRecorder, options: Options | 
         ctl.watch(view.lmns, by_entries, entries_or_states_changed)
         ctl.watch(view.lmns, urging(pacer, by_lost_copies), entries_or_states_changed)
         wiring.cache_watchers.append((ctl, urging(pacer, by_service)))
-        ctl.watch(view.pvs, urging(pacer, by_volume), lambda e, _o, _old: e in (ADDED, DELETED))
-        ctl.watch(view.pvcs, urging(pacer, by_volume), lambda e, _o, _old: e in (ADDED, DELETED))
+        ctl.watch(view.pvs, urging(pacer, by_volume), volume_exists)
+        ctl.watch(view.pvcs, urging(pacer, by_volume), volume_exists)
         manager.add(ctl)
         cache_controllers.append((ctl, namespaced))
 
@@ -198,13 +188,9 @@ def build_wiring(view: ClusterView, recorder: EventRecorder, options: Options | 
             if o is None:
                 continue
             out.update(view.members(list((o.get("spec") or {}).get("nodeGroups") or [])))
-            out.update(lmn["metadata"]["name"] for lmn in view.lmns.store.by_index(BY_CACHE, cache_key(
-                _meta(o, "namespace") or None, _meta(o, "name")), copy_objects=False))
+            out.update(lmn["metadata"]["name"] for lmn in view.lmns.store.by_index(BY_CACHE, meta(o).key,
+                                                                           copy_objects=False))
         return sorted(out)
-
-    def cache_spec_changed(event: str, obj: Obj, old: Obj | None) -> bool:
-        return event != "MODIFIED" or old is None or obj.get("spec") != old.get("spec") or \
-            _meta(obj, "deletionTimestamp") != _meta(old, "deletionTimestamp")
 
     def all_nodes(_e: str, _o: Obj, _old: Obj | None) -> list[str]:
         return view.nodes.store.keys()
@@ -229,7 +215,7 @@ def wire_services(wiring: Wiring, inf: Informer, res: Resource) -> list[Controll
     if inf not in wiring.manager.informers:
         wiring.manager.informers.append(inf)
     for ctl, by_service in wiring.cache_watchers:
-        ctl.watch(inf, by_service, _meta_changed)
+        ctl.watch(inf, by_service, service_meta_changed)
     if not wiring.options.mutate_services:
         return []
     uri_of = isvc_storage_uri if res.plural == INFERENCE_SERVICES.plural else llmisvc_model_uri
@@ -237,13 +223,10 @@ def wire_services(wiring: Wiring, inf: Informer, res: Resource) -> list[Controll
     svc_ctl = Controller(res.kind, counted(res.kind, svc), workers=wiring.options.workers)
     svc_ctl.watch(inf, own_key, generation_or_meta_changed)
 
-    def every_service(event: str, obj: Obj, old: Obj | None) -> list[str]:
-        if event == "MODIFIED" and old is not None and obj.get("spec") == old.get("spec") and \
-                _meta(obj, "deletionTimestamp") == _meta(old, "deletionTimestamp"):
-            return []
+    def every_service(_e: str, _o: Obj, _old: Obj | None) -> list[str]:
         return inf.store.keys()
 
-    svc_ctl.watch(view.caches, every_service)
-    svc_ctl.watch(view.ns_caches, every_service)
+    svc_ctl.watch(view.caches, every_service, cache_spec_changed)
+    svc_ctl.watch(view.ns_caches, every_service, cache_spec_changed)
     wiring.manager.add(svc_ctl)
     return [svc_ctl]

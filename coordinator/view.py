@@ -37,6 +37,7 @@ from modelcache.kube.client import (
     Resource,
 )
 from modelcache.kube.informer import Informer
+from modelcache.kube.objects import namespaced_key
 from modelcache.kube.types import (
     LOCALMODEL_LABEL,
     LOCALMODEL_NAMESPACE_LABEL,
@@ -59,7 +60,7 @@ def llm_resource(version: str) -> Resource:
 
 
 def cache_key(namespace: str | None, name: str) -> str:
-    return f"{namespace}/{name}" if namespace else name
+    return namespaced_key(namespace, name)
 
 
 def user_labels(obj: dict[str, Any] | None) -> dict[str, str]:

@@ -12,6 +12,8 @@ Modules, one job each:
 * ``informer``   list+watch into a thread-safe ``Store`` with indexes, resume, relist on 410
 * ``workqueue``  de-duplicating queue, one worker per key, delayed and backoff requeue
 * ``controller`` ``Controller`` (informers -> queue -> N workers -> reconcile) and ``Manager``
+* ``predicates`` which events wake a controller: ``on_update(views...)``, ``event_in``, ``any_of``
+* ``objects``    ``meta(obj)``, a typed view of any object's metadata, and ``namespaced_key``
 * ``leader``     ``LeaderElector`` on a coordination.k8s.io/v1 Lease
 * ``status``     ``patch_status_if_changed`` / ``update_if_changed``: write on change, retry 409
 * ``events``     ``EventRecorder`` for core/v1 Events

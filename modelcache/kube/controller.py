@@ -17,6 +17,7 @@ from typing import Any
 
 from modelcache.kube.informer import Informer, object_key, wait_for_all
 from modelcache.kube.leader import LeaderElector
+from modelcache.kube.predicates import Predicate
 from modelcache.kube.workqueue import ExponentialBackoff, ShutDown, WorkQueue
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,6 @@ class Result:
 Reconciler = Callable[[str], Result | None]
 #: Maps an informer event to the keys to reconcile: mapper(event_type, obj, old) -> keys.
 Mapper = Callable[[str, dict[str, Any], dict[str, Any] | None], Iterable[str]]
-#: Filters events before mapping: predicate(event_type, obj, old) -> enqueue?
-Predicate = Callable[[str, dict[str, Any], dict[str, Any] | None], bool]
 
 
 def own_key(_event: str, obj: dict[str, Any], _old: dict[str, Any] | None) -> list[str]:

@@ -40,6 +40,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from modelcache.kube.client import Kube, Resource, error_message
+from modelcache.kube.objects import namespaced_key
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,7 @@ def drop_managed_fields(obj: dict[str, Any]) -> dict[str, Any]:
 def object_key(obj: dict[str, Any]) -> str:
     """``namespace/name`` for namespaced objects, ``name`` for cluster-scoped ones."""
     meta = obj.get("metadata") or {}
-    ns = meta.get("namespace")
-    return f"{ns}/{meta['name']}" if ns else str(meta["name"])
+    return namespaced_key(meta.get("namespace"), str(meta["name"]))
 
 
 def split_key(key: str) -> tuple[str | None, str]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from modelcache.kube.codec import KEEP, Codec
+from modelcache.kube.objects import namespaced_key
 
 GROUP = "serving.kserve.io"
 VERSION = "v1alpha1"
@@ -89,7 +90,7 @@ def node_group_label(group: str) -> str:
 
 def status_key(model_name: str, namespace: str | None = None) -> str:
     """The key of ``modelStatus``: ``modelName``, or ``namespace/modelName`` for a namespace cache."""
-    return f"{namespace}/{model_name}" if namespace else model_name
+    return namespaced_key(namespace, model_name)
 
 
 # --- shared pieces -------------------------------------------------------------------------
