@@ -52,6 +52,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from kubernetes.client.exceptions import ApiException  # noqa: E402
+from urllib3.exceptions import HTTPError  # noqa: E402
 
 from coordinator.entries import desired_entry  # noqa: E402
 from coordinator.nodelabels import LABEL_VALUE, model_label  # noqa: E402
@@ -380,8 +381,10 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
         def converged() -> bool:
             try:
                 items = kube.list(LOCAL_MODEL_CACHES).get("items") or []
-            except ApiException as exc:  # a loaded API server timing out a large list: ask again
-                print(f"listing caches: {exc.status}", file=sys.stderr)
+            except (ApiException, HTTPError, OSError) as exc:
+                # A loaded API server timing out or cutting a large list (200 caches' statuses of
+                # 1,000 members: a 2 MB response, cut at load 20): ask again.
+                print(f"listing caches: {type(exc).__name__}: {exc}", file=sys.stderr)
                 return False
             done = 0
             for item in items:
