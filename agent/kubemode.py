@@ -31,6 +31,7 @@ from modelcache.kube.client import (
 )
 from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import DELETED, Informer
+from modelcache.kube.objects import meta
 from modelcache.kube.quantity import parse_quantity
 from modelcache.kube.share import namespace_share
 from modelcache.kube.status import patch_status_if_changed
@@ -140,7 +141,7 @@ class KubeRunner:
             log.warning("cannot read this node's Node object; status without nodeUID",
                         extra=fields(node=self.node, error=f"{type(exc).__name__}: {exc}"))
             return
-        uid = ((node or {}).get("metadata") or {}).get("uid")
+        uid = meta(node).uid or None
         if uid != self.node_uid:
             if self.node_uid is not None:
                 log.info("the Node object was replaced", extra=fields(node=self.node, uid=uid or ""))
@@ -148,9 +149,9 @@ class KubeRunner:
             self.agent.changed.set()
 
     def _on_node(self, event: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
-        if (obj.get("metadata") or {}).get("name") != self.node:
+        if meta(obj).name != self.node:
             return
-        fresh = old is None or (old.get("metadata") or {}).get("uid") != (obj.get("metadata") or {}).get("uid")
+        fresh = old is None or meta(old).uid != meta(obj).uid
         if old is not None and not fresh and event != DELETED and old.get("spec") == obj.get("spec"):
             return  # our own status writes come back as updates: not a spec change (a new object is)
         if event == DELETED:
@@ -189,7 +190,7 @@ class KubeRunner:
                             {str(k): str(v) for k, v in reported.items()} if isinstance(reported, dict) else {})
 
     def _on_group(self, event: str, obj: dict[str, Any], _old: dict[str, Any] | None) -> None:
-        name = (obj.get("metadata") or {}).get("name", "")
+        name = meta(obj).name
         limit = parse_quantity((obj.get("spec") or {}).get("storageLimit"))
         share = namespace_share(obj)
         if share.invalid:

@@ -35,6 +35,7 @@ from modelcache.kube.client import (
 )
 from modelcache.kube.controller import Result
 from modelcache.kube.events import NORMAL, WARNING, EventRecorder
+from modelcache.kube.objects import meta
 from modelcache.kube.status import patch_status_if_changed, update_if_changed
 from modelcache.kube.types import (
     CACHE_FINALIZER,
@@ -70,7 +71,7 @@ class CacheReconciler:
             _forget_gauges(key)
             self.pacer.forget(key)
             return Result()
-        if (obj.get("metadata") or {}).get("deletionTimestamp"):
+        if meta(obj).deleting:
             return self.finalize(key, obj)
         if self.uninstalling(obj):
             return Result()  # released by coordinator/uninstall.py: create nothing more

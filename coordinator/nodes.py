@@ -32,6 +32,7 @@ from coordinator.membership import Member
 from coordinator.view import ClusterView, cache_key
 from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NAMESPACE_CACHES, LOCAL_MODEL_NODES, NODES
 from modelcache.kube.controller import Result
+from modelcache.kube.objects import meta
 from modelcache.kube.status import update_if_changed
 from modelcache.kube.types import NODE_GROUP_LABEL_PREFIX, node_group_label
 
@@ -56,7 +57,7 @@ def desired_models(
 
     def want(key: str, have: dict[str, Any] | None) -> dict[str, Any] | None:
         cache = caches.get(key)
-        if cache is None or cache["metadata"].get("deletionTimestamp"):
+        if cache is None or meta(cache).deleting:
             return None
         groups = list((cache.get("spec") or {}).get("nodeGroups") or [])
         member = members_of(groups).get(node)
@@ -95,7 +96,7 @@ def group_labels(models: list[dict[str, Any]]) -> dict[str, str]:
 
 def group_labels_differ(lmn: dict[str, Any], models: list[dict[str, Any]]) -> bool:
     """Whether the object's node-group labels differ from those ``models`` need."""
-    have = {k: v for k, v in ((lmn.get("metadata") or {}).get("labels") or {}).items()
+    have = {k: v for k, v in meta(lmn).labels.items()
             if k.startswith(NODE_GROUP_LABEL_PREFIX)}
     return have != group_labels(models)
 
@@ -160,7 +161,7 @@ class NodeReconciler:
     def sync_entries(self, key: str, lmn: dict[str, Any] | None,
                      node: dict[str, Any] | None = None) -> dict[str, Any] | None:
         current = list(((lmn or {}).get("spec") or {}).get("localModels") or [])
-        caches = {cache_key((c["metadata"].get("namespace") or None), c["metadata"]["name"]): c
+        caches = {meta(c).key: c
                   for c in self.view.caches.store.list(copy_objects=False) +
                   self.view.ns_caches.store.list(copy_objects=False)}  # read-only: entries copy what they take
         groups = self.view.group_map()
@@ -191,11 +192,11 @@ class NodeReconciler:
             spec["localModels"] = desired_models(key, have, caches, self.view.members, keep)
             if node is not None and spec["localModels"] != have:
                 self._withdraw_labels(node, o, spec["localModels"])
-            meta = o.setdefault("metadata", {})
-            labels = {k: v for k, v in (meta.get("labels") or {}).items() if not k.startswith(NODE_GROUP_LABEL_PREFIX)}
+            md = o.setdefault("metadata", {})
+            labels = {k: v for k, v in (md.get("labels") or {}).items() if not k.startswith(NODE_GROUP_LABEL_PREFIX)}
             labels.update(group_labels(spec["localModels"]))
-            if labels or meta.get("labels"):
-                meta["labels"] = labels
+            if labels or md.get("labels"):
+                md["labels"] = labels
 
         written = update_if_changed(self.kube, LOCAL_MODEL_NODES, key, apply, current=lmn)
         metrics.wrote("LocalModelNode", "update", written)

@@ -139,7 +139,7 @@ def _git(uri: str, dest: Path, ctx: Context) -> PairOutcome:
 
 @handler("pull", lambda uri: True)
 def _pull(uri: str, dest: Path, ctx: Context) -> PairOutcome:
-    from modelcache.pull import pull
+    from modelcache.pull import PullRequest, pull
     from modelcache.store import DestStore
     from modelcache.uri import storage_key
 
@@ -165,7 +165,7 @@ def _pull(uri: str, dest: Path, ctx: Context) -> PairOutcome:
             _remove_inside(dest, rel)
     finished.forget(dest, key)  # DEST is about to change: no record may vouch for it meanwhile
 
-    result = pull(uri, dest=dest, settings=ctx.settings, options=ctx.options, progress=ctx.tracker)
+    result = pull(uri, PullRequest(dest=dest, settings=ctx.settings, options=ctx.options, progress=ctx.tracker))
     outcome = PairOutcome("cached" if result.cached else "pulled", result.files, result.bytes)
     manifest = DestStore.at(dest).manifest(result.storage_key)
     if manifest is None:

@@ -241,7 +241,7 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
     with the source (no download) and `--refresh` brings it up to date.
     """
     from modelcache.display import show_progress
-    from modelcache.pull import PullResult, SpacePolicy, pull_many
+    from modelcache.pull import PullRequest, PullResult, SpacePolicy, pull_many
 
     if (check or refresh) and dest is not None:
         raise click.UsageError("--check and --refresh work on a store (--root), not on --dest")
@@ -281,9 +281,9 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
     with _interruptible() as (cancel, caught):
         try:
             with show_progress(tracker, progress_mode, progress_interval):
-                results = pull_many(list(uris), root=None if dest else root, dest=dest, options=options,
-                                    progress=tracker, cancel=cancel, guard=_guard(assume_unused),
-                                    refresh=refresh, space=SpacePolicy(space_margin))
+                results = pull_many(list(uris), PullRequest(
+                    root=None if dest else root, dest=dest, options=options, progress=tracker, cancel=cancel,
+                    guard=_guard(assume_unused), refresh=refresh, space=SpacePolicy(space_margin)))
         except ModelcacheError as exc:
             if not caught:
                 _fail(str(exc))
@@ -574,7 +574,7 @@ def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -
     """``verify --repair`` of one model: the agent's in-place repair (modelcache.repair), from here."""
     from modelcache.credentials import Settings
     from modelcache.display import show_progress
-    from modelcache.pull import pull
+    from modelcache.pull import PullRequest, pull
     from modelcache.repair import repair
 
     manifest = store.manifest(key) or store.pinned_manifest(key)
@@ -592,7 +592,7 @@ def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -
     tracker = ProgressTracker()
 
     def pull_into(dest: Path, at: str | None, check: Any, only: Any) -> Any:
-        return pull(at or uri, dest=dest, settings=settings, progress=tracker, admit=check, only=only)
+        return pull(at or uri, PullRequest(dest=dest, settings=settings, progress=tracker, admit=check, only=only))
 
     try:
         with store.lock(key, blocking=False):

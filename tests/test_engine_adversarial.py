@@ -789,7 +789,7 @@ def test_dest_publish_interrupted_before_the_manifest_is_recovered_not_downloade
     """The initializer's layout merges the staged files into the destination, then installs the
     manifest. The emptied staging ``data`` folder stayed, so after a crash between the two steps
     ``recover`` did not see a finished publish and the whole model was fetched again."""
-    from modelcache.store import NodeStore as Store
+    from modelcache.store import Store  # the kind both stores share: a dest pull publishes through DestStore
 
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)
