@@ -17,7 +17,8 @@ from initializer.redact import Scrubber, ScrubbingFormatter
 from initializer.report import Reporter
 from initializer.run import Pair, describe_error, pairs_from_args, run_pairs
 from modelcache.archive import ArchiveLimits
-from modelcache.credentials import Settings, ca_bundle_from_env, merged_ca_bundle
+from modelcache.cabundle import ca_bundle_from_env, merged_ca_bundle
+from modelcache.credentials import Settings
 from modelcache.errors import ModelcacheError
 from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.resources import check_buffers, chunk_size_problem

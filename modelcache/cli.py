@@ -26,117 +26,36 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from modelcache.cli_options import (
+    LEVELS,
+    SizeType,
+    assume_unused_option,
+    check_chunk_size,
+    emit,
+    fail,
+    folder_name,
+    key_of,
+    log_level_option,
+    mount_guard_for,
+    not_stored,
+    open_store,
+    root_option,
+)
 from modelcache.clock import rfc3339
 from modelcache.errors import ModelcacheError, SourceChangedError
 from modelcache.logs import setup_cli_logging
 from modelcache.progress import ProgressTracker, human_bytes, plural
 from modelcache.redact import redact_uri, scrub_urls
-from modelcache.resources import MAX_CHUNK, MIN_CHUNK, check_buffers, chunk_size_problem
-from modelcache.sizes import parse_size
+from modelcache.resources import MAX_CHUNK, MIN_CHUNK, check_buffers
 from modelcache.startup import StartupError, run_command
 from modelcache.store import DestLayout, DestStore, NodeLayout, NodeStore
 from modelcache.transfer import TransferOptions
-from modelcache.uri import parse_uri, storage_key
-
-DEFAULT_ROOT = "/mnt/models"
-
-
-class SizeType(click.ParamType):
-    name = "size"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int):
-            return value
-        try:
-            return parse_size(str(value))
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
-
-
-def _chunk_size(_ctx: click.Context, _param: click.Parameter, value: int) -> int:
-    problem = chunk_size_problem(value)
-    if problem:
-        raise click.BadParameter(problem)
-    return value
-
-
-def _fail(message: str, code: int = 1) -> None:
-    click.echo(f"error: {scrub_urls(message)}", err=True)
-    sys.exit(code)
-
-
-def _emit(data: Any) -> None:
-    click.echo(json.dumps(data, indent=1, default=str))
-
-
-def _root_option(f: Any) -> Any:
-    return click.option(
-        "--root", type=click.Path(file_okay=False, path_type=Path), envvar="MODELCACHE_ROOT", show_envvar=True,
-        default=DEFAULT_ROOT, show_default=True, help="Node store root.",
-    )(f)
-
-
-def _assume_unused_option(f: Any) -> Any:
-    return click.option(
-        "--assume-unused", is_flag=True,
-        help="Where the CLI cannot see every mount on the node (not root, or a container without "
-        "hostPID), assume no pod mounts the models it replaces or deletes.",
-    )(f)
-
-
-def _guard(assume_unused: bool) -> Any:
-    """No model folder that a pod on this node mounts is replaced or deleted (modelcache.mountusers)."""
-    from modelcache.mountusers import mount_guard
-
-    return mount_guard(assume_unused)
-
-
-def _store(root: Path, assume_unused: bool | None = None) -> NodeStore:
-    """The store of a command that reads or deletes: its root must be there (a typo in --root
-    must not answer "nothing found" or create folders). ``assume_unused`` (commands that delete):
-    the mount guard."""
-    if not root.is_dir():
-        what = "is not a directory" if root.exists() else "does not exist"
-        raise StartupError(f"--root {root} {what}: no model store there; point --root (or MODELCACHE_ROOT) "
-                           "at the store's root")
-    return NodeStore.at(root, guard=None if assume_unused is None else _guard(assume_unused))
-
-
-def _key(arg: str) -> str:
-    """Commands take a storage key or the URI it was pulled from."""
-    return arg if re.fullmatch(r"[0-9a-f]{16}", arg) else storage_key(arg)
-
-
-def _not_stored(arg: str, root: Path) -> None:
-    click.echo(f"error: {scrub_urls(redact_uri(arg))}: not in the store at {root} (nothing was pulled from this "
-               "exact URI or key; `modelcache ls` lists what is there)", err=True)
-
-
-def _folder_name(root: Path, arg: str) -> str | None:
-    """``arg`` when it names a folder under ``<root>/models`` exactly (one not made by modelcache,
-    which only ``rm`` of its name deletes), else None."""
-    if "/" in arg or arg.startswith(".") or not arg:
-        return None
-    return arg if (root / "models" / arg).is_dir() else None
-
-
-_LEVELS = click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False)
-
-
-def _set_log_level(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    # Given after the sub-command (`modelcache pull --log-level info`) it wins over the group's.
-    if value is not None and ctx.get_parameter_source(param.name or "") == ParameterSource.COMMANDLINE:
-        setup_cli_logging(value)
-
-
-def _log_level_option(f: Any) -> Any:
-    return click.option("--log-level", type=_LEVELS, default=None, expose_value=False, callback=_set_log_level,
-                        help="Log level (as `modelcache --log-level`): info shows what each step does.")(f)
+from modelcache.uri import parse_uri
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--log-level", default="WARNING", envvar="MODELCACHE_LOG_LEVEL", show_default=True, show_envvar=True,
-              type=_LEVELS, help="Log level, before or after the sub-command.")
+              type=LEVELS, help="Log level, before or after the sub-command.")
 @click.version_option(package_name="modelcache")
 def cli(log_level: str) -> None:
     """Put model weights onto serving machines: fast, verified, crash-safe.
@@ -195,9 +114,9 @@ def _interruptible() -> Iterator[tuple[threading.Event, list[int]]]:
 
 
 @cli.command()
-@_log_level_option
+@log_level_option
 @click.argument("uris", nargs=-1)
-@_root_option
+@root_option
 @click.option("--dest", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write one model straight into this folder instead of the store (not with --root).")
 @click.option("--workers", type=click.IntRange(1, 256), default=8, show_default=True,
@@ -205,7 +124,7 @@ def _interruptible() -> Iterator[tuple[threading.Event, list[int]]]:
 @click.option("--max-workers", type=click.IntRange(1, 256), default=None,
               help="Grow up to this many streams while throughput grows (servers that cap each "
               "connection, e.g. S3); at least --workers; default: a fixed --workers.")
-@click.option("--chunk-size", type=SizeType(), default="8M", show_default=True, callback=_chunk_size,
+@click.option("--chunk-size", type=SizeType(), default="8M", show_default=True, callback=check_chunk_size,
               help=f"Bytes per ranged read and per resume unit, {human_bytes(MIN_CHUNK)} to {human_bytes(MAX_CHUNK)} "
               "(e.g. 8M, 64MiB).")
 @click.option("--stall-timeout", type=click.FloatRange(0.5, 3600), default=30.0, show_default=True,
@@ -229,7 +148,7 @@ def _interruptible() -> Iterator[tuple[threading.Event, list[int]]]:
               envvar="MODELCACHE_SPACE_MARGIN", show_envvar=True, show_default=True,
               help="Kept free on the file system besides the model (the agent's --space-margin on a node).")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON on stdout.")
-@_assume_unused_option
+@assume_unused_option
 @click.pass_context
 def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | None, workers: int,
          max_workers: int | None, chunk_size: int, stall_timeout: float, max_attempts: int, direct_io: bool | None,
@@ -248,10 +167,10 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
     if check and refresh:
         raise click.UsageError("--check and --refresh exclude each other: --check only reports")
     if check:
-        _check(_store(root), list(uris), root, as_json)
+        _check(open_store(root), list(uris), root, as_json)
         return
     if refresh and not uris:
-        uris = tuple(_stored_uris(_store(root)))
+        uris = tuple(_stored_uris(open_store(root)))
         if not uris:
             click.echo(f"no models in {root}")
             return
@@ -283,10 +202,10 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
             with show_progress(tracker, progress_mode, progress_interval):
                 results = pull_many(list(uris), PullRequest(
                     root=None if dest else root, dest=dest, options=options, progress=tracker, cancel=cancel,
-                    guard=_guard(assume_unused), refresh=refresh, space=SpacePolicy(space_margin)))
+                    guard=mount_guard_for(assume_unused), refresh=refresh, space=SpacePolicy(space_margin)))
         except ModelcacheError as exc:
             if not caught:
-                _fail(str(exc))
+                fail(str(exc))
             results = []
     if dest is not None and results and all(isinstance(r, PullResult) for r in results):
         # DEST holds the model and nothing else (as the init container leaves it): a second pull
@@ -320,7 +239,7 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
             out.append({"uri": redact_uri(uri), "ok": False, "error": shown, "reason": getattr(res, "reason", "Error")})
             click.echo(f"error: {shown}", err=True)
     if as_json:
-        _emit(out)
+        emit(out)
     if caught:
         _interrupted(tracker, DestLayout(dest).staging_root if dest is not None else NodeLayout(root).staging_root,
                      caught[0])
@@ -372,7 +291,7 @@ def _check(store: NodeStore, args: list[str], root: Path, as_json: bool) -> None
 
     settings = Settings.from_env()
     keys = store.keys()
-    targets = [(_key(a), a if not re.fullmatch(r"[0-9a-f]{16}", a) else None) for a in args] or [
+    targets = [(key_of(a), a if not re.fullmatch(r"[0-9a-f]{16}", a) else None) for a in args] or [
         (k, None) for k in keys]
     out: list[Drift] = []
     for key, uri in targets:
@@ -392,7 +311,7 @@ def _check(store: NodeStore, args: list[str], root: Path, as_json: bool) -> None
             message = scrub_urls(" ".join(str(exc).split())).removeprefix(f"{redact_uri(listed)}: ")
             out.append(Drift(key, manifest.uri, ERROR, message=message))
     if as_json:
-        _emit([asdict(d) for d in out])
+        emit([asdict(d) for d in out])
     else:
         if not out:
             click.echo(f"no models in {root}")
@@ -430,25 +349,25 @@ def _interrupted(tracker: ProgressTracker, staging: Path, signum: int) -> None:
 
 
 @cli.command("ls")
-@_log_level_option
-@_root_option
+@log_level_option
+@root_option
 @click.option("--json", "as_json", is_flag=True)
 def ls_cmd(root: Path, as_json: bool) -> None:
     """List the models in the store, and pulls in flight or interrupted (with their percentage)."""
     from modelcache.pull import staged_pulls
 
-    store = _store(root)
+    store = open_store(root)
     try:
         entries = store.entries()
         staged = staged_pulls(store)
     except ModelcacheError as exc:
-        _fail(str(exc))
+        fail(str(exc))
         return
     present = {e.storage_key for e in entries if e.present}
     staged = [s for s in staged if s.storage_key not in present]
     stage_keys = {s.storage_key for s in staged}
     if as_json:
-        _emit([{**asdict(e), "state": _entry_state(e), "last_used": e.last_used_at}
+        emit([{**asdict(e), "state": _entry_state(e), "last_used": e.last_used_at}
                for e in entries if e.present or e.storage_key not in stage_keys]
               + [{**asdict(s), "state": s.state, "present": False} for s in staged])
         return
@@ -498,9 +417,9 @@ def _entry_state(e: Any) -> str:
 
 
 @cli.command()
-@_log_level_option
+@log_level_option
 @click.argument("models", nargs=-1)
-@_root_option
+@root_option
 @click.option("--repair", "fix", is_flag=True,
               help="Fetch the damaged or missing files of each damaged model again (only those, at the revision "
               "its manifest names) and put them in place; the model folder itself stays.")
@@ -509,13 +428,13 @@ def _entry_state(e: Any) -> str:
 @click.option("--json", "as_json", is_flag=True)
 def verify(models: tuple[str, ...], root: Path, fix: bool, progress_mode: str, as_json: bool) -> None:
     """Re-hash models (all by default) and compare with their manifests."""
-    store = _store(root)
-    given = {_key(m): m for m in models}
+    store = open_store(root)
+    given = {key_of(m): m for m in models}
     # A key or URI with nothing in the store is a typo, not damage: said as `rm` says it, and
     # never answered with a repair (of nothing) or a pull (of a key).
     unknown = [m for k, m in given.items() if not store.has(k)]
     for m in unknown:
-        _not_stored(m, root)
+        not_stored(m, root)
     given = {k: m for k, m in given.items() if m not in unknown}
     if unknown and not given:
         sys.exit(1)
@@ -526,7 +445,7 @@ def verify(models: tuple[str, ...], root: Path, fix: bool, progress_mode: str, a
         if problems and store.manifest(k) is not None:
             _mark(store, k, problems)
     if as_json and not fix:
-        _emit(report)
+        emit(report)
     else:
         for k, problems in report.items():
             if problems:
@@ -542,7 +461,7 @@ def verify(models: tuple[str, ...], root: Path, fix: bool, progress_mode: str, a
     if damaged and fix:
         failed = [k for k in damaged if not _repair(store, k, given.get(k), progress_mode)]
         if as_json:
-            _emit({k: [asdict(p) for p in store.verify(k)] for k in keys})
+            emit({k: [asdict(p) for p in store.verify(k)] for k in keys})
         if failed:
             click.echo(f"error: {len(failed)} of {len(damaged)} damaged model(s) not repaired", err=True)
             sys.exit(1)
@@ -616,17 +535,17 @@ def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -
 
 
 @cli.command()
-@_log_level_option
+@log_level_option
 @click.argument("models", nargs=-1, required=True)
-@_root_option
+@root_option
 @click.option("--json", "as_json", is_flag=True)
-@_assume_unused_option
+@assume_unused_option
 def rm(models: tuple[str, ...], root: Path, as_json: bool, assume_unused: bool) -> None:
     """Remove models (by storage key or URI) from the store; never one a pod on this node mounts."""
-    store = _store(root, assume_unused)
+    store = open_store(root, assume_unused)
     out: dict[str, tuple[str, bool, bool]] = {}  # argument -> (key, removed, made by modelcache)
     for m in models:
-        key = _folder_name(root, m) or _key(m)
+        key = folder_name(root, m) or key_of(m)
         if not store.has(key):  # nothing to lock either: no lock file is created for a typo
             out[m] = (key, False, True)
             continue
@@ -634,9 +553,9 @@ def rm(models: tuple[str, ...], root: Path, as_json: bool, assume_unused: bool) 
         try:
             out[m] = (key, store.remove(key), made)
         except ModelcacheError as exc:
-            _fail(f"{m}: {exc}")
+            fail(f"{m}: {exc}")
     if as_json:
-        _emit([{"model": redact_uri(m), "storage_key": key, "removed": removed, "made_by_modelcache": made}
+        emit([{"model": redact_uri(m), "storage_key": key, "removed": removed, "made_by_modelcache": made}
                for m, (key, removed, made) in out.items()])
     else:
         for m, (_, removed, made) in out.items():
@@ -644,30 +563,30 @@ def rm(models: tuple[str, ...], root: Path, as_json: bool, assume_unused: bool) 
                 click.echo(f"{m}: removed" + ("" if made else " (a folder not made by modelcache)"))
     missing = [m for m, (_k, removed, _made) in out.items() if not removed]
     for m in missing:
-        _not_stored(m, root)
+        not_stored(m, root)
     if missing:
         sys.exit(1)
 
 
 @cli.command()
-@_log_level_option
-@_root_option
+@log_level_option
+@root_option
 @click.option("--target-free", type=SizeType(), required=True, help="Evict until this much space is free.")
 @click.option("--evict-all", is_flag=True,
               help="Evict every model not in use even if that cannot reach --target-free (else nothing is evicted).")
 @click.option("--dry-run", is_flag=True, help="Say what would be evicted, evict nothing.")
 @click.option("--json", "as_json", is_flag=True)
-@_assume_unused_option
+@assume_unused_option
 def gc(root: Path, target_free: int, evict_all: bool, dry_run: bool, as_json: bool, assume_unused: bool) -> None:
     """Evict least recently used models until --target-free bytes are free (skipping mounted ones)."""
-    store = _store(root, assume_unused)
+    store = open_store(root, assume_unused)
     try:
         evicted = store.gc(target_free, dry_run=dry_run, evict_all=evict_all)
     except ModelcacheError as exc:
-        _fail(f"gc at {root}: {exc}" + (" (dry run)" if dry_run else ""))
+        fail(f"gc at {root}: {exc}" + (" (dry run)" if dry_run else ""))
         return
     if as_json:
-        _emit({"dry_run": dry_run, "evicted": [asdict(e) for e in evicted]})
+        emit({"dry_run": dry_run, "evicted": [asdict(e) for e in evicted]})
         return
     verb = "would evict" if dry_run else "evicted"
     for e in evicted:
@@ -681,7 +600,7 @@ def gc(root: Path, target_free: int, evict_all: bool, dry_run: bool, as_json: bo
 
 
 @cli.command()
-@_log_level_option
+@log_level_option
 @click.option("--kubeconfig", envvar="KUBECONFIG", show_envvar=True, default=None,
               help="Kubeconfig (default: as kubectl finds it).")
 @click.option("--kserve-namespace", default="kserve", show_default=True,
@@ -711,10 +630,10 @@ def migrate(kubeconfig: str | None, kserve_namespace: str, credentials_namespace
             facts.sources = check_sources(kube, facts, mig.agent_plain_env(facts.our_agent))
         steps = mig.plan(facts)
     except StartupError as exc:  # no usable kubeconfig: one line naming the file and the fix
-        _fail(str(exc), 2)
+        fail(str(exc), 2)
         return
     if as_json:
-        _emit({"steps": [asdict(s) for s in steps], "blocking": sum(1 for s in steps if s.blocking)})
+        emit({"steps": [asdict(s) for s in steps], "blocking": sum(1 for s in steps if s.blocking)})
     else:
         click.echo(mig.render(steps, api.configuration.host))
     sys.exit(1 if any(s.blocking for s in steps) else 0)
@@ -740,13 +659,13 @@ def status(kubeconfig: str | None, output: str, watch: bool, interval: float) ->
     try:
         kube = Kube(load_api_client(kubeconfig))
     except StartupError as exc:  # no usable kubeconfig: one line naming the file and the fix
-        _fail(str(exc), 2)
+        fail(str(exc), 2)
         return
     while True:
         try:
             fleet = gather(kube)
         except Exception as exc:
-            _fail(f"cannot read the fleet from {kube.api_client.configuration.host}: {exc}".splitlines()[0], 2)
+            fail(f"cannot read the fleet from {kube.api_client.configuration.host}: {exc}".splitlines()[0], 2)
             return
         if output == "json":
             data = {"time": rfc3339(), **fleet.to_dict()}

@@ -148,7 +148,7 @@ def test_merged_ca_bundle_is_one_file_per_content_across_processes(tmp_path) -> 
     tmp.mkdir()
 
     def merged() -> Path:
-        code = "import sys; from modelcache.credentials import merged_ca_bundle; print(merged_ca_bundle(sys.argv[1]))"
+        code = "import sys; from modelcache.cabundle import merged_ca_bundle; print(merged_ca_bundle(sys.argv[1]))"
         out = subprocess.run([sys.executable, "-c", code, str(custom)], env={**os.environ, "TMPDIR": str(tmp)},
                              capture_output=True, text=True, check=True)
         return Path(out.stdout.strip())

@@ -12,8 +12,9 @@ The rules (docs/peers.md, "How a download uses peers" and "Trust nothing from a 
    one still busy when the piece's budget runs out is left alone for ``STARVING_PAUSE``. A read
    that misses its deadline (a slow or trickling peer) costs that peer a strike and a pause; two
    strikes and it is not asked again during this download.
-2. **Else the origin, if we own the piece**: owners are spread by rendezvous hashing of (node,
-   piece) over the members still downloading; a member reading the piece right now owns it.
+2. **Else the origin, if we own the piece**: owners are spread by a consistent-hash ring
+   (``ring.py``) of the model's blocks over the members still downloading; a member reading the
+   piece right now owns it.
 3. **Else wait for the owner**, but never longer than the piece's budget: ``wait`` seconds and
    at most half the stall timeout, so that the engine's stall watchdog never fires on a piece
    that waits for peers. A piece past its budget is read from the origin whoever holds or owns
@@ -45,13 +46,13 @@ LocalModelNode status names (which only that node may write): nobody speaks for 
 
 from __future__ import annotations
 
-import bisect
-import hashlib
 import random
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
+
+from modelcache.peers.ring import Ring, h64
 
 #: Hashes a node may claim, as a witness, for one piece (plan.claims): the truth and a lie.
 MAX_CLAIMS = 2
@@ -198,55 +199,6 @@ def choose_peers(candidates: list[C], settings: SwarmSettings) -> list[C]:
     random.Random(settings.node).shuffle(out)
     out.sort(key=lambda p: p.zone != settings.zone or not p.zone)
     return out[: settings.max_peers]
-
-
-#: Points per member on the ring (bisect per lookup; 16 keep the largest share within ~1.5x the mean).
-RING_POINTS = 16
-_POINTS: dict[str, list[tuple[int, str]]] = {}
-
-
-def _h64(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-
-
-class Ring:
-    """Consistent hashing of the swarm's blocks onto its members: every node that knows the same
-    members computes the same owners, and one member more or less moves only its own blocks
-    (two nodes whose views differ by a member disagree about 1/members of the blocks)."""
-
-    def __init__(self, members: frozenset[str]) -> None:
-        points: list[tuple[int, str]] = []
-        for name in members:
-            mine = _POINTS.get(name)
-            if mine is None:
-                mine = _POINTS[name] = [(_h64(f"{name}\0{v}"), name) for v in range(RING_POINTS)]
-                if len(_POINTS) > 65536:  # names of nodes long gone
-                    _POINTS.clear()
-            points += mine
-        points.sort()
-        self.hashes = [h for h, _ in points]
-        self.names = [n for _, n in points]
-        self.size = len(members)
-
-    def owners(self, point: int, count: int, skip: Collection[str] = ()) -> list[str]:
-        """The first ``count`` members clockwise from ``point``, less ``skip``."""
-        out: list[str] = []
-        if not self.names:
-            return out
-        start = bisect.bisect_left(self.hashes, point)
-        for i in range(len(self.names)):
-            name = self.names[(start + i) % len(self.names)]
-            if name not in out and name not in skip:
-                out.append(name)
-                if len(out) >= count or len(out) + len(skip) >= self.size:
-                    break
-        return out
-
-
-
-def rank(node: str, key: str, ci: int, piece: int) -> int:
-    """Rendezvous weight of ``node`` for a piece: the member with the highest reads it."""
-    return int.from_bytes(hashlib.blake2b(f"{node}\0{key}\0{ci}\0{piece}".encode(), digest_size=8).digest(), "big")
 
 
 class Plan:
@@ -499,7 +451,7 @@ class Plan:
             block = (ci, piece // self.block_of(ci))
             point = self._block_points.get(block)
             if point is None:
-                point = self._block_points[block] = _h64(f"{self.key}\0{block[0]}\0{block[1]}")
+                point = self._block_points[block] = h64(f"{self.key}\0{block[0]}\0{block[1]}")
             out += self._ring.owners(point, need - len(out), skip={*out, *done})
         return out
 
