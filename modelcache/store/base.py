@@ -20,6 +20,7 @@ import os
 import shutil
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +58,7 @@ def discard(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-class Store:
+class Store(ABC):
     """One store of models (``NodeStore``: a node root; ``DestStore``: a destination folder).
     The kinds differ only in the hooks below the line ``---- what the kinds decide``."""
 
@@ -98,17 +99,19 @@ class Store:
 
     def _before_recover(self, key: str) -> None:
         """What a crash may have left beyond a publish: a node store's trash and an old pin."""
+        return None  # the default (a destination folder): nothing beyond the publish
 
     def _after_recover(self, key: str, staging: Staging) -> None:
         """No publish was under way: a node store drops a staging folder that holds no download."""
+        return None  # the default (a destination folder): its staging folder is left as it is
 
     def _trash_dir(self, target: Path) -> Path:
         """Where a folder goes to be deleted (the rename is instant, the delete is not)."""
         return target.parent
 
+    @abstractmethod
     def unlisted_dir(self, key: str) -> Path:
         """Where files an adopted folder held beyond its model were moved."""
-        raise NotImplementedError
 
     def set_aside_unlisted(self, key: str, keep: Collection[str]) -> list[str]:
         """Move what the model folder holds beyond ``keep`` out of it (node stores)."""
@@ -126,10 +129,10 @@ class Store:
         """Keep why the staged download of ``key`` failed (until the next pull of it starts)."""
         self.staging(key).record_failure(reason, message)
 
+    @abstractmethod
     def no_room_advice(self, key: str, need: int, short: int, fs_total: int, margin: int) -> str:
         """The fix to name when a model needs ``need`` bytes (margin included), ``short`` more
         than are free, on a file system of ``fs_total`` bytes."""
-        raise NotImplementedError
 
     # ---- locking ------------------------------------------------------------------------------
 
