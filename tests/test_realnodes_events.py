@@ -10,7 +10,6 @@ defaults read them (realnodes_util.s3_credentials)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 import urllib.request
@@ -45,19 +44,10 @@ CREDENTIALS_NS = "modelcache-credentials"
 NODES = ("node-1", "node-2")
 
 
-def apply(cluster: NodeCluster, *objs: dict[str, Any]) -> None:
-    cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objs)}))
-
-
-def get(cluster: NodeCluster, path: str) -> dict[str, Any]:
-    status, body = cluster.cp.raw(path)
-    assert status == 200, (path, status, body[:300])
-    return dict(json.loads(body))
-
 
 def agent_pod(cluster: NodeCluster, node: str) -> dict[str, Any]:
     """The agent pod on ``node`` (not one being deleted)."""
-    items = get(cluster, f"/api/v1/namespaces/{NS}/pods?labelSelector={AGENT_PODS}")["items"]
+    items = cluster.get(f"/api/v1/namespaces/{NS}/pods?labelSelector={AGENT_PODS}")["items"]
     (pod,) = [p for p in items if p["spec"].get("nodeName") == node and not p["metadata"].get("deletionTimestamp")]
     return dict(pod)
 
@@ -71,7 +61,7 @@ def agent_ready(cluster: NodeCluster, node: str) -> bool:
 
 
 def cache_node_status(cluster: NodeCluster, name: str) -> dict[str, str]:
-    status = get(cluster, f"/apis/serving.kserve.io/v1alpha1/localmodelcaches/{name}").get("status") or {}
+    status = cluster.get(f"/apis/serving.kserve.io/v1alpha1/localmodelcaches/{name}").get("status") or {}
     return dict(status.get("nodeStatus") or {})
 
 
@@ -108,7 +98,7 @@ def test_a_fresh_host_folder_an_agent_pod_deleted_mid_download_a_mounting_pod(
         size = sum(o["Size"] for o in origin.client().list_objects_v2(Bucket=bucket, Prefix="llm/")["Contents"])
         account = s3_credentials(real_nodes, CREDENTIALS_NS, origin, kserve_config=False)
         first = agent_pod(real_nodes, "node-1")["metadata"]["uid"]
-        apply(real_nodes, node_group("first", path=root, nodes=["node-1"]),
+        real_nodes.apply(node_group("first", path=root, nodes=["node-1"]),
               model_cache("llm", uri, ["first"], account))
         wait_until(lambda: origin.relay.bytes_from_origin > size // 2, timeout=300, what="half the model downloaded")
         at_delete = origin.relay.bytes_from_origin
@@ -139,7 +129,7 @@ def test_a_fresh_host_folder_an_agent_pod_deleted_mid_download_a_mounting_pod(
         wait_until(lambda: kept_for_the_pod(real_nodes), timeout=120, what="node-1's copy reported as kept for the pod")
         time.sleep(3)  # several of the agent's removal re-checks
         assert inodes(folder) == files and sha256_files(folder) == digests
-        mismatches = get(real_nodes, "/api/v1/events?fieldSelector=reason%3DHostPathMismatch")["items"]
+        mismatches = real_nodes.get("/api/v1/events?fieldSelector=reason%3DHostPathMismatch")["items"]
         assert mismatches == [], [e["message"] for e in mismatches]
         # Once its kubelet has stopped the pod and confirmed the deletion, the model goes.
         real_nodes.kubectl("delete", "pod", "-n", "team", "serve", "--timeout=120s", timeout=150)
@@ -161,7 +151,7 @@ def test_drain_a_stopped_kubelet_a_rolling_update_and_a_mounting_pod(real_nodes:
         uri = f"s3://{bucket}/llm"
         digests = origin.put_model(bucket, "llm", shards=2, shard_bytes=4 << 20)
         account = s3_credentials(real_nodes, CREDENTIALS_NS, origin, kserve_config=False)
-        apply(real_nodes, node_group("workers"), model_cache("llm", uri, ["workers"], account))
+        real_nodes.apply(node_group("workers"), model_cache("llm", uri, ["workers"], account))
         wait_downloaded(real_nodes, "llm")
         folders = {n: real_nodes.node(n).host_path("/models") / "models" / storage_key(uri) for n in NODES}
         assert all(sha256_files(f) == digests for f in folders.values())
@@ -175,7 +165,7 @@ def test_drain_a_stopped_kubelet_a_rolling_update_and_a_mounting_pod(real_nodes:
         agent = agent_pod(real_nodes, "node-1")["metadata"]["uid"]
         real_nodes.kubectl("drain", "node-1", "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=180s",
                            timeout=200)
-        coordinators = get(real_nodes, f"/api/v1/namespaces/{NS}/pods?labelSelector="
+        coordinators = real_nodes.get(f"/api/v1/namespaces/{NS}/pods?labelSelector="
                                        "app.kubernetes.io/name=modelcache-coordinator")["items"]
         assert [p["spec"].get("nodeName") for p in coordinators if not p["metadata"].get("deletionTimestamp")
                 and p["spec"].get("nodeName") == "node-1"] == []
@@ -253,7 +243,7 @@ def serve_on_node_1(cluster: NodeCluster, root: str, key: str, digests: dict[str
     node group (its local PV at the agents' host folder ``root``, subPath models/<storageKey>),
     Ready once it has read every file; what it read is the model."""
     cluster.kubectl("create", "namespace", "team")
-    apply(cluster, *local_volume("serving-llm", "team", "node-1", root), serving_pod("team", key))
+    cluster.apply(*local_volume("serving-llm", "team", "node-1", root), serving_pod("team", key))
     cluster.kubectl("wait", "-n", "team", "pod/serve", "--for=condition=Ready", "--timeout=180s", timeout=200)
     log = cluster.kubectl("logs", "-n", "team", "serve").stdout
     assert served_files(log) == digests, log
@@ -261,7 +251,7 @@ def serve_on_node_1(cluster: NodeCluster, root: str, key: str, digests: dict[str
 
 def kept_for_the_pod(cluster: NodeCluster) -> bool:
     """node-1's agent no longer reports llm, and says it keeps the files for team/serve."""
-    status = get(cluster, "/apis/serving.kserve.io/v1alpha1/localmodelnodes/node-1").get("status") or {}
+    status = cluster.get("/apis/serving.kserve.io/v1alpha1/localmodelnodes/node-1").get("status") or {}
     message = ((status.get("modelDetails") or {}).get("llm") or {}).get("message") or ""
     return not status.get("modelStatus") and "team/serve" in message
 
@@ -278,5 +268,5 @@ def serving_pod(namespace: str, key: str) -> dict[str, Any]:
 
 
 def _ready_condition(cluster: NodeCluster, node: str) -> str:
-    conditions = get(cluster, f"/api/v1/nodes/{node}")["status"].get("conditions") or []
+    conditions = cluster.get(f"/api/v1/nodes/{node}")["status"].get("conditions") or []
     return next((str(c["status"]) for c in conditions if c["type"] == "Ready"), "")

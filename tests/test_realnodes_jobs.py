@@ -58,15 +58,6 @@ print(f"downloader: wrote {uri} into {dest}", flush=True)
 """
 
 
-def apply(cluster: NodeCluster, *objs: dict[str, Any]) -> None:
-    cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objs)}))
-
-
-def get(cluster: NodeCluster, path: str) -> dict[str, Any]:
-    status, body = cluster.cp.raw(path)
-    assert status == 200, (path, status, body[:300])
-    return dict(json.loads(body))
-
 
 def containers(image: Image) -> list[dict[str, Any]]:
     """The download-Job container for ``private://`` and ``corp+<x>://``, and an init-container one
@@ -93,7 +84,7 @@ def job_pod(cluster: NodeCluster, model: str) -> dict[str, Any]:
     found: list[dict[str, Any]] = []
 
     def bound() -> bool:
-        items = get(cluster, f"/api/v1/namespaces/{JOBS_NS}/pods?labelSelector=model%3D{model},node%3Dnode-1")["items"]
+        items = cluster.get(f"/api/v1/namespaces/{JOBS_NS}/pods?labelSelector=model%3D{model},node%3Dnode-1")["items"]
         found[:] = [p for p in items if p["spec"].get("nodeName") == "node-1"]
         return bool(found)
 
@@ -104,13 +95,13 @@ def job_pod(cluster: NodeCluster, model: str) -> dict[str, Any]:
 def test_a_download_job_runs_on_the_node_and_its_end_is_reported(real_nodes: NodeCluster, image: Image,
                                                                  tmp_path: Path) -> None:
     install(real_nodes, image.ref, tmp_path / "overlay")
-    apply(real_nodes, *containers(image))
-    apply(real_nodes, {"apiVersion": "v1", "kind": "Secret",
+    real_nodes.apply(*containers(image))
+    real_nodes.apply({"apiVersion": "v1", "kind": "Secret",
                        "metadata": {"name": "storage-config", "namespace": CREDENTIALS_NS},
                        "stringData": {"corp": '{"type": "s3", "access_key_id": "AK1"}'}})
     uri, bad_uri = "private://models/llama-7b", "corp+vault://models/broken"
     key = storage_key(uri)
-    apply(real_nodes, node_group("first", nodes=["node-1"]), cache("llama", uri, storage={"key": "corp"}),
+    real_nodes.apply(node_group("first", nodes=["node-1"]), cache("llama", uri, storage={"key": "corp"}),
           cache("broken", bad_uri))
 
     pod = job_pod(real_nodes, "llama")
@@ -124,12 +115,12 @@ def test_a_download_job_runs_on_the_node_and_its_end_is_reported(real_nodes: Nod
     assert spec["nodeSelector"] == {"kubernetes.io/hostname": "node-1"} and spec["restartPolicy"] == "Never"
     job = pod["metadata"]["labels"]["job-name"]
     assert job.startswith("llama-node-1")
-    (owner,) = get(real_nodes, f"/apis/batch/v1/namespaces/{JOBS_NS}/jobs/{job}")["metadata"]["ownerReferences"]
+    (owner,) = real_nodes.get(f"/apis/batch/v1/namespaces/{JOBS_NS}/jobs/{job}")["metadata"]["ownerReferences"]
     assert (owner["kind"], owner["name"]) == ("LocalModelNode", "node-1")  # as KServe's Jobs
     # The download's credentials, as environment variables from a Secret of the Job's name, never
     # in the Job itself; the container says it got them.
     (ref,) = [e["valueFrom"]["secretKeyRef"] for e in c["env"] if e["name"] == "STORAGE_CONFIG"]
-    secret = get(real_nodes, f"/api/v1/namespaces/{JOBS_NS}/secrets/{job}")
+    secret = real_nodes.get(f"/api/v1/namespaces/{JOBS_NS}/secrets/{job}")
     assert ref["name"] == job and ref["key"] in (secret.get("data") or {})
     assert "envFrom" not in c and spec["automountServiceAccountToken"] is False
     assert "AK1" not in json.dumps(pod)
@@ -137,20 +128,20 @@ def test_a_download_job_runs_on_the_node_and_its_end_is_reported(real_nodes: Nod
     # The kubelet runs it: the container waits for its go-ahead in the folder it mounts, which is
     # the model's folder of node-1's host folder. Meanwhile the model is Downloading.
     folder = real_nodes.node("node-1").host_path("/models") / "models" / key
-    wait_until(lambda: get(real_nodes, f"/api/v1/namespaces/{JOBS_NS}/pods/{pod['metadata']['name']}")["status"].get(
+    wait_until(lambda: real_nodes.get(f"/api/v1/namespaces/{JOBS_NS}/pods/{pod['metadata']['name']}")["status"].get(
         "phase") == "Running", timeout=120, what="the download Job's pod Running")
     assert model_states(real_nodes, "node-1")["llama"] == "ModelDownloading"
     assert folder.is_dir()
     (folder / ".go").touch()
     wait_until(lambda: model_states(real_nodes, "node-1").get("llama") == "ModelDownloaded", timeout=120,
                what="llama Downloaded after its Job")
-    status = get(real_nodes, "/apis/serving.kserve.io/v1alpha1/localmodelnodes/node-1")["status"]
+    status = real_nodes.get("/apis/serving.kserve.io/v1alpha1/localmodelnodes/node-1")["status"]
     assert status["modelDetails"]["llama"]["bytesTotal"] == 100_002
     assert (folder / "config.json").read_bytes() == b"{}" and (folder / "weights" / "w.bin").read_bytes() == WEIGHTS
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "weights"]  # the go-ahead is gone
     store = NodeStore.at(real_nodes.node("node-1").host_path("/models"))
     assert store.is_present(key) and store.verify(key) == []  # checked like any other model from now on
-    done = get(real_nodes, f"/apis/batch/v1/namespaces/{JOBS_NS}/jobs/{job}")["status"]
+    done = real_nodes.get(f"/apis/batch/v1/namespaces/{JOBS_NS}/jobs/{job}")["status"]
     assert done.get("succeeded") == 1 and not done.get("failed")
     logs = real_nodes.kubectl("logs", "-n", JOBS_NS, f"job/{job}").stdout
     assert f"downloader: wrote {uri} into /mnt/models" in logs
@@ -161,7 +152,7 @@ def test_a_download_job_runs_on_the_node_and_its_end_is_reported(real_nodes: Nod
     bad = job_pod(real_nodes, "broken")
     wait_until(lambda: model_states(real_nodes, "node-1").get("broken") == "ModelDownloadError", timeout=180,
                what="broken a download Error after its Job's pod failed")
-    status = get(real_nodes, "/apis/serving.kserve.io/v1alpha1/localmodelnodes/node-1")["status"]
+    status = real_nodes.get("/apis/serving.kserve.io/v1alpha1/localmodelnodes/node-1")["status"]
     message = status["modelDetails"]["broken"]["message"]
     assert bad["metadata"]["labels"]["job-name"].startswith("broken-node-1")
     assert f"download Job {JOBS_NS}/broken-node-1" in message, message

@@ -53,7 +53,7 @@ def test_our_initializer_fills_a_kserve_predictor_pod(real_nodes: NodeCluster, i
             size = sum(o["Size"] for o in listing)
             real_nodes.kubectl("create", "namespace", NS)
             account = s3_credentials(real_nodes, NS, origin)
-            real_nodes.kubectl("apply", "-f", "-", input=json.dumps(inference_service("llm", NS, uri, account)))
+            real_nodes.apply(inference_service("llm", NS, uri, account))
             try:
                 real_nodes.kubectl("wait", "--for=create", "deployment/llm-predictor", "-n", NS, "--timeout=120s",
                                    timeout=150)
@@ -103,8 +103,7 @@ def test_the_cache_path_on_real_pods(real_nodes: NodeCluster, image: Image, tmp_
             account = s3_credentials(real_nodes, "modelcache-credentials", origin)
             group = node_group("workers")
             cache = model_cache("llm", uri, ["workers"], account)
-            real_nodes.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
-                                                                      "items": [group, cache]}))
+            real_nodes.apply(group, cache)
             wait_downloaded(real_nodes, "llm")
             key = storage_key(uri)
             for node in ("node-1", "node-2"):
@@ -120,7 +119,7 @@ def test_the_cache_path_on_real_pods(real_nodes: NodeCluster, image: Image, tmp_
             # Item 4: the predictor pod on the cache, zero bytes from the origin while it starts.
             origin.relay.reset()
             real_nodes.kubectl("create", "namespace", NS)
-            real_nodes.kubectl("apply", "-f", "-", input=json.dumps(inference_service("llm", NS, uri, None)))
+            real_nodes.apply(inference_service("llm", NS, uri, None))
             try:
                 real_nodes.kubectl("wait", "--for=create", "deployment/llm-predictor", "-n", NS, "--timeout=120s",
                                    timeout=150)
