@@ -16,11 +16,11 @@ import click
 from agent.config import DEFAULT_ROOT, AgentConfig
 from agent.logs import fields, setup_logging
 from modelcache.errors import ModelcacheError
-from modelcache.health import HealthServer
-from modelcache.progress import human_bytes
 from modelcache.resources import check_buffers, chunk_size_problem
-from modelcache.sizes import parse_size
-from modelcache.startup import StartupError, check_writable_dir, env_for_every_flag, listen_error, run_command
+from modelcache.runtime.health import HealthServer
+from modelcache.runtime.progress import human_bytes
+from modelcache.runtime.sizes import parse_size
+from modelcache.runtime.startup import StartupError, check_writable_dir, env_for_every_flag, listen_error, run_command
 
 if TYPE_CHECKING:
     from agent.metrics import AgentMetrics
@@ -36,7 +36,7 @@ _NON_NEGATIVE = click.FloatRange(min=0)
 
 
 def _size(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
-    """Binary, as every modelcache command reads sizes (16M = 16Mi = 16MiB); modelcache/sizes.py."""
+    """Binary, as every modelcache command reads sizes (16M = 16Mi = 16MiB); modelcache/runtime/sizes.py."""
     try:
         return parse_size(value)
     except ValueError as exc:

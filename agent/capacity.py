@@ -24,7 +24,7 @@ from pathlib import Path
 from modelcache.errors import InsufficientSpaceError
 from modelcache.kube.share import share_advice
 from modelcache.kube.types import NAMESPACE_LIMIT_ANNOTATION
-from modelcache.progress import human_bytes
+from modelcache.runtime.progress import human_bytes
 
 
 def allocated_bytes(folder: Path) -> int:

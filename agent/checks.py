@@ -17,7 +17,7 @@ from agent.config import AgentConfig
 from agent.credentials import Credentials
 from agent.logs import fields
 from agent.state import ModelRecord
-from modelcache.redact import scrub_urls
+from modelcache.runtime.redact import scrub_urls
 from modelcache.store import NodeStore
 
 log = logging.getLogger("agent.checks")

@@ -30,16 +30,16 @@ from agent.ports import Ports
 from agent.report import Report, names, one_line, seconds, unverified_note
 from agent.state import INTERRUPTED, REMOVED, STOPPING, Failure, ModelRecord, Task, group_entries, owners
 from modelcache import adopt
-from modelcache.clock import rfc3339
 from modelcache.errors import ModelcacheError
 from modelcache.kube.types import (
     MODEL_DOWNLOAD_ERROR,
     MODEL_DOWNLOADED,
     LocalModelInfo,
 )
-from modelcache.loop import Loop
 from modelcache.pull import PullPlan, SpacePolicy, pull, staged_pulls
 from modelcache.repair import needs_repair, repair
+from modelcache.runtime.clock import rfc3339
+from modelcache.runtime.loop import Loop
 from modelcache.store import NodeLayout, NodeStore
 from modelcache.uri import parse_uri, redact_uri
 

@@ -20,7 +20,6 @@ from agent.hostpath import Mismatch, RootPaths
 from agent.logs import fields
 from agent.peering import Peering
 from agent.publish import Publisher
-from modelcache.clock import rfc3339
 from modelcache.kube.client import (
     CLUSTER_STORAGE_CONTAINERS,
     CUSTOM_RESOURCE_DEFINITIONS,
@@ -37,7 +36,8 @@ from modelcache.kube.share import namespace_share
 from modelcache.kube.status import patch_status_if_changed
 from modelcache.kube.types import NAMESPACE_LIMIT_ANNOTATION, LocalModelNode
 from modelcache.kube.validate import node_problems
-from modelcache.loop import Loop
+from modelcache.runtime.clock import rfc3339
+from modelcache.runtime.loop import Loop
 
 log = logging.getLogger("agent.kube")
 

@@ -34,7 +34,6 @@ from typing import Any
 from agent.config import AgentConfig
 from agent.logs import fields
 from agent.metrics import AgentMetrics
-from modelcache.clock import rfc3339
 from modelcache.kube.client import LOCAL_MODEL_NODES, NODES, Kube
 from modelcache.kube.informer import Informer
 from modelcache.kube.types import MODEL_DOWNLOAD_ERROR, MODEL_DOWNLOADED, node_group_label
@@ -50,7 +49,8 @@ from modelcache.peers.server import (
     server_context,
 )
 from modelcache.peers.swarm import SwarmSettings
-from modelcache.startup import StartupError
+from modelcache.runtime.clock import rfc3339
+from modelcache.runtime.startup import StartupError
 from modelcache.store import NodeStore
 from modelcache.uri import storage_key
 

@@ -24,7 +24,7 @@ from modelcache.errors import ModelcacheError
 from modelcache.kube.migrate import IDENTITY_KINDS, Facts, SourceCheck, cache_name, keyless
 from modelcache.kube.types import LocalModelInfo, StorageSpec
 from modelcache.pull import list_source
-from modelcache.redact import redact_uri, scrub_urls
+from modelcache.runtime.redact import redact_uri, scrub_urls
 from modelcache.sources.base import open_source
 from modelcache.uri import AzureBlobLocation, Location, parse_uri
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agent.core import Agent
-from modelcache.loop import Loop
+from modelcache.runtime.loop import Loop
 
 log = logging.getLogger("agent.status")
 

@@ -17,7 +17,6 @@ from agent.logs import fields
 from agent.metrics import AgentMetrics
 from agent.ports import Ports
 from agent.state import INTERRUPTED, UNVERIFIED, ModelRecord
-from modelcache.clock import rfc3339
 from modelcache.kube.types import (
     MODEL_DOWNLOAD_ERROR,
     MODEL_DOWNLOAD_PENDING,
@@ -27,9 +26,10 @@ from modelcache.kube.types import (
     ModelCounts,
     NodeCapacity,
 )
-from modelcache.progress import format_line
 from modelcache.pull import staged_pulls
-from modelcache.redact import scrub_urls
+from modelcache.runtime.clock import rfc3339
+from modelcache.runtime.progress import format_line
+from modelcache.runtime.redact import scrub_urls
 from modelcache.store import Manifest, NodeStore
 from modelcache.uri import redact_uri
 

@@ -27,10 +27,10 @@ import yaml
 from agent.core import Agent
 from agent.logs import fields
 from agent.publish import Publisher
-from modelcache.clock import rfc3339
 from modelcache.errors import ModelcacheError
 from modelcache.kube.types import MODEL_DOWNLOADED, LocalModelNode
 from modelcache.kube.validate import node_problems
+from modelcache.runtime.clock import rfc3339
 
 log = logging.getLogger("agent.standalone")
 

@@ -40,7 +40,7 @@ from modelcache.kube.types import (
     LocalModelInfo,
     ModelDetail,
 )
-from modelcache.progress import ProgressTracker
+from modelcache.runtime.progress import ProgressTracker
 from modelcache.uri import redact_uri, storage_key
 
 #: Why a running task was cancelled (None: it was not).

@@ -56,7 +56,6 @@ from urllib3.exceptions import HTTPError  # noqa: E402
 
 from coordinator.entries import desired_entry  # noqa: E402
 from coordinator.nodelabels import LABEL_VALUE, model_label  # noqa: E402
-from modelcache.clock import rfc3339  # noqa: E402
 from modelcache.kube.client import (  # noqa: E402
     LOCAL_MODEL_CACHES,
     LOCAL_MODEL_NODES,
@@ -67,6 +66,7 @@ from modelcache.kube.client import (  # noqa: E402
 )
 from modelcache.kube.informer import Informer  # noqa: E402
 from modelcache.kube.types import MODEL_DOWNLOADED  # noqa: E402
+from modelcache.runtime.clock import rfc3339  # noqa: E402
 from tests.cluster.baseline import apply_manifests  # noqa: E402
 from tests.cluster.build import ensure_binaries  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402

@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from coordinator.app import Config, Coordinator  # noqa: E402
 from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NODES, Kube, load_api_client  # noqa: E402
-from modelcache.sizes import parse_size  # noqa: E402
+from modelcache.runtime.sizes import parse_size  # noqa: E402
 from tests.agent_util import AgentProc, start_agent  # noqa: E402
 from tests.cluster.baseline import apply_manifests  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402

@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from modelcache.sizes import parse_size  # noqa: E402
+from modelcache.runtime.sizes import parse_size  # noqa: E402
 from modelcache.uri import storage_key  # noqa: E402
 from tests.peer_util import check, make_source, node_factory, pull_all  # noqa: E402
 

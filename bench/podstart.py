@@ -48,7 +48,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from modelcache.sizes import parse_size  # noqa: E402
+from modelcache.runtime.sizes import parse_size  # noqa: E402
 from tests.cluster.images import podman_archive, project_image, static_image  # noqa: E402
 from tests.cluster.realnodes import RealNodes  # noqa: E402
 from tests.counting_relay import CountingRelay  # noqa: E402

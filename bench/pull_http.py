@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.rss import RssSampler  # noqa: E402  (needs the repo on sys.path)
-from modelcache import sizes  # noqa: E402
+from modelcache.runtime import sizes  # noqa: E402
 from tests.fixtures.http import NginxServer, make_tls  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 

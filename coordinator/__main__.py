@@ -12,8 +12,8 @@ import click
 
 from coordinator.app import Config, Coordinator
 from modelcache.kube.client import in_cluster_namespace
-from modelcache.logs import setup_logging
-from modelcache.startup import env_for_every_flag, run_command
+from modelcache.runtime.logs import setup_logging
+from modelcache.runtime.startup import env_for_every_flag, run_command
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})

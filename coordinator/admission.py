@@ -35,7 +35,7 @@ from modelcache.kube.types import (
     LOCALMODEL_PVC_ANNOTATION,
     MAX_LABEL_VALUE,
 )
-from modelcache.redact import redact_uri
+from modelcache.runtime.redact import redact_uri
 from modelcache.uri import parse_uri
 
 log = logging.getLogger(__name__)

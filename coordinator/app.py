@@ -24,7 +24,6 @@ from coordinator.uninstallpath import PREFIX as UNINSTALL_PREFIX
 from coordinator.uninstallpath import UninstallPath
 from coordinator.view import ClusterView
 from coordinator.webhookcerts import YEAR, CertSettings, WebhookCerts
-from modelcache.health import HealthServer
 from modelcache.kube.client import (
     CUSTOM_RESOURCE_DEFINITIONS,
     NAMESPACES,
@@ -38,7 +37,8 @@ from modelcache.kube.controller import Manager
 from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import Informer
 from modelcache.kube.leader import LeaderElector
-from modelcache.startup import StartupError, listen_error
+from modelcache.runtime.health import HealthServer
+from modelcache.runtime.startup import StartupError, listen_error
 
 log = logging.getLogger(__name__)
 

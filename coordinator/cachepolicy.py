@@ -21,8 +21,8 @@ from typing import Any
 from modelcache.credentials import REDIRECTING_PARAMETERS, redirecting
 from modelcache.kube.quantity import parse_quantity
 from modelcache.kube.share import namespace_share, share_advice
-from modelcache.progress import human_bytes
-from modelcache.redact import credentials_in
+from modelcache.runtime.progress import human_bytes
+from modelcache.runtime.redact import credentials_in
 
 
 def refusal(kind: str, name: str, spec: Mapping[str, Any], namespaced: bool) -> str | None:

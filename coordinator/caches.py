@@ -23,7 +23,6 @@ from coordinator.membership import Member
 from coordinator.pacing import StatusPacer
 from coordinator.uninstall import RELEASED_ANNOTATION, released_for
 from coordinator.view import BY_CACHE, PENDING, ClusterView, cache_key
-from modelcache.clock import rfc3339
 from modelcache.kube.client import (
     LOCAL_MODEL_CACHES,
     LOCAL_MODEL_NAMESPACE_CACHES,
@@ -45,6 +44,7 @@ from modelcache.kube.types import (
     label_value,
     status_key,
 )
+from modelcache.runtime.clock import rfc3339
 
 log = logging.getLogger(__name__)
 

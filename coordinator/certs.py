@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modelcache.loop import Loop
+from modelcache.runtime.loop import Loop
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ class ReloadingContext:
 def load_tls(directory: Path, client_ca: Path | None = None) -> ReloadingContext:
     """The webhook's TLS context from ``directory`` (requiring client certificates signed by
     ``client_ca``, if given); a missing or bad file is one line naming the file and the flag."""
-    from modelcache.startup import StartupError
+    from modelcache.runtime.startup import StartupError
 
     flag = f"--webhook-cert-dir {directory}"
     for name in (CERT_FILE, KEY_FILE):

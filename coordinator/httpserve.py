@@ -1,4 +1,4 @@
-"""The coordinator's webhook server (HTTPS; health and metrics are modelcache.health's).
+"""The coordinator's webhook server (HTTPS; health and metrics are modelcache.runtime.health's).
 
 Threaded stdlib servers: admission requests are short and independent, and the API reads they
 make are blocking client calls anyway.
@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from coordinator import metrics
-from modelcache.listen import http_server
+from modelcache.runtime.listen import http_server
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from coordinator import certs
 from modelcache.kube.client import SECRETS, Kube, Resource, error_message
 from modelcache.kube.informer import Informer
 from modelcache.kube.status import update_if_changed
-from modelcache.loop import Loop
+from modelcache.runtime.loop import Loop
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from modelcache.archive import ArchiveLimits
 from modelcache.cabundle import ca_bundle_from_env, merged_ca_bundle
 from modelcache.credentials import Settings
 from modelcache.errors import ModelcacheError
-from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.resources import check_buffers, chunk_size_problem
-from modelcache.sizes import parse_size
+from modelcache.runtime.progress import ProgressTracker, human_bytes
+from modelcache.runtime.sizes import parse_size
 from modelcache.transfer import TransferOptions
 from modelcache.uri import redact_uri
 

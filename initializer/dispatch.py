@@ -28,8 +28,8 @@ from modelcache.archive import (
 )
 from modelcache.credentials import Settings
 from modelcache.errors import ModelcacheError, NotFoundError, UnsupportedError
-from modelcache.progress import ProgressTracker, human_bytes
-from modelcache.reserved import META_DIR
+from modelcache.runtime.progress import ProgressTracker, human_bytes
+from modelcache.runtime.reserved import META_DIR
 from modelcache.sources.local import check_file_type
 from modelcache.store import first_stop
 from modelcache.transfer import TransferOptions

@@ -2,7 +2,7 @@
 
 Messages of ``ModelcacheError`` are written to be safe, but an unexpected exception from an
 SDK may quote a signed URL or echo a header. Every line we print goes through ``Scrubber``:
-it redacts every URL in it (``modelcache.redact``: userinfo, query strings, fragments), and
+it redacts every URL in it (``modelcache.runtime.redact``: userinfo, query strings, fragments), and
 any value of a secret-looking environment variable (keys, tokens, passwords,
 ``<host>-headers`` values, secrets in ``STORAGE_CONFIG``).
 """
@@ -14,7 +14,7 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 
-from modelcache.redact import REDACTED, scrub_urls
+from modelcache.runtime.redact import REDACTED, scrub_urls
 
 _SECRET_NAME = re.compile(r"(?i)(secret|token|passw|key|credential|sas|signature|auth|cookie|session|header)")
 _SECRET_NAME_EXCLUDE = re.compile(r"(?i)(_FILE$|_PATH$|_DIR$|KEY_ID$|KEYTAB$|_NAME$)")

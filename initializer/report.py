@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from typing import TextIO
 
 from initializer.redact import Scrubber
-from modelcache.loop import Loop
-from modelcache.progress import ProgressTracker, format_line, human_bytes, human_duration, plural
+from modelcache.runtime.loop import Loop
+from modelcache.runtime.progress import ProgressTracker, format_line, human_bytes, human_duration, plural
 
 
 @dataclass(frozen=True)

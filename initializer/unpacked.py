@@ -21,9 +21,9 @@ from pathlib import Path
 
 from modelcache.archive import UnpackResult
 from modelcache.diskio import fsync_tree
-from modelcache.filecheck import fingerprint, has_holes
 from modelcache.integrity import hash_file
 from modelcache.remote import Checksum
+from modelcache.runtime.filecheck import fingerprint, has_holes
 from modelcache.store import DestStore, regular_file_inside
 
 #: The store keeps it per storage key (pairs that share a DEST each keep theirs).
@@ -37,7 +37,7 @@ class UnpackedRecord:
     archive_size: int
     files: list[tuple[str, int]]
     links: list[str]
-    #: Each file's sampled fingerprint (``modelcache.filecheck``), in ``files``' order; empty in
+    #: Each file's sampled fingerprint (``modelcache.runtime.filecheck``), in ``files``' order; empty in
     #: records written before there were any (sizes and holes are checked then).
     prints: list[str] = field(default_factory=list)
 

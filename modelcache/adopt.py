@@ -44,10 +44,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from modelcache.clock import rfc3339
 from modelcache.errors import StoreError
-from modelcache.filecheck import has_holes
 from modelcache.integrity import hash_file
+from modelcache.runtime.clock import rfc3339
+from modelcache.runtime.filecheck import has_holes
 from modelcache.sources.base import RemoteFile
 from modelcache.store import Manifest, ManifestFile, Store, regular_file_inside
 from modelcache.transfer import FetchedFile

@@ -41,13 +41,13 @@ from modelcache.cli_options import (
     open_store,
     root_option,
 )
-from modelcache.clock import rfc3339
 from modelcache.errors import ModelcacheError, SourceChangedError
-from modelcache.logs import setup_cli_logging
-from modelcache.progress import ProgressTracker, human_bytes, plural
-from modelcache.redact import redact_uri, scrub_urls
 from modelcache.resources import MAX_CHUNK, MIN_CHUNK, check_buffers
-from modelcache.startup import StartupError, run_command
+from modelcache.runtime.clock import rfc3339
+from modelcache.runtime.logs import setup_cli_logging
+from modelcache.runtime.progress import ProgressTracker, human_bytes, plural
+from modelcache.runtime.redact import redact_uri, scrub_urls
+from modelcache.runtime.startup import StartupError, run_command
 from modelcache.store import DestLayout, DestStore, NodeLayout, NodeStore
 from modelcache.transfer import TransferOptions
 from modelcache.uri import parse_uri

@@ -14,11 +14,11 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from modelcache.logs import setup_cli_logging
-from modelcache.redact import redact_uri, scrub_urls
 from modelcache.resources import chunk_size_problem
-from modelcache.sizes import parse_size
-from modelcache.startup import StartupError
+from modelcache.runtime.logs import setup_cli_logging
+from modelcache.runtime.redact import redact_uri, scrub_urls
+from modelcache.runtime.sizes import parse_size
+from modelcache.runtime.startup import StartupError
 from modelcache.store import NodeStore
 from modelcache.uri import storage_key
 

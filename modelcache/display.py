@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
-from modelcache.loop import Loop
-from modelcache.progress import ProgressTracker, format_line, human_bytes
+from modelcache.runtime.loop import Loop
+from modelcache.runtime.progress import ProgressTracker, format_line, human_bytes
 
 
 @contextmanager

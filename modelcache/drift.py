@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelcache.progress import human_bytes
+from modelcache.runtime.progress import human_bytes
 from modelcache.sources.base import RemoteFile
 from modelcache.store import Manifest, ManifestFile
 

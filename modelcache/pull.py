@@ -32,7 +32,6 @@ from modelcache.archive import single_archive
 from modelcache.credentials import Settings
 from modelcache.drift import CURRENT, Drift, compare
 from modelcache.errors import InsufficientSpaceError, ModelcacheError, NotFoundError
-from modelcache.progress import ProgressTracker, human_bytes
 from modelcache.pullmodel import (
     ModelPull,
     PullResult,
@@ -44,6 +43,7 @@ from modelcache.pullmodel import (
     settle_failure,
     still_archive,
 )
+from modelcache.runtime.progress import ProgressTracker, human_bytes
 from modelcache.sources.base import RemoteFile, Source, open_source, source_class
 from modelcache.store import DestStore, Guard, Manifest, NodeStore, StagedPull, Store
 from modelcache.transfer import FileJob, TransferEngine, TransferOptions

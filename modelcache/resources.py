@@ -12,7 +12,7 @@ import contextlib
 from pathlib import Path
 
 from modelcache.errors import ModelcacheError
-from modelcache.progress import human_bytes
+from modelcache.runtime.progress import human_bytes
 
 #: Chunk sizes the engine accepts: below 64 KiB a request costs more than its bytes; above 1 GiB
 #: the buffers ((workers + spares) x chunk) outgrow any init container's memory.

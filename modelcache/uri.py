@@ -17,7 +17,7 @@ from typing import ClassVar, Self
 from urllib.parse import SplitResult, unquote, urlsplit
 
 from modelcache.errors import InvalidURIError, UnsupportedError
-from modelcache.redact import DIGEST_PIN, printable, redact_uri, scrub_parts, secret_parts, split_userinfo
+from modelcache.runtime.redact import DIGEST_PIN, printable, redact_uri, scrub_parts, secret_parts, split_userinfo
 
 __all__ = ["Location", "parse_uri", "redact_uri", "register_location", "storage_key"]
 

@@ -419,7 +419,7 @@ def test_bars_show_binary_rates_and_no_eta_from_the_first_moments() -> None:
     import io
 
     from modelcache.display import show_progress
-    from modelcache.progress import ProgressSnapshot, ProgressTracker, format_line
+    from modelcache.runtime.progress import ProgressSnapshot, ProgressTracker, format_line
 
     tracker = ProgressTracker()
     tracker.add_total(100 * MiB, 1)

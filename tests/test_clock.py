@@ -1,4 +1,4 @@
-"""The one RFC 3339 timestamp (modelcache/clock.py): what Kubernetes accepts for its time
+"""The one RFC 3339 timestamp (modelcache/runtime/clock.py): what Kubernetes accepts for its time
 fields (seconds, MicroTime) and our log lines start with."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import datetime as dt
 
 import pytest
 
-from modelcache.clock import rfc3339
+from modelcache.runtime.clock import rfc3339
 
 WHEN = dt.datetime(2026, 12, 1, 15, 50, 5, 123456, tzinfo=dt.UTC)
 

@@ -20,7 +20,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from modelcache.errors import InvalidURIError, ModelcacheError, UnsupportedError
-from modelcache.redact import redact_uri, scrub_urls
+from modelcache.runtime.redact import redact_uri, scrub_urls
 from modelcache.uri import (
     GCSLocation,
     HDFSLocation,

@@ -159,7 +159,7 @@ def test_processes_started_in_a_pod_without_a_token_exit_with_one_line(module: s
     env.update(pod_env(6443), PYTHONPATH=str(REPO), NODE_NAME="node-a")
     proc = subprocess.run([sys.executable, "-m", module, "--port", "-1" if module == "agent" else "0"],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2  # a start-up error (modelcache/startup.py)
+    assert proc.returncode == 2  # a start-up error (modelcache/runtime/startup.py)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
         f"error: in-cluster config: {kube_client.SERVICE_ACCOUNT_DIR / 'token'} is missing or empty: run with the "

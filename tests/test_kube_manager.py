@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from modelcache.clock import rfc3339
 from modelcache.kube.client import (
     EVENTS,
     LEASES,
@@ -26,6 +25,7 @@ from modelcache.kube.events import WARNING, EventRecorder
 from modelcache.kube.informer import Informer
 from modelcache.kube.leader import LeaderElector
 from modelcache.kube.types import LocalModelNamespaceCache
+from modelcache.runtime.clock import rfc3339
 from tests.fixtures.cluster import Cluster
 from tests.helpers import REPO, wait_until
 

@@ -8,8 +8,8 @@ import urllib.request
 
 from agent.config import AgentConfig
 from coordinator.app import Config
-from modelcache.health import HealthServer
-from modelcache.listen import http_server
+from modelcache.runtime.health import HealthServer
+from modelcache.runtime.listen import http_server
 from tests.helpers import free_port, require
 
 

@@ -1,4 +1,4 @@
-"""The one background loop (modelcache/loop.py) the agent, the coordinator and the progress
+"""The one background loop (modelcache/runtime/loop.py) the agent, the coordinator and the progress
 lines run on: woken early, stopped without waiting out its interval, alive after a failing step,
 a step's own delay honoured."""
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from modelcache.loop import Loop
+from modelcache.runtime.loop import Loop
 from tests.helpers import wait_until
 
 
@@ -48,7 +48,7 @@ def test_a_failing_step_is_logged_and_the_loop_goes_on(caplog: pytest.LogCapture
         if len(calls) == 1:
             raise RuntimeError("boom")
 
-    with caplog.at_level(logging.ERROR, logger="modelcache.loop"):
+    with caplog.at_level(logging.ERROR, logger="modelcache.runtime.loop"):
         loop = Loop("t-fail", step, 0.01).start()
         try:
             wait_until(lambda: len(calls) >= 3, timeout=10, what="steps after the failure")

@@ -402,7 +402,7 @@ def test_azure_sas_uri_pull_keeps_the_sas_out_of_output_and_store(
     record(out + err)
     proxy.set_rate_limit(None)
     # At DEBUG too: urllib3 logs every request line at DEBUG, where the SAS query string would
-    # be; the CLI keeps client libraries at WARNING whatever its level (modelcache.logs._NOISY),
+    # be; the CLI keeps client libraries at WARNING whatever its level (modelcache.runtime.logs._NOISY),
     # so no request line is printed, redacted or not, and the signature appears nowhere.
     r = pull(tmp_path, uri, env | {"MODELCACHE_LOG_LEVEL": "DEBUG"}, "--json")
     assert r.returncode == 0, r.stderr[-2000:]

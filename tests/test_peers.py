@@ -304,7 +304,7 @@ def test_peers_in_our_zone_are_read_from_first(make_node, tmp_path):
 
 
 def test_a_resumed_download_keeps_its_piece_hashes_and_publishes_a_complete_record(make_node, tmp_path):
-    from modelcache.progress import ProgressTracker
+    from modelcache.runtime.progress import ProgressTracker
 
     files = make_source(tmp_path / "src", {"a.bin": 6 * MiB, "b.bin": 2 * MiB + 7})
     uri = f"file://{tmp_path / 'src'}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from modelcache.progress import ProgressTracker, format_line, human_bytes, human_duration
+from modelcache.runtime.progress import ProgressTracker, format_line, human_bytes, human_duration
 
 
 def test_first_snapshot_has_a_rate_and_eta():

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from modelcache.kube.quantity import parse_quantity
-from modelcache.sizes import parse_size
+from modelcache.runtime.sizes import parse_size
 
 MIB16 = 16 << 20
 

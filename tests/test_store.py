@@ -261,8 +261,8 @@ def test_gc_clears_abandoned_staging_but_not_a_locked_or_fresh_one(tmp_path):
 
 
 def test_progress_keeps_same_named_files_of_two_models_apart(tmp_path):
-    from modelcache.progress import ProgressTracker
     from modelcache.pull import pull_many
+    from modelcache.runtime.progress import ProgressTracker
 
     a = make_model(tmp_path / "a", {"config.json": 10, "w.bin": 300_000})
     b = make_model(tmp_path / "b", {"config.json": 20, "w.bin": 200_000})

@@ -287,7 +287,7 @@ def test_unpacked_archive_files_are_fsynced_before_their_record(
 ) -> None:
     from initializer.dispatch import Context, run_pair
     from modelcache.archive import ArchiveLimits
-    from modelcache.progress import ProgressTracker
+    from modelcache.runtime.progress import ProgressTracker
     from tests.archive_util import make_tar, tar_file
 
     make_tar(nginx.docroot / "a/model.tar.gz", [tar_file("m/w.bin", random_bytes(200_000, seed=5)),

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from modelcache.errors import StoreError
-from modelcache.reserved import META_DIR
+from modelcache.runtime.reserved import META_DIR
 from modelcache.store import DestStore, Manifest, NodeLayout, NodeStore, RootLock
 from modelcache.store.staging import STAGING_NAMES
 from tests.helpers import REPO, wait_until
 
 KEY = "0123456789abcdef"
 STORE = REPO / "modelcache" / "store"
-OWNERS = {REPO / "modelcache" / "reserved.py"}
+OWNERS = {REPO / "modelcache" / "runtime" / "reserved.py"}
 
 
 def _product_files() -> list[Path]:

@@ -210,7 +210,7 @@ def test_query_and_fragment_secrets_never_reach_an_error_message():
 
 
 def test_scrub_urls_redacts_every_url_in_free_text():
-    from modelcache.redact import scrub_urls
+    from modelcache.runtime.redact import scrub_urls
 
     text = ("boto: GET https://b.s3.amazonaws.com/k?X-Amz-Signature=SECRET1 failed; "
             "retrying s3://AK:SECRET2/x@bucket/m and 'hdfs://u:SECRET3@nn/p'\nnext")

@@ -25,7 +25,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.incluster_config import InClusterConfigLoader
 
-from modelcache.startup import StartupError
+from modelcache.runtime.startup import StartupError
 
 #: Where the kubelet mounts a pod's service account: token, ca.crt, namespace.
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")

@@ -14,8 +14,8 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from modelcache.clock import rfc3339
 from modelcache.kube.client import EVENTS, Kube
+from modelcache.runtime.clock import rfc3339
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from modelcache.kube.types import (
     MODEL_DOWNLOADING,
     status_key,
 )
-from modelcache.progress import human_bytes, human_duration
+from modelcache.runtime.progress import human_bytes, human_duration
 
 Obj = dict[str, Any]
 

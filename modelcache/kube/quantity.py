@@ -1,7 +1,7 @@
 """Kubernetes quantities (``100Gi``, ``1.5T``, ``5e9``): how CRD sizes such as ``storageLimit`` and
 ``modelSize`` are read, exactly as kubectl reads them (``16M`` is 16,000,000 bytes), by the
 Kubernetes client's own parser. Sizes in flags and environment variables are another syntax
-(``modelcache.sizes``, binary)."""
+(``modelcache.runtime.sizes``, binary)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from modelcache.kube.quantity import parse_quantity
 from modelcache.kube.types import NAMESPACE_LIMIT_ANNOTATION
-from modelcache.progress import human_bytes
+from modelcache.runtime.progress import human_bytes
 
 #: The annotation's value that turns the per-namespace share off.
 NO_SHARE = "none"

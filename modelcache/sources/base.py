@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from modelcache.backends import BACKENDS, load
 from modelcache.errors import InvalidURIError, UnsupportedError
 from modelcache.remote import Checksum, RangeStream, RemoteFile
-from modelcache.reserved import META_DIR
+from modelcache.runtime.reserved import META_DIR
 from modelcache.uri import Location, parse_uri
 
 if TYPE_CHECKING:

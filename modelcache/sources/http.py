@@ -32,8 +32,8 @@ import urllib3
 from modelcache.archive import archive_kind, archive_suffix
 from modelcache.errors import RateLimitedError, SourceError, TransientError
 from modelcache.integrity import safe_b64_to_hex
-from modelcache.progress import human_bytes
 from modelcache.remote import RangeStream
+from modelcache.runtime.progress import human_bytes
 from modelcache.sources.base import Checksum, RemoteFile, Source, safe_relpath
 from modelcache.sources.httpread import Hints, discard, int_header, make_pool, open_range, send, status_error
 from modelcache.sources.ranges import changed

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from modelcache.errors import AccessDeniedError, NotFoundError, SourceChangedError, SourceError, UnsupportedError
-from modelcache.reserved import META_DIR
+from modelcache.runtime.reserved import META_DIR
 from modelcache.sources.base import RemoteFile, Source, safe_relpath
 from modelcache.uri import LocalLocation, Location, PVCLocation
 

@@ -25,8 +25,8 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from modelcache.clock import rfc3339
 from modelcache.diskio import atomic_write, fsync_dir, store_error
+from modelcache.runtime.clock import rfc3339
 from modelcache.store import steps
 from modelcache.store.layout import Layout
 from modelcache.store.locks import busy, model_lock

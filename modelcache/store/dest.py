@@ -7,8 +7,8 @@ import os
 import shutil
 from pathlib import Path
 
-from modelcache.progress import human_bytes
-from modelcache.reserved import META_DIR
+from modelcache.runtime.progress import human_bytes
+from modelcache.runtime.reserved import META_DIR
 from modelcache.store.base import Store
 from modelcache.store.layout import DestLayout
 

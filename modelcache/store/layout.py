@@ -8,7 +8,7 @@ import stat
 from abc import ABC, abstractmethod
 from pathlib import Path, PurePosixPath
 
-from modelcache.reserved import META_DIR
+from modelcache.runtime.reserved import META_DIR
 
 
 class Layout(ABC):

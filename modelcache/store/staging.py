@@ -22,9 +22,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from modelcache.clock import rfc3339
 from modelcache.diskio import atomic_write, store_error
 from modelcache.journal import Journal, JournalState
+from modelcache.runtime.clock import rfc3339
 
 #: Every name the store gives an entry of a staging folder (the rule's test reads this).
 STAGING_NAMES = frozenset({"data", "plan.json", "journal", "pieces", "pieces.json", "extract", "unpacked",

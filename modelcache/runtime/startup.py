@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 
 from modelcache.errors import ModelcacheError
-from modelcache.redact import scrub_urls
+from modelcache.runtime.redact import scrub_urls
 
 USAGE_EXIT = 2
 #: A command stopped by Ctrl-C: 128 + SIGINT, as shells report it.

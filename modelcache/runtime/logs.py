@@ -16,7 +16,7 @@ import logging
 import sys
 from typing import Any
 
-from modelcache.clock import rfc3339
+from modelcache.runtime.clock import rfc3339
 
 
 def _logfmt_value(value: Any) -> str:

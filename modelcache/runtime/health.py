@@ -1,6 +1,6 @@
 """The one health and metrics server of our long-running processes (the agent and the
 coordinator): ``/healthz``, ``/readyz`` and ``/metrics`` on a small threaded HTTP server that
-listens on IPv4 and IPv6 (modelcache.listen)."""
+listens on IPv4 and IPv6 (modelcache.runtime.listen)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from modelcache.listen import http_server
+from modelcache.runtime.listen import http_server
 
 log = logging.getLogger(__name__)
 
