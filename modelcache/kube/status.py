@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from modelcache.kube.client import Kube, Resource
+from modelcache.kube.objects import meta
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +46,40 @@ def merge_patch(old: Any, new: Any) -> Any:
     return patch
 
 
+def _conflict(exc: BaseException) -> bool:
+    return isinstance(exc, ApiException) and exc.status == 409
+
+
 def _retry_on_conflict(what: str, attempt: Callable[[], Any], retries: int) -> Any:
-    for n in range(retries):
+    """``attempt()`` until it does not conflict, at most ``retries`` times (10 ms doubling to 500 ms
+    between); a 404 means the object was deleted meanwhile: nothing left to write (None)."""
+    def once() -> Any:
         try:
             return attempt()
         except ApiException as exc:
             if exc.status == 404:
-                return None  # deleted meanwhile: nothing left to write
-            if exc.status != 409 or n == retries - 1:
-                raise
-            log.debug("%s: conflict, retrying (%d)", what, n + 1)
-            time.sleep(min(0.01 * 2**n, 0.5))
-    raise AssertionError("unreachable")
+                return None
+            raise
+
+    retrying = Retrying(retry=retry_if_exception(_conflict), stop=stop_after_attempt(retries),
+                        wait=wait_exponential(multiplier=0.01, max=0.5), reraise=True,
+                        before_sleep=lambda rs: log.debug("%s: conflict, retrying (%d)", what, rs.attempt_number))
+    return retrying(once)
+
+
+class _Fresh:
+    """The object an attempt starts from: the caller's copy (say, from an informer cache) the
+    first time, and after a conflict the object read again."""
+
+    def __init__(self, kube: Kube, res: Resource, name: str, namespace: str | None,
+                 current: dict[str, Any] | None) -> None:
+        self.kube, self.res, self.name, self.namespace = kube, res, name, namespace
+        self._first = current
+
+    def take(self) -> dict[str, Any] | None:
+        """The object to compute from (None: it is gone)."""
+        obj, self._first = self._first, None
+        return obj if obj is not None else self.kube.get_or_none(self.res, self.name, self.namespace)
 
 
 def patch_status_if_changed(
@@ -75,21 +98,18 @@ def patch_status_if_changed(
     the first GET. Returns the written object, or None when nothing needed writing (or the
     object is gone).
     """
-    state = {"obj": current}
+    fresh = _Fresh(kube, res, name, namespace, current)
 
     def attempt() -> dict[str, Any] | None:
-        obj = state["obj"]
-        state["obj"] = None  # after a conflict, read the fresh object
+        obj = fresh.take()
         if obj is None:
-            obj = kube.get_or_none(res, name, namespace)
-            if obj is None:
-                return None
+            return None
         old_status = obj.get("status") or {}
         new_status = desired(copy.deepcopy(obj))
         patch = merge_patch(old_status, new_status)
         if not patch:
             return None
-        body = {"metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]}, "status": patch}
+        body = {"metadata": {"resourceVersion": meta(obj).resource_version}, "status": patch}
         return kube.patch_status(res, name, body, namespace)
 
     return _retry_on_conflict(f"{res.plural}/{name} status", attempt, retries)
@@ -109,15 +129,12 @@ def update_if_changed(
     For spec/metadata edits (finalizers, labels, ``spec.localModels``). Returns the written
     object, or None when nothing changed or the object is gone.
     """
-    state = {"obj": current}
+    fresh = _Fresh(kube, res, name, namespace, current)
 
     def attempt() -> dict[str, Any] | None:
-        obj = state["obj"]
-        state["obj"] = None
+        obj = fresh.take()
         if obj is None:
-            obj = kube.get_or_none(res, name, namespace)
-            if obj is None:
-                return None
+            return None
         before = copy.deepcopy(obj)
         mutate(obj)
         if obj == before:
