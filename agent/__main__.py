@@ -302,6 +302,8 @@ def _spec_name(path: Path) -> str:
     try:
         for doc in yaml.safe_load_all(path.read_text()):
             if isinstance(doc, dict) and doc.get("kind") == "LocalModelNode":
+                # A file a person wrote, not yet checked: read by hand, since meta() assumes what the
+                # API server validated (metadata a map, its name a string).
                 name = (doc.get("metadata") or {}).get("name")
                 return str(name) if isinstance(name, str) and name else "standalone"
     except (OSError, yaml.YAMLError):

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 from modelcache.credentials import CREDENTIALS_FROM, Settings, redirecting
 from modelcache.errors import AuthError, ModelcacheError
+from modelcache.kube.objects import meta
 from modelcache.kube.types import LocalModelInfo
 
 log = logging.getLogger("agent.credentials")
@@ -156,7 +157,7 @@ def secret_data(secret: Mapping[str, Any]) -> dict[str, str]:
 
 
 def _annotations(obj: Mapping[str, Any] | None) -> dict[str, str]:
-    return dict(((obj or {}).get("metadata") or {}).get("annotations") or {})
+    return dict(meta(obj).annotations)
 
 
 def storage_env(info: LocalModelInfo, reader: SecretReader, config: CredentialConfig | None = None) -> dict[str, str]:

@@ -36,6 +36,7 @@ from kubernetes.client.exceptions import ApiException
 from agent.logs import fields
 from modelcache.errors import ModelcacheError
 from modelcache.kube.client import SECRETS, Kube, Resource, error_message
+from modelcache.kube.objects import meta
 from modelcache.kube.types import LocalModelInfo
 
 log = logging.getLogger("agent.downloadjob")
@@ -72,7 +73,7 @@ def supports(container: Mapping[str, Any], uri: str) -> bool:
 
 def select(containers: Iterable[Mapping[str, Any]], uri: str) -> Mapping[str, Any] | None:
     """The first enabled download-Job container for ``uri``, in KServe's list order (by name)."""
-    for csc in sorted(containers, key=lambda c: (c.get("metadata") or {}).get("name", "")):
+    for csc in sorted(containers, key=lambda c: meta(c).name):
         if csc.get("disabled") is True or (csc.get("spec") or {}).get("workloadType") != WORKLOAD_TYPE:
             continue
         if supports(csc, uri):
@@ -107,10 +108,10 @@ def job_body(csc: Mapping[str, Any], info: LocalModelInfo, node: str, key: str, 
             for name, ref in secret_keys(env_names).items())]
     container.setdefault("name", "kserve-localmodel-download")
     labels = {**job_labels(info, node), "app.kubernetes.io/managed-by": "modelcache-agent"}
-    meta: dict[str, Any] = {"generateName": f"{info.model_name}-{node}", "labels": labels}
+    metadata: dict[str, Any] = {"generateName": f"{info.model_name}-{node}", "labels": labels}
     if owner is not None:
-        meta["ownerReferences"] = _owner_refs(owner)
-    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": {
+        metadata["ownerReferences"] = _owner_refs(owner)
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": {
         "ttlSecondsAfterFinished": JOB_TTL,
         "template": {"metadata": {"labels": labels}, "spec": {
             "nodeSelector": {"kubernetes.io/hostname": node},
@@ -138,7 +139,7 @@ def state_of(job: Mapping[str, Any]) -> JobState:
     conditions = {c.get("type"): c for c in st.get("conditions") or [] if c.get("status") == "True"}
     failed_cond = conditions.get("Failed") or {}
     message = failed_cond.get("message") or failed_cond.get("reason") or ""
-    return JobState(name=(job.get("metadata") or {}).get("name", ""), succeeded=(st.get("succeeded") or 0) > 0,
+    return JobState(name=meta(job).name, succeeded=(st.get("succeeded") or 0) > 0,
                     failed=(st.get("failed") or 0) > 0,
                     finished=bool(conditions.get("Complete") or conditions.get("Failed")), message=message)
 
@@ -159,8 +160,8 @@ class DownloadJobs:
     def _latest(self, info: LocalModelInfo) -> dict[str, Any] | None:
         selector = ",".join(f"{k}={v}" for k, v in job_labels(info, self.node).items())
         items = self.kube.list(JOBS, self.namespace, label_selector=selector).get("items") or []
-        live = [j for j in items if not (j.get("metadata") or {}).get("deletionTimestamp")]
-        return max(live, key=lambda j: j["metadata"].get("creationTimestamp") or "", default=None)
+        live = [j for j in items if not meta(j).deleting]
+        return max(live, key=lambda j: meta(j).creation_timestamp, default=None)
 
     def run(self, info: LocalModelInfo, key: str, folder: Path, cancel: threading.Event,
             env: Mapping[str, str]) -> str:
@@ -188,7 +189,7 @@ class DownloadJobs:
             if st.succeeded:
                 return name
             if st.failed:
-                via = (csc.get("metadata") or {}).get("name")
+                via = meta(csc).name
                 raise DownloadJobError(f"download Job {self.namespace}/{name} (ClusterStorageContainer {via}) failed"
                                        f"{': ' + st.message if st.message else ''}; see its pod's logs")
             if cancel.wait(self.poll):
@@ -206,7 +207,7 @@ class DownloadJobs:
         passed = {k: v for k, v in env.items() if k not in _FILE_ENV}
         body = job_body(csc, info, self.node, key, str(self.host_path), self.owner(), name if passed else None,
                         passed)
-        body["metadata"].pop("generateName")
+        body["metadata"].pop("generateName")  # an edit of the body we write: the dict, not a view
         body["metadata"]["name"] = name
         job = self.kube.create(JOBS, body, self.namespace)
         if passed:
@@ -214,7 +215,7 @@ class DownloadJobs:
             # here from a Secret owned by the Job (the garbage collector deletes it with the Job). Its
             # pod waits for it (CreateContainerConfigError) if it starts first.
             secret = {"metadata": {"name": name, "labels": job_labels(info, self.node), "ownerReferences": [{
-                          "apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": job["metadata"]["uid"],
+                          "apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": meta(job).uid,
                           "controller": True}]},
                       "type": "Opaque", "stringData": {ref: passed[env] for env, ref in secret_keys(passed).items()}}
             try:
@@ -224,7 +225,7 @@ class DownloadJobs:
                 raise DownloadJobError(f"download Job {self.namespace}/{name}: its credentials Secret was refused "
                                        f"({error_message(exc)}); the Job is deleted") from None
         log.info("download Job created", extra=fields(job=name, namespace=self.namespace, storage_key=key,
-                                                      container=(csc.get("metadata") or {}).get("name")))
+                                                      container=meta(csc).name))
         return job
 
     def _delete(self, name: str) -> None:
@@ -260,7 +261,7 @@ def _has_files(folder: Path) -> bool:
 def _owner_refs(owner: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     if owner is None:
         return []
-    om = owner.get("metadata") or {}
+    om = meta(owner)
     return [{"apiVersion": owner.get("apiVersion", "serving.kserve.io/v1alpha1"),
-             "kind": owner.get("kind", "LocalModelNode"), "name": om.get("name"), "uid": om.get("uid"),
+             "kind": owner.get("kind", "LocalModelNode"), "name": om.name, "uid": om.uid,
              "controller": True, "blockOwnerDeletion": False}]

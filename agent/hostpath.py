@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from modelcache.kube.client import PODS, Kube
+from modelcache.kube.objects import meta
 from modelcache.kube.types import norm_path as norm
 from modelcache.kube.types import pv_root
 
@@ -65,7 +66,7 @@ def discover(kube: Kube, node: str, pod_namespace: str | None, pod_name: str | N
     else:
         return None
     for pod in items:
-        if pod_namespace and (pod.get("metadata") or {}).get("namespace") != pod_namespace:
+        if pod_namespace and meta(pod).namespace != pod_namespace:
             continue
         path = host_path_of(pod, root)
         if path:

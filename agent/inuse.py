@@ -13,6 +13,7 @@ from typing import Protocol
 
 from agent.hostpath import RootPaths, pv_root
 from modelcache.kube.client import PERSISTENT_VOLUME_CLAIMS, PERSISTENT_VOLUMES, PODS, Kube
+from modelcache.kube.objects import meta, namespaced_key
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,8 @@ class KubeMountChecker:
         for pod in pods:
             if ((pod.get("status") or {}).get("phase")) in FINISHED_PHASES:
                 continue
-            meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
-            ns = meta.get("namespace") or "default"
+            m, spec = meta(pod), pod.get("spec") or {}
+            ns = m.namespace or "default"
             claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec.get("volumes") or []
                       if (v.get("persistentVolumeClaim") or {}).get("claimName")}
             containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
@@ -90,7 +91,7 @@ class KubeMountChecker:
                         continue
                     if self._pv_counts(ns, claim, cache):
                         users = out.setdefault(key, [])
-                        name = f"{ns}/{meta.get('name')}"
+                        name = namespaced_key(ns, m.name)
                         if name not in users:
                             users.append(name)
         return out

@@ -36,6 +36,7 @@ from modelcache.kube.share import namespace_share
 from modelcache.kube.status import patch_status_if_changed
 from modelcache.kube.types import NAMESPACE_LIMIT_ANNOTATION, LocalModelNode
 from modelcache.kube.validate import node_problems
+from modelcache.kube.views import LocalModelNodeView
 from modelcache.runtime.clock import rfc3339
 from modelcache.runtime.loop import Loop
 
@@ -185,9 +186,9 @@ class KubeRunner:
             return
         # The persisted modelStatus: before the switch, KServe's agent's (copies it reported
         # ModelDownloaded are carried over while they are verified: agent/state.py).
-        reported = (obj.get("status") or {}).get("modelStatus") or {}
+        reported = LocalModelNodeView(obj).model_status  # empty when it is not a map
         self.agent.set_spec(lmn.spec.local_models, lmn.generation or None,
-                            {str(k): str(v) for k, v in reported.items()} if isinstance(reported, dict) else {})
+                            {str(k): str(v) for k, v in reported.items()})
 
     def _on_group(self, event: str, obj: dict[str, Any], _old: dict[str, Any] | None) -> None:
         name = meta(obj).name
@@ -207,8 +208,7 @@ class KubeRunner:
         if self.paths is None:
             return []
         obj = self.nodes.store.get_raw(self.node)
-        names = {str(m["nodeGroup"]) for m in ((obj or {}).get("spec") or {}).get("localModels") or []
-                 if m.get("nodeGroup")}
+        names = {e.node_group for e in LocalModelNodeView(obj).entries if e.node_group}
         found = self.paths.update({n: self.groups.store.get_raw(n) for n in names})
         if found != self._mismatches:
             self.agent.changed.set()  # models of these groups are (no longer) refused as Downloaded

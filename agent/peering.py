@@ -36,7 +36,9 @@ from agent.logs import fields
 from agent.metrics import AgentMetrics
 from modelcache.kube.client import LOCAL_MODEL_NODES, NODES, Kube
 from modelcache.kube.informer import Informer
+from modelcache.kube.objects import meta
 from modelcache.kube.types import MODEL_DOWNLOAD_ERROR, MODEL_DOWNLOADED, node_group_label
+from modelcache.kube.views import LocalModelNodeView
 from modelcache.peers.client import PeerClient, PeerInfo, TokenFile
 from modelcache.peers.network import PeerNetwork
 from modelcache.peers.server import (
@@ -187,17 +189,17 @@ def directory_essentials(lmn: dict[str, Any]) -> dict[str, Any]:
     """A LocalModelNode as the directory keeps it (every agent holds every node's): its name, the
     storage keys its entries want (``spec.storageKeys``), ``status.peer`` and, per model, only
     ``DETAIL_FIELDS``."""
-    meta = lmn.get("metadata") or {}
-    spec, status = lmn.get("spec") or {}, lmn.get("status") or {}
-    keys = sorted({storage_key(str(e["sourceModelUri"])) for e in spec.get("localModels") or []
-                   if isinstance(e, dict) and e.get("sourceModelUri")})
+    view = LocalModelNodeView(lmn)
+    m = view.meta
+    keys = sorted({storage_key(e.source_model_uri) for e in view.entries if e.source_model_uri})
     details = {name: {k: d[k] for k in DETAIL_FIELDS if k in d}
-               for name, d in (status.get("modelDetails") or {}).items() if isinstance(d, dict)}
+               for name, d in view.model_details.items() if isinstance(d, dict)}
     kept: dict[str, Any] = {"modelDetails": details}
-    if isinstance(status.get("peer"), dict):
-        kept["peer"] = status["peer"]
+    if isinstance(view.status.get("peer"), dict):
+        kept["peer"] = view.status["peer"]
     return {"apiVersion": lmn.get("apiVersion"), "kind": lmn.get("kind"),
-            "metadata": {k: meta[k] for k in ("name", "uid", "resourceVersion") if k in meta},
+            "metadata": {k: v for k, v in (("name", m.name), ("uid", m.uid), ("resourceVersion", m.resource_version))
+                         if v},
             "spec": {"storageKeys": keys}, "status": kept}
 
 
@@ -264,7 +266,7 @@ class Directory:
             if informer.started:
                 informer.wait_for_sync(self.sync_wait)
             for obj in informer.store.list(copy_objects=False):
-                seen.setdefault((obj.get("metadata") or {}).get("name", ""), obj)
+                seen.setdefault(meta(obj).name, obj)
         return list(seen.values())
 
     def vetoed(self, mine: Callable[[str], bool] = lambda node: False) -> set[str]:
@@ -273,10 +275,10 @@ class Directory:
         node can so make others skip a peer, which costs origin bytes, never a wrong one."""
         out: set[str] = set()
         for obj in self.objects():
-            name = (obj.get("metadata") or {}).get("name", "")
+            name = meta(obj).name
             if name == self.me or mine(name):
                 continue
-            for item in ((obj.get("status") or {}).get("peer") or {}).get("excluded") or []:
+            for item in LocalModelNodeView(obj).peer.get("excluded") or []:
                 if isinstance(item, dict) and isinstance(item.get("node"), str) and item["node"] != self.me:
                     out.add(item["node"])
         return out
@@ -285,16 +287,14 @@ class Directory:
         out = []
         vetoed = self.vetoed(self.excluded)
         for obj in self.objects():
-            name = (obj.get("metadata") or {}).get("name", "")
-            status = obj.get("status") or {}
-            peer = status.get("peer") or {}
+            view = LocalModelNodeView(obj)
+            name, peer = view.meta.name, view.peer
             where = _split_endpoint(str(peer.get("endpoint") or ""))
             fingerprint = str(peer.get("certSHA256") or "")
             if name == self.me or where is None or len(fingerprint) != 64 or name in vetoed:
                 continue
-            details = [d for d in (status.get("modelDetails") or {}).values()
-                       if isinstance(d, dict) and d.get("storageKey") == key]
-            wanted = key in ((obj.get("spec") or {}).get("storageKeys") or ())
+            details = [d for d in view.model_details.values() if isinstance(d, dict) and d.get("storageKey") == key]
+            wanted = key in view.storage_keys
             if not details and not wanted:
                 continue
             state = details[0].get("state") if details else ""
@@ -335,7 +335,7 @@ class Peering:
             node = self.kube.get_or_none(NODES, self.cfg.node) or {}
         except Exception:
             return ""
-        return str(((node.get("metadata") or {}).get("labels") or {}).get(ZONE_LABEL, ""))
+        return str(meta(node).labels.get(ZONE_LABEL, ""))
 
     def _certificate(self) -> tuple[str, str]:
         if self.cfg.peer_tls_cert and self.cfg.peer_tls_key:

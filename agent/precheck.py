@@ -23,6 +23,7 @@ from agent.credentials import Credentials, KubeSecretReader
 from modelcache.errors import ModelcacheError
 from modelcache.kube.migrate import IDENTITY_KINDS, Facts, SourceCheck, cache_name, keyless
 from modelcache.kube.types import LocalModelInfo, StorageSpec
+from modelcache.kube.views import CacheView
 from modelcache.pull import list_source
 from modelcache.runtime.redact import redact_uri, scrub_urls
 from modelcache.sources.base import open_source
@@ -52,7 +53,7 @@ def check_sources(kube: Any, facts: Facts, base_env: Mapping[str, str] | None = 
     out = []
     for cache, thread, result in zip(facts.caches, threads, results, strict=True):
         thread.join(timeout)
-        uri = redact_uri(str((cache.get("spec") or {}).get("sourceModelUri") or ""))
+        uri = redact_uri(CacheView(cache).source_model_uri)
         out.append(result.check or SourceCheck(cache_name(cache), uri, "failed",
                                                f"no answer within {timeout:.0f} s"))
     return out
@@ -62,13 +63,13 @@ def _run(kube: Any, facts: Facts, cache: dict[str, Any], base_env: dict[str, str
     try:
         out.check = check_one(kube, facts, cache, base_env)
     except Exception as exc:  # reported as the cache's failure, never a traceback of migrate
-        uri = redact_uri(str((cache.get("spec") or {}).get("sourceModelUri") or ""))
+        uri = redact_uri(CacheView(cache).source_model_uri)
         out.check = SourceCheck(cache_name(cache), uri, "failed", _one_line(exc))
 
 
 def check_one(kube: Any, facts: Facts, cache: dict[str, Any], base_env: dict[str, str]) -> SourceCheck:
-    spec, meta = cache.get("spec") or {}, cache.get("metadata") or {}
-    raw = str(spec.get("sourceModelUri") or "")
+    view = CacheView(cache)
+    spec, m, raw = view.spec, view.meta, view.source_model_uri
     name, uri = cache_name(cache), redact_uri(raw)
     try:
         location = parse_uri(raw)
@@ -79,8 +80,8 @@ def check_one(kube: Any, facts: Facts, cache: dict[str, Any], base_env: dict[str
     if keyless(cache) and _ambient(location):
         return SourceCheck(name, uri, "keyless", "the agent's own identity")
     storage = spec.get("storage") or None
-    info = LocalModelInfo(model_name=str(meta.get("name") or ""), source_model_uri=raw,
-                          namespace=meta.get("namespace") or None,
+    info = LocalModelInfo(model_name=m.name, source_model_uri=raw,
+                          namespace=m.namespace,
                           service_account_name=spec.get("serviceAccountName") or None,
                           storage=StorageSpec.from_dict(storage) if storage else None)
     namespace = _credentials_namespace(facts, cache)

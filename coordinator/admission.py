@@ -29,12 +29,14 @@ from coordinator.urimatch import (
     sub_path,
 )
 from modelcache.errors import ModelcacheError
+from modelcache.kube.objects import meta
 from modelcache.kube.types import (
     LOCALMODEL_LABEL,
     LOCALMODEL_NAMESPACE_LABEL,
     LOCALMODEL_PVC_ANNOTATION,
     MAX_LABEL_VALUE,
 )
+from modelcache.kube.views import CacheView
 from modelcache.runtime.redact import redact_uri
 from modelcache.uri import parse_uri
 
@@ -72,8 +74,7 @@ def pod_target(pod: dict[str, Any], namespace: str, lookup: ApiLookup,
     (``localModel.enabled: false``, where KServe's defaulter strips it; a service created before its
     cache) downloads its model itself and may run anywhere, so it is not pinned. ``by_uri``: our
     own rewrite mounts the cache (``--pod-rewrite on``), so a pod is matched by its URI as well."""
-    meta = pod.get("metadata") or {}
-    labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
+    labels, annotations = meta(pod).labels, meta(pod).annotations
     source = annotations.get(podmutate.SOURCE_URI_ANNOTATION)
     if labels.get(LLM_PART_OF[0]) == LLM_PART_OF[1] and labels.get(LLM_NAME_LABEL):
         # An LLMInferenceService's pod carries neither the cache label nor the source annotation:
@@ -81,16 +82,15 @@ def pod_target(pod: dict[str, Any], namespace: str, lookup: ApiLookup,
         svc = lookup.llm_service(namespace, labels[LLM_NAME_LABEL])
         if svc is None:
             return None
-        smeta = svc.get("metadata") or {}
-        labels, annotations = smeta.get("labels") or {}, smeta.get("annotations") or {}
+        labels, annotations = meta(svc).labels, meta(svc).annotations
         source = ((svc.get("spec") or {}).get("model") or {}).get("uri") or None
     name = labels.get(LOCALMODEL_LABEL)
     if name:  # labelled by KServe's (or our) defaulter through the service
         cache = lookup.cache(labels.get(LOCALMODEL_NAMESPACE_LABEL) or None, name)
         if cache is None:
             return None
-        uri = (cache.get("spec") or {}).get("sourceModelUri", "")
-        groups = (cache.get("spec") or {}).get("nodeGroups") or [""]
+        view = CacheView(cache)
+        uri, groups = view.source_model_uri, view.node_groups or [""]
         pvc = annotations.get(LOCALMODEL_PVC_ANNOTATION) or serving_pvc_name(name, groups[0])
         sub = sub_path(uri, source) if source and match_storage_uri(uri, source) else ""
         return podmutate.PodTarget(uri, pvc, sub)
@@ -110,7 +110,7 @@ class PodMutator:
     def __call__(self, review: Review) -> Review:
         req = review.get("request") or {}
         pod = req.get("object") or {}
-        namespace = req.get("namespace") or (pod.get("metadata") or {}).get("namespace") or "default"
+        namespace = req.get("namespace") or meta(pod).namespace or "default"
         try:
             target = pod_target(pod, namespace, self.lookup, by_uri=self.rewrite)
         except Exception as exc:
@@ -129,10 +129,11 @@ class PodMutator:
 def metadata_json_patch(obj: dict[str, Any], labels: dict[str, str | None],
                         annotations: dict[str, str | None]) -> list[dict[str, Any]]:
     """RFC 6902 ops setting ``labels``/``annotations`` (None: remove the key) on ``obj``."""
-    meta = obj.get("metadata") or {}
+    # Read from the dict, not meta(): the ops differ for an absent map and an empty one, which a view hides.
+    raw = obj.get("metadata") or {}
     ops: list[dict[str, Any]] = []
     for name, want in (("labels", labels), ("annotations", annotations)):
-        have = meta.get(name)
+        have = raw.get(name)
         if not isinstance(have, dict):
             values = {k: v for k, v in want.items() if v is not None}
             if values:
@@ -163,7 +164,7 @@ class ServiceDefaulter:
         req = review.get("request") or {}
         obj = req.get("object") or {}
         kind = (req.get("kind") or {}).get("kind") or obj.get("kind") or ""
-        namespace = req.get("namespace") or (obj.get("metadata") or {}).get("namespace") or "default"
+        namespace = req.get("namespace") or meta(obj).namespace or "default"
         uri = llmisvc_model_uri(obj) if kind == "LLMInferenceService" else isvc_storage_uri(obj)
         if uri is None:
             # No URI we can read (a custom container without STORAGE_URI, a storage: spec): as
@@ -171,7 +172,7 @@ class ServiceDefaulter:
             # so removing them here would undo what KServe's own defaulter just decided.
             return response(review, True)
         try:
-            match = select_cache(uri, namespace, (obj.get("metadata") or {}).get("annotations") or {},
+            match = select_cache(uri, namespace, meta(obj).annotations,
                                  *self.lookup.cache_refs(namespace))
         except Exception as exc:
             log.warning("service admission: cache lookup failed: %s", exc)
@@ -208,35 +209,36 @@ class CacheValidator:
         differently (``s3://b/m/`` beside ``s3://b/m``): KServe keys a model by the URI's exact
         text, so the two are downloaded and stored twice. Allowed, as KServe allows it."""
         obj = req.get("object") or {}
-        meta, uri = obj.get("metadata") or {}, str((obj.get("spec") or {}).get("sourceModelUri") or "")
+        name, uri = meta(obj).name, CacheView(obj).source_model_uri
         try:
             mine = parse_uri(uri).identity
         except ModelcacheError:
             return None
         caches = self.lookup.cluster_caches() if not self.namespaced else []
         for other in caches:
-            om, theirs = other.get("metadata") or {}, str((other.get("spec") or {}).get("sourceModelUri") or "")
-            if om.get("name") == meta.get("name") or om.get("deletionTimestamp") or theirs == uri:
+            om, theirs = meta(other), CacheView(other).source_model_uri
+            if om.name == name or om.deleting or theirs == uri:
                 continue
             try:
                 same = parse_uri(theirs).identity == mine
             except ModelcacheError:
                 continue
             if same:
-                return (f"LocalModelCache {om.get('name')} caches the same source spelled {redact_uri(theirs)}: KServe "
+                return (f"LocalModelCache {om.name} caches the same source spelled {redact_uri(theirs)}: KServe "
                         f"keys a model by the URI's exact text, so {redact_uri(uri)} is downloaded and stored again "
                         "on every node; use one spelling to keep one copy")
         return None
 
     def _create_or_update(self, req: Review) -> str | None:
         obj, old = req.get("object") or {}, req.get("oldObject") or None
-        meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
-        if meta.get("deletionTimestamp"):
+        cache = CacheView(obj)
+        m, spec = cache.meta, cache.spec
+        if m.deleting:
             return None
-        uri = spec.get("sourceModelUri", "")
-        if old and (old.get("spec") or {}).get("sourceModelUri") != uri:
+        uri = cache.source_model_uri
+        if old and CacheView(old).source_model_uri != uri:
             return "StorageUri is immutable"
-        name = str(meta.get("name") or "")
+        name = m.name
         if why := cachepolicy.refusal(self.kind, name, spec, self.namespaced):
             return why
         if not old and len(name) > MAX_LABEL_VALUE:
@@ -245,23 +247,22 @@ class CacheValidator:
                     f"contract), and a label value has at most {MAX_LABEL_VALUE} characters")
         if not self.namespaced:
             for other in self.lookup.cluster_caches():
-                om = other.get("metadata") or {}
-                if om.get("name") != meta.get("name") and not om.get("deletionTimestamp") and \
-                        (other.get("spec") or {}).get("sourceModelUri") == uri:
-                    return f"LocalModelCache {om.get('name')} has the same StorageURI {redact_uri(uri)}"
-        for group in spec.get("nodeGroups") or []:
+                om = meta(other)
+                if om.name != name and not om.deleting and CacheView(other).source_model_uri == uri:
+                    return f"LocalModelCache {om.name} has the same StorageURI {redact_uri(uri)}"
+        for group in cache.node_groups:
             if not self.lookup.group_exists(group):
                 return f"NodeGroup {group} not found: create the LocalModelNodeGroup first"
         if self.namespaced:
-            ns = str(meta.get("namespace") or req.get("namespace") or "")
+            ns = str(m.namespace or req.get("namespace") or "")
             return cachepolicy.share_refusal(name, ns, spec, self.lookup.namespace_caches(ns), self.lookup.group)
         return None
 
     def _delete(self, req: Review) -> str | None:
         obj = req.get("oldObject") or {}
-        meta = obj.get("metadata") or {}
-        name = meta.get("name") or req.get("name", "")
-        ns = meta.get("namespace") or req.get("namespace") or None
+        m = meta(obj)
+        name = m.name or req.get("name", "")
+        ns = m.namespace or req.get("namespace") or None
         if len(name) > MAX_LABEL_VALUE:
             return None  # no service can carry it as a label (refused at creation since): nothing uses it
         selector = f"{LOCALMODEL_LABEL}={name}"
@@ -270,9 +271,8 @@ class CacheValidator:
         else:
             selector += f",!{LOCALMODEL_NAMESPACE_LABEL}"
         users = self.lookup.services_labelled(selector, ns if self.namespaced else None)
-        users = [(k, s) for k, s in users if not (s.get("metadata") or {}).get("deletionTimestamp")]
+        users = [(k, s) for k, s in users if not meta(s).deleting]
         if users:
             kind, svc = users[0]
-            sm = svc.get("metadata") or {}
-            return f"{self.kind} {name} is being used by {kind} {sm.get('namespace')}/{sm.get('name')}"
+            return f"{self.kind} {name} is being used by {kind} {meta(svc).key}"
         return None

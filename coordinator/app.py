@@ -37,6 +37,7 @@ from modelcache.kube.controller import Manager
 from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import Informer
 from modelcache.kube.leader import LeaderElector
+from modelcache.kube.objects import meta
 from modelcache.runtime.health import HealthServer
 from modelcache.runtime.startup import StartupError, listen_error
 
@@ -160,7 +161,7 @@ class Coordinator:
             log.info("cannot read namespace %s (%s): caches released by an uninstall stay released",
                      self.cfg.lease_namespace, exc.status)
             return None
-        return str(((ns or {}).get("metadata") or {}).get("uid") or "") or None
+        return meta(ns).uid or None
 
     def _discovery_loop(self) -> None:
         """Notice service CRDs installed after start (KServe installed later, or upgraded to a

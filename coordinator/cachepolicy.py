@@ -21,6 +21,7 @@ from typing import Any
 from modelcache.credentials import REDIRECTING_PARAMETERS, redirecting
 from modelcache.kube.quantity import parse_quantity
 from modelcache.kube.share import namespace_share, share_advice
+from modelcache.kube.views import CacheView
 from modelcache.runtime.progress import human_bytes
 from modelcache.runtime.redact import credentials_in
 
@@ -49,7 +50,7 @@ def share_refusal(name: str, namespace: str, spec: Mapping[str, Any], neighbours
     namespace's other caches of that group once per URI; the agent enforces the same share on
     the bytes it really writes."""
     size = parse_quantity(spec.get("modelSize")) or 0
-    uri = spec.get("sourceModelUri")
+    uri = str(spec.get("sourceModelUri") or "")  # as CacheView reads the neighbours' below
     for group_name in spec.get("nodeGroups") or []:
         obj = group(group_name)
         share = namespace_share(obj) if obj is not None else None
@@ -57,11 +58,10 @@ def share_refusal(name: str, namespace: str, spec: Mapping[str, Any], neighbours
             continue
         sizes = {uri: size}
         for other in neighbours:
-            meta, ospec = other.get("metadata") or {}, other.get("spec") or {}
-            if meta.get("name") == name or meta.get("deletionTimestamp") or \
-                    group_name not in (ospec.get("nodeGroups") or []):
+            theirs = CacheView(other)
+            if theirs.meta.name == name or theirs.meta.deleting or group_name not in theirs.node_groups:
                 continue
-            sizes.setdefault(ospec.get("sourceModelUri"), parse_quantity(ospec.get("modelSize")) or 0)
+            sizes.setdefault(theirs.source_model_uri, parse_quantity(theirs.model_size) or 0)
         total = sum(sizes.values())
         if total > share.limit:
             return (f"LocalModelNamespaceCache {namespace}/{name}: namespace {namespace}'s caches would declare "

@@ -42,8 +42,8 @@ from modelcache.kube.types import (
     NAMESPACE_CACHE_FINALIZER,
     NODE_DOWNLOAD_ERROR,
     label_value,
-    status_key,
 )
+from modelcache.kube.views import CacheView
 from modelcache.runtime.clock import rfc3339
 
 log = logging.getLogger(__name__)
@@ -76,11 +76,11 @@ class CacheReconciler:
         if self.uninstalling(obj):
             return Result()  # released by coordinator/uninstall.py: create nothing more
         obj = self.ensure_finalizer(obj) or obj
-        spec = obj.get("spec") or {}
+        node_groups = CacheView(obj).node_groups
         groups = self.view.group_map()
-        members = self.view.members(list(spec.get("nodeGroups") or []))
+        members = self.view.members(node_groups)
         refused = self.sync_volumes(key, obj, groups, create=not self.namespaced or self.entitled(obj, members))
-        missing = [g for g in spec.get("nodeGroups") or [] if g not in groups]
+        missing = [g for g in node_groups if g not in groups]
         wait = self.sync_status(key, obj, members, missing, refused)
         # A quota raised or a LimitRange changed wakes nothing of ours: try again in a while.
         waits = [w for w in (wait, REFUSED_RETRY if refused else None) if w is not None]
@@ -94,25 +94,24 @@ class CacheReconciler:
         return bool(released) and (self.install_uid is None or released == self.install_uid)
 
     def ensure_finalizer(self, obj: dict[str, Any]) -> dict[str, Any] | None:
-        if self.finalizer in (obj["metadata"].get("finalizers") or []):
+        if self.finalizer in meta(obj).finalizers:
             return None
 
-        def add(o: dict[str, Any]) -> None:
+        def add(o: dict[str, Any]) -> None:  # edits the object written back: the dict, not a view
             if RELEASED_ANNOTATION in (o["metadata"].get("annotations") or {}):
                 del o["metadata"]["annotations"][RELEASED_ANNOTATION]  # released by an earlier install
             fins = o["metadata"].setdefault("finalizers", [])
             if self.finalizer not in fins:
                 fins.append(self.finalizer)
 
-        written = update_if_changed(self.kube, self.res, obj["metadata"]["name"], add,
-                                    obj["metadata"].get("namespace"), current=obj)
+        written = update_if_changed(self.kube, self.res, meta(obj).name, add, meta(obj).namespace, current=obj)
         return metrics.wrote(self.res.kind, "update", written)  # type: ignore[return-value]
 
     def finalize(self, key: str, obj: dict[str, Any]) -> Result:
-        meta = obj["metadata"]
-        if self.finalizer not in (meta.get("finalizers") or []):
+        m = meta(obj)
+        if self.finalizer not in m.finalizers:
             return Result()
-        name, ns = meta["name"], meta.get("namespace") or None
+        name, ns = m.name, m.namespace
         # The node reconcilers, woken by the deletion, remove the entry; wait until none holds it
         # (checked in a fresh list too: an entry written a moment ago must not be missed).
         if self.view.lmns.store.by_index(BY_CACHE, key, copy_objects=False) or any(
@@ -120,11 +119,11 @@ class CacheReconciler:
                 for lmn in self.kube.list(LOCAL_MODEL_NODES).get("items") or []):
             return Result(requeue_after=0.5)
         for pvc in self.view.pvcs.store.by_index(BY_CACHE, key, copy_objects=False):
-            self._delete(PERSISTENT_VOLUME_CLAIMS, pvc["metadata"]["name"], pvc["metadata"]["namespace"])
+            self._delete(PERSISTENT_VOLUME_CLAIMS, meta(pvc).name, meta(pvc).namespace)
         for pv in self.view.pvs.store.by_index(BY_CACHE, key, copy_objects=False):
-            self._delete(PERSISTENT_VOLUMES, pv["metadata"]["name"], None)
+            self._delete(PERSISTENT_VOLUMES, meta(pv).name, None)
 
-        def drop(o: dict[str, Any]) -> None:
+        def drop(o: dict[str, Any]) -> None:  # edits the object written back: the dict, not a view
             o["metadata"]["finalizers"] = [f for f in o["metadata"].get("finalizers") or [] if f != self.finalizer]
 
         update_if_changed(self.kube, self.res, name, drop, ns, current=obj)
@@ -143,9 +142,8 @@ class CacheReconciler:
         was downloaded with, granted to its namespace (agent/credentials.py). Waiting for that even
         for a URI no other cache has yet closes the order where the tenant's claim comes first.
         Serving pods wait for a copy anyway (pod placement)."""
-        meta = obj["metadata"]
-        uri = (obj.get("spec") or {}).get("sourceModelUri") or ""
-        skey = status_key(meta["name"], meta.get("namespace") or None)
+        cache = CacheView(obj)
+        uri, skey = cache.source_model_uri, cache.key  # a cache's key is its entries' modelStatus key
         return any(reports.reported_state(self.view.lmns.store.get_raw(node),
                                           reports.node_uid(self.view.nodes.store.get_raw(node)), skey, uri)
                    == MODEL_DOWNLOADED for node in members)
@@ -156,12 +154,10 @@ class CacheReconciler:
         ResourceQuota or LimitRange, an invalid group spec), each as one line, also recorded as a
         Warning Event on the cache. ``create`` False: none is created yet (``entitled``)."""
         isvcs, llms = self.view.services_of(key)
-        uses = [volumes.Use(s["metadata"]["namespace"], (s["metadata"].get("annotations") or {}))
-                for s in [*isvcs, *llms] if not s["metadata"].get("deletionTimestamp")]
+        uses = [volumes.Use(m.namespace or "", m.annotations) for m in map(meta, [*isvcs, *llms]) if not m.deleting]
         pairs = volumes.desired_pairs(obj, groups, uses)
-        have_pvs = {pv["metadata"]["name"]: pv for pv in self.view.pvs.store.by_index(BY_CACHE, key,
-                                                                                     copy_objects=False)}
-        have_pvcs = {(c["metadata"]["namespace"], c["metadata"]["name"]): c
+        have_pvs = {meta(pv).name: pv for pv in self.view.pvs.store.by_index(BY_CACHE, key, copy_objects=False)}
+        have_pvcs = {(meta(c).namespace or "", meta(c).name): c
                      for c in self.view.pvcs.store.by_index(BY_CACHE, key, copy_objects=False)}
         refused: list[str] = []
         for pair in pairs.values() if create else ():
@@ -180,10 +176,10 @@ class CacheReconciler:
                                      f"{pair.namespace} (group {pair.group}) refused: {line}")
         want_pvcs = {(p.namespace, p.pvc_name) for p in pairs.values()}
         want_pvs = {p.pv_name for p in pairs.values()}
-        listed = list((obj.get("spec") or {}).get("nodeGroups") or [])
+        listed = CacheView(obj).node_groups
 
         def kept(volume: dict[str, Any]) -> bool:  # a vanished group's volumes stay while its entries do
-            value = ((volume.get("metadata") or {}).get("labels") or {}).get(volumes.GROUP_LABEL, "")
+            value = meta(volume).labels.get(volumes.GROUP_LABEL, "")
             group = next((g for g in listed if label_value(g) == value), None)  # long names are hashed
             return group is not None and self.view.missing.keep(group, group in groups)
 
@@ -221,9 +217,8 @@ class CacheReconciler:
         wait = self.pacer.wait(key, progress=reporting)
         if wait > 0:
             return wait
-        meta = obj["metadata"]
-        skey = status_key(meta["name"], meta.get("namespace") or None)
-        uri = (obj.get("spec") or {}).get("sourceModelUri") or ""
+        cache = CacheView(obj)
+        uri, skey = cache.source_model_uri, cache.key  # a cache's key is its entries' modelStatus key
         model_states: dict[str, str | None] = {}
         reasons: dict[str, str] = {}
         verification: dict[str, str] = {}
@@ -241,10 +236,10 @@ class CacheReconciler:
         isvcs, llms = self.view.services_of(key)
 
         def refs(items: list[dict[str, Any]]) -> list[dict[str, str]]:
-            return sorted(({"namespace": s["metadata"]["namespace"], "name": s["metadata"]["name"]} for s in items),
+            return sorted(({"namespace": meta(s).namespace or "", "name": meta(s).name} for s in items),
                           key=lambda r: (r["namespace"], r["name"]))
 
-        old_status = dict((obj.get("status") or {}).get("nodeStatus") or {})
+        old_status = dict(CacheView(obj).node_status)
 
         def desired(current: dict[str, Any]) -> dict[str, Any]:
             status = dict(current.get("status") or {})
@@ -278,7 +273,7 @@ class CacheReconciler:
             status["conditions"] = conditions
             return status
 
-        written = patch_status_if_changed(self.kube, self.res, meta["name"], desired, meta.get("namespace"),
+        written = patch_status_if_changed(self.kube, self.res, meta(obj).name, desired, meta(obj).namespace,
                                           current=obj)
         for state, value in copies.to_dict().items():
             metrics.COPIES.labels(key, state).set(value)

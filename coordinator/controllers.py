@@ -20,7 +20,6 @@ from coordinator.urimatch import isvc_storage_uri, llmisvc_model_uri
 from coordinator.view import (
     BY_CACHE,
     ClusterView,
-    cache_key,
     entry_cache_keys,
     service_cache_keys,
     user_labels,
@@ -32,7 +31,8 @@ from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import ADDED, DELETED, Informer
 from modelcache.kube.objects import meta
 from modelcache.kube.predicates import annotations_of, deletion_of, event_in, labels_of, on_update, spec_of
-from modelcache.kube.types import MODEL_DOWNLOAD_ERROR, MODEL_DOWNLOADED, status_key
+from modelcache.kube.types import MODEL_DOWNLOAD_ERROR, MODEL_DOWNLOADED
+from modelcache.kube.views import CacheView, LocalModelNodeView
 
 Obj = dict[str, Any]
 
@@ -69,11 +69,12 @@ def _reports(obj: Obj | None) -> Any:
     """What the believed states depend on (coordinator.reports): ``modelStatus``, the storageKey
     each detail names, whether a copy is counted on KServe's word (``verification``, for the
     caches' CopiesVerified), and the Node the agent reported for; not the agent's progress."""
-    status = (obj or {}).get("status") or {}
-    details = status.get("modelDetails") or {}
-    keys = {k: (d or {}).get("storageKey") for k, d in details.items() if (d or {}).get("storageKey")}
-    verification = {k: (d or {}).get("verification") for k, d in details.items() if (d or {}).get("verification")}
-    return status.get("modelStatus"), keys, verification, status.get("nodeUID")
+    lmn = LocalModelNodeView(obj)
+    details = {k: lmn.detail(k) for k in lmn.model_details}
+    keys = {k: d.get("storageKey") for k, d in details.items() if d.get("storageKey")}
+    verification = {k: d.get("verification") for k, d in details.items() if d.get("verification")}
+    # modelStatus as written (absent and {} differ), as before the view.
+    return lmn.status.get("modelStatus"), keys, verification, lmn.node_uid
 
 
 #: LocalModelNode spec or reported-state changes; not the agent's progress details.
@@ -99,19 +100,15 @@ def urging(pacer: StatusPacer, mapper: Callable[[str, Obj, Obj | None], Iterable
 def lost_or_failed(event: str, obj: Obj, old: Obj | None) -> list[str]:
     """Caches whose entry on this LocalModelNode was reported ModelDownloaded and no longer is
     (or the entry or the object went), or is now reported ModelDownloadError."""
-    def states(o: Obj | None) -> dict[str, str]:
-        return ((o or {}).get("status") or {}).get("modelStatus") or {}
-
     before, after = (obj, None) if event == DELETED else (old, obj)
-    was, now = states(before), states(after)
+    was, now = LocalModelNodeView(before).model_status, LocalModelNodeView(after).model_status
     out = set()
     for o in (before, after):
-        for m in ((o or {}).get("spec") or {}).get("localModels") or []:
-            ns, name = m.get("namespace") or None, m.get("modelName", "")
-            skey = status_key(name, ns)
+        for entry in LocalModelNodeView(o).entries:
+            skey = entry.key  # the entry's modelStatus key is its cache's key
             if (was.get(skey) == MODEL_DOWNLOADED and now.get(skey) != MODEL_DOWNLOADED) or (
                     now.get(skey) == MODEL_DOWNLOAD_ERROR and was.get(skey) != MODEL_DOWNLOAD_ERROR):
-                out.add(cache_key(ns, name))
+                out.add(skey)
     return sorted(out)
 
 
@@ -150,7 +147,7 @@ def build_wiring(view: ClusterView, recorder: EventRecorder, options: Options | 
         def by_group(_e: str, obj: Obj, old: Obj | None, inf: Any = own) -> list[str]:
             names = {meta(obj).name, meta(old).name}
             return [k for k in inf.store.keys()  # noqa: SIM118 (Store is not a dict)
-                    if names & set(((inf.store.get_raw(k) or {}).get("spec") or {}).get("nodeGroups") or [])]
+                    if names & set(CacheView(inf.store.get_raw(k)).node_groups)]
 
         def by_entries(_e: str, obj: Obj, old: Obj | None, mine: Any = mine) -> list[str]:
             return mine([*entry_cache_keys(obj), *entry_cache_keys(old)])
@@ -187,9 +184,8 @@ def build_wiring(view: ClusterView, recorder: EventRecorder, options: Options | 
         for o in (obj, old):
             if o is None:
                 continue
-            out.update(view.members(list((o.get("spec") or {}).get("nodeGroups") or [])))
-            out.update(lmn["metadata"]["name"] for lmn in view.lmns.store.by_index(BY_CACHE, meta(o).key,
-                                                                           copy_objects=False))
+            out.update(view.members(CacheView(o).node_groups))
+            out.update(meta(lmn).name for lmn in view.lmns.store.by_index(BY_CACHE, meta(o).key, copy_objects=False))
         return sorted(out)
 
     def all_nodes(_e: str, _o: Obj, _old: Obj | None) -> list[str]:

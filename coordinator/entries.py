@@ -11,15 +11,19 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+from modelcache.kube.views import CacheView
+
 #: Fields whose difference makes the entry be replaced (KServe's list, plus the URI).
 COMPARED = ("sourceModelUri", "serviceAccountName", "nodeGroup", "storage")
 
 
 def desired_entry(cache: Mapping[str, Any], node_group: str) -> dict[str, Any]:
-    meta, spec = cache.get("metadata") or {}, cache.get("spec") or {}
-    entry: dict[str, Any] = {"modelName": meta["name"], "sourceModelUri": spec.get("sourceModelUri", "")}
-    if meta.get("namespace"):
-        entry["namespace"] = meta["namespace"]
+    view = CacheView(cache)
+    m, spec = view.meta, view.spec
+    entry: dict[str, Any] = {"modelName": m.name, "sourceModelUri": view.source_model_uri}
+    if m.namespace:
+        entry["namespace"] = m.namespace
+
     entry["nodeGroup"] = node_group
     if spec.get("serviceAccountName"):
         entry["serviceAccountName"] = spec["serviceAccountName"]

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from modelcache.kube.informer import DELETED
+from modelcache.kube.objects import meta
 
 
 class MissingGroups:
@@ -29,7 +30,7 @@ class MissingGroups:
 
     def observe(self, event: str, obj: dict[str, Any], _old: dict[str, Any] | None) -> None:
         """The node-group informer's handler: a deletion starts the clock, a (re)creation stops it."""
-        name = str((obj.get("metadata") or {}).get("name", ""))
+        name = meta(obj).name
         with self._lock:
             if event == DELETED:
                 self._since.setdefault(name, self._clock())

@@ -15,6 +15,7 @@ from modelcache.kube.client import (
     Kube,
     Resource,
 )
+from modelcache.kube.objects import meta
 
 
 class ApiLookup:
@@ -34,7 +35,7 @@ class ApiLookup:
 
     def cache_refs(self, namespace: str) -> tuple[list[CacheRef], list[CacheRef]]:
         def live(items: list[dict[str, Any]]) -> list[CacheRef]:
-            return [CacheRef.of(o) for o in items if not (o.get("metadata") or {}).get("deletionTimestamp")]
+            return [CacheRef.of(o) for o in items if not meta(o).deleting]
         ns_items = self.kube.list(LOCAL_MODEL_NAMESPACE_CACHES, namespace).get("items") or []
         for o in ns_items:  # list items may omit the namespace in some servers' answers
             o.setdefault("metadata", {}).setdefault("namespace", namespace)

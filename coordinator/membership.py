@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.nodeselector import match_node_selector_terms, node_ready
+from modelcache.kube.objects import meta
 
 
 def group_terms(group: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -40,7 +41,7 @@ def place(
     existing = [(g, groups[g]) for g in cache_groups if g in groups]
     out: dict[str, Member] = {}
     for node in nodes:
-        name = str((node.get("metadata") or {}).get("name", ""))
+        name = meta(node).name
         for gname, group in existing:
             if group_matches(group, node):
                 out[name] = Member(name, gname, node_ready(node))

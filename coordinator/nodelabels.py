@@ -14,7 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from coordinator.reports import reported_state
-from modelcache.kube.types import MODEL_DOWNLOADED, status_key
+from modelcache.kube.objects import meta
+from modelcache.kube.types import MODEL_DOWNLOADED
+from modelcache.kube.views import LocalModelNodeView
 from modelcache.uri import storage_key
 
 LABEL_PREFIX = "downloaded.modelcache.io/"
@@ -31,17 +33,16 @@ def downloaded_labels(lmn: Mapping[str, Any] | None, node_uid: str | None = None
     if not lmn:
         return set()
     out = set()
-    for entry in (lmn.get("spec") or {}).get("localModels") or []:
-        key = status_key(entry.get("modelName", ""), entry.get("namespace") or None)
-        uri = entry.get("sourceModelUri")
-        if uri and reported_state(lmn, node_uid, key, uri) == MODEL_DOWNLOADED:
+    for entry in LocalModelNodeView(lmn).entries:
+        uri = entry.source_model_uri
+        if uri and reported_state(lmn, node_uid, entry.key, uri) == MODEL_DOWNLOADED:
             out.add(model_label(uri))
     return out
 
 
 def label_patch(node: Mapping[str, Any], wanted: set[str]) -> dict[str, Any]:
     """Merge patch bringing the node's prefixed labels to ``wanted`` ({} when already there)."""
-    labels = (node.get("metadata") or {}).get("labels") or {}
+    labels = meta(node).labels
     have = {k for k, v in labels.items() if k.startswith(LABEL_PREFIX)}
     diff: dict[str, str | None] = {k: None for k in have - wanted}
     diff.update({k: LABEL_VALUE for k in wanted if labels.get(k) != LABEL_VALUE})

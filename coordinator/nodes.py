@@ -35,6 +35,7 @@ from modelcache.kube.controller import Result
 from modelcache.kube.objects import meta
 from modelcache.kube.status import update_if_changed
 from modelcache.kube.types import NODE_GROUP_LABEL_PREFIX, node_group_label
+from modelcache.kube.views import CacheView
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def desired_models(
         cache = caches.get(key)
         if cache is None or meta(cache).deleting:
             return None
-        groups = list((cache.get("spec") or {}).get("nodeGroups") or [])
+        groups = CacheView(cache).node_groups
         member = members_of(groups).get(node)
         if member is None:
             group = (have or {}).get("nodeGroup")
@@ -151,16 +152,16 @@ class NodeReconciler:
         after = {**(lmn or {}), "spec": {"localModels": models}}
         keep = nodelabels.downloaded_labels(after, reports.node_uid(node))
         patch = nodelabels.label_patch(node, keep)
-        drop = {k: v for k, v in ((patch.get("metadata") or {}).get("labels") or {}).items() if v is None}
+        drop = {k: v for k, v in meta(patch).labels.items() if v is None}
         if drop:
             metrics.wrote("Node", "patch")
-            self.kube.patch(NODES, node["metadata"]["name"], {"metadata": {"labels": drop}})
-            labels = node["metadata"].get("labels") or {}
-            node["metadata"]["labels"] = {k: v for k, v in labels.items() if k not in drop}
+            self.kube.patch(NODES, meta(node).name, {"metadata": {"labels": drop}})
+            # Our copy of the Node as the patch left it (an edit: the dict, not a view).
+            node["metadata"]["labels"] = {k: v for k, v in meta(node).labels.items() if k not in drop}
 
     def sync_entries(self, key: str, lmn: dict[str, Any] | None,
                      node: dict[str, Any] | None = None) -> dict[str, Any] | None:
-        current = list(((lmn or {}).get("spec") or {}).get("localModels") or [])
+        current = list(((lmn or {}).get("spec") or {}).get("localModels") or [])  # the dicts: rewritten below
         caches = {meta(c).key: c
                   for c in self.view.caches.store.list(copy_objects=False) +
                   self.view.ns_caches.store.list(copy_objects=False)}  # read-only: entries copy what they take

@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from modelcache.kube.objects import meta
+from modelcache.kube.views import NodeView
+
 Node = Mapping[str, Any]
 
 
@@ -46,7 +49,7 @@ OPERATORS: dict[str, Callable[[bool, str | None, list[str]], bool]] = {
 
 #: Fields a ``matchFields`` requirement may name (the scheduler supports only this one).
 NODE_FIELDS: dict[str, Callable[[Node], str | None]] = {
-    "metadata.name": lambda node: (node.get("metadata") or {}).get("name"),
+    "metadata.name": lambda node: meta(node).name or None,
 }
 
 
@@ -64,7 +67,7 @@ def match_term(term: Mapping[str, Any], node: Node) -> bool:
     fields = list(term.get("matchFields") or [])
     if not exprs and not fields:
         return False  # the scheduler: an empty term selects no objects
-    labels = (node.get("metadata") or {}).get("labels") or {}
+    labels = meta(node).labels
     if not all(match_requirement(r, labels) for r in exprs):
         return False
     node_fields = {}
@@ -85,7 +88,4 @@ def match_node_selector_terms(terms: list[Mapping[str, Any]] | None, node: Node)
 
 def node_ready(node: Node) -> bool:
     """``Ready=True`` among the node's conditions (a node with no such condition is not ready)."""
-    for cond in (node.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == "Ready":
-            return cond.get("status") == "True"
-    return False
+    return NodeView(node).ready

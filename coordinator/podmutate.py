@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.nodelabels import model_label
+from modelcache.kube.objects import meta
 from modelcache.uri import storage_key
 
 PVC_VOLUME = "kserve-pvc-source"
@@ -61,7 +62,7 @@ def add_placement(pod: dict[str, Any], label: str) -> None:
 
 
 def add_cache_mount(pod: dict[str, Any], target: PodTarget) -> None:
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    annotations = meta(pod).annotations
     read_only = annotations.get(READONLY_ANNOTATION) != "false"
     spec = pod.setdefault("spec", {})
     volumes = spec.setdefault("volumes", [])

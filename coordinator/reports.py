@@ -18,23 +18,25 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from modelcache.kube.objects import meta
+from modelcache.kube.views import LocalModelNodeView
 from modelcache.uri import storage_key
 
 
 def node_uid(node: Mapping[str, Any] | None) -> str | None:
-    return ((node or {}).get("metadata") or {}).get("uid")
+    return meta(node).uid or None
 
 
 def reported_state(lmn: Mapping[str, Any] | None, uid: str | None, skey: str, uri: str) -> str | None:
     """``modelStatus[skey]`` of ``lmn`` if it was reported for ``uri`` on the Node with ``uid``; else None."""
-    status = (lmn or {}).get("status") or {}
-    state = (status.get("modelStatus") or {}).get(skey)
+    view = LocalModelNodeView(lmn)
+    state = view.model_status.get(skey)
     if not state:
         return None
-    reported_for = status.get("nodeUID")
+    reported_for = view.node_uid
     if reported_for and uid and reported_for != uid:
         return None  # written on a machine that has since been replaced under the same name
-    detail = (status.get("modelDetails") or {}).get(skey) or {}
+    detail = view.detail(skey)
     if detail.get("storageKey") and detail["storageKey"] != storage_key(uri):
         return None  # about another URI that an entry of this name had before
     return str(state)
@@ -42,7 +44,7 @@ def reported_state(lmn: Mapping[str, Any] | None, uid: str | None, skey: str, ur
 
 def reported_message(lmn: Mapping[str, Any] | None, skey: str) -> str:
     """What the agent said about ``skey`` (its ``modelDetails`` message: the reason of an error)."""
-    detail = (((lmn or {}).get("status") or {}).get("modelDetails") or {}).get(skey) or {}
+    detail = LocalModelNodeView(lmn).detail(skey)
     # Without the agent's retry count: the cache's condition changes when the reason does, not
     # at every retry of the same failure.
     return _RETRY.sub("", " ".join(str(detail.get("message") or "").split()))
@@ -56,6 +58,5 @@ def reported_verification(lmn: Mapping[str, Any] | None, uid: str | None, skey: 
     word (``modelDetails[skey].verification``, agent/state.py); None once verified, or not reported."""
     if reported_state(lmn, uid, skey, uri) is None:
         return None
-    detail = ((((lmn or {}).get("status") or {}).get("modelDetails") or {}).get(skey)) or {}
-    value = detail.get("verification")
+    value = LocalModelNodeView(lmn).detail(skey).get("verification")
     return str(value) if value else None

@@ -19,6 +19,7 @@ from coordinator.view import ClusterView
 from modelcache.kube.client import Resource
 from modelcache.kube.controller import Result
 from modelcache.kube.informer import Informer
+from modelcache.kube.objects import meta
 
 
 class ServiceReconciler:
@@ -32,18 +33,17 @@ class ServiceReconciler:
 
     def __call__(self, key: str) -> Result:
         obj = self.informer.store.get(key)
-        if obj is None or (obj.get("metadata") or {}).get("deletionTimestamp"):
+        if obj is None or meta(obj).deleting:
             return Result()
-        meta = obj["metadata"]
+        m = meta(obj)
         uri = self.uri_of(obj)
         if uri is None:
             return Result()  # no URI to match (KServe's defaulter leaves the labels then, too)
         ns_caches, cluster_caches = self.view.cache_refs()
-        match = select_cache(uri, meta["namespace"], meta.get("annotations") or {},
-                             ns_caches, cluster_caches)
+        match = select_cache(uri, m.namespace or "", m.annotations, ns_caches, cluster_caches)
         patch = metadata_patch(obj, *defaulter_metadata(match))
         if patch:
-            patch["metadata"]["resourceVersion"] = meta.get("resourceVersion")
+            patch["metadata"]["resourceVersion"] = m.resource_version or None
             metrics.WRITES.labels(self.res.kind, "patch").inc()
-            self.view.kube.patch(self.res, meta["name"], patch, meta["namespace"])
+            self.view.kube.patch(self.res, m.name, patch, m.namespace)
         return Result()

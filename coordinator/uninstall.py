@@ -35,6 +35,7 @@ from modelcache.kube.client import (
     Kube,
     error_message,
 )
+from modelcache.kube.objects import meta
 from modelcache.kube.status import update_if_changed
 from modelcache.kube.types import CACHE_FINALIZER, NAMESPACE_CACHE_FINALIZER
 
@@ -45,7 +46,7 @@ RELEASED_ANNOTATION = "modelcache.io/finalizer-released"
 
 
 def released_for(obj: dict[str, Any]) -> str | None:
-    return ((obj.get("metadata") or {}).get("annotations") or {}).get(RELEASED_ANNOTATION)
+    return meta(obj).annotations.get(RELEASED_ANNOTATION)
 
 
 def release(kube: Kube, install_uid: str) -> int:
@@ -56,33 +57,32 @@ def release(kube: Kube, install_uid: str) -> int:
         for item in kube.list(res, None, label_selector=MANAGED_SELECTOR).get("items") or []:
             owner = cache_of(item)
             if owner is not None:
-                meta = item["metadata"]
-                volumes.setdefault(cache_key(*owner), []).append((res, meta["name"], meta.get("namespace")))
+                m = meta(item)
+                volumes.setdefault(cache_key(*owner), []).append((res, m.name, m.namespace))
     released = 0
     for res, finalizer in ((LOCAL_MODEL_CACHES, CACHE_FINALIZER),
                            (LOCAL_MODEL_NAMESPACE_CACHES, NAMESPACE_CACHE_FINALIZER)):
         for cache in kube.list(res).get("items") or []:
-            meta = cache["metadata"]
-            if finalizer not in (meta.get("finalizers") or []):
+            cm = meta(cache)
+            if finalizer not in cm.finalizers:
                 continue
-            ns = meta.get("namespace") or None
-            for vres, name, vns in volumes.get(cache_key(ns, meta["name"]), []):
+            ns = cm.namespace
+            for vres, name, vns in volumes.get(cm.key, []):
                 try:
                     kube.delete(vres, name, vns)
                 except ApiException as exc:
                     log.warning("uninstall: deleting %s %s failed: %s", vres.kind, name, error_message(exc))
 
             def drop(o: dict[str, Any], finalizer: str = finalizer) -> None:
-                m = o["metadata"]
+                m = o["metadata"]  # an edit of the object written back: the dict, not a view
                 m["finalizers"] = [f for f in m.get("finalizers") or [] if f != finalizer]
                 m.setdefault("annotations", {})[RELEASED_ANNOTATION] = install_uid
 
             try:
-                update_if_changed(kube, res, meta["name"], drop, ns, current=cache)
+                update_if_changed(kube, res, cm.name, drop, ns, current=cache)
                 released += 1
             except ApiException as exc:
-                log.warning("uninstall: releasing %s %s failed: %s", res.kind, cache_key(ns, meta["name"]),
-                            error_message(exc))
+                log.warning("uninstall: releasing %s %s failed: %s", res.kind, cm.key, error_message(exc))
     return released
 
 
@@ -102,7 +102,7 @@ class UninstallHook:
             return response(review, True)
         # The uid that marks released caches is read from the API, never taken from the request.
         try:
-            uid = str(((self.kube.get(NAMESPACES, self.namespace).get("metadata") or {}).get("uid")) or "")
+            uid = meta(self.kube.get(NAMESPACES, self.namespace)).uid
         except ApiException as exc:
             log.warning("uninstall: cannot read namespace %s (%s): finalizers kept", self.namespace,
                         error_message(exc))

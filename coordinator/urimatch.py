@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from modelcache.kube.objects import meta, namespaced_key
 from modelcache.kube.types import (
     DISABLE_LOCALMODEL_ANNOTATION,
     LOCALMODEL_LABEL,
@@ -22,6 +23,7 @@ from modelcache.kube.types import (
     MAX_LABEL_VALUE,
     NODEGROUP_ANNOTATION,
 )
+from modelcache.kube.views import CacheView
 
 
 @dataclass(frozen=True)
@@ -35,17 +37,13 @@ class CacheRef:
 
     @property
     def key(self) -> str:
-        return f"{self.namespace}/{self.name}" if self.namespace else self.name
+        return namespaced_key(self.namespace, self.name)
 
     @classmethod
     def of(cls, obj: Mapping[str, Any]) -> CacheRef:
-        meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
-        return cls(
-            name=str(meta.get("name", "")),
-            uri=str(spec.get("sourceModelUri", "")),
-            node_groups=tuple(spec.get("nodeGroups") or ()),
-            namespace=meta.get("namespace") or None,
-        )
+        view = CacheView(obj)
+        return cls(name=view.meta.name, uri=view.source_model_uri, node_groups=tuple(view.node_groups),
+                   namespace=view.meta.namespace)
 
 
 @dataclass(frozen=True)
@@ -118,10 +116,11 @@ def metadata_patch(
     obj: Mapping[str, Any], labels: Mapping[str, str | None], annotations: Mapping[str, str | None]
 ) -> dict[str, Any]:
     """A merge patch setting ``labels``/``annotations`` on ``obj`` ({} when it already has them)."""
-    meta = obj.get("metadata") or {}
+    m = meta(obj)
     patch: dict[str, Any] = {}
-    for field, want in (("labels", labels), ("annotations", annotations)):
-        have = meta.get(field) or {}
+    for field, have, want in (("labels", m.labels, labels), ("annotations", m.annotations, annotations)):
+
+
         diff = {k: v for k, v in want.items() if have.get(k) != v and not (v is None and k not in have)}
         if diff:
             patch[field] = diff

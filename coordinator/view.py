@@ -37,14 +37,14 @@ from modelcache.kube.client import (
     Resource,
 )
 from modelcache.kube.informer import Informer
-from modelcache.kube.objects import namespaced_key
+from modelcache.kube.objects import meta, namespaced_key
 from modelcache.kube.types import (
     LOCALMODEL_LABEL,
     LOCALMODEL_NAMESPACE_LABEL,
     MODEL_DOWNLOAD_ERROR,
     MODEL_DOWNLOADED,
-    status_key,
 )
+from modelcache.kube.views import LocalModelNodeView, NodeView
 
 log = logging.getLogger(__name__)
 
@@ -66,21 +66,20 @@ def cache_key(namespace: str | None, name: str) -> str:
 def user_labels(obj: dict[str, Any] | None) -> dict[str, str]:
     """Node labels other than our downloaded-model ones: those we write must not count as a
     membership change (a group selecting on them would be selecting on download state)."""
-    labels = ((obj or {}).get("metadata") or {}).get("labels") or {}
-    return {k: v for k, v in labels.items() if not k.startswith(LABEL_PREFIX)}
+    return {k: v for k, v in meta(obj).labels.items() if not k.startswith(LABEL_PREFIX)}
 
 
 def service_cache_keys(obj: dict[str, Any] | None) -> list[str]:
     """The cache a service is labelled with (KServe's defaulter labels)."""
     if not obj:
         return []
-    meta = obj.get("metadata") or {}
-    labels = meta.get("labels") or {}
+    m = meta(obj)
+    labels = m.labels
     name = labels.get(LOCALMODEL_LABEL)
     if not name:
         return []
     cache_ns = labels.get(LOCALMODEL_NAMESPACE_LABEL)
-    if cache_ns and cache_ns != meta.get("namespace"):
+    if cache_ns and cache_ns != m.namespace:
         return []  # a namespace cache serves only its own namespace
     return [cache_key(cache_ns or None, name)]
 
@@ -88,8 +87,7 @@ def service_cache_keys(obj: dict[str, Any] | None) -> list[str]:
 def entry_cache_keys(obj: dict[str, Any] | None) -> list[str]:
     if not obj:
         return []
-    models = (obj.get("spec") or {}).get("localModels") or []
-    return sorted({cache_key(m.get("namespace") or None, m.get("modelName", "")) for m in models})
+    return sorted({entry.key for entry in LocalModelNodeView(obj).entries})
 
 
 def pending_cache_keys(obj: dict[str, Any] | None) -> list[str]:
@@ -97,13 +95,10 @@ def pending_cache_keys(obj: dict[str, Any] | None) -> list[str]:
     ModelDownloadError for (whoever it was reported for: a hint for pacing, coordinator/caches.py)."""
     if not obj:
         return []
-    states = ((obj.get("status") or {}).get("modelStatus")) or {}
-    out = set()
-    for m in (obj.get("spec") or {}).get("localModels") or []:
-        ns, name = m.get("namespace") or None, m.get("modelName", "")
-        if states.get(status_key(name, ns)) not in (MODEL_DOWNLOADED, MODEL_DOWNLOAD_ERROR):
-            out.add(cache_key(ns, name))
-    return sorted(out)
+    lmn = LocalModelNodeView(obj)
+    states = lmn.model_status
+    # An entry's modelStatus key is its cache's key.
+    return sorted({e.key for e in lmn.entries if states.get(e.key) not in (MODEL_DOWNLOADED, MODEL_DOWNLOAD_ERROR)})
 
 
 def volume_cache_keys(obj: dict[str, Any] | None) -> list[str]:
@@ -118,10 +113,11 @@ NODE_METADATA = ("name", "uid", "resourceVersion", "labels", "deletionTimestamp"
 
 
 def node_essentials(node: dict[str, Any]) -> dict[str, Any]:
-    meta = node.get("metadata") or {}
-    ready = [c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"]
+    # Builds the slim object the informer keeps: copies raw fields as they are (not read through a view).
+    raw = node.get("metadata") or {}
+    ready = NodeView(node).ready_conditions
     return {"apiVersion": node.get("apiVersion"), "kind": node.get("kind"),
-            "metadata": {k: meta[k] for k in NODE_METADATA if k in meta},
+            "metadata": {k: raw[k] for k in NODE_METADATA if k in raw},
             "status": {"conditions": [{"type": "Ready", "status": c.get("status")} for c in ready]}}
 
 
@@ -302,13 +298,12 @@ class ClusterView:
     def cache_refs(self) -> tuple[list[CacheRef], list[CacheRef]]:
         """(namespace caches, cluster caches), skipping those being deleted."""
         def live(inf: Informer) -> list[CacheRef]:
-            return [CacheRef.of(o) for o in inf.store.list(copy_objects=False)
-                    if not (o.get("metadata") or {}).get("deletionTimestamp")]
+            return [CacheRef.of(o) for o in inf.store.list(copy_objects=False) if not meta(o).deleting]
         return live(self.ns_caches), live(self.caches)
 
     def group_map(self) -> dict[str, dict[str, Any]]:
         """Read-only: the cache's own objects (callers copy what they change)."""
-        return {o["metadata"]["name"]: o for o in self.groups.store.list(copy_objects=False)}
+        return {meta(o).name: o for o in self.groups.store.list(copy_objects=False)}
 
     def services_of(self, key: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(InferenceServices, LLMInferenceServices) labelled with the cache; read-only."""

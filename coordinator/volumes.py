@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.urimatch import serving_pvc_name
+from modelcache.kube.objects import meta
 from modelcache.kube.types import API_VERSION, NODEGROUP_ANNOTATION, label_value
+from modelcache.kube.views import CacheView
 from modelcache.uri import storage_key
 
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
@@ -70,9 +72,9 @@ def group_for_use(cache_groups: tuple[str, ...] | list[str], annotations: Mappin
 def desired_pairs(
     cache: Mapping[str, Any], groups: Mapping[str, Any], uses: Iterable[Use]
 ) -> dict[tuple[str, str], VolumePair]:
-    meta, spec = cache.get("metadata") or {}, cache.get("spec") or {}
-    name, cache_ns = meta["name"], meta.get("namespace")
-    cache_groups = list(spec.get("nodeGroups") or [])
+    view = CacheView(cache)
+    name, cache_ns = view.meta.name, view.meta.namespace
+    cache_groups = view.node_groups
     out: dict[tuple[str, str], VolumePair] = {}
     for use in uses:
         if cache_ns and use.namespace != cache_ns:
@@ -87,32 +89,33 @@ def desired_pairs(
 
 
 def _labels(cache: Mapping[str, Any], group: str) -> dict[str, str]:
-    meta = cache.get("metadata") or {}
-    labels = {MANAGED_BY_LABEL: MANAGED_BY, CACHE_LABEL: label_value(meta["name"]), GROUP_LABEL: label_value(group),
-              STORAGE_KEY_LABEL: storage_key(str((cache.get("spec") or {}).get("sourceModelUri") or ""))}
-    if meta.get("namespace"):
-        labels[CACHE_NAMESPACE_LABEL] = meta["namespace"]
+    view = CacheView(cache)
+    m = view.meta
+    labels = {MANAGED_BY_LABEL: MANAGED_BY, CACHE_LABEL: label_value(m.name), GROUP_LABEL: label_value(group),
+              STORAGE_KEY_LABEL: storage_key(view.source_model_uri)}
+    if m.namespace:
+        labels[CACHE_NAMESPACE_LABEL] = m.namespace
     return labels
 
 
 def _meta(cache: Mapping[str, Any], pair: VolumePair, namespaced: bool) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": pair.pvc_name if namespaced else pair.pv_name,
-                            "labels": _labels(cache, pair.group),
-                            "annotations": {CACHE_ANNOTATION: (cache.get("metadata") or {})["name"]}}
+    out: dict[str, Any] = {"name": pair.pvc_name if namespaced else pair.pv_name,
+                           "labels": _labels(cache, pair.group),
+                           "annotations": {CACHE_ANNOTATION: meta(cache).name}}
     if namespaced:
-        meta["namespace"] = pair.namespace
+        out["namespace"] = pair.namespace
     if owners := _owner(cache):
-        meta["ownerReferences"] = owners
-    return meta
+        out["ownerReferences"] = owners
+    return out
 
 
 def _owner(cache: Mapping[str, Any]) -> list[dict[str, Any]]:
-    meta = cache.get("metadata") or {}
-    if meta.get("namespace") or not meta.get("uid"):
+    m = meta(cache)
+    if m.namespace or not m.uid:
         return []  # a cluster object cannot be owned by a namespaced one (KServe: none either)
     return [{
-        "apiVersion": API_VERSION, "kind": cache.get("kind") or "LocalModelCache", "name": meta["name"],
-        "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True,
+        "apiVersion": API_VERSION, "kind": cache.get("kind") or "LocalModelCache", "name": m.name,
+        "uid": m.uid, "controller": True, "blockOwnerDeletion": True,
     }]
 
 
@@ -139,9 +142,9 @@ def pvc_body(cache: Mapping[str, Any], group: Mapping[str, Any], pair: VolumePai
 def cache_of(obj: Mapping[str, Any]) -> tuple[str | None, str] | None:
     """(cache namespace or None, cache name) a managed PV/PVC belongs to (the whole name from our
     annotation; volumes made before it was written carry the name in their label)."""
-    meta = obj.get("metadata") or {}
-    labels = meta.get("labels") or {}
+    m = meta(obj)
+    labels = m.labels
     if labels.get(MANAGED_BY_LABEL) != MANAGED_BY or CACHE_LABEL not in labels:
         return None
-    name = (meta.get("annotations") or {}).get(CACHE_ANNOTATION) or labels[CACHE_LABEL]
+    name = m.annotations.get(CACHE_ANNOTATION) or labels[CACHE_LABEL]
     return labels.get(CACHE_NAMESPACE_LABEL) or None, name

@@ -35,6 +35,7 @@ from kubernetes.client.exceptions import ApiException
 from coordinator import certs
 from modelcache.kube.client import SECRETS, Kube, Resource, error_message
 from modelcache.kube.informer import Informer
+from modelcache.kube.objects import namespaced_key
 from modelcache.kube.status import update_if_changed
 from modelcache.runtime.loop import Loop
 
@@ -217,7 +218,7 @@ class WebhookCerts:
         """The Secret from the watch, or from a GET right after a conflict (the watch may lag)."""
         if fresh or not self.secret_inf.synced.is_set():
             return self.kube.get_or_none(SECRETS, self.settings.secret, self.settings.namespace)
-        return self.secret_inf.store.get(f"{self.settings.namespace}/{self.settings.secret}")
+        return self.secret_inf.store.get(namespaced_key(self.settings.namespace, self.settings.secret))
 
     def _inject(self, trusted: bytes, keep_trusted: bool = False) -> None:
         """Set every webhook's caBundle to ``trusted``; ``keep_trusted`` adds the CAs already there

@@ -1,8 +1,12 @@
-"""Typed metadata views, the one namespaced key, and controller-runtime-style predicates (no server)."""
+"""Typed metadata and kind views, the one namespaced key, controller-runtime-style predicates, and the
+retry on conflicts (no server)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import pytest
+from kubernetes.client.exceptions import ApiException
 
 from coordinator.controllers import (
     cache_spec_changed,
@@ -13,9 +17,11 @@ from coordinator.controllers import (
 )
 from coordinator.view import cache_key
 from modelcache.kube.informer import object_key
-from modelcache.kube.objects import Meta, meta, namespaced_key
+from modelcache.kube.objects import ListMeta, Meta, list_meta, meta, namespaced_key
 from modelcache.kube.predicates import all_of, any_of, event_in, on_update, spec_of
+from modelcache.kube.status import _retry_on_conflict
 from modelcache.kube.types import status_key
+from modelcache.kube.views import CacheView, LocalModelNodeView, NodeView
 
 
 def obj(name: str = "a", namespace: str | None = None, spec: Any = None, status: Any = None,
@@ -34,8 +40,12 @@ def test_the_namespaced_key_is_spelled_once() -> None:
 def test_meta_reads_what_is_there_and_empties_what_is_not() -> None:
     m = meta(obj("c", "team", labels={"a": "1"}, annotations={"b": "2"}, uid="u1", generation=3,
                  resourceVersion="7", deletionTimestamp="2026-12-02T00:00:00Z", finalizers=["f"]))
-    assert m == Meta(name="c", namespace="team", uid="u1", generation=3, resource_version="7", labels={"a": "1"},
-                     annotations={"b": "2"}, deletion_timestamp="2026-12-02T00:00:00Z", finalizers=("f",))
+    assert (m.name, m.namespace, m.uid, m.generation, m.resource_version, m.labels, m.annotations,
+            m.deletion_timestamp, m.finalizers) == ("c", "team", "u1", 3, "7", {"a": "1"}, {"b": "2"},
+                                                    "2026-12-02T00:00:00Z", ("f",))
+    assert m == meta(obj("c", "team", labels={"a": "1"}, annotations={"b": "2"}, uid="u1", generation=3,
+                         resourceVersion="7", deletionTimestamp="2026-12-02T00:00:00Z", finalizers=["f"]))
+    assert m != meta(obj("c", "team")) and m != Meta()
     assert m.deleting and m.key == "team/c"
     empty = meta(None)
     assert empty == Meta() and not empty.deleting and empty.labels == {} and meta({"metadata": None}) == Meta()
@@ -79,3 +89,79 @@ def test_the_coordinators_predicates_are_named_and_filter_as_before() -> None:
     assert cache_spec_changed("MODIFIED", obj("c", spec=cache["spec"], deletionTimestamp="t"), cache)
     assert volume_exists("ADDED", cache, None) and volume_exists("DELETED", cache, None)
     assert not volume_exists("MODIFIED", cache, cache)
+
+
+def test_meta_reads_the_object_in_place_and_a_list_its_own_metadata() -> None:
+    o = obj("c", "team", labels={"a": "1"})
+    m = meta(o)
+    assert m.labels is o["metadata"]["labels"]  # nothing copied
+    o["metadata"]["labels"]["b"] = "2"
+    assert m.labels == {"a": "1", "b": "2"}  # read when asked (documented: take it after an edit)
+    assert meta({"metadata": {"name": "x", "generation": "4", "creationTimestamp": "t",
+                              "ownerReferences": [{"name": "o"}]}}).generation == 4
+    assert meta(obj("x", ownerReferences=[{"name": "o"}])).owner_references == [{"name": "o"}]
+    assert meta(obj("x", creationTimestamp="t")).creation_timestamp == "t" and meta(None).creation_timestamp == ""
+    assert list_meta({"metadata": {"resourceVersion": "9", "continue": "tok"}, "items": []}) == ListMeta("9", "tok")
+    assert list_meta({"items": []}) == ListMeta(None, None) == list_meta(None)
+
+
+def test_the_kind_views_read_what_is_there_and_empty_what_is_not() -> None:
+    lmn = LocalModelNodeView(obj("n1", spec={"localModels": [
+        {"modelName": "m", "sourceModelUri": "s3://b/m", "nodeGroup": "g"},
+        {"modelName": "t", "namespace": "team", "sourceModelUri": "hf://o/t"}, "not a map"]},
+        status={"modelStatus": {"m": "ModelDownloaded"}, "nodeUID": "u1",
+                "modelDetails": {"m": {"storageKey": "k"}, "t": None}, "peer": {"endpoint": "e"},
+                "capacity": {"freeBytes": 5}, "lastUpdated": "now"}))
+    assert [(e.model_name, e.namespace, e.source_model_uri, e.node_group, e.key) for e in lmn.entries] == [
+        ("m", None, "s3://b/m", "g", "m"), ("t", "team", "hf://o/t", "", "team/t")]
+    assert lmn.model_status == {"m": "ModelDownloaded"} and lmn.node_uid == "u1" and lmn.meta.name == "n1"
+    assert lmn.detail("m") == {"storageKey": "k"} and lmn.detail("t") == {} and lmn.detail("absent") == {}
+    assert lmn.peer == {"endpoint": "e"} and lmn.capacity == {"freeBytes": 5} and lmn.last_updated == "now"
+    assert LocalModelNodeView(obj("n2", spec={"storageKeys": ["k"]})).storage_keys == ["k"]
+    empty = LocalModelNodeView(None)
+    assert (empty.entries, dict(empty.model_status), dict(empty.model_details), empty.node_uid, dict(empty.peer),
+            empty.storage_keys, empty.last_updated) == ([], {}, {}, None, {}, [], None)
+    assert LocalModelNodeView(obj("n3", status={"modelStatus": ["not", "a", "map"]})).model_status == {}
+
+    cache = CacheView(obj("c", "team", spec={"sourceModelUri": "s3://b/m", "nodeGroups": ["g", "h"],
+                                             "modelSize": "1Gi"},
+                          status={"nodeStatus": {"n1": "NodeDownloaded"}, "copies": {"available": 1}}))
+    assert (cache.key, cache.source_model_uri, cache.node_groups, cache.model_size) == (
+        "team/c", "s3://b/m", ["g", "h"], "1Gi")
+    assert cache.node_status == {"n1": "NodeDownloaded"} and cache.copies == {"available": 1}
+    bare = CacheView(obj("c"))
+    assert (bare.key, bare.source_model_uri, bare.node_groups, bare.model_size, dict(bare.node_status)) == (
+        "c", "", [], None, {})
+
+    ready = {"type": "Ready", "status": "True"}
+    node = NodeView(obj("n1", labels={"gpu": "a"}, status={"conditions": [{"type": "DiskPressure"}, ready,
+                                                                          {"type": "Ready", "status": "False"}]}))
+    assert node.ready and node.labels == {"gpu": "a"} and len(node.ready_conditions) == 2
+    assert not NodeView(obj("n2", status={"conditions": [{"type": "Ready", "status": "Unknown"}]})).ready
+    assert not NodeView(obj("n3")).ready and NodeView(None).ready_conditions == []
+
+
+def test_a_write_is_retried_on_conflicts_only_and_a_deleted_object_is_nothing_to_write() -> None:
+    calls: list[int] = []
+
+    def conflicts(times: int, then: Any) -> Any:
+        def attempt() -> Any:
+            calls.append(1)
+            if len(calls) <= times:
+                raise ApiException(status=409)
+            if isinstance(then, ApiException):
+                raise then
+            return then
+        return attempt
+
+    assert _retry_on_conflict("x", conflicts(2, "written"), retries=5) == "written" and len(calls) == 3
+    calls.clear()
+    with pytest.raises(ApiException) as err:
+        _retry_on_conflict("x", conflicts(10, "never"), retries=3)
+    assert err.value.status == 409 and len(calls) == 3
+    calls.clear()
+    assert _retry_on_conflict("x", conflicts(1, ApiException(status=404)), retries=5) is None and len(calls) == 2
+    calls.clear()
+    with pytest.raises(ApiException) as err:
+        _retry_on_conflict("x", conflicts(0, ApiException(status=500)), retries=5)
+    assert err.value.status == 500 and len(calls) == 1

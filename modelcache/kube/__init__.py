@@ -14,6 +14,7 @@ Modules, one job each:
 * ``controller`` ``Controller`` (informers -> queue -> N workers -> reconcile) and ``Manager``
 * ``predicates`` which events wake a controller: ``on_update(views...)``, ``event_in``, ``any_of``
 * ``objects``    ``meta(obj)``, a typed view of any object's metadata, and ``namespaced_key``
+* ``views``      read views of LocalModelNode, the caches and Node (``LocalModelNodeView``, ...)
 * ``leader``     ``LeaderElector`` on a coordination.k8s.io/v1 Lease
 * ``status``     ``patch_status_if_changed`` / ``update_if_changed``: write on change, retry 409
 * ``events``     ``EventRecorder`` for core/v1 Events

@@ -25,6 +25,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.incluster_config import InClusterConfigLoader
 
+from modelcache.kube.objects import meta
 from modelcache.runtime.startup import StartupError
 
 #: Where the kubelet mounts a pod's service account: token, ca.crt, namespace.
@@ -373,7 +374,7 @@ class Kube:
     def replace(self, res: Resource, body: Mapping[str, Any], namespace: str | None = None) -> dict[str, Any]:
         """PUT; ``body.metadata.resourceVersion`` makes it a compare-and-swap (409 when stale)."""
         body = {"apiVersion": res.api_version, "kind": res.kind, **body}
-        name = body["metadata"]["name"]
+        name = meta(body).name
         return _decode(self._call(res, "replace", namespace, name=name, body=body))
 
     def patch(
@@ -391,7 +392,7 @@ class Kube:
     def replace_status(self, res: Resource, body: Mapping[str, Any], namespace: str | None = None) -> dict[str, Any]:
         """PUT to the status subresource (spec changes in ``body`` are ignored by the server)."""
         body = {"apiVersion": res.api_version, "kind": res.kind, **body}
-        name = body["metadata"]["name"]
+        name = meta(body).name
         return _decode(self._call(res, "replace", namespace, "_status", name=name, body=body))
 
     def delete(self, res: Resource, name: str, namespace: str | None = None, propagation: str | None = None,

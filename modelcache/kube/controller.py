@@ -17,6 +17,7 @@ from typing import Any
 
 from modelcache.kube.informer import Informer, object_key, wait_for_all
 from modelcache.kube.leader import LeaderElector
+from modelcache.kube.objects import meta, namespaced_key
 from modelcache.kube.predicates import Predicate
 from modelcache.kube.workqueue import ExponentialBackoff, ShutDown, WorkQueue
 
@@ -50,13 +51,10 @@ def owner_keys(kind: str, owner_namespaced: bool = False, controller_only: bool 
     """
 
     def mapper(_event: str, obj: dict[str, Any], _old: dict[str, Any] | None) -> list[str]:
-        meta = obj.get("metadata") or {}
-        ns = meta.get("namespace")
-        keys = []
-        for ref in meta.get("ownerReferences") or []:
-            if ref.get("kind") == kind and (ref.get("controller") or not controller_only):
-                keys.append(f"{ns}/{ref['name']}" if owner_namespaced and ns else ref["name"])
-        return keys
+        m = meta(obj)
+        ns = m.namespace if owner_namespaced else None
+        return [namespaced_key(ns, ref["name"]) for ref in m.owner_references
+                if ref.get("kind") == kind and (ref.get("controller") or not controller_only)]
 
     return mapper
 
@@ -68,14 +66,14 @@ def label_keys(label: str, namespace_label: str | None = None) -> Mapper:
     """
 
     def one(obj: dict[str, Any] | None) -> list[str]:
-        labels = ((obj or {}).get("metadata") or {}).get("labels") or {}
+        labels = meta(obj).labels
         name = labels.get(label)
         if not name:
             return []
         if namespace_label is None:
             return [name]
         ns = labels.get(namespace_label)
-        return [f"{ns}/{name}"] if ns else []
+        return [namespaced_key(ns, name)] if ns else []
 
     def mapper(_event: str, obj: dict[str, Any], old: dict[str, Any] | None) -> list[str]:
         return sorted(set(one(obj)) | set(one(old)))
@@ -88,8 +86,9 @@ def generation_or_meta_changed(event: str, obj: dict[str, Any], old: dict[str, A
     plus labels/annotations/deletion, which do not bump the generation)."""
     if event != "MODIFIED" or old is None:
         return True
-    m, o = obj.get("metadata") or {}, old.get("metadata") or {}
-    return any(m.get(k) != o.get(k) for k in ("generation", "labels", "annotations", "deletionTimestamp", "finalizers"))
+    m, o = meta(obj), meta(old)
+    return ((m.generation, m.labels, m.annotations, m.deletion_timestamp, m.finalizers)
+            != (o.generation, o.labels, o.annotations, o.deletion_timestamp, o.finalizers))
 
 
 class Controller:

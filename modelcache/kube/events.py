@@ -15,6 +15,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from modelcache.kube.client import EVENTS, Kube
+from modelcache.kube.objects import meta
 from modelcache.runtime.clock import rfc3339
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,10 @@ class EventRecorder:
 
     def record(self, obj: dict[str, Any], event_type: str, reason: str, message: str) -> None:
         """Best effort: a failure to record an Event is logged, never raised."""
-        meta = obj.get("metadata") or {}
-        namespace = meta.get("namespace") or CLUSTER_EVENTS_NAMESPACE
+        m = meta(obj)
+        namespace = m.namespace or CLUSTER_EVENTS_NAMESPACE
         message = message[:1024]
-        key = "\x00".join((obj.get("kind", ""), namespace, meta.get("name", ""), meta.get("uid", ""), reason, message))
+        key = "\x00".join((obj.get("kind", ""), namespace, m.name, m.uid, reason, message))
         try:
             with self._lock:
                 seen = self._seen.get(key)
@@ -49,15 +50,15 @@ class EventRecorder:
                     self._seen[key] = (name, count + 1)
                 return
             digest = hashlib.sha256(key.encode()).hexdigest()[:10]
-            name = f"{meta.get('name', 'object')}.{digest}"[:253]
+            name = f"{m.name or 'object'}.{digest}"[:253]
             now = rfc3339()
             try:
                 self.kube.create(EVENTS, {
                     "metadata": {"name": name, "namespace": namespace},
                     "involvedObject": {
-                        "apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "name": meta.get("name"),
-                        "namespace": meta.get("namespace"), "uid": meta.get("uid"),
-                        "resourceVersion": meta.get("resourceVersion"),
+                        # An absent field is sent as null, as before (never as "").
+                        "apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "name": m.name or None,
+                        "namespace": m.namespace, "uid": m.uid or None, "resourceVersion": m.resource_version or None,
                     },
                     "type": event_type,
                     "reason": reason,
@@ -80,6 +81,6 @@ class EventRecorder:
             with self._lock:
                 self._seen[key] = (name, count)
         except Exception as exc:
-            log.warning("could not record event %s on %s: %s", reason, meta.get("name"), type(exc).__name__)
+            log.warning("could not record event %s on %s: %s", reason, m.name, type(exc).__name__)
             with self._lock:
                 self._seen.pop(key, None)

@@ -9,12 +9,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NAMESPACE_CACHES, LOCAL_MODEL_NODES, Kube
+from modelcache.kube.objects import meta, namespaced_key
 from modelcache.kube.types import (
     MODEL_DOWNLOAD_ERROR,
     MODEL_DOWNLOADED,
     MODEL_DOWNLOADING,
-    status_key,
 )
+from modelcache.kube.views import CacheView, LocalModelNodeView
 from modelcache.runtime.progress import human_bytes, human_duration
 
 Obj = dict[str, Any]
@@ -100,23 +101,21 @@ def build(caches: list[Obj], nodes: list[Obj]) -> Fleet:
     # the cache's paced status: an agent retrying a failed download flips between ModelDownloading
     # and ModelDownloadError, and one snapshot must not show a failure under FAILURES and none in its row.
     failed: dict[str, int] = {}
-    for n in sorted(nodes, key=lambda o: o["metadata"]["name"]):
-        name = n["metadata"]["name"]
-        status = n.get("status") or {}
-        states = status.get("modelStatus") or {}
-        details = status.get("modelDetails") or {}
+    for n in sorted(nodes, key=lambda o: meta(o).name):
+        lmn = LocalModelNodeView(n)
+        name, states = lmn.meta.name, lmn.model_status
         groups: list[str] = []
         models = []
-        for entry in (n.get("spec") or {}).get("localModels") or []:
-            key = status_key(entry.get("modelName", ""), entry.get("namespace"))
-            group = entry.get("nodeGroup") or "-"
+        for entry in lmn.entries:
+            key = entry.key
+            group = entry.node_group or "-"
             if group not in groups:
                 groups.append(group)
             state = states.get(key) or "Unknown"
             copies = by_cache.setdefault(key, {}).setdefault(group, GroupCopies(group))
             copies.nodes += 1
             copies.downloaded += state == MODEL_DOWNLOADED
-            d = details.get(key) or {}
+            d = lmn.detail(key)
             done, total, rate = d.get("bytesDone"), d.get("bytesTotal"), d.get("rate")
             models.append(ModelOnNode(key, state, done, total, rate if state == MODEL_DOWNLOADING else None,
                                       _eta(done, total, rate) if state == MODEL_DOWNLOADING else None,
@@ -124,18 +123,18 @@ def build(caches: list[Obj], nodes: list[Obj]) -> Fleet:
             if state == MODEL_DOWNLOAD_ERROR:
                 failed[key] = failed.get(key, 0) + 1
                 fleet.failures.append(Failure(name, key, d.get("message") or "download failed"))
-        capacity = status.get("capacity") or {}
+        capacity = lmn.capacity
         fleet.nodes.append(NodeRow(name, groups, capacity.get("freeBytes"), capacity.get("totalBytes"), models,
-                                   status.get("lastUpdated")))
-    for c in sorted(caches, key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"])):
-        meta, spec, status = c["metadata"], c.get("spec") or {}, c.get("status") or {}
-        key = status_key(meta["name"], meta.get("namespace"))
-        counts = status.get("copies") or {}
+                                   lmn.last_updated))
+    for c in sorted(caches, key=lambda o: (meta(o).namespace or "", meta(o).name)):
+        cache = CacheView(c)
+        key, counts = cache.key, cache.copies
         per_group = by_cache.get(key, {})
-        for g in spec.get("nodeGroups") or []:
+        for g in cache.node_groups:
             per_group.setdefault(g, GroupCopies(g))
-        services = [f"{s.get('namespace')}/{s.get('name')}" for s in status.get("inferenceServices") or []]
-        fleet.caches.append(CacheRow(key, spec.get("sourceModelUri", ""), str(spec.get("modelSize", "")),
+        services = [namespaced_key(s.get("namespace"), str(s.get("name") or ""))
+                    for s in cache.status.get("inferenceServices") or []]
+        fleet.caches.append(CacheRow(key, cache.source_model_uri, str(cache.spec.get("modelSize", "")),
                                      int(counts.get("available") or 0), int(counts.get("total") or 0),
                                      failed.get(key, 0), [per_group[g] for g in sorted(per_group)],
                                      services))

@@ -40,7 +40,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from modelcache.kube.client import Kube, Resource, error_message
-from modelcache.kube.objects import namespaced_key
+from modelcache.kube.objects import list_meta, meta
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,7 @@ def drop_managed_fields(obj: dict[str, Any]) -> dict[str, Any]:
 
 def object_key(obj: dict[str, Any]) -> str:
     """``namespace/name`` for namespaced objects, ``name`` for cluster-scoped ones."""
-    meta = obj.get("metadata") or {}
-    return namespaced_key(meta.get("namespace"), str(meta["name"]))
+    return meta(obj).key
 
 
 def split_key(key: str) -> tuple[str | None, str]:
@@ -397,10 +396,10 @@ class Informer:
                 if kind == "ERROR":
                     raise ApiException(status=obj.get("code") or 500, reason=f"{obj.get('reason')}: "
                                                                               f"{obj.get('message')}")
-                meta = obj.get("metadata") or {}
                 if kind == "BOOKMARK":
-                    if (meta.get("annotations") or {}).get(INITIAL_EVENTS_END) == "true":
-                        version = meta.get("resourceVersion")
+                    m = meta(obj)
+                    if m.annotations.get(INITIAL_EVENTS_END) == "true":
+                        version = m.resource_version or None
                         break
                     continue
                 obj.setdefault("apiVersion", self.resource.api_version)
@@ -436,14 +435,14 @@ class Informer:
                 obj.setdefault("apiVersion", self.resource.api_version)
                 obj.setdefault("kind", self.resource.kind)
                 items.append(self.transform(obj))
-            token = (page.get("metadata") or {}).get("continue")
+            token = list_meta(page).continue_token
             if not token:
                 break
             query.pop("resource_version", None)  # the continue token carries the list's version
             query["_continue"] = token
         self.stats["lists"] += 1
         self._replace(items)
-        self.last_resource_version = (page.get("metadata") or {}).get("resourceVersion")
+        self.last_resource_version = list_meta(page).resource_version
         self._current.set()
         self.synced.set()
 
@@ -497,7 +496,7 @@ class Informer:
         """Whether the server's current resourceVersion is older than ours. Versions are opaque
         to clients in principle; etcd's are integers, and only then is this checked."""
         page = self.kube.list(self.resource, self.namespace, **dict(self.selectors, limit=1))
-        theirs = (page.get("metadata") or {}).get("resourceVersion")
+        theirs = list_meta(page).resource_version
         try:
             return int(str(theirs)) < int(str(self.last_resource_version))
         except ValueError:
@@ -509,7 +508,7 @@ class Informer:
             if obj.get("code") == 410:
                 raise Gone(obj.get("message", ""))
             raise WatchError(int(obj.get("code") or 500), f"{obj.get('reason')}: {obj.get('message')}")
-        rv = (obj.get("metadata") or {}).get("resourceVersion")
+        rv = meta(obj).resource_version or None
         if kind == "BOOKMARK":
             self.last_resource_version = rv or self.last_resource_version
             return
@@ -526,7 +525,7 @@ class Informer:
 
     def _apply(self, kind: str, obj: dict[str, Any]) -> None:
         old = self.store.get_raw(object_key(obj))
-        if old is not None and old.get("metadata", {}).get("resourceVersion") == obj["metadata"].get("resourceVersion"):
+        if old is not None and meta(old).resource_version == meta(obj).resource_version:
             return  # already seen this exact version (a relist or a replayed event): no work
         self.store.put(obj)
         self._notify(MODIFIED if old is not None else ADDED, obj, old)

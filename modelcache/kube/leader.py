@@ -19,6 +19,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from modelcache.kube.client import LEASES, Kube
+from modelcache.kube.objects import meta
 from modelcache.runtime.clock import rfc3339
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class LeaderElector:
                 return True
             spec = lease.get("spec") or {}
             holder = spec.get("holderIdentity") or ""
-            self._observe(spec, lease["metadata"].get("resourceVersion"))
+            self._observe(spec, meta(lease).resource_version or None)
             if holder and holder != self.identity:
                 duration = float(spec.get("leaseDurationSeconds") or self.lease_duration)
                 if self._clock() < self._observed_at + duration:
@@ -111,7 +112,7 @@ class LeaderElector:
                 lease["spec"] = self._spec(transitions + 1, "")
             started = self._clock()  # the lease counts from when we sent the write, not when it returned
             updated = self.kube.replace(LEASES, lease, self.namespace)
-            self._observe(updated.get("spec") or {}, updated["metadata"].get("resourceVersion"))
+            self._observe(updated.get("spec") or {}, meta(updated).resource_version or None)
             self._renewed_at = started
             return True
         except ApiException as exc:

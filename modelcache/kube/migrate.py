@@ -27,6 +27,7 @@ from modelcache.kube.client import (
     Kube,
     Resource,
 )
+from modelcache.kube.objects import meta
 from modelcache.kube.quantity import parse_quantity
 from modelcache.kube.types import norm_path, pv_root
 
@@ -180,11 +181,9 @@ def gather(kube: Kube, kserve_namespace: str = "kserve", credentials_namespace: 
     f.job_identity = kube.get_or_none(SERVICE_ACCOUNTS, "default", f.job_namespace)
     f.agent_account = kube.get_or_none(SERVICE_ACCOUNTS, OUR_AGENT, OUR_NAMESPACE)
     f.job_leftovers = len(kube.list(JOBS, f.job_namespace, label_selector="model,node").get("items") or [])
-    names = {f"{(c.get('metadata') or {}).get('name')}-{g}" for c in f.caches
-             for g in (c.get("spec") or {}).get("nodeGroups") or []}
-    f.pvc_leftovers = sorted(p["metadata"]["name"] for p in kube.list(PERSISTENT_VOLUME_CLAIMS, f.job_namespace)
-                             .get("items") or [] if p["metadata"]["name"] in names
-                             or p["metadata"]["name"].endswith("-download"))
+    names = {f"{meta(c).name}-{g}" for c in f.caches for g in (c.get("spec") or {}).get("nodeGroups") or []}
+    pvcs = [meta(p).name for p in kube.list(PERSISTENT_VOLUME_CLAIMS, f.job_namespace).get("items") or []]
+    f.pvc_leftovers = sorted(n for n in pvcs if n in names or n.endswith("-download"))
     return f
 
 
@@ -203,8 +202,7 @@ def agent_plain_env(ds: dict[str, Any] | None) -> dict[str, str]:
 
 
 def cache_name(c: dict[str, Any]) -> str:
-    meta = c.get("metadata") or {}
-    return f"{meta['namespace']}/{meta.get('name')}" if meta.get("namespace") else str(meta.get("name"))
+    return meta(c).key
 
 
 def keyless(c: dict[str, Any]) -> bool:
@@ -270,9 +268,9 @@ def check(name: str) -> Callable[[Check], Check]:
 
 @check("kserve-agent")
 def _kserve_agent(f: Facts) -> list[Step]:
-    return [Step("kserve-agent", f"KServe's node agent (DaemonSet {d['metadata']['namespace']}/{KSERVE_AGENT}) is "
+    return [Step("kserve-agent", f"KServe's node agent (DaemonSet {meta(d).namespace}/{KSERVE_AGENT}) is "
                  "installed: it and ours would write the same model folders and LocalModelNode status",
-                 (f"kubectl -n {d['metadata']['namespace']} delete daemonset {KSERVE_AGENT}",)) for d in f.agents]
+                 (f"kubectl -n {meta(d).namespace} delete daemonset {KSERVE_AGENT}",)) for d in f.agents]
 
 
 @check("kserve-controller")
@@ -281,7 +279,7 @@ def _kserve_controller(f: Facts) -> list[Step]:
     for d in f.controllers:
         if ((d.get("spec") or {}).get("replicas", 1) or 0) == 0:
             continue
-        ns = d["metadata"]["namespace"]
+        ns = meta(d).namespace
         out.append(Step("kserve-controller", f"KServe's local model controller (Deployment {ns}/{KSERVE_CONTROLLER}) "
                         "runs: it and our coordinator would both write LocalModelNodes, cache status and volumes "
                         "(scaled to 0, it is there for the way back)",
@@ -308,7 +306,7 @@ def _local_model_enabled(f: Facts) -> list[Step]:
         return []
     patched = json.dumps({**local, "enabled": True}, indent=2)
     patch = json.dumps({"data": {"localModel": patched}})
-    ns = f.isvc_config["metadata"]["namespace"]
+    ns = meta(f.isvc_config).namespace
     return [Step("local-model-enabled", f"ConfigMap {ns}/{KSERVE_CONFIG} has localModel.enabled "
                  f"{json.dumps(local.get('enabled', False))}: KServe's defaulter then strips the cache label from "
                  "every InferenceService it admits; it must be true",
@@ -327,8 +325,8 @@ def _crds(f: Facts) -> list[Step]:
                         "coordinator write (KServe's would prune it); objects are kept when a CRD is replaced",
                         ("kubectl apply --server-side --force-conflicts -f deploy/crds/",)))
     helm = [p for p, crd in f.crds.items() if crd is not None and
-            ((crd.get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/managed-by") == "Helm"
-            and ((crd.get("metadata") or {}).get("annotations") or {}).get("helm.sh/resource-policy") != "keep"]
+            meta(crd).labels.get("app.kubernetes.io/managed-by") == "Helm"
+            and meta(crd).annotations.get("helm.sh/resource-policy") != "keep"]
     for p in helm:
         out.append(Step("crds-helm", f"CRD {p}.serving.kserve.io is managed by Helm (kserve-localmodel-crd): a helm "
                         "upgrade would revert it to KServe's, an uninstall would delete it with every cache; keep "
@@ -396,7 +394,7 @@ def _install(f: Facts) -> list[Step]:
 @check("host-path")
 def _host_path(f: Facts) -> list[Step]:
     agent = agent_host_path(f.our_agent)
-    paths = {g["metadata"]["name"]: group_path(g) for g in f.groups}
+    paths = {meta(g).name: group_path(g) for g in f.groups}
     differ = {g: p for g, p in paths.items() if p != agent}
     if not differ:
         return []
@@ -450,8 +448,7 @@ def _identity(f: Facts) -> list[Step]:
             clouds.setdefault(IDENTITY_KINDS[kind], []).append(cache_name(c))
     if not clouds:
         return []
-    theirs = ((f.job_identity or {}).get("metadata") or {}).get("annotations") or {}
-    ours = ((f.agent_account or {}).get("metadata") or {}).get("annotations") or {}
+    theirs, ours = meta(f.job_identity).annotations, meta(f.agent_account).annotations
     where = f"{f.job_namespace}/default"
     agent = f"{OUR_NAMESPACE}/{OUR_AGENT}"
     subject = f"system:serviceaccount:{OUR_NAMESPACE}:{OUR_AGENT}"
@@ -519,7 +516,7 @@ def _sources(f: Facts) -> list[Step]:
 def _storage_limit(f: Facts) -> list[Step]:
     out = []
     for g in f.groups:
-        name = g["metadata"]["name"]
+        name = meta(g).name
         limit = parse_quantity((g.get("spec") or {}).get("storageLimit"))
         sizes = [parse_quantity((c.get("spec") or {}).get("modelSize")) or 0 for c in f.caches
                  if name in ((c.get("spec") or {}).get("nodeGroups") or [])]

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from modelcache.kube.objects import meta
+
 Obj = dict[str, Any]
 #: predicate(event_type, obj, old) -> enqueue? (modelcache.kube.controller.Controller.watch)
 Predicate = Callable[[str, Obj, "Obj | None"], bool]
@@ -25,21 +27,16 @@ def spec_of(obj: Obj) -> Any:
     return obj.get("spec")
 
 
-def _metadata(obj: Obj) -> Any:
-    return obj.get("metadata") or {}
-
-
-# Read straight from the dict, not through meta(): a node's heartbeat runs them on every update.
 def labels_of(obj: Obj) -> Any:
-    return _metadata(obj).get("labels") or {}
+    return meta(obj).labels
 
 
 def annotations_of(obj: Obj) -> Any:
-    return _metadata(obj).get("annotations") or {}
+    return meta(obj).annotations
 
 
 def deletion_of(obj: Obj) -> Any:
-    return _metadata(obj).get("deletionTimestamp")
+    return meta(obj).deletion_timestamp
 
 
 def on_update(*views: View) -> Predicate:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from modelcache.kube.objects import meta
 from modelcache.kube.quantity import parse_quantity
 from modelcache.kube.types import NAMESPACE_LIMIT_ANNOTATION
 from modelcache.runtime.progress import human_bytes
@@ -37,8 +38,8 @@ class Share:
 
 def namespace_share(group: Mapping[str, Any] | None) -> Share:
     """The per-namespace share of a LocalModelNodeGroup object."""
-    meta, spec = (group or {}).get("metadata") or {}, (group or {}).get("spec") or {}
-    raw = str((meta.get("annotations") or {}).get(NAMESPACE_LIMIT_ANNOTATION) or "").strip()
+    spec = (group or {}).get("spec") or {}
+    raw = str(meta(group).annotations.get(NAMESPACE_LIMIT_ANNOTATION) or "").strip()
     if raw.lower() == NO_SHARE:
         return Share(None, f"{NAMESPACE_LIMIT_ANNOTATION}={NO_SHARE}")
     if raw and (value := parse_quantity(raw)) is not None:
