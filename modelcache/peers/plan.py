@@ -237,6 +237,9 @@ class Plan:
         self._members: tuple[tuple[int, bool], list[str]] | None = None
         self._ring: Ring | None = None
         self._block_points: dict[tuple[int, int], int] = {}
+        #: The ring's owners of a block, by (block, how many): valid while ``_ring`` is.
+        self._ring_owners: dict[tuple[tuple[int, int], int], list[str]] = {}
+        self._block_sizes: dict[int, int] = {}
         #: Pieces we wait for: (ci, piece) -> (the owner we wait for, since when).
         self._waiting: dict[tuple[int, int], tuple[str, float]] = {}
         self.holders: dict[tuple[int, int], set[str]] = {}
@@ -427,13 +430,15 @@ class Plan:
         other, less those that read it already; members reading it now first, then the piece's
         block's owners on the ring of our zone's members. Witnesses that disagree: every member
         reads it (the origin decides)."""
-        witnessed = self.witnessed(ci, piece)
+        witnessed = self.witnessed(ci, piece) if (ci, piece) in self.holders else {}
         if len(witnessed) > 1:
             return self.members()
         # Witnesses we can read it from (a busy one soon): a slow or failed one is not waited for.
-        now = self.clock()
-        done = {n for n in next(iter(witnessed.values()), set()) if self.peers[n].alive
-                and self.peers[n].health.dependable(now)}
+        done: set[str] = set()
+        if witnessed:
+            now = self.clock()
+            done = {n for n in next(iter(witnessed.values())) if self.peers[n].alive
+                    and self.peers[n].health.dependable(now)}
         need = (1 if ci in self.checked else max(1, self.settings.witnesses)) - len(done)
         if need <= 0:
             return []
@@ -448,17 +453,33 @@ class Plan:
             members = self.members()
             if self._ring is None:
                 self._ring = Ring(frozenset(members))
+                self._ring_owners = {}
             block = (ci, piece // self.block_of(ci))
-            point = self._block_points.get(block)
-            if point is None:
-                point = self._block_points[block] = h64(f"{self.key}\0{block[0]}\0{block[1]}")
-            out += self._ring.owners(point, need - len(out), skip={*out, *done})
+            skip = {*out, *done}
+            if skip:
+                out += self._ring.owners(self._block_point(block), need - len(out), skip=skip)
+            else:
+                # A block's owners on one ring, asked for each of its pieces at every pick and step
+                # (bench/swarm_sim.py at 100 nodes: 1.7 million ring walks for 3,300 blocks).
+                found = self._ring_owners.get((block, need))
+                if found is None:
+                    found = self._ring_owners[(block, need)] = self._ring.owners(self._block_point(block), need)
+                out += found
         return out
+
+    def _block_point(self, block: tuple[int, int]) -> int:
+        point = self._block_points.get(block)
+        if point is None:
+            point = self._block_points[block] = h64(f"{self.key}\0{block[0]}\0{block[1]}")
+        return point
 
     def block_of(self, ci: int) -> int:
         """Pieces per block of file ``ci``: the same for every node (the file's size decides)."""
-        count = self.counts[ci] if ci < len(self.counts) else 0
-        return max(1, min(self.settings.block, count // 8))
+        size = self._block_sizes.get(ci)
+        if size is None:
+            count = self.counts[ci] if ci < len(self.counts) else 0
+            size = self._block_sizes[ci] = max(1, min(self.settings.block, count // 8))
+        return size
 
     def usable_holders(self, ci: int, piece: int) -> list[PeerState]:
         """Peers to ask for the piece, best first: our zone, then the fewest of our requests."""
@@ -525,6 +546,8 @@ class Plan:
             if self.held(ci, piece):
                 if held is None:
                     held = i
+                    if not origin_free:
+                        break  # nothing after it can be picked instead
             elif origin_free and piece not in fetching and self.me in self.owners(ci, piece):
                 return i
         return held if held is not None else 0
