@@ -41,6 +41,10 @@ class AgentMetrics:
                                    ["storage_key", "source"], registry=r)
         self.peer_uploaded = Counter("modelcache_agent_peer_uploaded_bytes", "Bytes served to other agents",
                                      registry=r)
+        # A poll's CPU (the request, the reply's JSON, TLS on both ends) grows with the peers that
+        # poll, not with the bytes: bench/fleet.py reads it to give bench/swarm_sim.py its cost.
+        self.peer_polls = Counter("modelcache_agent_peer_polls_answered", "Long polls of what this agent holds "
+                                  "answered (200)", registry=r)
         self.peer_rejected = Counter("modelcache_agent_peer_rejected", "Peer requests refused, by reason "
                                      "(unauthenticated, forbidden, throttled, busy, tls, connections)", ["reason"],
                                      registry=r)

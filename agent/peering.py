@@ -327,7 +327,8 @@ class Peering:
         self.metrics.peers_excluded.set_function(lambda: len(self.network.exclusions.items()))
         self.server = PeerServer(cfg.peer_host, cfg.peer_port, server_context(cert, key), self.network,
                                  self.reviewer.authorize, cfg.peer_max_uploads, cfg.peer_upload_rate,
-                                 on_upload=self._uploaded, on_reject=self._rejected)
+                                 on_upload=self._uploaded, on_reject=self._rejected,
+                                 on_poll=self.metrics.peer_polls.inc)
         self.endpoint = self._endpoint()
 
     def _zone(self) -> str:

@@ -26,7 +26,7 @@ from modelcache.peers.pieces import (
     listing_digest,
     piece_size_for,
 )
-from modelcache.peers.protocol import Geometry, HaveReply, parse_path, parse_range
+from modelcache.peers.protocol import Geometry, HaveReply, have_path, parse_path, parse_range
 from modelcache.peers.server import (
     TokenBucket,
 )
@@ -210,6 +210,14 @@ def test_the_server_refuses_without_a_token_and_sends_busy_beyond_its_upload_slo
     digest = seed.network.stats(key).listing_digest  # type: ignore[union-attr]
     pool = urllib3.HTTPSConnectionPool("127.0.0.1", seed.server.port, cert_reqs="CERT_NONE", assert_hostname=False,
                                        assert_fingerprint=seed.info.fingerprint, retries=False, maxsize=4)
+    # A long poll answered is counted (the agent's modelcache_agent_peer_polls_answered, which
+    # bench/fleet.py reads); one for a model not held is not.
+    polls: list[str] = []
+    seed.server.on_poll = lambda: polls.append(key)
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    assert pool.urlopen("GET", f"{have_path(key, digest)}?epoch=-&since=0&wait=0", headers=bearer).status == 200
+    assert pool.urlopen("GET", f"{have_path(key, 'f' * 64)}?epoch=-&since=0&wait=0", headers=bearer).status == 404
+    assert polls == [key]
     path = f"/v1/models/{key}/{digest}/files/0"
     assert pool.urlopen("GET", path, headers={"Range": "bytes=0-9"}).status == 401
     assert pool.urlopen("GET", path, headers={"Range": "bytes=0-9", "Authorization": "Bearer other"}).status == 403

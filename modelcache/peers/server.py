@@ -257,12 +257,14 @@ class PeerServer:
                  authorize: Callable[[str], str], max_uploads: int = 4, upload_rate: int = 0,
                  on_upload: Callable[[int], None] | None = None,
                  on_reject: Callable[[str], None] | None = None,
+                 on_poll: Callable[[], None] | None = None,
                  max_connections: int = MAX_CONNECTIONS, max_per_client: int = MAX_PER_CLIENT) -> None:
         self.catalog, self.authorize = catalog, authorize
         self.max_uploads = max(1, max_uploads)
         self.bucket = TokenBucket(upload_rate)
         self.on_upload = on_upload or (lambda n: None)
         self.on_reject = on_reject or (lambda reason: None)
+        self.on_poll = on_poll or (lambda: None)
         self.zero_copy_sends = 0
         self.gate = _Gate(max(1, max_connections), max(1, max_per_client))
         self.refusals = _Refusals()
@@ -434,6 +436,7 @@ class _Handler(BaseHTTPRequestHandler):
         reply = self.server_ref.catalog.have(key, digest, epoch, since, wait)
         if reply is None:
             return self._reply(404, b"model not held\n")
+        self.server_ref.on_poll()
         self._reply(200, reply.to_json(), {"Content-Type": "application/json"})
 
     def _file(self, key: str, digest: str, ci: int) -> None:
