@@ -50,7 +50,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from modelcache.peers.ring import Ring, h64
 
@@ -131,9 +131,10 @@ class Health:
         return now >= self.down_until and self.slow_strikes < SLOW_STRIKES
 
 
-@dataclass(frozen=True)
-class Vouch:
-    """A peer's word about a piece: its sha-256, and whether the peer read it from the origin."""
+class Vouch(NamedTuple):
+    """A peer's word about a piece: its sha-256, and whether the peer read it from the origin.
+    (A tuple: one is made for every piece of every poll's reply, and a frozen dataclass costs
+    several times as much to make; bench/swarm_sim.py at 100 nodes makes 800,000.)"""
 
     hash: str
     origin: bool
@@ -430,7 +431,12 @@ class Plan:
         other, less those that read it already; members reading it now first, then the piece's
         block's owners on the ring of our zone's members. Witnesses that disagree: every member
         reads it (the origin decides)."""
-        witnessed = self.witnessed(ci, piece) if (ci, piece) in self.holders else {}
+        key = (ci, piece)
+        if key not in self.holders and key not in self.fetchers:
+            # Nobody holds it or reads it: its block's owners on the ring (pick asks this of
+            # every piece of its window, on every take).
+            return list(self._block_owners(ci, piece, 1 if ci in self.checked else max(1, self.settings.witnesses)))
+        witnessed = self.witnessed(ci, piece)
         if len(witnessed) > 1:
             return self.members()
         # Witnesses we can read it from (a busy one soon): a slow or failed one is not waited for.
@@ -450,22 +456,31 @@ class Plan:
                     and p.zone == zone and len(out) < need):
                 out.append(name)
         if len(out) < need:
-            members = self.members()
-            if self._ring is None:
-                self._ring = Ring(frozenset(members))
-                self._ring_owners = {}
-            block = (ci, piece // self.block_of(ci))
             skip = {*out, *done}
             if skip:
-                out += self._ring.owners(self._block_point(block), need - len(out), skip=skip)
+                ring = self._current_ring()
+                block = (ci, piece // self.block_of(ci))
+                out += ring.owners(self._block_point(block), need - len(out), skip=skip)
             else:
-                # A block's owners on one ring, asked for each of its pieces at every pick and step
-                # (bench/swarm_sim.py at 100 nodes: 1.7 million ring walks for 3,300 blocks).
-                found = self._ring_owners.get((block, need))
-                if found is None:
-                    found = self._ring_owners[(block, need)] = self._ring.owners(self._block_point(block), need)
-                out += found
+                out += self._block_owners(ci, piece, need)
         return out
+
+    def _current_ring(self) -> Ring:
+        members = self.members()  # a new member set drops the ring
+        if self._ring is None:
+            self._ring = Ring(frozenset(members))
+            self._ring_owners = {}
+        return self._ring
+
+    def _block_owners(self, ci: int, piece: int, need: int) -> list[str]:
+        """The first ``need`` owners of the piece's block on the ring of our zone's members,
+        memoized per ring (bench/swarm_sim.py at 100 nodes: 1.7 million ring walks for 3,300 blocks)."""
+        ring = self._current_ring()
+        block = (ci, piece // self.block_of(ci))
+        found = self._ring_owners.get((block, need))
+        if found is None:
+            found = self._ring_owners[(block, need)] = ring.owners(self._block_point(block), need)
+        return found
 
     def _block_point(self, block: tuple[int, int]) -> int:
         point = self._block_points.get(block)
@@ -494,10 +509,11 @@ class Plan:
 
     def held(self, ci: int, piece: int) -> bool:
         """Whether a peer we may ask holds the piece (``usable_holders``, without the order)."""
-        if ci not in self.checked and self.unheard():
+        names = self.holders.get((ci, piece))
+        if not names or (ci not in self.checked and self.unheard()):
             return False
         now = self.clock()
-        for name in self.holders.get((ci, piece), ()):
+        for name in names:
             p = self.peers.get(name)
             if p is not None and p.usable(now) and self.expected(name, ci, piece) is not None:
                 return True
