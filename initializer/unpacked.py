@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from modelcache.archive import UnpackResult
-from modelcache.diskio import fsync_tree
 from modelcache.integrity import hash_file
 from modelcache.remote import Checksum
 from modelcache.runtime.filecheck import fingerprint, has_holes
 from modelcache.store import DestStore, regular_file_inside
+from modelcache.store.diskio import fsync_tree
 
 #: The store keeps it per storage key (pairs that share a DEST each keep theirs).
 RECORD = "unpacked"

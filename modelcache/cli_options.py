@@ -69,8 +69,8 @@ def assume_unused_option(f: Any) -> Any:
 
 
 def mount_guard_for(assume_unused: bool) -> Any:
-    """No model folder that a pod on this node mounts is replaced or deleted (modelcache.mountusers)."""
-    from modelcache.mountusers import mount_guard
+    """No model folder that a pod on this node mounts is replaced or deleted (modelcache.store.mountusers)."""
+    from modelcache.store.mountusers import mount_guard
 
     return mount_guard(assume_unused)
 

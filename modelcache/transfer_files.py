@@ -19,12 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelcache.diskio import ALIGN, BufferPool, FileWriter
 from modelcache.errors import IntegrityError, ModelcacheError
 from modelcache.integrity import MultiHasher
-from modelcache.journal import Journal, JournalState
 from modelcache.remote import Checksum, RemoteFile
 from modelcache.sources.base import Source
+from modelcache.store.diskio import ALIGN, BufferPool, FileWriter
+from modelcache.store.journal import Journal, JournalState
 
 log = logging.getLogger("modelcache.transfer")
 

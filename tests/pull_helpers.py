@@ -158,7 +158,7 @@ def journaled_bytes(root: Path, uri: str) -> int:
     Crash tests wait on this rather than on what a server sent: on a loaded machine loopback
     socket buffers can hold megabytes that never reached the client's disk.
     """
-    from modelcache.journal import Journal
+    from modelcache.store.journal import Journal
 
     journal = Path(root) / ".modelcache" / "staging" / storage_key(uri) / "journal"
     return sum(Journal(str(journal)).load().chunks.values())

@@ -19,11 +19,11 @@ import pytest
 
 from modelcache.credentials import Settings
 from modelcache.errors import IntegrityError, ModelcacheError, StoreError
-from modelcache.journal import Journal, seal
 from modelcache.pull import pull, pull_many
 from modelcache.sources.base import Checksum
 from modelcache.sources.local import LocalSource
 from modelcache.store import NodeStore
+from modelcache.store.journal import Journal, seal
 from modelcache.transfer import FileJob, TransferEngine, TransferOptions
 from modelcache.uri import parse_uri, storage_key
 from tests.faultproxy import Fault, FaultProxy
@@ -349,7 +349,7 @@ def test_sync_mark_never_covers_a_line_written_while_the_files_synced(
     is journaled as a worker would; the journal as it stands after the next mark is then read
     as after a reboot.
     """
-    from modelcache import diskio, journal
+    from modelcache.store import diskio, journal
 
     nginx.write("m/w.bin", 4 * MiB, seed=14)
     fault_proxy.set_rate_limit(8 * MiB)  # ~0.5 s: several sync rounds

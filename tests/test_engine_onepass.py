@@ -21,12 +21,13 @@ from typing import Any
 
 import pytest
 
-from modelcache import diskio, transfer, transfer_files
+from modelcache import transfer, transfer_files
 from modelcache.credentials import Settings
 from modelcache.integrity import MultiHasher
 from modelcache.pull import pull
 from modelcache.remote import RemoteFile
 from modelcache.sources.httpread import make_pool, open_range
+from modelcache.store import diskio
 from modelcache.transfer import TransferOptions
 from tests.faultproxy import Fault, FaultProxy
 from tests.fixtures.http import NginxServer

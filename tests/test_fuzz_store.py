@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from modelcache.credentials import Settings
 from modelcache.integrity import hash_file
-from modelcache.journal import Journal
 from modelcache.pull import _list, _Model, _prepare_staging, pull
 from modelcache.store import NodeLayout, NodeStore
+from modelcache.store.journal import Journal
 from modelcache.transfer import TransferOptions
 from modelcache.uri import parse_uri
 from tests.fuzzing import examples, mutate, mutation

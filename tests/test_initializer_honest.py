@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from initializer import finished
-from modelcache.journal import Journal
+from modelcache.store.journal import Journal
 from modelcache.uri import storage_key
 from tests.fixtures.http import NginxServer
 from tests.helpers import REPO, wait_until

@@ -144,7 +144,7 @@ def test_an_unreadable_process_counts_only_if_it_is_a_pods(tmp_path: Path, monke
     kubelet's pod cgroup (``kubepods``, under either cgroup driver). On some machines even root may
     not read PID 1's namespaces; any unreadable process on a machine with /var/lib/kubelet used to
     make every ``rm`` refuse once a kubelet had run there (issue 24, item 9)."""
-    from modelcache import mountusers
+    from modelcache.store import mountusers
 
     require(os.geteuid() == 0, "root (to make cgroups)")
     from tests.cluster import cgroups

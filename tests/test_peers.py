@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 import pytest
 import urllib3
 
-from modelcache.journal import Journal, JournalState
 from modelcache.peers.client import PeerBusy, PeerClient
 from modelcache.peers.local import LocalPieces
 from modelcache.peers.pieces import (
@@ -33,6 +32,7 @@ from modelcache.peers.server import (
 from modelcache.pull import pull
 from modelcache.sources.base import Checksum, RemoteFile
 from modelcache.store import NodeStore
+from modelcache.store.journal import Journal, JournalState
 from modelcache.transfer import TransferOptions
 from modelcache.uri import storage_key
 from tests.peer_util import TOKEN, MiB, Node, check, make_source, node_factory, pull_all

@@ -286,7 +286,7 @@ def test_enospc_while_writing_fails_clearly_then_resumes(
     fault_proxy: FaultProxy, weights: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ENOSPC in the middle of the data (a disk filled by someone else), faked at our write layer."""
-    from modelcache import diskio
+    from modelcache.store import diskio
 
     real = diskio.FileWriter._pwrite_all
     calls = {"n": 0}

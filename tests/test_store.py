@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from modelcache.credentials import Settings
-from modelcache.journal import Journal, seal
 from modelcache.pull import pull
 from modelcache.store import NodeStore
+from modelcache.store.journal import Journal, seal
 from modelcache.transfer import TransferOptions
 from modelcache.uri import storage_key
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from modelcache import journal as journal_mod
 from modelcache.credentials import Settings
-from modelcache.journal import Journal
 from modelcache.pull import pull
 from modelcache.store import NodeStore
+from modelcache.store import journal as journal_mod
+from modelcache.store.journal import Journal
 from modelcache.transfer import TransferOptions
 from tests.fixtures.http import random_bytes
 from tests.helpers import require, require_tool
@@ -159,8 +159,8 @@ def test_store_refuses_to_lock_a_root_whose_locks_other_hosts_ignore(
     """All mutual exclusion is flock: on a shared root whose flock stays on each host, a second
     host rmtree'd the first one's staging and the first published the second one's half-written
     files under its own manifest."""
-    from modelcache import mountinfo as mountinfo_mod
     from modelcache.errors import StoreError
+    from modelcache.store import mountinfo as mountinfo_mod
 
     root = tmp_path / "shared" / "root"
     root.mkdir(parents=True)

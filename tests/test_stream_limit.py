@@ -6,8 +6,8 @@ import hashlib
 from pathlib import Path
 
 from modelcache.credentials import Settings
-from modelcache.journal import Journal
 from modelcache.sources.base import open_source
+from modelcache.store.journal import Journal
 from modelcache.transfer import FileJob, TransferEngine, TransferOptions
 from modelcache.transfer_control import StreamLimit
 

@@ -30,10 +30,10 @@ import pytest
 
 from modelcache.credentials import Settings
 from modelcache.errors import StoreError
-from modelcache.journal import unseal
 from modelcache.pull import pull
 from modelcache.sources.local import _FileStream
 from modelcache.store import NodeStore
+from modelcache.store.journal import unseal
 from modelcache.transfer import TransferOptions
 from modelcache.uri import storage_key
 from tests.fixtures.http import random_bytes

@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from modelcache.journal import JournalState
 from modelcache.peers.pieces import PieceHash, PieceLog, piece_count, piece_span
 from modelcache.peers.protocol import MAX_WAIT, Geometry, HaveReply
 from modelcache.sources.base import RemoteFile
+from modelcache.store.journal import JournalState
 
 
 @dataclass(frozen=True)

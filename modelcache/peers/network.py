@@ -16,7 +16,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from modelcache.journal import Journal, JournalState
 from modelcache.peers.client import PeerClient, PeerInfo
 from modelcache.peers.exclusions import Exclusions
 from modelcache.peers.local import LocalPieces, ServedRange
@@ -35,6 +34,7 @@ from modelcache.peers.source import PeerSource
 from modelcache.peers.swarm import SwarmSession, SwarmSettings, SwarmStats
 from modelcache.sources.base import RemoteFile, Source
 from modelcache.store import NodeStore, Staging
+from modelcache.store.journal import Journal, JournalState
 
 log = logging.getLogger("modelcache.peers")
 

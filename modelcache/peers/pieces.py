@@ -28,9 +28,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-from modelcache.journal import seal, unseal
 from modelcache.sources.base import RemoteFile
 from modelcache.store import seal_of
+from modelcache.store.journal import seal, unseal
 
 MiB = 1 << 20
 #: Largest piece: what a receiver buffers per stream before it hands verified bytes on.

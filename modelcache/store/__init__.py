@@ -9,7 +9,12 @@ container's destination folder, which holds one model and keeps the bookkeeping 
 
 The modules: ``manifest`` (what a publish records), ``layout`` (where things are), ``locks``,
 ``staging`` (a staged download), ``base`` (``Store``: what both kinds share), ``node`` and
-``dest`` (the two kinds), ``steps`` (the publish steps crash tests stop at).
+``dest`` (the two kinds), ``steps`` (the publish steps crash tests stop at); below them what
+writes to the disk: ``journal`` (a staged download's resume journal), ``diskio`` (aligned
+``O_DIRECT`` writes, atomic files, fsync), and what the mount table says about a root:
+``mountinfo``, ``lockscope`` (does ``flock`` exclude other hosts) and ``mountusers`` (which
+mounts show a model folder). The transfer engine and the peers write staged files through
+``journal`` and ``diskio``: that is why the store sits below them.
 """
 
 from modelcache.store.base import Damage, Guard, Store

@@ -25,9 +25,9 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from modelcache.diskio import atomic_write, fsync_dir, store_error
 from modelcache.runtime.clock import rfc3339
 from modelcache.store import steps
+from modelcache.store.diskio import atomic_write, fsync_dir, store_error
 from modelcache.store.layout import Layout
 from modelcache.store.locks import busy, model_lock
 from modelcache.store.manifest import Manifest, VerifyProblem, problems, read_manifest
@@ -36,7 +36,7 @@ from modelcache.store.staging import Staging
 log = logging.getLogger("modelcache.store")
 
 #: ``guard(key, folder)``: raise to refuse replacing or deleting a model folder (the CLI's check
-#: that no pod on the node mounts it, modelcache.mountusers; the agent asks the API instead).
+#: that no pod on the node mounts it, modelcache.store.mountusers; the agent asks the API instead).
 Guard = Callable[[str, Path], None]
 
 

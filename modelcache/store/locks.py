@@ -12,10 +12,10 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from modelcache.diskio import store_error
 from modelcache.errors import CancelledError, ModelInUseError
-from modelcache.lockscope import check_exclusive
+from modelcache.store.diskio import store_error
 from modelcache.store.layout import NodeLayout
+from modelcache.store.lockscope import check_exclusive
 
 log = logging.getLogger("modelcache.store")
 

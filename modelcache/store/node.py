@@ -17,13 +17,13 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from modelcache.diskio import atomic_write, fsync_dir, store_error
 from modelcache.errors import ModelInUseError, StoreError
 from modelcache.runtime.clock import rfc3339
 from modelcache.runtime.progress import human_bytes
 from modelcache.store import steps
 from modelcache.store.base import Guard, Store, discard
 from modelcache.store.dest import DestStore
+from modelcache.store.diskio import atomic_write, fsync_dir, store_error
 from modelcache.store.layout import DestLayout, NodeLayout
 from modelcache.store.manifest import Manifest, file_matches
 from modelcache.store.staging import StagedPull, Staging

@@ -4,7 +4,7 @@ A download is staged beside the models, on the same file system (publish is a re
 
     <staging>/data/        the files in flight, at their paths in the model
     <staging>/plan.json    the listing and chunk size they were staged for (a resume needs the same)
-    <staging>/journal      what landed (modelcache.journal): what a resume skips
+    <staging>/journal      what landed (modelcache.store.journal): what a resume skips
     <staging>/pieces, pieces.json   the peers' piece log and the record publish installs
     <staging>/extract/, unpacked/   a layout extracting itself, an archive being unpacked
     <staging>/failed.json, claimed, merging, manifest.json   a failure, a claim, a publish under way
@@ -22,9 +22,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from modelcache.diskio import atomic_write, store_error
-from modelcache.journal import Journal, JournalState
 from modelcache.runtime.clock import rfc3339
+from modelcache.store.diskio import atomic_write, store_error
+from modelcache.store.journal import Journal, JournalState
 
 #: Every name the store gives an entry of a staging folder (the rule's test reads this).
 STAGING_NAMES = frozenset({"data", "plan.json", "journal", "pieces", "pieces.json", "extract", "unpacked",

@@ -29,8 +29,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from modelcache.diskio import store_error
 from modelcache.errors import ModelcacheError
+from modelcache.store.diskio import store_error
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from modelcache import mountinfo
 from modelcache.errors import StoreError
-from modelcache.mountinfo import Mount
+from modelcache.store import mountinfo
+from modelcache.store.mountinfo import Mount
 
 #: Set to 1 where a root on such a file system is written by this host only.
 SINGLE_HOST_ENV = "MODELCACHE_SINGLE_HOST_ROOT"

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from modelcache.errors import ModelInUseError, StoreError
-from modelcache.mountinfo import fs_path, parse_mountinfo, read_mountinfo
+from modelcache.store.mountinfo import fs_path, parse_mountinfo, read_mountinfo
 
 PROC = "/proc"
 #: In the cgroup path of every process of a pod, under the cgroupfs and the systemd drivers alike.
