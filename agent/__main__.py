@@ -333,8 +333,8 @@ def _check_first_take(cfg: AgentConfig, spec: dict[str, object]) -> None:
     download and its file does not list (a root that `modelcache pull` filled): from then on it
     deletes every model the file does not list. ``--take-root`` lets it."""
     from modelcache.kube.types import LocalModelNode
+    from modelcache.sources.uri import redact_uri, storage_key
     from modelcache.store import NodeStore
-    from modelcache.uri import redact_uri, storage_key
 
     if cfg.take_root or not cfg.root.is_dir():
         return

@@ -40,8 +40,8 @@ from modelcache.pull import PullPlan, SpacePolicy, pull, staged_pulls
 from modelcache.repair import needs_repair, repair
 from modelcache.runtime.clock import rfc3339
 from modelcache.runtime.loop import Loop
+from modelcache.sources.uri import parse_uri, redact_uri
 from modelcache.store import NodeLayout, NodeStore
-from modelcache.uri import parse_uri, redact_uri
 
 log = logging.getLogger("agent")
 

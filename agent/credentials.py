@@ -40,10 +40,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from modelcache.credentials import CREDENTIALS_FROM, Settings, redirecting
 from modelcache.errors import AuthError, ModelcacheError
 from modelcache.kube.objects import meta
 from modelcache.kube.types import LocalModelInfo
+from modelcache.sources.credentials import CREDENTIALS_FROM, Settings, redirecting
 
 log = logging.getLogger("agent.credentials")
 

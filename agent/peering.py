@@ -53,8 +53,8 @@ from modelcache.peers.server import (
 from modelcache.peers.swarm import SwarmSettings
 from modelcache.runtime.clock import rfc3339
 from modelcache.runtime.startup import StartupError
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.uri import storage_key
 
 log = logging.getLogger("agent.peers")
 

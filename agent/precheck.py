@@ -27,7 +27,7 @@ from modelcache.kube.views import CacheView
 from modelcache.pull import list_source
 from modelcache.runtime.redact import redact_uri, scrub_urls
 from modelcache.sources.base import open_source
-from modelcache.uri import AzureBlobLocation, Location, parse_uri
+from modelcache.sources.uri import AzureBlobLocation, Location, parse_uri
 
 #: Seconds one listing may take before it counts as failed (the agent would retry; here we report).
 LIST_TIMEOUT = 30.0

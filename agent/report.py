@@ -30,8 +30,8 @@ from modelcache.pull import staged_pulls
 from modelcache.runtime.clock import rfc3339
 from modelcache.runtime.progress import format_line
 from modelcache.runtime.redact import scrub_urls
+from modelcache.sources.uri import redact_uri
 from modelcache.store import Manifest, NodeStore
-from modelcache.uri import redact_uri
 
 log = logging.getLogger("agent")
 

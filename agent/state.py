@@ -41,7 +41,7 @@ from modelcache.kube.types import (
     ModelDetail,
 )
 from modelcache.runtime.progress import ProgressTracker
-from modelcache.uri import redact_uri, storage_key
+from modelcache.sources.uri import redact_uri, storage_key
 
 #: Why a running task was cancelled (None: it was not).
 REMOVED, STOPPING = "removed", "stopping"

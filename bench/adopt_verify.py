@@ -41,10 +41,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from modelcache.adopt import AS_FOUND  # noqa: E402
-from modelcache.credentials import Settings  # noqa: E402
 from modelcache.pull import pull  # noqa: E402
 from modelcache.runtime import sizes  # noqa: E402  (needs the repo on sys.path)
-from modelcache.uri import storage_key  # noqa: E402
+from modelcache.sources.credentials import Settings  # noqa: E402
+from modelcache.sources.uri import storage_key  # noqa: E402
 from tests.fixtures.http import NginxServer, make_tls  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 

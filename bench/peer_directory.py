@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 from agent.peering import Directory  # noqa: E402
 from modelcache.kube.client import LOCAL_MODEL_NODES, Kube, load_api_client  # noqa: E402
 from modelcache.kube.types import node_group_label  # noqa: E402
-from modelcache.uri import storage_key  # noqa: E402
+from modelcache.sources.uri import storage_key  # noqa: E402
 from tests.cluster.baseline import apply_manifests  # noqa: E402
 from tests.cluster.build import ensure_binaries  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from modelcache.runtime.sizes import parse_size  # noqa: E402
-from modelcache.uri import storage_key  # noqa: E402
+from modelcache.sources.uri import storage_key  # noqa: E402
 from tests.peer_util import check, make_source, node_factory, pull_all  # noqa: E402
 
 

@@ -222,9 +222,9 @@ def checksum_cost(endpoint: str) -> tuple[str, float]:
     (hashed in this process, 256 MiB from memory): what the S3 path must pay beyond HTTP."""
     import time
 
-    from modelcache.credentials import Settings
-    from modelcache.integrity import new_hasher
     from modelcache.sources.base import open_source
+    from modelcache.sources.credentials import Settings
+    from modelcache.sources.integrity import new_hasher
 
     env = {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": endpoint,
            "AWS_DEFAULT_REGION": "us-east-1"}

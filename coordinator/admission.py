@@ -38,7 +38,7 @@ from modelcache.kube.types import (
 )
 from modelcache.kube.views import CacheView
 from modelcache.runtime.redact import redact_uri
-from modelcache.uri import parse_uri
+from modelcache.sources.uri import parse_uri
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from modelcache.credentials import REDIRECTING_PARAMETERS, redirecting
 from modelcache.kube.quantity import parse_quantity
 from modelcache.kube.share import namespace_share, share_advice
 from modelcache.kube.views import CacheView
 from modelcache.runtime.progress import human_bytes
 from modelcache.runtime.redact import credentials_in
+from modelcache.sources.credentials import REDIRECTING_PARAMETERS, redirecting
 
 
 def refusal(kind: str, name: str, spec: Mapping[str, Any], namespaced: bool) -> str | None:

@@ -17,7 +17,7 @@ from coordinator.reports import reported_state
 from modelcache.kube.objects import meta
 from modelcache.kube.types import MODEL_DOWNLOADED
 from modelcache.kube.views import LocalModelNodeView
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 
 LABEL_PREFIX = "downloaded.modelcache.io/"
 LABEL_VALUE = "true"

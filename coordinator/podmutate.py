@@ -19,7 +19,7 @@ from typing import Any
 
 from coordinator.nodelabels import model_label
 from modelcache.kube.objects import meta
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 
 PVC_VOLUME = "kserve-pvc-source"
 MOUNT_PATH = "/mnt/models"

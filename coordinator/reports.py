@@ -20,7 +20,7 @@ from typing import Any
 
 from modelcache.kube.objects import meta
 from modelcache.kube.views import LocalModelNodeView
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 
 
 def node_uid(node: Mapping[str, Any] | None) -> str | None:

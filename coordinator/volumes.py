@@ -19,7 +19,7 @@ from coordinator.urimatch import serving_pvc_name
 from modelcache.kube.objects import meta
 from modelcache.kube.types import API_VERSION, NODEGROUP_ANNOTATION, label_value
 from modelcache.kube.views import CacheView
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "modelcache-coordinator"

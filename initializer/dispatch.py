@@ -19,21 +19,21 @@ from pathlib import Path
 
 from initializer import finished, unpacked
 from initializer.report import PairOutcome
-from modelcache.archive import (
+from modelcache.errors import ModelcacheError, NotFoundError, UnsupportedError
+from modelcache.runtime.progress import ProgressTracker, human_bytes
+from modelcache.runtime.reserved import META_DIR
+from modelcache.sources.archive import (
     ArchiveLimits,
     UnpackResult,
     remove_stale_staging,
     single_archive,
     unpack_archive,
 )
-from modelcache.credentials import Settings
-from modelcache.errors import ModelcacheError, NotFoundError, UnsupportedError
-from modelcache.runtime.progress import ProgressTracker, human_bytes
-from modelcache.runtime.reserved import META_DIR
+from modelcache.sources.credentials import Settings
 from modelcache.sources.local import check_file_type
+from modelcache.sources.uri import parse_uri, redact_uri
 from modelcache.store import first_stop
 from modelcache.transfer import TransferOptions
-from modelcache.uri import parse_uri, redact_uri
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def _local(uri: str, dest: Path, ctx: Context) -> PairOutcome:
 def _pvc(uri: str, dest: Path, ctx: Context) -> PairOutcome:
     # KServe's webhook mounts the claim at /mnt/pvc and rewrites pvc://claim/path to
     # /mnt/pvc/path; a pvc:// URI reaching us means the same mount, rooted at pvc_root.
-    from modelcache.uri import PVCLocation
+    from modelcache.sources.uri import PVCLocation
 
     loc = parse_uri(uri)
     assert isinstance(loc, PVCLocation)
@@ -140,8 +140,8 @@ def _git(uri: str, dest: Path, ctx: Context) -> PairOutcome:
 @handler("pull", lambda uri: True)
 def _pull(uri: str, dest: Path, ctx: Context) -> PairOutcome:
     from modelcache.pull import PullRequest, pull
+    from modelcache.sources.uri import storage_key
     from modelcache.store import DestStore
-    from modelcache.uri import storage_key
 
     key = storage_key(uri)
     pin = parse_uri(uri).digest_pin()

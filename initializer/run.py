@@ -18,7 +18,7 @@ from pathlib import Path
 from initializer.dispatch import Context, run_pair
 from initializer.report import PairOutcome, Reporter
 from modelcache.errors import ModelcacheError
-from modelcache.uri import redact_uri
+from modelcache.sources.uri import redact_uri
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from modelcache.archive import UnpackResult
-from modelcache.integrity import hash_file
-from modelcache.remote import Checksum
 from modelcache.runtime.filecheck import fingerprint, has_holes
+from modelcache.sources.archive import UnpackResult
+from modelcache.sources.integrity import hash_file
+from modelcache.sources.remote import Checksum
 from modelcache.store import DestStore, regular_file_inside
 from modelcache.store.diskio import fsync_tree
 

@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from modelcache.errors import StoreError
-from modelcache.integrity import hash_file
 from modelcache.runtime.clock import rfc3339
 from modelcache.runtime.filecheck import has_holes
 from modelcache.sources.base import RemoteFile
+from modelcache.sources.integrity import hash_file
 from modelcache.store import Manifest, ManifestFile, Store, regular_file_inside
 from modelcache.transfer import FetchedFile
 

@@ -48,9 +48,9 @@ from modelcache.runtime.logs import setup_cli_logging
 from modelcache.runtime.progress import ProgressTracker, human_bytes, plural
 from modelcache.runtime.redact import redact_uri, scrub_urls
 from modelcache.runtime.startup import StartupError, run_command
+from modelcache.sources.uri import parse_uri
 from modelcache.store import DestLayout, DestStore, NodeLayout, NodeStore
 from modelcache.transfer import TransferOptions
-from modelcache.uri import parse_uri
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -285,9 +285,9 @@ def _stored_uris(store: NodeStore) -> list[str]:
 
 def _check(store: NodeStore, args: list[str], root: Path, as_json: bool) -> None:
     """``pull --check``: each model's source listed and compared with its manifest, nothing fetched."""
-    from modelcache.credentials import Settings
     from modelcache.drift import CHANGED, ERROR, Drift
     from modelcache.pull import check_drift
+    from modelcache.sources.credentials import Settings
 
     settings = Settings.from_env()
     keys = store.keys()
@@ -491,10 +491,10 @@ def _mark(store: NodeStore, key: str, problems: list[dict[str, str]]) -> None:
 
 def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -> bool:
     """``verify --repair`` of one model: the agent's in-place repair (modelcache.repair), from here."""
-    from modelcache.credentials import Settings
     from modelcache.display import show_progress
     from modelcache.pull import PullRequest, pull
     from modelcache.repair import repair
+    from modelcache.sources.credentials import Settings
 
     manifest = store.manifest(key) or store.pinned_manifest(key)
     uri = given if given and given != key else (manifest.uri if manifest else None)

@@ -19,8 +19,8 @@ from modelcache.runtime.logs import setup_cli_logging
 from modelcache.runtime.redact import redact_uri, scrub_urls
 from modelcache.runtime.sizes import parse_size
 from modelcache.runtime.startup import StartupError
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.uri import storage_key
 
 DEFAULT_ROOT = "/mnt/models"
 

@@ -128,7 +128,7 @@ def agent_step(uri: str) -> Path:
 
 
 def main() -> None:
-    from modelcache.uri import storage_key
+    from modelcache.sources.uri import storage_key
 
     src = WORK / "model"
     root = WORK / "store"

@@ -28,8 +28,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modelcache import adopt
-from modelcache.archive import single_archive
-from modelcache.credentials import Settings
 from modelcache.drift import CURRENT, Drift, compare
 from modelcache.errors import InsufficientSpaceError, ModelcacheError, NotFoundError
 from modelcache.pullmodel import (
@@ -44,10 +42,12 @@ from modelcache.pullmodel import (
     still_archive,
 )
 from modelcache.runtime.progress import ProgressTracker, human_bytes
+from modelcache.sources.archive import single_archive
 from modelcache.sources.base import RemoteFile, Source, open_source, source_class
+from modelcache.sources.credentials import Settings
+from modelcache.sources.uri import Location, parse_uri
 from modelcache.store import DestStore, Guard, Manifest, NodeStore, StagedPull, Store
 from modelcache.transfer import FileJob, TransferEngine, TransferOptions
-from modelcache.uri import Location, parse_uri
 
 if TYPE_CHECKING:
     from modelcache.peers.network import PeerNetwork

@@ -18,18 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from modelcache import adopt
-from modelcache.archive import ArchiveLimits, single_archive, unpack_archive
 from modelcache.drift import CHANGED, KEPT_AS_FOUND, Drift, compare
 from modelcache.errors import CancelledError, IntegrityError, ModelcacheError
-from modelcache.integrity import hash_file
 from modelcache.runtime.clock import rfc3339
 from modelcache.runtime.progress import ProgressTracker, human_bytes, plural
+from modelcache.sources.archive import ArchiveLimits, single_archive, unpack_archive
 from modelcache.sources.base import RemoteFile, Source
+from modelcache.sources.integrity import hash_file
+from modelcache.sources.uri import Location
 from modelcache.store import Manifest, ManifestFile, Store, file_matches, regular_file_inside
 from modelcache.store.diskio import fsync_tree
 from modelcache.store.journal import Journal, JournalState
 from modelcache.transfer import FetchedFile
-from modelcache.uri import Location
 
 #: The pull's log lines keep the pull's name, wherever in it they are written.
 log = logging.getLogger("modelcache.pull")

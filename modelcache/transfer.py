@@ -31,11 +31,11 @@ from typing import Any, Literal
 from tenacity import Retrying
 
 from modelcache.errors import CancelledError, IntegrityError, ModelcacheError, RateLimitedError, TransientError
-from modelcache.integrity import MultiHasher
-from modelcache.remote import RangeStream
 from modelcache.resources import ResourceError
 from modelcache.runtime.progress import ProgressTracker, human_bytes, plural
 from modelcache.sources.base import Source
+from modelcache.sources.integrity import MultiHasher
+from modelcache.sources.remote import RangeStream
 from modelcache.store.diskio import ALIGN, BufferPool, FileWriter, direct_io_supported
 from modelcache.transfer_control import SourceStats, StreamLimit, Watch, Watchdog, retry_policy
 from modelcache.transfer_files import (

@@ -17,8 +17,8 @@ from typing import Any
 from tenacity import RetryCallState, Retrying, retry_if_exception
 
 from modelcache.errors import IntegrityError, ModelcacheError, RateLimitedError
-from modelcache.remote import RangeStream
 from modelcache.runtime.loop import Loop
+from modelcache.sources.remote import RangeStream
 
 log = logging.getLogger("modelcache.transfer")
 

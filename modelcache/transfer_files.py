@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelcache.errors import IntegrityError, ModelcacheError
-from modelcache.integrity import MultiHasher
-from modelcache.remote import Checksum, RemoteFile
 from modelcache.sources.base import Source
+from modelcache.sources.integrity import MultiHasher
+from modelcache.sources.remote import Checksum, RemoteFile
 from modelcache.store.diskio import ALIGN, BufferPool, FileWriter
 from modelcache.store.journal import Journal, JournalState
 

@@ -112,7 +112,7 @@ def register_webhooks(cluster: Any, coordinator: Any) -> None:
 def agent_report(kube: Kube, node: str, states: dict[str, tuple[str, str]], node_uid: str | None = None) -> None:
     """Act as our agent: ``modelStatus`` with the details naming each entry's storageKey and URI,
     and the uid of the Node it read (``states``: status key -> (state, sourceModelUri))."""
-    from modelcache.uri import storage_key
+    from modelcache.sources.uri import storage_key
 
     status: dict[str, Any] = {
         "modelStatus": {k: s for k, (s, _uri) in states.items()},

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from modelcache.kube.client import LOCAL_MODEL_NODES, Kube
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import create_secret
 from tests.faultproxy import FaultProxy
 

@@ -8,8 +8,8 @@ import hashlib
 import os
 import zlib
 
-from modelcache.credentials import Settings
 from modelcache.sources.base import RemoteFile, Source
+from modelcache.sources.credentials import Settings
 
 
 def model_tree() -> dict[str, bytes]:

@@ -17,9 +17,9 @@ from modelcache.peers.network import PeerNetwork
 from modelcache.peers.server import FORBIDDEN, OK, UNAUTHENTICATED, PeerServer, cert_fingerprint, server_context
 from modelcache.peers.swarm import SwarmSettings
 from modelcache.pull import pull
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
 from modelcache.transfer import TransferOptions
-from modelcache.uri import storage_key
 
 MiB = 1 << 20
 TOKEN = "agent-token"

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.helpers import REPO
 
 MiB = 1 << 20

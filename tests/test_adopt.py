@@ -12,8 +12,8 @@ import tarfile
 from pathlib import Path
 
 from modelcache.pull import pull
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.uri import storage_key
 from tests.faultproxy import FaultProxy
 from tests.fixtures.http import NginxServer
 
@@ -125,7 +125,7 @@ def test_only_missing_or_different_files_are_fetched_into_the_same_folder(moto_s
 
 
 def _settings(s3, endpoint: str):
-    from modelcache.credentials import Settings
+    from modelcache.sources.credentials import Settings
 
     return Settings.from_env(s3.env(endpoint))
 

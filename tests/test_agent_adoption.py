@@ -28,8 +28,8 @@ from agent.core import Agent
 from agent.credentials import Credentials
 from agent.inuse import NoMounts
 from modelcache.kube.types import LocalModelInfo
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.uri import storage_key
 from tests.faultproxy import Fault, FaultProxy
 from tests.fixtures.http import NginxServer
 from tests.helpers import wait_until

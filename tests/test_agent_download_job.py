@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from modelcache.kube.client import CLUSTER_STORAGE_CONTAINERS, PODS
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import (
     CRED_NS,
     apply_agent_daemonset,

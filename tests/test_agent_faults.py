@@ -9,7 +9,7 @@ import time
 import pytest
 
 from modelcache.kube.client import EVENTS, LOCAL_MODEL_NODE_GROUPS
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import (
     create_group,
     create_node,

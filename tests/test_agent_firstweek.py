@@ -10,7 +10,7 @@ import pytest
 
 from agent.capacity import GroupLimit
 from modelcache.kube.types import LocalModelInfo
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import run_agent, status_of, write_node
 from tests.helpers import mounted_tmpfs, wait_until
 from tests.test_agent_races import make_agent

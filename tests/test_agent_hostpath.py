@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from modelcache.kube.client import EVENTS, LOCAL_MODEL_NODE_GROUPS, PODS, SERVICE_ACCOUNTS, Kube
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import (
     create_group,
     create_node,

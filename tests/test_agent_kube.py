@@ -10,7 +10,7 @@ import pytest
 
 from agent.capacity import allocated_bytes
 from modelcache.kube.client import LOCAL_MODEL_NODES
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import (
     create_node,
     create_secret,

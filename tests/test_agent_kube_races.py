@@ -11,7 +11,7 @@ import pytest
 
 from modelcache.kube.client import EVENTS, LOCAL_MODEL_NODES, NODES
 from modelcache.kube.informer import Informer
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import create_node, entry, kube_for, node_status, start_agent, wait_states
 from tests.helpers import wait_until
 

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from modelcache.kube.client import EVENTS, LOCAL_MODEL_NODES, Kube
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import AgentProc, create_node, kube_for, node_status, set_entries, wait_states
 from tests.byzantine import ByzantinePeer, Lies
 from tests.faultproxy import FaultProxy

@@ -25,8 +25,8 @@ from agent.core import Agent
 from agent.credentials import Credentials
 from agent.ports import EventSink, Ports
 from modelcache.kube.types import LocalModelInfo
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.uri import storage_key
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import agent_cmd, model_files, run_agent, status_of, write_node
 from tests.helpers import REPO, mounted_tmpfs, wait_until
 

@@ -182,7 +182,7 @@ def test_log_lines_are_structured() -> None:
 
 
 def test_install_in_place_renames_only_differing_files_and_drops_stale_ones(tmp_path: Path) -> None:
-    from modelcache.integrity import hash_file
+    from modelcache.sources.integrity import hash_file
     from modelcache.store import Manifest, ManifestFile, NodeStore
 
     def mf(base: Path, rel: str) -> ManifestFile:
@@ -417,7 +417,7 @@ def test_a_binary_hdfs_keytab_in_a_service_account_secret_is_written_as_is(tmp_p
 
 def test_the_peer_directory_keeps_only_what_it_reads_and_finds_holders_and_fetchers() -> None:
     from agent.peering import Directory, directory_essentials
-    from modelcache.uri import storage_key
+    from modelcache.sources.uri import storage_key
 
     uri, other = "s3://b/llm", "s3://b/other"
     key = storage_key(uri)
@@ -586,7 +586,7 @@ def test_the_agents_ports_are_taken_at_construction_and_the_checker_reports_thro
     from agent.core import Agent
     from agent.inuse import NoMounts
     from agent.ports import Ports
-    from modelcache.uri import storage_key
+    from modelcache.sources.uri import storage_key
     from tests.helpers import wait_until
 
     src = tmp_path / "src"

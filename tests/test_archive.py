@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from modelcache.archive import (
+from modelcache.errors import ModelcacheError
+from modelcache.sources.archive import (
     INVALID_FORMAT,
     ArchiveError,
     ArchiveLimitError,
@@ -22,7 +23,6 @@ from modelcache.archive import (
     remove_stale_staging,
     unpack_archive,
 )
-from modelcache.errors import ModelcacheError
 from tests.archive_util import flip_in_payload, make_tar, make_zip, tar_bytes, tar_entry, tar_file, zip_special
 
 
@@ -429,7 +429,7 @@ def test_oci_layer_with_a_bad_gzip_crc_is_refused_even_if_its_digest_matches() -
     digest, and only the gzip CRC tells."""
     import hashlib
 
-    from modelcache.compression import CorruptStreamError
+    from modelcache.sources.compression import CorruptStreamError
     from modelcache.sources.oci_layers import DigestReader, LayerExtractor, open_layer_tar
 
     payload = os.urandom(200_000)

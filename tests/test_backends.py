@@ -1,4 +1,4 @@
-"""The backend registry (modelcache.backends) and the promises of the Source interface that
+"""The backend registry (modelcache.sources.backends) and the promises of the Source interface that
 the engine keeps: one line per backend, loaded lazily; ``max_streams`` caps the requests the
 engine keeps open against one source; a missing SDK is one line naming the package."""
 
@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 
-from modelcache.backends import BACKENDS, Backend, load
-from modelcache.credentials import Settings
 from modelcache.errors import UnsupportedError
 from modelcache.pull import pull
-from modelcache.remote import RemoteFile
+from modelcache.sources.backends import BACKENDS, Backend, load
 from modelcache.sources.base import Source, open_source, source_class
+from modelcache.sources.credentials import Settings
 from modelcache.sources.local import LocalSource
+from modelcache.sources.remote import RemoteFile
+from modelcache.sources.uri import Location, parse_uri
 from modelcache.transfer import TransferOptions
-from modelcache.uri import Location, parse_uri
 from tests.fixtures.http import random_bytes
 
 EXAMPLES = {
@@ -54,7 +54,7 @@ def test_no_uri_loads_another_backends_sdk() -> None:
     alone), never the Azure, Google or HDFS SDKs."""
     code = (
         "import sys\n"
-        "from modelcache.credentials import Settings\n"
+        "from modelcache.sources.credentials import Settings\n"
         "from modelcache.sources.base import open_source\n"
         "open_source('s3://bucket/model', Settings.from_env({}))\n"
         "print(' '.join(m for m in ('boto3', 'botocore', 'azure.storage.blob', 'google.cloud.storage', 'hdfs', 'oras')"
@@ -88,7 +88,7 @@ def test_a_backend_outside_uri_py_parses_its_own_scheme(tmp_path: Path, monkeypa
     the line's key (the one place it is spelled)."""
     (tmp_path / "mc_demo_backend.py").write_text(
         "from dataclasses import dataclass\n"
-        "from modelcache.uri import Location\n"
+        "from modelcache.sources.uri import Location\n"
         "@dataclass(frozen=True)\n"
         "class DemoLocation(Location):\n"
         "    name: str = ''\n"

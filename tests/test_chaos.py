@@ -50,8 +50,8 @@ from modelcache.kube.client import (
     load_api_client,
 )
 from modelcache.kube.types import status_key
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.uri import storage_key
 from tests.agent_util import AgentProc, start_agent
 from tests.coordinator_util import GROUP_LABEL, group_manifest, make_group
 from tests.fixtures.cluster import Cluster

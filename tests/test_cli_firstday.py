@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from modelcache.pull import SPACE_MARGIN
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.uri import storage_key
 from tests.fixtures.http import NginxServer
 from tests.helpers import mounted_tmpfs, wait_until
 from tests.pull_helpers import MiB, popen_cli, run_cli

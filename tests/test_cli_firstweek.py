@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.uri import storage_key
 from tests.fixtures.http import NginxServer
 from tests.helpers import REPO, mounted_tmpfs
 from tests.pull_helpers import MiB, run_cli

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 
 LINE = re.compile(r"^\s*\d+\.\d% [\d.]+ \w+/[\d.]+ \w+ files \d+/\d+ [\d.]+ \w+/s eta \S+$")
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.uri import storage_key
 from tests.hfhub import HubServer
 from tests.pull_helpers import run_cli
 

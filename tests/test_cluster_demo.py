@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.fixtures.image import Image
 from tests.helpers import REPO
 

@@ -33,7 +33,7 @@ from modelcache.kube.client import (
     Kube,
     load_api_client,
 )
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import AgentProc, start_agent
 from tests.coordinator_util import GROUP_LABEL, make_cache, make_group
 from tests.fixtures.cluster import Cluster

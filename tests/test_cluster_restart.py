@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from modelcache.kube.client import LOCAL_MODEL_CACHES, NODES
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import model_files, node_status, start_agent
 from tests.coordinator_util import make_cache, make_group, make_node
 from tests.fixtures.cluster import Cluster

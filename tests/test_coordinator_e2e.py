@@ -23,7 +23,7 @@ from modelcache.kube.client import (
     Kube,
     load_api_client,
 )
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import model_files, start_agent
 from tests.coordinator_util import make_cache, make_group, make_isvc, make_namespace, make_node, register_webhooks
 from tests.fixtures.cluster import Cluster

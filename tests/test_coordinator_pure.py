@@ -10,7 +10,7 @@ import pytest
 from coordinator import aggregate, entries, membership, nodelabels, podmutate, urimatch, volumes
 from coordinator.nodeselector import match_node_selector_terms, match_term, node_ready
 from modelcache.kube.types import LOCALMODEL_LABEL, LOCALMODEL_NAMESPACE_LABEL, LOCALMODEL_PVC_ANNOTATION
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 
 
 def node(name: str, ready: bool | None = True, **labels: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import requests
 from coordinator.certs import generate_self_signed
 from coordinator.nodelabels import model_label
 from modelcache.kube.client import INFERENCE_SERVICES, LOCAL_MODEL_CACHES, Kube, load_api_client
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.coordinator_util import make_cache, make_group, make_isvc, make_namespace, make_node
 from tests.fixtures.cluster import Cluster
 from tests.helpers import wait_until

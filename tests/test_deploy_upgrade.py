@@ -22,7 +22,7 @@ from kubernetes.client.exceptions import ApiException
 
 from coordinator.nodelabels import model_label
 from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NODES, NODES, PODS, Kube
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import model_files, start_agent
 from tests.coordinator_util import make_group
 from tests.deploy_util import DEPLOY, NAMESPACE, publish_webhook_endpoint, render, start_deployed_coordinator

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.uri import storage_key
 from tests.agent_util import agent_cmd, run_agent, status_of, write_node
 from tests.faultproxy import FaultProxy
 from tests.fixtures.http import NginxServer

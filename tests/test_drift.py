@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.uri import storage_key
 from tests.fixtures.http import NginxServer
 from tests.fixtures.s3 import S3Server
 from tests.hfhub import HubServer

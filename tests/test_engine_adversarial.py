@@ -17,15 +17,15 @@ from typing import TypeVar
 
 import pytest
 
-from modelcache.credentials import Settings
 from modelcache.errors import IntegrityError, ModelcacheError, StoreError
 from modelcache.pull import pull, pull_many
 from modelcache.sources.base import Checksum
+from modelcache.sources.credentials import Settings
 from modelcache.sources.local import LocalSource
+from modelcache.sources.uri import parse_uri, storage_key
 from modelcache.store import NodeStore
 from modelcache.store.journal import Journal, seal
 from modelcache.transfer import FileJob, TransferEngine, TransferOptions
-from modelcache.uri import parse_uri, storage_key
 from tests.faultproxy import Fault, FaultProxy
 from tests.fixtures.http import NginxServer, random_bytes
 from tests.helpers import fill_up
@@ -242,7 +242,7 @@ def test_unknown_size_stream_cut_short_is_fetched_again_not_published_short(chun
 
 _RSS_SCRIPT = """
 import json, sys
-from modelcache.credentials import Settings
+from modelcache.sources.credentials import Settings
 from modelcache.pull import pull
 from modelcache.transfer import TransferOptions
 opts = TransferOptions(workers=8, chunk_size=int(sys.argv[3]))

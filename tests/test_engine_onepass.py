@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 
 from modelcache import transfer, transfer_files
-from modelcache.credentials import Settings
-from modelcache.integrity import MultiHasher
 from modelcache.pull import pull
-from modelcache.remote import RemoteFile
+from modelcache.sources.credentials import Settings
 from modelcache.sources.httpread import make_pool, open_range
+from modelcache.sources.integrity import MultiHasher
+from modelcache.sources.remote import RemoteFile
 from modelcache.store import diskio
 from modelcache.transfer import TransferOptions
 from tests.faultproxy import Fault, FaultProxy
@@ -159,7 +159,7 @@ def test_no_lock_is_held_while_hashing(nginx: NginxServer, tmp_path: Path, monke
 
 _WINDOW_SCRIPT = """
 import json, sys
-from modelcache.credentials import Settings
+from modelcache.sources.credentials import Settings
 from modelcache.pull import pull_many
 from modelcache.transfer import TransferOptions
 def rss(key):

@@ -26,7 +26,7 @@ from hypothesis import given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from modelcache.archive import ArchiveError, ArchiveLimits, unpack_archive
+from modelcache.sources.archive import ArchiveError, ArchiveLimits, unpack_archive
 from tests.fuzzing import examples, mutate, mutation
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(600)]

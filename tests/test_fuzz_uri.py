@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from modelcache.errors import InvalidURIError, ModelcacheError, UnsupportedError
 from modelcache.runtime.redact import redact_uri, scrub_urls
-from modelcache.uri import (
+from modelcache.sources.uri import (
     GCSLocation,
     HDFSLocation,
     HFLocation,

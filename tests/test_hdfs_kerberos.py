@@ -22,7 +22,7 @@ import pytest
 
 from modelcache.errors import AuthError, ModelcacheError, TransientError
 from modelcache.sources.kerberos import Kerberos, KerberosLogin, keytab_principals
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.fixtures.hdfs import NN_HOST, SecureHDFS
 from tests.fixtures.kdc import KDC
 from tests.helpers import REPO, free_port

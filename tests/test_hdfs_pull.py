@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.contract import NetworkContract, NetworkTarget, first_match, nth_match
 from tests.helpers import REPO
 from tests.pull_helpers import error_line, model_files, pull_cmd

@@ -15,11 +15,11 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-from modelcache.credentials import Settings
 from modelcache.errors import AccessDeniedError, NotFoundError, SourceError
-from modelcache.integrity import new_hasher
 from modelcache.sources.base import open_source
-from modelcache.uri import storage_key
+from modelcache.sources.credentials import Settings
+from modelcache.sources.integrity import new_hasher
+from modelcache.sources.uri import storage_key
 from tests.fixtures.hdfs import MiniHDFS, hdfs_settings
 from tests.helpers import REPO
 from tests.objectstore_data import read_range

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from modelcache.credentials import Settings
 from modelcache.errors import (
     AccessDeniedError,
     AuthError,
@@ -17,8 +16,9 @@ from modelcache.errors import (
     SourceError,
     TransientError,
 )
-from modelcache.integrity import new_hasher
 from modelcache.sources.base import open_source
+from modelcache.sources.credentials import Settings
+from modelcache.sources.integrity import new_hasher
 from tests.fixtures.hdfs import hdfs_settings
 from tests.helpers import free_port
 from tests.objectstore_data import read_range

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.contract import NetworkContract, NetworkTarget, first_match, nth_match
 from tests.helpers import REPO
 from tests.hfhub import HubServer, Request
@@ -277,9 +277,9 @@ def test_a_kserve_folder_of_a_moved_branch_is_adopted_at_its_own_commit(hub: Hub
     moved to B since. The folder says it holds A (huggingface_hub's records), so it is listed and
     verified at A: 0 file GETs, nothing rewritten, the manifest pinned to A; the drift check then
     reports the moved branch, and a refresh is what moves it."""
-    from modelcache.credentials import Settings
     from modelcache.drift import CHANGED
     from modelcache.pull import check_drift, pull
+    from modelcache.sources.credentials import Settings
     from modelcache.store import NodeStore
 
     repo = hub.repos["org/tiny"]

@@ -10,7 +10,6 @@ import subprocess
 import pytest
 import urllib3
 
-from modelcache.credentials import Settings
 from modelcache.errors import (
     AccessDeniedError,
     AuthError,
@@ -20,6 +19,7 @@ from modelcache.errors import (
     TransientError,
 )
 from modelcache.sources.base import RemoteFile, Source, open_source
+from modelcache.sources.credentials import Settings
 from tests.hfhub import HubServer
 
 TOKEN = "hf_alice_token"
@@ -87,8 +87,8 @@ def test_lists_nested_tree_with_sizes_and_checksums(hub: HubServer) -> None:
 
 
 def test_checksums_match_integrity_hashers(hub: HubServer) -> None:
-    """What the source promises is what modelcache.integrity computes over the bytes read."""
-    from modelcache.integrity import new_hasher
+    """What the source promises is what modelcache.sources.integrity computes over the bytes read."""
+    from modelcache.sources.integrity import new_hasher
 
     src = _source(hub, "hf://org/tiny")
     for f in src.list_files():

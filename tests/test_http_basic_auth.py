@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from urllib.parse import quote
 
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import run_agent, status_of, write_node
 from tests.fixtures.http import BASIC_AUTH, NginxServer
 from tests.initializer_util import run_initializer

@@ -22,8 +22,8 @@ from modelcache.errors import (
     SourceError,
     TransientError,
 )
-from modelcache.remote import RemoteFile
 from modelcache.sources.httpread import Hints, make_pool, open_range, status_error
+from modelcache.sources.remote import RemoteFile
 
 BODY = bytes(range(256)) * 64  # 16 KiB
 

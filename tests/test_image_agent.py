@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import requests
 
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import CRED_NS, create_node, entry, model_files, wait_states
 from tests.fixtures.cluster import AGENT_SA, Cluster
 from tests.fixtures.http import NginxServer

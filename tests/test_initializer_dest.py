@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from initializer import finished
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.archive_util import make_tar, tar_file
 from tests.fixtures.http import NginxServer, random_bytes
 from tests.initializer_util import run_initializer

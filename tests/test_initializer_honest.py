@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from initializer import finished
+from modelcache.sources.uri import storage_key
 from modelcache.store.journal import Journal
-from modelcache.uri import storage_key
 from tests.fixtures.http import NginxServer
 from tests.helpers import REPO, wait_until
 from tests.initializer_util import initializer_cmd, initializer_env, run_initializer

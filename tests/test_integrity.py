@@ -7,8 +7,8 @@ import zlib
 
 import pytest
 
-from modelcache.integrity import MultiHasher, b64_to_hex, hash_file, new_hasher
 from modelcache.sources.base import Checksum
+from modelcache.sources.integrity import MultiHasher, b64_to_hex, hash_file, new_hasher
 
 DATA = bytes(range(256)) * 4099 + b"tail"
 

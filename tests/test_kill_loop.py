@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from modelcache.sources.uri import storage_key
 from modelcache.store import PUBLISH_STEPS, NodeStore
-from modelcache.uri import storage_key
 from tests import crashpoints
 from tests.pull_helpers import run_cli
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeLayout, NodeStore
-from modelcache.uri import storage_key
 from tests import crashpoints
 from tests.fixtures.http import random_bytes
 from tests.pull_helpers import run_cli

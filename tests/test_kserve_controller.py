@@ -29,7 +29,7 @@ from modelcache.kube.client import (
     PODS,
     Kube,
 )
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import model_files, start_agent, wait_states
 from tests.coordinator_util import make_cache, make_group, make_namespace, register_webhooks
 from tests.fixtures.cluster import Cluster

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NODES, Kube
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import create_node, entry, model_files, start_agent, wait_states
 from tests.coordinator_util import entries_of, make_cache, make_group
 from tests.fixtures.cluster import Cluster

@@ -15,7 +15,7 @@ import json
 import pytest
 
 from modelcache.kube.client import CONFIG_MAPS
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import (
     create_node,
     create_secret,

@@ -14,7 +14,7 @@ import pytest
 
 from modelcache.kube.client import INFERENCE_SERVICES, LOCAL_MODEL_CACHES, PODS
 from modelcache.kube.migrate import DEPLOYMENTS
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.coordinator_util import make_cache, make_group, make_namespace, register_webhooks
 from tests.fixtures.cluster import Cluster
 from tests.helpers import wait_until

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from modelcache.kube.client import SECRETS, SERVICE_ACCOUNTS
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.uri import storage_key
 from tests.agent_util import (
     create_node,
     create_secret,

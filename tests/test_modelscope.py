@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from modelcache.credentials import Settings
 from modelcache.errors import InvalidURIError, NotFoundError
 from modelcache.pull import pull
 from modelcache.sources.base import open_source
-from modelcache.uri import parse_uri
+from modelcache.sources.credentials import Settings
+from modelcache.sources.uri import parse_uri
 from tests.contract import NetworkContract, NetworkTarget, first_match, nth_match
 from tests.helpers import REPO
 from tests.modelscopehub import MSHub, MSRequest

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.uri import storage_key
 from tests.fixtures.http import random_bytes
 from tests.helpers import require, require_tool
 from tests.pull_helpers import cli_cmd, run_cli

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from modelcache.credentials import Settings
 from modelcache.errors import ModelcacheError
+from modelcache.sources.credentials import Settings
 
 
 def test_s3_from_kserve_env() -> None:
@@ -148,7 +148,8 @@ def test_merged_ca_bundle_is_one_file_per_content_across_processes(tmp_path) -> 
     tmp.mkdir()
 
     def merged() -> Path:
-        code = "import sys; from modelcache.cabundle import merged_ca_bundle; print(merged_ca_bundle(sys.argv[1]))"
+        code = ("import sys; from modelcache.sources.cabundle import merged_ca_bundle; "
+                "print(merged_ca_bundle(sys.argv[1]))")
         out = subprocess.run([sys.executable, "-c", code, str(custom)], env={**os.environ, "TMPDIR": str(tmp)},
                              capture_output=True, text=True, check=True)
         return Path(out.stdout.strip())
@@ -165,11 +166,11 @@ def test_merged_ca_bundle_is_one_file_per_content_across_processes(tmp_path) -> 
 
 def test_each_backends_settings_are_built_on_first_use_by_its_registry_line(tmp_path, monkeypatch) -> None:
     """Settings.from_env builds no backend's settings: each is built once, when a source of its
-    kind asks, by the factory its line in modelcache.backends names. An HDFS storage spec writes its
+    kind asks, by the factory its line in modelcache.sources.backends names. An HDFS storage spec writes its
     secret folder only when HDFS is used, and a broken HDFS secret dir fails HDFS alone."""
     import tempfile
 
-    from modelcache import backends, credentials
+    from modelcache.sources import backends, credentials
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     secret_dir = tmp_path / "hdfscreds"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.contract import NetworkContract, ProxyTarget
 from tests.faultproxy import FaultProxy
 from tests.fixtures.oci import LAYER_TAR, LAYER_TGZ, OCIRegistry, docker_config, make_tar
@@ -254,9 +254,9 @@ def test_cancel_stops_a_modelcar_extraction(
     at its next read, as it stops the transfer engine: the rest of the image is not fetched."""
     import threading
 
-    from modelcache.credentials import Settings
     from modelcache.errors import CancelledError
     from modelcache.pull import pull
+    from modelcache.sources.credentials import Settings
 
     layer = make_tar([("models/w.bin", os.urandom(3 << 20)), ("models/config.json", b"{}")])
     oci_registry.push_image(oci_repo, "car", [(layer, LAYER_TAR)])

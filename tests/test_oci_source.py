@@ -12,9 +12,9 @@ import oras.client
 import pytest
 import zstandard
 
-from modelcache.credentials import Settings
 from modelcache.errors import AuthError, IntegrityError, NotFoundError, SourceError, UnsupportedError
 from modelcache.sources.base import RemoteFile, open_source
+from modelcache.sources.credentials import Settings
 from modelcache.sources.oci import node_arch
 from modelcache.sources.oci_layers import UnsafeArchiveError
 from modelcache.sources.oci_registry import OCI_INDEX, api_endpoint, docker_config_credentials

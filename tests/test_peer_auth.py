@@ -117,7 +117,7 @@ def test_one_client_with_junk_tokens_costs_the_api_server_a_bounded_number_of_re
 
     from coordinator.certs import generate_self_signed
     from modelcache.peers.server import REFUSALS, PeerServer, server_context
-    from modelcache.uri import storage_key
+    from modelcache.sources.uri import storage_key
 
     good = jwt(sub="agent")
     r, asked = reviewer({good: (True, AGENT)})

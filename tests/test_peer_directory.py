@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from agent.peering import Directory, directory_essentials
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 
 URI = "s3://b/llm"
 KEY = storage_key(URI)

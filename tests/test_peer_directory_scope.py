@@ -14,7 +14,7 @@ from agent.kubemode import entry_groups
 from agent.peering import Directory
 from modelcache.kube.client import LOCAL_MODEL_NODES, Kube
 from modelcache.kube.types import node_group_label
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.helpers import wait_until
 
 URI = "s3://b/llm"

@@ -31,10 +31,10 @@ from modelcache.peers.server import (
 )
 from modelcache.pull import pull
 from modelcache.sources.base import Checksum, RemoteFile
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
 from modelcache.store.journal import Journal, JournalState
 from modelcache.transfer import TransferOptions
-from modelcache.uri import storage_key
 from tests.peer_util import TOKEN, MiB, Node, check, make_source, node_factory, pull_all
 
 # ---- pieces and records ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.faultproxy import FaultProxy
 from tests.fixtures.http import NginxServer
 from tests.pull_helpers import MiB, StoreWatcher, assert_store_correct, journaled_bytes, popen_cli, run_cli

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.timeout(300)

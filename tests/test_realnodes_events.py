@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.cluster import cgroups
 from tests.cluster.images import static_image
 from tests.fixtures.image import Image

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.uri import storage_key
 from tests.fixtures.image import Image
 from tests.fixtures.realnodes import NodeCluster
 from tests.helpers import wait_until

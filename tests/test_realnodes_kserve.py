@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.fixtures.image import Image
 from tests.fixtures.realnodes import NodeCluster
 from tests.helpers import unique

@@ -15,8 +15,8 @@ import pytest
 from boto3.s3.transfer import TransferConfig
 
 from modelcache.errors import SourceError
-from modelcache.integrity import new_hasher
 from modelcache.sources.base import open_source
+from modelcache.sources.integrity import new_hasher
 from tests.fixtures.s3 import S3Server
 from tests.objectstore_data import crc32_hex, md5_hex, read_range, settings
 

@@ -17,7 +17,7 @@ from kubernetes.client.exceptions import ApiException
 from agent.downloadjob import JOBS, job_body, secret_keys
 from modelcache.kube.client import SECRETS, Kube
 from modelcache.kube.types import LocalModelInfo
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import apply_agent_daemonset
 from tests.fixtures.cluster import AGENT_SA, Cluster
 

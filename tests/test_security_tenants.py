@@ -29,7 +29,7 @@ from modelcache.kube.client import (
     SECRETS,
     SERVICE_ACCOUNTS,
 )
-from modelcache.uri import storage_key
+from modelcache.sources.uri import storage_key
 from tests.agent_util import CRED_NS, start_agent, wait_states
 from tests.coordinator_util import agent_report, entries_of, make_cache, make_group
 from tests.deploy_util import serve_webhooks

@@ -8,7 +8,7 @@ import pytest
 
 from modelcache.errors import AccessDeniedError, AuthError, NotFoundError, SourceError, TransientError, UnsupportedError
 from modelcache.sources.base import open_source
-from modelcache.uri import parse_uri
+from modelcache.sources.uri import parse_uri
 from tests.fixtures.azure import AzureServer
 from tests.helpers import free_port
 from tests.objectstore_data import md5_hex, model_tree, read_range, settings

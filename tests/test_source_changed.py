@@ -21,16 +21,16 @@ from typing import Any
 
 import pytest
 
-from modelcache.credentials import Settings
 from modelcache.errors import IntegrityError, SourceChangedError, SourceError
 from modelcache.pull import pull
 from modelcache.sources import local as local_mod
 from modelcache.sources.base import RemoteFile, open_source
+from modelcache.sources.credentials import Settings
 from modelcache.sources.local import LocalSource
 from modelcache.sources.ranges import check_total, parse_content_range
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
 from modelcache.transfer import TransferOptions
-from modelcache.uri import storage_key
 from tests.faultproxy import Fault, FaultProxy
 from tests.fixtures.http import NginxServer, random_bytes
 from tests.objectstore_data import read_range

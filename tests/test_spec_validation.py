@@ -14,8 +14,8 @@ import yaml
 
 from modelcache.kube.client import EVENTS, LOCAL_MODEL_NODES
 from modelcache.kube.validate import SPEC_SCHEMA, node_problems
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.uri import storage_key
 from tests.agent_util import (
     agent_cmd,
     create_node,

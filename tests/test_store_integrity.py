@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from modelcache.credentials import Settings
 from modelcache.pull import pull
+from modelcache.sources.credentials import Settings
 from modelcache.store import NodeStore
 from modelcache.store import journal as journal_mod
 from modelcache.store.journal import Journal
@@ -286,8 +286,8 @@ def test_unpacked_archive_files_are_fsynced_before_their_record(
     nginx: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from initializer.dispatch import Context, run_pair
-    from modelcache.archive import ArchiveLimits
     from modelcache.runtime.progress import ProgressTracker
+    from modelcache.sources.archive import ArchiveLimits
     from tests.archive_util import make_tar, tar_file
 
     make_tar(nginx.docroot / "a/model.tar.gz", [tar_file("m/w.bin", random_bytes(200_000, seed=5)),
@@ -297,7 +297,7 @@ def test_unpacked_archive_files_are_fsynced_before_their_record(
     dest = tmp_path / "dest"
     ctx = Context(Settings.from_env({}), ArchiveLimits.from_env({}), ProgressTracker())
     run_pair(nginx.url("a/model.tar.gz"), dest, ctx)
-    from modelcache.uri import storage_key
+    from modelcache.sources.uri import storage_key
 
     record_at = _first(events, f"/.modelcache/unpacked/.{storage_key(nginx.url('a/model.tar.gz'))}.json.tmp")
     for rel in ("m/w.bin", "m/cfg.json"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from modelcache.credentials import Settings
 from modelcache.sources.base import open_source
+from modelcache.sources.credentials import Settings
 from modelcache.store.journal import Journal
 from modelcache.transfer import FileJob, TransferEngine, TransferOptions
 from modelcache.transfer_control import StreamLimit

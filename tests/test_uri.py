@@ -8,7 +8,7 @@ import hashlib
 import pytest
 
 from modelcache.errors import InvalidURIError, UnsupportedError
-from modelcache.uri import (
+from modelcache.sources.uri import (
     AzureBlobLocation,
     GCSLocation,
     HDFSLocation,

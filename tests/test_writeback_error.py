@@ -28,14 +28,14 @@ from pathlib import Path
 
 import pytest
 
-from modelcache.credentials import Settings
 from modelcache.errors import StoreError
 from modelcache.pull import pull
+from modelcache.sources.credentials import Settings
 from modelcache.sources.local import _FileStream
+from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
 from modelcache.store.journal import unseal
 from modelcache.transfer import TransferOptions
-from modelcache.uri import storage_key
 from tests.fixtures.http import random_bytes
 from tests.helpers import require, require_tool
 

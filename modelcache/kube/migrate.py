@@ -366,7 +366,7 @@ def _uris(f: Facts) -> list[Step]:
     """Cache URIs modelcache does not read (KServe v0.20.0 may): the copy KServe downloaded stays
     served, counted on its word and never verified (docs/kserve-compat.md); a new one is not made."""
     from modelcache.errors import ModelcacheError
-    from modelcache.uri import parse_uri
+    from modelcache.sources.uri import parse_uri
 
     out = []
     for c in f.caches:
@@ -431,7 +431,7 @@ def _identity(f: Facts) -> list[Step]:
     Jobs run as (``default`` in its job namespace); our agent runs as its own ServiceAccount, so
     that identity must be bound to it as well (docs/kserve-compat.md, Workload identity)."""
     from modelcache.errors import ModelcacheError
-    from modelcache.uri import parse_uri
+    from modelcache.sources.uri import parse_uri
 
     clouds: dict[str, list[str]] = {}
     for c in f.caches:

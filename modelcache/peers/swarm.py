@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from modelcache.errors import TransientError
-from modelcache.integrity import cryptographic
 from modelcache.peers.client import (
     Cancel,
     PeerBusy,
@@ -38,6 +37,7 @@ from modelcache.peers.pieces import PieceHash, hash_piece, piece_span
 from modelcache.peers.plan import REFUSED_PAUSE, PeerState, Plan, SwarmSettings, choose_peers
 from modelcache.peers.protocol import HaveReply
 from modelcache.runtime.loop import Loop
+from modelcache.sources.integrity import cryptographic
 
 log = logging.getLogger("modelcache.peers")
 

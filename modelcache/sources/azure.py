@@ -35,7 +35,6 @@ from azure.core.exceptions import (
 from azure.core.pipeline.transport import RequestsTransport
 from azure.storage.blob import BlobSasPermissions, BlobServiceClient, generate_blob_sas
 
-from modelcache.credentials import AzureSettings, Settings
 from modelcache.errors import (
     AccessDeniedError,
     AuthError,
@@ -46,9 +45,10 @@ from modelcache.errors import (
     SourceError,
     TransientError,
 )
-from modelcache.integrity import safe_b64_to_hex
 from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source
+from modelcache.sources.credentials import AzureSettings, Settings
 from modelcache.sources.httpread import Pool, make_pool, open_range
+from modelcache.sources.integrity import safe_b64_to_hex
 from modelcache.sources.objectstore import (
     CONNECTION_POOL,
     check_unique,
@@ -59,7 +59,7 @@ from modelcache.sources.objectstore import (
     single_object_path,
 )
 from modelcache.sources.ratelimit import retry_after
-from modelcache.uri import AzureBlobLocation, Location
+from modelcache.sources.uri import AzureBlobLocation, Location
 
 quiet_sdk_logs()
 

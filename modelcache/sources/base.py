@@ -1,4 +1,4 @@
-"""The Source interface; ``modelcache.backends`` maps each location kind to its class.
+"""The Source interface; ``modelcache.sources.backends`` maps each location kind to its class.
 
 A source knows one backend: how to list a model's files (resolved once to an immutable
 revision where the backend has one) and how to read a byte range of one file. It knows
@@ -13,16 +13,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from modelcache.backends import BACKENDS, load
 from modelcache.errors import InvalidURIError, UnsupportedError
-from modelcache.remote import Checksum, RangeStream, RemoteFile
 from modelcache.runtime.reserved import META_DIR
-from modelcache.uri import Location, parse_uri
+from modelcache.sources.backends import BACKENDS, load
+from modelcache.sources.remote import Checksum, RangeStream, RemoteFile
+from modelcache.sources.uri import Location, parse_uri
 
 if TYPE_CHECKING:
-    from modelcache.credentials import Settings
+    from modelcache.sources.credentials import Settings
 
-# The shared data types live in modelcache.remote; named here too for a source's one import.
+# The shared data types live in modelcache.sources.remote; named here too for a source's one import.
 __all__ = ["Checksum", "EmptyStream", "RangeStream", "RemoteFile", "Source", "empty_range",
            "open_source", "safe_relpath", "source_class"]
 
@@ -47,7 +47,7 @@ def empty_range(file: RemoteFile, start: int, end: int | None) -> bool:
 
 
 class Source(ABC):
-    """Base class of every backend; its line in ``modelcache.backends`` names it.
+    """Base class of every backend; its line in ``modelcache.sources.backends`` names it.
 
     Behaviour that differs per backend is a class attribute here, read by the pull and the
     engine, never a list of kinds elsewhere.
@@ -182,7 +182,7 @@ def source_class(kind: str) -> type[Source]:
 
 def open_source(uri: str | Location, settings: Settings | None = None) -> Source:
     """Parse ``uri`` and build its source with settings from the environment by default."""
-    from modelcache.credentials import Settings
+    from modelcache.sources.credentials import Settings
 
     location = parse_uri(uri) if isinstance(uri, str) else uri
     try:

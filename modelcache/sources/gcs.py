@@ -25,7 +25,6 @@ from google.auth.transport.requests import Request as GoogleAuthRequest
 from google.cloud import storage
 from google.cloud.storage.retry import DEFAULT_RETRY
 
-from modelcache.credentials import GCSSettings, Settings
 from modelcache.errors import (
     AccessDeniedError,
     AuthError,
@@ -35,9 +34,10 @@ from modelcache.errors import (
     SourceError,
     TransientError,
 )
-from modelcache.integrity import safe_b64_to_hex
 from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source
+from modelcache.sources.credentials import GCSSettings, Settings
 from modelcache.sources.httpread import Pool, make_pool, open_range
+from modelcache.sources.integrity import safe_b64_to_hex
 from modelcache.sources.objectstore import (
     CONNECTION_POOL,
     check_unique,
@@ -48,7 +48,7 @@ from modelcache.sources.objectstore import (
     single_object_path,
 )
 from modelcache.sources.ratelimit import retry_after
-from modelcache.uri import GCSLocation, Location, redact_uri
+from modelcache.sources.uri import GCSLocation, Location, redact_uri
 
 quiet_sdk_logs()
 

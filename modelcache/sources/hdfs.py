@@ -42,10 +42,10 @@ from modelcache.sources.kerberos import Kerberos, KerberosLogin
 from modelcache.sources.objectstore import quiet_sdk_logs
 from modelcache.sources.pinned_tls import adapter as tls_adapter
 from modelcache.sources.ratelimit import retry_after, wait_out
-from modelcache.uri import HDFSLocation
+from modelcache.sources.uri import HDFSLocation
 
 if TYPE_CHECKING:
-    from modelcache.credentials import Settings
+    from modelcache.sources.credentials import Settings
 
 _MAX_DEPTH = 64
 # The hdfs client logs a 401's raw body at ERROR before raising; we raise one clear line instead.

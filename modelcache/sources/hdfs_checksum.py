@@ -19,8 +19,8 @@ import struct
 import zlib
 from collections.abc import Callable
 
-from modelcache.integrity import Hasher, register_hasher
 from modelcache.sources.base import Checksum
+from modelcache.sources.integrity import Hasher, register_hasher
 
 ALGO = "hdfs-md5md5crc"
 _ALGORITHM = re.compile(r"^MD5-of-(\d+)MD5-of-(\d+)(CRC32C?)$")

@@ -33,7 +33,6 @@ from huggingface_hub.errors import (
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import filter_repo_objects
 
-from modelcache.credentials import Settings
 from modelcache.errors import (
     AccessDeniedError,
     AuthError,
@@ -44,9 +43,10 @@ from modelcache.errors import (
     TransientError,
 )
 from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source, safe_relpath
+from modelcache.sources.credentials import Settings
 from modelcache.sources.httpread import discard, make_pool, open_range, send
 from modelcache.sources.ratelimit import retry_after, wait_out
-from modelcache.uri import HFLocation, Location
+from modelcache.sources.uri import HFLocation, Location
 
 _HEADERS = {"User-Agent": "modelcache/0.1 (hf source)"}
 _COMMIT = re.compile(r"[0-9a-f]{40}")

@@ -29,16 +29,16 @@ from urllib.parse import urlsplit
 
 import urllib3
 
-from modelcache.archive import archive_kind, archive_suffix
 from modelcache.errors import RateLimitedError, SourceError, TransientError
-from modelcache.integrity import safe_b64_to_hex
-from modelcache.remote import RangeStream
 from modelcache.runtime.progress import human_bytes
+from modelcache.sources.archive import archive_kind, archive_suffix
 from modelcache.sources.base import Checksum, RemoteFile, Source, safe_relpath
 from modelcache.sources.httpread import Hints, discard, int_header, make_pool, open_range, send, status_error
+from modelcache.sources.integrity import safe_b64_to_hex
 from modelcache.sources.ranges import changed
 from modelcache.sources.ratelimit import wait_out
-from modelcache.uri import HTTPLocation, redact_uri
+from modelcache.sources.remote import RangeStream
+from modelcache.sources.uri import HTTPLocation, redact_uri
 
 log = logging.getLogger(__name__)
 

@@ -41,10 +41,10 @@ from modelcache.errors import (
     SourceError,
     TransientError,
 )
-from modelcache.remote import RangeStream, RemoteFile
 from modelcache.sources.base import EmptyStream, empty_range
 from modelcache.sources.ranges import check_length, check_total, parse_content_range
 from modelcache.sources.ratelimit import retry_after
+from modelcache.sources.remote import RangeStream, RemoteFile
 
 REDIRECT_CODES = (301, 302, 303, 307, 308)
 MAX_REDIRECTS = 10

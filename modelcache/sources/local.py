@@ -15,7 +15,7 @@ from typing import Any
 from modelcache.errors import AccessDeniedError, NotFoundError, SourceChangedError, SourceError, UnsupportedError
 from modelcache.runtime.reserved import META_DIR
 from modelcache.sources.base import RemoteFile, Source, safe_relpath
-from modelcache.uri import LocalLocation, Location, PVCLocation
+from modelcache.sources.uri import LocalLocation, Location, PVCLocation
 
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
           stat.S_IFBLK: "a block device"}

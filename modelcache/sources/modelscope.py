@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, quote_plus, urlencode
 
-from modelcache.credentials import Settings
 from modelcache.errors import AccessDeniedError, AuthError, InvalidURIError, ModelcacheError, NotFoundError, SourceError
-from modelcache.remote import Checksum, RangeStream, RemoteFile
 from modelcache.sources.base import Source, safe_relpath
+from modelcache.sources.credentials import Settings
 from modelcache.sources.httpread import Hints, discard, make_pool, open_range, send, status_error
 from modelcache.sources.ratelimit import wait_out
-from modelcache.uri import Location, redact_uri
+from modelcache.sources.remote import Checksum, RangeStream, RemoteFile
+from modelcache.sources.uri import Location, redact_uri
 
 DEFAULT_ENDPOINT = "https://www.modelscope.cn"
 FORM = "modelscope://owner/model[:revision][/sub/dir]"

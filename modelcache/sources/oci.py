@@ -31,10 +31,10 @@ from modelcache.sources.httpread import make_pool
 from modelcache.sources.oci_layers import DigestReader, LayerExtractor, corrupt_stream_errors, open_layer_tar
 from modelcache.sources.oci_registry import INDEX_TYPES, MANIFEST_TYPES, RegistryClient
 from modelcache.sources.ratelimit import wait_out
-from modelcache.uri import OCILocation
+from modelcache.sources.uri import OCILocation
 
 if TYPE_CHECKING:
-    from modelcache.credentials import Settings
+    from modelcache.sources.credentials import Settings
 
 TITLE = "org.opencontainers.image.title"
 ORAS_UNPACK = "io.deis.oras.content.unpack"

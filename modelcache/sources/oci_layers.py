@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO
 
-from modelcache.compression import CorruptStreamError, verified_tar
 from modelcache.errors import IntegrityError, SourceError, UnsupportedError
+from modelcache.sources.compression import CorruptStreamError, verified_tar
 
 _COPY_CHUNK = 1 << 20
 WHITEOUT = ".wh."

@@ -29,12 +29,12 @@ from modelcache.errors import (
     SourceError,
     TransientError,
 )
-from modelcache.remote import RangeStream, RemoteFile
 from modelcache.sources.httpread import Pool, open_range
 from modelcache.sources.ratelimit import retry_after
+from modelcache.sources.remote import RangeStream, RemoteFile
 
 if TYPE_CHECKING:
-    from modelcache.credentials import Settings
+    from modelcache.sources.credentials import Settings
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"

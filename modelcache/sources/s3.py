@@ -44,7 +44,6 @@ from botocore.exceptions import (
     SSLError,
 )
 
-from modelcache.credentials import S3Settings, Settings
 from modelcache.errors import (
     AccessDeniedError,
     AuthError,
@@ -55,9 +54,10 @@ from modelcache.errors import (
     SourceError,
     TransientError,
 )
-from modelcache.integrity import cryptographic, safe_b64_to_hex
 from modelcache.sources.base import Checksum, RangeStream, RemoteFile, Source
+from modelcache.sources.credentials import S3Settings, Settings
 from modelcache.sources.httpread import Pool, make_pool, open_range
+from modelcache.sources.integrity import cryptographic, safe_b64_to_hex
 from modelcache.sources.objectstore import (
     CONNECTION_POOL,
     check_unique,
@@ -70,7 +70,7 @@ from modelcache.sources.objectstore import (
 )
 from modelcache.sources.ranges import changed
 from modelcache.sources.ratelimit import retry_after
-from modelcache.uri import Location, S3Location, redact_uri
+from modelcache.sources.uri import Location, S3Location, redact_uri
 
 quiet_sdk_logs()
 
@@ -235,7 +235,7 @@ class S3Source(Source):
             part_size = self._part_size(key, where)
             # Only uniform part sizes (every SDK's default) can be recomputed from the file.
             if part_size and parts == max(1, math.ceil(size / part_size)):
-                # Value as S3 shows it and modelcache.integrity's s3-etag hasher computes it: <md5 hex>-<parts>.
+                # Value as S3 shows it and modelcache.sources.integrity's s3-etag hasher computes it: <md5 hex>-<parts>.
                 out.append(Checksum("s3-etag", etag, (("part_size", str(part_size)), ("parts", str(parts)))))
         return out
 

@@ -15,7 +15,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from modelcache.integrity import hash_file
+from modelcache.sources.integrity import hash_file
 
 #: 2: the manifest carries ``seal``, a digest of all its other fields (1, unsealed, is still read).
 MANIFEST_VERSION = 2

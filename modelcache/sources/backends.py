@@ -32,21 +32,24 @@ class Backend:
             object.__setattr__(self, "form", f"{self.prefixes[0]}...")
 
 
-_C = "modelcache.credentials:"
+_C = "modelcache.sources.credentials:"
 
 BACKENDS: dict[str, Backend] = {
-    "s3": Backend("modelcache.sources.s3:S3Source", "modelcache.uri:S3Location", settings=_C + "s3_from_env"),
-    "gcs": Backend("modelcache.sources.gcs:GCSSource", "modelcache.uri:GCSLocation", settings=_C + "gcs_from_env"),
-    "azure": Backend("modelcache.sources.azure:AzureBlobSource", "modelcache.uri:AzureBlobLocation",
+    "s3": Backend("modelcache.sources.s3:S3Source", "modelcache.sources.uri:S3Location", settings=_C + "s3_from_env"),
+    "gcs": Backend("modelcache.sources.gcs:GCSSource", "modelcache.sources.uri:GCSLocation",
+                   settings=_C + "gcs_from_env"),
+    "azure": Backend("modelcache.sources.azure:AzureBlobSource", "modelcache.sources.uri:AzureBlobLocation",
                      settings=_C + "azure_from_env"),
-    "hf": Backend("modelcache.sources.hf:HFSource", "modelcache.uri:HFLocation", settings=_C + "hf_from_env"),
-    "oci": Backend("modelcache.sources.oci:OCISource", "modelcache.uri:OCILocation", settings=_C + "oci_from_env"),
-    "hdfs": Backend("modelcache.sources.hdfs:HDFSSource", "modelcache.uri:HDFSLocation", settings=_C + "hdfs_from_env"),
-    "pvc": Backend("modelcache.sources.local:LocalSource", "modelcache.uri:PVCLocation",
+    "hf": Backend("modelcache.sources.hf:HFSource", "modelcache.sources.uri:HFLocation", settings=_C + "hf_from_env"),
+    "oci": Backend("modelcache.sources.oci:OCISource", "modelcache.sources.uri:OCILocation",
+                   settings=_C + "oci_from_env"),
+    "hdfs": Backend("modelcache.sources.hdfs:HDFSSource", "modelcache.sources.uri:HDFSLocation",
+                    settings=_C + "hdfs_from_env"),
+    "pvc": Backend("modelcache.sources.local:LocalSource", "modelcache.sources.uri:PVCLocation",
                    settings=_C + "local_from_env"),
-    "local": Backend("modelcache.sources.local:LocalSource", "modelcache.uri:LocalLocation",
+    "local": Backend("modelcache.sources.local:LocalSource", "modelcache.sources.uri:LocalLocation",
                      settings=_C + "local_from_env"),
-    "http": Backend("modelcache.sources.http:HTTPSource", "modelcache.uri:HTTPLocation"),
+    "http": Backend("modelcache.sources.http:HTTPSource", "modelcache.sources.uri:HTTPLocation"),
     "modelscope": Backend("modelcache.sources.modelscope:ModelScopeSource", ":ModelScopeLocation", ("modelscope://",)),
 }
 

@@ -15,7 +15,7 @@ from typing import Protocol
 class Checksum:
     """A digest the source vouches for. ``value`` is lower-case hex.
 
-    ``algo`` names a hasher in ``modelcache.integrity`` (sha256, md5, sha1, git-blob-sha1,
+    ``algo`` names a hasher in ``modelcache.sources.integrity`` (sha256, md5, sha1, git-blob-sha1,
     crc32c, s3-etag, ...). ``params`` carries what the hasher needs (e.g. an S3 part size).
     """
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import xxhash
 
-from modelcache.remote import Checksum
+from modelcache.sources.remote import Checksum
 
 LOCAL_ALGO = "xxh3-128"
 _READ_BLOCK = 8 << 20

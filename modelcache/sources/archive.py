@@ -18,7 +18,7 @@ safe against hostile or broken archives:
 Tar archives are read in stream mode: memory stays bounded whatever the size. Every check the
 container format carries is verified before anything is moved into place: the compressed
 stream is read to its end (gzip CRC-32 and ISIZE, xz/zstd checksums, bzip2 block CRCs; see
-``modelcache.compression``), and each zip entry is read to its end, where ``zipfile`` compares
+``modelcache.sources.compression``), and each zip entry is read to its end, where ``zipfile`` compares
 its CRC-32.
 """
 
@@ -399,7 +399,7 @@ def _unpack_tar(archive: Path, w: _StagingWriter) -> None:
     # Stream mode: one pass, no seeking, bounded memory even for a 100 GiB .tar.gz. The stream
     # is read to its end after the last entry, so the gzip CRC/ISIZE (or xz/zstd/bzip2 check)
     # is verified before anything is moved into place; bytes after the tar count against the caps.
-    from modelcache.compression import verified_tar
+    from modelcache.sources.compression import verified_tar
 
     with open(archive, "rb") as raw, verified_tar(raw, on_trailing=w.add_trailing) as tf:
         for member in _iter_tar(tf):

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import cast
 
-from modelcache.cabundle import ca_bundle_from_env, configured_ca_bundle, merged_ca_bundle
 from modelcache.errors import ModelcacheError
+from modelcache.sources.cabundle import ca_bundle_from_env, configured_ca_bundle, merged_ca_bundle
 
 DEFAULT_PVC_ROOT = "/mnt/pvc"
 
@@ -124,7 +124,7 @@ CREDENTIALS_FROM = "MODELCACHE_CREDENTIALS_FROM"
 @dataclass(frozen=True)
 class Settings:
     """The environment snapshot of one pull, and each backend's settings built from it on first
-    use, by the factory its line in ``modelcache.backends`` names: an S3 pull parses no HDFS
+    use, by the factory its line in ``modelcache.sources.backends`` names: an S3 pull parses no HDFS
     secret dir and writes no HDFS spec folder, and one backend's bad settings (a storage spec's
     undecodable GCS key) fail only pulls from that backend. HTTP settings (timeouts, CA bundle,
     per-host headers) are every backend's transport and are built at once."""
@@ -164,7 +164,7 @@ class Settings:
         """The settings of backend ``kind``, built from ``env`` by its registry line's factory."""
         with self._lock:
             if kind not in self._built:
-                from modelcache import backends
+                from modelcache.sources import backends
 
                 factory = backends.BACKENDS[kind].settings
                 if not factory:

@@ -48,7 +48,7 @@ def _invalid(uri: str, why: str) -> InvalidURIError:
     """The one invalid-URI error: the URI redacted, and no secret part of it in ``why`` either.
     It ends with the form its scheme takes (nothing more when ``why`` says it already), and with
     every accepted form only when the scheme is not one we know."""
-    from modelcache.backends import external
+    from modelcache.sources.backends import external
 
     forms = (*ACCEPTED_FORMS, *(b.form for b in external()))
     scheme = uri.partition("://")[0].lower() if isinstance(uri, str) and "://" in uri else ""
@@ -83,7 +83,7 @@ def _authority(uri: str) -> SplitResult:
 
 @dataclass(frozen=True)
 class Location:
-    """A parsed storage URI. ``kind`` names its line in ``modelcache.backends``."""
+    """A parsed storage URI. ``kind`` names its line in ``modelcache.sources.backends``."""
 
     uri: str = field(repr=False)  # raw: may hold userinfo, a SAS query, a token (``display`` is safe)
     #: Where credentials written into a URI of this form belong instead (the invalid-URI error
@@ -92,8 +92,8 @@ class Location:
 
     @property
     def kind(self) -> str:
-        """The backend's name in ``modelcache.backends`` (the one place it is spelled)."""
-        from modelcache.backends import kind_of
+        """The backend's name in ``modelcache.sources.backends`` (the one place it is spelled)."""
+        from modelcache.sources.backends import kind_of
 
         return kind_of(type(self))
 
@@ -451,7 +451,7 @@ def _credentials_hint(scheme: str) -> str:
 
 def _external_hint(scheme: str) -> str:
     """The hint of a backend whose Location lives in its own module (its ``credentials_hint``)."""
-    from modelcache.backends import external, load
+    from modelcache.sources.backends import external, load
 
     for backend in external():
         if f"{scheme.lower()}://" in backend.prefixes:
@@ -487,7 +487,7 @@ def parse_uri(uri: str) -> Location:
     for matches, parse in _LOCATION_PARSERS:
         if matches(uri):
             return _parse(parse, uri)
-    from modelcache.backends import external, load
+    from modelcache.sources.backends import external, load
 
     for backend in external():
         if uri.startswith(backend.prefixes):
