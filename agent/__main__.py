@@ -15,8 +15,8 @@ import click
 
 from agent.config import DEFAULT_ROOT, AgentConfig
 from agent.logs import fields, setup_logging
+from modelcache.engine.resources import check_buffers, chunk_size_problem
 from modelcache.errors import ModelcacheError
-from modelcache.resources import check_buffers, chunk_size_problem
 from modelcache.runtime.health import HealthServer
 from modelcache.runtime.progress import human_bytes
 from modelcache.runtime.sizes import parse_size

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from modelcache.transfer import TransferOptions
+    from modelcache.engine.transfer import TransferOptions
 
 DEFAULT_ROOT = "/mnt/models"
 
@@ -91,8 +91,8 @@ class AgentConfig:
         return f"the root holds the models its spec lists: {fewer}, give --root a larger disk, or lower --space-margin"
 
     def transfer_options(self) -> TransferOptions:
-        """The engine's options for one download (modelcache.transfer: imported here, not at start-up)."""
-        from modelcache.transfer import TransferOptions
+        """The engine's options for one download (modelcache.engine.transfer: imported here, not at start-up)."""
+        from modelcache.engine.transfer import TransferOptions
 
         return TransferOptions(workers=self.workers, chunk_size=self.chunk_size, max_attempts=self.transfer_attempts,
                                stall_timeout=self.stall_timeout, backoff_max=min(10.0, max(0.5, self.backoff_max)))

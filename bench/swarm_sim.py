@@ -61,16 +61,16 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from modelcache.engine.transfer_control import SourceStats  # noqa: E402
 from modelcache.peers.client import PeerInfo  # noqa: E402
 from modelcache.peers.pieces import PIECE_MAX, piece_count, piece_span  # noqa: E402
 from modelcache.peers.plan import PeerState, Plan, SwarmSettings, choose_peers  # noqa: E402
 from modelcache.peers.server import SLOT_WAIT  # noqa: E402
 from modelcache.runtime.sizes import parse_size  # noqa: E402
-from modelcache.transfer_control import SourceStats  # noqa: E402
 
 #: Whether this tree's plan cuts files into blocks (an older one, measured for comparison, does not).
 BLOCKS = "counts" in inspect.signature(Plan).parameters
-#: The engine's window of pending pieces offered to ``pick`` (modelcache/transfer.py).
+#: The engine's window of pending pieces offered to ``pick`` (modelcache/engine/transfer.py).
 PICK_WINDOW = 64
 MiB = 1 << 20
 

@@ -16,15 +16,15 @@ from initializer.dispatch import Context
 from initializer.redact import Scrubber, ScrubbingFormatter
 from initializer.report import Reporter
 from initializer.run import Pair, describe_error, pairs_from_args, run_pairs
+from modelcache.engine.resources import check_buffers, chunk_size_problem
+from modelcache.engine.transfer import TransferOptions
 from modelcache.errors import ModelcacheError
-from modelcache.resources import check_buffers, chunk_size_problem
 from modelcache.runtime.progress import ProgressTracker, human_bytes
 from modelcache.runtime.sizes import parse_size
 from modelcache.sources.archive import ArchiveLimits
 from modelcache.sources.cabundle import ca_bundle_from_env, merged_ca_bundle
 from modelcache.sources.credentials import Settings
 from modelcache.sources.uri import redact_uri
-from modelcache.transfer import TransferOptions
 
 USAGE = "Usage: initializer-entrypoint src_uri_0 dest_path_0 ... src_uri_n dest_path_n"
 def _ca_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from initializer import finished, unpacked
 from initializer.report import PairOutcome
+from modelcache.engine.transfer import TransferOptions
 from modelcache.errors import ModelcacheError, NotFoundError, UnsupportedError
 from modelcache.runtime.progress import ProgressTracker, human_bytes
 from modelcache.runtime.reserved import META_DIR
@@ -33,7 +34,6 @@ from modelcache.sources.credentials import Settings
 from modelcache.sources.local import check_file_type
 from modelcache.sources.uri import parse_uri, redact_uri
 from modelcache.store import first_stop
-from modelcache.transfer import TransferOptions
 
 log = logging.getLogger(__name__)
 

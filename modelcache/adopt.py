@@ -44,13 +44,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from modelcache.engine.transfer import FetchedFile
 from modelcache.errors import StoreError
 from modelcache.runtime.clock import rfc3339
 from modelcache.runtime.filecheck import has_holes
 from modelcache.sources.base import RemoteFile
 from modelcache.sources.integrity import hash_file
 from modelcache.store import Manifest, ManifestFile, Store, regular_file_inside
-from modelcache.transfer import FetchedFile
 
 log = logging.getLogger(__name__)
 

@@ -41,8 +41,9 @@ from modelcache.cli_options import (
     open_store,
     root_option,
 )
+from modelcache.engine.resources import MAX_CHUNK, MIN_CHUNK, check_buffers
+from modelcache.engine.transfer import TransferOptions
 from modelcache.errors import ModelcacheError, SourceChangedError
-from modelcache.resources import MAX_CHUNK, MIN_CHUNK, check_buffers
 from modelcache.runtime.clock import rfc3339
 from modelcache.runtime.logs import setup_cli_logging
 from modelcache.runtime.progress import ProgressTracker, human_bytes, plural
@@ -50,7 +51,6 @@ from modelcache.runtime.redact import redact_uri, scrub_urls
 from modelcache.runtime.startup import StartupError, run_command
 from modelcache.sources.uri import parse_uri
 from modelcache.store import DestLayout, DestStore, NodeLayout, NodeStore
-from modelcache.transfer import TransferOptions
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

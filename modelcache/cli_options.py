@@ -14,7 +14,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from modelcache.resources import chunk_size_problem
+from modelcache.engine.resources import chunk_size_problem
 from modelcache.runtime.logs import setup_cli_logging
 from modelcache.runtime.redact import redact_uri, scrub_urls
 from modelcache.runtime.sizes import parse_size

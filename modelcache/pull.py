@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from modelcache import adopt
 from modelcache.drift import CURRENT, Drift, compare
+from modelcache.engine.transfer import FileJob, TransferEngine, TransferOptions
 from modelcache.errors import InsufficientSpaceError, ModelcacheError, NotFoundError
 from modelcache.pullmodel import (
     ModelPull,
@@ -47,7 +48,6 @@ from modelcache.sources.base import RemoteFile, Source, open_source, source_clas
 from modelcache.sources.credentials import Settings
 from modelcache.sources.uri import Location, parse_uri
 from modelcache.store import DestStore, Guard, Manifest, NodeStore, StagedPull, Store
-from modelcache.transfer import FileJob, TransferEngine, TransferOptions
 
 if TYPE_CHECKING:
     from modelcache.peers.network import PeerNetwork

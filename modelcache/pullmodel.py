@@ -19,6 +19,7 @@ from pathlib import Path
 
 from modelcache import adopt
 from modelcache.drift import CHANGED, KEPT_AS_FOUND, Drift, compare
+from modelcache.engine.transfer import FetchedFile
 from modelcache.errors import CancelledError, IntegrityError, ModelcacheError
 from modelcache.runtime.clock import rfc3339
 from modelcache.runtime.progress import ProgressTracker, human_bytes, plural
@@ -29,7 +30,6 @@ from modelcache.sources.uri import Location
 from modelcache.store import Manifest, ManifestFile, Store, file_matches, regular_file_inside
 from modelcache.store.diskio import fsync_tree
 from modelcache.store.journal import Journal, JournalState
-from modelcache.transfer import FetchedFile
 
 #: The pull's log lines keep the pull's name, wherever in it they are written.
 log = logging.getLogger("modelcache.pull")

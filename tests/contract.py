@@ -26,12 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from modelcache.engine.transfer import TransferOptions
 from modelcache.errors import ModelcacheError
 from modelcache.pull import pull
 from modelcache.sources.base import open_source
 from modelcache.sources.credentials import Settings
 from modelcache.sources.uri import parse_uri
-from modelcache.transfer import TransferOptions
 from tests.faultproxy import Fault, FaultProxy
 from tests.helpers import REPO
 from tests.objectstore_data import read_range

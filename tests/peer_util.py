@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from modelcache.engine.transfer import TransferOptions
 from modelcache.peers.client import PeerClient, PeerInfo
 from modelcache.peers.network import PeerNetwork
 from modelcache.peers.server import FORBIDDEN, OK, UNAUTHENTICATED, PeerServer, cert_fingerprint, server_context
@@ -19,7 +20,6 @@ from modelcache.peers.swarm import SwarmSettings
 from modelcache.pull import pull
 from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.transfer import TransferOptions
 
 MiB = 1 << 20
 TOKEN = "agent-token"

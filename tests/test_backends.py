@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from modelcache.engine.transfer import TransferOptions
 from modelcache.errors import UnsupportedError
 from modelcache.pull import pull
 from modelcache.sources.backends import BACKENDS, Backend, load
@@ -20,7 +21,6 @@ from modelcache.sources.credentials import Settings
 from modelcache.sources.local import LocalSource
 from modelcache.sources.remote import RemoteFile
 from modelcache.sources.uri import Location, parse_uri
-from modelcache.transfer import TransferOptions
 from tests.fixtures.http import random_bytes
 
 EXAMPLES = {

@@ -46,7 +46,7 @@ def test_every_bad_pull_flag_is_one_line_and_exit_2(tmp_path: Path, args: list[s
     src = model(tmp_path / "src")
     args = [str(tmp_path / "dest") if a == "DEST" else a for a in args]
     if needle.startswith("--workers 256"):
-        from modelcache.resources import available_memory
+        from modelcache.engine.resources import available_memory
 
         have = available_memory()
         assert have is not None and have < 384 << 30  # what the refusal is about (this machine)

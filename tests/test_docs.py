@@ -365,7 +365,7 @@ def test_every_module_is_in_a_module_table() -> None:
     sections = dict(re.findall(r"^### `([a-z/]+)/`[^\n]*\n(.*?)(?=^##|\Z)", arch, re.M | re.S))
     where = {p: sections.get(p, "") for p in ("modelcache", "modelcache/sources", "modelcache/kube",
                                               "modelcache/peers", "modelcache/store", "modelcache/runtime",
-                                              "initializer")}
+                                              "modelcache/engine", "initializer")}
     where["agent"] = (REPO / "docs" / "agent.md").read_text()
     where["coordinator"] = (REPO / "docs" / "coordinator.md").read_text()
     packages = {p.parent.relative_to(REPO).as_posix() for root in ("modelcache", "agent", "coordinator", "initializer")

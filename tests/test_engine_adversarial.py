@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import pytest
 
+from modelcache.engine.transfer import FileJob, TransferEngine, TransferOptions
 from modelcache.errors import IntegrityError, ModelcacheError, StoreError
 from modelcache.pull import pull, pull_many
 from modelcache.sources.base import Checksum
@@ -25,7 +26,6 @@ from modelcache.sources.local import LocalSource
 from modelcache.sources.uri import parse_uri, storage_key
 from modelcache.store import NodeStore
 from modelcache.store.journal import Journal, seal
-from modelcache.transfer import FileJob, TransferEngine, TransferOptions
 from tests.faultproxy import Fault, FaultProxy
 from tests.fixtures.http import NginxServer, random_bytes
 from tests.helpers import fill_up
@@ -244,7 +244,7 @@ _RSS_SCRIPT = """
 import json, sys
 from modelcache.sources.credentials import Settings
 from modelcache.pull import pull
-from modelcache.transfer import TransferOptions
+from modelcache.engine.transfer import TransferOptions
 opts = TransferOptions(workers=8, chunk_size=int(sys.argv[3]))
 res = pull(sys.argv[1], root=sys.argv[2], settings=Settings.from_env({}), options=opts)
 # VmHWM, not ru_maxrss: the latter is inherited from the parent across fork and exec.

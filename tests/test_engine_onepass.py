@@ -21,14 +21,14 @@ from typing import Any
 
 import pytest
 
-from modelcache import transfer, transfer_files
+from modelcache.engine import transfer, transfer_files
+from modelcache.engine.transfer import TransferOptions
 from modelcache.pull import pull
 from modelcache.sources.credentials import Settings
 from modelcache.sources.httpread import make_pool, open_range
 from modelcache.sources.integrity import MultiHasher
 from modelcache.sources.remote import RemoteFile
 from modelcache.store import diskio
-from modelcache.transfer import TransferOptions
 from tests.faultproxy import Fault, FaultProxy
 from tests.fixtures.http import NginxServer
 from tests.helpers import REPO
@@ -125,7 +125,7 @@ def test_no_lock_is_held_while_hashing(nginx: NginxServer, tmp_path: Path, monke
         locks.append(lock)
         return lock
 
-    # A file's lock (FileState, modelcache/transfer_files.py) and any the engine makes itself.
+    # A file's lock (FileState, modelcache/engine/transfer_files.py) and any the engine makes itself.
     shim = types.SimpleNamespace(**{**vars(threading), "Lock": make_lock})
     monkeypatch.setattr(transfer_files, "threading", shim)
     monkeypatch.setattr(transfer, "threading", shim)
@@ -161,7 +161,7 @@ _WINDOW_SCRIPT = """
 import json, sys
 from modelcache.sources.credentials import Settings
 from modelcache.pull import pull_many
-from modelcache.transfer import TransferOptions
+from modelcache.engine.transfer import TransferOptions
 def rss(key):
     return int([ln for ln in open("/proc/self/status") if ln.startswith(key)][0].split()[1]) * 1024
 opts = TransferOptions(workers=8, chunk_size=16 << 20, spare_buffers=4)

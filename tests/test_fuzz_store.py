@@ -19,13 +19,13 @@ from hypothesis import given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
+from modelcache.engine.transfer import TransferOptions
 from modelcache.pull import _list, _Model, _prepare_staging, pull
 from modelcache.sources.credentials import Settings
 from modelcache.sources.integrity import hash_file
 from modelcache.sources.uri import parse_uri
 from modelcache.store import NodeLayout, NodeStore
 from modelcache.store.journal import Journal
-from modelcache.transfer import TransferOptions
 from tests.fuzzing import examples, mutate, mutation
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(600)]

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import urllib3
 
+from modelcache.engine.transfer import TransferOptions
 from modelcache.peers.client import PeerBusy, PeerClient
 from modelcache.peers.local import LocalPieces
 from modelcache.peers.pieces import (
@@ -34,7 +35,6 @@ from modelcache.sources.base import Checksum, RemoteFile
 from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
 from modelcache.store.journal import Journal, JournalState
-from modelcache.transfer import TransferOptions
 from tests.peer_util import TOKEN, MiB, Node, check, make_source, node_factory, pull_all
 
 # ---- pieces and records ------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from modelcache.engine.transfer import TransferOptions
 from modelcache.peers.client import Cancel, PeerCancelled, PeerClient, PeerError, PeerInfo
 from modelcache.peers.network import PeerNetwork
 from modelcache.peers.pieces import PieceRecord, hash_piece, piece_count
@@ -28,7 +29,6 @@ from modelcache.pull import pull
 from modelcache.sources.credentials import Settings
 from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.transfer import TransferOptions
 from tests.byzantine import ByzantinePeer, Lies
 from tests.fixtures.gcs import GCSServer
 from tests.helpers import REPO

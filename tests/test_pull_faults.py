@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from modelcache.engine.transfer import TransferOptions
 from modelcache.errors import IntegrityError, ModelcacheError, StoreError, TransientError
 from modelcache.pull import pull
 from modelcache.sources.credentials import Settings
 from modelcache.sources.uri import storage_key
-from modelcache.transfer import TransferOptions
 from tests.faultproxy import Fault, FaultProxy
 from tests.fixtures.http import NginxServer
 from tests.helpers import free_port, mounted_tmpfs, wait_until

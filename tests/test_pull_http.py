@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from modelcache.engine.transfer import TransferOptions
 from modelcache.errors import AuthError, IntegrityError, NotFoundError, SourceError
 from modelcache.pull import pull, pull_many
 from modelcache.sources.credentials import Settings
 from modelcache.sources.remote import RemoteFile
 from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.transfer import TransferOptions
 from tests.contract import BackendContract, NetworkContract, ProxyTarget, Target
 from tests.faultproxy import FaultProxy
 from tests.fixtures.http import NginxServer

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from modelcache.engine.transfer import TransferOptions
 from modelcache.pull import PullPlan, PullRequest, PullResult, pull, pull_many
 from modelcache.sources.credentials import Settings
 from modelcache.sources.uri import parse_uri
 from modelcache.store import NodeStore
-from modelcache.transfer import TransferOptions
 
 OPTIONS = TransferOptions(workers=2, chunk_size=16 << 10, direct_io=False, max_attempts=1)
 

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from modelcache.engine.transfer import TransferOptions
 from modelcache.errors import SourceChangedError
 from modelcache.pull import PullPlan, PullResult, pull
 from modelcache.repair import repair
 from modelcache.sources.credentials import Settings
 from modelcache.sources.uri import storage_key
 from modelcache.store import NodeLayout, NodeStore
-from modelcache.transfer import TransferOptions
 from tests.fixtures.http import random_bytes
 from tests.helpers import REPO, wait_until
 from tests.hfhub import HubServer

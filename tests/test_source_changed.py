@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from modelcache.engine.transfer import TransferOptions
 from modelcache.errors import IntegrityError, SourceChangedError, SourceError
 from modelcache.pull import pull
 from modelcache.sources import local as local_mod
@@ -30,7 +31,6 @@ from modelcache.sources.local import LocalSource
 from modelcache.sources.ranges import check_total, parse_content_range
 from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
-from modelcache.transfer import TransferOptions
 from tests.faultproxy import Fault, FaultProxy
 from tests.fixtures.http import NginxServer, random_bytes
 from tests.objectstore_data import read_range

@@ -200,7 +200,7 @@ def test_bad_flag_values(spec: Path, tmp_path: Path, module: str, flag: str, val
 
 
 def test_agent_buffers_beyond_the_memory_left_are_one_line(spec: Path, tmp_path: Path) -> None:
-    from modelcache.resources import available_memory
+    from modelcache.engine.resources import available_memory
 
     have = available_memory()
     assert have is not None and have < 3 * 384 << 30  # 256 workers x 1 GiB chunks x 2 models do not fit

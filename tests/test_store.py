@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from modelcache.engine.transfer import TransferOptions
 from modelcache.pull import pull
 from modelcache.sources.credentials import Settings
 from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
 from modelcache.store.journal import Journal, seal
-from modelcache.transfer import TransferOptions
 
 OPTS = TransferOptions(workers=2, chunk_size=64 * 1024)
 

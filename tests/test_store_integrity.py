@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
+from modelcache.engine.transfer import TransferOptions
 from modelcache.pull import pull
 from modelcache.sources.credentials import Settings
 from modelcache.store import NodeStore
 from modelcache.store import journal as journal_mod
 from modelcache.store.journal import Journal
-from modelcache.transfer import TransferOptions
 from tests.fixtures.http import random_bytes
 from tests.helpers import require, require_tool
 from tests.pull_helpers import run_cli

@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from modelcache.engine.transfer import FileJob, TransferEngine, TransferOptions
+from modelcache.engine.transfer_control import StreamLimit
 from modelcache.sources.base import open_source
 from modelcache.sources.credentials import Settings
 from modelcache.store.journal import Journal
-from modelcache.transfer import FileJob, TransferEngine, TransferOptions
-from modelcache.transfer_control import StreamLimit
 
 
 def test_hill_climb_keeps_steps_that_pay_and_undoes_those_that_do_not():

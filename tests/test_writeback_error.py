@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from modelcache.engine.transfer import TransferOptions
 from modelcache.errors import StoreError
 from modelcache.pull import pull
 from modelcache.sources.credentials import Settings
@@ -35,7 +36,6 @@ from modelcache.sources.local import _FileStream
 from modelcache.sources.uri import storage_key
 from modelcache.store import NodeStore
 from modelcache.store.journal import unseal
-from modelcache.transfer import TransferOptions
 from tests.fixtures.http import random_bytes
 from tests.helpers import require, require_tool
 

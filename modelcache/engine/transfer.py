@@ -30,15 +30,9 @@ from typing import Any, Literal
 
 from tenacity import Retrying
 
-from modelcache.errors import CancelledError, IntegrityError, ModelcacheError, RateLimitedError, TransientError
-from modelcache.resources import ResourceError
-from modelcache.runtime.progress import ProgressTracker, human_bytes, plural
-from modelcache.sources.base import Source
-from modelcache.sources.integrity import MultiHasher
-from modelcache.sources.remote import RangeStream
-from modelcache.store.diskio import ALIGN, BufferPool, FileWriter, direct_io_supported
-from modelcache.transfer_control import SourceStats, StreamLimit, Watch, Watchdog, retry_policy
-from modelcache.transfer_files import (
+from modelcache.engine.resources import ResourceError
+from modelcache.engine.transfer_control import SourceStats, StreamLimit, Watch, Watchdog, retry_policy
+from modelcache.engine.transfer_files import (
     PIECE,
     READ_SIZE,
     Chunk,
@@ -52,6 +46,12 @@ from modelcache.transfer_files import (
     progress_key,
     sync_once,
 )
+from modelcache.errors import CancelledError, IntegrityError, ModelcacheError, RateLimitedError, TransientError
+from modelcache.runtime.progress import ProgressTracker, human_bytes, plural
+from modelcache.sources.base import Source
+from modelcache.sources.integrity import MultiHasher
+from modelcache.sources.remote import RangeStream
+from modelcache.store.diskio import ALIGN, BufferPool, FileWriter, direct_io_supported
 
 log = logging.getLogger(__name__)
 

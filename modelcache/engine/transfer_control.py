@@ -20,7 +20,7 @@ from modelcache.errors import IntegrityError, ModelcacheError, RateLimitedError
 from modelcache.runtime.loop import Loop
 from modelcache.sources.remote import RangeStream
 
-log = logging.getLogger("modelcache.transfer")
+log = logging.getLogger("modelcache.engine.transfer")
 
 
 class SourceStats:

@@ -3,7 +3,7 @@
 ``FileJob`` is one file a pull asks for and ``FetchedFile`` what the engine returns for it.
 ``FileState`` holds a file while it is fetched: its chunks (``Chunk``), the chunks parked ahead of
 its hash cursor, its hasher and writer. ``Slot`` is a chunk's bytes in a pooled buffer, written
-and journaled per PIECE and hashed where the cursor is (modelcache/transfer.py runs the workers).
+and journaled per PIECE and hashed where the cursor is (modelcache/engine/transfer.py runs the workers).
 ``Slots`` hands out the pooled buffers and spills a parked one when none is free for too long.
 ``sync_once`` is the durability round: journaled pieces made durable, then the journals marked.
 """
@@ -26,7 +26,7 @@ from modelcache.sources.remote import Checksum, RemoteFile
 from modelcache.store.diskio import ALIGN, BufferPool, FileWriter
 from modelcache.store.journal import Journal, JournalState
 
-log = logging.getLogger("modelcache.transfer")
+log = logging.getLogger("modelcache.engine.transfer")
 
 MiB = 1 << 20
 PIECE = 4 * MiB  # written and journaled as it arrives: what a kill -9 can lose per chunk
