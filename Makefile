@@ -86,7 +86,7 @@ demo: install
 	CONTAINERS_CONF=$(CURDIR)/.work/image/containers.conf $(MAKE) image CONTAINER_TOOL=podman \
 	  IMAGE_BUILD_FLAGS="$(DEMO_IMAGE_FLAGS)"
 	$(BIN)/python -m tests.cluster.demo
-	$(BIN)/python -m modelcache.demo
+	$(BIN)/python -m examples.demo
 
 # ruff, the import rules (pyproject's [tool.importlinter]: the core never imports the roles or
 # Kubernetes code, sources never import the engine) and the type checker ([tool.mypy]).

@@ -225,7 +225,7 @@ def server_cpus() -> Iterator[None]:
 
 def modelcache_cmd() -> list[str]:
     exe = REPO / ".venv" / "bin" / "modelcache"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "modelcache.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "modelcache"]
 
 
 def modelcache_env(env: dict[str, str] | None = None) -> dict[str, str]:

@@ -57,7 +57,7 @@ def steps_reached(log: Path) -> list[str]:
 def main() -> None:
     at, _, nth = sys.argv[1].partition(":")
     _install(at, int(nth or 1), os.environ.get("MODELCACHE_STEPS_LOG"))
-    from modelcache.cli import main as cli_main
+    from modelcache.cli.commands import main as cli_main
 
     sys.argv = ["modelcache", *sys.argv[2:]]
     cli_main()

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(180)
 def test_demo_pulls_one_model_of_several_files_and_runs_the_agent_standalone(tmp_path):
     env = {**os.environ, "MODELCACHE_DEMO_DIR": str(tmp_path), "MODELCACHE_DEMO_SHARDS": "2",
            "MODELCACHE_DEMO_SHARD_MB": "1"}
-    proc = subprocess.run([sys.executable, "-m", "modelcache.demo"], cwd=REPO, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "examples.demo"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = proc.stdout
@@ -43,14 +43,14 @@ def test_demo_pulls_one_model_of_several_files_and_runs_the_agent_standalone(tmp
 
 
 def test_an_installed_demo_writes_nothing_into_the_current_directory(tmp_path):
-    """Run from a pip install (not the project's checkout), it used to fill ./.work with 1.7 GB."""
+    """Run outside the project's checkout (it shipped in the wheel then), it used to fill ./.work with 1.7 GB."""
     cwd, tmp = tmp_path / "somewhere", tmp_path / "tmp"
     cwd.mkdir()
     tmp.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "MODELCACHE_DEMO_DIR"}
     env.update(TMPDIR=str(tmp), MODELCACHE_DEMO_SHARDS="1", MODELCACHE_DEMO_SHARD_MB="1",
                PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "modelcache.demo"], cwd=cwd, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "examples.demo"], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert list(cwd.iterdir()) == []

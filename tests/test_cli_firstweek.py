@@ -418,7 +418,7 @@ def test_bars_show_binary_rates_and_no_eta_from_the_first_moments() -> None:
     line said "eta 2110h54m28s" from its first few kilobytes."""
     import io
 
-    from modelcache.display import show_progress
+    from modelcache.cli.display import show_progress
     from modelcache.runtime.progress import ProgressSnapshot, ProgressTracker, format_line
 
     tracker = ProgressTracker()

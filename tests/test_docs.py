@@ -25,7 +25,7 @@ _FLAG = re.compile(r"^--[a-z][a-z0-9-]*")
 def _commands() -> dict[str, click.Command]:
     from agent.__main__ import cli as agent_cli
     from coordinator.__main__ import cli as coordinator_cli
-    from modelcache.cli import cli as modelcache_cli
+    from modelcache.cli.commands import cli as modelcache_cli
 
     return {"modelcache": modelcache_cli, "modelcache-agent": agent_cli, "modelcache-coordinator": coordinator_cli}
 
@@ -365,7 +365,7 @@ def test_every_module_is_in_a_module_table() -> None:
     sections = dict(re.findall(r"^### `([a-z/]+)/`[^\n]*\n(.*?)(?=^##|\Z)", arch, re.M | re.S))
     where = {p: sections.get(p, "") for p in ("modelcache", "modelcache/sources", "modelcache/kube",
                                               "modelcache/peers", "modelcache/store", "modelcache/runtime",
-                                              "modelcache/engine", "initializer")}
+                                              "modelcache/engine", "modelcache/cli", "initializer")}
     where["agent"] = (REPO / "docs" / "agent.md").read_text()
     where["coordinator"] = (REPO / "docs" / "coordinator.md").read_text()
     packages = {p.parent.relative_to(REPO).as_posix() for root in ("modelcache", "agent", "coordinator", "initializer")

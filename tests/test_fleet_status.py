@@ -10,7 +10,7 @@ from typing import Any
 
 from click.testing import CliRunner
 
-from modelcache.cli import cli
+from modelcache.cli.commands import cli
 from modelcache.kube.fleet import build, render
 
 GiB = 1 << 30

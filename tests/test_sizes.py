@@ -31,7 +31,7 @@ def test_the_cli_the_initializer_and_the_agent_read_16M_alike(monkeypatch: pytes
     """16M was 16 MiB to `modelcache pull` and the initializer but 16,000,000 bytes to the agent."""
     import agent.__main__ as agent_main
     from initializer.__main__ import transfer_options
-    from modelcache.cli import SizeType
+    from modelcache.cli.commands import SizeType
 
     assert SizeType().convert("16M", None, None) == MIB16
     assert transfer_options({"MODELCACHE_CHUNK_SIZE": "16M"}).chunk_size == MIB16

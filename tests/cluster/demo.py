@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from modelcache.demo import make_model
+from examples.demo import make_model
 from modelcache.sources.uri import storage_key
 from tests.cluster.controlplane import ControlPlane, free_port
 from tests.cluster.images import podman_archive, project_image, static_image

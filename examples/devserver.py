@@ -1,7 +1,7 @@
 """A small static file server with Range, ETag and Repr-Digest, for the demo and manual checks.
 
 Not for production and not used by the tests (they run real nginx). It exists so `make demo`
-needs nothing but the project itself: ``python -m modelcache.devserver DIR --port 8000``.
+needs nothing but the project itself: ``python -m examples.devserver DIR --port 8000``.
 """
 
 from __future__ import annotations

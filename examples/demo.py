@@ -10,8 +10,9 @@ An HTTP URI names one file (HTTP has no listing): one URI, one stored model. So 
 served as one archive, which modelcache (as KServe) unpacks into one model folder; a folder of
 files comes whole from a listing source instead (a local path, S3, GCS, Azure, HF, OCI, HDFS).
 
-Where: ``$MODELCACHE_DEMO_DIR``, else ``.work/demo`` in a checkout of the project, else a folder
-under the system's temporary directory (never the current directory of an installed copy).
+Not in the wheel: it runs from a checkout (``python -m examples.demo``, or ``make demo``). Where:
+``$MODELCACHE_DEMO_DIR``, else ``.work/demo`` in the project's checkout, else (run from elsewhere)
+a folder under the system's temporary directory, never the current directory.
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from modelcache.devserver import serve
+from examples.devserver import serve
 
 
 def _work() -> Path:
     if os.environ.get("MODELCACHE_DEMO_DIR"):
         return Path(os.environ["MODELCACHE_DEMO_DIR"])
-    if Path("Makefile").is_file() and Path("modelcache/demo.py").is_file():  # the project's checkout
+    if Path("Makefile").is_file() and Path("examples/demo.py").is_file():  # the project's checkout
         return Path(".work/demo")
     return Path(tempfile.gettempdir()) / "modelcache-demo"
 

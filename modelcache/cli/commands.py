@@ -26,7 +26,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from modelcache.cli_options import (
+from modelcache.cli.options import (
     LEVELS,
     SizeType,
     assume_unused_option,
@@ -159,7 +159,7 @@ def pull(ctx: click.Context, uris: tuple[str, ...], root: Path, dest: Path | Non
     A stored model is answered from the store without asking its source; `--check` compares it
     with the source (no download) and `--refresh` brings it up to date.
     """
-    from modelcache.display import show_progress
+    from modelcache.cli.display import show_progress
     from modelcache.pull import PullRequest, PullResult, SpacePolicy, pull_many
 
     if (check or refresh) and dest is not None:
@@ -486,12 +486,12 @@ def _mark(store: NodeStore, key: str, problems: list[dict[str, str]]) -> None:
         with store.lock(key, blocking=False):
             store.mark_damaged(key, [p["path"] for p in problems if p["path"]], f"verify found damage: {reason}")
     except ModelcacheError as exc:
-        logging.getLogger("modelcache.cli").info("%s: damage not recorded: %s", key, exc)
+        logging.getLogger("modelcache.cli.commands").info("%s: damage not recorded: %s", key, exc)
 
 
 def _repair(store: NodeStore, key: str, given: str | None, progress_mode: str) -> bool:
     """``verify --repair`` of one model: the agent's in-place repair (modelcache.repair), from here."""
-    from modelcache.display import show_progress
+    from modelcache.cli.display import show_progress
     from modelcache.pull import PullRequest, pull
     from modelcache.repair import repair
     from modelcache.sources.credentials import Settings
