@@ -89,7 +89,8 @@ demo: install
 	$(BIN)/python -m examples.demo
 
 # ruff, the import rules (pyproject's [tool.importlinter]: the core never imports the roles or
-# Kubernetes code, sources never import the engine) and the type checker ([tool.mypy]).
+# Kubernetes code, the core's folders import only the floors below them) and the type checker
+# ([tool.mypy]).
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-cache
