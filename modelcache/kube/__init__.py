@@ -28,6 +28,7 @@ Typical use (the agent watching its own LocalModelNode)::
 
     def reconcile(key: str) -> Result:
         obj = nodes.store.get(key)          # from the cache: no API read
+        lmn = LocalModelNodeView(obj)       # read in place: lmn.entries, lmn.model_status, lmn.meta.labels
         ...
         patch_status_if_changed(kube, LOCAL_MODEL_NODES, key, lambda o: new_status, current=obj)
         return Result(requeue_after=60)
