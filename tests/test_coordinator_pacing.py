@@ -5,12 +5,17 @@ bench/coordinator_scale.py measures what these save on the real control plane.""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
-from coordinator.controllers import lost_or_failed
+from kubernetes.client import ApiClient
+
+from coordinator.controllers import build_wiring, lost_or_failed
 from coordinator.nodes import group_labels, group_labels_differ
 from coordinator.pacing import StatusPacer
-from coordinator.view import pending_cache_keys
+from coordinator.view import ClusterView, pending_cache_keys
+from modelcache.kube.client import Kube
+from modelcache.kube.events import EventRecorder
 from modelcache.kube.informer import Store
 from modelcache.kube.types import node_group_label
 
@@ -26,7 +31,10 @@ class Clock:
 def test_progress_is_paced_across_caches_and_what_matters_is_not() -> None:
     clock = Clock()
     pacer = StatusPacer(rate=0.5, min_interval=1.0, window=30.0, clock=clock)
-    assert pacer.wait("a", progress=True) == 0  # a first write goes at once
+    # A new cache is paced from its first ask: alone, one interval (1 / rate) later.
+    assert pacer.wait("a", progress=True) == 2.0
+    clock.now += 2.0
+    assert pacer.wait("a", progress=True) == 0
     pacer.wrote("a")
     clock.now += 1.0
     # Alone, a cache reporting progress writes every 1 / rate seconds.
@@ -36,7 +44,7 @@ def test_progress_is_paced_across_caches_and_what_matters_is_not() -> None:
     pacer.wrote("a")
     # 20 caches reporting at once share the pace: each every 20 / 0.5 = 40 s.
     for i in range(19):
-        assert pacer.wait(f"c{i}", progress=True) == 0
+        assert pacer.wait(f"c{i}", progress=True) == 2.0 * (i + 2)  # new: a whole interval
         pacer.wrote(f"c{i}")
     assert pacer.interval() == 40.0
     clock.now += 5
@@ -57,7 +65,60 @@ def test_progress_is_paced_across_caches_and_what_matters_is_not() -> None:
     clock.now += 31
     assert pacer.wait("a", progress=True) == 0 and pacer.interval() == 2.0
     pacer.forget("a")
-    assert pacer.wait("a", progress=True) == 0
+    assert pacer.wait("a", progress=True) == 2.0  # new again
+
+
+def test_a_new_caches_first_status_is_paced_unless_urged_or_done() -> None:
+    """bench/coordinator_scale.py at 10,000 nodes: 200 new caches each wrote 1,000 members'
+    pending nodeStatus at once (7 MB, 17.5 % of the coordinator's API time)."""
+    clock = Clock()
+    pacer = StatusPacer(rate=0.5, min_interval=1.0, window=1000.0, clock=clock)
+    for i in range(200):
+        pacer.wait(f"c{i}", progress=True)
+    assert pacer.interval() == 400.0
+    clock.now += 100
+    assert pacer.wait("c0", progress=True) == 300.0  # counted from its first ask, not written yet
+    assert pacer.wait("new", progress=True) == 402.0  # one more cache asking: a whole interval
+    assert pacer.wait("done", progress=False) == 0  # every member reported: shown at once
+    pacer.urge(["c1"])
+    assert pacer.wait("c1", progress=True) == 0  # what must show now still does
+    clock.now += 302
+    assert pacer.wait("c0", progress=True) == 0
+    pacer.wrote("c0")
+    clock.now += 1
+    assert pacer.wait("c0", progress=True) == 401.0  # written: paced from its write as before
+
+
+def test_a_caches_own_creation_and_status_writes_do_not_urge_it_a_spec_change_does() -> None:
+    """Each status write comes back as an update of the cache; when it urged the next write, a
+    cache wrote once a second whatever the pace (2,492 status writes for 200 caches at 10,000
+    nodes)."""
+    view = ClusterView.build(Kube(ApiClient()), with_services=False)
+    wiring = build_wiring(view, EventRecorder(view.kube, "test"))
+    clock = Clock()
+    wiring.pacer.clock = clock
+    cache = {"metadata": {"name": "c", "resourceVersion": "1"},
+             "spec": {"sourceModelUri": "s3://b/m", "nodeGroups": ["g"]}}
+
+    def event(kind: str, **changes: Any) -> None:
+        """The watch event of the cache, changed (and with a new resourceVersion)."""
+        obj = copy.deepcopy(view.caches.store.get_raw("c") or cache)
+        rv = int(obj["metadata"]["resourceVersion"])
+        obj.update(copy.deepcopy(changes))
+        obj["metadata"]["resourceVersion"] = str(rv + 1)
+        view.caches._event({"type": kind, "object": obj})
+
+    event("ADDED")
+    assert wiring.pacer.wait("c", progress=True) == 2.0  # created: paced
+    clock.now += 2
+    wiring.pacer.wrote("c")
+    event("MODIFIED", status={"copies": {"available": 0, "total": 1000}})  # our own write, back
+    event("MODIFIED", metadata={**cache["metadata"], "finalizers": ["localmodel.kserve.io/finalizer"]})
+    clock.now += 1
+    assert wiring.pacer.wait("c", progress=True) == 1.0  # still paced: one interval after the write
+    event("MODIFIED", spec={**cache["spec"], "nodeGroups": ["g", "h"]})
+    assert wiring.pacer.wait("c", progress=True) == 0  # a spec change shows at once
+    assert [len(ctl.queue) for ctl in wiring.manager.controllers if ctl.name == "LocalModelCache"] == [1]
 
 
 def lmn(models: dict[str, str | None], **status: Any) -> dict[str, Any]:
