@@ -14,7 +14,7 @@ from coordinator import metrics
 from coordinator.caches import CacheReconciler, cache_keys_for_kind
 from coordinator.nodes import NodeReconciler
 from coordinator.nodeselector import node_ready
-from coordinator.pacing import StatusPacer
+from coordinator.pacing import CacheBurst, StatusPacer
 from coordinator.services import ServiceReconciler
 from coordinator.urimatch import isvc_storage_uri, llmisvc_model_uri
 from coordinator.view import (
@@ -142,6 +142,8 @@ class Wiring:
     cache_watchers: list[tuple[Controller, Callable[[str, Obj, Obj | None], list[str]]]] = field(default_factory=list)
     #: The one pace of both kinds of cache's status writes.
     pacer: StatusPacer = field(default_factory=StatusPacer)
+    #: Holds the node reconciler's writes while caches are still arriving.
+    burst: CacheBurst = field(default_factory=CacheBurst)
 
 
 def build(view: ClusterView, recorder: EventRecorder, options: Options | None = None) -> Manager:
@@ -194,13 +196,14 @@ def build_wiring(view: ClusterView, recorder: EventRecorder, options: Options | 
         manager.add(ctl)
         cache_controllers.append((ctl, namespaced))
 
-    nodes = NodeReconciler(view)
+    nodes = NodeReconciler(view, wiring.burst)
     node_ctl = Controller("node", counted("node", nodes), workers=options.workers)
     node_ctl.watch(view.nodes, own_key, node_changed)
     node_ctl.watch(view.lmns, own_key, entries_or_states_changed)
 
     def cache_nodes(_e: str, obj: Obj, old: Obj | None) -> list[str]:
         """A cache's members (before and after) and the nodes holding its entry."""
+        wiring.burst.saw()
         out: set[str] = set()
         for o in (obj, old):
             if o is None:

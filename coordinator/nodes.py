@@ -29,6 +29,7 @@ from kubernetes.client.exceptions import ApiException
 
 from coordinator import entries, metrics, nodelabels, reports
 from coordinator.membership import Member
+from coordinator.pacing import CacheBurst
 from coordinator.view import ClusterView, cache_key
 from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NAMESPACE_CACHES, LOCAL_MODEL_NODES, NODES
 from modelcache.kube.controller import Result
@@ -105,9 +106,11 @@ def group_labels_differ(lmn: dict[str, Any], models: list[dict[str, Any]]) -> bo
 class NodeReconciler:
     name = "node"
 
-    def __init__(self, view: ClusterView) -> None:
+    def __init__(self, view: ClusterView, burst: CacheBurst | None = None) -> None:
         self.view = view
         self.kube = view.kube
+        #: Told of every cache change by the wiring (coordinator/controllers.py).
+        self.burst = burst or CacheBurst()
 
     def __call__(self, key: str) -> Result:
         node = self.view.nodes.store.get(key)
@@ -122,6 +125,9 @@ class NodeReconciler:
             self.view.gone.forget(key)
             return Result()
         self.view.gone.forget(key)
+        held = self.burst.hold()
+        if held > 0:  # caches are still arriving: write the node's entries once they are all here
+            return Result(requeue_after=held)
         lmn = self.sync_entries(key, lmn, node)
         patch = nodelabels.label_patch(node, nodelabels.downloaded_labels(lmn, reports.node_uid(node)))
         if patch:
