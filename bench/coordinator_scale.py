@@ -386,6 +386,8 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
         start = time.monotonic()
         for c in range(caches):
             retried(f"cache {c}", lambda c=c: make_cache(kube, cache_name(c), cache_uri(c), [f"g{c % groups}"]))
+        created_s = time.monotonic() - start
+        progress(f"{caches} caches created in {created_s:.1f} s")
 
         def converged() -> bool:
             try:
@@ -430,6 +432,7 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
         mem = rss(proc.pid)
         to_converge = delta(last, requests0)
         return {
+            "caches_created_seconds": round(created_s, 1),
             "caches_available_seconds": round(available_s, 1), "converge_seconds": round(converge_s, 1),
             "requests_to_converge": to_converge, "writes_to_converge": delta(last_writes, writes0),
             "requests_at_start": {k: int(v) for k, v in sorted(requests0.items())},
