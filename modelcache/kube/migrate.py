@@ -30,6 +30,7 @@ from modelcache.kube.client import (
 from modelcache.kube.objects import meta
 from modelcache.kube.quantity import parse_quantity
 from modelcache.kube.types import norm_path, pv_root
+from modelcache.kube.views import CacheView
 
 DEPLOYMENTS = Resource("apps", "v1", "deployments", "Deployment", True)
 DAEMON_SETS = Resource("apps", "v1", "daemonsets", "DaemonSet", True)
@@ -181,7 +182,7 @@ def gather(kube: Kube, kserve_namespace: str = "kserve", credentials_namespace: 
     f.job_identity = kube.get_or_none(SERVICE_ACCOUNTS, "default", f.job_namespace)
     f.agent_account = kube.get_or_none(SERVICE_ACCOUNTS, OUR_AGENT, OUR_NAMESPACE)
     f.job_leftovers = len(kube.list(JOBS, f.job_namespace, label_selector="model,node").get("items") or [])
-    names = {f"{meta(c).name}-{g}" for c in f.caches for g in (c.get("spec") or {}).get("nodeGroups") or []}
+    names = {f"{meta(c).name}-{g}" for c in f.caches for g in CacheView(c).node_groups}
     pvcs = [meta(p).name for p in kube.list(PERSISTENT_VOLUME_CLAIMS, f.job_namespace).get("items") or []]
     f.pvc_leftovers = sorted(n for n in pvcs if n in names or n.endswith("-download"))
     return f
@@ -370,7 +371,7 @@ def _uris(f: Facts) -> list[Step]:
 
     out = []
     for c in f.caches:
-        uri = str((c.get("spec") or {}).get("sourceModelUri") or "")
+        uri = CacheView(c).source_model_uri
         try:
             parse_uri(uri)
         except ModelcacheError as exc:
@@ -438,7 +439,7 @@ def _identity(f: Facts) -> list[Step]:
         if not keyless(c):
             continue
         try:
-            location = parse_uri(str((c.get("spec") or {}).get("sourceModelUri") or ""))
+            location = parse_uri(CacheView(c).source_model_uri)
         except ModelcacheError:
             continue
         kind = location.kind
@@ -518,8 +519,7 @@ def _storage_limit(f: Facts) -> list[Step]:
     for g in f.groups:
         name = meta(g).name
         limit = parse_quantity((g.get("spec") or {}).get("storageLimit"))
-        sizes = [parse_quantity((c.get("spec") or {}).get("modelSize")) or 0 for c in f.caches
-                 if name in ((c.get("spec") or {}).get("nodeGroups") or [])]
+        sizes = [parse_quantity(CacheView(c).model_size) or 0 for c in f.caches if name in CacheView(c).node_groups]
         need = sum(sizes)
         if limit is None or need <= limit:
             continue
