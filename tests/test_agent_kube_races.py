@@ -54,13 +54,19 @@ def test_second_agent_waits_politely_exits_on_sigterm_and_takes_over(cluster, ku
     nor writes status while the first runs, and exits at once on SIGTERM; the first, stopped,
     reports its download interrupted (not failed, no Warning event); a waiting successor takes
     over and resumes it."""
+    # The first agent's download must outlast every step up to the third agent's start (each
+    # waits up to 20-30 s). 6 MiB on the test flags' two 1 MiB streams at 200 KiB/s each took 15 s
+    # and ran out under load (the file was Downloaded before the SIGTERM); 24 MiB on one stream
+    # takes 120 s, and the test raises the rate once those steps are done. (A lower rate instead
+    # makes nginx's old worker sleep past the reload's 10 s on its unsent buffer.)
+    size = 24 << 20
     nginx.set_limit_rate("slow", 200 << 10)
-    nginx.write("slow/model.bin", 6 << 20)
+    nginx.write("slow/model.bin", size)
     uri = nginx.url("slow/model.bin")
     root = tmp_path / "root"
     create_node(kube, "node-a", [entry("m", uri)])
     statuses = StatusLog(kube, "node-a")
-    first = start_agent(cluster.agent_kubeconfig, "node-a", root, tmp_path, name="first")
+    first = start_agent(cluster.agent_kubeconfig, "node-a", root, tmp_path, "--workers", "1", name="first")
     second = third = None
     try:
         wait_until(lambda: (statuses.bytes_done("m") or [0])[-1] > 0, timeout=60, what="first agent downloading")
@@ -83,6 +89,9 @@ def test_second_agent_waits_politely_exits_on_sigterm_and_takes_over(cluster, ku
         third = start_agent(cluster.agent_kubeconfig, "node-a", root, tmp_path, name="third")
         wait_until(lambda: "another agent is running on this root" in third.log(), timeout=30,
                    what="third agent waiting")
+        # Two pieces in (4 MiB each): what the third agent must not fetch again.
+        wait_until(lambda: (statuses.bytes_done("m") or [0])[-1] >= 8 << 20, timeout=120,
+                   what="first agent 8 MiB in")
         first.proc.send_signal(signal.SIGTERM)
         first.proc.wait(20)
         interrupted = [s for s in statuses.seen if (s.get("modelStatus") or {}).get("m") == P
@@ -93,8 +102,12 @@ def test_second_agent_waits_politely_exits_on_sigterm_and_takes_over(cluster, ku
         nginx.set_limit_rate("slow", 50 << 20)
         wait_states(kube, "node-a", {"m": D}, agent=third, timeout=90)
         assert "taking over" in third.log()
-        # Resumed from what the first agent staged, not fetched again from the start.
-        assert nginx.bytes_served("slow/model.bin") < (6 << 20) * 3 // 2, nginx.bytes_served("slow/model.bin")
+        # Resumed from what the first agent staged, not fetched again from the start: one request
+        # for data (the first agent's first) read from byte 0; each agent's listing also probes
+        # byte 0 alone (bytes=0-0), and a request without a Range reads it all.
+        ranges = [e.range for e in nginx.requests_for("slow/model.bin")]
+        from_zero = [r for r in ranges if r is None or (r.startswith("bytes=0-") and r != "bytes=0-0")]
+        assert len(from_zero) == 1, ranges
     finally:
         for agent in (first, second, third):
             if agent is not None:
