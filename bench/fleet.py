@@ -23,10 +23,12 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -83,11 +85,101 @@ PROBE = ("import time\nt, c = time.monotonic(), time.process_time()\n"
 PROBE_SECONDS = 3.0
 
 
-def cpu_share() -> float:
+def cpu_share(seconds: float = PROBE_SECONDS) -> float:
     """Cores one more runnable process gets now (0..1), measured by PROBE."""
-    out = subprocess.run([sys.executable, "-c", PROBE.format(s=PROBE_SECONDS)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", PROBE.format(s=seconds)], capture_output=True, text=True,
                          check=True, timeout=120)
     return round(float(out.stdout), 3)
+
+
+def runnable_threads(pids: list[int]) -> int:
+    """Threads of these processes running or waiting for a core now (state R in /proc)."""
+    n = 0
+    for pid in pids:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            n += stat.rsplit(")", 1)[1].split()[0] == "R"
+    return n
+
+
+#: The probe repeated while the agents transfer (the load moved from 13 to 41 during one 57 s run,
+#: bench/fleet-16.json: one probe before the run said nothing of it): PROBE_DURING seconds of it
+#: every PROBE_EVERY seconds, the agents' runnable threads sampled meanwhile.
+PROBE_DURING, PROBE_EVERY = 1.0, 2.0
+
+
+class LoadProbe:
+    """The probe, repeated in a thread until stopped: at each, seconds since ``t0``, the share of
+    a core the probe got, and the agents' runnable threads (the mean of samples taken while it
+    ran). From the share ``s`` and those threads ``a`` the other processes competing for the
+    ``cpus`` cores are ``cpus / s - 1 - a`` (the scheduler's fair share per runnable thread):
+    what bench/swarm_sim.py gives the agents' cores over time."""
+
+    def __init__(self, pids: list[int], t0: float) -> None:
+        self.pids, self.t0 = pids, t0
+        self.samples: list[tuple[float, float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-probe", daemon=True)
+
+    def start(self) -> LoadProbe:
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[tuple[float, float, float]]:
+        self._stop.set()
+        self._thread.join(30)
+        return self.samples
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            at = time.monotonic()
+            proc = subprocess.Popen([sys.executable, "-c", PROBE.format(s=PROBE_DURING)], stdout=subprocess.PIPE,
+                                    text=True)
+            counts: list[int] = []
+            while proc.poll() is None:
+                counts.append(runnable_threads(self.pids))
+                time.sleep(0.2)
+            out = proc.stdout.read() if proc.stdout else ""
+            if proc.returncode == 0 and out.strip():
+                self.samples.append((round(at - self.t0, 1), round(float(out), 3),
+                                     round(sum(counts) / max(1, len(counts)), 2)))
+            self._stop.wait(max(0.0, PROBE_EVERY - (time.monotonic() - at)))
+
+
+def rss_mib(agent: AgentProc) -> tuple[float, float]:
+    """The agent's resident memory now and its peak (VmRSS, VmHWM), MiB."""
+    try:
+        status = Path(f"/proc/{agent.proc.pid}/status").read_text()
+    except OSError:
+        return 0.0, 0.0
+    found = {k: int(v) / 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", status, re.M)}
+    return round(found.get("VmRSS", 0.0), 1), round(found.get("VmHWM", 0.0), 1)
+
+
+#: What the agents' logs say about their peers, counted per run (modelcache/peers/swarm.py's lines):
+#: a peer read that missed its deadline, a piece read from the origin after its budget ran out,
+#: an owner waited for in vain.
+PEER_EVENTS = {"too_slow": r"from \S+ too slow", "origin_fallbacks": r"no peer delivered it in",
+               "owners_missed": r"did not read it in"}
+
+
+def peer_events(agents: list[AgentProc]) -> dict[str, int]:
+    logs = [agent.log() for agent in agents]
+    return {what: sum(len(re.findall(pattern, text)) for text in logs) for what, pattern in PEER_EVENTS.items()}
+
+
+def counter(agent: AgentProc, name: str) -> float:
+    """A counter of the agent's /metrics (0 when it has no sample)."""
+    _, text = agent.get("/metrics")
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
 
 
 def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, workdir: Path,
@@ -115,6 +207,7 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
         # takes its per-byte costs from it); before it, each agent's start-up (imports, informers).
         cpu0 = [cpu_seconds(agent) for agent in agents]
         t0 = time.monotonic()
+        probe = LoadProbe([agent.proc.pid for agent in agents], t0).start()
         kube.create(LOCAL_MODEL_CACHES, {"metadata": {"name": f"llm-{mode}"}, "spec": {
             "sourceModelUri": origin.uri, "modelSize": str(origin.size), "nodeGroups": [mode],
             "storage": {"key": "fleet"}}})
@@ -134,9 +227,12 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
             if all(s == "ModelDownloaded" for s in now.values()):
                 break
             if time.monotonic() > deadline:
+                probe.stop()
                 raise TimeoutError(f"{mode}: not all Downloaded after {timeout:.0f}s: {now}")
             time.sleep(0.1)
         seconds = time.monotonic() - t0
+        cpu = [cpu_seconds(agent) for agent in agents]
+        during = probe.stop()
         sent = origin.origin_bytes()
         details = {n: ((kube.get(LOCAL_MODEL_NODES, n).get("status") or {}).get("modelDetails") or {}).get(
             f"llm-{mode}", {}) for n in names}
@@ -148,9 +244,20 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
                         raise AssertionError(f"{agent.node}: {path} differs from the source")
         if os.environ.get("FLEET_TIMELINE"):
             print("origin MiB by second:", [(t, round(b / 2**20)) for t, b in timeline[::10]], file=sys.stderr)
-        cpu = [cpu_seconds(agent) for agent in agents]
+        # Per agent, for bench/swarm_sim.py's CPU costs (a least-squares fit over the agents of
+        # every run): its CPU while transferring, the bytes it sent to peers, the polls it answered;
+        # and its memory (resident now, and at its peak).
+        agent_rows = {}
+        for agent, before, after in zip(agents, cpu0, cpu, strict=True):
+            rss, peak = rss_mib(agent)
+            agent_rows[agent.node] = {
+                "cpu_seconds": round(after - before, 2),
+                "sent_bytes": int(counter(agent, "modelcache_agent_peer_uploaded_bytes_total")),
+                "polls_answered": int(counter(agent, "modelcache_agent_peer_polls_answered_total")),
+                "rss_mib": rss, "peak_rss_mib": peak}
         return {"seconds": seconds, "origin_bytes": sent, "agent_cpu_seconds": round(sum(cpu), 1),
                 "agent_cpu_seconds_transfer": round(sum(cpu) - sum(cpu0), 2), "cpu_share": share,
+                "cpu_share_during": during, "agents": agent_rows, "peer_events": peer_events(agents),
                 "per_node": {n: [d.get("bytesFromOrigin"), d.get("bytesFromPeers")] for n, d in details.items()}}
     finally:
         for agent in agents:
@@ -205,6 +312,13 @@ def summary(nodes: int, model: int, rate: int, results: dict[str, dict[str, Any]
             "peer_bytes_p2p": peer_bytes,
             **{f"agent_cpu_seconds_{m}": of(m, "agent_cpu_seconds_transfer") for m in results},
             **{f"cpu_share_{m}": of(m, "cpu_share") for m in results},
+            # The probe repeated during each run: [seconds since the cache was made, a core's share,
+            # the agents' runnable threads]; and each agent's CPU, bytes sent, polls answered, memory.
+            **{f"cpu_share_during_{m}": of(m, "cpu_share_during") for m in results},
+            **{f"peer_events_{m}": of(m, "peer_events") for m in results},
+            **{f"agents_{m}": {n: {**row, "from_origin": (of(m, "per_node") or {}).get(n, [0, 0])[0],
+                                   "from_peers": (of(m, "per_node") or {}).get(n, [0, 0])[1]}
+                               for n, row in (of(m, "agents") or {}).items()} for m in results},
             "cpus": os.cpu_count(),
             "load_average_start": load_start, "load_average": [round(x, 1) for x in os.getloadavg()]}
 
