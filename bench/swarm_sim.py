@@ -44,6 +44,7 @@ its agents used (``cpu_costs``; ``--cpu-costs FLEET_JSON`` takes them from anoth
 from __future__ import annotations
 
 import argparse
+import gc
 import heapq
 import inspect
 import itertools
@@ -90,6 +91,7 @@ class Sim:
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.events = 0
+        self.finished = 0  # processes that said they are done (the run's end condition counts them)
 
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._heap, (max(t, self.now), next(self._seq), fn))
@@ -169,8 +171,8 @@ class Flow:
     byte's latency). Yielded by a process: resumed with True once moved, False if cut at
     ``deadline``."""
 
-    __slots__ = ("cap", "cost", "deadline", "delay", "done", "links", "nbytes", "proc", "rate", "remaining", "t0",
-                 "version")
+    __slots__ = ("cap", "cost", "counted", "deadline", "delay", "done", "links", "nbytes", "proc", "rate", "remaining",
+                 "t0", "version")
 
     def __init__(self, links: list[Link], nbytes: int, cap: float = math.inf, delay: float = 0.0,
                  deadline: float = math.inf, cpu: list[tuple[Link, float]] | None = None) -> None:
@@ -180,7 +182,10 @@ class Flow:
         for pool, per_byte in cpu or ():
             if per_byte > 0:
                 self.cost[pool] = self.cost.get(pool, 0.0) + per_byte
-        links = [*links, *self.cost]
+        # A link without a limit shares nothing: only counted (its flows would otherwise all be
+        # rescheduled whenever one starts or ends: O(flows) per event on a fleet-wide origin).
+        self.counted = [link.name for link in links]
+        links = [link for link in links if math.isfinite(link.cap)] + list(self.cost)
         self.links, self.nbytes, self.cap, self.delay, self.deadline = links, nbytes, cap, delay, deadline
         self.remaining = float(nbytes)
         self.rate = 0.0
@@ -208,13 +213,14 @@ class Net:
     def _reschedule(self, flows: dict[Flow, None]) -> None:
         now = self.sim.now
         for f in flows:
-            self._settle(f)
-        for f in flows:
             rate = f.cap
             for link in f.links:
                 # A link's capacity shared equally by its flows; a CPU pool's cores likewise (each
                 # flow a thread the scheduler treats alike), its share in bytes/s by the flow's cost.
                 rate = min(rate, link.cap / (len(link.flows) * f.cost.get(link, 1.0)))
+            if rate == f.rate and f.version:
+                continue  # its bottleneck is elsewhere: the end already scheduled holds
+            self._settle(f)
             f.rate = rate
             f.version += 1
             v = f.version
@@ -223,6 +229,14 @@ class Net:
                 self.sim.at(f.deadline, lambda f=f, v=v: self._finish(f, v, False))
             elif math.isfinite(end):
                 self.sim.at(end, lambda f=f, v=v: self._finish(f, v, True))
+
+    def set_cap(self, link: Link, cap: float) -> None:
+        """The link's capacity changes now (a machine's cores as other processes come and go)."""
+        if cap != link.cap:
+            for f in link.flows:
+                self._settle(f)
+            link.cap = cap
+            self._reschedule(link.flows)
 
     def start(self, f: Flow) -> None:
         if self.sim.now >= f.deadline:
@@ -244,7 +258,9 @@ class Net:
         for link in f.links:
             link.flows.pop(f, None)
             touched.update(link.flows)
-            self.moved[link.name] = self.moved.get(link.name, 0.0) + (f.nbytes - (0 if whole else f.remaining))
+        moved = f.nbytes - (0 if whole else f.remaining)
+        for name in f.counted:
+            self.moved[name] = self.moved.get(name, 0.0) + moved
         self._reschedule(touched)
         self.sim.step(f.proc, whole)  # type: ignore[arg-type]
 
@@ -278,19 +294,28 @@ class World:
     #: Seconds after its last piece until a node says Downloaded (verify, publish, status).
     finish: float = 0.5
     max_uploads: int = 4
-    #: The CPU model: CPU-s per byte a node takes in (from the origin or a peer: the read, sha-256,
-    #: a peer's TLS) and per byte it sends to a peer (TLS, the read); ``cpus`` cores per node
-    #: (``cpu_shared`` False: a fleet, each node its own cores) or for all nodes together
-    #: (``cpu_shared`` True: agents sharing one machine, as bench/fleet.py's run). ``cpus`` 0:
-    #: no CPU model (CPU never the limit).
+    #: The CPU model: CPU-s per byte a node takes in from a peer (the read, sha-256, TLS) and
+    #: from the origin (``cpu_origin``; < 0: as from a peer), per byte it sends to a peer (TLS,
+    #: the read), per long poll answered (``cpu_poll``: the request, the reply's JSON, TLS; half
+    #: on each end), and the cores an agent uses whatever it transfers (``cpu_idle``: watches,
+    #: status writes, threads); ``cpus`` cores per node (``cpu_shared`` False: a fleet, each node
+    #: its own cores) or for all nodes together (``cpu_shared`` True: agents sharing one machine,
+    #: as bench/fleet.py's run). ``cpus`` 0: no CPU model (CPU never the limit).
     cpus: float = 0.0
     cpu_shared: bool = False
     #: With ``cpu_shared``: the share of a core one more process got on the machine before the
     #: agents worked (measured by bench/fleet.py's probe); ``shared_cores`` says what the agents
     #: get together once they all run. 0: the machine is theirs alone.
     cpu_share: float = 0.0
+    #: With ``cpu_shared``: the other processes competing for the cores over time, (seconds since
+    #: the start, how many), from bench/fleet.py's probe repeated during the run; replaces
+    #: ``cpu_share`` from the first on.
+    cpu_others: tuple[tuple[float, float], ...] = ()
     cpu_pull: float = 0.0
     cpu_serve: float = 0.0
+    cpu_origin: float = -1.0
+    cpu_poll: float = 0.0
+    cpu_idle: float = 0.0
     settings: dict[str, Any] = field(default_factory=dict)
     seed: int = 1
     peers: bool = True
@@ -373,6 +398,7 @@ class Node:
         self.from_peers = 0
         self.dir_version = -1
         self.started_at = 0.0
+        self.polls_answered = 0
         self.polled_by = 0  # peers polling us now: each holds a connection (and a server thread)
         self.most_polled_by = 0
         self.most_links = 0
@@ -465,6 +491,11 @@ class Node:
             fetching = list(target.fetching)
             complete = target.done_at is not None
             seq, epoch = len(target.served), "e"
+            target.polls_answered += 1
+            if self.world.cpu_poll > 0 and self.cpu is not None and target.cpu is not None:
+                # The reply's CPU on both ends, on cores shared with every transfer there.
+                half = self.world.cpu_poll / 2
+                yield Flow([], 1, cpu=[(target.cpu, half), (self.cpu, half)])
             yield Sleep(target.latency_to(self))
             if link.stopped or self.done_at is not None:
                 return
@@ -521,11 +552,14 @@ class Node:
                 yield Sleep(self.world.finish)
                 if self.done_at is None:
                     self.done_at = self.sim.now
+                    self.sim.finished += 1
                     self.directory.publish(self.name, self.zone, True)
                     self.news.notify_all(self.sim)
 
-    def pull_cost(self) -> list[tuple[Link, float]]:
-        return [] if self.cpu is None else [(self.cpu, self.world.cpu_pull)]
+    def pull_cost(self, origin: bool = False) -> list[tuple[Link, float]]:
+        w = self.world
+        per_byte = w.cpu_origin if origin and w.cpu_origin >= 0 else w.cpu_pull
+        return [] if self.cpu is None else [(self.cpu, per_byte)]
 
     def span(self, ci: int, piece: int) -> int:
         start, end = piece_span(self.world.files[ci], self.piece_size, piece)
@@ -536,7 +570,8 @@ class Node:
         nbytes = sum(self.span(ci, p) for p in run)
         yield Sleep(self.world.origin_ttfb)
         first_byte = self.sim.now
-        yield Flow([*self.origin_links, self.down], nbytes, cap=self.world.origin_stream, cpu=self.pull_cost())
+        yield Flow([*self.origin_links, self.down], nbytes, cap=self.world.origin_stream,
+                   cpu=self.pull_cost(origin=True))
         self.from_origin += nbytes
         for p in run:
             self.record(ci, p, True)
@@ -568,7 +603,7 @@ class Node:
             for j, p in enumerate(claimed):
                 nbytes = self.span(ci, p)
                 yield Flow([*self.origin_links, self.down], nbytes, cap=self.world.origin_stream,
-                           cpu=self.pull_cost())
+                           cpu=self.pull_cost(origin=True))
                 self.from_origin += nbytes
                 got += nbytes
                 self.fetching.discard((ci, p))
@@ -685,6 +720,23 @@ def shared_cores(cpus: float, share: float, agents: int) -> float:
     return cpus * agents / (others + agents)
 
 
+def machine_cores(world: World, share: float) -> float:
+    """The cores the agents of a shared machine get together for their transfers: their fair
+    share (``shared_cores``) less what they use whatever they transfer (``cpu_idle`` each)."""
+    cores = shared_cores(world.cpus, share, world.nodes)
+    return max(0.01 * cores, cores - world.cpu_idle * world.nodes)
+
+
+def machine_load(sim: Sim, machine: Link, world: World) -> Proc:
+    """The machine's cores for the agents over time, as the other processes the probe measured
+    come and go (``cpu_others``: a step at each sample)."""
+    net: Net = sim.net  # type: ignore[attr-defined]
+    for at, others in world.cpu_others:
+        if at > sim.now:
+            yield Sleep(at - sim.now)
+        net.set_cap(machine, machine_cores(world, world.cpus / (others + 1)))
+
+
 def simulate(world: World, limit: float = 36000.0) -> dict[str, Any]:
     """Run the swarm; returns when every node holds the model."""
     sim = Sim()
@@ -699,19 +751,21 @@ def simulate(world: World, limit: float = 36000.0) -> dict[str, Any]:
     nodes: dict[str, Node] = {}
     machine = None
     if world.cpus > 0 and world.cpu_shared:
-        machine = Link(shared_cores(world.cpus, world.cpu_share, world.nodes), "cpu")
+        machine = Link(machine_cores(world, world.cpu_share), "cpu")
+        if world.cpu_others:
+            sim.spawn(machine_load(sim, machine, world))
     for i in range(world.nodes):
         z = i % world.zones
         node = Node(sim, world, i, z, directory, nodes, [total, zone_origin[z]])
         if world.cpus > 0:
-            node.cpu = machine or Link(world.cpus, f"{node.name}/cpu")
+            node.cpu = machine or Link(max(0.01 * world.cpus, world.cpus - world.cpu_idle), f"{node.name}/cpu")
         node.started_at = rng.uniform(*world.start)
         nodes[node.name] = node
         directory.members[node.name] = node.zone
     for node in nodes.values():
         sim.spawn(node.run())
     wall = time.monotonic()
-    sim.run(lambda: all(n.done_at is not None for n in nodes.values()), limit)
+    sim.run(lambda: sim.finished >= len(nodes), limit)
     done = max(n.done_at or 0.0 for n in nodes.values())
     per_zone = [sum(n.from_origin for n in nodes.values() if n.zone_index == z) for z in range(world.zones)]
     return {
@@ -722,13 +776,30 @@ def simulate(world: World, limit: float = 36000.0) -> dict[str, Any]:
         "inter_zone_bytes": sum(v for k, v in sim.net.moved.items() if "->" in k),  # type: ignore[attr-defined]
         "most_polled_by": max(n.most_polled_by for n in nodes.values()),
         "most_polling": max(n.most_links for n in nodes.values()),
+        "polls_answered": sum(n.polls_answered for n in nodes.values()),
         "events": sim.events, "wall_seconds": round(time.monotonic() - wall, 1),
     }
 
 
-def scenario(world: World) -> dict[str, Any]:
+def cpu_model(world: World) -> dict[str, Any] | None:
+    """The CPU model a run used, as its JSON says it (per GiB, per 1,000 polls)."""
+    if world.cpus <= 0:
+        return None
+    gib = 1 << 30
+    origin = world.cpu_origin if world.cpu_origin >= 0 else world.cpu_pull
+    return {"cores": world.cpus, "shared": world.cpu_shared, "share_per_agent": world.cpu_share,
+            "others_over_time": len(world.cpu_others) or None,
+            "cpu_s_per_gib_in": round(world.cpu_pull * gib, 3),
+            "cpu_s_per_gib_from_origin": round(origin * gib, 3),
+            "cpu_s_per_gib_sent": round(world.cpu_serve * gib, 3),
+            "cpu_s_per_1000_polls": round(world.cpu_poll * 1000, 3), "cores_idle_per_agent": round(world.cpu_idle, 4)}
+
+
+def scenario(world: World, alone_world: World | None = None) -> dict[str, Any]:
+    """The swarm, and one node alone in the same world (or in ``alone_world``: bench/fleet.py's
+    single run had its own machine load)."""
     swarm = simulate(world)
-    alone = simulate(World(**{**world.__dict__, "nodes": 1, "zones": 1, "peers": False}))
+    alone = simulate(alone_world or World(**{**world.__dict__, "nodes": 1, "zones": 1, "peers": False}))
     return {
         "nodes": world.nodes, "zones": world.zones, "model_bytes": world.size,
         "seconds": round(swarm["seconds"], 2), "seconds_single": round(alone["seconds"], 2),
@@ -737,10 +808,8 @@ def scenario(world: World) -> dict[str, Any]:
         "origin_per_zone": [round(x, 3) for x in swarm["origin_per_zone"]],
         "inter_zone_bytes_vs_model": round(swarm["inter_zone_bytes"] / world.size, 3),
         "most_polled_by": swarm["most_polled_by"], "most_polling": swarm["most_polling"],
-        "events": swarm["events"], "wall_seconds": swarm["wall_seconds"],
-        "cpu_model": {"cores": world.cpus, "shared": world.cpu_shared, "share_per_agent": world.cpu_share,
-                      "cpu_s_per_gib_in": round(world.cpu_pull * (1 << 30), 3),
-                      "cpu_s_per_gib_sent": round(world.cpu_serve * (1 << 30), 3)} if world.cpus > 0 else None,
+        "polls_answered": swarm["polls_answered"],
+        "events": swarm["events"], "wall_seconds": swarm["wall_seconds"], "cpu_model": cpu_model(world),
     }
 
 
@@ -754,64 +823,174 @@ def model_sizes(total: int, shards: int) -> tuple[int, ...]:
 
 #: A fleet's CPU (the CLI's default): each node its own cores, as many as deploy/'s agent may use
 #: (deploy/agent/daemonset.yaml: limits cpu 2). CPU-s per GiB taken in: the agent's pull at a
-#: 1-CPU quota (docs/benchmarks.md, issue 28: 0.79). Per GiB sent to a peer: that times what
-#: bench/fleet.py measured a sent byte to cost against a byte taken in (cpu_costs of
-#: bench/fleet-8-cpu.json: 4.15 / 8.14 CPU-s per GiB on the loaded 2-core machine,
-#: where a throttled origin's small reads make every byte dearer).
+#: 1-CPU quota (docs/benchmarks.md, issue 28: 0.79). Per GiB sent to a peer, per poll answered and
+#: idle: that times what bench/fleet.py measured each to cost against a byte taken in from a peer
+#: (``fit_costs`` of bench/fleet-8-cpu.json and bench/fleet-16.json, on the loaded 2-core machine
+#: where every byte is dearer: ``CPU_SCALE``).
 NODE_CPUS = 2.0
 CPU_IN_PER_GIB = 0.79
 CPU_SENT_PER_GIB = 0.40
+CPU_POLL_PER_1000 = 0.0
+CPU_IDLE_CORES = 0.0
 
 #: How close the simulation must come to bench/fleet.py's real run (both figures), relative.
 TOLERANCE = 0.15
-#: bench/fleet.py's own run at 8 nodes (README), what every run is validated against by default.
-FLEET_RESULT = REPO / "bench" / "fleet-8-cpu.json"
+#: bench/fleet.py's own runs (README), what every run is validated against by default; their
+#: agents together give the CPU costs (``fit_costs``).
+FLEET_RESULTS = (REPO / "bench" / "fleet-8-probed.json", REPO / "bench" / "fleet-16-probed.json")
 
 
-def cpu_costs(fleet: dict[str, Any]) -> tuple[float, float]:
-    """(CPU-s per byte taken in, CPU-s per byte sent to a peer) from bench/fleet.py's run: its
-    agents' CPU while they transferred. Without peers every node takes the model from the origin:
-    that run's CPU over its bytes is the cost of a byte taken in (the agents' idle work in the
-    meantime, status writes and watches, included). With peers every node takes the model in
+@dataclass(frozen=True)
+class CpuCosts:
+    """CPU-s per byte taken in from a peer, per byte sent to a peer, per byte taken in from the
+    origin (< 0: as from a peer), per poll answered (both ends), and cores an agent uses whatever
+    it transfers."""
+
+    pull: float
+    serve: float
+    origin: float = -1.0
+    poll: float = 0.0
+    idle: float = 0.0
+
+    def world(self) -> dict[str, float]:
+        return {"cpu_pull": self.pull, "cpu_serve": self.serve, "cpu_origin": self.origin, "cpu_poll": self.poll,
+                "cpu_idle": self.idle}
+
+
+def cpu_costs(fleet: dict[str, Any]) -> CpuCosts:
+    """The costs from one bench/fleet.py run's totals (a run that did not record its agents one by
+    one): its agents' CPU while they transferred. Without peers every node takes the model from the
+    origin: that run's CPU over its bytes is the cost of a byte taken in (the agents' idle work in
+    the meantime, status writes and watches, included). With peers every node takes the model in
     and the peers send ``peer_bytes_p2p``: what that run used beyond the bytes taken in, over the
-    bytes sent, is a peer byte's extra (TLS both ends, the server's reads)."""
+    bytes sent, is a peer byte's extra (TLS both ends, the server's reads, the polls)."""
     nodes, model = int(fleet["nodes"]), int(fleet["model_bytes"])
     pull = float(fleet["agent_cpu_seconds_direct"]) / (nodes * model)
     beyond = max(0.0, float(fleet["agent_cpu_seconds_p2p"]) - pull * nodes * model)
-    return pull, beyond / max(1, int(fleet["peer_bytes_p2p"]))
+    return CpuCosts(pull, beyond / max(1, int(fleet["peer_bytes_p2p"])))
 
 
-def fleet_world(fleet: dict[str, Any], base: World, cpu: tuple[float, float] | None = None) -> World:
-    """bench/fleet.py's world: its nodes in one zone, its model (a config and four shards), its
-    origin throttled to ``origin_rate`` in all (a local moto: no cap per connection), the agent's
-    --chunk-size there (16 MiB, bench/fleet.AGENT_FLAGS), and its agents on one machine's cores
-    (``cpus``; each agent the share of a core bench/fleet.py's probe measured just before the run
-    with peers, ``cpu_share_p2p``) at the per-byte costs ``cpu`` (default: those of the run
-    itself, ``cpu_costs``; no CPU model when it did not record them)."""
-    if cpu is None and {"agent_cpu_seconds_direct", "peer_bytes_p2p", "cpu_share_p2p"} <= set(fleet):
-        cpu = cpu_costs(fleet)
+#: The columns of ``fit_costs``, each with its unit (for the fit's conditioning).
+FIT_COLUMNS = (("from_peers", 1 << 30), ("from_origin", 1 << 30), ("sent_bytes", 1 << 30),
+               ("polls_answered", 1000), ("seconds", 1))
+
+
+def fit_costs(fleets: list[dict[str, Any]]) -> CpuCosts | None:
+    """The costs that best explain every agent of these bench/fleet.py runs (least squares, none
+    negative): each agent's CPU while it transferred against the bytes it took from peers and
+    from the origin, the bytes it sent, the polls it answered (a poll's both ends: in a group
+    where everyone polls everyone, each agent makes about as many as it answers) and the run's
+    seconds (its idle cores). None: the runs did not record their agents one by one."""
+    rows: list[list[float]] = []
+    ys: list[float] = []
+    for fleet in fleets:
+        for mode in ("p2p", "direct", "single"):
+            for agent in (fleet.get(f"agents_{mode}") or {}).values():
+                values = {**agent, "seconds": float(fleet[f"seconds_{mode}"])}
+                rows.append([float(values[name]) / unit for name, unit in FIT_COLUMNS])
+                ys.append(float(agent["cpu_seconds"]))
+    if len(rows) < len(FIT_COLUMNS):
+        return None
+    coef = nonnegative_least_squares(rows, ys)
+    (peer, origin, sent, poll, idle) = (c / unit for c, (_, unit) in zip(coef, FIT_COLUMNS, strict=True))
+    return CpuCosts(pull=peer, serve=sent, origin=origin, poll=poll, idle=idle)
+
+
+def nonnegative_least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """min |rows·x - ys| with x >= 0, for a handful of columns: least squares on the columns still
+    free, the most negative coefficient fixed at 0 until none is (Lawson-Hanson's idea, without
+    its re-entry step: enough for costs that are positive by nature)."""
+    free = list(range(len(rows[0])))
+    while free:
+        a = [[sum(r[i] * r[j] for r in rows) for j in free] for i in free]
+        b = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in free]
+        x = solve(a, b)
+        worst = min(range(len(free)), key=lambda k: x[k])
+        if x[worst] >= 0:
+            out = [0.0] * len(rows[0])
+            for k, i in enumerate(free):
+                out[i] = x[k]
+            return out
+        free.pop(worst)
+    return [0.0] * len(rows[0])
+
+
+def solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """a·x = b by Gaussian elimination with partial pivoting (a singular column gives 0)."""
+    n = len(b)
+    m = [[*row, rhs] for row, rhs in zip(a, b, strict=True)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        if abs(m[col][col]) < 1e-12:
+            continue
+        for r in range(n):
+            if r != col:
+                k = m[r][col] / m[col][col]
+                m[r] = [v - k * w for v, w in zip(m[r], m[col], strict=True)]
+    return [m[i][n] / m[i][i] if abs(m[i][i]) >= 1e-12 else 0.0 for i in range(n)]
+
+
+def costs_of(fleets: list[dict[str, Any]]) -> CpuCosts | None:
+    """The CPU costs these bench/fleet.py runs give: their agents together (``fit_costs``), else
+    the totals of the first that has a run without peers (``cpu_costs``: an older run)."""
+    fitted = fit_costs(fleets)
+    if fitted is not None:
+        return fitted
+    for fleet in fleets:
+        if {"agent_cpu_seconds_direct", "agent_cpu_seconds_p2p", "peer_bytes_p2p"} <= set(fleet):
+            return cpu_costs(fleet)
+    return None
+
+
+def others_over_time(fleet: dict[str, Any], mode: str) -> tuple[tuple[float, float], ...]:
+    """The other processes competing for the machine's cores during a run, from bench/fleet.py's
+    probe repeated during it: [seconds, a core's share s, the agents' runnable threads a] gives
+    ``cpus / s - 1 - a`` (the scheduler's fair share per runnable thread)."""
+    cpus = float(fleet.get("cpus") or os.cpu_count() or 1)
+    return tuple((float(t), max(0.0, cpus / max(s, 1e-3) - 1 - a))
+                 for t, s, a in fleet.get(f"cpu_share_during_{mode}") or ())
+
+
+def fleet_world(fleet: dict[str, Any], base: World, cpu: CpuCosts | None = None, mode: str = "p2p") -> World:
+    """bench/fleet.py's world for one of its runs (``mode``: p2p, or single: one node without
+    peers): its nodes in one zone, its model (a config and four shards), its origin throttled to
+    ``origin_rate`` in all (a local moto: no cap per connection), the agent's --chunk-size there
+    (16 MiB, bench/fleet.AGENT_FLAGS), and its agents on one machine's cores (``cpus``) with the
+    other processes its probe measured during that run (``others_over_time``; a run that probed
+    only before: the share of a core then, ``cpu_share_p2p``) at the costs ``cpu`` (default:
+    those of the run itself, ``fit_costs`` or ``cpu_costs``; no CPU model when it did not
+    record them)."""
+    if cpu is None and "cpu_share_p2p" in fleet:
+        cpu = costs_of([fleet])
     machine: dict[str, Any] = {"cpus": 0.0}
     if cpu is not None:
         machine = {"cpus": float(fleet.get("cpus") or os.cpu_count() or 1), "cpu_shared": True,
-                   "cpu_share": float(fleet["cpu_share_p2p"]),
-                   "cpu_pull": cpu[0], "cpu_serve": cpu[1]}
-    return World(**{**base.__dict__, "nodes": int(fleet["nodes"]), "zones": 1,
+                   "cpu_share": float(fleet.get(f"cpu_share_{mode}") or fleet["cpu_share_p2p"]),
+                   "cpu_others": others_over_time(fleet, mode), **cpu.world()}
+    single = mode == "single"
+    return World(**{**base.__dict__, "nodes": 1 if single else int(fleet["nodes"]), "zones": 1, "peers": not single,
                     "files": model_sizes(int(fleet["model_bytes"]), 4), "origin_total": float(fleet["origin_rate"]),
                     "origin_zone": math.inf, "origin_stream": math.inf, "chunk_size": 16 * MiB, **machine})
 
 
-def validate(fleet: dict[str, Any], base: World, cpu: tuple[float, float] | None = None) -> dict[str, Any]:
-    """Simulate bench/fleet.py's run and compare both figures with what its real agents did."""
+def validate(fleet: dict[str, Any], base: World, cpu: CpuCosts | None = None) -> dict[str, Any]:
+    """Simulate bench/fleet.py's run (with peers, and one node alone, each under the load its
+    probe measured) and compare both figures with what its real agents did."""
     world = fleet_world(fleet, base, cpu)
-    sim = scenario(world)
+    alone = fleet_world(fleet, base, cpu, "single") if fleet.get("cpu_share_during_single") else None
+    sim = scenario(world, alone)
     real = {"time_vs_single": fleet["seconds_p2p"] / fleet["seconds_single"],
             "origin_vs_model": fleet["origin_bytes_p2p"] / fleet["model_bytes"]}
     simulated = {"time_vs_single": sim["time_vs_single"], "origin_vs_model": sim["origin_per_zone_vs_model"]}
     error = {k: round(abs(simulated[k] / real[k] - 1), 3) for k in real}
+    agents = fleet.get("agents_p2p") or {}
+    polls = {"fleet": sum(a["polls_answered"] for a in agents.values()) if agents else None,
+             "simulated": sim["polls_answered"]}
     return {"nodes": fleet["nodes"], "fleet": {k: round(v, 3) for k, v in real.items()}, "simulated": simulated,
-            "cpu_model": {"cores": world.cpus, "share_per_agent": world.cpu_share,
-                          "cpu_s_per_gib_in": round(world.cpu_pull * (1 << 30), 3),
-                          "cpu_s_per_gib_sent": round(world.cpu_serve * (1 << 30), 3)} if world.cpus else None,
+            "polls_answered": polls,
+            "seconds": {"simulated": sim["seconds"], "simulated_single": sim["seconds_single"]},
+            "cpu_model": cpu_model(world),
             "relative_error": error, "within": TOLERANCE, "ok": all(e <= TOLERANCE for e in error.values())}
 
 
@@ -820,6 +999,9 @@ def main() -> None:
         # Sets of names are iterated by the decision code: with str hashing randomised per process
         # the same world would give another result each run.
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "PYTHONHASHSEED": "0"})
+    # Millions of small objects live for the whole run (pieces heard, events): the collector's
+    # default thresholds scan them over and over (60 nodes: 40.6 CPU-s by default, 24.2 with these).
+    gc.set_threshold(200_000, 50, 50)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--zones", type=int, default=1)
@@ -841,12 +1023,16 @@ def main() -> None:
                     help="with --cpus-shared: the share of a core one more process gets (bench/fleet.py's probe)")
     ap.add_argument("--cpu-in", type=float, default=CPU_IN_PER_GIB, help="CPU-s per GiB a node takes in")
     ap.add_argument("--cpu-sent", type=float, default=CPU_SENT_PER_GIB, help="CPU-s per GiB a node sends to a peer")
+    ap.add_argument("--cpu-poll", type=float, default=CPU_POLL_PER_1000,
+                    help="CPU-s per 1,000 long polls answered (both ends)")
+    ap.add_argument("--cpu-idle", type=float, default=CPU_IDLE_CORES,
+                    help="cores an agent uses whatever it transfers")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--cpu-costs", type=Path, help="bench/fleet.py --json output whose CPU per byte the validation "
-                    "uses (default: the validated run's own)")
-    ap.add_argument("--validate", type=Path, default=FLEET_RESULT,
-                    help="bench/fleet.py --json output to validate against (default: %(default)s; 'none': skip)")
+    ap.add_argument("--cpu-costs", type=Path, nargs="+", help="bench/fleet.py --json outputs whose agents give the "
+                    "validation its CPU costs (default: the validated runs together)")
+    ap.add_argument("--validate", type=Path, nargs="+", default=list(FLEET_RESULTS),
+                    help="bench/fleet.py --json outputs to validate against (default: %(default)s; 'none': skip)")
     args = ap.parse_args()
 
     def rate(value: str) -> float:
@@ -858,16 +1044,18 @@ def main() -> None:
                   origin_total=rate(args.origin_total), nic=rate(args.nic), inter_zone=rate(args.inter_zone),
                   latency=args.latency, inter_zone_latency=args.inter_zone_latency, seed=args.seed,
                   cpus=args.cpus, cpu_shared=args.cpus_shared, cpu_share=args.cpu_share,
-                  cpu_pull=args.cpu_in / (1 << 30), cpu_serve=args.cpu_sent / (1 << 30))
+                  cpu_pull=args.cpu_in / (1 << 30), cpu_serve=args.cpu_sent / (1 << 30),
+                  cpu_poll=args.cpu_poll / 1000, cpu_idle=args.cpu_idle)
     out = scenario(world)
     out["validated_against_fleet"] = None
-    if str(args.validate) != "none":
-        if not args.validate.is_file():
-            ap.error(f"--validate {args.validate}: no such file (bench/fleet.py --nodes 8 --json FILE writes one)")
-        costs = cpu_costs(json.loads(args.cpu_costs.read_text())) if args.cpu_costs else None
-        check = validate(json.loads(args.validate.read_text()), world, costs)
-        out["validation"] = check
-        out["validated_against_fleet"] = check["ok"]
+    if [str(p) for p in args.validate] != ["none"]:
+        for path in [*args.validate, *(args.cpu_costs or ())]:
+            if not path.is_file():
+                ap.error(f"{path}: no such file (bench/fleet.py --nodes 8 --json FILE writes one)")
+        fleets = [json.loads(path.read_text()) for path in args.validate]
+        costs = costs_of([json.loads(path.read_text()) for path in args.cpu_costs] if args.cpu_costs else fleets)
+        out["validation"] = [validate(fleet, world, costs) for fleet in fleets]
+        out["validated_against_fleet"] = all(check["ok"] for check in out["validation"])
     out["load_average"] = round(os.getloadavg()[0], 1)
     text = json.dumps(out)
     print(text)
