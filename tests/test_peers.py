@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -218,6 +219,10 @@ def test_the_server_refuses_without_a_token_and_sends_busy_beyond_its_upload_slo
     assert pool.urlopen("GET", f"{have_path(key, digest)}?epoch=-&since=0&wait=0", headers=bearer).status == 200
     assert pool.urlopen("GET", f"{have_path(key, 'f' * 64)}?epoch=-&since=0&wait=0", headers=bearer).status == 404
     assert polls == [key]
+    # Replies leave at once: with Nagle's algorithm a reply's body waited for the ACK of its head,
+    # which the client delays (40 ms on Linux: a poll took 48 ms on localhost, bench/poll_cost.py).
+    conns = list(seed.server.gate._open.values())
+    assert conns and all(e.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for e in conns)
     path = f"/v1/models/{key}/{digest}/files/0"
     assert pool.urlopen("GET", path, headers={"Range": "bytes=0-9"}).status == 401
     assert pool.urlopen("GET", path, headers={"Range": "bytes=0-9", "Authorization": "Bearer other"}).status == 403
