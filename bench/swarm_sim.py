@@ -24,19 +24,23 @@ world around it, as the real code meets it:
   on it; a flow goes at the smallest share along its path (no re-distribution of what a flow
   bottlenecked elsewhere leaves: slightly pessimistic when NICs are the limit);
 - **CPU**: a byte a node takes in (origin or peer: the read, sha-256, a peer's TLS) costs
-  ``--cpu-in`` CPU-s per GiB, a byte it sends to a peer ``--cpu-sent``; the cores are a link
-  like the others, shared equally by the flows on them. A fleet (the default): each node its own
-  ``--cpus`` (deploy/'s agent limit, 2). One machine (``--cpus-shared``, bench/fleet.py's run):
-  every agent on its cores, less what other processes take (``shared_cores``).
+  ``--cpu-in`` CPU-s per GiB, a byte it sends to a peer ``--cpu-sent``, a long poll answered
+  ``--cpu-poll`` per 1,000 (half on each end), and an agent uses ``--cpu-idle`` cores whatever it
+  does; the cores are a link like the others, shared equally by the flows on them (a poll's
+  reply is a flow of its CPU: it waits for the cores like a transfer). A fleet (the default):
+  each node its own ``--cpus`` (deploy/'s agent limit, 2). One machine (``--cpus-shared``,
+  bench/fleet.py's run): every agent on its cores, less what other processes take
+  (``shared_cores``), over time as the run's repeated probe measured them.
 
 Reported (``--json``): time until every node holds the model, as a multiple of one node alone
 (the same world, one node, no peers), and the origin's bytes per zone as a multiple of the model.
-``--validate FLEET_JSON`` (default: bench/fleet-8-cpu.json, bench/fleet.py's own run at 8 nodes) also
-simulates bench/fleet.py's run (its nodes, model and origin rate) and compares with what the real
-agents did: ``validated_against_fleet`` is true when both figures (time as a multiple of one node,
-origin bytes as a multiple of the model) are within 15 % of the real ones (``validation``). That
-world is the run's machine: its cores, the share of a core its probe measured, the CPU per byte
-its agents used (``cpu_costs``; ``--cpu-costs FLEET_JSON`` takes them from another run instead).
+``--validate FLEET_JSON ...`` (default: bench/fleet.py's own runs at 8 and 16 nodes,
+``FLEET_RESULTS``) also simulates each bench/fleet.py run (its nodes, model and origin rate) and
+compares with what the real agents did: ``validated_against_fleet`` is true when both figures
+(time as a multiple of one node, origin bytes as a multiple of the model) are within 15 % of the
+real ones for every run (``validation``). That world is the run's machine: its cores, the other
+processes its repeated probe measured, and the CPU costs its agents paid (``fit_costs``: one least-
+squares fit over every agent of the validated runs; ``--cpu-costs FLEET_JSON ...`` fits others).
 
     .venv/bin/python bench/swarm_sim.py --nodes 1000 --zones 3 [--size 2Gi] [--json FILE]
 """
@@ -823,14 +827,16 @@ def model_sizes(total: int, shards: int) -> tuple[int, ...]:
 
 #: A fleet's CPU (the CLI's default): each node its own cores, as many as deploy/'s agent may use
 #: (deploy/agent/daemonset.yaml: limits cpu 2). CPU-s per GiB taken in: the agent's pull at a
-#: 1-CPU quota (docs/benchmarks.md, issue 28: 0.79). Per GiB sent to a peer, per poll answered and
-#: idle: that times what bench/fleet.py measured each to cost against a byte taken in from a peer
-#: (``fit_costs`` of bench/fleet-8-cpu.json and bench/fleet-16.json, on the loaded 2-core machine
-#: where every byte is dearer: ``CPU_SCALE``).
+#: 1-CPU quota (docs/benchmarks.md, issue 28: 0.79). Per GiB sent to a peer: that times what
+#: bench/fleet.py measured a sent byte to cost against a byte taken in (bench/fleet-8-cpu.json:
+#: 4.15 / 8.14 CPU-s per GiB on the loaded 2-core machine). Per 1,000 polls answered, both ends:
+#: bench/poll_cost.py (CPU time, a real server and client over TLS). Idle cores per agent: none
+#: charged (on the loaded machine the fit finds some, ``fit_costs``; a node of its own has
+#: its 2 cores for the agent).
 NODE_CPUS = 2.0
 CPU_IN_PER_GIB = 0.79
 CPU_SENT_PER_GIB = 0.40
-CPU_POLL_PER_1000 = 0.0
+CPU_POLL_PER_1000 = 0.84
 CPU_IDLE_CORES = 0.0
 
 #: How close the simulation must come to bench/fleet.py's real run (both figures), relative.
