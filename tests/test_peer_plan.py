@@ -4,7 +4,7 @@ piece waits, and what a misbehaving peer costs."""
 
 from __future__ import annotations
 
-from modelcache.peers.plan import STARVING_PAUSE, PeerState, Plan, SwarmSettings
+from modelcache.peers.plan import STARVING_PAUSE, PeerState, Plan, Step, SwarmSettings
 
 H1, H2 = "a" * 64, "b" * 64
 
@@ -80,6 +80,31 @@ def test_a_piece_waits_for_its_owner_at_most_half_the_stall_timeout_and_the_owne
     assert step.origin and step.late and step.missed == "x"
     p.missed("x")
     assert p.owners(0, 1) == ["me"] and p.members() == ["me"]
+
+
+def test_an_owner_reading_its_share_from_the_origin_is_waited_for_the_budget_one_reading_nothing_half():
+    def owned_by_x() -> tuple[Plan, Clock, int]:
+        clock = Clock()
+        p = plan(clock, "x", "y", witnesses=1, wait=20.0, stall_timeout=8.0)  # a budget of 4 s
+        return p, clock, next(n for n in range(200) if p.owners(0, n) == ["x"])
+
+    # x reads another piece of its share from the origin: half the budget is not enough to give up.
+    p, clock, piece = owned_by_x()
+    p.peers["x"].fetching = {(0, piece + 1)}
+    started = clock()
+    assert p.step(0, piece, started) == Step()
+    clock.now += 2.0
+    assert p.step(0, piece, started) == Step() and not p.peers["x"].health.missed
+    clock.now += 2.0  # the whole budget: read from the origin, and x owns nothing more
+    step = p.step(0, piece, started)
+    assert step.origin and step.late and step.missed == "x"
+    # x reads nothing from the origin: half the budget, and its blocks go to the next member.
+    p, clock, piece = owned_by_x()
+    started = clock()
+    assert p.step(0, piece, started) == Step()
+    clock.now += 2.0
+    step = p.step(0, piece, started)
+    assert step.missed == "x" and not step.late and "x" not in p.owners(0, piece)
 
 
 def test_a_busy_holder_is_asked_again_after_retry_after_and_left_alone_once_a_budget_ran_out():
