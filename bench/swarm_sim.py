@@ -893,6 +893,8 @@ def fit_costs(fleets: list[dict[str, Any]]) -> CpuCosts | None:
         for mode in ("p2p", "direct", "single"):
             for agent in (fleet.get(f"agents_{mode}") or {}).values():
                 values = {**agent, "seconds": float(fleet[f"seconds_{mode}"])}
+                if mode != "p2p":  # without peers (no peer counts in its status): all from the origin
+                    values.update(from_origin=fleet["model_bytes"], from_peers=0)
                 rows.append([float(values[name]) / unit for name, unit in FIT_COLUMNS])
                 ys.append(float(agent["cpu_seconds"]))
     if len(rows) < len(FIT_COLUMNS):
