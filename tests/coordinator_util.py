@@ -15,6 +15,7 @@ from modelcache.kube.client import (
     Kube,
 )
 from tests.cluster.webhooks import register_webhooks as cluster_webhooks
+from tests.helpers import wait_until
 
 GROUP_LABEL = "kserve/localmodel"
 
@@ -86,7 +87,11 @@ def make_isvc(kube: Kube, name: str, namespace: str, uri: str, annotations: dict
 
 
 def report(kube: Kube, node: str, states: dict[str, str]) -> None:
-    """Act as the node's agent: set status.modelStatus."""
+    """Act as the node's agent: set status.modelStatus. An agent reports only once its
+    LocalModelNode exists; the coordinator holds node writes while caches keep arriving (up to
+    30 s, coordinator/pacing.py CacheBurst), and other tests' caches on the shared API server count."""
+    wait_until(lambda: kube.get_or_none(LOCAL_MODEL_NODES, node) is not None, timeout=60,
+               what=f"LocalModelNode {node}")
     lmn = kube.get(LOCAL_MODEL_NODES, node)
     current = (lmn.get("status") or {}).get("modelStatus") or {}
     patch = {k: None for k in current if k not in states}
