@@ -5,10 +5,10 @@ then the CRDs, RBAC and webhooks in the same breath. Deleting a CRD deletes ever
 cache carrying our finalizer waits for the coordinator to clean up; but the coordinator's pods die
 with the namespace and its RBAC goes at once, so nothing would ever remove the finalizer and the
 CRD (and kubectl) would wait forever. So the webhook for the namespace's DELETE, admitted while
-everything still works, does the cleanup the finalizer stands for (our serving PVs and PVCs) and
-removes the finalizer from every cache, marking each with :data:`RELEASED_ANNOTATION` (the
-namespace's uid) so the leader does not put it back in the moments before it stops. A later
-install (a new namespace, a new uid) adds the finalizers again.
+everything still works, removes the finalizer from every cache, marking each with
+:data:`RELEASED_ANNOTATION` (the namespace's uid) so the leader neither puts it back nor makes
+volumes in the moments before it stops, and then does the cleanup the finalizer stands for (our
+serving PVs and PVCs). A later install (a new namespace, a new uid) adds the finalizers again.
 
 Failure policy Ignore: with the coordinator down the namespace is deleted anyway and the
 finalizers stay; docs/operations.md says how to remove them by hand.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,29 +50,33 @@ def released_for(obj: dict[str, Any]) -> str | None:
     return meta(obj).annotations.get(RELEASED_ANNOTATION)
 
 
-def release(kube: Kube, install_uid: str) -> int:
-    """Delete our serving volumes and release our finalizer from every cache; returns how many
-    caches were released. Best effort per object: one failure does not stop the others."""
-    volumes: dict[str, list[tuple[Any, str, str | None]]] = {}
-    for res in (PERSISTENT_VOLUME_CLAIMS, PERSISTENT_VOLUMES):
-        for item in kube.list(res, None, label_selector=MANAGED_SELECTOR).get("items") or []:
-            owner = cache_of(item)
-            if owner is not None:
-                m = meta(item)
-                volumes.setdefault(cache_key(*owner), []).append((res, m.name, m.namespace))
+#: Seconds between the two passes over the serving volumes: a reconcile of the leader that read a
+#: cache before our mark reached its informer may make a volume after the first pass (its create
+#: follows the read within milliseconds; 2 s leaves room on a loaded API server).
+SETTLE = 2.0
+
+
+def release(kube: Kube, install_uid: str, settle: float = SETTLE) -> int:
+    """Release our finalizer from every cache, then delete the serving volumes of those caches;
+    returns how many caches were released. Best effort per object: one failure does not stop the
+    others.
+
+    The mark comes first. The leader keeps running for moments after the webhook answers, and it
+    reconciles a cache whose claim it sees deleted: with the cache not yet marked it made the claim
+    again, bound by name to a PV deleted a moment later, a PVC Pending for ever after the
+    uninstall (seen in CI, stop 37). Marked (or gone), a cache gets nothing more from the leader
+    (``CacheReconciler.uninstalling``); the second pass, ``settle`` seconds on, deletes what a
+    reconcile that read the cache just before the mark had begun to make."""
     released = 0
+    keys: set[str] = set()
     for res, finalizer in ((LOCAL_MODEL_CACHES, CACHE_FINALIZER),
                            (LOCAL_MODEL_NAMESPACE_CACHES, NAMESPACE_CACHE_FINALIZER)):
         for cache in kube.list(res).get("items") or []:
             cm = meta(cache)
             if finalizer not in cm.finalizers:
+                if released_for(cache) == install_uid:
+                    keys.add(cm.key)  # released by an earlier review of this uninstall: its volumes still go
                 continue
-            ns = cm.namespace
-            for vres, name, vns in volumes.get(cm.key, []):
-                try:
-                    kube.delete(vres, name, vns)
-                except ApiException as exc:
-                    log.warning("uninstall: deleting %s %s failed: %s", vres.kind, name, error_message(exc))
 
             def drop(o: dict[str, Any], finalizer: str = finalizer) -> None:
                 m = o["metadata"]  # an edit of the object written back: the dict, not a view
@@ -79,11 +84,32 @@ def release(kube: Kube, install_uid: str) -> int:
                 m.setdefault("annotations", {})[RELEASED_ANNOTATION] = install_uid
 
             try:
-                update_if_changed(kube, res, cm.name, drop, ns, current=cache)
-                released += 1
+                update_if_changed(kube, res, cm.name, drop, cm.namespace, current=cache)
             except ApiException as exc:
                 log.warning("uninstall: releasing %s %s failed: %s", res.kind, cm.key, error_message(exc))
+                continue  # still held: the leader may still make its volumes, so they are left to it
+            released += 1
+            keys.add(cm.key)
+    if keys:
+        _delete_volumes(kube, keys)
+        time.sleep(settle)
+        _delete_volumes(kube, keys)
     return released
+
+
+def _delete_volumes(kube: Kube, keys: set[str]) -> None:
+    """Delete our serving PVCs and PVs of the caches ``keys`` (claims first: a bound PV waits for its
+    claim anyway, kubernetes.io/pv-protection)."""
+    for res in (PERSISTENT_VOLUME_CLAIMS, PERSISTENT_VOLUMES):
+        for item in kube.list(res, None, label_selector=MANAGED_SELECTOR).get("items") or []:
+            owner, m = cache_of(item), meta(item)
+            if owner is None or cache_key(*owner) not in keys or m.deleting:
+                continue
+            try:
+                kube.delete(res, m.name, m.namespace)
+            except ApiException as exc:
+                if exc.status != 404:
+                    log.warning("uninstall: deleting %s %s failed: %s", res.kind, m.name, error_message(exc))
 
 
 @dataclass

@@ -29,7 +29,7 @@ def test_cluster_demo_runs_the_agents_and_a_ready_predictor_pod_on_a_node_with_t
     agents = re.findall(r"^(modelcache-agent-\S+)\s+1/1\s+Running\s.*\s(node-\d)\s", out, re.M)
     assert sorted(node for _, node in agents) == ["node-1", "node-2"], out
     assert len(re.findall(r"^modelcache-coordinator-\S+\s+1/1\s+Running", out, re.M)) == 2, out
-    assert "localmodelcache.serving.kserve.io/llm" in out and "localmodelnode.serving.kserve.io/node-1" in out
+    assert "localmodelcache.serving.kserve.io/llm" in out and "localmodelnode.serving.kserve.io/node-1" in out, out
     (node,) = re.findall(r"^llm-predictor-0\s+1/1\s+Running\s.*\s(node-[12])\s", out, re.M)
     names = sorted(["config.json", "generation_config.json", "model.safetensors.index.json",
                     "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"])
