@@ -30,6 +30,8 @@ def test_cluster_demo_runs_the_agents_and_a_ready_predictor_pod_on_a_node_with_t
     assert sorted(node for _, node in agents) == ["node-1", "node-2"], out
     assert len(re.findall(r"^modelcache-coordinator-\S+\s+1/1\s+Running", out, re.M)) == 2, out
     assert "localmodelcache.serving.kserve.io/llm" in out and "localmodelnode.serving.kserve.io/node-1" in out, out
+    # The last table printed shows both copies available (its columns: NAME URI AVAILABLE TOTAL ...).
+    assert re.search(r"^localmodelcache\.serving\.kserve\.io/llm\s+s3://models/llm\s+2\s+2\s", out, re.M), out
     (node,) = re.findall(r"^llm-predictor-0\s+1/1\s+Running\s.*\s(node-[12])\s", out, re.M)
     names = sorted(["config.json", "generation_config.json", "model.safetensors.index.json",
                     "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"])

@@ -177,15 +177,20 @@ def main() -> int:
 
         def shown_until_available() -> bool:
             nonlocal last, in_flight_shown
+            # The copies first, the table after: the table printed last is never older than the
+            # answer (a small model can arrive within one poll; the table read before the answer
+            # then showed the cache alone, before any LocalModelNode: seen in CI).
+            copies = yaml.safe_load(cp.kubectl("get", "localmodelcache", "llm", "-o", "yaml").stdout)
+            available = ((copies.get("status") or {}).get("copies") or {}).get("available") == 2
             now = cp.kubectl("get", "localmodelcaches,localmodelnodes").stdout
             if now != last:
                 print(f"[{time.strftime('%H:%M:%S')}]\n{now}", flush=True)
                 last = now
-            if not in_flight_shown and "ModelDownloading" in cp.kubectl("get", "localmodelnodes", "-o", "yaml").stdout:
+            if not available and not in_flight_shown and \
+                    "ModelDownloading" in cp.kubectl("get", "localmodelnodes", "-o", "yaml").stdout:
                 in_flight_shown = True
                 status_shown(cp)  # once, while the copies are in flight: rates and ETA
-            copies = yaml.safe_load(cp.kubectl("get", "localmodelcache", "llm", "-o", "yaml").stdout)
-            return bool(((copies.get("status") or {}).get("copies") or {}).get("available") == 2)
+            return available
 
         wait("two copies available", shown_until_available, 300)
         say("modelcache status  (the fleet at a glance)")
