@@ -290,7 +290,9 @@ class ClusterView:
 
     # -- reads --------------------------------------------------------------------------------
     def cache(self, key: str) -> dict[str, Any] | None:
-        return (self.ns_caches if "/" in key else self.caches).store.get(key)
+        """Read-only: the informer's own object, not a copy (a cache carrying 1,000 members'
+        nodeStatus is costly to copy: 4.4 % of the coordinator's samples at 10,000 nodes)."""
+        return (self.ns_caches if "/" in key else self.caches).store.get_raw(key)
 
     def cache_keys(self) -> list[str]:
         return self.caches.store.keys() + self.ns_caches.store.keys()
