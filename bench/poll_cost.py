@@ -23,9 +23,10 @@ sys.path.insert(0, str(REPO))
 
 from coordinator.certs import generate_self_signed  # noqa: E402
 from modelcache.peers.client import PeerClient, PeerInfo  # noqa: E402
-from modelcache.peers.plan import PeerState, Plan, SwarmSettings  # noqa: E402
+from modelcache.peers.plan import PeerState, Plan  # noqa: E402
 from modelcache.peers.protocol import Geometry, HaveReply  # noqa: E402
 from modelcache.peers.server import OK, PeerServer, ServedRange, cert_fingerprint, server_context  # noqa: E402
+from modelcache.peers.settings import SwarmSettings  # noqa: E402
 
 TOKEN = "poll-cost"
 PIECES = 4096

@@ -69,8 +69,9 @@ sys.path.insert(0, str(REPO))
 from modelcache.engine.transfer_control import SourceStats  # noqa: E402
 from modelcache.peers.client import PeerInfo  # noqa: E402
 from modelcache.peers.pieces import PIECE_MAX, piece_count, piece_span  # noqa: E402
-from modelcache.peers.plan import PeerState, Plan, SwarmSettings, choose_peers  # noqa: E402
+from modelcache.peers.plan import PeerState, Plan, choose_peers  # noqa: E402
 from modelcache.peers.server import SLOT_WAIT  # noqa: E402
+from modelcache.peers.settings import SwarmSettings  # noqa: E402
 from modelcache.runtime.sizes import parse_size  # noqa: E402
 
 #: Whether this tree's plan cuts files into blocks (an older one, measured for comparison, does not).

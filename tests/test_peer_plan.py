@@ -4,7 +4,8 @@ piece waits, and what a misbehaving peer costs."""
 
 from __future__ import annotations
 
-from modelcache.peers.plan import STARVING_PAUSE, PeerState, Plan, Step, SwarmSettings
+from modelcache.peers.plan import STARVING_PAUSE, PeerState, Plan, Step
+from modelcache.peers.settings import SwarmSettings
 
 H1, H2 = "a" * 64, "b" * 64
 
@@ -105,6 +106,39 @@ def test_an_owner_reading_its_share_from_the_origin_is_waited_for_the_budget_one
     clock.now += 2.0
     step = p.step(0, piece, started)
     assert step.missed == "x" and not step.late and "x" not in p.owners(0, piece)
+
+
+def test_an_owner_seen_reading_the_piece_is_waited_a_budget_from_then_within_the_stall_bound():
+    def owned_by_x() -> tuple[Plan, Clock, int]:
+        clock = Clock()
+        p = plan(clock, "x", "y", witnesses=1, wait=20.0, stall_timeout=10.0)  # a budget of 5 s, a bound of 8 s
+        return p, clock, next(n for n in range(200) if p.owners(0, n) == ["x"])
+
+    # x is seen reading this very piece 2 s in: a budget from then (7 s), not from the start (5 s).
+    p, clock, piece = owned_by_x()
+    started = clock()
+    assert p.step(0, piece, started) == Step()
+    clock.now += 2.0
+    p.heard(p.peers["x"], False, [], [(0, piece)], complete=False)
+    for at in (5.0, 6.9):
+        clock.now = started + at
+        assert p.step(0, piece, started) == Step(), at
+    clock.now = started + 7.0
+    step = p.step(0, piece, started)
+    assert step.origin and step.late and step.missed == "x"
+    # Seen reading it late (4.9 s in, reading another piece of its share before): the wait still
+    # ends at 0.8 of the stall timeout after the piece was first asked for, not at 9.9 s.
+    p, clock, piece = owned_by_x()
+    p.heard(p.peers["x"], False, [], [(0, piece + 1)], complete=False)
+    started = clock()
+    assert p.step(0, piece, started) == Step()
+    clock.now += 4.9
+    p.heard(p.peers["x"], False, [], [(0, piece)], complete=False)
+    clock.now = started + 7.9
+    assert p.step(0, piece, started) == Step()
+    clock.now = started + 8.0
+    step = p.step(0, piece, started)
+    assert step.origin and step.late and step.missed == "x"
 
 
 def test_a_busy_holder_is_asked_again_after_retry_after_and_left_alone_once_a_budget_ran_out():

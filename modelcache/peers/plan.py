@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, TypeVar
 
 from modelcache.peers.ring import Ring, h64
+from modelcache.peers.settings import SwarmSettings
 
 #: Hashes a node may claim, as a witness, for one piece (plan.claims): the truth and a lie.
 MAX_CLAIMS = 2
@@ -62,52 +63,6 @@ SLOW_STRIKES = 2
 #: Seconds a peer is left alone after a slow read, a refused credential, a piece that went past
 #: its budget while the peer answered "busy", and after a failed read.
 SLOW_PAUSE, REFUSED_PAUSE, STARVING_PAUSE, FAILED_PAUSE = 30.0, 30.0, 30.0, 1.0
-
-
-@dataclass(frozen=True)
-class SwarmSettings:
-    node: str
-    zone: str = ""
-    #: Longest wait for a piece that another member should read from the origin.
-    wait: float = 20.0
-    #: Seconds after the start during which members still listing count as owners.
-    formation: float = 3.0
-    #: Long-poll length, and the shortest time between two polls of one peer.
-    poll_wait: float = 5.0
-    poll_gap: float = 0.2
-    #: Peers polled per model at most (same zone first).
-    max_peers: int = 16
-    #: Consecutive pieces owned by one member, at most (read from the origin in one request, a
-    #: response's first byte paid once): a file is cut into 8 blocks or more, each at most this
-    #: many pieces (bench/swarm_sim.py, 8 nodes, 2 GiB, S3-like origin: 1.63x one node's time
-    #: with single pieces, 1.03x with blocks of 16).
-    block: int = 166
-    #: How often the directory is asked who the peers are.
-    refresh: float = 0.5
-    #: The engine's stall timeout: a piece waits for peers at most half of it (``budget``).
-    stall_timeout: float = 30.0
-    #: A peer read is given ``max(piece_min_time, bytes / min_peer_rate)`` seconds: a 4 MiB
-    #: piece 5 s, so a peer slower than ~800 KiB/s per stream gives way (the origin or another
-    #: holder is then faster), while a loaded node (TLS on a busy CPU) is not cut.
-    min_peer_rate: float = float(1 << 20)
-    piece_min_time: float = 5.0
-    #: Nodes that must have read a piece from the origin, and agree on its sha-256, before its
-    #: bytes are taken from a peer, for a file whose source gives no checksum that settles it (an
-    #: unforgeable one). 1 trusts any one node's word; 2 (the default) holds against one lying node
-    #: at the cost of reading such files twice from the origin in a group.
-    witnesses: int = 2
-
-    @property
-    def budget(self) -> float:
-        """How long a piece may wait for peers before it is read from the origin."""
-        return max(0.0, min(self.wait, self.stall_timeout / 2))
-
-    def read_deadline(self, now: float, started: float, size: int) -> float:
-        """When a read of ``size`` bytes from a peer, begun ``now`` for a piece first asked for
-        at ``started``, is given up: slow peers give way, and never past 0.8 of the stall
-        timeout after the piece was first asked for (the origin then still has the rest)."""
-        return min(now + max(self.piece_min_time, size / max(1.0, self.min_peer_rate)),
-                   started + self.stall_timeout * 0.8)
 
 
 @dataclass
@@ -244,6 +199,8 @@ class Plan:
         self._block_sizes: dict[int, int] = {}
         #: Pieces we wait for: (ci, piece) -> (the owner we wait for, since when).
         self._waiting: dict[tuple[int, int], tuple[str, float]] = {}
+        #: Since when a polled peer has been seen reading a piece from the origin: (peer, ci, piece) -> when.
+        self._reading_since: dict[tuple[str, int, int], float] = {}
         self.holders: dict[tuple[int, int], set[str]] = {}
         #: Pieces polled peers read from the origin right now: (ci, piece) -> who.
         self.fetchers: dict[tuple[int, int], set[str]] = {}
@@ -320,13 +277,17 @@ class Plan:
     def _fetching(self, state: PeerState, now: set[tuple[int, int]]) -> None:
         """``state`` reads ``now`` from the origin (the ``fetchers`` index follows)."""
         for piece in state.fetching - now:
+            self._reading_since.pop((state.name, *piece), None)
             names = self.fetchers.get(piece)
             if names is not None:
                 names.discard(state.name)
                 if not names:
                     del self.fetchers[piece]
-        for piece in now - state.fetching:
+        new = now - state.fetching
+        when = self.clock() if new else 0.0
+        for piece in new:
             self.fetchers.setdefault(piece, set()).add(state.name)
+            self._reading_since[(state.name, *piece)] = when
         state.fetching = now
 
     def lost(self, state: PeerState, reachable: bool) -> None:
@@ -577,6 +538,7 @@ class Plan:
         owners = self.owners(ci, piece) if not forced else [self.me]
         now = self.clock()
         missed = None
+        until = started + self.settings.budget
         if not holders and not forced and owners and self.me not in owners:
             # Half the budget waited for an owner and nobody holds the piece: an owner reading
             # nothing from the origin is waited for no longer (it owns nothing more, for this
@@ -588,15 +550,22 @@ class Plan:
             if since[0] != owners[0]:
                 since = self._waiting[(ci, piece)] = (owners[0], now)
             owner = owners[0]
+            seen = self._reading_since.get((owner, ci, piece))
             if now >= since[1] + self.settings.budget / 2 and (
                     owner not in self.peers or not self.peers[owner].fetching):
                 missed = owner
                 self.missed(owner)
                 owners = self.owners(ci, piece)
+            elif seen is not None:
+                # Seen reading this very piece: a whole budget from then, within the stall bound
+                # (bench/fleet.py, 16 agents at load 60: 245 pieces read twice after 15 s while
+                # their owner read them at 1 MiB/s a stream). A liar "reading" everything costs
+                # this once: its claims count no more after (``missed``).
+                until = min(max(until, seen + self.settings.budget), self.settings.stall_bound(started))
         mine = forced or (not holders and not self.unheard() and self.me in owners)
         if mine:
             return Step(origin=True, missed=missed)
-        if now >= started + self.settings.budget:
+        if now >= until:
             # Holders busy all along (a seed whose slots others hold, or one that says "busy" to
             # everyone for ever) are left alone for a while: the next pieces do not wait for them.
             for name in self.holders.get((ci, piece), ()):

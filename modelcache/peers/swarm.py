@@ -34,8 +34,9 @@ from modelcache.peers.client import (
 )
 from modelcache.peers.local import LocalPieces
 from modelcache.peers.pieces import PieceHash, hash_piece, piece_span
-from modelcache.peers.plan import REFUSED_PAUSE, PeerState, Plan, SwarmSettings, choose_peers
+from modelcache.peers.plan import REFUSED_PAUSE, PeerState, Plan, choose_peers
 from modelcache.peers.protocol import HaveReply
+from modelcache.peers.settings import SwarmSettings
 from modelcache.runtime.loop import Loop
 from modelcache.sources.integrity import cryptographic
 
