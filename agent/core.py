@@ -307,7 +307,6 @@ class Agent:
         if self.cfg.sweep_interval > 0 and now - self._last_sweep >= self.cfg.sweep_interval:
             self._sweep(now)
         self.report.log_progress(now)
-        self.report.update_gauges()
 
     # ---- downloads ------------------------------------------------------------------------
 

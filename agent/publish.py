@@ -42,7 +42,9 @@ class Publisher:
         if not self.agent.spec_seen.is_set():
             return
         try:
-            self.sink(self.agent.status())
+            status = self.agent.status()
+            self.agent.report.update_gauges(status)  # before the write: whoever sees it sees them too
+            self.sink(status)
             self.failures = 0
             self.agent.metrics.status_published.set(time.time())  # "not reporting" alert: its age
         except Exception as exc:

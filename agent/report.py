@@ -182,10 +182,13 @@ class Report:
             self._last_free = last = free
         return total, last
 
-    def update_gauges(self) -> None:
+    def update_gauges(self, status: dict[str, Any]) -> None:
+        """The state, disk and limit gauges, from a status just derived (``status()``): the
+        status writer's, at once after a change and every --status-interval. The supervisor's
+        tick derived a status of its own for them every 0.5 s, half of an idle agent's CPU."""
         agent = self.agent
         counts: dict[str, int] = {}
-        for state in self.status()["modelStatus"].values():
+        for state in status["modelStatus"].values():
             counts[state] = counts.get(state, 0) + 1
         agent.metrics.set_states(counts)
         total, free = agent.capacity.disk()

@@ -213,6 +213,31 @@ def test_install_in_place_renames_only_differing_files_and_drops_stale_ones(tmp_
     assert store.manifest(key) == manifest and store.is_present(key) and store.verify(key) == []
 
 
+def test_the_gauges_come_from_the_status_the_writer_derives_not_from_every_tick(tmp_path: Path) -> None:
+    """The supervisor ticks every 0.5 s and derived the whole status at each tick for the gauges
+    (half an idle agent's CPU); they now come from the status the writer derives anyway, at once
+    after a change and every --status-interval."""
+    from agent.config import AgentConfig
+    from agent.core import Agent
+    from agent.inuse import NoMounts
+    from agent.publish import Publisher
+
+    (tmp_path / "root").mkdir()
+    agent = Agent(AgentConfig(node="n", root=tmp_path / "root", port=-1), Credentials(None, {}), NoMounts())
+    try:
+        agent.set_spec([], 1)  # a spec seen, no download to start
+        real, derived = agent.report.status, []
+        agent.report.status = lambda: derived.append(1) or real()  # type: ignore[method-assign]
+        for _ in range(12):  # 6 s of ticks
+            agent.tick()
+        assert derived == [] and agent.metrics.size._value.get() == 0
+        written: list[dict[str, Any]] = []
+        Publisher(agent, written.append, 3.0).publish()
+        assert len(derived) == 1 and len(written) == 1 and agent.metrics.size._value.get() > 0
+    finally:
+        agent.stop()
+
+
 def test_the_same_spec_again_is_no_status_change(tmp_path: Path) -> None:
     """The resync re-applies the spec every --resync-period: only a spec that changes something
     wakes the status writer, else each resync is one more progress write between two
