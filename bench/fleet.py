@@ -48,9 +48,13 @@ from tests.faultproxy import FaultProxy  # noqa: E402
 from tests.fleet import S3Origin, model_files, peer_args, peer_token, storage_secret, upload_model  # noqa: E402
 from tests.helpers import free_port, stop_process, wait_until  # noqa: E402
 
-#: The agent's own defaults (tests/agent_util.start_agent passes test timings; these undo them).
+#: The agent's own defaults (tests/agent_util.start_agent passes test timings; these undo them: the
+#: resync's 5 s, left in until stop 38, made every agent read its Node object 12 times as often).
 AGENT_FLAGS = ("--chunk-size", "16Mi", "--workers", "8", "--transfer-attempts", "6", "--status-interval", "3",
-               "--backoff-initial", "1", "--backoff-max", "5")
+               "--backoff-initial", "1", "--backoff-max", "5", "--resync-period", "60", "--removal-recheck", "10")
+#: Seconds each agent's CPU is measured once every node holds the model (an idle agent: watches,
+#: status, its supervisor; what 1,000 of them cost a fleet doing nothing).
+IDLE_SECONDS = 30.0
 
 
 def start_moto(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -183,7 +187,7 @@ def counter(agent: AgentProc, name: str) -> float:
 
 
 def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, workdir: Path,
-        hashes: dict[str, str], timeout: float) -> dict[str, Any]:
+        hashes: dict[str, str], timeout: float, idle: float = IDLE_SECONDS) -> dict[str, Any]:
     names = [f"{mode}-{i}" for i in range(nodes)]
     make_group(kube, mode, label_value=mode)
     for name in names:
@@ -242,16 +246,21 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
                 with open(base / path, "rb") as f:
                     if hashlib.file_digest(f, "sha256").hexdigest() != digest:
                         raise AssertionError(f"{agent.node}: {path} differs from the source")
+        # Idle: every node holds the model; what each agent spends doing nothing, per minute.
+        idle0, at = [cpu_seconds(agent) for agent in agents], time.monotonic()
+        time.sleep(idle)
+        idle_cpu = [(cpu_seconds(agent) - c) * 60 / max(1e-9, time.monotonic() - at) for agent, c in zip(agents, idle0,
+                                                                                                    strict=True)]
         if os.environ.get("FLEET_TIMELINE"):
             print("origin MiB by second:", [(t, round(b / 2**20)) for t, b in timeline[::10]], file=sys.stderr)
         # Per agent, for bench/swarm_sim.py's CPU costs (a least-squares fit over the agents of
         # every run): its CPU while transferring, the bytes it sent to peers, the polls it answered;
         # and its memory (resident now, and at its peak).
         agent_rows = {}
-        for agent, before, after in zip(agents, cpu0, cpu, strict=True):
+        for agent, before, after, quiet in zip(agents, cpu0, cpu, idle_cpu, strict=True):
             rss, peak = rss_mib(agent)
             agent_rows[agent.node] = {
-                "cpu_seconds": round(after - before, 2),
+                "cpu_seconds": round(after - before, 2), "idle_cpu_seconds_per_minute": round(quiet, 3),
                 "sent_bytes": int(counter(agent, "modelcache_agent_peer_uploaded_bytes_total")),
                 "polls_answered": int(counter(agent, "modelcache_agent_peer_polls_answered_total")),
                 "rss_mib": rss, "peak_rss_mib": peak}
@@ -268,10 +277,12 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
 
 def measure(cp: ControlPlane, kube: Kube, s3: Any, bucket: str, proxy: FaultProxy, nodes: int, size: int,
             rate: int, modes: list[str], workdir: Path, timeout: float,
-            keys: tuple[str, str] = ("fleet", "fleet")) -> tuple[S3Origin, dict[str, dict[str, Any]]]:
+            keys: tuple[str, str] = ("fleet", "fleet"),
+            idle: float = IDLE_SECONDS) -> tuple[S3Origin, dict[str, dict[str, Any]]]:
     """The runs of ``modes`` on a control plane with deploy/ applied: the model uploaded to
     ``bucket`` (reached through ``proxy``, throttled to ``rate``), the coordinator started as its
-    ServiceAccount; ``keys``: the S3 access and secret key the agents use. Returns the origin and
+    ServiceAccount; ``keys``: the S3 access and secret key the agents use; ``idle``: seconds each
+    agent's CPU is measured once the model is everywhere. Returns the origin and
     each mode's result (tests/test_fleet_bench.py runs it small)."""
     files = model_files(size, 4)
     upload_model(s3, bucket, "llm", files)
@@ -289,7 +300,7 @@ def measure(cp: ControlPlane, kube: Kube, s3: Any, bucket: str, proxy: FaultProx
         for mode in modes:
             n = 1 if mode == "single" else nodes
             print(f"{mode}: {n} node(s) ...", file=sys.stderr, flush=True)
-            results[mode] = run(mode, n, kube, cp, origin, workdir, hashes, timeout)
+            results[mode] = run(mode, n, kube, cp, origin, workdir, hashes, timeout, idle)
             print(f"{mode}: {results[mode]}", file=sys.stderr, flush=True)
     finally:
         coordinator.stop()

@@ -29,7 +29,7 @@ def test_the_fleet_bench_fills_two_nodes_three_ways_and_reports_the_issues_keys(
     try:
         origin, results = bench.measure(cluster.cp, kube_for(cluster), moto_s3.client(), bucket, proxy, 2, 6 << 20,
                                         4 << 20, ["p2p", "direct", "single"], tmp_path, 300,
-                                        (moto_s3.access_key, moto_s3.secret_key))
+                                        (moto_s3.access_key, moto_s3.secret_key), idle=2.0)
     finally:
         proxy.close()
     out = bench.summary(2, origin.size, 4 << 20, results, [0.0, 0.0, 0.0])
@@ -49,3 +49,7 @@ def test_the_fleet_bench_fills_two_nodes_three_ways_and_reports_the_issues_keys(
         assert 0 < out[f"agent_cpu_seconds_{mode}"] < results[mode]["agent_cpu_seconds"], (mode, results[mode])
     assert out["peer_bytes_p2p"] == sum(p for _, p in results["p2p"]["per_node"].values()) > 0
     assert out["cpus"] == os.cpu_count()
+    # Each agent's CPU once the model is everywhere (idle), per minute (2 s of it here: a few ticks
+    # of /proc's 10 ms, or none).
+    for mode in ("p2p", "direct", "single"):
+        assert all(row["idle_cpu_seconds_per_minute"] >= 0 for row in out[f"agents_{mode}"].values()), mode
