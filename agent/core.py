@@ -23,6 +23,8 @@ from agent.capacity import Capacity, folder_size
 from agent.checks import Checker
 from agent.config import AgentConfig
 from agent.credentials import Credentials
+from agent.entries import ENTRY_CHECK, Entry, Pair, namespace_entries, pair
+from agent.entries import judge as judge_entries
 from agent.inuse import MountChecker
 from agent.logs import fields
 from agent.metrics import AgentMetrics
@@ -46,8 +48,6 @@ from modelcache.store import NodeLayout, NodeStore
 log = logging.getLogger("agent")
 
 STORAGE_KEY = re.compile(r"^[0-9a-f]{16}$")
-#: Seconds between checks that each namespace cache's entry may use its model (Agent._check_entries).
-ENTRY_CHECK = 10.0
 
 
 class Agent:
@@ -76,14 +76,12 @@ class Agent:
                                  namespaces_held=self._namespaces_held)
         self.pool = ThreadPoolExecutor(max_workers=max(1, cfg.max_concurrent_models), thread_name_prefix="download")
         self.checker = Checker(self.store, cfg, credentials, self.damaged, self.changed.set)
-        #: status key -> why that namespace cache's entry is not served its record's model (other
-        #: credentials than the entry that downloads it, or ones not granted to its namespace):
-        #: refreshed every ENTRY_CHECK seconds from the credential namespace's objects.
-        self.entry_refusals: dict[str, str] = {}
-        #: (status key, record key) pairs checked so far: until then a namespace entry is not
-        #: reported Downloaded (the coordinator may give its namespace a serving claim on that word).
-        self.entries_checked: set[tuple[str, str]] = set()
+        #: (status key, record key) of each namespace cache's entry -> why it is not served its
+        #: record's model ("": it is). Judged before a spec brings it, again every ENTRY_CHECK
+        #: seconds (agent/entries.py); one without a verdict is not reported Downloaded.
+        self.entry_verdicts: dict[Pair, str] = {}
         self._last_entry_check = -ENTRY_CHECK
+        self._applying = threading.Lock()  # one spec at a time, judged then applied
         self._stop = threading.Event()
         self._loop = Loop("agent-supervisor", self.tick, 0.5, wake=self.wake, logger=log)
         self._last_removal_check = 0.0
@@ -139,9 +137,20 @@ class Agent:
         resync re-applies the same spec every --resync-period, and a write for it would be a
         progress write between two --status-interval ticks. ``reported``: the ``modelStatus``
         persisted in the LocalModelNode (KServe's agent's, before the switch): a folder it
-        reported ``ModelDownloaded`` is carried over (agent/state.py)."""
+        reported ``ModelDownloaded`` is carried over (agent/state.py). Its new namespace entries are
+        judged first (agent/entries.py): no status shows one unjudged."""
         desired = group_entries(entries)
+        with self._applying:
+            with self.lock:
+                known = dict(self.entry_verdicts)
+            new = [e for e in namespace_entries((k, v[1]) for k, v in desired.items()) if pair(e) not in known]
+            verdicts = judge_entries(self.credentials, new, known)
+            self._apply_spec(desired, generation, reported, verdicts)
+
+    def _apply_spec(self, desired: dict[str, tuple[str, list[LocalModelInfo]]], generation: int | None,
+                    reported: Mapping[str, str] | None, verdicts: dict[Pair, str]) -> None:
         with self.lock:
+            self.entry_verdicts.update(verdicts)
             changed = self.refused is not None or not self.spec_seen.is_set() or generation != self.generation
             self.refused = None
             for key, (uri, infos) in desired.items():
@@ -167,7 +176,7 @@ class Agent:
                 self._adopt_orphans()
                 self._last_sweep = time.monotonic()
             self.generation = generation
-            self._last_entry_check = -ENTRY_CHECK  # new or changed entries are checked at the next tick
+            self._last_entry_check = -ENTRY_CHECK  # edited entries are judged again at the next tick
         self.spec_seen.set()
         if changed:
             self.changed.set()
@@ -607,26 +616,22 @@ class Agent:
     # ---- reporting ------------------------------------------------------------------------
 
     def _check_entries(self) -> None:
-        """Which namespace caches' entries may not be served their record's model (security review
-        H3: caches of one URI share one folder)."""
+        """Judge every namespace cache's entry again (agent/entries.py: grants change)."""
         with self.lock:
-            pairs = [(info, rec.primary, rec.key) for rec in self.records.values() if rec.wanted
-                     for info in rec.entries if info.namespace]
-        refusals, checked = {}, set()
-        for info, primary, key in pairs:
-            checked.add((info.status_key, key))
-            try:
-                why = self.credentials.entry_refusal(info, primary)
-            except Exception as exc:  # the API server unreachable a moment: keep what we knew
-                log.warning("credential check failed", extra=fields(model=info.status_key, error=str(exc)))
-                why = self.entry_refusals.get(info.status_key)
-            if why:
-                refusals[info.status_key] = why
+            entries = self._namespace_entries()
+            known = dict(self.entry_verdicts)
+        verdicts = judge_entries(self.credentials, entries, known)
         with self.lock:
-            changed = refusals != self.entry_refusals or checked != self.entries_checked
-            self.entry_refusals, self.entries_checked = refusals, checked
+            # An entry a spec brought meanwhile keeps the verdict set_spec gave it: dropped, it
+            # would be reported Pending until the next check.
+            wanted = {pair(e) for e in self._namespace_entries()}
+            verdicts = {p: v for p, v in {**self.entry_verdicts, **verdicts}.items() if p in wanted}
+            changed, self.entry_verdicts = verdicts != self.entry_verdicts, verdicts
         if changed:
             self.changed.set()
+
+    def _namespace_entries(self) -> list[Entry]:
+        return namespace_entries((r.key, r.entries) for r in self.records.values() if r.wanted)
 
     def used_bytes(self) -> int:
         with self.lock:

@@ -50,8 +50,7 @@ class Reported(Protocol):
     lock: threading.RLock
     records: dict[str, ModelRecord]
     group_limits: dict[str, int]
-    entry_refusals: dict[str, str]
-    entries_checked: set[tuple[str, str]]
+    entry_verdicts: dict[tuple[str, str], str]
     generation: int | None
     refused: tuple[list[str], int | None, str] | None
 
@@ -86,14 +85,14 @@ class Report:
                     d = rec.detail(state)
                     if rec.key in staged and state != MODEL_DOWNLOADED:
                         d.bytes_done, d.bytes_total = staged[rec.key].bytes_done, staged[rec.key].bytes_total
+                    verdict = agent.entry_verdicts.get((info.status_key, rec.key)) if info.namespace else ""
                     blocked = (root_check(info.node_group) if root_check and state == MODEL_DOWNLOADED
-                               else None) or agent.entry_refusals.get(info.status_key)
+                               else None) or verdict
                     if blocked:
                         # Downloaded here, but not where the node group's PV points serving pods; or
                         # not for this namespace cache (its credentials).
                         d.state, d.message = MODEL_DOWNLOAD_ERROR, blocked
-                    elif (info.namespace and state == MODEL_DOWNLOADED
-                          and (info.status_key, rec.key) not in agent.entries_checked):
+                    elif verdict is None and state == MODEL_DOWNLOADED:  # (set_spec judges an entry first)
                         d.state, d.message = MODEL_DOWNLOAD_PENDING, "checking the credentials it names"
                     over = self._group_refusal(rec, info, used) if state == MODEL_DOWNLOADED else None
                     if over and not blocked:

@@ -9,7 +9,9 @@ over (issue 26, M1-M3 of the KServe v0.20 audit).
   the source answers;
 - M3: what differs from the source is kept as found and reported as drift, never rewritten;
 - a folder nothing vouches for (not reported Downloaded) is completed as before, and a carried
-  folder that vanished is downloaded like any missing model.
+  folder that vanished is downloaded like any missing model;
+- a namespace cache's entry counts too, from the first status on: its credentials are judged
+  before the spec is applied (agent/entries.py), never after the verification has started.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -39,10 +42,31 @@ pytestmark = pytest.mark.timeout(120)
 D, DL, P, E = "ModelDownloaded", "ModelDownloading", "ModelDownloadPending", "ModelDownloadError"
 
 
-def make_agent(tmp_path: Path) -> Agent:
+def make_agent(tmp_path: Path, credentials: Credentials | None = None) -> Agent:
     cfg = AgentConfig(node="n", root=tmp_path / "root", port=-1, backoff_initial=0.2, backoff_max=0.5,
                       status_interval=0.2, chunk_size=1 << 20, workers=2, transfer_attempts=1, space_margin=0)
-    return Agent(cfg, Credentials(None, {}), NoMounts())
+    return Agent(cfg, credentials or Credentials(None, {}), NoMounts())
+
+
+class HeldChecks(Credentials):
+    """No cluster's credentials (every entry may be served, as in the tests above), but each
+    credential check the agent's supervisor thread makes waits until the test lets one pass
+    (``release``): the test holds the supervisor between two of its steps. ``entered`` counts the
+    supervisor's checks begun; ``refuse`` names entries refused (checked on any thread)."""
+
+    def __init__(self, refuse: tuple[str, ...] = ()) -> None:
+        super().__init__(None, {})
+        self.entered, self.refuse = 0, refuse
+        self._passes = threading.Semaphore(0)
+
+    def release(self) -> None:
+        self._passes.release()
+
+    def entry_refusal(self, info: LocalModelInfo, primary: LocalModelInfo) -> str | None:
+        if threading.current_thread().name == "agent-supervisor":
+            self.entered += 1
+            assert self._passes.acquire(timeout=60), "the test never let the supervisor's check pass"
+        return f"{info.status_key}: not granted" if info.status_key in self.refuse else None
 
 
 def serve(nginx: NginxServer, rel: str, data: bytes) -> None:
@@ -130,6 +154,7 @@ def test_while_the_copy_is_hashed_it_counts_as_downloaded(nginx: NginxServer, tm
         try:
             agent.set_spec([LocalModelInfo(model_name="m", source_model_uri=uri, namespace="team")],
                            reported={"team/m": D})
+            assert agent.status()["modelStatus"] == {"team/m": D}  # the first status (a write may follow at once)
             agent.start()
             wait_until(lambda: agent.records[storage_key(uri)].task is not None, timeout=10, what="the verification")
             assert agent.status()["modelStatus"] == {"team/m": D}
@@ -141,6 +166,70 @@ def test_while_the_copy_is_hashed_it_counts_as_downloaded(nginx: NginxServer, tm
         finally:
             proxy.resume()
             agent.stop()
+
+
+def test_a_namespace_entry_counts_while_the_supervisor_has_started_the_verification_and_not_checked_it(
+    nginx: NginxServer, tmp_path: Path
+) -> None:
+    """The order behind the flake of the test above (at load ~5): the supervisor's tick starts the
+    verification (the record's task set) and only then checks the entries' credentials; a status
+    read in between said ModelDownloadPending ("checking the credentials it names"). Held here
+    with the supervisor inside that check."""
+    data = os.urandom(1 << 20)
+    serve(nginx, "m6/model.bin", data)
+    host, port = nginx.url("").split("//")[1].split("/")[0].split(":")
+    with FaultProxy((host, int(port))) as proxy:
+        uri = proxy.url("m6/model.bin")
+        kserve_fill(tmp_path / "root", uri, data)
+        proxy.pause()  # the verification's listing waits here
+        checks = HeldChecks()
+        agent = make_agent(tmp_path, checks)
+        try:
+            agent.set_spec([LocalModelInfo(model_name="m", source_model_uri=uri, namespace="team")],
+                           reported={"team/m": D})
+            agent.start()
+            wait_until(lambda: checks.entered == 1, timeout=10, what="the supervisor's credential check")
+            assert agent.records[storage_key(uri)].task is not None  # started in the same tick, before it
+            assert agent.status()["modelStatus"] == {"team/m": D}
+            for _ in range(10):  # this check and the next ones pass
+                checks.release()
+            proxy.resume()
+            wait_until(lambda: "verification" not in detail(agent, "team/m"), timeout=30, what="verified")
+            assert agent.status()["modelStatus"] == {"team/m": D}
+        finally:
+            for _ in range(10):
+                checks.release()
+            proxy.resume()
+            agent.stop()
+
+
+def test_an_entry_a_spec_brings_during_the_supervisors_credential_check_keeps_its_verdict(tmp_path: Path) -> None:
+    """The supervisor re-checks every entry it listed; an entry set_spec judged meanwhile (not in
+    that list) keeps set_spec's verdict when the check's results are stored, and a refused entry
+    is an error from the first status on, never counted."""
+    uris = {name: f"http://127.0.0.1:9/{name}/model.bin" for name in ("a", "b", "c")}  # nothing listens
+    for uri in uris.values():
+        kserve_fill(tmp_path / "root", uri, os.urandom(1000))
+    entries = {name: LocalModelInfo(model_name=name, source_model_uri=uri, namespace="team")
+               for name, uri in uris.items()}
+    reported = {f"team/{name}": D for name in uris}
+    checks = HeldChecks(refuse=("team/c",))
+    agent = make_agent(tmp_path, checks)
+    try:
+        agent.set_spec([entries["a"]], reported=reported)
+        agent.start()
+        wait_until(lambda: checks.entered == 1, timeout=10, what="the supervisor's check of team/a")
+        agent.set_spec(list(entries.values()), reported=reported)  # while that check is held
+        assert agent.status()["modelStatus"] == {"team/a": D, "team/b": D, "team/c": E}
+        checks.release()  # the check of team/a ends and its results are stored; the next tick's
+        wait_until(lambda: checks.entered == 2, timeout=10, what="the next check")  # waits inside
+        status = agent.status()
+        assert status["modelStatus"] == {"team/a": D, "team/b": D, "team/c": E}, status["modelDetails"]
+        assert "not granted" in detail(agent, "team/c")["message"]
+    finally:
+        for _ in range(10):
+            checks.release()
+        agent.stop()
 
 
 def test_a_copy_of_a_replaced_http_file_is_kept_and_reported_as_drift(nginx: NginxServer, tmp_path: Path) -> None:
