@@ -75,6 +75,33 @@ def wait(what: str, check: Any, timeout: float = 120) -> None:
         time.sleep(0.5)
 
 
+class CopiesShown:
+    """One poll of the wait for two copies: ``kubectl get localmodelcaches,localmodelnodes`` printed
+    when it changed (what a user watches), ``modelcache status`` once while the copies are in flight.
+
+    The copies are read first and the table after, so the table printed last is never older than
+    the answer. kubectl names each object with its kind (``localmodelcache.serving.kserve.io/llm``)
+    only when objects of two kinds come back (kubectl's get.go, ``multipleGVKsRequested``): with the
+    table read first, a small model that arrived within one poll left only a table of the cache
+    before any LocalModelNode, a plain ``llm`` row (CI, stop 37; tests/test_cluster_demo.py plays it)."""
+
+    def __init__(self, cp: Any) -> None:
+        self.cp, self.last, self.in_flight_shown = cp, "", False
+
+    def __call__(self) -> bool:
+        copies = yaml.safe_load(self.cp.kubectl("get", "localmodelcache", "llm", "-o", "yaml").stdout)
+        available = ((copies.get("status") or {}).get("copies") or {}).get("available") == 2
+        now = self.cp.kubectl("get", "localmodelcaches,localmodelnodes").stdout
+        if now != self.last:
+            print(f"[{time.strftime('%H:%M:%S')}]\n{now}", flush=True)
+            self.last = now
+        if not available and not self.in_flight_shown and \
+                "ModelDownloading" in self.cp.kubectl("get", "localmodelnodes", "-o", "yaml").stdout:
+            self.in_flight_shown = True
+            status_shown(self.cp)  # once, while the copies are in flight: rates and ETA
+        return available
+
+
 def model_in_s3(folder: Path, host: str) -> tuple[Any, str, int, list[str]]:
     """The sample model (safetensors shards + json) uploaded to a local S3 server (moto) on ``host``."""
     import logging
@@ -171,28 +198,7 @@ def main() -> int:
         kubectl_shown(cp, "apply", "-f", "-", input=yaml.safe_dump_all([group, cache]))
 
         say("kubectl get localmodelcaches,localmodelnodes  (as the agent pods fill their nodes)")
-        last = ""
-
-        in_flight_shown = False
-
-        def shown_until_available() -> bool:
-            nonlocal last, in_flight_shown
-            # The copies first, the table after: the table printed last is never older than the
-            # answer (a small model can arrive within one poll; the table read before the answer
-            # then showed the cache alone, before any LocalModelNode: seen in CI).
-            copies = yaml.safe_load(cp.kubectl("get", "localmodelcache", "llm", "-o", "yaml").stdout)
-            available = ((copies.get("status") or {}).get("copies") or {}).get("available") == 2
-            now = cp.kubectl("get", "localmodelcaches,localmodelnodes").stdout
-            if now != last:
-                print(f"[{time.strftime('%H:%M:%S')}]\n{now}", flush=True)
-                last = now
-            if not available and not in_flight_shown and \
-                    "ModelDownloading" in cp.kubectl("get", "localmodelnodes", "-o", "yaml").stdout:
-                in_flight_shown = True
-                status_shown(cp)  # once, while the copies are in flight: rates and ETA
-            return available
-
-        wait("two copies available", shown_until_available, 300)
+        wait("two copies available", CopiesShown(cp), 300)
         say("modelcache status  (the fleet at a glance)")
         status_shown(cp)
 
