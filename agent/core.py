@@ -23,8 +23,7 @@ from agent.capacity import Capacity, folder_size
 from agent.checks import Checker
 from agent.config import AgentConfig
 from agent.credentials import Credentials
-from agent.entries import ENTRY_CHECK, Entry, Pair, namespace_entries, pair
-from agent.entries import judge as judge_entries
+from agent.entries import ENTRY_CHECK, Entry, Pair, judge_entries, namespace_entries, pair
 from agent.inuse import MountChecker
 from agent.logs import fields
 from agent.metrics import AgentMetrics

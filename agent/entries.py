@@ -43,7 +43,7 @@ def pair(entry: Entry) -> Pair:
     return entry[0].status_key, entry[2]
 
 
-def judge(credentials: Credentials, entries: Iterable[Entry], known: Mapping[Pair, str]) -> dict[Pair, str]:
+def judge_entries(credentials: Credentials, entries: Iterable[Entry], known: Mapping[Pair, str]) -> dict[Pair, str]:
     """Each entry's verdict: why it may not be served its record's model, "" if it may. An entry
     whose check fails (the API server unreachable a moment) keeps its status key's last refusal."""
     refused = {key: why for (key, _storage), why in known.items() if why}
