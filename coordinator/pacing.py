@@ -98,36 +98,30 @@ BURST_LONGEST = 30.0
 
 
 class CacheBurst:
-    """Node writes wait while caches of their node groups are still arriving, so that a node's
-    LocalModelNode gets all of a burst's entries in one write. bench/coordinator_scale.py at
-    10,000 nodes (200 caches created one after another): the nodes reconciled while the caches
-    were still being created got a LocalModelNode with some of them, written again with the rest
-    (391 LocalModelNode updates), and their agents reported and their Nodes were labelled twice
-    (391 label patches). A burst is kept per node group: on a busy cluster whose caches change
-    every second, the caches of group A must not hold the writes of group B's nodes for up to
-    ``longest`` (a node joining B, a cache of B deleted). Thread-safe."""
+    """Node writes wait while caches are still arriving, so that a node's LocalModelNode gets all
+    of a burst's entries in one write. bench/coordinator_scale.py at 10,000 nodes (200 caches
+    created one after another): the nodes reconciled while the caches were still being created
+    got a LocalModelNode with some of them, written again with the rest (391 LocalModelNode
+    updates), and their agents reported and their Nodes were labelled twice (391 label patches).
+    Thread-safe."""
 
     def __init__(self, quiet: float = BURST_QUIET, longest: float = BURST_LONGEST,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.quiet, self.longest, self.clock = quiet, longest, clock
-        self._bursts: dict[str, tuple[float, float]] = {}  # node group -> (burst start, last change)
+        self._start = self._last = float("-inf")
         self._lock = threading.Lock()
 
-    def saw(self, groups: Iterable[str]) -> None:
-        """A cache of these node groups was created or deleted or its spec changed (a spec change:
-        the groups before and after)."""
+    def saw(self) -> None:
+        """A cache was created or deleted or its spec changed."""
         now = self.clock()
         with self._lock:
-            for group in groups:
-                start, last = self._bursts.get(group, (now, float("-inf")))
-                self._bursts[group] = (now if now - last >= self.quiet else start, now)  # quiet: a new burst
+            if now - self._last >= self.quiet:
+                self._start = now  # a new burst
+            self._last = now
 
-    def hold(self, member: Callable[[str], bool]) -> float:
-        """Seconds a node's writes should still wait (0: now); ``member(group)``: the node is in
-        that node group (asked only of groups in a burst, outside the lock)."""
+    def hold(self) -> float:
+        """Seconds node writes should still wait (0: now)."""
         now = self.clock()
         with self._lock:
-            for group in [g for g, (_start, last) in self._bursts.items() if now - last >= self.quiet]:
-                del self._bursts[group]  # over (a burst past `longest` but still going is kept: it holds no more)
-            left = {g: min(last + self.quiet, start + self.longest) - now for g, (start, last) in self._bursts.items()}
-        return max((t for g, t in left.items() if t > 0 and member(g)), default=0.0)
+            left = min(self._last + self.quiet, self._start + self.longest) - now
+        return max(0.0, left)
