@@ -169,8 +169,9 @@ def rss_mib(agent: AgentProc) -> tuple[float, float]:
 
 #: What the agents' logs say about their peers, counted per run (modelcache/peers/swarm.py's lines):
 #: a peer read that missed its deadline, a piece read from the origin after its budget ran out,
-#: an owner waited for in vain.
+#: of those, pieces peers held (every holder busy until the stall bound), an owner waited for in vain.
 PEER_EVENTS = {"too_slow": r"from \S+ too slow", "origin_fallbacks": r"no peer delivered it in",
+               "origin_fallbacks_held": r"no peer delivered it in \d+s \(held,",
                "owners_missed": r"did not read it in"}
 
 

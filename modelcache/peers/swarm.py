@@ -272,8 +272,9 @@ class SwarmSession:
                         self.stats.origin_fallbacks += 1
                         if step.missed is not None:
                             self.plan.missed(step.missed)
-                        log.info("piece %d of %s: no peer delivered it in %.0fs; reading it from the origin",
-                                 piece, self.local.files[li].path, self.plan.clock() - started)
+                        log.info("piece %d of %s: no peer delivered it in %.0fs (%s); reading it from the origin",
+                                 piece, self.local.files[li].path, self.plan.clock() - started,
+                                 "held, every holder busy" if step.held else "held by no peer we may ask")
                     return -1
                 holders = [self.links[n] for n in step.holders if n in self.links]
             for link in holders:
