@@ -25,7 +25,7 @@ quiet window after convergence (target 0; watches that reach their timeout and a
 counted apart). The machine's load average at the start and the end of each phase.
 
     .venv/bin/python bench/coordinator_scale.py [--nodes 10000] [--groups 10] [--caches 200] [--workers 16]
-        [--quiet 60] [--json FILE]
+        [--quiet 60] [--json FILE] [--by-group]
 
 Prints one JSON line (also written to ``--json``) and the README table row.
 """
@@ -381,7 +381,7 @@ def start_coordinator(cp: ControlPlane, workers: int, log_path: Path) -> tuple[s
 
 def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, caches: int, workers: int,
                     quiet: float, timeout: float, log_path: Path,
-                    converged_hook: Callable[[], None] | None = None) -> dict[str, Any]:
+                    converged_hook: Callable[[], None] | None = None, by_group: bool = False) -> dict[str, Any]:
     members = {g: len(range(g, nodes, groups)) for g in range(groups)}
     # The caches' copies, from a watch: a list every 2 s (200 caches with 1,000 members'
     # nodeStatus: 2-7 MB each time, up to 2.5 GB over the 724 s 10,000-node run) was load on the API server
@@ -396,7 +396,10 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
         cpu0 = cpu_seconds(proc.pid)
         load = os.getloadavg()[0]
         start = time.monotonic()
-        for c in range(caches):
+        # Round robin over the groups (cache c is group c % groups'), or ``by_group``: all of
+        # g0's, then g1's (a directory applied in name order), where a group's nodes are not held
+        # before its first cache arrives.
+        for c in sorted(range(caches), key=lambda c: c % groups) if by_group else range(caches):
             retried(f"cache {c}", lambda c=c: make_cache(kube, cache_name(c), cache_uri(c), [f"g{c % groups}"]))
         created_s = time.monotonic() - start
         progress(f"{caches} caches created in {created_s:.1f} s")
@@ -460,7 +463,7 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
 
 
 def measure(cp: ControlPlane, nodes: int, groups: int, caches: int, workers: int, quiet: float, timeout: float,
-            workdir: Path) -> dict[str, Any]:
+            workdir: Path, by_group: bool = False) -> dict[str, Any]:
     """Both phases on ``cp`` (a control plane with nothing of ours on it yet)."""
     apply_manifests(cp)
     kube = Kube(load_api_client(str(cp.kubeconfig)))
@@ -478,13 +481,15 @@ def measure(cp: ControlPlane, nodes: int, groups: int, caches: int, workers: int
         progress(f"baseline {base['seconds']} s; removing what it wrote")
         undo_baseline(cp, kube, agents, nodes, groups, caches)
         progress("coordinator")
-        run = coordinator_run(cp, kube, nodes, groups, caches, workers, quiet, timeout, workdir / "coordinator.log")
+        run = coordinator_run(cp, kube, nodes, groups, caches, workers, quiet, timeout, workdir / "coordinator.log",
+                              by_group=by_group)
         run["agent_status_patches"] = agents.patches
     finally:
         agents.stop()
     requests = sum(run["requests_to_converge"].values())
     return {
-        "nodes": nodes, "groups": groups, "caches": caches, "workers": workers, "setup_seconds": round(setup_s, 1),
+        "nodes": nodes, "groups": groups, "caches": caches, "workers": workers,
+        "cache_order": "by group" if by_group else "round robin", "setup_seconds": round(setup_s, 1),
         "converge_seconds": run["converge_seconds"], "baseline_seconds": base["seconds"],
         "converge_vs_baseline": round(run["converge_seconds"] / max(base["seconds"], 0.1), 2),
         "requests_per_node": round(requests / nodes, 2),
@@ -515,13 +520,14 @@ def main() -> None:
     ap.add_argument("--quiet", type=float, default=60, help="seconds of the at-rest window")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--json", type=Path, help="write the result here too")
+    ap.add_argument("--by-group", action="store_true", help="create the caches group by group, not round robin")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="coordinator-scale-") as tmp:
         cp = ControlPlane(Path(tmp) / "cluster", bin_dir=ensure_binaries()).start()
         try:
             result = measure(cp, args.nodes, args.groups, args.caches, args.workers, args.quiet, args.timeout,
-                             Path(tmp))
+                             Path(tmp), by_group=args.by_group)
         finally:
             cp.stop()
     result["load_average_end"] = round(os.getloadavg()[0], 1)
