@@ -379,6 +379,13 @@ def start_coordinator(cp: ControlPlane, workers: int, log_path: Path) -> tuple[s
         time.sleep(0.5)
 
 
+def creation_order(caches: int, groups: int, by_group: bool) -> list[int]:
+    """The caches in the order they are created (cache c is of group c % groups): round robin over
+    the groups, or ``by_group``: all of g0's, then g1's (a directory applied in name order), where
+    a group's nodes are not held before its first cache arrives."""
+    return sorted(range(caches), key=lambda c: c % groups) if by_group else list(range(caches))
+
+
 def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, caches: int, workers: int,
                     quiet: float, timeout: float, log_path: Path,
                     converged_hook: Callable[[], None] | None = None, by_group: bool = False) -> dict[str, Any]:
@@ -396,10 +403,7 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
         cpu0 = cpu_seconds(proc.pid)
         load = os.getloadavg()[0]
         start = time.monotonic()
-        # Round robin over the groups (cache c is group c % groups'), or ``by_group``: all of
-        # g0's, then g1's (a directory applied in name order), where a group's nodes are not held
-        # before its first cache arrives.
-        for c in sorted(range(caches), key=lambda c: c % groups) if by_group else range(caches):
+        for c in creation_order(caches, groups, by_group):
             retried(f"cache {c}", lambda c=c: make_cache(kube, cache_name(c), cache_uri(c), [f"g{c % groups}"]))
         created_s = time.monotonic() - start
         progress(f"{caches} caches created in {created_s:.1f} s")

@@ -33,3 +33,9 @@ def test_the_coordinator_scale_bench_converges_against_its_baseline_and_reports_
     assert out["converge_seconds"] > 0 and out["baseline_seconds"] > 0 and out["peak_rss_mib"] > 0
     assert out["quiet_requests"] == 0  # nothing at rest
     assert 2.0 <= out["requests_per_node"] < 4.0
+
+
+def test_the_bench_creates_the_caches_round_robin_or_group_by_group() -> None:
+    bench = load_script("bench/coordinator_scale.py", "coordinator_scale_bench")
+    assert bench.creation_order(6, 3, by_group=False) == [0, 1, 2, 3, 4, 5]
+    assert bench.creation_order(6, 3, by_group=True) == [0, 3, 1, 4, 2, 5]  # g0's, g1's, g2's
