@@ -105,11 +105,13 @@ def test_the_cpu_model_slows_a_swarm_as_its_cpu_work_over_the_cores_it_gets(sim:
     model = sum(sim.model_sizes(96 * MiB, 4))
     assert shared["peer_bytes"] > 2 * model  # most of the model from peers: their sending costs CPU too
     work = 4 * model * cpu["cpu_pull"] + shared["peer_bytes"] * cpu["cpu_serve"]  # CPU-s in all
-    assert work <= shared["seconds"] <= 1.25 * work, (work, shared["seconds"])
+    # At most half as long again: an agent whose flows wait on a sender's CPU still counts as
+    # runnable and holds its share (the model's pessimism: 1.42x here, 1.0-1.25x with one pool).
+    assert work <= shared["seconds"] <= 1.5 * work, (work, shared["seconds"])
     assert shared["seconds"] > 3 * free["seconds"]
     # A busy machine: one more process got a fifth of the core, so 4 others run; with the 4 agents
     # running too they get half of it together: about twice the time.
-    assert sim.shared_cores(1.0, 0.2, 4) == pytest.approx(0.5)
+    assert sim.others_before(1.0, 0.2) == pytest.approx(4.0)
     busy = sim.simulate(world(sim, nodes=4, zones=1, cpus=1, cpu_shared=True, cpu_share=0.2, **cpu))
     assert 1.7 <= busy["seconds"] / shared["seconds"] <= 2.2, (busy["seconds"], shared["seconds"])
     # A fleet: the same costs on a core per node.
@@ -130,43 +132,68 @@ def test_cpu_costs_come_from_the_fleet_runs_cpu_and_bytes(sim: Any) -> None:
     assert sim.costs_of([fleet]) == costs  # a run without its agents one by one: its totals
     world_ = sim.fleet_world(fleet, world(sim))
     assert (world_.cpus, world_.cpu_shared, world_.cpu_share) == (2.0, True, 0.25)
-    # The probe's share is one more process's: one agent gets it, 8 agents a fair share of 2 cores
-    # with the 7 others the probe implies (2 / 0.25 - 1), 1.07 cores in all; an idle machine: all 2.
-    assert sim.shared_cores(2.0, 0.25, 1) == pytest.approx(0.25)
-    assert sim.shared_cores(2.0, 0.25, 8) == pytest.approx(16 / 15)
-    assert sim.shared_cores(2.0, 0.0, 8) == 2.0
+    # The probe's share is one more process's: 7 others (2 / 0.25 - 1). One agent with work gets
+    # what the probe got, 8 agents with work a fair share of 2 cores beside the 7 (1.07 cores in
+    # all); on an idle machine 8 agents get all 2 cores, one agent alone one core (its GIL).
+    assert sim.others_before(2.0, 0.25) == pytest.approx(7.0) and sim.others_before(2.0, 0.0) == 0.0
+    machine = sim.Machine(None, 2.0, 7.0, gil=1.0, idle=0.0)
+    assert machine.share(1) == pytest.approx(0.25) and 8 * machine.share(8) == pytest.approx(16 / 15)
+    idle_machine = sim.Machine(None, 2.0, 0.0, gil=1.0, idle=0.0)
+    assert 8 * idle_machine.share(8) == pytest.approx(2.0) and idle_machine.share(1) == 1.0
     # A recorded run without the agents' CPU (the older bench/fleet.py): no CPU model.
     assert sim.fleet_world({k: v for k, v in fleet.items() if k != "cpu_share_p2p"}, world(sim)).cpus == 0.0
 
 
-def test_cpu_costs_are_fitted_over_every_agent_of_the_runs(sim: Any) -> None:
-    """Agents whose CPU is made of known costs (per GiB from peers and from the origin, per GiB
-    sent, per 1,000 polls answered, idle cores): the fit finds them; a cost the agents did not
-    pay comes out 0, never negative."""
+def test_cpu_costs_are_the_quiet_ones_times_what_the_runs_agents_paid_over_them(sim: Any) -> None:
+    """Agents whose CPU is k times what their bytes and polls cost on a quiet machine: the
+    contention is k, the costs the quiet ones times k (their ratios kept), the idle cores those
+    the agents were measured to use; runs without their agents one by one give none."""
     gib = 1 << 30
-    truth = {"from_peers": 2.0 / gib, "from_origin": 6.0 / gib, "sent_bytes": 1.0 / gib,
-             "polls_answered": 0.5 / 1000, "seconds": 0.05}
 
-    def run(nodes: int, seconds: float, costs: dict[str, float]) -> dict[str, Any]:
+    def run(nodes: int, k: float) -> dict[str, Any]:
         agents = {}
         for i in range(nodes):
             row = {"from_peers": (i % 3) * gib // 4, "from_origin": gib // 4 - (i % 3) * gib // 12,
-                   "sent_bytes": (i * 37 % 11) * gib // 20, "polls_answered": 900 + (i * 53 % 7) * 150}
-            cpu = sum(costs[k] * v for k, v in row.items()) + costs["seconds"] * seconds
-            agents[f"n{i}"] = {**row, "cpu_seconds": cpu}
-        return {"seconds_p2p": seconds, "agents_p2p": agents}
+                   "sent_bytes": (i * 37 % 11) * gib // 20, "polls_answered": 900 + (i * 53 % 7) * 150,
+                   "idle_cpu_seconds_per_minute": 0.12 + 0.06 * (i % 2)}
+            quiet = ((row["from_peers"] + row["from_origin"]) * sim.CPU_IN_PER_GIB
+                     + row["sent_bytes"] * sim.CPU_SENT_PER_GIB) / gib
+            quiet += row["polls_answered"] * sim.CPU_POLL_PER_1000 / 1000
+            agents[f"n{i}"] = {**row, "cpu_seconds": k * quiet}
+        return {"nodes": nodes, "agents_p2p": agents}
 
-    fitted = sim.fit_costs([run(8, 30.0, truth), run(16, 57.0, truth)])
-    assert fitted.pull * gib == pytest.approx(2.0) and fitted.origin * gib == pytest.approx(6.0)
-    assert fitted.serve * gib == pytest.approx(1.0) and fitted.poll * 1000 == pytest.approx(0.5)
-    assert fitted.idle == pytest.approx(0.05)
-    # Agents that paid nothing per poll, and whose CPU fell as they sent (noise a fit can meet):
-    # the poll cost is 0 and no cost is below 0.
-    free_polls = {**truth, "polls_answered": 0.0, "sent_bytes": -0.2 / gib}
-    fitted = sim.fit_costs([run(8, 30.0, free_polls), run(16, 57.0, free_polls)])
-    assert min(fitted.pull, fitted.origin, fitted.serve, fitted.poll, fitted.idle) >= 0
-    assert fitted.serve == 0.0 and fitted.poll * 1000 < 0.05
-    assert sim.fit_costs([{"seconds_p2p": 1.0}]) is None  # no agents recorded: nothing to fit
+    assert sim.contention([run(8, 9.0)]) == pytest.approx(9.0)
+    # Two runs together: their CPU over their quiet work, between the two.
+    assert 6.0 < sim.contention([run(8, 9.0), run(16, 6.0)]) < 9.0
+    costs = sim.costs_of([run(8, 9.0)])
+    assert costs.pull * gib == pytest.approx(9.0 * sim.CPU_IN_PER_GIB)
+    assert costs.serve * gib == pytest.approx(9.0 * sim.CPU_SENT_PER_GIB)
+    assert costs.poll * 1000 == pytest.approx(9.0 * sim.CPU_POLL_PER_1000)
+    assert costs.origin < 0  # a byte from the origin costs as one from a peer
+    assert costs.idle == pytest.approx(0.15 / 60)  # the agents' mean, CPU-s a minute in cores
+    assert sim.contention([{"seconds_p2p": 1.0}]) is None  # no agents recorded: nothing to measure
+
+
+def test_an_agent_uses_at_most_one_core_and_a_shared_machine_gives_each_agent_with_work_a_runnable_share(
+        sim: Any) -> None:
+    """The GIL: an agent's work runs on one core whatever the cores of its node; on a shared
+    machine each agent with work is one runnable thread beside the other processes'."""
+    per_byte = 1 / (16 * MiB)  # CPU the limit: 1 CPU-s per 16 MiB taken in
+    cpu = {"cpu_pull": per_byte, "cpu_serve": per_byte / 2}
+    one = sim.simulate(world(sim, nodes=1, zones=1, peers=False, cpus=1, **cpu))
+    four = sim.simulate(world(sim, nodes=1, zones=1, peers=False, cpus=4, **cpu))
+    unbound = sim.simulate(world(sim, nodes=1, zones=1, peers=False, cpus=4, gil=0, **cpu))
+    assert four["seconds"] == pytest.approx(one["seconds"])  # 4 cores, one used
+    assert unbound["seconds"] < 0.5 * one["seconds"]  # without the bound its 8 streams use all 4
+    # One machine, 2 cores, 2 other runnable threads: 2 agents with work get half a core each ...
+    machine = sim.Machine(None, 2.0, 2.0, gil=1.0, idle=0.0)
+    assert machine.share(2) == pytest.approx(0.5) and machine.share(6) == pytest.approx(0.25)
+    # ... less what each uses whatever it does.
+    assert sim.Machine(None, 2.0, 2.0, gil=1.0, idle=0.1).share(2) == pytest.approx(0.4)
+    # A shared machine of 8 cores and no other load: 2 agents are bound by one core each, as a fleet.
+    shared = sim.simulate(world(sim, nodes=2, zones=1, cpus=8, cpu_shared=True, **cpu))
+    fleet = sim.simulate(world(sim, nodes=2, zones=1, cpus=8, **cpu))
+    assert shared["seconds"] == pytest.approx(fleet["seconds"], rel=0.02)
 
 
 def test_polls_cost_cpu_and_the_machine_follows_the_load_measured_during_the_run(sim: Any) -> None:
