@@ -142,7 +142,7 @@ class Wiring:
     cache_watchers: list[tuple[Controller, Callable[[str, Obj, Obj | None], list[str]]]] = field(default_factory=list)
     #: The one pace of both kinds of cache's status writes.
     pacer: StatusPacer = field(default_factory=StatusPacer)
-    #: Holds the node reconciler's writes while caches of the node's groups are still arriving.
+    #: Holds the node reconciler's writes while caches are still arriving.
     burst: CacheBurst = field(default_factory=CacheBurst)
 
 
@@ -203,7 +203,7 @@ def build_wiring(view: ClusterView, recorder: EventRecorder, options: Options | 
 
     def cache_nodes(_e: str, obj: Obj, old: Obj | None) -> list[str]:
         """A cache's members (before and after) and the nodes holding its entry."""
-        wiring.burst.saw({g for o in (obj, old) if o is not None for g in CacheView(o).node_groups})
+        wiring.burst.saw()
         out: set[str] = set()
         for o in (obj, old):
             if o is None:

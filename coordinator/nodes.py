@@ -28,7 +28,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from coordinator import entries, metrics, nodelabels, reports
-from coordinator.membership import Member, group_matches
+from coordinator.membership import Member
 from coordinator.pacing import CacheBurst
 from coordinator.view import ClusterView, cache_key
 from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NAMESPACE_CACHES, LOCAL_MODEL_NODES, NODES
@@ -125,8 +125,8 @@ class NodeReconciler:
             self.view.gone.forget(key)
             return Result()
         self.view.gone.forget(key)
-        held = self.burst.hold(lambda group: self.in_group(group, node))
-        if held > 0:  # caches of its groups are still arriving: write its entries once they are all here
+        held = self.burst.hold()
+        if held > 0:  # caches are still arriving: write the node's entries once they are all here
             return Result(requeue_after=held)
         lmn = self.sync_entries(key, lmn, node)
         patch = nodelabels.label_patch(node, nodelabels.downloaded_labels(lmn, reports.node_uid(node)))
@@ -134,11 +134,6 @@ class NodeReconciler:
             metrics.wrote("Node", "patch")
             self.kube.patch(NODES, key, patch)
         return Result(requeue_after=self.view.missing.recheck_after())  # a grace period may run out
-
-    def in_group(self, group: str, node: dict[str, Any]) -> bool:
-        """Whether the node group (that exists) selects the node."""
-        obj = self.view.groups.store.get_raw(group)
-        return obj is not None and group_matches(obj, node)
 
     def _confirmed_gone(self, current: list[dict[str, Any]], caches: dict[str, dict[str, Any]]) -> None:
         """Add to ``caches`` the caches of ``current`` entries that our informer does not have but

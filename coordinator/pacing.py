@@ -98,45 +98,30 @@ BURST_LONGEST = 30.0
 
 
 class CacheBurst:
-    """Node writes wait while caches of their node groups are still arriving, so that a node's
-    LocalModelNode gets all of a burst's entries in one write. bench/coordinator_scale.py at
-    10,000 nodes (200 caches created one after another): the nodes reconciled while the caches
-    were still being created got a LocalModelNode with some of them, written again with the rest
-    (391 LocalModelNode updates), and their agents reported and their Nodes were labelled twice
-    (391 label patches).
-
-    A group's hold starts with a change of its own caches, so on a busy cluster whose caches of
-    group A change every second, B's nodes are not held by A alone (a node joining B, a cache of
-    B deleted). It ends only when no cache of *any* group has changed for ``quiet`` (or its own
-    ``longest`` is up): a group sees one cache in ten of a 200-cache apply over 10 groups, and a
-    hold that ended on the group's own quiet second ended mid-apply (94ba713 at 10,000 nodes:
-    274 LocalModelNodes written twice, against 2 with one hold for every node). Thread-safe."""
+    """Node writes wait while caches are still arriving, so that a node's LocalModelNode gets all
+    of a burst's entries in one write. bench/coordinator_scale.py at 10,000 nodes (200 caches
+    created one after another): the nodes reconciled while the caches were still being created
+    got a LocalModelNode with some of them, written again with the rest (391 LocalModelNode
+    updates), and their agents reported and their Nodes were labelled twice (391 label patches).
+    Thread-safe."""
 
     def __init__(self, quiet: float = BURST_QUIET, longest: float = BURST_LONGEST,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.quiet, self.longest, self.clock = quiet, longest, clock
-        self._last = float("-inf")  # the last change of any cache
-        self._starts: dict[str, float] = {}  # node group -> its hold's start (its first change since quiet)
+        self._start = self._last = float("-inf")
         self._lock = threading.Lock()
 
-    def saw(self, groups: Iterable[str]) -> None:
-        """A cache of these node groups was created or deleted or its spec changed (a spec change:
-        the groups before and after)."""
+    def saw(self) -> None:
+        """A cache was created or deleted or its spec changed."""
         now = self.clock()
         with self._lock:
             if now - self._last >= self.quiet:
-                self._starts.clear()  # every hold is over: these changes start new ones
+                self._start = now  # a new burst
             self._last = now
-            for group in groups:
-                self._starts.setdefault(group, now)  # a hold past `longest` stays over until quiet
 
-    def hold(self, member: Callable[[str], bool]) -> float:
-        """Seconds a node's writes should still wait (0: now); ``member(group)``: the node is in
-        that node group (asked only of groups held, outside the lock)."""
+    def hold(self) -> float:
+        """Seconds node writes should still wait (0: now)."""
         now = self.clock()
         with self._lock:
-            if now - self._last >= self.quiet:
-                self._starts.clear()
-                return 0.0
-            left = {g: min(self._last + self.quiet, start + self.longest) - now for g, start in self._starts.items()}
-        return max((t for g, t in left.items() if t > 0 and member(g)), default=0.0)
+            left = min(self._last + self.quiet, self._start + self.longest) - now
+        return max(0.0, left)

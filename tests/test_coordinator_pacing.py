@@ -166,84 +166,44 @@ def test_local_model_nodes_are_labelled_by_the_groups_of_their_entries() -> None
 def test_a_burst_of_caches_holds_node_writes_until_it_is_over_or_too_long() -> None:
     clock = Clock()
     burst = CacheBurst(quiet=1.0, longest=30.0, clock=clock)
-
-    def everyone(_group: str) -> bool:
-        return True
-
-    assert burst.hold(everyone) == 0  # no cache ever changed
-    burst.saw(["a"])
-    assert burst.hold(everyone) == 1.0
+    assert burst.hold() == 0  # no cache ever changed
+    burst.saw()
+    assert burst.hold() == 1.0
     for _ in range(10):  # one every half second: still the same burst
         clock.now += 0.5
-        burst.saw(["a"])
-    assert burst.hold(everyone) == 1.0
+        burst.saw()
+    assert burst.hold() == 1.0
     clock.now += 1.0
-    assert burst.hold(everyone) == 0  # a second without a change: over
-    for i in range(100):  # a steady stream holds for at most `longest` from its start
-        burst.saw(["a"])
+    assert burst.hold() == 0  # a second without a change: over
+    for _ in range(100):  # a steady stream holds for at most `longest` from its start
+        burst.saw()
         clock.now += 0.5
-        assert burst.hold(everyone) == max(0.0, min(0.5, 30.0 - 0.5 * (i + 1)))
-    assert burst.hold(everyone) == 0
+    assert burst.hold() == 0
     clock.now += 5
-    burst.saw(["a"])  # a new burst
-    assert burst.hold(everyone) == 1.0
+    burst.saw()  # a new burst
+    assert burst.hold() == 1.0
 
 
-def test_a_burst_holds_only_the_nodes_of_the_groups_whose_caches_arrive() -> None:
-    """A busy cluster whose caches of group A change every second held every node's writes for
-    up to 30 s; only A's nodes wait now."""
+def test_a_nodes_entries_wait_while_caches_arrive_and_its_status_writes_do_not_count() -> None:
+    """bench/coordinator_scale.py at 10,000 nodes, 200 caches created one after another: 391
+    nodes reconciled meanwhile were written twice (LocalModelNode update, Node label patch)."""
+    view = ClusterView.build(Kube(ApiClient()), with_services=False)  # no server: a write would fail
+    wiring = build_wiring(view, EventRecorder(view.kube, "test"))
     clock = Clock()
-    burst = CacheBurst(quiet=1.0, longest=30.0, clock=clock)
-    for _ in range(100):  # group A's caches change every half second
-        burst.saw(["a"])
-        clock.now += 0.5
-        assert burst.hold(lambda g: g == "b") == 0  # a node of group B: never held
-    burst.saw(["b", "c"])  # a cache moved from B to C: both groups' nodes wait
-    assert burst.hold(lambda g: g == "b") == burst.hold(lambda g: g == "c") == 1.0
-    assert burst.hold(lambda g: g == "d") == 0
-    asked: list[str] = []
+    wiring.burst.clock = clock
+    node_ctl = next(ctl for ctl in wiring.manager.controllers if ctl.name == "node")
+    view.nodes._event({"type": "ADDED", "object": {
+        "metadata": {"name": "n1", "resourceVersion": "1", "labels": {"pool": "a"}},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}]}}})
+    cache = {"metadata": {"name": "c", "resourceVersion": "1"}, "spec": {"sourceModelUri": "s3://b/m"}}
+    view.caches._event({"type": "ADDED", "object": cache})
+    assert wiring.burst.hold() == 1.0
+    assert node_ctl.reconcile("n1").requeue_after == 1.0  # held: nothing written
     clock.now += 5
-    assert burst.hold(lambda g: asked.append(g) or True) == 0
-    assert asked == []  # over: the node's groups are not even asked
-
-
-def test_a_groups_hold_ends_when_no_cache_of_any_group_arrives_not_its_own() -> None:
-    """94ba713 at 10,000 nodes ended a group's hold on the group's own quiet second: a group sees
-    one cache in ten of a 200-cache apply over 10 groups, and 274 LocalModelNodes were written
-    before the apply was over, then again."""
-    clock = Clock()
-    burst = CacheBurst(quiet=1.0, longest=30.0, clock=clock)
-
-    def in_a(g: str) -> bool:
-        return g == "a"
-
-    burst.saw(["a"])
-    for _ in range(20):  # A's stream has a 6.6 s gap while B's caches keep arriving
-        clock.now += 0.33
-        burst.saw(["b"])
-        assert burst.hold(in_a) == 1.0  # A's nodes still wait for the whole apply
-    burst.saw(["a"])
-    clock.now += 0.99
-    assert burst.hold(in_a) > 0
-    clock.now += 0.01
-    assert burst.hold(in_a) == burst.hold(lambda g: g == "b") == 0  # a second without any cache: over
-
-
-def test_each_groups_hold_has_its_own_cap() -> None:
-    clock = Clock()
-    burst = CacheBurst(quiet=1.0, longest=30.0, clock=clock)
-    burst.saw(["a"])
-    for i in range(80):  # caches keep arriving every half second for 40 s; B's from 10 s on
-        clock.now += 0.5
-        burst.saw(["b"] if clock.now >= 110 else [])
-        a, b = burst.hold(lambda g: g == "a"), burst.hold(lambda g: g == "b")
-        assert a == max(0.0, min(1.0, 30.0 - 0.5 * (i + 1)))  # A: 30 s from its own first change
-        assert b == (max(0.0, min(1.0, 140.0 - clock.now)) if clock.now >= 110 else 0)
-    burst.saw(["a"])  # past its cap and the stream still going: A's hold stays over
-    assert burst.hold(lambda g: g == "a") == 0
-    clock.now += 1.0
-    burst.saw(["a"])  # after a quiet second: a new hold
-    assert burst.hold(lambda g: g == "a") == 1.0
+    assert wiring.burst.hold() == 0
+    view.caches._event({"type": "MODIFIED", "object": {
+        **cache, "metadata": {"name": "c", "resourceVersion": "2"}, "status": {"copies": {"total": 1}}}})
+    assert wiring.burst.hold() == 0  # a status write is not a cache arriving
 
 
 def group(name: str, pool: str) -> dict[str, Any]:
@@ -262,41 +222,6 @@ def node(name: str, pool: str) -> dict[str, Any]:
 
 def add(inf: Any, obj: dict[str, Any]) -> None:
     inf._event({"type": "ADDED", "object": obj})
-
-
-def test_a_nodes_entries_wait_while_caches_arrive_and_its_status_writes_do_not_count() -> None:
-    """bench/coordinator_scale.py at 10,000 nodes, 200 caches created one after another: 391
-    nodes reconciled meanwhile were written twice (LocalModelNode update, Node label patch).
-    A cache of group A holds A's nodes, not B's."""
-    view = ClusterView.build(Kube(ApiClient()), with_services=False)  # no server: a write would fail
-    wiring = build_wiring(view, EventRecorder(view.kube, "test"))
-    clock = Clock()
-    wiring.burst.clock = clock
-    node_ctl = next(ctl for ctl in wiring.manager.controllers if ctl.name == "node")
-    add(view.groups, group("ga", "a"))
-    add(view.groups, group("gb", "b"))
-    add(view.nodes, node("n1", "a"))
-    add(view.nodes, node("n2", "b"))
-    cache = {"metadata": {"name": "c", "resourceVersion": "1"},
-             "spec": {"sourceModelUri": "s3://b/m", "nodeGroups": ["ga"]}}
-    add(view.caches, cache)
-    assert node_ctl.reconcile("n1").requeue_after == 1.0  # held: nothing written
-    assert node_ctl.reconcile("n2").requeue_after is None  # another group's node: not held (nothing to write)
-    writes = Writes(view.kube)
-    for i in range(5):  # A's stream pauses 2.5 s while B's caches keep arriving: n1 still waits
-        clock.now += 0.5
-        add(view.caches, {"metadata": {"name": f"b{i}", "resourceVersion": "1"},
-                          "spec": {"sourceModelUri": f"s3://b/b{i}", "nodeGroups": ["gb"]}})
-        assert node_ctl.reconcile("n1").requeue_after == 1.0
-    assert writes.done == []
-    clock.now += 1.0  # the apply is over: n1 is written once
-    node_ctl.reconcile("n1")
-    assert writes.done == [("create", "LocalModelNode", "n1")]
-    clock.now += 5
-    assert wiring.burst.hold(lambda _g: True) == 0
-    view.caches._event({"type": "MODIFIED", "object": {
-        **cache, "metadata": {"name": "c", "resourceVersion": "2"}, "status": {"copies": {"total": 1}}}})
-    assert wiring.burst.hold(lambda _g: True) == 0  # a status write is not a cache arriving
 
 
 class Writes:
