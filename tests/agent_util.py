@@ -26,6 +26,7 @@ from modelcache.kube.client import (
     SERVICE_ACCOUNTS,
     Kube,
 )
+from tests import forked
 from tests.cluster.controlplane import on_node
 from tests.helpers import REPO, stop_process, wait_until
 
@@ -197,13 +198,17 @@ def write_node(path: Path, entries: list[dict[str, Any]]) -> Path:
     return path
 
 
+def agent_args(spec: Path, root: Path, *extra: str) -> list[str]:
+    return ["--standalone", str(spec), "--root", str(root), "--port", "-1", *FAST_FLAGS, *extra]
+
+
 def agent_cmd(spec: Path, root: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "agent", "--standalone", str(spec), "--root", str(root), "--port", "-1",
-            *FAST_FLAGS, *extra]
+    return [sys.executable, "-m", "agent", *agent_args(spec, root, *extra)]
 
 
 def run_agent(spec: Path, root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(agent_cmd(spec, root, *extra), cwd=REPO, capture_output=True, text=True, timeout=60)
+    """The standalone agent run to its end, forked with the product imported (tests/forked.py)."""
+    return forked.run_module("agent", *agent_args(spec, root, *extra), cwd=REPO, timeout=60)
 
 
 def status_of(spec: Path) -> dict[str, Any]:

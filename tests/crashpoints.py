@@ -15,6 +15,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from tests import forked
 from tests.helpers import REPO
 
 
@@ -40,9 +41,10 @@ def _install(at: str, nth: int, log: str | None) -> None:
 
 def run(step: str, *args: str, env: Mapping[str, str] | None = None, timeout: float = 120
         ) -> subprocess.CompletedProcess[str]:
-    """The CLI with ``args``, killed at ``step`` ("pending", "swapped:2", ...; "none": never)."""
-    return subprocess.run([sys.executable, "-m", "tests.crashpoints", step, *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout, cwd=REPO)
+    """The CLI with ``args``, killed at ``step`` ("pending", "swapped:2", ...; "none": never), forked
+    with the product imported (tests/forked.py)."""
+    return forked.run_module("tests.crashpoints", step, *args, env={**os.environ, **(env or {})}, timeout=timeout,
+                             cwd=REPO)
 
 
 def popen(step: str, *args: str, env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from modelcache.sources.uri import storage_key
+from tests import forked
 from tests.helpers import REPO
 
 MiB = 1 << 20
@@ -28,9 +29,8 @@ def cli_cmd() -> list[str]:
 
 
 def run_cli(*args: str, env: Mapping[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run([*cli_cmd(), *args], capture_output=True, text=True, env=full_env, timeout=timeout,
-                          cwd=REPO)
+    """``modelcache ARGS`` run to its end, forked with the product imported (tests/forked.py)."""
+    return forked.run_module("modelcache", *args, env={**os.environ, **(env or {})}, timeout=timeout, cwd=REPO)
 
 
 def popen_cli(*args: str, env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
