@@ -75,7 +75,7 @@ class _Zygote:
             for event in (*self.started.values(), *self.done.values()):
                 event.set()
 
-    def run(self, request: dict[str, Any], timeout: float) -> tuple[int | None, int | None]:
+    def run(self, request: dict[str, Any], timeout: float) -> tuple[int, int | None]:
         """(pid, exit status as ``Popen.returncode`` has it; None on timeout: the child is killed)."""
         with self.lock:
             rid = self.next_id = self.next_id + 1
@@ -84,14 +84,24 @@ class _Zygote:
             assert self.proc.stdin is not None
             self.proc.stdin.write(json.dumps({"id": rid, **request}) + "\n")
             self.proc.stdin.flush()
+        pid = None
         try:
             started.wait(30)
             pid = self.replies.get(rid, {}).get("pid")
-            if not done.wait(timeout) and pid is not None:
+            if pid is None:
+                raise RuntimeError(f"the test zygote (tests/forked.py) did not start {request['module']}")
+            if not done.wait(timeout):
                 os.kill(pid, signal.SIGKILL)
                 done.wait(30)
                 return pid, None
-            return pid, self.replies.get(rid, {}).get("code")
+            reply = self.replies.get(rid, {})
+            if "code" not in reply:
+                raise RuntimeError(f"the test zygote (tests/forked.py) ended before {request['module']} did")
+            return pid, int(reply["code"])
+        except BaseException:  # the test's own timeout, Ctrl-C: the child goes too, as subprocess.run does
+            if pid is not None and not done.is_set():
+                os.kill(pid, signal.SIGKILL)
+            raise
         finally:
             with self.lock:
                 self.replies.pop(rid, None)
@@ -116,13 +126,14 @@ def run_module(module: str, *args: str, env: Mapping[str, str] | None = None, cw
     """What ``subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
     env=env, cwd=cwd, timeout=timeout)`` returns, from a forked child (raises ``TimeoutExpired`` the same)."""
     argv = [sys.executable, "-m", module, *args]
+    full_env = dict(os.environ if env is None else env)
+    if full_env.get("PYTHONPATH") != os.environ.get("PYTHONPATH"):
+        raise ValueError(f"{module}: the zygote's sys.path is this process's; run a new PYTHONPATH with subprocess")
     with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        request = {"module": module, "args": list(args), "env": dict(os.environ if env is None else env),
+        request = {"module": module, "args": list(args), "env": full_env,
                    "cwd": str(cwd if cwd is not None else os.getcwd()), "out": str(out), "err": str(err)}
-        pid, code = _the_zygote().run(request, timeout)
-        if pid is None:
-            raise RuntimeError(f"the test zygote (tests/forked.py) did not start {module}")
+        _pid, code = _the_zygote().run(request, timeout)
         if code is None:
             raise subprocess.TimeoutExpired(argv, timeout, _text(out), _text(err))
         return subprocess.CompletedProcess(argv, code, _text(out), _text(err))
@@ -191,6 +202,7 @@ def _child(request: dict[str, Any]) -> None:
                                       errors="backslashreplace", line_buffering=True)
         sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
         os.chdir(request["cwd"])
+        sys.path[0] = request["cwd"]  # ``-m`` puts the working directory first
         os.environ.clear()
         os.environ.update(request["env"])
         kube_config = sys.modules.get("kubernetes.config.kube_config")
