@@ -73,7 +73,7 @@ def test_the_command_line_writes_the_issues_json(sim: Any, tmp_path: Path) -> No
     # What it validates against by default: bench/fleet.py's recorded runs at 8 and 16 nodes. Here
     # the same runs with their model cut to 16 MiB (same nodes, origin, machine, agents and costs):
     # the same path through --validate for a few CPU-s instead of ~50 (the fast lane's heaviest).
-    assert [p.name for p in sim.FLEET_RESULTS] == ["fleet-8-stop38.json", "fleet-16-stop38.json"]
+    assert [p.name for p in sim.FLEET_RESULTS] == ["fleet-8-stop39.json", "fleet-16-stop39.json"]
     small = []
     for path in sim.FLEET_RESULTS:
         small.append(tmp_path / path.name)
