@@ -254,8 +254,8 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
                                                                                                     strict=True)]
         if os.environ.get("FLEET_TIMELINE"):
             print("origin MiB by second:", [(t, round(b / 2**20)) for t, b in timeline[::10]], file=sys.stderr)
-        # Per agent, for bench/swarm_sim.py's CPU costs (a least-squares fit over the agents of
-        # every run): its CPU while transferring, the bytes it sent to peers, the polls it answered;
+        # Per agent, for bench/swarm_sim.py's CPU costs (``contention``: the agents' CPU over the
+        # quiet cost of their work): its CPU while transferring, the bytes it sent, the polls it answered;
         # and its memory (resident now, and at its peak).
         agent_rows = {}
         for agent, before, after, quiet in zip(agents, cpu0, cpu, idle_cpu, strict=True):
