@@ -169,6 +169,12 @@ def pull_cmd(uri: str, root: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "modelcache", "pull", uri, "--root", str(root), "--progress", "none", *args]
 
 
+def run_pull(uri: str, root: Path, *args: str, env: Mapping[str, str], timeout: float = 120
+             ) -> subprocess.CompletedProcess[str]:
+    """``pull_cmd`` run to its end in ``env``, forked with the product imported (tests/forked.py)."""
+    return forked.run_module(*pull_cmd(uri, root, *args)[2:], env=env, timeout=timeout, cwd=REPO)
+
+
 def model_files(root: Path, uri: str) -> dict[str, bytes]:
     """Every file of the published model, by model-relative path."""
     base = model_dir(root, uri)

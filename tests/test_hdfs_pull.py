@@ -1,5 +1,5 @@
-"""End to end: `modelcache pull hdfs://... --root DIR` as a subprocess against the WebHDFS test
-server (namenode + datanode on real HTTP)."""
+"""End to end: `modelcache pull hdfs://... --root DIR` as a process of its own (tests/forked.py)
+against the WebHDFS test server (namenode + datanode on real HTTP)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import pytest
 
 from modelcache.sources.uri import storage_key
 from tests.contract import NetworkContract, NetworkTarget, first_match, nth_match
-from tests.helpers import REPO
-from tests.pull_helpers import error_line, model_files, pull_cmd
+from tests.pull_helpers import error_line, model_files, run_pull
 from tests.webhdfs import WebHDFSServer
 from tests.webhdfs.server import Request
 
@@ -48,14 +47,7 @@ def _env(server: WebHDFSServer, tmp_path: Path, **secret: str) -> dict[str, str]
 
 
 def _pull(server: WebHDFSServer, tmp_path: Path, uri: str, *args: str, **secret: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        pull_cmd(uri, tmp_path / "root", "--chunk-size", "64K", *args),
-        env=_env(server, tmp_path, **secret),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_pull(uri, tmp_path / "root", "--chunk-size", "64K", *args, env=_env(server, tmp_path, **secret))
 
 
 def _model(tmp_path: Path, uri: str) -> dict[str, bytes]:

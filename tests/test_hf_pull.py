@@ -1,4 +1,4 @@
-"""End to end: `modelcache pull hf://... --root DIR` as a subprocess against the test Hub."""
+"""End to end: `modelcache pull hf://... --root DIR` as a process of its own (tests/forked.py) against the test Hub."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import pytest
 
 from modelcache.sources.uri import storage_key
 from tests.contract import NetworkContract, NetworkTarget, first_match, nth_match
-from tests.helpers import REPO
 from tests.hfhub import HubServer, Request
-from tests.pull_helpers import error_line, manifest_of, model_files, pull_cmd
+from tests.pull_helpers import error_line, manifest_of, model_files, run_pull
 
 TOKEN = "hf_alice_token"
 BIG = os.urandom(600 * 1024 + 17)  # LFS; ~10 chunks at --chunk-size 64K
@@ -42,14 +41,7 @@ def _env(hub: HubServer, tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def _pull(hub: HubServer, tmp_path: Path, uri: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        pull_cmd(uri, tmp_path / "root", "--chunk-size", "64K", *args),
-        env=_env(hub, tmp_path, **env),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_pull(uri, tmp_path / "root", "--chunk-size", "64K", *args, env=_env(hub, tmp_path, **env))
 
 
 def _model(tmp_path: Path, uri: str) -> dict[str, bytes]:
