@@ -35,7 +35,7 @@ from modelcache.sources.uri import parse_uri
 from tests.faultproxy import Fault, FaultProxy
 from tests.helpers import REPO
 from tests.objectstore_data import read_range
-from tests.pull_helpers import journaled_bytes, model_dir, model_files, one_error_line, pull_cmd, sha256
+from tests.pull_helpers import journaled_bytes, model_dir, model_files, one_error_line, pull_cmd, run_pull, sha256
 
 CHUNK = 256 << 10
 #: What each model holds: a small file, a multi-chunk one in a folder, an empty one.
@@ -187,8 +187,7 @@ def _cli_env(target: Target, tmp_path: Path) -> dict[str, str]:
 
 
 def _run(target: Target, uri: str, root: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(pull_cmd(uri, root, "--chunk-size", str(CHUNK), *args), env=_cli_env(target, tmp_path),
-                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    return run_pull(uri, root, "--chunk-size", str(CHUNK), *args, env=_cli_env(target, tmp_path), timeout=180)
 
 
 class BackendContract:

@@ -7,7 +7,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from tests.pull_helpers import cli_cmd, one_error_line
+from tests import forked
+from tests.pull_helpers import one_error_line
 
 CHUNK = 256 * 1024
 #: Every CLI run's output, for the final grep for secrets.
@@ -38,7 +39,7 @@ def pull(root: Path, uri: str, env: dict[str, str], *more: str) -> subprocess.Co
         "0.2",
         *more,
     ]
-    r = subprocess.run([*cli_cmd(), *args], capture_output=True, text=True, env=clean_env(env), timeout=120)
+    r = forked.run_module("modelcache", *args, env=clean_env(env), timeout=120)  # tests/forked.py
     record(r.stdout + r.stderr)
     return r
 

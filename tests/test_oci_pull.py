@@ -17,7 +17,7 @@ from tests.contract import NetworkContract, ProxyTarget
 from tests.faultproxy import FaultProxy
 from tests.fixtures.oci import LAYER_TAR, LAYER_TGZ, OCIRegistry, docker_config, make_tar
 from tests.helpers import REPO, wait_until
-from tests.pull_helpers import error_line, manifest_of, model_files, pull_cmd, sha256
+from tests.pull_helpers import error_line, manifest_of, model_files, pull_cmd, run_pull, sha256
 from tests.test_oci_source import push_artifact
 
 BIG = os.urandom(900_000)  # ~14 chunks at 64K
@@ -50,14 +50,7 @@ def _env(tmp_path: Path, config: Path | None = None, **extra: str) -> dict[str, 
 def _pull(
     tmp_path: Path, uri: str, *args: str, config: Path | None = None, **extra: str
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        pull_cmd(uri, tmp_path / "root", "--chunk-size", "64K", *args),
-        env=_env(tmp_path, config, **extra),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_pull(uri, tmp_path / "root", "--chunk-size", "64K", *args, env=_env(tmp_path, config, **extra))
 
 
 def _model(tmp_path: Path, uri: str) -> dict[str, bytes]:
