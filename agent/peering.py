@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import ssl
 import tempfile
 import threading
 import time
@@ -306,6 +307,21 @@ class Directory:
         return out
 
 
+def peer_tls(cert: Path | str | None, key: Path | str | None, node: str) -> tuple[ssl.SSLContext, str]:
+    """The peer server's TLS context and its certificate's SHA-256 (published for pinning):
+    ``--peer-tls-cert``/``--peer-tls-key``, else a self-signed pair for ``node``. The generated
+    pair is on disk only while OpenSSL loads it (``load_cert_chain`` reads files, not bytes): its
+    private key is not left behind in the temp dir (stop 39 found 237 such folders there, each
+    with a key, from agents that had stopped)."""
+    if cert and key:
+        return server_context(str(cert), str(key)), cert_fingerprint(Path(cert).read_text())
+    from coordinator.certs import generate_self_signed  # one helper for both self-signed pairs
+
+    with tempfile.TemporaryDirectory(prefix="modelcache-peer-tls-") as folder:
+        made_cert, made_key = generate_self_signed(Path(folder), [node])
+        return server_context(str(made_cert), str(made_key)), cert_fingerprint(made_cert.read_text())
+
+
 class Peering:
     """Built by ``start_peering``; the agent asks it for ``network`` (its downloads) and status."""
 
@@ -316,8 +332,7 @@ class Peering:
         self.zone = self._zone()
         self.token = TokenFile(cfg.peer_token_file)
         self.reviewer = TokenReviewer(kube)
-        cert, key = self._certificate()
-        self.fingerprint = cert_fingerprint(Path(cert).read_text())
+        context, self.fingerprint = peer_tls(cfg.peer_tls_cert, cfg.peer_tls_key, cfg.node)
         self.directory = Directory(kube, cfg.node)
         settings = SwarmSettings(node=cfg.node, zone=self.zone, wait=cfg.peer_wait, formation=cfg.peer_formation,
                                  witnesses=cfg.peer_witnesses)
@@ -325,7 +340,7 @@ class Peering:
                                    on_change, self._excluded)
         self.directory.excluded = self.network.excluded
         self.metrics.peers_excluded.set_function(lambda: len(self.network.exclusions.items()))
-        self.server = PeerServer(cfg.peer_host, cfg.peer_port, server_context(cert, key), self.network,
+        self.server = PeerServer(cfg.peer_host, cfg.peer_port, context, self.network,
                                  self.reviewer.authorize, cfg.peer_max_uploads, cfg.peer_upload_rate,
                                  on_upload=self._uploaded, on_reject=self._rejected,
                                  on_poll=self.metrics.peer_polls.inc)
@@ -337,15 +352,6 @@ class Peering:
         except Exception:
             return ""
         return str(meta(node).labels.get(ZONE_LABEL, ""))
-
-    def _certificate(self) -> tuple[str, str]:
-        if self.cfg.peer_tls_cert and self.cfg.peer_tls_key:
-            return str(self.cfg.peer_tls_cert), str(self.cfg.peer_tls_key)
-        from coordinator.certs import generate_self_signed  # one helper for both self-signed pairs
-
-        folder = Path(tempfile.mkdtemp(prefix="modelcache-peer-tls-"))
-        cert, key = generate_self_signed(folder, [self.cfg.node])
-        return str(cert), str(key)
 
     def _endpoint(self) -> str:
         """``--peer-address`` (HOST, HOST:PORT or [V6]:PORT), else the pod IP; the port defaults

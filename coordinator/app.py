@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import shutil
 import socket
 import tempfile
 import threading
@@ -105,6 +106,9 @@ class Coordinator:
         self.uninstall_path: UninstallPath | None = None
         self.tls: ReloadingContext | None = None
         self.certs: WebhookCerts | None = None
+        #: The folder we made for the cert manager's pair (no --webhook-cert-dir): removed on stop,
+        #: since it holds the webhook's private key.
+        self._own_cert_dir: Path | None = None
         self._tls_lock = threading.Lock()
         self.health: HealthServer | None = None
         self.elector: LeaderElector | None = None
@@ -248,7 +252,9 @@ class Coordinator:
         the background while the API server cannot be reached), and reload on every rotation."""
         cfg = self.cfg
         assert cfg.webhook_cert_secret
-        cert_dir = cfg.webhook_cert_dir or Path(tempfile.mkdtemp(prefix="modelcache-webhook-"))
+        cert_dir = cfg.webhook_cert_dir
+        if cert_dir is None:
+            cert_dir = self._own_cert_dir = Path(tempfile.mkdtemp(prefix="modelcache-webhook-"))
         settings = CertSettings(namespace=cfg.lease_namespace, secret=cfg.webhook_cert_secret,
                                 service=cfg.webhook_service, extra_hosts=tuple(cfg.webhook_cert_hosts),
                                 cert_validity=cfg.webhook_cert_validity, ca_validity=cfg.webhook_ca_validity,
@@ -335,6 +341,8 @@ class Coordinator:
             self.uninstall_path.stop()
         if self.tls is not None:
             self.tls.stop()
+        if self._own_cert_dir is not None:
+            shutil.rmtree(self._own_cert_dir, ignore_errors=True)
 
     def wait(self) -> int:
         self.done.wait()

@@ -95,8 +95,9 @@ def start_deployed_coordinator(cluster: Cluster, workdir: Path, *extra: str, pod
     args += ["--port", str(port), "--webhook-port", str(webhook_port), *extra]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBECONFIG")}
     env.update({"POD_NAMESPACE": dep["metadata"]["namespace"], "POD_NAME": pod_name,
-                "KUBECONFIG": str(cluster.kubeconfig_for(*COORDINATOR_SA))})
-    workdir.mkdir(parents=True, exist_ok=True)
+                "KUBECONFIG": str(cluster.kubeconfig_for(*COORDINATOR_SA)),
+                "TMPDIR": str(workdir / "tmp")})  # its own: what it leaves there is checked
+    (workdir / "tmp").mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"{pod_name}.log"
     with open(log_path, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "coordinator", *args], cwd=code, stdout=out,

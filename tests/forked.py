@@ -17,7 +17,8 @@ environment and working directory given, ``sys.argv``, the module run as ``__mai
 threads waited for and logging flushed at exit as the interpreter does. What differs: the modules
 in ``PRELOAD`` ran their import-time code in the zygote. No product module reads the environment
 at import (modelcache/sources/credentials.py reads it, at call time); the Kubernetes client
-reads ``KUBECONFIG`` at import, so the child sets that default again from its own environment.
+reads ``KUBECONFIG`` at import, so the child sets that default again from its own environment,
+and ``tempfile`` caches the temp dir on first use, so the child forgets the zygote's (``TMPDIR``).
 
 A program that must be killed at a chosen point (tests/crashpoints.py) or talked to while it
 runs stays a real ``subprocess``: this is for runs to completion.
@@ -205,6 +206,7 @@ def _child(request: dict[str, Any]) -> None:
         sys.path[0] = request["cwd"]  # ``-m`` puts the working directory first
         os.environ.clear()
         os.environ.update(request["env"])
+        tempfile.tempdir = None  # read from TMPDIR again on first use, as a new interpreter would
         kube_config = sys.modules.get("kubernetes.config.kube_config")
         if kube_config is not None:  # the client reads it from the environment when imported
             kube_config.KUBE_CONFIG_DEFAULT_LOCATION = os.environ.get("KUBECONFIG", "~/.kube/config")

@@ -65,14 +65,21 @@ def start_group(cluster, kube, tmp_path: Path, nodes: list[str], *extra: str,
     for node in nodes:
         cluster.register_node(node)
         create_node(kube, node, [])
+        (tmp_path / "tmp" / node).mkdir(parents=True, exist_ok=True)  # its TMPDIR: see temp_leftovers
         agents[node] = start_agent(cluster.agent_kubeconfig, node, tmp_path / node, tmp_path,
-                                   *peer_args(token), *extra, *(args or {}).get(node, []))
+                                   *peer_args(token), *extra, *(args or {}).get(node, []),
+                                   env={"TMPDIR": str(tmp_path / "tmp" / node)})
     for node, agent in agents.items():
         try:
             wait_until(lambda n=node: peer_endpoint(kube, n), timeout=60, what=f"{node}'s peer endpoint")
         except TimeoutError:
             raise AssertionError(f"{node} published no peer endpoint:\n{agent.log()[-3000:]}") from None
     return agents
+
+
+def temp_leftovers(tmp_path: Path, nodes: list[str]) -> list[str]:
+    """What the agents left in their TMPDIRs (their self-signed peer pairs must not stay there)."""
+    return sorted(str(p.relative_to(tmp_path)) for n in nodes for p in (tmp_path / "tmp" / n).iterdir())
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -93,6 +100,8 @@ def test_a_group_that_starts_together_reads_the_origin_about_once(cluster, kube,
     nodes = ["node-a", "node-b", "node-c"]
     agents = start_group(cluster, kube, tmp_path, nodes)
     try:
+        # Each made its self-signed pair (the endpoints are published) and kept no file of it.
+        assert temp_leftovers(tmp_path, nodes) == []
         for node in nodes:
             set_entries(kube, node, [entry("llm", origin.uri)])
         status = {n: wait_states(kube, n, {"llm": D}, timeout=120, agent=agents[n]) for n in nodes}

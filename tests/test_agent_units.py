@@ -645,3 +645,46 @@ def test_the_agents_ports_are_taken_at_construction_and_the_checker_reports_thro
                    == "ModelDownloaded", timeout=30, what="the model repaired")
     finally:
         agent.stop()
+
+
+def test_the_self_signed_peer_pair_serves_its_published_fingerprint_and_leaves_no_key_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --peer-tls-cert/--peer-tls-key the agent makes a pair per start: its key is on disk
+    only while OpenSSL loads it (stop 39 found 237 ``modelcache-peer-tls-*`` folders, each with a
+    private key, left in /tmp by agents long stopped)."""
+    import hashlib
+    import socket
+    import ssl
+    import tempfile
+    import threading
+
+    from agent.peering import peer_tls
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    context, fingerprint = peer_tls(None, None, "node-a")
+    assert list(tmp_path.iterdir()) == []
+
+    # The context serves the very certificate whose SHA-256 is published for pinning.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        def serve() -> None:
+            conn, _ = listener.accept()
+            with context.wrap_socket(conn, server_side=True) as tls:
+                tls.recv(1)
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        client.check_hostname, client.verify_mode = False, ssl.CERT_NONE
+        with client.wrap_socket(socket.create_connection(listener.getsockname()[:2])) as tls:
+            served = tls.getpeercert(binary_form=True)
+            tls.sendall(b"x")
+        server.join(5)
+    assert served is not None and hashlib.sha256(served).hexdigest() == fingerprint
+
+    # Given files are used as they are (and stay where they are).
+    from coordinator.certs import generate_self_signed
+
+    cert, key = generate_self_signed(tmp_path / "given", ["node-b"])
+    _, given = peer_tls(cert, key, "node-b")
+    assert given == hashlib.sha256(ssl.PEM_cert_to_DER_cert(cert.read_text())).hexdigest() != fingerprint
+    assert cert.exists() and key.exists()

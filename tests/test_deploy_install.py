@@ -89,9 +89,13 @@ def test_apply_alone_installs_a_working_coordinator(
         assert dup.returncode != 0
         assert 'admission webhook "localmodelcache.modelcache.serving.kserve.io" denied the request' in dup.stderr
         assert f"LocalModelCache llm has the same StorageURI {URI}" in dup.stderr
-
+        # Its serving pair (no --webhook-cert-dir in deploy/) is in a folder of its TMPDIR while it runs...
+        (pair_dir,) = (tmp_path / "coordinator" / "tmp").glob("modelcache-webhook-*")
+        assert (pair_dir / "tls.key").exists()
     finally:
         coordinator.stop()
+    # ... and goes with it: the webhook's private key is not left behind.
+    assert list((tmp_path / "coordinator" / "tmp").iterdir()) == []
 
 
 def test_certificate_rotation_keeps_the_webhooks_called(cluster_factory: Callable[..., Cluster], tmp_path: Any) -> None:
