@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 
 import pytest
 
@@ -222,3 +223,21 @@ def test_an_s3_pull_builds_no_hdfs_settings(moto_s3, tmp_path, monkeypatch) -> N
     assert result.files == 1 and result.bytes == 1000
     assert sorted(settings._built) == ["s3"]
     assert list((tmp_path / "tmp").glob("modelcache-hdfs-spec-*")) == []
+
+
+def test_the_hdfs_spec_folder_with_its_keytab_goes_when_the_process_ends(tmp_path) -> None:
+    """A storage spec's files (a keytab among them) are written to a 0700 folder for the HDFS
+    client; it lives as long as the process, not longer."""
+    import subprocess
+    import sys
+
+    spec = {"type": "hdfs", "HDFS_NAMENODE": "https://nn:9871", "KERBEROS_KEYTAB": base64.b64encode(b"KT").decode()}
+    code = ("import json, os, sys; from modelcache.sources.credentials import hdfs_spec_dir; "
+            "d = hdfs_spec_dir({'STORAGE_CONFIG': sys.argv[1]}); "
+            "print(d, open(os.path.join(d, 'KERBEROS_KEYTAB')).read())")
+    (tmp_path / "tmp").mkdir()
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True, check=True,
+                         env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
+    folder, keytab = out.stdout.split()
+    assert folder.startswith(str(tmp_path / "tmp" / "modelcache-hdfs-spec-")) and keytab == "KT"
+    assert list((tmp_path / "tmp").iterdir()) == []

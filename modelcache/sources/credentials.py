@@ -242,7 +242,9 @@ def hdfs_spec_dir(env: Mapping[str, str]) -> str | None:
     spec = storage_spec(env)
     if str(spec.get("type", "")).lower() not in ("hdfs", "webhdfs"):
         return None
+    import atexit
     import hashlib
+    import shutil
     import tempfile
 
     fingerprint = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
@@ -269,6 +271,8 @@ def hdfs_spec_dir(env: Mapping[str, str]) -> str | None:
         else:
             files[key] = text.encode("utf-8")
     folder = tempfile.mkdtemp(prefix="modelcache-hdfs-spec-")
+    # It may hold a keytab: gone when the process ends (the agent keeps it while it runs).
+    atexit.register(shutil.rmtree, folder, True)
     for key, data in files.items():
         fd = os.open(os.path.join(folder, key), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
