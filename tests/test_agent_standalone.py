@@ -163,7 +163,10 @@ def test_a_file_replaced_by_a_link_out_of_the_root_is_repaired_by_the_size_check
 
 def test_restart_of_a_big_root_takes_seconds(tmp_path):
     """40 models of 2 GiB each (sparse files) with their manifests: a restart reports them all
-    Downloaded from stats alone; hashing 80 GiB (or fetching from the unreachable URIs) could not."""
+    Downloaded from stats alone. Each manifest's xxh3 is wrong on purpose: a restart that hashed
+    the files would find every model corrupt and start a download from its unreachable URI, so
+    the states and the log prove no byte was hashed, with no clock in the test (it asserted
+    < 15 s before: a timed assertion, which the house keeps out of tests)."""
     from modelcache.store import Manifest, ManifestFile, NodeStore
 
     root = tmp_path / "root"
@@ -184,15 +187,12 @@ def test_restart_of_a_big_root_takes_seconds(tmp_path):
         path.write_text(manifest.to_json())
         entries.append({"modelName": f"m{i}", "sourceModelUri": uri})
     spec = write_node(tmp_path / "node.yaml", entries)
-    t0 = time.monotonic()
     proc = run_agent(spec, root, "--verify-interval", "0", "--size-check-interval", "0")
-    elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-2000:]
     st = status_of(spec)
     assert set(st["modelStatus"].values()) == {D} and len(st["modelStatus"]) == 40
     assert st["modelDetails"]["m7"]["bytesTotal"] == 2 << 30
     assert "download started" not in proc.stderr
-    assert elapsed < 15, elapsed
 
 
 def test_max_concurrent_models_is_honoured(nginx, tmp_path):
