@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 
@@ -70,11 +69,9 @@ def test_restart_trusts_manifests_then_full_verify_repairs(nginx, tmp_path):
         f.seek(12345)
         f.write(bytes([data[12345] ^ 0xFF]))
     nginx.clear_access_log()
-    t0 = time.monotonic()
     proc = run_agent(spec, root, "--verify-interval", "0")
     assert proc.returncode == 0, proc.stderr
-    assert time.monotonic() - t0 < 20
-    assert status_of(spec)["modelStatus"] == {"m": D}
+    assert status_of(spec)["modelStatus"] == {"m": D}  # a hash would have found the flipped byte
     assert "model present" in proc.stderr and "download started" not in proc.stderr
     assert nginx.access_log() == []
     # The slower full verify finds it, reports it and repairs it.
