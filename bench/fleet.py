@@ -14,6 +14,21 @@ Three runs, each on nodes of its own with empty roots:
 Time is from creating the cache until every node's LocalModelNode says ModelDownloaded; every
 node's files are then checked byte for byte (sha-256) against the source.
 
+While the agents transfer, a probe (``LoadProbe``) measures every ``PROBE_EVERY`` seconds, for
+``PROBE_DURING`` seconds, the share of a core one more process gets (``cpu_share_during_<mode>``:
+[seconds since the cache was made, that share, the agents' runnable threads]). Beside each of
+those samples, index for index, ``agents_during_<mode>`` records what every agent had used so far:
+
+- ``at``: [the probe's start, its end], seconds since the cache was made, one pair a sample;
+- ``cpu_seconds``: {agent: [[CPU-s at the probe's start, at its end], ...]}, user + system of the
+  agent's process (/proc/<pid>/stat, all its threads; the agent starts no child processes) since
+  the cache was made: an agent's cores in a window are the difference over the window's seconds;
+- ``sent_bytes``: {agent: [bytes sent to peers by the probe's end, ...]}, its /metrics'
+  modelcache_agent_peer_uploaded_bytes_total (counted piece by piece). What it took in is not
+  there: the agent counts downloaded bytes when a download ends;
+- ``metrics_read_seconds``: [the wall seconds reading every agent's /metrics took, a sample]: what
+  the sent bytes cost the probe's cadence.
+
     .venv/bin/python bench/fleet.py --nodes 8 --size 256Mi [--origin-rate 16Mi] [--json FILE]
 """
 
@@ -30,6 +45,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -64,20 +81,23 @@ def start_moto(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
         proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     endpoint = f"http://127.0.0.1:{port}"
-    import urllib.request
-
     wait_until(lambda: urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).status == 200, timeout=60,
                what="moto_server")
     return proc, endpoint
 
 
-def cpu_seconds(agent: AgentProc) -> float:
-    """User + system CPU the agent process used so far (/proc/<pid>/stat)."""
+def pid_cpu_seconds(pid: int) -> float:
+    """User + system CPU a process (all its threads) used so far (/proc/<pid>/stat); 0 once gone."""
     try:
-        fields = Path(f"/proc/{agent.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(agent: AgentProc) -> float:
+    """User + system CPU the agent process used so far."""
+    return pid_cpu_seconds(agent.proc.pid)
 
 
 #: A process that only computes, for PROBE_SECONDS: the CPU it got over the wall time it ran is the
@@ -124,11 +144,23 @@ class LoadProbe:
     a core the probe got, and the agents' runnable threads (the mean of samples taken while it
     ran). From the share ``s`` and those threads ``a`` the other processes competing for the
     ``cpus`` cores are ``cpus / s - 1 - a`` (the scheduler's fair share per runnable thread):
-    what bench/swarm_sim.py gives the agents' cores over time."""
+    what bench/swarm_sim.py gives the agents' cores over time.
 
-    def __init__(self, pids: list[int], t0: float) -> None:
-        self.pids, self.t0 = pids, t0
+    Beside each sample (``series``): every agent's CPU-s since ``cpu0`` at the probe's start and
+    end, and, with ``sent``, the bytes it sent to peers by the end: what the agents themselves
+    used in the windows whose share the model offers them (issue #30: the model offered 1.3-1.8x
+    what the agents used in all, and the totals could not say in which windows)."""
+
+    def __init__(self, agents: dict[str, int], t0: float, cpu0: dict[str, float] | None = None,
+                 sent: Callable[[str], float] | None = None, during: float = PROBE_DURING,
+                 every: float = PROBE_EVERY) -> None:
+        self.agents, self.t0, self.sent, self.during, self.every = agents, t0, sent, during, every
+        self.cpu0 = cpu0 or {}
         self.samples: list[tuple[float, float, float]] = []
+        self.at: list[tuple[float, float]] = []
+        self.cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in agents}
+        self.sent_bytes: dict[str, list[int]] = {name: [] for name in agents}
+        self.metrics_seconds: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="load-probe", daemon=True)
 
@@ -141,20 +173,45 @@ class LoadProbe:
         self._thread.join(30)
         return self.samples
 
+    def series(self) -> dict[str, Any]:
+        """The agents' readings beside ``samples``, index for index (the module's docstring)."""
+        out: dict[str, Any] = {"at": [list(w) for w in self.at],
+                               "cpu_seconds": {n: [list(c) for c in rows] for n, rows in self.cpu.items()}}
+        if self.sent is not None:
+            out["sent_bytes"] = self.sent_bytes
+            out["metrics_read_seconds"] = self.metrics_seconds
+        return out
+
+    def _cpu(self) -> dict[str, float]:
+        return {name: pid_cpu_seconds(pid) - self.cpu0.get(name, 0.0) for name, pid in self.agents.items()}
+
     def _run(self) -> None:
+        pids = list(self.agents.values())
         while not self._stop.is_set():
             at = time.monotonic()
-            proc = subprocess.Popen([sys.executable, "-c", PROBE.format(s=PROBE_DURING)], stdout=subprocess.PIPE,
+            before = self._cpu()
+            proc = subprocess.Popen([sys.executable, "-c", PROBE.format(s=self.during)], stdout=subprocess.PIPE,
                                     text=True)
             counts: list[int] = []
             while proc.poll() is None:
-                counts.append(runnable_threads(self.pids))
-                time.sleep(0.2)
+                counts.append(runnable_threads(pids))
+                time.sleep(0.2 * self.during)
+            after, end = self._cpu(), time.monotonic()
             out = proc.stdout.read() if proc.stdout else ""
+            if proc.stdout:
+                proc.stdout.close()
             if proc.returncode == 0 and out.strip():
                 self.samples.append((round(at - self.t0, 1), round(float(out), 3),
                                      round(sum(counts) / max(1, len(counts)), 2)))
-            self._stop.wait(max(0.0, PROBE_EVERY - (time.monotonic() - at)))
+                self.at.append((round(at - self.t0, 2), round(end - self.t0, 2)))
+                for name in self.agents:
+                    self.cpu[name].append((round(before[name], 2), round(after[name], 2)))
+                if self.sent is not None:
+                    read = time.monotonic()
+                    for name in self.agents:
+                        self.sent_bytes[name].append(int(self.sent(name)))
+                    self.metrics_seconds.append(round(time.monotonic() - read, 3))
+            self._stop.wait(max(0.0, self.every - (time.monotonic() - at)))
 
 
 def rss_mib(agent: AgentProc) -> tuple[float, float]:
@@ -175,14 +232,26 @@ PEER_EVENTS = {"too_slow": r"from \S+ too slow", "origin_fallbacks": r"no peer d
                "owners_missed": r"did not read it in"}
 
 
+#: The agent's counter of bytes sent to peers (agent/metrics.py), counted piece by piece.
+SENT_BYTES = "modelcache_agent_peer_uploaded_bytes_total"
+
+
 def peer_events(agents: list[AgentProc]) -> dict[str, int]:
     logs = [agent.log() for agent in agents]
     return {what: sum(len(re.findall(pattern, text)) for text in logs) for what, pattern in PEER_EVENTS.items()}
 
 
-def counter(agent: AgentProc, name: str) -> float:
-    """A counter of the agent's /metrics (0 when it has no sample)."""
-    _, text = agent.get("/metrics")
+def counter(agent: AgentProc, name: str, port: int | None = None) -> float:
+    """A counter of the agent's /metrics (0 when it has no sample, or did not answer); ``port``:
+    its metrics port if known (``agent.port`` reads the agent's whole log to find it)."""
+    if port is None:
+        _, text = agent.get("/metrics")
+    else:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return 0.0
     m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
@@ -211,8 +280,12 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
         # The agents' CPU from here on is what the transfer costs (bench/swarm_sim.py's CPU model
         # takes its per-byte costs from it); before it, each agent's start-up (imports, informers).
         cpu0 = [cpu_seconds(agent) for agent in agents]
+        ports = {agent.node: agent.port for agent in agents}
+        by_name = {agent.node: agent for agent in agents}
         t0 = time.monotonic()
-        probe = LoadProbe([agent.proc.pid for agent in agents], t0).start()
+        probe = LoadProbe({agent.node: agent.proc.pid for agent in agents}, t0,
+                          {agent.node: c for agent, c in zip(agents, cpu0, strict=True)},
+                          lambda n: counter(by_name[n], SENT_BYTES, ports[n])).start()
         kube.create(LOCAL_MODEL_CACHES, {"metadata": {"name": f"llm-{mode}"}, "spec": {
             "sourceModelUri": origin.uri, "modelSize": str(origin.size), "nodeGroups": [mode],
             "storage": {"key": "fleet"}}})
@@ -262,12 +335,13 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
             rss, peak = rss_mib(agent)
             agent_rows[agent.node] = {
                 "cpu_seconds": round(after - before, 2), "idle_cpu_seconds_per_minute": round(quiet, 3),
-                "sent_bytes": int(counter(agent, "modelcache_agent_peer_uploaded_bytes_total")),
+                "sent_bytes": int(counter(agent, SENT_BYTES)),
                 "polls_answered": int(counter(agent, "modelcache_agent_peer_polls_answered_total")),
                 "rss_mib": rss, "peak_rss_mib": peak}
         return {"seconds": seconds, "origin_bytes": sent, "agent_cpu_seconds": round(sum(cpu), 1),
                 "agent_cpu_seconds_transfer": round(sum(cpu) - sum(cpu0), 2), "cpu_share": share,
-                "cpu_share_during": during, "agents": agent_rows, "peer_events": peer_events(agents),
+                "cpu_share_during": during, "agents_during": probe.series(), "agents": agent_rows,
+                "peer_events": peer_events(agents),
                 "per_node": {n: [d.get("bytesFromOrigin"), d.get("bytesFromPeers")] for n, d in details.items()}}
     finally:
         for agent in agents:
@@ -327,6 +401,9 @@ def summary(nodes: int, model: int, rate: int, results: dict[str, dict[str, Any]
             # The probe repeated during each run: [seconds since the cache was made, a core's share,
             # the agents' runnable threads]; and each agent's CPU, bytes sent, polls answered, memory.
             **{f"cpu_share_during_{m}": of(m, "cpu_share_during") for m in results},
+            # Beside each of those samples, each agent's CPU-s so far at the probe's start and end,
+            # and the bytes it sent by the end (the module's docstring).
+            **{f"agents_during_{m}": of(m, "agents_during") for m in results},
             **{f"peer_events_{m}": of(m, "peer_events") for m in results},
             **{f"agents_{m}": {n: {**row, "from_origin": (of(m, "per_node") or {}).get(n, [0, 0])[0],
                                    "from_peers": (of(m, "per_node") or {}).get(n, [0, 0])[1]}

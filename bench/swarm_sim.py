@@ -44,6 +44,9 @@ real ones for every run (``validation``). That world is the run's machine: its c
 processes its repeated probe measured, and the CPU its agents paid: the quiet costs times what the
 run's own agents paid over them (``contention``; ``--cpu-costs FLEET_JSON ...``: those runs'
 together), so the time checks the machine's share and the swarm's dynamics, not a byte's cost.
+A run that recorded its agents' CPU beside each probe sample (bench/fleet.py's
+``agents_during_p2p``) also gets, window by window, each agent's cores used next to the cores
+the model offers it then (``cpu_per_window``, printed as a table on stderr); older runs: None.
 
     .venv/bin/python bench/swarm_sim.py --nodes 1000 --zones 3 [--size 2Gi] [--json FILE]
 """
@@ -302,8 +305,12 @@ class Machine:
         self.agents.append(link)
         return link
 
+    def cores(self, runnable: int) -> float:
+        """An agent's cores when ``runnable`` agents have work: its fair share, at most ``gil``."""
+        return min(self.gil, self.cpus / max(1e-9, self.others + runnable))
+
     def share(self, runnable: int) -> float:
-        cores = min(self.gil, self.cpus / max(1e-9, self.others + runnable))
+        cores = self.cores(runnable)
         return max(0.01 * cores, cores - self.idle)
 
     def changed(self, link: Link) -> None:
@@ -998,6 +1005,64 @@ def others_over_time(fleet: dict[str, Any], mode: str) -> tuple[tuple[float, flo
                  for t, s, a in fleet.get(f"cpu_share_during_{mode}") or ())
 
 
+def cpu_per_window(fleet: dict[str, Any], world: World, mode: str = "p2p") -> dict[str, Any] | None:
+    """The agents' own cores in each of the probe's windows (bench/fleet.py's ``agents_during``)
+    next to what the model offers each agent then: ``Machine.cores`` with every agent at work
+    beside the others of that sample (``others_over_time``), idle use included (the agents' CPU
+    includes theirs). ``used_probe_window``: an agent's mean cores over the probe's own second;
+    ``used_to_next``: from this sample's start to the next one's, the step over which the
+    simulation holds that sample's others. ``total``: CPU-s over the run's samples, offered
+    (step by step) against used. None: a run recorded before the series (the agents' totals only)."""
+    during = fleet.get(f"agents_during_{mode}") or {}
+    cpu: dict[str, list[list[float]]] = during.get("cpu_seconds") or {}
+    at: list[list[float]] = during.get("at") or []
+    samples = fleet.get(f"cpu_share_during_{mode}") or []
+    if not cpu or not at or not samples:
+        return None
+    agents = len(cpu)
+    cores = world.cpus if world.cpus > 0 else float(fleet.get("cpus") or os.cpu_count() or 1)
+    gil = world.gil if world.gil > 0 else math.inf
+    windows, offered_cpu, used_cpu = [], 0.0, 0.0
+    for i, ((_, share, runnable), (start, end), (_, others)) in enumerate(
+            zip(samples, at, others_over_time(fleet, mode), strict=False)):
+        offered = Machine(None, cores, others, gil, 0.0).cores(agents)  # type: ignore[arg-type]
+        used = sum(rows[i][1] - rows[i][0] for rows in cpu.values()) / max(1e-9, end - start) / agents
+        to_next = None
+        if i + 1 < min(len(at), len(samples)):
+            step = at[i + 1][0] - start
+            spent = sum(rows[i + 1][0] - rows[i][0] for rows in cpu.values())
+            to_next = spent / max(1e-9, step) / agents
+            offered_cpu, used_cpu = offered_cpu + offered * agents * step, used_cpu + spent
+        else:  # the last sample: its own window
+            offered_cpu += offered * agents * (end - start)
+            used_cpu += used * agents * (end - start)
+        windows.append({"t": start, "probe_share": share, "agents_runnable": runnable, "others": round(others, 2),
+                        "offered": round(offered, 3), "used_probe_window": round(used, 3),
+                        "used_to_next": None if to_next is None else round(to_next, 3),
+                        "used_over_offered": round(used / offered, 2) if offered > 0 else None})
+    return {"agents": agents, "windows": windows,
+            "total": {"offered_cpu_seconds": round(offered_cpu, 2), "used_cpu_seconds": round(used_cpu, 2),
+                      "used_over_offered": round(used_cpu / offered_cpu, 3) if offered_cpu > 0 else None}}
+
+
+def print_cpu_windows(check: dict[str, Any], out: Any = sys.stderr) -> None:
+    """``cpu_per_window`` of one validated run as a table (cores per agent)."""
+    windows = check.get("cpu_per_window")
+    if not windows:
+        return
+    total = windows["total"]
+    print(f"{check['nodes']} nodes: each agent's cores per probe window, used (bench/fleet.py) against the model's "
+          f"offer; in all {total['used_cpu_seconds']} of {total['offered_cpu_seconds']} CPU-s offered "
+          f"({total['used_over_offered']}x)", file=out)
+    print("| s | probe's share | agents runnable | others | offered | used (probe's window) | used (to the next) "
+          "| used / offered |", file=out)
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|", file=out)
+    for w in windows["windows"]:
+        to_next = "-" if w["used_to_next"] is None else w["used_to_next"]
+        print(f"| {w['t']} | {w['probe_share']} | {w['agents_runnable']} | {w['others']} | {w['offered']} | "
+              f"{w['used_probe_window']} | {to_next} | {w['used_over_offered']} |", file=out)
+
+
 def fleet_world(fleet: dict[str, Any], base: World, cpu: CpuCosts | None = None, mode: str = "p2p") -> World:
     """bench/fleet.py's world for one of its runs (``mode``: p2p, or single: one node without
     peers): its nodes in one zone, its model (a config and four shards), its origin throttled to
@@ -1037,6 +1102,7 @@ def validate(fleet: dict[str, Any], base: World, cpu: CpuCosts | None = None) ->
             "peer_events": {"fleet": fleet.get("peer_events_p2p"), "simulated": sim["peer_events"]},
             "seconds": {"simulated": sim["seconds"], "simulated_single": sim["seconds_single"]},
             "cpu_model": cpu_model(world), "contention": round(contention([fleet]) or 0.0, 2) or None,
+            "cpu_per_window": cpu_per_window(fleet, world),
             "relative_error": error, "within": TOLERANCE, "ok": all(e <= TOLERANCE for e in error.values())}
 
 
@@ -1103,6 +1169,8 @@ def main() -> None:
         fleets = [json.loads(path.read_text()) for path in args.validate]
         costs = costs_of([json.loads(path.read_text()) for path in args.cpu_costs]) if args.cpu_costs else None
         out["validation"] = [validate(fleet, world, costs) for fleet in fleets]
+        for check in out["validation"]:
+            print_cpu_windows(check)
         out["validated_against_fleet"] = all(check["ok"] for check in out["validation"])
     out["load_average"] = round(os.getloadavg()[0], 1)
     text = json.dumps(out)

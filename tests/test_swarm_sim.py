@@ -78,10 +78,17 @@ def test_the_command_line_writes_the_issues_json(sim: Any, tmp_path: Path) -> No
     for path in sim.FLEET_RESULTS:
         small.append(tmp_path / path.name)
         small[-1].write_text(json.dumps({**json.loads(path.read_text()), "model_bytes": 16 * MiB}))
+    # The 8-node run as bench/fleet.py records it now: each agent's CPU beside each probe sample
+    # (here 0.1 cores each, all the time); the 16-node one as runs were recorded before, without.
+    eight, sixteen = (json.loads(path.read_text()) for path in small)
+    eight["agents_during_p2p"] = steady_agents(eight["cpu_share_during_p2p"], list(eight["agents_p2p"]), 0.1)
+    sixteen.pop("agents_during_p2p", None)
+    for path, fleet in zip(small, (eight, sixteen), strict=True):
+        path.write_text(json.dumps(fleet))
     out = tmp_path / "sim.json"
-    subprocess.run([sys.executable, str(REPO / "bench" / "swarm_sim.py"), "--nodes", "3", "--zones", "1",
-                    "--size", "48Mi", "--json", str(out), "--validate", *map(str, small)], check=True,
-                   capture_output=True, timeout=600, env={**os.environ, "PYTHONHASHSEED": "0"})
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "swarm_sim.py"), "--nodes", "3", "--zones", "1",
+                           "--size", "48Mi", "--json", str(out), "--validate", *map(str, small)], check=True,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONHASHSEED": "0"})
     result = json.loads(out.read_text())
     assert set(ISSUE_KEYS) <= set(result) and result["nodes"] == 3 and result["zones"] == 1
     # Whether they pass is a measured result (docs/benchmarks.md), not this test's to decide.
@@ -91,6 +98,43 @@ def test_the_command_line_writes_the_issues_json(sim: Any, tmp_path: Path) -> No
     for check in checks:
         assert set(check["relative_error"]) == {"time_vs_single", "origin_vs_model"}
         assert check["polls_answered"]["fleet"] > 0 and check["polls_answered"]["simulated"] > 0
+    # The agents' cores per window beside the model's offer, where recorded; an old run has none.
+    windows = checks[0]["cpu_per_window"]
+    assert len(windows["windows"]) == len(eight["cpu_share_during_p2p"]) and windows["agents"] == 8
+    assert all(w["used_probe_window"] == pytest.approx(0.1, abs=0.002) for w in windows["windows"]), windows
+    assert checks[1]["cpu_per_window"] is None
+    assert "8 nodes: each agent's cores per probe window" in done.stderr and "16 nodes:" not in done.stderr
+
+
+def steady_agents(samples: list[list[float]], names: list[str], cores: float) -> dict[str, Any]:
+    """bench/fleet.py's ``agents_during`` beside ``samples`` for agents that each use ``cores``
+    all the time (each probe window 1 s long)."""
+    at = [[t, t + 1.0] for t, _, _ in samples]
+    return {"at": at, "cpu_seconds": {n: [[round(cores * a, 4), round(cores * b, 4)] for a, b in at] for n in names},
+            "sent_bytes": {n: [0] * len(at) for n in names}, "metrics_read_seconds": [0.01] * len(at)}
+
+
+def test_the_agents_cores_per_window_are_set_beside_the_models_offer(sim: Any) -> None:
+    """Two samples of the probe on 2 cores: 6 other runnable threads at first (a share of 0.2
+    with 3 agents' threads seen: 2 / 0.2 - 1 - 3), none later (a whole core, one agent's thread
+    seen). 2 agents with work are offered 2 / (6 + 2) = 0.25 cores each, then 1 core each (2 / 2,
+    their GIL's bound too); one used 0.1 and then 0.5 cores, the other 0.3 and then 0.5."""
+    fleet = {"nodes": 2, "cpus": 2, "cpu_share_during_p2p": [[0.0, 0.2, 3.0], [2.0, 1.0, 1.0]],
+             "agents_during_p2p": {"at": [[0.0, 1.0], [2.0, 3.0]],
+                                   "cpu_seconds": {"a": [[0.0, 0.1], [0.2, 0.7]], "b": [[0.0, 0.3], [0.6, 1.1]]}}}
+    out = sim.cpu_per_window(fleet, sim.World(nodes=2, zones=1, files=(1,), cpus=2, gil=1.0))
+    first, second = out["windows"]
+    assert (first["others"], first["offered"], second["others"], second["offered"]) == (6.0, 0.25, 0.0, 1.0)
+    assert first["used_probe_window"] == pytest.approx(0.2) and second["used_probe_window"] == pytest.approx(0.5)
+    assert first["used_to_next"] == pytest.approx(0.2)  # 0.8 CPU-s from 0 s to 2 s, 2 agents
+    assert second["used_to_next"] is None and first["used_over_offered"] == pytest.approx(0.8)
+    # In all: 0.25 x 2 agents x 2 s offered, then 1 x 2 x 1 s (the last sample's window); used 0.8 + 1.0.
+    assert out["total"]["offered_cpu_seconds"] == pytest.approx(3.0)
+    assert out["total"]["used_cpu_seconds"] == pytest.approx(1.8)
+    # A run recorded before the series (its agents' totals only), or one without samples: none.
+    old = json.loads((REPO / "bench" / "fleet-8-stop39.json").read_text())
+    assert sim.cpu_per_window(old, sim.fleet_world(old, world(sim))) is None
+    assert sim.cpu_per_window({**fleet, "cpu_share_during_p2p": []}, sim.World(nodes=2, zones=1, files=(1,))) is None
 
 
 def test_the_cpu_model_slows_a_swarm_as_its_cpu_work_over_the_cores_it_gets(sim: Any) -> None:
