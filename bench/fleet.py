@@ -23,11 +23,12 @@ those samples, index for index, ``agents_during_<mode>`` records what every agen
 - ``cpu_seconds``: {agent: [[CPU-s at the probe's start, at its end], ...]}, user + system of the
   agent's process (/proc/<pid>/stat, all its threads; the agent starts no child processes) since
   the cache was made: an agent's cores in a window are the difference over the window's seconds;
-- ``sent_bytes``: {agent: [bytes sent to peers by the probe's end, ...]}, its /metrics'
-  modelcache_agent_peer_uploaded_bytes_total (counted piece by piece). What it took in is not
-  there: the agent counts downloaded bytes when a download ends;
-- ``metrics_read_seconds``: [the wall seconds reading every agent's /metrics took, a sample]: what
-  the sent bytes cost the probe's cadence.
+- with ``--probe-metrics`` only: ``sent_bytes``: {agent: [bytes sent to peers by the probe's end,
+  ...]}, its /metrics' modelcache_agent_peer_uploaded_bytes_total (counted piece by piece), and
+  ``metrics_read_seconds``: [the wall seconds reading every agent's /metrics took, a sample]. Off
+  by default: at 8 agents (bench/fleet-8-stop40.json, load 3) the reads took 0.01-1.37 s a sample
+  (0.50 s mean: starved agents answer late), stretching the probe's 2 s cadence to 2.0-2.5 s.
+  What an agent took in is not on its /metrics until its download ends.
 
     .venv/bin/python bench/fleet.py --nodes 8 --size 256Mi [--origin-rate 16Mi] [--json FILE]
 """
@@ -257,7 +258,8 @@ def counter(agent: AgentProc, name: str, port: int | None = None) -> float:
 
 
 def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, workdir: Path,
-        hashes: dict[str, str], timeout: float, idle: float = IDLE_SECONDS) -> dict[str, Any]:
+        hashes: dict[str, str], timeout: float, idle: float = IDLE_SECONDS,
+        probe_metrics: bool = False) -> dict[str, Any]:
     names = [f"{mode}-{i}" for i in range(nodes)]
     make_group(kube, mode, label_value=mode)
     for name in names:
@@ -280,12 +282,15 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
         # The agents' CPU from here on is what the transfer costs (bench/swarm_sim.py's CPU model
         # takes its per-byte costs from it); before it, each agent's start-up (imports, informers).
         cpu0 = [cpu_seconds(agent) for agent in agents]
-        ports = {agent.node: agent.port for agent in agents}
-        by_name = {agent.node: agent for agent in agents}
+        ports, by_name = {agent.node: agent.port for agent in agents}, {agent.node: agent for agent in agents}
+
+        def sent(name: str) -> float:
+            return counter(by_name[name], SENT_BYTES, ports[name])
+
         t0 = time.monotonic()
         probe = LoadProbe({agent.node: agent.proc.pid for agent in agents}, t0,
                           {agent.node: c for agent, c in zip(agents, cpu0, strict=True)},
-                          lambda n: counter(by_name[n], SENT_BYTES, ports[n])).start()
+                          sent if probe_metrics else None).start()
         kube.create(LOCAL_MODEL_CACHES, {"metadata": {"name": f"llm-{mode}"}, "spec": {
             "sourceModelUri": origin.uri, "modelSize": str(origin.size), "nodeGroups": [mode],
             "storage": {"key": "fleet"}}})
@@ -353,11 +358,12 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
 def measure(cp: ControlPlane, kube: Kube, s3: Any, bucket: str, proxy: FaultProxy, nodes: int, size: int,
             rate: int, modes: list[str], workdir: Path, timeout: float,
             keys: tuple[str, str] = ("fleet", "fleet"),
-            idle: float = IDLE_SECONDS) -> tuple[S3Origin, dict[str, dict[str, Any]]]:
+            idle: float = IDLE_SECONDS, probe_metrics: bool = False) -> tuple[S3Origin, dict[str, dict[str, Any]]]:
     """The runs of ``modes`` on a control plane with deploy/ applied: the model uploaded to
     ``bucket`` (reached through ``proxy``, throttled to ``rate``), the coordinator started as its
     ServiceAccount; ``keys``: the S3 access and secret key the agents use; ``idle``: seconds each
-    agent's CPU is measured once the model is everywhere. Returns the origin and
+    agent's CPU is measured once the model is everywhere; ``probe_metrics``: read each agent's bytes
+    sent beside every probe sample too (``--probe-metrics``). Returns the origin and
     each mode's result (tests/test_fleet_bench.py runs it small)."""
     files = model_files(size, 4)
     upload_model(s3, bucket, "llm", files)
@@ -375,7 +381,7 @@ def measure(cp: ControlPlane, kube: Kube, s3: Any, bucket: str, proxy: FaultProx
         for mode in modes:
             n = 1 if mode == "single" else nodes
             print(f"{mode}: {n} node(s) ...", file=sys.stderr, flush=True)
-            results[mode] = run(mode, n, kube, cp, origin, workdir, hashes, timeout, idle)
+            results[mode] = run(mode, n, kube, cp, origin, workdir, hashes, timeout, idle, probe_metrics)
             print(f"{mode}: {results[mode]}", file=sys.stderr, flush=True)
     finally:
         coordinator.stop()
@@ -421,6 +427,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--modes", default="p2p,direct,single", help="which runs (comma-separated)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (agent logs) and print its path")
+    ap.add_argument("--probe-metrics", action="store_true",
+                    help="also read every agent's bytes sent from its /metrics after each probe sample (slows the "
+                         "probe's cadence: 0.01-1.37 s a sample at 8 agents, bench/fleet-8-stop40.json)")
     args = ap.parse_args()
     size, rate = parse_size(args.size), parse_size(args.origin_rate)
     if not size or not rate:
@@ -440,7 +449,7 @@ def main() -> None:
                           aws_secret_access_key="fleet")
         s3.create_bucket(Bucket="models")
         origin, results = measure(cp, kube, s3, "models", proxy, args.nodes, size, rate, args.modes.split(","),
-                                  workdir, args.timeout)
+                                  workdir, args.timeout, probe_metrics=args.probe_metrics)
     finally:
         proxy.close()
         stop_process(moto)

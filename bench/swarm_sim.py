@@ -390,6 +390,9 @@ class World:
     settings: dict[str, Any] = field(default_factory=dict)
     seed: int = 1
     peers: bool = True
+    #: Virtual times at which to sample the cores the agents use (their flows' CPU and idle use):
+    #: ``simulate``'s ``cpu_trace``, set beside bench/fleet.py's measured ones (``cpu_per_window``).
+    cpu_trace: tuple[float, ...] = ()
 
     @property
     def size(self) -> int:
@@ -809,6 +812,12 @@ def machine_load(sim: Sim, machine: Machine, world: World) -> Proc:
         machine.load(others)
 
 
+def cores_in_use(pools: list[Link], idle: float) -> float:
+    """The cores the agents use now, all together: each flow's rate times its CPU cost on each
+    agent's pool, and each agent's idle use."""
+    return sum(f.rate * f.cost.get(pool, 0.0) for pool in pools for f in pool.flows) + idle * len(pools)
+
+
 def simulate(world: World, limit: float = 36000.0) -> dict[str, Any]:
     """Run the swarm; returns when every node holds the model."""
     sim = Sim()
@@ -840,6 +849,10 @@ def simulate(world: World, limit: float = 36000.0) -> dict[str, Any]:
     for node in nodes.values():
         sim.spawn(node.run())
     wall = time.monotonic()
+    trace: list[tuple[float, float]] = []
+    pools = [n.cpu for n in nodes.values() if n.cpu is not None]
+    for at in world.cpu_trace if pools else ():
+        sim.at(at, lambda at=at: trace.append((at, cores_in_use(pools, world.cpu_idle))))
     sim.run(lambda: sim.finished >= len(nodes), limit)
     done = max(n.done_at or 0.0 for n in nodes.values())
     per_zone = [sum(n.from_origin for n in nodes.values() if n.zone_index == z) for z in range(world.zones)]
@@ -855,6 +868,7 @@ def simulate(world: World, limit: float = 36000.0) -> dict[str, Any]:
         "peer_events": {k: sum(n.events[k] for n in nodes.values()) for k in ("too_slow", "origin_fallbacks",
                                                                             "owners_missed")},
         "events": sim.events, "wall_seconds": round(time.monotonic() - wall, 1),
+        "cpu_trace": trace,
     }
 
 
@@ -887,6 +901,7 @@ def scenario(world: World, alone_world: World | None = None) -> dict[str, Any]:
         "most_polled_by": swarm["most_polled_by"], "most_polling": swarm["most_polling"],
         "polls_answered": swarm["polls_answered"], "peer_events": swarm["peer_events"],
         "events": swarm["events"], "wall_seconds": swarm["wall_seconds"], "cpu_model": cpu_model(world),
+        "cpu_trace": swarm["cpu_trace"],
     }
 
 
@@ -1005,14 +1020,32 @@ def others_over_time(fleet: dict[str, Any], mode: str) -> tuple[tuple[float, flo
                  for t, s, a in fleet.get(f"cpu_share_during_{mode}") or ())
 
 
-def cpu_per_window(fleet: dict[str, Any], world: World, mode: str = "p2p") -> dict[str, Any] | None:
+#: Seconds between the simulation's samples of the cores its agents use, in a validation whose run
+#: recorded its agents' CPU per probe window (a 2 s window: 40 samples).
+TRACE_EVERY = 0.05
+
+
+def trace_times(fleet: dict[str, Any], mode: str = "p2p") -> tuple[float, ...]:
+    """When to sample the simulated agents' cores: every TRACE_EVERY s over the run's probe windows."""
+    at = (fleet.get(f"agents_during_{mode}") or {}).get("at") or []
+    if not at:
+        return ()
+    first, last = float(at[0][0]), float(at[-1][1])
+    return tuple(round(first + i * TRACE_EVERY, 3) for i in range(int((last - first) / TRACE_EVERY) + 1))
+
+
+def cpu_per_window(fleet: dict[str, Any], world: World, mode: str = "p2p",
+                   trace: list[tuple[float, float]] | None = None) -> dict[str, Any] | None:
     """The agents' own cores in each of the probe's windows (bench/fleet.py's ``agents_during``)
     next to what the model offers each agent then: ``Machine.cores`` with every agent at work
     beside the others of that sample (``others_over_time``), idle use included (the agents' CPU
     includes theirs). ``used_probe_window``: an agent's mean cores over the probe's own second;
     ``used_to_next``: from this sample's start to the next one's, the step over which the
-    simulation holds that sample's others. ``total``: CPU-s over the run's samples, offered
-    (step by step) against used. None: a run recorded before the series (the agents' totals only)."""
+    simulation holds that sample's others; ``simulated``: with ``trace`` (``simulate``'s samples of
+    its agents' cores), an agent's mean cores in the simulation over that same step (while it ran;
+    samples ``TRACE_EVERY`` apart). ``total``:
+    CPU-s over the run's samples, offered (step by step) against used (and simulated). None: a run
+    recorded before the series (the agents' totals only)."""
     during = fleet.get(f"agents_during_{mode}") or {}
     cpu: dict[str, list[list[float]]] = during.get("cpu_seconds") or {}
     at: list[list[float]] = during.get("at") or []
@@ -1022,27 +1055,38 @@ def cpu_per_window(fleet: dict[str, Any], world: World, mode: str = "p2p") -> di
     agents = len(cpu)
     cores = world.cpus if world.cpus > 0 else float(fleet.get("cpus") or os.cpu_count() or 1)
     gil = world.gil if world.gil > 0 else math.inf
-    windows, offered_cpu, used_cpu = [], 0.0, 0.0
+    windows, offered_cpu, used_cpu, simulated_cpu = [], 0.0, 0.0, 0.0
+    count = min(len(at), len(samples))
     for i, ((_, share, runnable), (start, end), (_, others)) in enumerate(
             zip(samples, at, others_over_time(fleet, mode), strict=False)):
         offered = Machine(None, cores, others, gil, 0.0).cores(agents)  # type: ignore[arg-type]
         used = sum(rows[i][1] - rows[i][0] for rows in cpu.values()) / max(1e-9, end - start) / agents
         to_next = None
-        if i + 1 < min(len(at), len(samples)):
-            step = at[i + 1][0] - start
+        if i + 1 < count:
+            until = at[i + 1][0]
             spent = sum(rows[i + 1][0] - rows[i][0] for rows in cpu.values())
-            to_next = spent / max(1e-9, step) / agents
-            offered_cpu, used_cpu = offered_cpu + offered * agents * step, used_cpu + spent
+            to_next = spent / max(1e-9, until - start) / agents
+            used_cpu += spent
         else:  # the last sample: its own window
-            offered_cpu += offered * agents * (end - start)
+            until = end
             used_cpu += used * agents * (end - start)
-        windows.append({"t": start, "probe_share": share, "agents_runnable": runnable, "others": round(others, 2),
-                        "offered": round(offered, 3), "used_probe_window": round(used, 3),
-                        "used_to_next": None if to_next is None else round(to_next, 3),
-                        "used_over_offered": round(used / offered, 2) if offered > 0 else None})
-    return {"agents": agents, "windows": windows,
-            "total": {"offered_cpu_seconds": round(offered_cpu, 2), "used_cpu_seconds": round(used_cpu, 2),
-                      "used_over_offered": round(used_cpu / offered_cpu, 3) if offered_cpu > 0 else None}}
+        offered_cpu += offered * agents * (until - start)
+        row = {"t": start, "probe_share": share, "agents_runnable": runnable, "others": round(others, 2),
+               "offered": round(offered, 3), "used_probe_window": round(used, 3),
+               "used_to_next": None if to_next is None else round(to_next, 3),
+               "used_over_offered": round(used / offered, 2) if offered > 0 else None}
+        if trace is not None:
+            # None: the simulated swarm had finished (it samples only while it runs).
+            points = [c for t, c in trace if start <= t < until]
+            simulated = sum(points) / len(points) / agents if points else None
+            simulated_cpu += (simulated or 0.0) * agents * min(until - start, len(points) * TRACE_EVERY)
+            row["simulated"] = None if simulated is None else round(simulated, 3)
+        windows.append(row)
+    total: dict[str, Any] = {"offered_cpu_seconds": round(offered_cpu, 2), "used_cpu_seconds": round(used_cpu, 2),
+                             "used_over_offered": round(used_cpu / offered_cpu, 3) if offered_cpu > 0 else None}
+    if trace is not None:
+        total["simulated_cpu_seconds"] = round(simulated_cpu, 2)
+    return {"agents": agents, "windows": windows, "total": total}
 
 
 def print_cpu_windows(check: dict[str, Any], out: Any = sys.stderr) -> None:
@@ -1051,16 +1095,20 @@ def print_cpu_windows(check: dict[str, Any], out: Any = sys.stderr) -> None:
     if not windows:
         return
     total = windows["total"]
+    simulated = total.get("simulated_cpu_seconds")
     print(f"{check['nodes']} nodes: each agent's cores per probe window, used (bench/fleet.py) against the model's "
           f"offer; in all {total['used_cpu_seconds']} of {total['offered_cpu_seconds']} CPU-s offered "
-          f"({total['used_over_offered']}x)", file=out)
+          f"({total['used_over_offered']}x)" + ("" if simulated is None else f", {simulated} used simulated"),
+          file=out)
     print("| s | probe's share | agents runnable | others | offered | used (probe's window) | used (to the next) "
-          "| used / offered |", file=out)
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|", file=out)
+          "| used / offered | simulated (to the next) |", file=out)
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|", file=out)
     for w in windows["windows"]:
         to_next = "-" if w["used_to_next"] is None else w["used_to_next"]
+        simulated_here = "-" if w.get("simulated") is None else w["simulated"]
         print(f"| {w['t']} | {w['probe_share']} | {w['agents_runnable']} | {w['others']} | {w['offered']} | "
-              f"{w['used_probe_window']} | {to_next} | {w['used_over_offered']} |", file=out)
+              f"{w['used_probe_window']} | {to_next} | {w['used_over_offered']} | {simulated_here} |",
+              file=out)
 
 
 def fleet_world(fleet: dict[str, Any], base: World, cpu: CpuCosts | None = None, mode: str = "p2p") -> World:
@@ -1089,6 +1137,7 @@ def validate(fleet: dict[str, Any], base: World, cpu: CpuCosts | None = None) ->
     probe measured) and compare both figures with what its real agents did."""
     world = fleet_world(fleet, base, cpu)
     alone = fleet_world(fleet, base, cpu, "single") if fleet.get("cpu_share_during_single") else None
+    world = World(**{**world.__dict__, "cpu_trace": trace_times(fleet)}) if world.cpus > 0 else world
     sim = scenario(world, alone)
     real = {"time_vs_single": fleet["seconds_p2p"] / fleet["seconds_single"],
             "origin_vs_model": fleet["origin_bytes_p2p"] / fleet["model_bytes"]}
@@ -1102,7 +1151,7 @@ def validate(fleet: dict[str, Any], base: World, cpu: CpuCosts | None = None) ->
             "peer_events": {"fleet": fleet.get("peer_events_p2p"), "simulated": sim["peer_events"]},
             "seconds": {"simulated": sim["seconds"], "simulated_single": sim["seconds_single"]},
             "cpu_model": cpu_model(world), "contention": round(contention([fleet]) or 0.0, 2) or None,
-            "cpu_per_window": cpu_per_window(fleet, world),
+            "cpu_per_window": cpu_per_window(fleet, world, trace=sim["cpu_trace"] if world.cpu_trace else None),
             "relative_error": error, "within": TOLERANCE, "ok": all(e <= TOLERANCE for e in error.values())}
 
 

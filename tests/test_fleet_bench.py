@@ -34,7 +34,7 @@ def test_the_fleet_bench_fills_two_nodes_three_ways_and_reports_the_issues_keys(
     try:
         origin, results = bench.measure(cluster.cp, kube_for(cluster), moto_s3.client(), bucket, proxy, 2, 6 << 20,
                                         4 << 20, ["p2p", "direct", "single"], tmp_path, 300,
-                                        (moto_s3.access_key, moto_s3.secret_key), idle=2.0)
+                                        (moto_s3.access_key, moto_s3.secret_key), idle=2.0, probe_metrics=True)
     finally:
         proxy.close()
     out = bench.summary(2, origin.size, 4 << 20, results, [0.0, 0.0, 0.0])
@@ -58,8 +58,8 @@ def test_the_fleet_bench_fills_two_nodes_three_ways_and_reports_the_issues_keys(
     # of /proc's 10 ms, or none).
     for mode in ("p2p", "direct", "single"):
         assert all(row["idle_cpu_seconds_per_minute"] >= 0 for row in out[f"agents_{mode}"].values()), mode
-    # Beside each probe sample, every agent's CPU so far (since the cache was made) and bytes sent:
-    # never more than its total for the run, which is read after the last sample.
+    # Beside each probe sample, every agent's CPU so far (since the cache was made) and, with
+    # probe_metrics, bytes sent: never more than its total for the run, read after the last sample.
     for mode in ("p2p", "direct", "single"):
         during, agents = out[f"agents_during_{mode}"], out[f"agents_{mode}"]
         assert len(during["at"]) == len(out[f"cpu_share_during_{mode}"]) >= 1, (mode, during)

@@ -131,6 +131,14 @@ def test_the_agents_cores_per_window_are_set_beside_the_models_offer(sim: Any) -
     # In all: 0.25 x 2 agents x 2 s offered, then 1 x 2 x 1 s (the last sample's window); used 0.8 + 1.0.
     assert out["total"]["offered_cpu_seconds"] == pytest.approx(3.0)
     assert out["total"]["used_cpu_seconds"] == pytest.approx(1.8)
+    # The simulation's own agents beside them: its samples of their cores (all agents together),
+    # averaged over each step; one that finished before the last window has none there.
+    traced = sim.cpu_per_window(fleet, sim.World(nodes=2, zones=1, files=(1,), cpus=2, gil=1.0),
+                                trace=[(0.0, 0.4), (0.05, 0.6), (2.0, 1.0), (2.05, 1.0)])
+    assert [w["simulated"] for w in traced["windows"]] == [0.25, 0.5]
+    assert traced["total"]["simulated_cpu_seconds"] == pytest.approx(0.25 * 2 * 0.1 + 0.5 * 2 * 0.1)
+    early = sim.cpu_per_window(fleet, sim.World(nodes=2, zones=1, files=(1,), cpus=2, gil=1.0), trace=[(0.0, 0.4)])
+    assert [w["simulated"] for w in early["windows"]] == [0.2, None]
     # A run recorded before the series (its agents' totals only), or one without samples: none.
     old = json.loads((REPO / "bench" / "fleet-8-stop39.json").read_text())
     assert sim.cpu_per_window(old, sim.fleet_world(old, world(sim))) is None
@@ -158,6 +166,13 @@ def test_the_cpu_model_slows_a_swarm_as_its_cpu_work_over_the_cores_it_gets(sim:
     assert sim.others_before(1.0, 0.2) == pytest.approx(4.0)
     busy = sim.simulate(world(sim, nodes=4, zones=1, cpus=1, cpu_shared=True, cpu_share=0.2, **cpu))
     assert 1.7 <= busy["seconds"] / shared["seconds"] <= 2.2, (busy["seconds"], shared["seconds"])
+    # Its agents' cores sampled as it runs: never more than the machine's core, and over the run
+    # they add up to the CPU work (0.05 s apart: within a few percent); the run itself unchanged.
+    times = tuple(round(0.05 * i, 2) for i in range(int(shared["seconds"] / 0.05) + 1))
+    traced = sim.simulate(world(sim, nodes=4, zones=1, cpus=1, cpu_shared=True, cpu_trace=times, **cpu))
+    assert traced["seconds"] == shared["seconds"] and shared["cpu_trace"] == []
+    assert len(traced["cpu_trace"]) == len(times) and max(c for _, c in traced["cpu_trace"]) <= 1.0 + 1e-9
+    assert sum(c for _, c in traced["cpu_trace"]) * 0.05 == pytest.approx(work, rel=0.05)
     # A fleet: the same costs on a core per node.
     fleet = sim.simulate(world(sim, nodes=4, zones=1, cpus=1, **cpu))
     assert free["seconds"] < fleet["seconds"] < shared["seconds"] / 2
