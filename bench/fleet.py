@@ -284,13 +284,13 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
         cpu0 = [cpu_seconds(agent) for agent in agents]
         ports, by_name = {agent.node: agent.port for agent in agents}, {agent.node: agent for agent in agents}
 
-        def sent(name: str) -> float:
+        def sent_so_far(name: str) -> float:
             return counter(by_name[name], SENT_BYTES, ports[name])
 
         t0 = time.monotonic()
         probe = LoadProbe({agent.node: agent.proc.pid for agent in agents}, t0,
                           {agent.node: c for agent, c in zip(agents, cpu0, strict=True)},
-                          sent if probe_metrics else None).start()
+                          sent_so_far if probe_metrics else None).start()
         kube.create(LOCAL_MODEL_CACHES, {"metadata": {"name": f"llm-{mode}"}, "spec": {
             "sourceModelUri": origin.uri, "modelSize": str(origin.size), "nodeGroups": [mode],
             "storage": {"key": "fleet"}}})
