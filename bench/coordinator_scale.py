@@ -37,6 +37,7 @@ import json
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -252,8 +253,19 @@ def baseline(kubeconfig: str, agents: Agents, nodes: int, groups: int, caches: i
     agents.extra = reported
     done = threading.Event()
     last = [0.0]
+    #: Each worker thread's CPU seconds (time.thread_time), added as it ends: the client's own CPU,
+    #: apart from the simulated agents' in this process.
+    worker_cpu: list[float] = []
 
     def worker() -> None:
+        cpu0 = time.thread_time()
+        try:
+            work_loop()
+        finally:
+            with lock:
+                worker_cpu.append(time.thread_time() - cpu0)
+
+    def work_loop() -> None:
         while True:
             item = work.get()
             if item is None:
@@ -286,7 +298,10 @@ def baseline(kubeconfig: str, agents: Agents, nodes: int, groups: int, caches: i
     seconds = last[0] - start
     for _ in threads:
         work.put(None)
+    for t in threads:
+        t.join(60)
     return {"seconds": round(seconds, 1), "requests": dict(sorted(counter.by_verb.items())),
+            "client_cpu_seconds": round(sum(worker_cpu), 1),
             "load_average": [round(load, 1), round(os.getloadavg()[0], 1)]}
 
 
@@ -332,13 +347,16 @@ def cache_copies(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def coordinator_metrics(port: int) -> tuple[dict[str, float], dict[str, float]]:
-    """(API requests by verb, API writes by "kind verb") from the coordinator's /metrics."""
+    """(API requests by verb, API writes by "kind verb" and reconciles by "reconcile controller
+    outcome") from the coordinator's /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     requests = {m.group(1): float(m.group(2)) for m in re.finditer(
         r'^modelcache_coordinator_api_requests_total\{verb="(\w+)"\} (\S+)$', text, re.M)}
     writes = {f"{m.group(1)} {m.group(2)}": float(m.group(3)) for m in re.finditer(
         r'^modelcache_coordinator_api_writes_total\{kind="(\w+)",verb="(\w+)"\} (\S+)$', text, re.M)}
+    writes.update({f"reconcile {m.group(1)} {m.group(2)}": float(m.group(3)) for m in re.finditer(
+        r'^modelcache_coordinator_reconciles_total\{controller="(\w+)",outcome="(\w+)"\} (\S+)$', text, re.M)})
     return requests, writes
 
 
@@ -351,6 +369,25 @@ def rss(pid: int) -> dict[str, int]:
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+#: The control plane's processes whose CPU each phase reports: on 2 cores the API server and etcd
+#: are what both phases wait on, so CPU another process takes is time they do not get.
+CONTROL_PLANE = ("kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler")
+
+
+def control_plane_cpu(cp: ControlPlane) -> dict[str, float]:
+    """CPU seconds so far of each control-plane process (for a phase's delta)."""
+    out = {}
+    for name in CONTROL_PLANE:
+        proc = cp.procs.get(name)
+        if proc is not None and proc.popen is not None and proc.alive():
+            out[name] = cpu_seconds(proc.popen.pid)
+    return out
+
+
+def cpu_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - before.get(k, 0.0), 1) for k, v in after.items()}
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
@@ -379,6 +416,24 @@ def start_coordinator(cp: ControlPlane, workers: int, log_path: Path) -> tuple[s
         time.sleep(0.5)
 
 
+def start_profile(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy (``PY_SPY`` or on PATH) sampling the busy threads of ``pid`` (its CPU, not its
+    waits) at 20 Hz, from the first cache to convergence, into ``out`` (collapsed stacks)."""
+    spy = os.environ.get("PY_SPY", "py-spy")
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "20", "--nonblocking", "--format", "raw",
+                             "--output", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_profile(spy: subprocess.Popen[bytes]) -> None:
+    spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+    try:
+        spy.wait(60)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        spy.wait()
+
+
 def creation_order(caches: int, groups: int, by_group: bool) -> list[int]:
     """The caches in the order they are created (cache c is of group c % groups): round robin over
     the groups, or ``by_group``: all of g0's, then g1's (a directory applied in name order), where
@@ -388,7 +443,8 @@ def creation_order(caches: int, groups: int, by_group: bool) -> list[int]:
 
 def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, caches: int, workers: int,
                     quiet: float, timeout: float, log_path: Path,
-                    converged_hook: Callable[[], None] | None = None, by_group: bool = False) -> dict[str, Any]:
+                    converged_hook: Callable[[], None] | None = None, by_group: bool = False,
+                    profile: Path | None = None) -> dict[str, Any]:
     members = {g: len(range(g, nodes, groups)) for g in range(groups)}
     # The caches' copies, from a watch: a list every 2 s (200 caches with 1,000 members'
     # nodeStatus: 2-7 MB each time, up to 2.5 GB over the 724 s 10,000-node run) was load on the API server
@@ -401,6 +457,8 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
         idle = rss(proc.pid)
         requests0, writes0 = coordinator_metrics(port)
         cpu0 = cpu_seconds(proc.pid)
+        cp_cpu0 = control_plane_cpu(cp)
+        spy = start_profile(proc.pid, profile) if profile else None
         load = os.getloadavg()[0]
         start = time.monotonic()
         for c in creation_order(caches, groups, by_group):
@@ -426,16 +484,21 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
         # Converged = the coordinator is done too: its last request before 10 s without any.
         (last, last_writes), last_change = coordinator_metrics(port), time.monotonic()
         last_cpu = cpu_seconds(proc.pid)
+        last_cp_cpu = control_plane_cpu(cp)
         while time.monotonic() - last_change < 10:
             time.sleep(1)
             now, now_writes = coordinator_metrics(port)
             if {k: v for k, v in now.items() if k != "WATCH"} != {k: v for k, v in last.items() if k != "WATCH"}:
                 last, last_writes, last_change = now, now_writes, time.monotonic()
                 last_cpu = cpu_seconds(proc.pid)
+                last_cp_cpu = control_plane_cpu(cp)
             if time.monotonic() - start > timeout:
                 raise SystemExit("the coordinator never settled")
         converge_s = last_change - start
         end_load = os.getloadavg()[0]
+        if spy is not None:
+            stop_profile(spy)
+            spy = None
         if converged_hook is not None:
             converged_hook()
         before, _ = coordinator_metrics(port)
@@ -444,10 +507,15 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
         quiet_by_verb = delta(after, before)
         mem = rss(proc.pid)
         to_converge = delta(last, requests0)
+        written = delta(last_writes, writes0)
         return {
             "caches_created_seconds": round(created_s, 1),
             "caches_available_seconds": round(available_s, 1), "converge_seconds": round(converge_s, 1),
-            "requests_to_converge": to_converge, "writes_to_converge": delta(last_writes, writes0),
+            "requests_to_converge": to_converge,
+            "writes_to_converge": {k: v for k, v in written.items() if not k.startswith("reconcile")},
+            "reconciles_to_converge": {k.removeprefix("reconcile "): v for k, v in written.items()
+                                       if k.startswith("reconcile")},
+            "control_plane_cpu_seconds": cpu_delta(last_cp_cpu, cp_cpu0),
             "requests_at_start": {k: int(v) for k, v in sorted(requests0.items())},
             "cpu_seconds": round(last_cpu - cpu0, 1),
             "quiet_seconds": quiet,
@@ -457,6 +525,8 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
             "load_average": [round(load, 1), round(end_load, 1)],
         }
     finally:
+        if spy is not None:
+            stop_profile(spy)
         watched.stop()
         proc.terminate()
         try:
@@ -467,7 +537,7 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
 
 
 def measure(cp: ControlPlane, nodes: int, groups: int, caches: int, workers: int, quiet: float, timeout: float,
-            workdir: Path, by_group: bool = False) -> dict[str, Any]:
+            workdir: Path, by_group: bool = False, profile: Path | None = None) -> dict[str, Any]:
     """Both phases on ``cp`` (a control plane with nothing of ours on it yet)."""
     apply_manifests(cp)
     kube = Kube(load_api_client(str(cp.kubeconfig)))
@@ -480,13 +550,19 @@ def measure(cp: ControlPlane, nodes: int, groups: int, caches: int, workers: int
     agents = Agents(Kube(load_api_client(str(cp.kubeconfig)))).start()
     try:
         progress(f"Nodes created in {setup_s:.0f} s; baseline")
+        cp_cpu0, bench_cpu0 = control_plane_cpu(cp), time.process_time()
         base = baseline(str(cp.kubeconfig), agents, nodes, groups, caches, workers, timeout)
+        # to its last label, within a second or two (what the API server did for it)
+        base["control_plane_cpu_seconds"] = cpu_delta(control_plane_cpu(cp), cp_cpu0)
+        base["bench_process_cpu_seconds"] = round(time.process_time() - bench_cpu0, 1)
         base["agent_status_patches"] = agents.patches
         progress(f"baseline {base['seconds']} s; removing what it wrote")
         undo_baseline(cp, kube, agents, nodes, groups, caches)
         progress("coordinator")
+        bench_cpu0 = time.process_time()
         run = coordinator_run(cp, kube, nodes, groups, caches, workers, quiet, timeout, workdir / "coordinator.log",
-                              by_group=by_group)
+                              by_group=by_group, profile=profile)
+        run["bench_process_cpu_seconds"] = round(time.process_time() - bench_cpu0, 1)
         run["agent_status_patches"] = agents.patches
     finally:
         agents.stop()
@@ -525,13 +601,15 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--json", type=Path, help="write the result here too")
     ap.add_argument("--by-group", action="store_true", help="create the caches group by group, not round robin")
+    ap.add_argument("--profile", type=Path, help="py-spy the coordinator from its first cache to convergence "
+                    "into this file (collapsed stacks; py-spy from PY_SPY or PATH)")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="coordinator-scale-") as tmp:
         cp = ControlPlane(Path(tmp) / "cluster", bin_dir=ensure_binaries()).start()
         try:
             result = measure(cp, args.nodes, args.groups, args.caches, args.workers, args.quiet, args.timeout,
-                             Path(tmp), by_group=args.by_group)
+                             Path(tmp), by_group=args.by_group, profile=args.profile)
         finally:
             cp.stop()
     result["load_average_end"] = round(os.getloadavg()[0], 1)
