@@ -386,6 +386,42 @@ def control_plane_cpu(cp: ControlPlane) -> dict[str, float]:
     return out
 
 
+#: The API server's own counters a phase reports (sums over their other labels): what its CPU
+#: went to, which the requests of the clients alone do not show (watch events sent to every
+#: watcher, time in API Priority and Fairness queues by priority level).
+APISERVER_SERIES = {
+    "apiserver_request_total": ("verb", "resource", "subresource"),
+    "apiserver_request_duration_seconds_sum": ("verb", "resource", "subresource"),
+    "apiserver_watch_events_total": ("kind",),
+    "apiserver_watch_events_sizes_sum": ("kind",),
+    "apiserver_flowcontrol_request_wait_duration_seconds_sum": ("priority_level",),
+    "apiserver_flowcontrol_request_execution_seconds_sum": ("priority_level",),
+}
+
+
+def apiserver_metrics(cp: ControlPlane) -> dict[str, float]:
+    """``name{label values}`` -> value, summed over the labels not named in APISERVER_SERIES."""
+    code, text = cp.raw("/metrics", timeout=60)
+    out: dict[str, float] = {}
+    if code != 200:
+        return out
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name not in APISERVER_SERIES:
+            continue
+        labels_text, _, value = rest.rpartition("} ")
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', labels_text))
+        key = name + "{" + ",".join(labels.get(k, "") for k in APISERVER_SERIES[name]) + "}"
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def metrics_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """What changed, rounded; zero deltas left out."""
+    out = {k: round(v - before.get(k, 0.0), 2) for k, v in sorted(after.items())}
+    return {k: v for k, v in out.items() if v}
+
+
 def cpu_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: round(v - before.get(k, 0.0), 1) for k, v in after.items()}
 
@@ -457,7 +493,7 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
         idle = rss(proc.pid)
         requests0, writes0 = coordinator_metrics(port)
         cpu0 = cpu_seconds(proc.pid)
-        cp_cpu0 = control_plane_cpu(cp)
+        cp_cpu0, api0 = control_plane_cpu(cp), apiserver_metrics(cp)
         spy = start_profile(proc.pid, profile) if profile else None
         load = os.getloadavg()[0]
         start = time.monotonic()
@@ -495,6 +531,7 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
             if time.monotonic() - start > timeout:
                 raise SystemExit("the coordinator never settled")
         converge_s = last_change - start
+        api_end = apiserver_metrics(cp)  # 10 s after the last request: what it did for them, and idle
         end_load = os.getloadavg()[0]
         if spy is not None:
             stop_profile(spy)
@@ -516,6 +553,7 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
             "reconciles_to_converge": {k.removeprefix("reconcile "): v for k, v in written.items()
                                        if k.startswith("reconcile")},
             "control_plane_cpu_seconds": cpu_delta(last_cp_cpu, cp_cpu0),
+            "apiserver": metrics_delta(api_end, api0),
             "requests_at_start": {k: int(v) for k, v in sorted(requests0.items())},
             "cpu_seconds": round(last_cpu - cpu0, 1),
             "quiet_seconds": quiet,
@@ -550,10 +588,11 @@ def measure(cp: ControlPlane, nodes: int, groups: int, caches: int, workers: int
     agents = Agents(Kube(load_api_client(str(cp.kubeconfig)))).start()
     try:
         progress(f"Nodes created in {setup_s:.0f} s; baseline")
-        cp_cpu0, bench_cpu0 = control_plane_cpu(cp), time.process_time()
+        cp_cpu0, bench_cpu0, api0 = control_plane_cpu(cp), time.process_time(), apiserver_metrics(cp)
         base = baseline(str(cp.kubeconfig), agents, nodes, groups, caches, workers, timeout)
         # to its last label, within a second or two (what the API server did for it)
         base["control_plane_cpu_seconds"] = cpu_delta(control_plane_cpu(cp), cp_cpu0)
+        base["apiserver"] = metrics_delta(apiserver_metrics(cp), api0)
         base["bench_process_cpu_seconds"] = round(time.process_time() - bench_cpu0, 1)
         base["agent_status_patches"] = agents.patches
         progress(f"baseline {base['seconds']} s; removing what it wrote")
