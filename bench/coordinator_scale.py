@@ -392,8 +392,8 @@ def control_plane_cpu(cp: ControlPlane) -> dict[str, float]:
 APISERVER_SERIES = {
     "apiserver_request_total": ("verb", "resource", "subresource"),
     "apiserver_request_duration_seconds_sum": ("verb", "resource", "subresource"),
-    "apiserver_watch_events_total": ("kind",),
-    "apiserver_watch_events_sizes_sum": ("kind",),
+    "apiserver_watch_events_total": ("kind", "resource"),  # by kind or resource, as the version names it
+    "apiserver_watch_events_sizes_sum": ("kind", "resource"),
     "apiserver_flowcontrol_request_wait_duration_seconds_sum": ("priority_level",),
     "apiserver_flowcontrol_request_execution_seconds_sum": ("priority_level",),
 }
