@@ -12,6 +12,7 @@ from modelcache.kube.client import (
     LOCAL_MODEL_NODES,
     NAMESPACES,
     NODES,
+    SERVICE_ACCOUNTS,
     Kube,
 )
 from tests.cluster.webhooks import register_webhooks as cluster_webhooks
@@ -71,8 +72,13 @@ def make_cache(kube: Kube, name: str, uri: str, groups: list[str], namespace: st
 
 
 def make_namespace(kube: Kube, name: str) -> None:
+    """The namespace, once pods can be created in it: the controller-manager makes its ``default``
+    ServiceAccount a moment after it, and until then the API server's ServiceAccount admission
+    refuses a pod (seen in CI: 'serviceaccount "default" not found')."""
     if kube.get_or_none(NAMESPACES, name) is None:
         kube.create(NAMESPACES, {"metadata": {"name": name}})
+    wait_until(lambda: kube.get_or_none(SERVICE_ACCOUNTS, "default", name) is not None, timeout=60,
+               what=f"namespace {name}'s default ServiceAccount")
 
 
 def make_isvc(kube: Kube, name: str, namespace: str, uri: str, annotations: dict[str, str] | None = None,
