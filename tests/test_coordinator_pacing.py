@@ -311,12 +311,13 @@ def test_a_namespace_caches_claim_is_made_while_its_status_is_paced() -> None:
         ("create", "PersistentVolume"), ("create", "PersistentVolumeClaim")]
 
 
-def two_groups_of_caches() -> tuple[ClusterView, Writes, Any]:
-    """Node n1 in group ga of two (ga, gb), 20 caches alternating between them, their burst long
-    over: the view, the recorded writes and the node controller."""
+def test_a_nodes_reconcile_asks_the_members_once_per_group_not_per_cache(monkeypatch: Any) -> None:
+    """py-spy at 10,000 nodes: 7.1 % of samples waiting on the members' lock, taken once per cache
+    (200) in each node's reconcile, for caches that share 10 groups."""
     view = ClusterView.build(Kube(ApiClient()), with_services=False)
     wiring = build_wiring(view, EventRecorder(view.kube, "test"))
     writes = Writes(view.kube)
+    node_ctl = next(ctl for ctl in wiring.manager.controllers if ctl.name == "node")
     add(view.groups, group("ga", "a"))
     add(view.groups, group("gb", "b"))
     add(view.nodes, node("n1", "a"))
@@ -324,49 +325,9 @@ def two_groups_of_caches() -> tuple[ClusterView, Writes, Any]:
         add(view.caches, {"metadata": {"name": f"c{i}", "resourceVersion": "1"},
                           "spec": {"sourceModelUri": f"s3://b/m{i}", "nodeGroups": ["ga" if i % 2 else "gb"]}})
     wiring.burst.clock = lambda: 1e9  # the caches' burst is long over
-    return view, writes, next(ctl for ctl in wiring.manager.controllers if ctl.name == "node")
-
-
-def test_a_nodes_reconcile_asks_the_members_once_per_group_not_per_cache(monkeypatch: Any) -> None:
-    """py-spy at 10,000 nodes: 7.1 % of samples waiting on the members' lock, taken once per cache
-    (200) in each node's reconcile, for caches that share 10 groups."""
-    view, writes, node_ctl = two_groups_of_caches()
     asked: list[tuple[str, ...]] = []
     real = view.members
     monkeypatch.setattr(view, "members", lambda groups: asked.append(tuple(groups)) or real(groups))
     node_ctl.reconcile("n1")
     assert sorted(asked) == [("ga",), ("gb",)]
     assert writes.done == [("create", "LocalModelNode", "n1")]
-
-
-def report_downloaded(view: ClusterView, node_name: str, key: str) -> None:
-    """The agent's status patch of ``node_name``'s LocalModelNode, as its watch event."""
-    lmn = copy.deepcopy(view.lmns.store.get_raw(node_name))
-    lmn["metadata"]["resourceVersion"] = str(int(lmn["metadata"]["resourceVersion"]) + 1)
-    lmn["status"] = {"modelStatus": {key: "ModelDownloaded"}, "nodeUID": f"uid-{node_name}"}
-    view.lmns._event({"type": "MODIFIED", "object": lmn})
-
-
-def test_progress_does_not_wake_a_paced_cache_its_last_report_does() -> None:
-    """Each LocalModelNode event woke its node's 20 caches (bench/coordinator_scale.py: 200
-    caches over 10 groups), to be told by the pacer to wait."""
-    view, wiring, _writes, key = rollout(namespaced=False, members=3, service=False)
-    ctl = next(c for c in wiring.manager.controllers if c.name == "LocalModelCache")
-    while len(ctl.queue):
-        ctl.queue.done(ctl.queue.get(timeout=0))
-    assert ctl.reconcile(key).requeue_after == 2.0  # paced, requeued for then
-    report_downloaded(view, "n0", key)
-    report_downloaded(view, "n1", key)
-    assert len(ctl.queue) == 0  # progress: not woken before its time
-    report_downloaded(view, "n2", key)
-    assert len(ctl.queue) == 1  # the last report: shown at once
-
-
-def test_progress_wakes_a_paced_namespace_cache_whose_claim_waits_on_a_report() -> None:
-    view, wiring, _writes, key = rollout(namespaced=True, members=3)
-    ctl = next(c for c in wiring.manager.controllers if c.name == "LocalModelNamespaceCache")
-    while len(ctl.queue):
-        ctl.queue.done(ctl.queue.get(timeout=0))
-    assert ctl.reconcile(key).requeue_after == 2.0
-    report_downloaded(view, "n0", key)
-    assert len(ctl.queue) == 1
