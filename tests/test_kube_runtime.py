@@ -102,7 +102,7 @@ def test_events_arrive_in_order(kube: Kube, informer: tuple[Informer, Recorder])
     assert inf.store.get("pre")["spec"] == before["spec"]
 
 
-def test_dropped_watch_resumes_without_missing_or_duplicating(kube: Kube) -> None:
+def test_ended_or_dropped_watch_misses_and_duplicates_nothing(kube: Kube) -> None:
     # The API server ends each watch after its timeoutSeconds (2 s here), or the client's socket dies.
     inf = Informer(kube, LOCAL_MODEL_NODES, watch_timeout=2, retry_delay=0.3)
     rec = Recorder()
@@ -139,27 +139,37 @@ def _resume_rounds(kube: Kube, inf: Informer, rec: Recorder) -> None:
     seen = [(name, rv) for _kind, name, rv in events]
     assert len(seen) == len(set(seen)), f"an event was delivered twice: {events}"
     assert sorted(seen) == sorted((o["metadata"]["name"], o["metadata"]["resourceVersion"]) for o in written)
-    assert inf.stats["lists"] == 1  # resumed from the last resourceVersion: no relist
+    # A watch the server ended on time resumed from the last resourceVersion (no relist); the one
+    # whose socket died (round 1) relisted, since a restore cannot be told from it by versions.
+    assert inf.stats["lists"] == 2 and inf.stats["relists"] == 1
     assert inf.stats["watches"] >= 4
 
 
-def test_410_gone_triggers_a_relist_that_reports_only_real_changes(
-    cluster: Cluster, kube: Kube, informer: tuple[Informer, Recorder]
-) -> None:
-    inf, rec = informer
+def test_410_gone_triggers_a_relist_that_reports_only_real_changes(cluster: Cluster, kube: Kube) -> None:
+    inf = Informer(kube, LOCAL_MODEL_NODES, watch_timeout=2, retry_delay=0.3)
+    rec = Recorder()
+    inf.add_handler(rec)
     gate = Gate("trigger")
     inf.add_handler(gate)
+    try:
+        _gone_relists(cluster, kube, inf, rec, gate)
+    finally:
+        inf.stop()
+
+
+def _gone_relists(cluster: Cluster, kube: Kube, inf: Informer, rec: Recorder, gate: Gate) -> None:
     for name in ("keep", "change", "remove"):
         kube.create(LOCAL_MODEL_NODES, node(name, f"s3://b/{name}"))
     inf.start()
     assert inf.wait_for_sync(10)
     wait_until(lambda: len(inf.store) == 3, timeout=10, what="3 objects cached")
-    # Hold the informer inside a handler, change things, compact etcd and restart the API server
-    # (its watch cache starts again from now): the watch the informer resumes from its last
-    # resourceVersion must get 410, and only a relist catches up.
+    # Hold the informer inside a handler while the server ends its watch on time (2 s), change
+    # things, compact etcd and restart the API server (its watch cache starts again from now): the
+    # watch the informer resumes from its last resourceVersion must get 410, and only a relist
+    # catches up. (A watch lost mid-stream relists without asking: the test below.)
     kube.create(LOCAL_MODEL_NODES, node("trigger", "s3://b/t"))
     assert gate.entered.wait(10)
-    inf.drop_connection()  # what the server sends from here on never reaches the informer
+    time.sleep(2.5)  # the watch has ended: what is written from here on never reaches it
     changed = kube.patch(LOCAL_MODEL_NODES, "change", {"metadata": {"labels": {"x": "y"}}})
     kube.delete(LOCAL_MODEL_NODES, "remove")
     added = kube.create(LOCAL_MODEL_NODES, node("new", "oci://r/m:1"))
@@ -219,27 +229,77 @@ def test_watch_from_a_version_in_the_servers_future_relists(cluster_factory: Any
         inf.stop()
 
 
-def test_a_server_behind_the_informer_is_relisted_before_the_next_watch_not_after_a_silent_one(kube: Kube) -> None:
+def test_a_watch_lost_to_a_restore_relists_though_the_cluster_wrote_past_its_version(cluster_factory: Any) -> None:
+    """CI's etcd-restore failure (stop 40, twice): the API server restarts on the restored store,
+    the informer's watch breaks mid-stream, and by the time it reconnects the cluster has written
+    past the informer's version, so "is the server behind us?" says no. A watch resumed from that
+    version skipped what the restored store got in between (here "after"), and kept what the
+    restore removed ("lost"): the coordinator wrote a removed cache back onto its node. A watch
+    lost mid-stream now relists; the long retry delay makes the race certain (without the fix this
+    test fails: "after" never arrives)."""
+    cluster = cluster_factory()
+    kube = Kube(load_api_client(str(cluster.kubeconfig)))
+    kube.create(LOCAL_MODEL_NODES, node("before", "s3://b/before"))
+    backup = cluster.cp.backup_etcd()
+    inf = Informer(kube, LOCAL_MODEL_NODES, watch_timeout=300, retry_delay=30)
+    rec = Recorder()
+    inf.add_handler(rec)
+    inf.start()
+    try:
+        assert inf.wait_for_sync(60)
+        lost = kube.create(LOCAL_MODEL_NODES, node("lost", "s3://b/lost"))
+        for i in range(50):  # more writes than the restarted API server makes, so "after" is inside the gap
+            lost = kube.patch(LOCAL_MODEL_NODES, "lost", {"metadata": {"labels": {"n": str(i)}}})
+        wait_for_version(inf, "lost", lost["metadata"]["resourceVersion"])
+        ours = int(inf.last_resource_version or 0)
+        cluster.cp.restore_etcd(backup)  # the watch breaks; the informer waits 30 s to reconnect
+        after = kube.create(LOCAL_MODEL_NODES, node("after", "s3://b/after"))
+        assert int(after["metadata"]["resourceVersion"]) <= ours  # inside the gap a resumed watch skips
+        for i in range(ours - int(after["metadata"]["resourceVersion"]) + 20):  # the cluster writes past us
+            kube.patch(LOCAL_MODEL_NODES, "before", {"metadata": {"labels": {"n": str(i)}}})
+        # Before the informer's retry: without the fix it resumed from ``ours`` now and never saw "after".
+        assert cluster.cp.etcd_revision() > ours and inf.store.get_raw("after") is None
+        wait_until(lambda: inf.store.get_raw("after") is not None and inf.store.get_raw("lost") is None,
+                   timeout=60, what="the restored store followed: 'after' seen, 'lost' dropped")
+        assert sorted(inf.store.keys()) == ["after", "before"] and inf.current
+        assert inf.stats["relists"] == 1 and inf.stats["went_back"] == 0  # the version check alone said no
+        assert ("DELETED", "lost") in [(e[0], e[1]) for e in rec.snapshot()]
+    finally:
+        inf.stop()
+
+
+def test_a_server_behind_the_informer_is_relisted_before_the_next_watch_not_after_a_silent_one(
+        cluster_factory: Any) -> None:
     """The race review's finding 1, at the informer: the "server went back in time" check ran only
     after a watch that received nothing for a whole timeout, so once ordinary writes flowed again
     the gap was never re-read. Now the server's current version is compared with the informer's
     before every watch it opens: a server behind it (what a restore leaves, however the watch
-    behaves) is relisted at once."""
+    behaves) is relisted at once. Here the watch ended on time before the restore, so no broken
+    stream tells the informer (the test above): only the check does."""
+    cluster = cluster_factory()
+    kube = Kube(load_api_client(str(cluster.kubeconfig)))
     kube.create(LOCAL_MODEL_NODES, node("seen", "s3://b/seen"))
-    inf = Informer(kube, LOCAL_MODEL_NODES, watch_timeout=120, retry_delay=0.3)
+    backup = cluster.cp.backup_etcd()
+    inf = Informer(kube, LOCAL_MODEL_NODES, watch_timeout=2, retry_delay=0.3)
+    gate = Gate("held")
+    inf.add_handler(gate)
     inf.start()
     try:
         assert inf.wait_for_sync(60)
-        watched = kube.create(LOCAL_MODEL_NODES, node("watched", "s3://b/watched"))
-        wait_for_version(inf, "watched", watched["metadata"]["resourceVersion"])  # its watch is open
+        lost = kube.create(LOCAL_MODEL_NODES, node("lost", "s3://b/lost"))
+        for i in range(50):  # more writes than the restarted API server makes: the store is behind us
+            lost = kube.patch(LOCAL_MODEL_NODES, "lost", {"metadata": {"labels": {"n": str(i)}}})
+        wait_for_version(inf, "lost", lost["metadata"]["resourceVersion"])
+        kube.create(LOCAL_MODEL_NODES, node("held", "s3://b/held"))
+        assert gate.entered.wait(10)
+        time.sleep(2.5)  # the server ends the watch on time while the informer is held in a handler
         lists = inf.stats["lists"]
-        # What an informer holds after a restore: a version the server's store has not reached.
-        assert inf.last_resource_version is not None
-        inf.last_resource_version = str(int(inf.last_resource_version) + 1_000_000)
-        inf.drop_connection()  # the watch ends (the server's timeout, a reconnect); it is re-opened
-        wait_until(lambda: inf.stats["went_back"] == 1 and inf.stats["lists"] == lists + 1, timeout=15,
-                   what="a relist before the next watch (not after a 120 s silent one)")
-        assert inf.current
+        cluster.cp.restore_etcd(backup)
+        gate.release.set()  # the informer reads the watch's clean end; the next one would open behind
+        wait_until(lambda: inf.stats["went_back"] == 1 and inf.stats["lists"] == lists + 1, timeout=30,
+                   what="a relist before the next watch (not after a silent one)")
+        assert inf.current and sorted(inf.store.keys()) == ["seen"]
+        assert inf.stats["relists"] == 1  # the check alone: no broken stream, no unreachable server
         created = kube.create(LOCAL_MODEL_NODES, node("after", "s3://b/after"))
         wait_for_version(inf, "after", created["metadata"]["resourceVersion"])
         assert inf.stats["went_back"] == 1  # followed from the server's own version since
