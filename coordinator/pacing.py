@@ -41,6 +41,7 @@ class StatusPacer:
         self._asked: dict[str, float] = {}  # cache key -> when it last had progress to write
         self._written: dict[str, float] = {}  # cache key -> when it last wrote
         self._first: dict[str, float] = {}  # cache key never written -> when it first asked
+        self._due: dict[str, float] = {}  # cache key paced -> when its progress may be written
         self._urgent: set[str] = set()
         self._lock = threading.Lock()
 
@@ -74,18 +75,30 @@ class StatusPacer:
             self._asked[key] = now
             if key not in self._written:  # never written: one interval from its first ask
                 since = now - self._first.setdefault(key, now)
-            return max(0.0, self._interval(now) - since)
+            wait = max(0.0, self._interval(now) - since)
+            self._due[key] = now + wait
+            return wait
+
+    def paced(self, key: str) -> bool:
+        """Whether ``key``'s progress is waiting for its pace now (its reconcile asked, was told
+        to wait, and that time has not come; not urged since): more progress need not wake it
+        before then (coordinator/controllers.py)."""
+        now = self.clock()
+        with self._lock:
+            return self._due.get(key, now) > now and key not in self._urgent
 
     def wrote(self, key: str) -> None:
         with self._lock:
             self._written[key] = self.clock()
             self._first.pop(key, None)
+            self._due.pop(key, None)
 
     def forget(self, key: str) -> None:
         with self._lock:
             self._asked.pop(key, None)
             self._written.pop(key, None)
             self._first.pop(key, None)
+            self._due.pop(key, None)
             self._urgent.discard(key)
 
 

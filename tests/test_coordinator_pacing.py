@@ -331,3 +331,36 @@ def test_a_nodes_reconcile_asks_the_members_once_per_group_not_per_cache(monkeyp
     node_ctl.reconcile("n1")
     assert sorted(asked) == [("ga",), ("gb",)]
     assert writes.done == [("create", "LocalModelNode", "n1")]
+
+
+def report_downloaded(view: ClusterView, node_name: str, key: str) -> None:
+    """The agent's status patch of ``node_name``'s LocalModelNode, as its watch event."""
+    lmn = copy.deepcopy(view.lmns.store.get_raw(node_name))
+    lmn["metadata"]["resourceVersion"] = str(int(lmn["metadata"]["resourceVersion"]) + 1)
+    lmn["status"] = {"modelStatus": {key: "ModelDownloaded"}, "nodeUID": f"uid-{node_name}"}
+    view.lmns._event({"type": "MODIFIED", "object": lmn})
+
+
+def test_progress_does_not_wake_a_paced_cache_its_last_report_does() -> None:
+    """Each LocalModelNode event woke its node's 20 caches (bench/coordinator_scale.py: 200
+    caches over 10 groups), to be told by the pacer to wait."""
+    view, wiring, _writes, key = rollout(namespaced=False, members=3, service=False)
+    ctl = next(c for c in wiring.manager.controllers if c.name == "LocalModelCache")
+    while len(ctl.queue):
+        ctl.queue.done(ctl.queue.get(timeout=0))
+    assert ctl.reconcile(key).requeue_after == 2.0  # paced, requeued for then
+    report_downloaded(view, "n0", key)
+    report_downloaded(view, "n1", key)
+    assert len(ctl.queue) == 0  # progress: not woken before its time
+    report_downloaded(view, "n2", key)
+    assert len(ctl.queue) == 1  # the last report: shown at once
+
+
+def test_progress_wakes_a_paced_namespace_cache_whose_claim_waits_on_a_report() -> None:
+    view, wiring, _writes, key = rollout(namespaced=True, members=3)
+    ctl = next(c for c in wiring.manager.controllers if c.name == "LocalModelNamespaceCache")
+    while len(ctl.queue):
+        ctl.queue.done(ctl.queue.get(timeout=0))
+    assert ctl.reconcile(key).requeue_after == 2.0
+    report_downloaded(view, "n0", key)
+    assert len(ctl.queue) == 1
