@@ -211,7 +211,10 @@ def build_wiring(view: ClusterView, recorder: EventRecorder, options: Options | 
     node_ctl.watch(view.lmns, own_key, entries_or_states_changed)
 
     def cache_nodes(_e: str, obj: Obj, old: Obj | None) -> list[str]:
-        """A cache's members (before and after) and the nodes holding its entry."""
+        """A cache's members (before and after) and the nodes holding its entry; while caches are
+        still arriving, these are woken when the burst's hold ends, not now (their reconcile
+        would be told to wait: bench/coordinator_scale.py at 2,000 nodes and 200 caches, 52,337
+        node reconciles to converge, 26 per node)."""
         wiring.burst.saw()
         out: set[str] = set()
         for o in (obj, old):
@@ -219,6 +222,11 @@ def build_wiring(view: ClusterView, recorder: EventRecorder, options: Options | 
                 continue
             out.update(view.members(CacheView(o).node_groups))
             out.update(meta(lmn).name for lmn in view.lmns.store.by_index(BY_CACHE, meta(o).key, copy_objects=False))
+        held = wiring.burst.hold()
+        if held > 0:
+            for key in out:
+                node_ctl.queue.add_after(key, held)  # once per node however many caches arrive
+            return []
         return sorted(out)
 
     def all_nodes(_e: str, _o: Obj, _old: Obj | None) -> list[str]:

@@ -364,3 +364,43 @@ def test_progress_wakes_a_paced_namespace_cache_whose_claim_waits_on_a_report() 
     assert ctl.reconcile(key).requeue_after == 2.0
     report_downloaded(view, "n0", key)
     assert len(ctl.queue) == 1
+
+
+def test_caches_arriving_schedule_their_members_for_the_holds_end_instead_of_waking_them() -> None:
+    """bench/coordinator_scale.py at 2,000 nodes and 200 caches: 52,337 node reconciles to
+    converge (26 per node), most of them told to wait for the burst, each requeued again."""
+    view = ClusterView.build(Kube(ApiClient()), with_services=False)
+    wiring = build_wiring(view, EventRecorder(view.kube, "test"))
+    clock = Clock()
+    wiring.burst.clock = clock
+    node_ctl = next(ctl for ctl in wiring.manager.controllers if ctl.name == "node")
+    node_ctl.queue._clock = clock
+    add(view.groups, group("ga", "a"))
+    for i in range(3):
+        add(view.nodes, node(f"n{i}", "a"))
+    while len(node_ctl.queue):  # what the groups and nodes woke
+        node_ctl.queue.done(node_ctl.queue.get(timeout=0))
+    for i in range(20):  # a 200-cache apply, as one group sees it
+        add(view.caches, {"metadata": {"name": f"c{i}", "resourceVersion": "1"},
+                          "spec": {"sourceModelUri": f"s3://b/m{i}", "nodeGroups": ["ga"]}})
+        clock.now += 0.05
+    assert len(node_ctl.queue) == 0  # none woken while caches arrive ...
+    assert node_ctl.queue.pending_delayed() == 3  # ... each member waits once, for the hold's end
+    clock.now += 1.0
+    assert sorted(str(node_ctl.queue.get(timeout=0)) for _ in range(3)) == ["n0", "n1", "n2"]
+
+
+def test_a_key_added_after_many_times_waits_once_for_the_earliest() -> None:
+    from modelcache.kube.workqueue import WorkQueue
+
+    clock = Clock()
+    q = WorkQueue(clock=clock)
+    q.add_after("a", 5.0)
+    q.add_after("a", 9.0)  # later: it waits already, for sooner
+    q.add_after("a", 2.0)  # sooner: now it waits for this
+    assert q.pending_delayed() == 1
+    clock.now += 2.0
+    assert q.get(timeout=0) == "a"
+    q.done("a")
+    clock.now += 10.0
+    assert q.get(timeout=0) is None  # not again for the stale 5 s and 9 s

@@ -3,6 +3,8 @@
 * A key waiting in the queue is there once, however often it is added (de-duplication).
 * A key being processed is never handed to a second worker; if it is added meanwhile it is
   queued again when the first worker calls :meth:`WorkQueue.done` (so no change is lost).
+* A key waiting for :meth:`WorkQueue.add_after` waits there once, for the earliest time it was
+  added for (client-go's delaying queue).
 * :meth:`WorkQueue.add_rate_limited` requeues with per-key exponential backoff;
   :meth:`WorkQueue.forget` resets it after a success.
 """
@@ -54,6 +56,10 @@ class WorkQueue:
         self._dirty: set[Hashable] = set()  # waiting to be processed (in _queue, or re-added while processing)
         self._processing: set[Hashable] = set()
         self._waiting: list[tuple[float, int, Hashable]] = []  # (ready_at, seq, key) heap for add_after
+        #: key -> its ready_at in the heap; an entry of the heap with another ready_at is stale. A
+        #: key added after once per event (a node held while 200 caches arrive, each waking its
+        #: 1,000 members) waits once, not once per event (bench/coordinator_scale.py).
+        self._ready_at: dict[Hashable, float] = {}
         self._seq = itertools.count()
         self._shutdown = False
 
@@ -78,7 +84,11 @@ class WorkQueue:
             if delay <= 0:
                 self._add_locked(key)
                 return
-            heapq.heappush(self._waiting, (self._clock() + delay, next(self._seq), key))
+            ready_at = self._clock() + delay
+            if self._ready_at.get(key, float("inf")) <= ready_at:
+                return  # waits already, for as soon or sooner
+            self._ready_at[key] = ready_at
+            heapq.heappush(self._waiting, (ready_at, next(self._seq), key))
             # Wake one getter so it re-computes how long to sleep.
             self._cond.notify()
 
@@ -99,7 +109,10 @@ class WorkQueue:
         """Move due delayed keys into the queue; return seconds until the next one is due."""
         now = self._clock()
         while self._waiting and self._waiting[0][0] <= now:
-            _, _, key = heapq.heappop(self._waiting)
+            ready_at, _, key = heapq.heappop(self._waiting)
+            if self._ready_at.get(key) != ready_at:
+                continue  # stale: the key was added for sooner since
+            del self._ready_at[key]
             self._add_locked(key)
         return (self._waiting[0][0] - now) if self._waiting else None
 
@@ -151,4 +164,4 @@ class WorkQueue:
 
     def pending_delayed(self) -> int:
         with self._cond:
-            return len(self._waiting)
+            return len(self._ready_at)
