@@ -49,6 +49,8 @@ from modelcache.kube.views import LocalModelNodeView, NodeView
 log = logging.getLogger(__name__)
 
 BY_CACHE = "cache"
+#: Caches by the node groups they list: a node's reconcile reads its own groups' caches, not all.
+BY_GROUP = "group"
 #: LocalModelNodes by the caches whose entry on them its agent has not reported done or failed yet.
 PENDING = "pending"
 #: LLMInferenceService versions, newest first: we use whichever the cluster serves.
@@ -67,6 +69,11 @@ def user_labels(obj: dict[str, Any] | None) -> dict[str, str]:
     """Node labels other than our downloaded-model ones: those we write must not count as a
     membership change (a group selecting on them would be selecting on download state)."""
     return {k: v for k, v in meta(obj).labels.items() if not k.startswith(LABEL_PREFIX)}
+
+
+def cache_groups(obj: dict[str, Any] | None) -> list[str]:
+    """The node groups a cache lists (its BY_GROUP index values)."""
+    return sorted(set((((obj or {}).get("spec") or {}).get("nodeGroups")) or ()))
 
 
 def service_cache_keys(obj: dict[str, Any] | None) -> list[str]:
@@ -186,8 +193,8 @@ class ClusterView:
 
         view = cls(
             kube=kube,
-            caches=inf(LOCAL_MODEL_CACHES),
-            ns_caches=inf(LOCAL_MODEL_NAMESPACE_CACHES),
+            caches=inf(LOCAL_MODEL_CACHES, indexers={BY_GROUP: cache_groups}),
+            ns_caches=inf(LOCAL_MODEL_NAMESPACE_CACHES, indexers={BY_GROUP: cache_groups}),
             groups=inf(LOCAL_MODEL_NODE_GROUPS),
             nodes=inf(NODES, transform=node_essentials),
             lmns=inf(LOCAL_MODEL_NODES, indexers={BY_CACHE: entry_cache_keys, PENDING: pending_cache_keys},
@@ -293,6 +300,11 @@ class ClusterView:
         """Read-only: the informer's own object, not a copy (a cache carrying 1,000 members'
         nodeStatus is costly to copy: 4.4 % of the coordinator's samples at 10,000 nodes)."""
         return (self.ns_caches if "/" in key else self.caches).store.get_raw(key)
+
+    def caches_of_group(self, group: str) -> list[dict[str, Any]]:
+        """Read-only: the caches (both kinds) that list ``group``."""
+        return (self.caches.store.by_index(BY_GROUP, group, copy_objects=False) +
+                self.ns_caches.store.by_index(BY_GROUP, group, copy_objects=False))
 
     def cache_keys(self) -> list[str]:
         return self.caches.store.keys() + self.ns_caches.store.keys()

@@ -404,3 +404,49 @@ def test_a_key_added_after_many_times_waits_once_for_the_earliest() -> None:
     q.done("a")
     clock.now += 10.0
     assert q.get(timeout=0) is None  # not again for the stale 5 s and 9 s
+
+
+def test_a_nodes_reconcile_reads_its_own_groups_caches_and_its_entries_not_every_cache(monkeypatch: Any) -> None:
+    """Offline, the bench's event flow (1,000 nodes, 200 caches over 10 groups): a node's
+    reconcile went through all 200 caches, three times per node; only its group's 20 and the
+    caches its entries name can change its entries."""
+    import coordinator.nodes as nodes_mod
+
+    view = ClusterView.build(Kube(ApiClient()), with_services=False)
+    wiring = build_wiring(view, EventRecorder(view.kube, "test"))
+    writes = Writes(view.kube)
+    node_ctl = next(ctl for ctl in wiring.manager.controllers if ctl.name == "node")
+    add(view.groups, group("ga", "a"))
+    add(view.groups, group("gb", "b"))
+    add(view.nodes, node("n1", "a"))
+    for i in range(20):
+        add(view.caches, {"metadata": {"name": f"c{i}", "resourceVersion": "1"},
+                          "spec": {"sourceModelUri": f"s3://b/m{i}", "nodeGroups": ["ga" if i % 2 else "gb"]}})
+    wiring.burst.clock = lambda: 1e9  # the caches' burst is long over
+    seen: list[tuple[list[str], list[str]]] = []  # (the caches read, the entries' caches wanted)
+    real = nodes_mod.desired_models
+
+    def recorded(node: str, current: Any, caches: Any, *a: Any) -> Any:
+        out = real(node, current, caches, *a)
+        seen.append((sorted(caches), sorted(m["modelName"] for m in out)))
+        return out
+
+    monkeypatch.setattr(nodes_mod, "desired_models", recorded)
+    node_ctl.reconcile("n1")
+    odd, even = sorted(f"c{i}" for i in range(1, 20, 2)), sorted(f"c{i}" for i in range(0, 20, 2))
+    assert seen == [(odd, odd)]
+    assert writes.done == [("create", "LocalModelNode", "n1")]
+    # n1 moves from ga to gb: the caches its entries name (ga's) are read, and take theirs away
+    add(view.lmns, {"metadata": {"name": "n1", "resourceVersion": "1", "labels": {node_group_label("ga"): "true"}},
+                    "spec": {"localModels": [desired_entry(view.caches.store.get_raw(c), "ga") for c in odd]}})
+    moved = node("n1", "b")
+    moved["metadata"]["resourceVersion"] = "2"
+    view.nodes._event({"type": "MODIFIED", "object": moved})
+    replaced: list[dict[str, Any]] = []
+    monkeypatch.setattr(view.kube, "replace", lambda res, obj, ns=None: replaced.append(obj) or obj)
+    stored = copy.deepcopy(view.lmns.store.get_raw("n1"))
+    seen.clear()
+    node_ctl.reconcile("n1")
+    assert seen[0] == (sorted(odd + even), even)
+    assert [m["modelName"] for m in replaced[0]["spec"]["localModels"]] == even
+    assert view.lmns.store.get_raw("n1") == stored  # the update edited a copy, not the informer's object
