@@ -182,14 +182,21 @@ class NodeReconciler:
                          (have.get("nodeGroup") or "?"))
                 caches[key] = live
 
-    def _withdraw_labels(self, node: dict[str, Any], lmn: dict[str, Any] | None, models: list[dict[str, Any]]) -> None:
+    def _withdraw_labels(self, node: dict[str, Any], lmn: dict[str, Any] | None, before: list[dict[str, Any]],
+                         models: list[dict[str, Any]]) -> None:
         """Before entries leave a LocalModelNode, take their labels off the Node: the agent deletes
         a model as soon as it sees its entry go, and a label must never outlive its folder, even
-        if we crash between the two writes (the label is added back later if it still holds)."""
-        after = {**(lmn or {}), "spec": {"localModels": models}}
-        keep = nodelabels.downloaded_labels(after, reports.node_uid(node))
+        if we crash between the two writes (the label is added back later if it still holds).
+        Dropped: the labels our copy of the Node has and the entries left no longer justify, and
+        the labels the leaving entries justified, whether or not our copy shows them yet: the
+        Node informer can lag our own label patch of a moment ago (the chaos test saw that label
+        stay 2-3 s on a Node whose model was gone)."""
+        uid = reports.node_uid(node)
+        keep = nodelabels.downloaded_labels({**(lmn or {}), "spec": {"localModels": models}}, uid)
+        justified = nodelabels.downloaded_labels({**(lmn or {}), "spec": {"localModels": before}}, uid)
         patch = nodelabels.label_patch(node, keep)
-        drop = {k: v for k, v in meta(patch).labels.items() if v is None}
+        drop: dict[str, None] = {k: None for k, v in meta(patch).labels.items() if v is None}
+        drop.update({k: None for k in justified - keep})
         if drop:
             metrics.wrote("Node", "patch")
             self.kube.patch(NODES, meta(node).name, {"metadata": {"labels": drop}})
@@ -229,7 +236,7 @@ class NodeReconciler:
             self._confirmed_gone(have, caches)
             spec["localModels"] = desired_models(key, have, caches, members_of, keep)
             if node is not None and spec["localModels"] != have:
-                self._withdraw_labels(node, o, spec["localModels"])
+                self._withdraw_labels(node, o, have, spec["localModels"])
             md = o.setdefault("metadata", {})
             labels = {k: v for k, v in (md.get("labels") or {}).items() if not k.startswith(NODE_GROUP_LABEL_PREFIX)}
             labels.update(group_labels(spec["localModels"]))

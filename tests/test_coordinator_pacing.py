@@ -450,3 +450,33 @@ def test_a_nodes_reconcile_reads_its_own_groups_caches_and_its_entries_not_every
     assert seen[0] == (sorted(odd + even), even)
     assert [m["modelName"] for m in replaced[0]["spec"]["localModels"]] == even
     assert view.lmns.store.get_raw("n1") == stored  # the update edited a copy, not the informer's object
+
+
+def test_an_entry_leaving_takes_its_label_off_even_when_our_node_copy_does_not_show_it_yet() -> None:
+    """The Node informer can lag our own label patch of a moment ago: the label an entry's report
+    justified is dropped with the entry, whatever our copy of the Node shows, so it never outlives
+    the folder the agent deletes on seeing the entry go (the chaos test saw it stay 2-3 s)."""
+    from coordinator.nodelabels import LABEL_PREFIX, model_label
+    from coordinator.nodes import NodeReconciler
+    from modelcache.sources.uri import storage_key
+
+    view = ClusterView.build(Kube(ApiClient()), with_services=False)
+    patches: list[dict[str, Any]] = []
+    view.kube.patch = lambda res, name, body, *a, **kw: patches.append(body) or body  # type: ignore[method-assign]
+    cache = {"metadata": {"name": "c", "resourceVersion": "1"}, "spec": {"sourceModelUri": "s3://b/m",
+                                                                         "nodeGroups": ["ga"]}}
+    entry = desired_entry(cache, "ga")
+    reported = {"metadata": {"name": "n1", "resourceVersion": "7"}, "spec": {"localModels": []},
+                "status": {"nodeUID": "uid-n1", "modelStatus": {"c": "ModelDownloaded"},
+                           "modelDetails": {"c": {"storageKey": storage_key("s3://b/m")}}}}
+    stale = node("n1", "a")  # our copy: the label we patched on is not in it yet
+    other = LABEL_PREFIX + "0123456789abcdef"  # a label no entry justifies, shown in our copy
+    shown = {**node("n1", "a"), "metadata": {**node("n1", "a")["metadata"],
+                                             "labels": {"pool": "a", other: "true"}}}
+    rec = NodeReconciler(view)
+    rec._withdraw_labels(stale, reported, [entry], [])
+    assert patches == [{"metadata": {"labels": {model_label("s3://b/m"): None}}}]
+    patches.clear()
+    rec._withdraw_labels(shown, reported, [entry], [entry])  # the entry stays: only the unjustified label goes
+    assert patches == [{"metadata": {"labels": {other: None}}}]
+    assert other not in shown["metadata"]["labels"] and shown["metadata"]["labels"]["pool"] == "a"
