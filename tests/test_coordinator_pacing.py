@@ -9,6 +9,7 @@ import copy
 from typing import Any
 
 from kubernetes.client import ApiClient
+from kubernetes.client.exceptions import ApiException
 
 from coordinator.controllers import build_wiring, lost_or_failed
 from coordinator.entries import desired_entry
@@ -480,3 +481,50 @@ def test_an_entry_leaving_takes_its_label_off_even_when_our_node_copy_does_not_s
     rec._withdraw_labels(shown, reported, [entry], [entry])  # the entry stays: only the unjustified label goes
     assert patches == [{"metadata": {"labels": {other: None}}}]
     assert other not in shown["metadata"]["labels"] and shown["metadata"]["labels"]["pool"] == "a"
+
+
+def test_a_reconcile_behind_our_own_update_does_not_put_back_the_label_of_an_entry_that_left() -> None:
+    """The chaos test (seed 3397273558): two reconciles of one node 11 ms apart. The first took
+    entry ``c`` off (its cache is deleting) and its label with it; the second still had the
+    LocalModelNode from before that update in its informer, computed the same removal, got 409,
+    read the object again and had nothing to write, and then computed the Node's labels from its
+    stale copy, which still listed ``c`` as downloaded: the label came back while the agent was
+    deleting the model (5 s, until the next leader)."""
+    from coordinator.nodelabels import model_label
+    from coordinator.nodes import NodeReconciler
+    from modelcache.sources.uri import storage_key
+
+    view = ClusterView.build(Kube(ApiClient()), with_services=False)
+    add(view.groups, group("ga", "a"))
+    caches = {}
+    for name in ("anchor", "c"):
+        caches[name] = {"metadata": {"name": name, "resourceVersion": "1"},
+                        "spec": {"sourceModelUri": f"s3://b/{name}", "nodeGroups": ["ga"]}}
+    caches["c"]["metadata"]["deletionTimestamp"] = "2026-12-03T12:01:51Z"
+    for cache in caches.values():
+        add(view.caches, cache)
+    status = {"nodeUID": "uid-n1", "modelStatus": {n: "ModelDownloaded" for n in caches},
+              "modelDetails": {n: {"storageKey": storage_key(f"s3://b/{n}")} for n in caches}}
+    labels = {node_group_label("ga"): "true"}
+    ours = {"metadata": {"name": "n1", "resourceVersion": "548", "labels": labels},
+            "spec": {"localModels": [desired_entry(c, "ga") for c in caches.values()]}, "status": status}
+    server = copy.deepcopy(ours)  # the first reconcile's update: "c" is gone; the agent has not reported yet
+    server["metadata"]["resourceVersion"] = "552"
+    server["spec"]["localModels"] = [desired_entry(caches["anchor"], "ga")]
+    add(view.lmns, ours)
+    shown = node("n1", "a")  # the first reconcile's label drop is in our copy already
+    shown["metadata"]["labels"][model_label("s3://b/anchor")] = "true"
+    add(view.nodes, shown)
+
+    def replace(res: Any, obj: dict[str, Any], ns: Any = None) -> dict[str, Any]:
+        raise ApiException(status=409, reason="Conflict")
+
+    patches: list[dict[str, Any]] = []
+    view.kube.replace = replace  # type: ignore[method-assign]
+    view.kube.get_or_none = lambda res, name, ns=None: copy.deepcopy(server)  # type: ignore[method-assign]
+    view.kube.patch = lambda res, name, body, *a, **kw: patches.append(body) or body  # type: ignore[method-assign]
+    NodeReconciler(view)("n1")
+    added = [k for p in patches for k, v in p["metadata"]["labels"].items() if v is not None]
+    assert model_label("s3://b/c") not in added, patches
+    # The withdrawal ran (its drop is idempotent); nothing was added.
+    assert patches == [{"metadata": {"labels": {model_label("s3://b/c"): None}}}]
