@@ -312,13 +312,12 @@ def test_a_namespace_caches_claim_is_made_while_its_status_is_paced() -> None:
         ("create", "PersistentVolume"), ("create", "PersistentVolumeClaim")]
 
 
-def test_a_nodes_reconcile_asks_the_members_once_per_group_not_per_cache(monkeypatch: Any) -> None:
-    """py-spy at 10,000 nodes: 7.1 % of samples waiting on the members' lock, taken once per cache
-    (200) in each node's reconcile, for caches that share 10 groups."""
+def two_groups_of_caches() -> tuple[ClusterView, Writes, Any]:
+    """Node n1 in group ga of two (ga, gb), 20 caches alternating between them, their burst long
+    over: the view, the recorded writes and the node controller."""
     view = ClusterView.build(Kube(ApiClient()), with_services=False)
     wiring = build_wiring(view, EventRecorder(view.kube, "test"))
     writes = Writes(view.kube)
-    node_ctl = next(ctl for ctl in wiring.manager.controllers if ctl.name == "node")
     add(view.groups, group("ga", "a"))
     add(view.groups, group("gb", "b"))
     add(view.nodes, node("n1", "a"))
@@ -326,6 +325,13 @@ def test_a_nodes_reconcile_asks_the_members_once_per_group_not_per_cache(monkeyp
         add(view.caches, {"metadata": {"name": f"c{i}", "resourceVersion": "1"},
                           "spec": {"sourceModelUri": f"s3://b/m{i}", "nodeGroups": ["ga" if i % 2 else "gb"]}})
     wiring.burst.clock = lambda: 1e9  # the caches' burst is long over
+    return view, writes, next(ctl for ctl in wiring.manager.controllers if ctl.name == "node")
+
+
+def test_a_nodes_reconcile_asks_the_members_once_per_group_not_per_cache(monkeypatch: Any) -> None:
+    """py-spy at 10,000 nodes: 7.1 % of samples waiting on the members' lock, taken once per cache
+    (200) in each node's reconcile, for caches that share 10 groups."""
+    view, writes, node_ctl = two_groups_of_caches()
     asked: list[tuple[str, ...]] = []
     real = view.members
     monkeypatch.setattr(view, "members", lambda groups: asked.append(tuple(groups)) or real(groups))
@@ -413,17 +419,7 @@ def test_a_nodes_reconcile_reads_its_own_groups_caches_and_its_entries_not_every
     caches its entries name can change its entries."""
     import coordinator.nodes as nodes_mod
 
-    view = ClusterView.build(Kube(ApiClient()), with_services=False)
-    wiring = build_wiring(view, EventRecorder(view.kube, "test"))
-    writes = Writes(view.kube)
-    node_ctl = next(ctl for ctl in wiring.manager.controllers if ctl.name == "node")
-    add(view.groups, group("ga", "a"))
-    add(view.groups, group("gb", "b"))
-    add(view.nodes, node("n1", "a"))
-    for i in range(20):
-        add(view.caches, {"metadata": {"name": f"c{i}", "resourceVersion": "1"},
-                          "spec": {"sourceModelUri": f"s3://b/m{i}", "nodeGroups": ["ga" if i % 2 else "gb"]}})
-    wiring.burst.clock = lambda: 1e9  # the caches' burst is long over
+    view, writes, node_ctl = two_groups_of_caches()
     seen: list[tuple[list[str], list[str]]] = []  # (the caches read, the entries' caches wanted)
     real = nodes_mod.desired_models
 
