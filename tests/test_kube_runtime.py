@@ -193,29 +193,41 @@ def _gone_relists(cluster: Cluster, kube: Kube, inf: Informer, rec: Recorder, ga
     wait_for_version(inf, "keep", later["metadata"]["resourceVersion"])
 
 
+def backed_up(cluster_factory: Any, first: str) -> tuple[Any, Kube, Any]:
+    """A cluster of the test's own (it will be restored) holding one LocalModelNode, ``first``,
+    and a backup of its etcd taken then: the cluster, a client and the backup."""
+    cluster = cluster_factory()
+    kube = Kube(load_api_client(str(cluster.kubeconfig)))
+    kube.create(LOCAL_MODEL_NODES, node(first, f"s3://b/{first}"))
+    return cluster, kube, cluster.cp.backup_etcd()
+
+
+def written_after_the_backup(kube: Kube, inf: Informer, writes: int) -> None:
+    """"lost", created after the backup and patched ``writes`` times (more writes than the
+    restored control plane makes on its own, so the informer's version stays ahead of the
+    restored store's), once the informer has followed every write."""
+    lost = kube.create(LOCAL_MODEL_NODES, node("lost", "s3://b/lost"))
+    for i in range(writes):
+        lost = kube.patch(LOCAL_MODEL_NODES, "lost", {"metadata": {"labels": {"n": str(i)}}})
+    rv = lost["metadata"]["resourceVersion"]
+    wait_until(lambda: (inf.store.get_raw("lost") or {}).get("metadata", {}).get("resourceVersion") == rv,
+               timeout=30, what="the informer has followed every write")
+
+
 @pytest.mark.timeout(240)
 def test_watch_from_a_version_in_the_servers_future_relists(cluster_factory: Any) -> None:
     """After an etcd restore the informer's resourceVersion lies in the server's future: the API
     server answers the resumed watch with "Too large resource version" (an ERROR event, 504),
     which no retry of the same watch can cure. The informer relists and follows the restored
     store (issue 21, F10)."""
-    cluster = cluster_factory()
-    kube = Kube(load_api_client(str(cluster.kubeconfig)))
-    kube.create(LOCAL_MODEL_NODES, node("before", "s3://b/before"))
-    backup = cluster.cp.backup_etcd()
+    cluster, kube, backup = backed_up(cluster_factory, "before")
     inf = Informer(kube, LOCAL_MODEL_NODES, watch_timeout=30, retry_delay=0.3)
     rec = Recorder()
     inf.add_handler(rec)
     inf.start()
     try:
         assert inf.wait_for_sync(60)
-        # Far more writes than the restored control plane makes on its own during the test, so the
-        # informer's version stays ahead of the restored store's.
-        kube.create(LOCAL_MODEL_NODES, node("lost", "s3://b/lost"))
-        for i in range(300):
-            kube.patch(LOCAL_MODEL_NODES, "lost", {"metadata": {"labels": {"n": str(i)}}})
-        wait_until(lambda: (inf.store.get_raw("lost") or {}).get("metadata", {}).get("labels", {}).get("n") == "299",
-                   timeout=30, what="the informer has followed every write")
+        written_after_the_backup(kube, inf, 300)  # far more than the restored control plane writes
         cluster.cp.restore_etcd(backup)
         after = kube.create(LOCAL_MODEL_NODES, node("after", "s3://b/after"))
         wait_until(lambda: inf.store.get_raw("after") is not None, timeout=90,
@@ -237,20 +249,14 @@ def test_a_watch_lost_to_a_restore_relists_though_the_cluster_wrote_past_its_ver
     restore removed ("lost"): the coordinator wrote a removed cache back onto its node. A watch
     lost mid-stream now relists; the long retry delay makes the race certain (without the fix this
     test fails: "after" never arrives)."""
-    cluster = cluster_factory()
-    kube = Kube(load_api_client(str(cluster.kubeconfig)))
-    kube.create(LOCAL_MODEL_NODES, node("before", "s3://b/before"))
-    backup = cluster.cp.backup_etcd()
+    cluster, kube, backup = backed_up(cluster_factory, "before")
     inf = Informer(kube, LOCAL_MODEL_NODES, watch_timeout=300, retry_delay=30)
     rec = Recorder()
     inf.add_handler(rec)
     inf.start()
     try:
         assert inf.wait_for_sync(60)
-        lost = kube.create(LOCAL_MODEL_NODES, node("lost", "s3://b/lost"))
-        for i in range(50):  # more writes than the restarted API server makes, so "after" is inside the gap
-            lost = kube.patch(LOCAL_MODEL_NODES, "lost", {"metadata": {"labels": {"n": str(i)}}})
-        wait_for_version(inf, "lost", lost["metadata"]["resourceVersion"])
+        written_after_the_backup(kube, inf, 50)  # so "after" is inside the gap
         ours = int(inf.last_resource_version or 0)
         cluster.cp.restore_etcd(backup)  # the watch breaks; the informer waits 30 s to reconnect
         after = kube.create(LOCAL_MODEL_NODES, node("after", "s3://b/after"))
@@ -276,20 +282,14 @@ def test_a_server_behind_the_informer_is_relisted_before_the_next_watch_not_afte
     before every watch it opens: a server behind it (what a restore leaves, however the watch
     behaves) is relisted at once. Here the watch ended on time before the restore, so no broken
     stream tells the informer (the test above): only the check does."""
-    cluster = cluster_factory()
-    kube = Kube(load_api_client(str(cluster.kubeconfig)))
-    kube.create(LOCAL_MODEL_NODES, node("seen", "s3://b/seen"))
-    backup = cluster.cp.backup_etcd()
+    cluster, kube, backup = backed_up(cluster_factory, "seen")
     inf = Informer(kube, LOCAL_MODEL_NODES, watch_timeout=2, retry_delay=0.3)
     gate = Gate("held")
     inf.add_handler(gate)
     inf.start()
     try:
         assert inf.wait_for_sync(60)
-        lost = kube.create(LOCAL_MODEL_NODES, node("lost", "s3://b/lost"))
-        for i in range(50):  # more writes than the restarted API server makes: the store is behind us
-            lost = kube.patch(LOCAL_MODEL_NODES, "lost", {"metadata": {"labels": {"n": str(i)}}})
-        wait_for_version(inf, "lost", lost["metadata"]["resourceVersion"])
+        written_after_the_backup(kube, inf, 50)  # the restored store will be behind us
         kube.create(LOCAL_MODEL_NODES, node("held", "s3://b/held"))
         assert gate.entered.wait(10)
         time.sleep(2.5)  # the server ends the watch on time while the informer is held in a handler
