@@ -163,6 +163,10 @@ class WatchError(Exception):
         self.code = code
 
 
+class WatchLost(Exception):
+    """The open watch's stream broke mid-way: no clean end, no answer from the server (see run())."""
+
+
 class Gone(WatchError):
     """The watch's resourceVersion is too old (410): relist."""
 
@@ -261,8 +265,6 @@ class Informer:
         self._current = threading.Event()
         self._stop = threading.Event()
         self._resp: Any = None
-        #: The open watch's stream broke (no clean end, no answer from the server): see run().
-        self._broken = False
         self._thread: threading.Thread | None = None
 
     def add_handler(self, handler: Handler) -> None:
@@ -329,8 +331,7 @@ class Informer:
                 if self._stop.is_set():
                     break
                 self._current.clear()
-                if self._broken:
-                    self._broken = False
+                if isinstance(exc, WatchLost):
                     # A watch lost mid-stream: the server may have restarted on a restored store, and
                     # the version check before the next watch can be raced: once the cluster writes
                     # past our version (CI saw it within the 2 s backoff), a resumed watch silently
@@ -339,7 +340,7 @@ class Informer:
                     need_list = True
                     self.stats["relists"] += 1
                     log.warning("%s: watch lost mid-stream (%s); relisting (a restarted API server may "
-                                "stand on a restored store)", self.resource.plural, type(exc).__name__)
+                                "stand on a restored store)", self.resource.plural, type(exc.__cause__).__name__)
                 gone = isinstance(exc, Gone) or (isinstance(exc, ApiException) and exc.status == 410)
                 if gone:
                     self.stats["gone"] += 1
@@ -480,7 +481,6 @@ class Informer:
             # A read timeout longer than the server's keeps a silently dead connection from hanging us.
             _request_timeout=(10, self.watch_timeout + 30),
         )
-        self._broken = False
         self._resp = resp = self.kube.watch_response(self.resource, self.namespace, **query)
         self.stats["watches"] += 1
         self._current.set()
@@ -495,11 +495,10 @@ class Informer:
             ended = True
         except (WatchError, ApiException):
             raise  # the server answered: run() decides from the answer
-        except Exception:
+        except Exception as exc:
             if self._stop.is_set():
                 return
-            self._broken = True
-            raise
+            raise WatchLost(_one_line(exc)) from exc
         finally:
             self._resp = None
             if not ended:
