@@ -113,6 +113,9 @@ def test_node_replaced_under_the_same_name_does_not_inherit_labels(
     old_uid = uid(kube, "n1")
     agent_report(kube, "n1", {"c1": (D, URI_A)}, old_uid)
     wait_until(lambda: labels(kube, "n1").get(model_label(URI_A)) == "true", timeout=30, what="label")
+    # The first coordinator has counted the copy: the status the second one must overwrite.
+    wait_until(lambda: cache_status(kube, "c1").get("nodeStatus") == {"n1": "NodeDownloaded"}, timeout=30,
+               what="copy counted by the first coordinator")
     first.stop()
     kube.delete(NODES, "n1")
     wait_until(lambda: kube.get_or_none(NODES, "n1") is None, timeout=30, what="Node deleted")
@@ -120,9 +123,11 @@ def test_node_replaced_under_the_same_name_does_not_inherit_labels(
     new_uid = uid(kube, "n1")
     assert new_uid != old_uid
     second = coordinator_factory(cluster)
-    wait_until(lambda: "n1" in (cache_status(kube, "c1").get("nodeStatus") or {}) and
+    # Waiting for "n1" in nodeStatus was met by the first coordinator's status at once, and the
+    # assert after it raced the second one's rewrite (CI of ff6719a). A second coordinator that
+    # believed the old Node's status would leave NodeDownloaded: this wait would time out.
+    wait_until(lambda: cache_status(kube, "c1").get("nodeStatus") == {"n1": "NodeDownloadPending"} and
                cache_status(kube, "c1").get("copies", {}).get("total") == 1, timeout=30, what="status after restart")
-    assert cache_status(kube, "c1")["nodeStatus"] == {"n1": "NodeDownloadPending"}
     probe = ReconcileProbe(second, "node")
     kube.patch(NODES, "n1", {"metadata": {"labels": {"touched": "1"}}})  # one more node reconcile, observed
     wait_until(lambda: probe.finished("n1"), timeout=30, what="node reconciled")
