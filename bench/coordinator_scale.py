@@ -470,6 +470,31 @@ def stop_profile(spy: subprocess.Popen[bytes]) -> None:
         spy.wait()
 
 
+class ApiserverProfile:
+    """The API server's own CPU profile (Go pprof, ``/debug/pprof/profile``) over the first
+    ``seconds`` of a phase, fetched as the admin into ``out`` (``go tool pprof -top out``): where
+    the API server's CPU goes in each phase, side by side (it is most of both phases' CPU). Needs
+    the API server started with ``--profiling=true`` (tests/cluster turns it off)."""
+
+    def __init__(self, cp: ControlPlane, out: Path, seconds: int) -> None:
+        self.error: str | None = None
+
+        def fetch() -> None:
+            req = urllib.request.Request(f"{cp.server}/debug/pprof/profile?seconds={seconds}")
+            try:
+                with urllib.request.urlopen(req, timeout=seconds + 120, context=cp.ssl_context()) as resp:
+                    out.write_bytes(resp.read())
+            except OSError as exc:  # reported in the results, the phase's figures still stand
+                self.error = f"{out.name}: {exc}"
+
+        self._thread = threading.Thread(target=fetch, name="apiserver-profile", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> str | None:
+        self._thread.join()
+        return self.error
+
+
 def creation_order(caches: int, groups: int, by_group: bool) -> list[int]:
     """The caches in the order they are created (cache c is of group c % groups): round robin over
     the groups, or ``by_group``: all of g0's, then g1's (a directory applied in name order), where
@@ -480,7 +505,8 @@ def creation_order(caches: int, groups: int, by_group: bool) -> list[int]:
 def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, caches: int, workers: int,
                     quiet: float, timeout: float, log_path: Path,
                     converged_hook: Callable[[], None] | None = None, by_group: bool = False,
-                    profile: Path | None = None) -> dict[str, Any]:
+                    profile: Path | None = None, api_profile: Callable[[str], ApiserverProfile] | None = None,
+                    ) -> dict[str, Any]:
     members = {g: len(range(g, nodes, groups)) for g in range(groups)}
     # The caches' copies, from a watch: a list every 2 s (200 caches with 1,000 members'
     # nodeStatus: 2-7 MB each time, up to 2.5 GB over the 724 s 10,000-node run) was load on the API server
@@ -495,6 +521,7 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
         cpu0 = cpu_seconds(proc.pid)
         cp_cpu0, api0 = control_plane_cpu(cp), apiserver_metrics(cp)
         spy = start_profile(proc.pid, profile) if profile else None
+        api_spy = api_profile("coordinator") if api_profile else None
         load = os.getloadavg()[0]
         start = time.monotonic()
         for c in creation_order(caches, groups, by_group):
@@ -538,6 +565,7 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
             spy = None
         if converged_hook is not None:
             converged_hook()
+        api_profile_error = api_spy.wait() if api_spy else None
         before, _ = coordinator_metrics(port)
         time.sleep(quiet)
         after, _ = coordinator_metrics(port)
@@ -561,6 +589,7 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
             "quiet_requests_by_verb": quiet_by_verb, "quiet_watches_reopened": quiet_by_verb.get("WATCH", 0),
             "rss_idle_mib": idle["VmRSS"], "peak_rss_mib": mem["VmHWM"], "rss_end_mib": mem["VmRSS"],
             "load_average": [round(load, 1), round(end_load, 1)],
+            **({"apiserver_profile_error": api_profile_error} if api_profile_error else {}),
         }
     finally:
         if spy is not None:
@@ -575,7 +604,8 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
 
 
 def measure(cp: ControlPlane, nodes: int, groups: int, caches: int, workers: int, quiet: float, timeout: float,
-            workdir: Path, by_group: bool = False, profile: Path | None = None) -> dict[str, Any]:
+            workdir: Path, by_group: bool = False, profile: Path | None = None,
+            api_profile: Callable[[str], ApiserverProfile] | None = None) -> dict[str, Any]:
     """Both phases on ``cp`` (a control plane with nothing of ours on it yet)."""
     apply_manifests(cp)
     kube = Kube(load_api_client(str(cp.kubeconfig)))
@@ -589,18 +619,21 @@ def measure(cp: ControlPlane, nodes: int, groups: int, caches: int, workers: int
     try:
         progress(f"Nodes created in {setup_s:.0f} s; baseline")
         cp_cpu0, bench_cpu0, api0 = control_plane_cpu(cp), time.process_time(), apiserver_metrics(cp)
+        api_spy = api_profile("baseline") if api_profile else None
         base = baseline(str(cp.kubeconfig), agents, nodes, groups, caches, workers, timeout)
         # to its last label, within a second or two (what the API server did for it)
         base["control_plane_cpu_seconds"] = cpu_delta(control_plane_cpu(cp), cp_cpu0)
         base["apiserver"] = metrics_delta(apiserver_metrics(cp), api0)
         base["bench_process_cpu_seconds"] = round(time.process_time() - bench_cpu0, 1)
         base["agent_status_patches"] = agents.patches
+        if api_spy is not None and (error := api_spy.wait()):
+            base["apiserver_profile_error"] = error
         progress(f"baseline {base['seconds']} s; removing what it wrote")
         undo_baseline(cp, kube, agents, nodes, groups, caches)
         progress("coordinator")
         bench_cpu0 = time.process_time()
         run = coordinator_run(cp, kube, nodes, groups, caches, workers, quiet, timeout, workdir / "coordinator.log",
-                              by_group=by_group, profile=profile)
+                              by_group=by_group, profile=profile, api_profile=api_profile)
         run["bench_process_cpu_seconds"] = round(time.process_time() - bench_cpu0, 1)
         run["agent_status_patches"] = agents.patches
     finally:
@@ -642,13 +675,26 @@ def main() -> None:
     ap.add_argument("--by-group", action="store_true", help="create the caches group by group, not round robin")
     ap.add_argument("--profile", type=Path, help="py-spy the coordinator from its first cache to convergence "
                     "into this file (collapsed stacks; py-spy from PY_SPY or PATH)")
+    ap.add_argument("--apiserver-profile", type=Path, metavar="PREFIX",
+                    help="the API server's CPU profile over each phase's first --apiserver-profile-seconds, "
+                    "into PREFIX-baseline.pprof and PREFIX-coordinator.pprof (go tool pprof -top)")
+    ap.add_argument("--apiserver-profile-seconds", type=int, default=90)
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="coordinator-scale-") as tmp:
-        cp = ControlPlane(Path(tmp) / "cluster", bin_dir=ensure_binaries()).start()
+        cp = ControlPlane(Path(tmp) / "cluster", bin_dir=ensure_binaries(),
+                          apiserver_args=("--profiling=true",) if args.apiserver_profile else ()).start()
+        prefix: Path | None = args.apiserver_profile
+
+        def api_profile(phase: str) -> ApiserverProfile:
+            assert prefix is not None
+            out = prefix.with_name(f"{prefix.name}-{phase}.pprof")
+            return ApiserverProfile(cp, out, args.apiserver_profile_seconds)
+
         try:
             result = measure(cp, args.nodes, args.groups, args.caches, args.workers, args.quiet, args.timeout,
-                             Path(tmp), by_group=args.by_group, profile=args.profile)
+                             Path(tmp), by_group=args.by_group, profile=args.profile,
+                             api_profile=api_profile if prefix else None)
         finally:
             cp.stop()
     result["load_average_end"] = round(os.getloadavg()[0], 1)

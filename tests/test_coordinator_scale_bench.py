@@ -20,11 +20,16 @@ ISSUE_KEYS = ("nodes", "converge_seconds", "baseline_seconds", "requests_per_nod
 def test_the_coordinator_scale_bench_converges_against_its_baseline_and_reports_the_issues_keys(
         tmp_path: Path, kube_binaries: Path) -> None:  # kube_binaries: tiered 'cluster'
     bench = load_script("bench/coordinator_scale.py", "coordinator_scale_bench")
-    cp = start_control_plane(tmp_path / "cluster", baseline=False)
+    cp = start_control_plane(tmp_path / "cluster", baseline=False, apiserver_args=("--profiling=true",))
     try:
-        out = bench.measure(cp, nodes=30, groups=3, caches=6, workers=4, quiet=3, timeout=600, workdir=tmp_path)
+        out = bench.measure(cp, nodes=30, groups=3, caches=6, workers=4, quiet=3, timeout=600, workdir=tmp_path,
+                            api_profile=lambda phase: bench.ApiserverProfile(cp, tmp_path / f"{phase}.pprof", 2))
     finally:
         cp.stop()
+    # --apiserver-profile: each phase's API-server CPU profile, as Go's pprof writes it (gzip)
+    for phase in ("baseline", "coordinator"):
+        assert "apiserver_profile_error" not in out[phase]
+        assert (tmp_path / f"{phase}.pprof").read_bytes()[:2] == b"\x1f\x8b"
     assert set(ISSUE_KEYS) <= set(out) and out["nodes"] == 30
     assert out["baseline"]["requests"] == {"POST": 30, "PATCH": 30}  # the fewest writes: one of each per node
     assert out["baseline_requests_per_node"] == 2.0
