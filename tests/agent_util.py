@@ -78,9 +78,13 @@ class AgentProc:
 
 def start_agent(kubeconfig: Path | None, node: str, root: Path, workdir: Path, *extra: str,
                 env: dict[str, str] | None = None, name: str = "", code: Path = REPO) -> AgentProc:
-    """``code``: the source tree to run (an earlier release's, for upgrade tests)."""
+    """``code``: the source tree to run (an earlier release's, for upgrade tests). Its TMPDIR is
+    a folder of ``workdir`` unless ``env`` names one: an agent SIGKILLed mid-download (the chaos
+    and first-week tests) cannot remove its credential folder, and in the host's /tmp those stayed
+    after the suite (four ``modelcache-agent-cred-*`` after stop 41's runs)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    log_path = workdir / f"agent-{name or node}-{time.monotonic_ns()}.log"
+    stamp = time.monotonic_ns()
+    log_path = workdir / f"agent-{name or node}-{stamp}.log"
     cmd = [sys.executable, "-m", "agent", "--node", node, "--root", str(root), "--port", "0",
            "--credentials-namespace", CRED_NS, *FAST_FLAGS, *extra]
     if kubeconfig is not None:
@@ -88,7 +92,9 @@ def start_agent(kubeconfig: Path | None, node: str, root: Path, workdir: Path, *
         # pod has (deploy/policies/node-status.yaml lets only that write the node's status).
         cmd += ["--kubeconfig", str(on_node(kubeconfig, node))]
     penv = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "KUBECONFIG"))}
+    penv["TMPDIR"] = str(workdir / f"tmp-{name or node}-{stamp}")
     penv.update(env or {})
+    Path(penv["TMPDIR"]).mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=code, stdout=out, stderr=subprocess.STDOUT, env=penv)
     return AgentProc(node, root, log_path, proc)
