@@ -6,6 +6,8 @@ bench/coordinator_scale.py measures what these save on the real control plane.""
 from __future__ import annotations
 
 import copy
+import threading
+import time
 from typing import Any
 
 from kubernetes.client import ApiClient
@@ -338,6 +340,50 @@ def test_a_nodes_reconcile_asks_the_members_once_per_group_not_per_cache(monkeyp
     node_ctl.reconcile("n1")
     assert sorted(asked) == [("ga",), ("gb",)]
     assert writes.done == [("create", "LocalModelNode", "n1")]
+
+
+def test_workers_asking_for_a_groups_members_at_once_compute_them_once(monkeypatch: Any) -> None:
+    """16 node workers that miss the members of one group together: one pass over the Nodes, the
+    others wait for it (bench/coordinator_scale.py at 3,000 nodes: 40 passes for 10 groups), and a
+    change of membership while it ran is not kept for later askers."""
+    import coordinator.view as view_module
+
+    view, _writes, _ctl = two_groups_of_caches()
+    add(view.nodes, node("n0", "b"))  # a Node added: every group's members are asked again
+    passes: list[tuple[str, ...]] = []
+    inside = threading.Event()
+    release = threading.Event()
+    real = view_module.place
+
+    def slow_place(groups: Any, *args: Any) -> Any:
+        passes.append(tuple(groups))
+        inside.set()
+        release.wait(10)
+        return real(groups, *args)
+
+    monkeypatch.setattr(view_module, "place", slow_place)
+    results: list[Any] = []
+    entered = threading.Semaphore(0)
+
+    def ask() -> None:
+        entered.release()
+        results.append(view.members(["ga"]))
+
+    askers = [threading.Thread(target=ask) for _ in range(16)]
+    for t in askers:
+        t.start()
+    assert inside.wait(10)
+    for _ in askers:
+        assert entered.acquire(timeout=10)
+    time.sleep(0.2)  # all 16 are in members(): without the gate each would be in place() by now
+    release.set()
+    for t in askers:
+        t.join(10)
+    assert passes == [("ga",)] and len(results) == 16
+    assert all(r is results[0] for r in results) and set(results[0]) == {"n1"}
+    # A membership change bumps the epoch: the next asker computes again and sees it.
+    add(view.nodes, node("n2", "a"))
+    assert set(view.members(["ga"])) == {"n1", "n2"} and passes == [("ga",), ("ga",)]
 
 
 def report_downloaded(view: ClusterView, node_name: str, key: str) -> None:
