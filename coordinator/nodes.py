@@ -34,6 +34,7 @@ from coordinator.pacing import CacheBurst
 from coordinator.view import ClusterView, cache_key
 from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NAMESPACE_CACHES, LOCAL_MODEL_NODES, NODES
 from modelcache.kube.controller import Result
+from modelcache.kube.echoes import OwnWrites
 from modelcache.kube.objects import meta
 from modelcache.kube.status import update_if_changed
 from modelcache.kube.types import NODE_GROUP_LABEL_PREFIX, node_group_label
@@ -112,6 +113,10 @@ class NodeReconciler:
         self.kube = view.kube
         #: Told of every cache change by the wiring (coordinator/controllers.py).
         self.burst = burst or CacheBurst()
+        #: What this reconciler wrote last, per Node and per LocalModelNode: the node controller
+        #: is not woken by those writes' own events (modelcache/kube/echoes.py).
+        self.own_nodes = OwnWrites()
+        self.own_lmns = OwnWrites()
 
     def __call__(self, key: str) -> Result:
         held = self.burst.hold()
@@ -139,7 +144,7 @@ class NodeReconciler:
         patch = nodelabels.label_patch(node, nodelabels.downloaded_labels(lmn, reports.node_uid(node)))
         if patch:
             metrics.wrote("Node", "patch")
-            self.kube.patch(NODES, key, patch)
+            self.own_nodes.wrote(self.kube.patch(NODES, key, patch))
         return Result(requeue_after=self.view.missing.recheck_after())  # a grace period may run out
 
     def _caches_for(self, node: str, groups: Mapping[str, Any],
@@ -199,7 +204,7 @@ class NodeReconciler:
         drop.update({k: None for k in justified - keep})
         if drop:
             metrics.wrote("Node", "patch")
-            self.kube.patch(NODES, meta(node).name, {"metadata": {"labels": drop}})
+            self.own_nodes.wrote(self.kube.patch(NODES, meta(node).name, {"metadata": {"labels": drop}}))
             # Our copy of the Node as the patch left it (an edit: the dict, not a view).
             node["metadata"]["labels"] = {k: v for k, v in meta(node).labels.items() if k not in drop}
 
@@ -223,6 +228,7 @@ class NodeReconciler:
             try:
                 body = {"metadata": {"name": key, "labels": group_labels(models)}, "spec": {"localModels": models}}
                 created = self.kube.create(LOCAL_MODEL_NODES, body)
+                self.own_lmns.wrote(created)
                 metrics.wrote("LocalModelNode", "create")
                 return created
             except ApiException as exc:
@@ -248,6 +254,7 @@ class NodeReconciler:
 
         written = update_if_changed(self.kube, LOCAL_MODEL_NODES, key, apply,  # edits it: not the informer's
                                     current=copy.deepcopy(lmn) if lmn is not None else None)
+        self.own_lmns.wrote(written)
         metrics.wrote("LocalModelNode", "update", written)
         # Nothing written after a conflict means the server's object (read again) already says it:
         # return that, not our informer's copy. The labels are computed from what is returned, and

@@ -394,6 +394,57 @@ def report_downloaded(view: ClusterView, node_name: str, key: str) -> None:
     view.lmns._event({"type": "MODIFIED", "object": lmn})
 
 
+def drained(queue: Any) -> list[str]:
+    """The keys queued now (each marked done)."""
+    keys = []
+    while len(queue):
+        key = queue.get(timeout=1)
+        queue.done(key)
+        keys.append(key)
+    return keys
+
+
+def test_the_node_controller_is_not_woken_by_its_own_writes_but_by_anyone_elses(monkeypatch: Any) -> None:
+    """bench/coordinator_scale.py at 10,000 nodes: 6 node reconciles per node to converge, two of
+    them for the events of the node controller's own LocalModelNode create and label patch."""
+    view, _writes, node_ctl = two_groups_of_caches()
+    versions = iter(range(10, 100))
+    written: list[dict[str, Any]] = []
+
+    def stored(body: dict[str, Any]) -> dict[str, Any]:  # what the API server answers a write with
+        out = {**copy.deepcopy(body), "metadata": {**body["metadata"], "resourceVersion": str(next(versions))}}
+        written.append(out)
+        return copy.deepcopy(out)
+
+    def patch(_res: Any, name: str, body: dict[str, Any], namespace: str | None = None) -> dict[str, Any]:
+        node_now = copy.deepcopy(view.nodes.store.get_raw(name))
+        labels = {**node_now["metadata"]["labels"], **body["metadata"]["labels"]}
+        node_now["metadata"]["labels"] = {k: v for k, v in labels.items() if v is not None}
+        return stored(node_now)
+
+    monkeypatch.setattr(view.kube, "create", lambda _res, body, namespace=None: stored(body))
+    monkeypatch.setattr(view.kube, "patch", patch)
+    drained(node_ctl.queue)
+    node_ctl.reconcile("n1")
+    created = written[-1]
+    view.lmns._event({"type": "ADDED", "object": copy.deepcopy(created)})
+    assert drained(node_ctl.queue) == []  # our own create
+    report_downloaded(view, "n1", created["spec"]["localModels"][0]["modelName"])
+    assert drained(node_ctl.queue) == ["n1"]  # the agent's report
+    node_ctl.reconcile("n1")
+    labelled = written[-1]
+    assert len(labelled["metadata"]["labels"]) == 2  # pool, and the downloaded model's label
+    view.nodes._event({"type": "MODIFIED", "object": copy.deepcopy(labelled)})
+    assert drained(node_ctl.queue) == []  # our own label patch
+    # Someone else takes the label off: that wakes it (and puts the label back).
+    by_hand = copy.deepcopy(labelled)
+    by_hand["metadata"].update(resourceVersion="99", labels={"pool": "a"})
+    view.nodes._event({"type": "MODIFIED", "object": by_hand})
+    assert drained(node_ctl.queue) == ["n1"]
+    node_ctl.reconcile("n1")
+    assert written[-1]["metadata"]["labels"] == labelled["metadata"]["labels"]
+
+
 def test_progress_does_not_wake_a_paced_cache_its_last_report_does() -> None:
     """Each LocalModelNode event woke its node's 20 caches (bench/coordinator_scale.py: 200
     caches over 10 groups), to be told by the pacer to wait."""

@@ -16,6 +16,7 @@ from coordinator.controllers import (
     volume_exists,
 )
 from coordinator.view import cache_key
+from modelcache.kube.echoes import OwnWrites
 from modelcache.kube.informer import object_key
 from modelcache.kube.objects import ListMeta, Meta, list_meta, meta, namespaced_key
 from modelcache.kube.predicates import all_of, any_of, event_in, on_update, spec_of
@@ -165,3 +166,25 @@ def test_a_write_is_retried_on_conflicts_only_and_a_deleted_object_is_nothing_to
     with pytest.raises(ApiException) as err:
         _retry_on_conflict("x", conflicts(0, ApiException(status=500)), retries=5)
     assert err.value.status == 500 and len(calls) == 1
+
+
+def test_own_writes_hold_back_the_one_event_of_the_version_written_and_nothing_else() -> None:
+    own = OwnWrites()
+    own.wrote(obj("n1", resourceVersion="7"))
+    own.wrote(obj("n2", resourceVersion="3"))
+    own.wrote(obj("n3"))  # no version: nothing to recognise it by
+    own.wrote(None)
+    assert len(own) == 2
+    assert own.not_echo("MODIFIED", obj("n1", resourceVersion="6"), None)  # before ours: someone else's
+    assert not own.not_echo("MODIFIED", obj("n1", resourceVersion="7"), None)  # ours
+    assert own.not_echo("MODIFIED", obj("n1", resourceVersion="7"), None)  # once: a relist's repeat passes
+    assert own.not_echo("MODIFIED", obj("n1", resourceVersion="8"), None)
+    assert own.not_echo("ADDED", obj("n3"), None)
+    # A later write replaces the version kept; a deletion drops it (and is always let through).
+    own.wrote(obj("n2", resourceVersion="4"))
+    assert own.not_echo("MODIFIED", obj("n2", resourceVersion="3"), None)
+    assert own.not_echo("DELETED", obj("n2", resourceVersion="4"), None)
+    assert len(own) == 0
+    own.wrote(obj("x", namespace="ns", resourceVersion="1"))  # keyed namespace/name
+    assert own.not_echo("ADDED", obj("x", resourceVersion="1"), None)
+    assert not own.not_echo("ADDED", obj("x", namespace="ns", resourceVersion="1"), None)
