@@ -119,6 +119,9 @@ class NodeReconciler:
         self.own_lmns = OwnWrites()
 
     def __call__(self, key: str) -> Result:
+        # This reconcile may read copies from before our last writes' events: those must wake us.
+        self.own_nodes.forget(key)
+        self.own_lmns.forget(key)
         held = self.burst.hold()
         if held > 0 and self.view.nodes.store.get_raw(key) is not None:
             # Caches are still arriving: write the node's entries once they are all here. Asked

@@ -185,6 +185,11 @@ def test_own_writes_hold_back_the_one_event_of_the_version_written_and_nothing_e
     assert own.not_echo("MODIFIED", obj("n2", resourceVersion="3"), None)
     assert own.not_echo("DELETED", obj("n2", resourceVersion="4"), None)
     assert len(own) == 0
+    # A reconcile that began after our write (and may have read a copy from before it): the
+    # write's event wakes the controller again.
+    own.wrote(obj("n1", resourceVersion="9"))
+    own.forget("n1")
+    assert own.not_echo("MODIFIED", obj("n1", resourceVersion="9"), None)
     own.wrote(obj("x", namespace="ns", resourceVersion="1"))  # keyed namespace/name
     assert own.not_echo("ADDED", obj("x", resourceVersion="1"), None)
     assert not own.not_echo("ADDED", obj("x", namespace="ns", resourceVersion="1"), None)

@@ -10,6 +10,11 @@ Measured: the coordinator's node controller ran 6 reconciles per node to converg
 (bench/coordinator_scale.py: 60,266), two of them for its own LocalModelNode create and its own
 label patch.
 
+A reconcile of the object that starts before the echo arrives must ``forget`` it: that reconcile
+may have read our informer's copy from before the write (the informer lags our own writes) and
+acted on it; the echo then brings the informer up to date, and the controller must look again.
+(The chaos test's label race, seed 3397273558, was a reconcile 11 ms behind our own update.)
+
 One version is kept per object (the last we wrote): an echo that never comes (a relist shows only
 the latest version) leaves one entry, replaced by our next write or dropped when the object goes.
 """
@@ -39,6 +44,11 @@ class OwnWrites:
         if m.name and m.resource_version:
             with self._lock:
                 self._versions[m.key] = m.resource_version
+
+    def forget(self, key: str) -> None:
+        """A reconcile of ``key`` starts: the event of our last write wakes the controller again."""
+        with self._lock:
+            self._versions.pop(key, None)
 
     def not_echo(self, event: str, obj: dict[str, Any], _old: dict[str, Any] | None) -> bool:
         """False for the event of the version we wrote last (once); True for any other event."""
