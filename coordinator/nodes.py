@@ -147,7 +147,7 @@ class NodeReconciler:
         patch = nodelabels.label_patch(node, nodelabels.downloaded_labels(lmn, reports.node_uid(node)))
         if patch:
             metrics.wrote("Node", "patch")
-            self.own_nodes.wrote(self.kube.patch(NODES, key, patch))
+            self.own_nodes.wrote(self.kube.patch(NODES, key, patch, metadata_only=True))
         return Result(requeue_after=self.view.missing.recheck_after())  # a grace period may run out
 
     def _caches_for(self, node: str, groups: Mapping[str, Any],
@@ -207,7 +207,8 @@ class NodeReconciler:
         drop.update({k: None for k in justified - keep})
         if drop:
             metrics.wrote("Node", "patch")
-            self.own_nodes.wrote(self.kube.patch(NODES, meta(node).name, {"metadata": {"labels": drop}}))
+            self.own_nodes.wrote(self.kube.patch(NODES, meta(node).name, {"metadata": {"labels": drop}},
+                                                 metadata_only=True))
             # Our copy of the Node as the patch left it (an edit: the dict, not a view).
             node["metadata"]["labels"] = {k: v for k, v in meta(node).labels.items() if k not in drop}
 

@@ -416,7 +416,8 @@ def test_the_node_controller_is_not_woken_by_its_own_writes_but_by_anyone_elses(
         written.append(out)
         return copy.deepcopy(out)
 
-    def patch(_res: Any, name: str, body: dict[str, Any], namespace: str | None = None) -> dict[str, Any]:
+    def patch(_res: Any, name: str, body: dict[str, Any], namespace: str | None = None, **kw: Any) -> dict[str, Any]:
+        assert kw == {"metadata_only": True}  # a label patch needs only the metadata back
         node_now = copy.deepcopy(view.nodes.store.get_raw(name))
         labels = {**node_now["metadata"]["labels"], **body["metadata"]["labels"]}
         node_now["metadata"]["labels"] = {k: v for k, v in labels.items() if v is not None}

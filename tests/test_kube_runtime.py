@@ -487,3 +487,18 @@ def test_failing_reconcile_backs_off_and_recovers(kube: Kube) -> None:
     assert len(attempts) == 4
     assert gaps[0] >= 0.09 and gaps[1] >= 0.19 and gaps[2] >= 0.39  # 0.1, 0.2, 0.4: exponential
     assert ctl.queue.retries("r1") == 0
+
+
+def test_a_patch_asked_for_metadata_only_is_answered_with_the_metadata_it_wrote(kube: Kube) -> None:
+    """The coordinator's label patches of Nodes (coordinator/nodes.py): the API server answers
+    with a PartialObjectMetadata, whose version is the one the watch event will carry."""
+    kube.create(NAMESPACES, {"metadata": {"name": "metaonly"}})
+    out = kube.patch(NAMESPACES, "metaonly", {"metadata": {"labels": {"a": "1"}}}, metadata_only=True)
+    assert out["kind"] == "PartialObjectMetadata" and out["apiVersion"] == "meta.k8s.io/v1"
+    assert set(out) == {"kind", "apiVersion", "metadata"}  # no spec, no status
+    stored = kube.get(NAMESPACES, "metaonly")
+    assert out["metadata"]["labels"]["a"] == "1" == stored["metadata"]["labels"]["a"]
+    assert out["metadata"]["resourceVersion"] == stored["metadata"]["resourceVersion"]
+    assert out["metadata"]["uid"] == stored["metadata"]["uid"]
+    whole = kube.patch(NAMESPACES, "metaonly", {"metadata": {"labels": {"a": None}}})
+    assert whole["kind"] == "Namespace" and "spec" in whole  # the default: the whole object
