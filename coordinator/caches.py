@@ -46,6 +46,7 @@ from modelcache.kube.types import (
 )
 from modelcache.kube.views import CacheView
 from modelcache.runtime.clock import rfc3339
+from modelcache.sources.uri import storage_key
 
 log = logging.getLogger(__name__)
 
@@ -234,14 +235,15 @@ class CacheReconciler:
         model_states: dict[str, str | None] = {}
         reasons: dict[str, str] = {}
         verification: dict[str, str] = {}
-        for node in members:
-            lmn = self.view.lmns.store.get_raw(node)
-            uid = reports.node_uid(self.view.nodes.store.get_raw(node))
-            model_states[node] = reports.reported_state(lmn, uid, skey, uri)
-            reasons[node] = reports.reported_message(lmn, skey)
-            found = reports.reported_verification(lmn, uid, skey, uri)
-            if found:
-                verification[node] = found
+        uri_key = storage_key(uri)  # once, not once per member
+        names = list(members)
+        lmns, nodes = self.view.lmns.store.get_raw_many(names), self.view.nodes.store.get_raw_many(names)
+        for node, lmn, node_obj in zip(names, lmns, nodes, strict=True):
+            report = reports.report_of(lmn, reports.node_uid(node_obj), skey, uri_key)
+            model_states[node] = report.state
+            reasons[node] = report.message
+            if report.verification:
+                verification[node] = report.verification
         node_status = aggregate.node_status(members, model_states)
         failing = {n: reasons[n] or "no reason given" for n, st in node_status.items() if st == NODE_DOWNLOAD_ERROR}
         copies = aggregate.copies(node_status)

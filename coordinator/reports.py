@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from modelcache.kube.objects import meta
@@ -27,36 +28,46 @@ def node_uid(node: Mapping[str, Any] | None) -> str | None:
     return meta(node).uid or None
 
 
-def reported_state(lmn: Mapping[str, Any] | None, uid: str | None, skey: str, uri: str) -> str | None:
-    """``modelStatus[skey]`` of ``lmn`` if it was reported for ``uri`` on the Node with ``uid``; else None."""
+_RETRY = re.compile(r" \(retry \d+ in [^)]*\)$")
+
+
+@dataclass(frozen=True)
+class Report:
+    """What an agent reported about one entry, as believed: ``state`` None when the report is
+    not about the current Node and URI (then ``verification`` is None too)."""
+
+    state: str | None
+    #: The agent's message for the entry (an error's reason), without its retry count.
+    message: str
+    #: ``Verifying`` / ``Unverified`` while a copy is counted on KServe's word; None once verified.
+    verification: str | None
+
+
+def report_of(lmn: Mapping[str, Any] | None, uid: str | None, skey: str, uri_key: str) -> Report:
+    """The report of entry ``skey`` on ``lmn``, believed only if written for the Node with ``uid``
+    and the URI whose storage key is ``uri_key`` (``storage_key(uri)``, computed once by a caller
+    that asks for many nodes: a cache's status asks for each of its 1,000 members)."""
     view = LocalModelNodeView(lmn)
-    state = view.model_status.get(skey)
-    if not state:
-        return None
-    reported_for = view.node_uid
-    if reported_for and uid and reported_for != uid:
-        return None  # written on a machine that has since been replaced under the same name
     detail = view.detail(skey)
-    if detail.get("storageKey") and detail["storageKey"] != storage_key(uri):
-        return None  # about another URI that an entry of this name had before
-    return str(state)
-
-
-def reported_message(lmn: Mapping[str, Any] | None, skey: str) -> str:
-    """What the agent said about ``skey`` (its ``modelDetails`` message: the reason of an error)."""
-    detail = LocalModelNodeView(lmn).detail(skey)
     # Without the agent's retry count: the cache's condition changes when the reason does, not
     # at every retry of the same failure.
-    return _RETRY.sub("", " ".join(str(detail.get("message") or "").split()))
+    message = _RETRY.sub("", " ".join(str(detail.get("message") or "").split()))
+    state = view.model_status.get(skey)
+    reported_for = view.node_uid
+    if not state or (reported_for and uid and reported_for != uid):
+        return Report(None, message, None)  # none, or written on a machine since replaced under the same name
+    if detail.get("storageKey") and detail["storageKey"] != uri_key:
+        return Report(None, message, None)  # about another URI that an entry of this name had before
+    verification = detail.get("verification")
+    return Report(str(state), message, str(verification) if verification else None)
 
 
-_RETRY = re.compile(r" \(retry \d+ in [^)]*\)$")
+def reported_state(lmn: Mapping[str, Any] | None, uid: str | None, skey: str, uri: str) -> str | None:
+    """``modelStatus[skey]`` of ``lmn`` if it was reported for ``uri`` on the Node with ``uid``; else None."""
+    return report_of(lmn, uid, skey, storage_key(uri)).state
 
 
 def reported_verification(lmn: Mapping[str, Any] | None, uid: str | None, skey: str, uri: str) -> str | None:
     """``Verifying`` / ``Unverified`` while the agent counts a copy KServe's agent downloaded on its
     word (``modelDetails[skey].verification``, agent/state.py); None once verified, or not reported."""
-    if reported_state(lmn, uid, skey, uri) is None:
-        return None
-    value = LocalModelNodeView(lmn).detail(skey).get("verification")
-    return str(value) if value else None
+    return report_of(lmn, uid, skey, storage_key(uri)).verification

@@ -9,6 +9,7 @@ import pytest
 
 from coordinator import aggregate, entries, membership, nodelabels, podmutate, urimatch, volumes
 from coordinator.nodeselector import match_node_selector_terms, match_term, node_ready
+from coordinator.reports import Report
 from modelcache.kube.types import LOCALMODEL_LABEL, LOCALMODEL_NAMESPACE_LABEL, LOCALMODEL_PVC_ANNOTATION
 from modelcache.sources.uri import storage_key
 
@@ -479,3 +480,22 @@ def test_cache_specs_the_webhook_refuses() -> None:
                         "2.0 GiB); delete a LocalModelNamespaceCache of t, or ask a cluster admin to set the "
                         "annotation modelcache.io/namespace-storage-limit") in why, why
     assert share_refusal("n", "t", cache("n", "s3://b/n", "2Gi", ["off"])["spec"], [], groups.get) is None
+
+
+def test_a_report_is_believed_for_the_current_node_and_uri_with_its_message_and_verification() -> None:
+    """coordinator/reports.report_of: the one pass a cache's status makes per member."""
+    from coordinator.reports import report_of
+
+    key = storage_key("s3://b/m")
+    lmn = {"status": {"nodeUID": "u1", "modelStatus": {"m": "ModelDownloadError"}, "modelDetails": {
+        "m": {"storageKey": key, "message": "access  denied\n by the bucket (retry 3 in 40s)"}}}}
+    assert report_of(lmn, "u1", "m", key) == Report("ModelDownloadError", "access denied by the bucket", None)
+    assert report_of(lmn, "u2", "m", key).state is None  # written for a machine since replaced
+    assert report_of(lmn, None, "m", storage_key("s3://b/other")).state is None  # about another URI
+    assert report_of(lmn, "u2", "m", key).message == "access denied by the bucket"  # the reason is kept
+    verifying = {"status": {"modelStatus": {"m": "ModelDownloaded"}, "modelDetails": {
+        "m": {"storageKey": key, "verification": "Verifying"}}}}
+    assert report_of(verifying, None, "m", key) == Report("ModelDownloaded", "", "Verifying")
+    assert report_of(None, None, "m", key) == Report(None, "", None)
+    plain = {"status": {"modelStatus": {"m": "ModelDownloaded"}}}  # KServe's agent: no details, no uid
+    assert report_of(plain, "u1", "m", key) == Report("ModelDownloaded", "", None)

@@ -193,3 +193,14 @@ def test_own_writes_hold_back_the_one_event_of_the_version_written_and_nothing_e
     own.wrote(obj("x", namespace="ns", resourceVersion="1"))  # keyed namespace/name
     assert own.not_echo("ADDED", obj("x", resourceVersion="1"), None)
     assert not own.not_echo("ADDED", obj("x", namespace="ns", resourceVersion="1"), None)
+
+
+def test_a_store_reads_many_keys_at_once_in_their_order() -> None:
+    from modelcache.kube.informer import Store
+
+    store = Store()
+    for name in ("a", "b"):
+        store.put(obj(name, resourceVersion="1"))
+    got = store.get_raw_many(["b", "x", "a"])
+    assert [meta(o).name if o else None for o in got] == ["b", None, "a"]
+    assert got[0] is store.get_raw("b")  # the store's own objects, not copies
