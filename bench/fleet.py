@@ -41,6 +41,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -257,9 +258,32 @@ def counter(agent: AgentProc, name: str, port: int | None = None) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def start_profile(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """A profiler on agent ``pid`` until ``stop_profile``. ``FLEET_PROFILER=perf``: ``perf record -g``
+    at 199 Hz into ``out`` + ``.data`` (on-CPU samples only, native and kernel frames: where the
+    CPU goes on a machine this loaded); else py-spy (``PY_SPY`` or on PATH) at 50 Hz into ``out``
+    (collapsed stacks; its "active" threads include runnable ones waiting for a core, so on a
+    loaded machine its samples are wake-ups as much as CPU), as bench/coordinator_scale.py's."""
+    if os.environ.get("FLEET_PROFILER") == "perf":
+        return subprocess.Popen(["perf", "record", "-F", "199", "-g", "-p", str(pid), "-o", f"{out}.data"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    spy = os.environ.get("PY_SPY", "py-spy")
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "50", "--nonblocking", "--format", "raw",
+                             "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_profile(spy: subprocess.Popen[bytes]) -> None:
+    spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+    try:
+        spy.wait(60)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        spy.wait()
+
+
 def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, workdir: Path,
         hashes: dict[str, str], timeout: float, idle: float = IDLE_SECONDS,
-        probe_metrics: bool = False) -> dict[str, Any]:
+        probe_metrics: bool = False, profile: Path | None = None, profile_agents: int = 2) -> dict[str, Any]:
     names = [f"{mode}-{i}" for i in range(nodes)]
     make_group(kube, mode, label_value=mode)
     for name in names:
@@ -287,6 +311,10 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
         def sent_so_far(name: str) -> float:
             return counter(by_name[name], SENT_BYTES, ports[name])
 
+        spies = []
+        if profile is not None:  # the first ``profile_agents`` agents, from the cache's creation to the end
+            profile.mkdir(parents=True, exist_ok=True)
+            spies = [start_profile(agent.proc.pid, profile / f"{agent.node}.txt") for agent in agents[:profile_agents]]
         t0 = time.monotonic()
         probe = LoadProbe({agent.node: agent.proc.pid for agent in agents}, t0,
                           {agent.node: c for agent, c in zip(agents, cpu0, strict=True)},
@@ -315,6 +343,8 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
             time.sleep(0.1)
         seconds = time.monotonic() - t0
         cpu = [cpu_seconds(agent) for agent in agents]
+        for spy in spies:
+            stop_profile(spy)
         during = probe.stop()
         sent = origin.origin_bytes()
         details = {n: ((kube.get(LOCAL_MODEL_NODES, n).get("status") or {}).get("modelDetails") or {}).get(
@@ -358,12 +388,14 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
 def measure(cp: ControlPlane, kube: Kube, s3: Any, bucket: str, proxy: FaultProxy, nodes: int, size: int,
             rate: int, modes: list[str], workdir: Path, timeout: float,
             keys: tuple[str, str] = ("fleet", "fleet"),
-            idle: float = IDLE_SECONDS, probe_metrics: bool = False) -> tuple[S3Origin, dict[str, dict[str, Any]]]:
+            idle: float = IDLE_SECONDS, probe_metrics: bool = False, profile: Path | None = None,
+            profile_agents: int = 2) -> tuple[S3Origin, dict[str, dict[str, Any]]]:
     """The runs of ``modes`` on a control plane with deploy/ applied: the model uploaded to
     ``bucket`` (reached through ``proxy``, throttled to ``rate``), the coordinator started as its
     ServiceAccount; ``keys``: the S3 access and secret key the agents use; ``idle``: seconds each
     agent's CPU is measured once the model is everywhere; ``probe_metrics``: read each agent's bytes
-    sent beside every probe sample too (``--probe-metrics``). Returns the origin and
+    sent beside every probe sample too (``--probe-metrics``); ``profile``: a folder for py-spy's
+    samples of the first ``profile_agents`` agents of each run (``--profile``). Returns the origin and
     each mode's result (tests/test_fleet_bench.py runs it small)."""
     files = model_files(size, 4)
     upload_model(s3, bucket, "llm", files)
@@ -381,7 +413,8 @@ def measure(cp: ControlPlane, kube: Kube, s3: Any, bucket: str, proxy: FaultProx
         for mode in modes:
             n = 1 if mode == "single" else nodes
             print(f"{mode}: {n} node(s) ...", file=sys.stderr, flush=True)
-            results[mode] = run(mode, n, kube, cp, origin, workdir, hashes, timeout, idle, probe_metrics)
+            results[mode] = run(mode, n, kube, cp, origin, workdir, hashes, timeout, idle, probe_metrics,
+                                None if profile is None else profile / mode, profile_agents)
             print(f"{mode}: {results[mode]}", file=sys.stderr, flush=True)
     finally:
         coordinator.stop()
@@ -430,6 +463,11 @@ def main() -> None:
     ap.add_argument("--probe-metrics", action="store_true",
                     help="also read every agent's bytes sent from its /metrics after each probe sample (slows the "
                          "probe's cadence: 0.01-1.37 s a sample at 8 agents, bench/fleet-8-stop40.json)")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="profile the first --profile-agents agents of each run, from the cache's creation until "
+                         "every node holds the model, into DIR/<mode>/<agent>.txt: py-spy (PY_SPY or on PATH; "
+                         "collapsed stacks), or with FLEET_PROFILER=perf perf record -g (<agent>.txt.data)")
+    ap.add_argument("--profile-agents", type=int, default=2)
     args = ap.parse_args()
     size, rate = parse_size(args.size), parse_size(args.origin_rate)
     if not size or not rate:
@@ -449,7 +487,8 @@ def main() -> None:
                           aws_secret_access_key="fleet")
         s3.create_bucket(Bucket="models")
         origin, results = measure(cp, kube, s3, "models", proxy, args.nodes, size, rate, args.modes.split(","),
-                                  workdir, args.timeout, probe_metrics=args.probe_metrics)
+                                  workdir, args.timeout, probe_metrics=args.probe_metrics, profile=args.profile,
+                                  profile_agents=args.profile_agents)
     finally:
         proxy.close()
         stop_process(moto)
