@@ -366,6 +366,17 @@ class PeerServer:
             return sum(self._uploading.values())
 
 
+def _read_exactly(fd: int, start: int, end: int) -> None:
+    """Read ahead the range about to be served, and nothing past it. The kernel's own readahead
+    runs on into the rest of the file, which in a download in flight is preallocated and not yet
+    written: ext4 zeroes a page-cache page for every block of it (which the engine's O_DIRECT
+    write then invalidates). In bench/fleet.py's 16 agents (perf) that zeroing, under the peer
+    server's preadv, was 6 % of an agent's CPU."""
+    with contextlib.suppress(OSError, AttributeError):  # no posix_fadvise here: the default readahead
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_ref: PeerServer
@@ -464,6 +475,7 @@ class _Handler(BaseHTTPRequestHandler):
                 size = os.fstat(fd).st_size
                 if size < served.end or (served.size is not None and size != served.size):
                     return self._reply(404, b"range not held\n")
+                _read_exactly(fd, served.start, served.end)
                 if callable(served.make_durable):
                     served.make_durable()
                 count = served.end - served.start
