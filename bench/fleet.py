@@ -263,13 +263,15 @@ def start_profile(pid: int, out: Path) -> subprocess.Popen[bytes]:
     at 199 Hz into ``out`` + ``.data`` (on-CPU samples only, native and kernel frames: where the
     CPU goes on a machine this loaded); else py-spy (``PY_SPY`` or on PATH) at 50 Hz into ``out``
     (collapsed stacks; its "active" threads include runnable ones waiting for a core, so on a
-    loaded machine its samples are wake-ups as much as CPU), as bench/coordinator_scale.py's."""
+    loaded machine its samples are wake-ups as much as CPU), as bench/coordinator_scale.py's;
+    ``FLEET_PROFILER=gil``: py-spy ``--gil``, the thread running Python only."""
     if os.environ.get("FLEET_PROFILER") == "perf":
         return subprocess.Popen(["perf", "record", "-F", "199", "-g", "-p", str(pid), "-o", f"{out}.data"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     spy = os.environ.get("PY_SPY", "py-spy")
-    return subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "50", "--nonblocking", "--format", "raw",
-                             "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    gil = ["--gil"] if os.environ.get("FLEET_PROFILER") == "gil" else []  # only the thread holding the GIL
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "50", "--nonblocking", *gil, "--format",
+                             "raw", "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def stop_profile(spy: subprocess.Popen[bytes]) -> None:

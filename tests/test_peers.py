@@ -150,6 +150,47 @@ def test_a_piece_is_served_once_hashed_and_written_and_withdrawn_when_its_file_i
     journal.close()
 
 
+def test_a_reply_wakes_the_waiting_streams_only_when_it_speaks_of_a_piece_they_wait_for(tmp_path):
+    # Each poll's reply woke every stream waiting for a piece, most of them to find nothing new
+    # (16 agents hear ~14 replies a second each). A reply now wakes them when it is whole, changes
+    # the members, or says a piece they wait for is held or read from the origin (or no longer
+    # read); any other waits for their next look (0.2 s).
+    from modelcache.peers.client import PeerInfo
+    from modelcache.peers.settings import SwarmSettings
+    from modelcache.peers.swarm import PeerLink, SwarmSession
+
+    files = [RemoteFile("a.bin", 4 * MiB, "v")]
+    data = tmp_path / "data"
+    data.mkdir()
+    log = PieceLog(str(tmp_path / "pieces"), MiB, "d" * 32)
+    log.open(fresh=True)
+    local = LocalPieces(files, data, MiB, MiB, log, JournalState())
+    session = SwarmSession(SwarmSettings(node="me"), "0" * 16, "d" * 32, local, PeerClient(lambda: TOKEN),
+                           lambda key: [], lambda node: False, lambda node, why: None)
+    link = PeerLink(session, PeerInfo("p", "127.0.0.1", 1, "0" * 64))
+    session.links["p"] = link
+    session.plan.add(link.state)
+    woken: list[int] = []
+    notify = session.cond.notify_all
+    session.cond.notify_all = lambda: (woken.append(1), notify())[1]  # type: ignore[method-assign]
+
+    def reply(seq: int, full: bool, pieces: list[int], fetching: list[int]) -> bool:
+        woken.clear()
+        session.apply(link, HaveReply("e", seq, MiB, False, full, [(0, p, f"{p:064x}", True) for p in pieces],
+                                      [(0, p) for p in fetching]))
+        return bool(woken)
+
+    assert reply(1, True, [0], [])  # everything it holds: a new peer's word
+    session._awaited[(0, 2)] = 1  # a stream waits for piece 2
+    assert not reply(2, False, [1], [])  # another piece
+    assert reply(3, False, [], [2])  # it reads piece 2 from the origin now
+    assert not reply(3, False, [], [2])  # still
+    assert reply(3, False, [], [])  # no longer
+    assert reply(4, False, [2], [])  # it holds piece 2
+    assert session.plan.holders[(0, 2)] == {"p"}
+    log.close()
+
+
 # ---- the server ----------------------------------------------------------------------------------
 
 
@@ -201,6 +242,32 @@ def test_a_published_model_is_served_whole_and_a_late_node_reads_nothing_from_th
     check(late, uri, files)
     s = late.network.stats(storage_key(uri))
     assert (s.from_origin, s.from_peers) == (0, 2 * MiB + 15)  # type: ignore[union-attr]
+
+
+def test_a_polls_reply_comes_whole_in_one_tls_record(make_node, tmp_path):
+    # Its head and body were two sends, so two TLS records and two wake-ups of the polling thread
+    # for every poll; one send is one record, which the first read returns whole.
+    import ssl
+
+    make_source(tmp_path / "src", {"a.bin": 2 * MiB + 5})
+    uri = f"file://{tmp_path / 'src'}"
+    seed = make_node("seed")
+    pull_all([seed], uri)
+    key = storage_key(uri)
+    digest = seed.network.stats(key).listing_digest  # type: ignore[union-attr]
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    with ctx.wrap_socket(socket.create_connection(("127.0.0.1", seed.server.port), timeout=10)) as sock:
+        bodies = []
+        for target in (f"{have_path(key, digest)}?epoch=-&since=0&wait=0", f"{have_path(key, 'f' * 32)}?wait=0"):
+            sock.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+            head, _, body = sock.recv(1 << 16).partition(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:")))
+            assert len(body) == length, (head, body)
+            bodies.append(body)
+    assert len(HaveReply.from_json(bodies[0], Geometry(MiB, (3,))).pieces) == 3
+    assert bodies[1] == b"model not held\n"
 
 
 def test_the_server_refuses_without_a_token_and_sends_busy_beyond_its_upload_slots(make_node, tmp_path):

@@ -212,6 +212,11 @@ class Plan:
         #: Files (ci) read from the origin only (fetched again after a checksum mismatch).
         self.force_origin: set[int] = set()
 
+    @property
+    def version(self) -> int:
+        """Bumped by whatever changes who the members are (or what the directory says of a peer)."""
+        return self._version
+
     # ---- what the peers say -------------------------------------------------------------------
 
     def add(self, state: PeerState) -> None:

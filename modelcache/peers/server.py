@@ -380,6 +380,7 @@ def _read_exactly(fd: int, start: int, end: int) -> None:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_ref: PeerServer
+    _headers_buffer: list[bytes]  # BaseHTTPRequestHandler's: the reply head, sent by flush_headers
 
     def __init__(self, request: Any, client_address: Any, server: Any, entry: _Entry | None = None) -> None:
         self.entry = entry
@@ -532,8 +533,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         if "Content-Type" not in (headers or {}):
             self.send_header("Content-Type", "text/plain; charset=utf-8")
-        self.end_headers()
-        self.wfile.write(body)
+        if self.request_version == "HTTP/0.9":
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        # The head's blank line and the body in one send (end_headers, then the body, was two TLS
+        # records, two wake-ups of the reader): a poll's reply is one record.
+        self._headers_buffer.extend((b"\r\n", body))
+        self.flush_headers()
 
     def handle(self) -> None:
         with contextlib.suppress(OSError, ValueError):  # a peer gone mid-reply (reset, timeout, TLS alert)
