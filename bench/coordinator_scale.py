@@ -37,7 +37,6 @@ import json
 import os
 import queue
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,7 @@ sys.path.insert(0, str(REPO))
 from kubernetes.client.exceptions import ApiException  # noqa: E402
 from urllib3.exceptions import HTTPError  # noqa: E402
 
+from bench import profiler  # noqa: E402  (needs the repo on sys.path)
 from coordinator.entries import desired_entry  # noqa: E402
 from coordinator.nodelabels import LABEL_VALUE, model_label  # noqa: E402
 from modelcache.kube.client import (  # noqa: E402
@@ -452,24 +452,6 @@ def start_coordinator(cp: ControlPlane, workers: int, log_path: Path) -> tuple[s
         time.sleep(0.5)
 
 
-def start_profile(pid: int, out: Path) -> subprocess.Popen[bytes]:
-    """py-spy (``PY_SPY`` or on PATH) sampling the busy threads of ``pid`` (its CPU, not its
-    waits) at 20 Hz, from the first cache to convergence, into ``out`` (collapsed stacks)."""
-    spy = os.environ.get("PY_SPY", "py-spy")
-    return subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "20", "--nonblocking", "--format", "raw",
-                             "--output", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def stop_profile(spy: subprocess.Popen[bytes]) -> None:
-    spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
-    try:
-        spy.wait(60)
-    except subprocess.TimeoutExpired:
-        spy.kill()
-        spy.wait()
-
-
 class ApiserverProfile:
     """The API server's own CPU profile (Go pprof, ``/debug/pprof/profile``) over the first
     ``seconds`` of a phase, fetched as the admin into ``out`` (``go tool pprof -top out``): where
@@ -520,7 +502,7 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
         requests0, writes0 = coordinator_metrics(port)
         cpu0 = cpu_seconds(proc.pid)
         cp_cpu0, api0 = control_plane_cpu(cp), apiserver_metrics(cp)
-        spy = start_profile(proc.pid, profile) if profile else None
+        spy = profiler.start_py_spy(proc.pid, profile, rate=20) if profile else None
         api_spy = api_profile("coordinator") if api_profile else None
         load = os.getloadavg()[0]
         start = time.monotonic()
@@ -561,7 +543,7 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
         api_end = apiserver_metrics(cp)  # 10 s after the last request: what it did for them, and idle
         end_load = os.getloadavg()[0]
         if spy is not None:
-            stop_profile(spy)
+            profiler.stop(spy)
             spy = None
         if converged_hook is not None:
             converged_hook()
@@ -593,7 +575,7 @@ def coordinator_run(cp: ControlPlane, kube: Kube, nodes: int, groups: int, cache
         }
     finally:
         if spy is not None:
-            stop_profile(spy)
+            profiler.stop(spy)
         watched.stop()
         proc.terminate()
         try:

@@ -41,7 +41,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -56,6 +55,7 @@ from urllib.parse import urlsplit
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import profiler  # noqa: E402  (needs the repo on sys.path)
 from coordinator.app import Config, Coordinator  # noqa: E402
 from modelcache.kube.client import LOCAL_MODEL_CACHES, LOCAL_MODEL_NODES, Kube, load_api_client  # noqa: E402
 from modelcache.runtime.sizes import parse_size  # noqa: E402
@@ -259,7 +259,7 @@ def counter(agent: AgentProc, name: str, port: int | None = None) -> float:
 
 
 def start_profile(pid: int, out: Path) -> subprocess.Popen[bytes]:
-    """A profiler on agent ``pid`` until ``stop_profile``. ``FLEET_PROFILER=perf``: ``perf record -g``
+    """A profiler on agent ``pid`` until ``profiler.stop``. ``FLEET_PROFILER=perf``: ``perf record -g``
     at 199 Hz into ``out`` + ``.data`` (on-CPU samples only, native and kernel frames: where the
     CPU goes on a machine this loaded); else py-spy (``PY_SPY`` or on PATH) at 50 Hz into ``out``
     (collapsed stacks; its "active" threads include runnable ones waiting for a core, so on a
@@ -268,19 +268,7 @@ def start_profile(pid: int, out: Path) -> subprocess.Popen[bytes]:
     if os.environ.get("FLEET_PROFILER") == "perf":
         return subprocess.Popen(["perf", "record", "-F", "199", "-g", "-p", str(pid), "-o", f"{out}.data"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    spy = os.environ.get("PY_SPY", "py-spy")
-    gil = ["--gil"] if os.environ.get("FLEET_PROFILER") == "gil" else []  # only the thread holding the GIL
-    return subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "50", "--nonblocking", *gil, "--format",
-                             "raw", "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def stop_profile(spy: subprocess.Popen[bytes]) -> None:
-    spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
-    try:
-        spy.wait(60)
-    except subprocess.TimeoutExpired:
-        spy.kill()
-        spy.wait()
+    return profiler.start_py_spy(pid, out, rate=50, gil=os.environ.get("FLEET_PROFILER") == "gil")
 
 
 def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, workdir: Path,
@@ -346,7 +334,7 @@ def run(mode: str, nodes: int, kube: Kube, cp: ControlPlane, origin: S3Origin, w
         seconds = time.monotonic() - t0
         cpu = [cpu_seconds(agent) for agent in agents]
         for spy in spies:
-            stop_profile(spy)
+            profiler.stop(spy)
         during = probe.stop()
         sent = origin.origin_bytes()
         details = {n: ((kube.get(LOCAL_MODEL_NODES, n).get("status") or {}).get("modelDetails") or {}).get(
