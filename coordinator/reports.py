@@ -66,8 +66,3 @@ def reported_state(lmn: Mapping[str, Any] | None, uid: str | None, skey: str, ur
     """``modelStatus[skey]`` of ``lmn`` if it was reported for ``uri`` on the Node with ``uid``; else None."""
     return report_of(lmn, uid, skey, storage_key(uri)).state
 
-
-def reported_verification(lmn: Mapping[str, Any] | None, uid: str | None, skey: str, uri: str) -> str | None:
-    """``Verifying`` / ``Unverified`` while the agent counts a copy KServe's agent downloaded on its
-    word (``modelDetails[skey].verification``, agent/state.py); None once verified, or not reported."""
-    return report_of(lmn, uid, skey, storage_key(uri)).verification

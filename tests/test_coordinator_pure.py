@@ -386,7 +386,10 @@ def test_event_predicates_ignore_noise() -> None:
 
 def test_a_cache_says_which_copies_are_counted_on_kserves_word() -> None:
     from coordinator.caches import _verification_message, _verification_reason
-    from coordinator.reports import reported_verification
+    from coordinator.reports import report_of
+
+    def reported_verification(lmn: dict[str, Any], uid: str | None, skey: str, uri: str) -> str | None:
+        return report_of(lmn, uid, skey, storage_key(uri)).verification
 
     lmn = {"status": {"modelStatus": {"m": "ModelDownloaded"}, "modelDetails": {
         "m": {"storageKey": storage_key("s3://b/m"), "verification": "Unverified"}}}}
